@@ -1,0 +1,258 @@
+"""The plan: which layers form each stage, and which worker runs each stage, as plain data.
+
+A plan has forward stages and backward stages, each a contiguous layer range ``[start, end)``.
+They may be cut differently (backward with recompute costs about three times the forward, so
+backward stages usually hold fewer layers). Backward stages are listed in layer order and
+dispatched in reverse. When ``fused_last`` is set, the last forward stage also runs the backward
+of its layers at once (the loss is computed inside the pipeline), so the last backward stage
+must equal it and is not dispatched again.
+
+The plan has a one-line text form, ``F 0:3 3:6 | B 0:2 2:4 4:6``, with ``| fused`` appended when
+the last stage is fused; :meth:`Plan.from_text` parses it back. Nothing here touches tensors:
+the executor runs a plan, the simulator times it and the trace draws it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+Direction = Literal["F", "B"]
+LayerRange = tuple[int, int]
+
+
+class PlanError(ValueError):
+    """A plan that cannot be run; the message says which stage is wrong and why."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One run of consecutive layers in one direction."""
+
+    direction: Direction
+    index: int  # position among the stages of its direction, in layer order
+    start: int  # first layer
+    end: int  # one past the last layer
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.end)
+
+    @property
+    def name(self) -> str:
+        return f"{self.direction}{self.index}"
+
+    def __str__(self) -> str:
+        return f"{self.name}[{self.start}:{self.end}]"
+
+
+@dataclass(frozen=True)
+class Task:
+    """A stage dispatched to a worker; ``order`` is its place in the step's dispatch sequence."""
+
+    order: int
+    stage: Stage
+    worker: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Forward and backward layer ranges for a model of ``num_layers`` layers."""
+
+    num_layers: int
+    forward: tuple[LayerRange, ...]
+    backward: tuple[LayerRange, ...]
+    fused_last: bool = False
+    # Free-form facts a policy wants to keep with the plan (predicted costs, policy name).
+    notes: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "forward", tuple((int(a), int(b)) for a, b in self.forward))
+        object.__setattr__(self, "backward", tuple((int(a), int(b)) for a, b in self.backward))
+
+    # ----------------------------------------------------------------- checks
+    def validate(self) -> "Plan":
+        """Raise :class:`PlanError` naming the first problem; return ``self`` when the plan is sound."""
+        if self.num_layers < 1:
+            raise PlanError(f"a plan needs at least one layer, got num_layers={self.num_layers}")
+        for direction, ranges in (("forward", self.forward), ("backward", self.backward)):
+            if not ranges:
+                raise PlanError(f"the plan has no {direction} stages")
+            expected = 0
+            for i, (start, end) in enumerate(ranges):
+                if start != expected:
+                    what = "overlaps the previous stage" if start < expected else "leaves a gap"
+                    missing = f" (layers {expected}..{start - 1} are in no stage)" if start > expected else ""
+                    raise PlanError(
+                        f"{direction} stage {i} [{start}:{end}] {what}: it must start at layer {expected}{missing}"
+                    )
+                if end <= start:
+                    raise PlanError(f"{direction} stage {i} [{start}:{end}] is empty: every stage needs at least one layer")
+                expected = end
+            if expected != self.num_layers:
+                raise PlanError(
+                    f"{direction} stages end at layer {expected} but the model has {self.num_layers} layers: "
+                    f"layers {expected}..{self.num_layers - 1} are in no stage"
+                    if expected < self.num_layers
+                    else f"{direction} stages reach layer {expected - 1} but the model has only {self.num_layers} layers"
+                )
+        if self.fused_last and self.forward[-1] != self.backward[-1]:
+            raise PlanError(
+                f"a fused last stage runs forward and backward of the same layers, but the last forward stage is "
+                f"{list(self.forward[-1])} and the last backward stage is {list(self.backward[-1])}"
+            )
+        return self
+
+    # ----------------------------------------------------------------- views
+    def forward_stages(self) -> list[Stage]:
+        return [Stage("F", i, a, b) for i, (a, b) in enumerate(self.forward)]
+
+    def backward_stages(self) -> list[Stage]:
+        return [Stage("B", i, a, b) for i, (a, b) in enumerate(self.backward)]
+
+    def dispatched_backward_stages(self) -> list[Stage]:
+        """Backward stages in execution order (last layers first), without the fused one."""
+        stages = self.backward_stages()
+        if self.fused_last:
+            stages = stages[:-1]
+        return list(reversed(stages))
+
+    def saved_boundaries(self) -> list[int]:
+        """Layers whose input the forward keeps on the host for recompute: every backward stage start."""
+        return sorted({a for a, _ in self.backward})
+
+    def same_cuts(self) -> bool:
+        return self.forward == self.backward
+
+    # ----------------------------------------------------------------- text form
+    def to_text(self) -> str:
+        fwd = " ".join(f"{a}:{b}" for a, b in self.forward)
+        bwd = " ".join(f"{a}:{b}" for a, b in self.backward)
+        return f"F {fwd} | B {bwd}" + (" | fused" if self.fused_last else "")
+
+    @classmethod
+    def from_text(cls, text: str, num_layers: int | None = None) -> "Plan":
+        parts = [p.strip() for p in text.split("|")]
+        if len(parts) not in (2, 3) or not parts[0].startswith("F") or not parts[1].startswith("B"):
+            raise PlanError(f"cannot parse plan text {text!r}: expected 'F a:b c:d | B a:b ... [| fused]'")
+        fused = len(parts) == 3
+        if fused and parts[2] != "fused":
+            raise PlanError(f"cannot parse plan text {text!r}: the third part may only be 'fused'")
+
+        def ranges(part: str) -> tuple[LayerRange, ...]:
+            out = []
+            for item in part[1:].split():
+                try:
+                    a, b = item.split(":")
+                    out.append((int(a), int(b)))
+                except ValueError:
+                    raise PlanError(f"cannot parse layer range {item!r} in plan text {text!r}") from None
+            return tuple(out)
+
+        fwd, bwd = ranges(parts[0]), ranges(parts[1])
+        n = num_layers if num_layers is not None else max((b for _, b in fwd + bwd), default=0)
+        return cls(n, fwd, bwd, fused_last=fused).validate()
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def describe(self, num_workers: int) -> str:
+        """A few readable lines: the stages and the worker each one goes to in the first step."""
+        lines = [f"RoundPipe plan over {self.num_layers} layers, {num_workers} worker(s): {self.to_text()}"]
+        for task in dispatch(self, num_workers):
+            fused = " (forward+loss+backward fused)" if self.fused_last and task.stage == self.forward_stages()[-1] else ""
+            lines.append(f"  task {task.order:>3}: {task.stage} -> worker {task.worker}{fused}")
+        return "\n".join(lines)
+
+
+def dispatch(plan: Plan, num_workers: int, first_worker: int = 0) -> list[Task]:
+    """Round-robin dispatch: forward stages in order, then backward stages in reverse, each to the next worker."""
+    if num_workers < 1:
+        raise PlanError(f"dispatch needs at least one worker, got {num_workers}")
+    stages = plan.forward_stages() + plan.dispatched_backward_stages()
+    return [Task(k, s, (first_worker + k) % num_workers) for k, s in enumerate(stages)]
+
+
+# --------------------------------------------------------------------- simple policies
+def uniform_ranges(num_layers: int, num_stages: int) -> tuple[LayerRange, ...]:
+    """Equal layer counts per stage (the first stages take one more when it does not divide)."""
+    num_stages = max(1, min(num_stages, num_layers))
+    base, extra = divmod(num_layers, num_stages)
+    out, start = [], 0
+    for i in range(num_stages):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return tuple(out)
+
+
+def balanced_ranges(costs: Sequence[float], num_stages: int) -> tuple[LayerRange, ...]:
+    """Contiguous split of ``costs`` into ``num_stages`` non-empty ranges minimising the largest sum.
+
+    Exact dynamic programme, O(stages * layers^2): fine for the few hundred layers of an LLM.
+    Ties prefer earlier cuts, so the result is deterministic.
+    """
+    n = len(costs)
+    k = max(1, min(num_stages, n))
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+    # best[j][i]: smallest max-stage-cost splitting the first i layers into j stages
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for j in range(1, k + 1):
+        for i in range(j, n - (k - j) + 1):
+            for s in range(j - 1, i):
+                v = max(best[j - 1][s], prefix[i] - prefix[s])
+                if v < best[j][i] - 1e-12 * max(1.0, abs(v)):
+                    best[j][i], cut[j][i] = v, s
+    bounds, i = [], n
+    for j in range(k, 0, -1):
+        s = cut[j][i]
+        bounds.append((s, i))
+        i = s
+    return tuple(reversed(bounds))
+
+
+def simple_plan(
+    num_layers: int,
+    num_workers: int,
+    policy: str = "params",
+    layer_weights: Sequence[float] | None = None,
+    forward_stages: int | None = None,
+    backward_stages: int | None = None,
+    same_cuts: bool = False,
+    fused_last: bool = False,
+) -> Plan:
+    """Plan for the ``uniform`` (equal layers) or ``params`` (equal weight bytes) policy.
+
+    By default there are as many forward stages as workers and twice as many backward stages
+    (backward with recompute is the heavier pass), capped by the layer count. ``same_cuts`` forces
+    backward stages equal to forward ones (needed when the forward graph is kept, recompute="never").
+    """
+    nf = forward_stages or num_workers
+    nb = backward_stages or 2 * num_workers
+    if same_cuts:
+        nb = nf
+    if policy == "uniform" or layer_weights is None:
+        split = lambda k: uniform_ranges(num_layers, k)  # noqa: E731
+    elif policy == "params":
+        if len(layer_weights) != num_layers:
+            raise PlanError(f"got {len(layer_weights)} layer weights for {num_layers} layers")
+        weights = [max(float(w), 1.0) for w in layer_weights]  # parameter-free layers still cost something
+        split = lambda k: balanced_ranges(weights, k)  # noqa: E731
+    else:
+        raise PlanError(f"unknown simple partition policy {policy!r}; use 'uniform' or 'params'")
+    fwd = split(nf)
+    bwd = fwd if same_cuts else split(nb)
+    if fused_last and bwd[-1] != fwd[-1]:
+        # The fused stage's backward is the last forward stage; cut the rest of backward below it.
+        head_start = fwd[-1][0]
+        if head_start == 0:
+            bwd = (fwd[-1],)
+        else:
+            inner = [(a, min(b, head_start)) for a, b in bwd if a < head_start]
+            bwd = tuple(inner) + (fwd[-1],)
+    return Plan(num_layers, fwd, bwd, fused_last=fused_last, notes={"policy": policy}).validate()

@@ -1,0 +1,60 @@
+"""Per-task timeline records, written by the worker lanes while they run.
+
+One :class:`TraceRecord` per task on any queue of any worker. Times are seconds from the
+recorder's origin (``time.perf_counter`` on the CPU backend, CUDA events on the CUDA backend).
+Export (Chrome trace, PNG) and metrics (bubble fraction, exposed transfers) live in
+``timeline.py``; this module only collects.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    worker: int  # worker index, or -1 for the host (optimizer, gradient accumulation)
+    queue: str  # "upload", "compute", "download" or "host"
+    kind: str  # e.g. "weights", "act_in", "forward", "backward", "fused", "act_out", "grad_in", "grad_out", "wgrad", "optim"
+    stage: str  # stage name such as "F0" or "B3", or "" when not tied to a stage
+    microbatch: int  # -1 when the task is not per microbatch
+    bytes: int  # bytes moved (transfers) or 0
+    start: float  # seconds since the recorder's origin
+    end: float
+    step: int = 0  # the training step the task belongs to
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class TraceRecorder:
+    """Thread-safe list of records, switched on and off by the engine."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: list[TraceRecord] = []
+        self.origin = time.perf_counter()
+        self.enabled = False
+        self.step = 0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.origin
+
+    def add(self, record: TraceRecord) -> None:
+        with self._lock:
+            self._records.append(record)
+
+    def records(self, step: int | None = None) -> list[TraceRecord]:
+        with self._lock:
+            out = list(self._records)
+        return out if step is None else [r for r in out if r.step == step]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._records.clear()
