@@ -1,0 +1,19 @@
+"""lightning-roundpipe: the RoundPipe schedule as a PyTorch Lightning strategy (engine usable alone)."""
+
+from .engine import EngineOptions, PipelineEngine
+from .plan import Plan, PlanError, dispatch, simple_plan
+from .workers import CpuWorkerPool, PipelineError, PipelineTimeout, WorkerError, make_pool
+
+__all__ = [
+    "CpuWorkerPool",
+    "EngineOptions",
+    "PipelineEngine",
+    "PipelineError",
+    "PipelineTimeout",
+    "Plan",
+    "PlanError",
+    "WorkerError",
+    "dispatch",
+    "make_pool",
+    "simple_plan",
+]

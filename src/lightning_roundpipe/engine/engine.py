@@ -1,0 +1,251 @@
+"""The pipeline engine: runs a plan over a worker pool, from plain PyTorch.
+
+``engine(inputs)`` runs the pipelined forward of ``layers`` (a list of modules, each taking the
+previous one's output) and returns the merged output. When grad is enabled and something needs
+a gradient, the output is attached to a custom autograd Function, so ``loss.backward()`` runs
+the pipelined backward and leaves the weight gradients in the host parameters' ``.grad``, as
+a plain run would. Knows nothing of Lightning.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ..plan import Plan, PlanError, dispatch
+from ..workers.events import Completion
+from ..workers.pool import WorkerPool
+from .microbatch import merge_microbatches, split_microbatches
+from .rng import uses_randomness
+from .step import HostCarry, StepRun
+from .weights import LayerTable
+
+
+@dataclass
+class EngineOptions:
+    """How the engine runs a plan.
+
+    microbatches: number of microbatches a batch is split into (dim 0).
+    recompute: True keeps only stage inputs in forward and recomputes in backward (bounded
+        memory); False keeps each forward graph until backward (CPU backend only: its workers
+        share memory) and needs backward stages cut like forward ones.
+    compute_dtype: dtype floating parameters are cast to on upload (None: as stored on host).
+    priorities: transfer priorities (lower first) for "activation", "weights", "gradients".
+    chunk_bytes: weight uploads are split into chunks of about this size, so higher-priority
+        transfers can get in between chunks.
+    prefetch_depth: stages a worker may upload ahead of the one it runs (1: at most two resident).
+    """
+
+    microbatches: int = 2
+    recompute: bool = True
+    compute_dtype: torch.dtype | None = None
+    priorities: dict = field(default_factory=lambda: {"activation": 0, "weights": 1, "gradients": 2})
+    chunk_bytes: int = 32 << 20
+    prefetch_depth: int = 1
+
+    def validate(self) -> "EngineOptions":
+        if int(self.microbatches) < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        if int(self.prefetch_depth) < 0:
+            raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        if int(self.chunk_bytes) < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
+        missing = {"activation", "weights", "gradients"} - set(self.priorities)
+        if missing:
+            raise ValueError(f"priorities must give a number for {sorted(missing)}")
+        return self
+
+
+class PipelineEngine:
+    """Runs ``layers`` as a RoundPipe pipeline over ``pool`` according to ``plan``."""
+
+    def __init__(self, layers: Sequence[nn.Module], pool: WorkerPool, plan: Plan, options: EngineOptions | None = None):
+        self.layers = list(layers)
+        self.pool = pool.start()
+        self.options = (options or EngineOptions()).validate()
+        self.tables = [LayerTable(layer) for layer in self.layers]
+        self.plan = self._checked(plan)
+        self._next_worker = 0
+        self._releases: dict[int, collections.deque] = {w.index: collections.deque(maxlen=8) for w in pool.workers}
+        self._anchor = torch.zeros((), requires_grad=True)
+        self.step_count = 0
+        self.last_run: StepRun | None = None
+        self.measurements: list = []  # (stage, kind, seconds) of the last step, for the cost profile
+        self.grad_hooks: list = []  # called with a layer range once its gradients are on the host
+        self._weight_gate_fn = None
+
+    # ------------------------------------------------------------------ plan
+    def _checked(self, plan: Plan) -> Plan:
+        plan.validate()
+        if plan.num_layers != len(self.layers):
+            raise PlanError(f"the plan covers {plan.num_layers} layers but the pipelined module has {len(self.layers)}")
+        if not self.options.recompute and not plan.same_cuts():
+            raise PlanError(
+                "recompute='never' keeps each forward stage's graph until its backward, so backward stages must be cut "
+                f"exactly like forward stages; got {plan.to_text()}"
+            )
+        return plan
+
+    def set_plan(self, plan: Plan) -> None:
+        self.plan = self._checked(plan)
+
+    def describe(self) -> str:
+        return self.plan.describe(len(self.pool))
+
+    def first_tasks(self):
+        return dispatch(self.plan, len(self.pool), self._next_worker)
+
+    # ------------------------------------------------------------------ hooks used by StepRun
+    def _next_worker_for(self):
+        w = self.pool.workers[self._next_worker % len(self.pool)]
+        self._next_worker = (self._next_worker + 1) % len(self.pool)
+        return w
+
+    def _slot_dependency(self, worker_index: int) -> Completion | None:
+        history = self._releases[worker_index]
+        depth = int(self.options.prefetch_depth)
+        return history[-(depth + 1)] if len(history) >= depth + 1 else None
+
+    def _record_release(self, worker_index: int, completion: Completion) -> None:
+        self._releases[worker_index].append(completion)
+
+    def weight_gates(self, layer_ids) -> list[Completion]:
+        """Completions an upload of these layers must wait for (new weight versions); none by default."""
+        return self._weight_gate_fn(layer_ids) if self._weight_gate_fn is not None else []
+
+    def _on_grads_accumulated(self, layer_ids) -> None:
+        for hook in self.grad_hooks:
+            hook(layer_ids)
+
+    def layer_uses_rng(self, index: int) -> bool:
+        return uses_randomness(self.layers[index])
+
+    def _autocast_state(self) -> dict:
+        state = {}
+        for dev in {w.device.type for w in self.pool.workers}:
+            if torch.is_autocast_enabled(dev):
+                state[dev] = (True, torch.get_autocast_dtype(dev))
+        return state
+
+    def trainable(self) -> bool:
+        return any(t.requires_grad for table in self.tables for t, p in zip(table.tensors, table.is_param) if p)
+
+    # ------------------------------------------------------------------ entry points
+    def __call__(self, inputs: Any, loss_scale: float | None = None) -> Any:
+        """Pipelined forward of one batch.
+
+        With ``loss_scale`` set, the last layer must return a dict with a 0-dim "loss_sum" per
+        microbatch, and the call returns ``sum(loss_sum) * loss_scale`` as one scalar (the fused
+        last stage runs forward, loss and backward together when the plan says so).
+        """
+        tensor_inputs = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)]
+        input_requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensor_inputs)
+        training = torch.is_grad_enabled() and (input_requires_grad or self.trainable())
+        microbatches = split_microbatches(inputs, self.options.microbatches)
+        self.step_count += 1
+        self.pool.trace.step = self.step_count
+        run = StepRun(self, microbatches, training=training, loss_scale=loss_scale, input_requires_grad=input_requires_grad)
+        self.last_run = run
+        if not training:
+            with torch.no_grad():
+                outs = self._guarded(run.forward)
+            self.measurements = run.measurements
+            return self._finish_outputs(outs, loss_scale)
+        out = _PipelineFunction.apply(self, run, self._anchor, *tensor_inputs)
+        self.measurements = run.measurements
+        if loss_scale is not None:
+            return out[0]
+        return pytree.tree_unflatten(list(out), run.output_spec)
+
+    def _finish_outputs(self, outs: list[HostCarry], loss_scale):
+        trees = [o.tree() for o in outs]
+        if loss_scale is not None:
+            total = torch.zeros((), dtype=torch.float32)
+            for t in trees:
+                total = total + t["loss_sum"].float()
+            return total * loss_scale
+        return merge_microbatches(trees)
+
+    def _guarded(self, fn, *args):
+        """Run a host-side phase; on failure let every queued task finish or fail before re-raising."""
+        try:
+            return fn(*args)
+        except BaseException:
+            try:
+                self.pool.drain()
+            except Exception:
+                pass
+            raise
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+class _PipelineFunction(torch.autograd.Function):
+    """Autograd node of a pipelined forward: its backward dispatches the backward stages."""
+
+    @staticmethod
+    def forward(ctx, engine: PipelineEngine, run: StepRun, anchor, *tensor_inputs):
+        ctx.engine, ctx.run = engine, run
+        if run.fused:
+            engine._guarded(run.forward)
+            loss = engine._guarded(run.fused_loss)
+            run.output_spec = None
+            run.output_is_float = [True]
+            return (loss,)
+        outs = engine._guarded(run.forward)
+        merged = engine._finish_outputs(outs, run.loss_scale)
+        leaves, spec = pytree.tree_flatten(merged)
+        if not all(isinstance(x, torch.Tensor) for x in leaves):
+            raise TypeError("a pipelined module under autograd must return tensors only (a tensor, tuple or dict of tensors)")
+        run.output_spec = spec
+        run.output_is_float = [x.is_floating_point() for x in leaves]
+        run.output_sizes = [o.tree() for o in outs]
+        ctx.mark_non_differentiable(*[x for x in leaves if not x.is_floating_point()])
+        return tuple(leaves)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        engine, run = ctx.engine, ctx.run
+        if run.fused:
+            g = grads[0]
+            input_grads = engine._guarded(run.backward, None, None if g is None else float(g))
+        else:
+            per_mb = _split_output_grads(run, grads)
+            input_grads = engine._guarded(run.backward, per_mb)
+        n_inputs = len(ctx.needs_input_grad) - 3
+        merged_inputs = [None] * n_inputs
+        if run.input_requires_grad and input_grads and input_grads[0] is not None:
+            merged = merge_microbatches(input_grads)
+            leaves = pytree.tree_leaves(merged, is_leaf=lambda x: x is None)
+            tensor_leaves = [x for x in leaves if isinstance(x, torch.Tensor) or x is None]
+            merged_inputs = (tensor_leaves + [None] * n_inputs)[:n_inputs]
+        return (None, None, None, *merged_inputs)
+
+
+def _split_output_grads(run: StepRun, grads) -> list[HostCarry]:
+    """Split the merged output's gradients back into per-microbatch carries (aligned with outputs)."""
+    per_mb_trees = run.output_sizes
+    sizes = []
+    for tree in per_mb_trees:
+        leaves = pytree.tree_leaves(tree)
+        sizes.append([x.shape[0] for x in leaves])
+    out = []
+    offsets = [0] * len(grads)
+    for m, tree in enumerate(per_mb_trees):
+        leaves, spec = pytree.tree_flatten(tree)
+        g_leaves = []
+        for j, g in enumerate(grads):
+            n = sizes[m][j]
+            if g is None or not run.output_is_float[j]:
+                g_leaves.append(None)
+            else:
+                g_leaves.append(g.narrow(0, offsets[j], n).contiguous())
+            offsets[j] += n
+        out.append(HostCarry(g_leaves, spec))
+    return out

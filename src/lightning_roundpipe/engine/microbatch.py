@@ -1,0 +1,89 @@
+"""Split a batch pytree into microbatches along dim 0, and merge per-microbatch outputs back.
+
+Tensor leaves with a batch dimension are split with ``torch.tensor_split`` (sizes differ by at
+most one when the batch does not divide). 0-dim tensors and non-tensor leaves are handed to
+every microbatch unchanged. Leaves whose dim 0 disagree are an error: we cannot tell which of
+them is the batch.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+class MicrobatchError(ValueError):
+    """The batch cannot be split as asked; the message says why and what to change."""
+
+
+def batch_size_of(tree: Any) -> int:
+    leaves_with_path, _ = pytree.tree_flatten_with_path(tree)
+    sizes = {}
+    for path, leaf in leaves_with_path:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            sizes.setdefault(int(leaf.shape[0]), pytree.keystr(path))
+    if not sizes:
+        raise MicrobatchError("the batch has no tensor with a batch dimension (dim 0) to split into microbatches")
+    if len(sizes) > 1:
+        listed = ", ".join(f"{where} has {n}" for n, where in sizes.items())
+        raise MicrobatchError(
+            f"batch tensors disagree on dim 0 ({listed}); every tensor with a batch dimension must have the same "
+            "size along dim 0 so the batch can be split into microbatches"
+        )
+    return next(iter(sizes))
+
+
+_warned_small = set()
+
+
+def effective_microbatches(batch_size: int, requested: int) -> int:
+    """``requested`` microbatches, or ``batch_size`` of them when the batch is smaller (warned once)."""
+    if requested < 1:
+        raise MicrobatchError(f"microbatches must be >= 1, got {requested}")
+    if batch_size < requested:
+        key = (batch_size, requested)
+        if key not in _warned_small:
+            _warned_small.add(key)
+            warnings.warn(
+                f"batch of {batch_size} is smaller than microbatches={requested}; running {batch_size} "
+                "microbatches of one sample for this batch (results are unchanged)",
+                stacklevel=3,
+            )
+        return batch_size
+    return requested
+
+
+def split_microbatches(tree: Any, num_microbatches: int) -> list[Any]:
+    leaves, spec = pytree.tree_flatten(tree)
+    n = batch_size_of(tree)
+    m = effective_microbatches(n, num_microbatches)
+    columns = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            columns.append(torch.tensor_split(leaf, m, dim=0))
+        else:
+            columns.append([leaf] * m)
+    return [pytree.tree_unflatten([col[i] for col in columns], spec) for i in range(m)]
+
+
+def merge_microbatches(outputs: list[Any]) -> Any:
+    """Concatenate tensor leaves along dim 0; a non-tensor leaf is taken from the first microbatch."""
+    if len(outputs) == 1:
+        return outputs[0]
+    flat = [pytree.tree_flatten(o) for o in outputs]
+    spec = flat[0][1]
+    merged = []
+    for i, leaf in enumerate(flat[0][0]):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.dim() == 0:
+                raise MicrobatchError(
+                    "the pipelined module returned a 0-dim tensor per microbatch, which cannot be merged into a "
+                    "batch; return per-sample values (dim 0 = batch) and reduce after the call"
+                )
+            merged.append(torch.cat([f[0][i] for f in flat], dim=0))
+        else:
+            merged.append(leaf)
+    return pytree.tree_unflatten(merged, spec)

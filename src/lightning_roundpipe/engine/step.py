@@ -1,0 +1,365 @@
+"""One pipelined step: the forward stages, then (when asked) the backward stages, over a pool.
+
+This file is the ordering logic, the same for every backend. For each stage the dispatcher
+takes the next worker (round-robin, continuing across steps); per microbatch the worker
+uploads that microbatch's input as soon as it is on the host, computes, and downloads what the
+next stage (and the recompute in backward) needs. Everything is expressed as tasks with
+completion dependencies; the host thread only waits for the results it hands back.
+
+Memory bound: a worker's upload of its n-th stage waits for the release of its (n-1-depth)-th
+stage, so with prefetch depth 1 a worker holds at most the stage it runs and the one it
+prefetches. The compute lane runs in submission order, so a stage's gradient accumulates over
+microbatches 0..M-1 in that order, and the host adds stage gradients in dispatch order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+
+from ..plan import Stage
+from ..workers.events import Completion, TaskLabel
+from .rng import layer_seed, seeded
+from .weights import StageWeights, accumulate_host_grads
+
+if TYPE_CHECKING:
+    from .engine import PipelineEngine
+
+
+@dataclass
+class HostCarry:
+    """A carry on the host: its flattened leaves (tensors or plain values) and tree spec."""
+
+    leaves: list
+    spec: Any
+
+    @staticmethod
+    def of(tree: Any) -> "HostCarry":
+        leaves, spec = pytree.tree_flatten(tree)
+        return HostCarry(leaves, spec)
+
+    def tree(self) -> Any:
+        return pytree.tree_unflatten(self.leaves, self.spec)
+
+
+def _is_float_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+class StepRun:
+    """State of one forward (+ backward) call: host activations, gradients, stashes."""
+
+    def __init__(self, engine: "PipelineEngine", microbatches: list[Any], *, training: bool, loss_scale: float | None,
+                 input_requires_grad: bool):
+        self.engine = engine
+        self.pool = engine.pool
+        self.plan = engine.plan
+        self.opts = engine.options
+        self.mbs = microbatches
+        self.M = len(microbatches)
+        self.training = training
+        self.keep_graph = training and not self.opts.recompute
+        self.fused = training and loss_scale is not None and self.plan.fused_last
+        self.loss_scale = loss_scale
+        self.input_requires_grad = input_requires_grad
+        self.autocast = engine._autocast_state()
+        rng_layers = [engine.layer_uses_rng(i) for i in range(len(engine.layers))]
+        self.rng_layers = rng_layers
+        self.base_seed = int(torch.randint(0, 2**62, ()).item()) if any(rng_layers) else None
+        self.step = engine.step_count
+        # (layer boundary, microbatch) -> Completion whose value is a HostCarry
+        self.acts: dict[tuple[int, int], Completion] = {}
+        self.grads: dict[tuple[int, int], Completion] = {}
+        self.graphs: dict[tuple[int, int], tuple[list, list]] = {}
+        self.fwd_weights: dict[int, StageWeights] = {}
+        self.fused_stash: dict[str, Any] = {}
+        self.loss_parts: list[Completion] = []
+        self.wgrad_downloads: list[tuple[StageWeights, Completion]] = []
+        self.measurements: list[tuple[Stage, str, float]] = []
+
+    # ------------------------------------------------------------------ helpers
+    def _timeout(self) -> float:
+        return self.pool.timeout_s
+
+    def _wait(self, c: Completion) -> Any:
+        return c.wait(self._timeout(), waiter="the host thread", diagnose=self.pool.diagnose)
+
+    def _label(self, kind: str, stage: Stage | None, mb: int, worker, queue: str) -> TaskLabel:
+        return TaskLabel(kind, stage.name if stage is not None else "", mb, worker.index, queue)
+
+    @contextlib.contextmanager
+    def _compute_context(self, device: torch.device, grad: bool):
+        enabled, dtype = self.autocast.get(device.type, (False, None))
+        with torch.set_grad_enabled(grad):
+            if enabled:
+                with torch.autocast(device_type=device.type, dtype=dtype):
+                    yield
+            else:
+                yield
+
+    def _run_layers(self, device, weights: StageWeights, start: int, end: int, carry, mb: int, save_at=()):
+        layers = self.engine.layers
+        saved = {}
+        for l in range(start, end):
+            seed = layer_seed(self.base_seed, l, mb) if self.rng_layers[l] else None
+            with seeded(device, seed):
+                carry = functional_call(layers[l], weights.params_for(l), (carry,))
+            if l + 1 in save_at:
+                saved[l + 1] = carry
+        saved[end] = carry
+        return saved
+
+    def _upload_weights(self, worker, stage: Stage, need_grads: bool) -> tuple[StageWeights, list[Completion]]:
+        eng = self.engine
+        weights = StageWeights(eng.tables, stage.layers, self.opts.compute_dtype, self.opts.chunk_bytes, need_grads)
+        deps = [eng._slot_dependency(worker.index)] + eng.weight_gates(stage.layers)
+        done = []
+        for k, chunk in enumerate(weights.chunks):
+            def fn(chunk=chunk):
+                dev = self.pool._copy_to_device(worker, [weights.host[i] for i in chunk], [weights.dtypes[i] for i in chunk])
+                weights.store_chunk(chunk, dev)
+                worker.track_weights(weights.chunk_bytes(chunk))
+                return None
+
+            done.append(
+                worker.submit("upload", fn, deps, self._label("weights", stage, -1, worker, "upload"),
+                              priority=self.opts.priorities["weights"], nbytes=weights.chunk_bytes(chunk))
+            )
+        return weights, done
+
+    def _release(self, worker, weights: StageWeights, deps, stage: Stage) -> None:
+        def fn():
+            weights.release()
+            worker.track_weights(-weights.nbytes)
+
+        c = worker.submit("compute", fn, deps, self._label("release", stage, -1, worker, "compute"), always=True)
+        self.engine._record_release(worker.index, c)
+
+    def _upload_carry(self, worker, src: Completion, kind: str, stage: Stage, mb: int) -> Completion:
+        def fn():
+            host: HostCarry = src.value
+            idx = [i for i, x in enumerate(host.leaves) if isinstance(x, torch.Tensor)]
+            dev = self.pool._copy_to_device(worker, [host.leaves[i] for i in idx], [None] * len(idx))
+            leaves = list(host.leaves)
+            for i, d in zip(idx, dev):
+                leaves[i] = d
+            return HostCarry(leaves, host.spec)
+
+        nbytes = _carry_bytes(src.value) if src.is_set() and src.value is not None else 0
+        return worker.submit("upload", fn, [src], self._label(kind, stage, mb, worker, "upload"),
+                             priority=self.opts.priorities["activation"], nbytes=nbytes)
+
+    def _download_carry(self, worker, get_tree, dep: Completion, kind: str, stage: Stage, mb: int) -> Completion:
+        def fn():
+            host = get_tree()
+            idx = [i for i, x in enumerate(host.leaves) if isinstance(x, torch.Tensor)]
+            out = self.pool._copy_to_host(worker, [host.leaves[i] for i in idx])
+            leaves = list(host.leaves)
+            for i, h in zip(idx, out):
+                leaves[i] = h
+            return HostCarry(leaves, host.spec)
+
+        return worker.submit("download", fn, [dep], self._label(kind, stage, mb, worker, "download"),
+                             priority=self.opts.priorities["activation"])
+
+    def _timed(self, stage: Stage, kind: str, fn):
+        def run():
+            t0 = time.perf_counter()
+            out = fn()
+            self.measurements.append((stage, kind, time.perf_counter() - t0))
+            return out
+
+        return run
+
+    # ------------------------------------------------------------------ forward
+    def forward(self) -> list[HostCarry]:
+        """Dispatch every forward stage; return each microbatch's output carry (host)."""
+        eng = self.engine
+        for i, mb in enumerate(self.mbs):
+            self.acts[(0, i)] = Completion.done(TaskLabel("input", "", i), HostCarry.of(mb))
+        saved_bounds = set(self.plan.saved_boundaries()) if (self.training and not self.keep_graph) else set()
+        fwd = self.plan.forward_stages()
+        for k, stage in enumerate(fwd):
+            worker = eng._next_worker_for()
+            is_fused = self.fused and k == len(fwd) - 1
+            need_grads = self.keep_graph or is_fused
+            weights, ready = self._upload_weights(worker, stage, need_grads)
+            last = None
+            for i in range(self.M):
+                act_in = self._upload_carry(worker, self.acts[(stage.start, i)], "act_in", stage, i)
+                if is_fused:
+                    last = self._fused_microbatch(worker, weights, stage, i, ready, act_in)
+                    continue
+                save_at = {b for b in saved_bounds if stage.start < b < stage.end}
+                comp = worker.compute(
+                    self._timed(stage, "forward", self._forward_fn(worker, weights, stage, i, act_in, save_at)),
+                    ready + [act_in], self._label("forward", stage, i, worker, "compute"))
+                last = comp
+                for b in sorted(save_at | {stage.end}):
+                    self.acts[(b, i)] = self._download_carry(
+                        worker, (lambda comp=comp, b=b: HostCarry.of(comp.value[b])), comp, "act_out", stage, i)
+            if is_fused:
+                wg = worker.download(lambda w=weights: w.device_grads(), [last],
+                                     self._label("wgrad", stage, -1, worker, "download"),
+                                     priority=self.opts.priorities["gradients"], nbytes=weights.grad_bytes)
+                self.fused_stash["wgrad"] = (weights, wg)
+                self._release(worker, weights, [wg], stage)
+            elif self.keep_graph:
+                self.fwd_weights[k] = weights  # the kept graph holds them until backward
+                self.fwd_weights[k]._worker = worker
+            else:
+                self._release(worker, weights, [last], stage)
+        if self.fused:
+            return []
+        L = self.plan.num_layers
+        return [self._wait(self.acts[(L, i)]) for i in range(self.M)]
+
+    def _forward_fn(self, worker, weights, stage, i, act_in, save_at):
+        def fn():
+            carry = act_in.value
+            if self.keep_graph:
+                tree = carry.tree()
+                in_leaves = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad)
+                with self._compute_context(worker.device, grad=True):
+                    out = self._run_layers(worker.device, weights, stage.start, stage.end, in_leaves[1], i)
+                self.graphs[(stage.index, i)] = (in_leaves[0], carry.spec, pytree.tree_leaves(out[stage.end]))
+                return {stage.end: pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out[stage.end])}
+            with self._compute_context(worker.device, grad=False):
+                return self._run_layers(worker.device, weights, stage.start, stage.end, carry.tree(), i, save_at)
+        return fn
+
+    def _fused_microbatch(self, worker, weights, stage, i, ready, act_in) -> Completion:
+        """Forward, loss and backward of the last stage at once; only the scalar and gradients come home."""
+        def fn():
+            tree = act_in.value.tree()
+            in_leaves, tree = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad)
+            with self._compute_context(worker.device, grad=True):
+                out = self._run_layers(worker.device, weights, stage.start, stage.end, tree, i)[stage.end]
+                loss_sum = out["loss_sum"]
+                (loss_sum.float() * self.loss_scale).backward()
+            grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in in_leaves]
+            return loss_sum.detach().float(), HostCarry(grads, act_in.value.spec)
+
+        comp = worker.compute(self._timed(stage, "fused", fn), ready + [act_in],
+                              self._label("fused", stage, i, worker, "compute"))
+        self.loss_parts.append(worker.download(lambda: [comp.value[0]], [comp],
+                                               self._label("loss", stage, i, worker, "download"),
+                                               priority=self.opts.priorities["activation"]))
+        self.grads[(stage.start, i)] = self._download_carry(
+            worker, lambda: comp.value[1], comp, "grad_out", stage, i)
+        return comp
+
+    def fused_loss(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32)
+        for c in self.loss_parts:  # fixed order: microbatch 0..M-1
+            total = total + self._wait(c)[0]
+        return total * self.loss_scale
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, output_grads: list[HostCarry | None], incoming_scale: float | None = None) -> list[list | None]:
+        """Dispatch the backward stages; add weight gradients to the host ``.grad``; return input grads."""
+        eng = self.engine
+        L = self.plan.num_layers
+        host_work: list[tuple[StageWeights, Completion, float | None]] = []
+        if self.fused:
+            weights, wg = self.fused_stash["wgrad"]
+            host_work.append((weights, wg, incoming_scale))
+            start = self.plan.forward[-1][0]
+            if incoming_scale is not None and incoming_scale != 1.0:
+                for i in range(self.M):
+                    src = self.grads[(start, i)]
+                    self._wait(src)
+                    self.grads[(start, i)] = _scaled_grads(src, incoming_scale)
+        else:
+            for i in range(self.M):
+                self.grads[(L, i)] = Completion.done(TaskLabel("grad_output", "", i), output_grads[i])
+        for stage in self.plan.dispatched_backward_stages():
+            worker = eng._next_worker_for()
+            if self.keep_graph:
+                weights = self.fwd_weights[stage.index]
+                ready = []
+            else:
+                weights, ready = self._upload_weights(worker, stage, need_grads=True)
+            last = None
+            for i in range(self.M):
+                g_in = self._upload_carry(worker, self.grads[(stage.end, i)], "grad_in", stage, i)
+                deps = ready + [g_in]
+                a_in = None
+                if not self.keep_graph:
+                    a_in = self._upload_carry(worker, self.acts[(stage.start, i)], "act_in", stage, i)
+                    deps.append(a_in)
+                comp = worker.compute(self._timed(stage, "backward", self._backward_fn(worker, weights, stage, i, a_in, g_in)),
+                                      deps, self._label("backward", stage, i, worker, "compute"))
+                last = comp
+                if stage.start > 0 or self.input_requires_grad:
+                    self.grads[(stage.start, i)] = self._download_carry(
+                        worker, (lambda comp=comp: comp.value), comp, "grad_out", stage, i)
+            wg = worker.download(lambda w=weights: w.device_grads(), [last],
+                                 self._label("wgrad", stage, -1, worker, "download"),
+                                 priority=self.opts.priorities["gradients"], nbytes=weights.grad_bytes)
+            host_work.append((weights, wg, None))
+            if self.keep_graph:
+                self._release_kept(weights, wg, stage)
+            else:
+                self._release(worker, weights, [wg], stage)
+        # Host side: gradients into .grad in dispatch order (deterministic whatever the timing).
+        for weights, wg, scale in host_work:
+            grads = self._wait(wg)
+            accumulate_host_grads(weights, grads, scale)
+            eng._on_grads_accumulated(weights.layer_ids)
+        if self.input_requires_grad:
+            return [self._wait(self.grads[(0, i)]).tree() for i in range(self.M)]
+        return [None] * self.M
+
+    def _release_kept(self, weights, wg, stage):
+        worker = weights._worker
+
+        def fn():
+            weights.release()
+            worker.track_weights(-weights.nbytes)
+
+        worker.submit("compute", fn, [wg], self._label("release", stage, -1, worker, "compute"), always=True)
+
+    def _backward_fn(self, worker, weights, stage, i, a_in, g_in):
+        def fn():
+            g_leaves = g_in.value.leaves
+            if self.keep_graph:
+                in_leaves, spec, out_leaves = self.graphs.pop((stage.index, i))
+            else:
+                spec = a_in.value.spec
+                tree = a_in.value.tree()
+                in_leaves, tree = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad)
+                with self._compute_context(worker.device, grad=True):
+                    out = self._run_layers(worker.device, weights, stage.start, stage.end, tree, i)[stage.end]
+                out_leaves = pytree.tree_leaves(out)
+            pairs = [(o, g) for o, g in zip(out_leaves, g_leaves)
+                     if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
+            grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in in_leaves]
+            return HostCarry(grads, spec)
+        return fn
+
+
+def _leaves_requiring_grad(tree, need: bool):
+    """Return (leaves, tree) where floating tensor leaves are fresh leaves requiring grad (if ``need``)."""
+    leaves, spec = pytree.tree_flatten(tree)
+    if need:
+        leaves = [x.detach().requires_grad_(True) if _is_float_tensor(x) else x for x in leaves]
+    return leaves, pytree.tree_unflatten(leaves, spec)
+
+
+def _carry_bytes(host: HostCarry) -> int:
+    return sum(x.numel() * x.element_size() for x in host.leaves if isinstance(x, torch.Tensor))
+
+
+def _scaled_grads(src: Completion, scale: float) -> Completion:
+    host = src.value
+    leaves = [x * scale if isinstance(x, torch.Tensor) else x for x in host.leaves]
+    return Completion.done(src.label, HostCarry(leaves, host.spec))

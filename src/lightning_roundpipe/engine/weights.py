@@ -1,0 +1,126 @@
+"""Host-resident parameters, per layer: what a stage uploads and where its gradients go.
+
+The module's own parameters (fp32 for full training) are the masters: they never leave the
+host. For a stage, the unique host tensors of its layers (a tied tensor used twice is uploaded
+once) are copied to the worker in chunks, cast to the compute dtype (floating parameters only;
+buffers keep their dtype). Trainable ones become leaf tensors that collect the stage's gradient
+over all microbatches; that gradient is downloaded once and added to the host ``.grad`` in a
+fixed order. Frozen parameters are uploaded but never produce or download gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+
+class LayerTable:
+    """Names and host tensors of one layer's parameters and buffers, as functional_call keys."""
+
+    def __init__(self, layer: nn.Module):
+        self.names: list[str] = []
+        self.tensors: list[torch.Tensor] = []
+        self.is_param: list[bool] = []
+        for name, p in layer.named_parameters(remove_duplicate=False):
+            self.names.append(name)
+            self.tensors.append(p)
+            self.is_param.append(True)
+        for name, b in layer.named_buffers(remove_duplicate=False):
+            self.names.append(name)
+            self.tensors.append(b)
+            self.is_param.append(False)
+
+
+def tensor_bytes(t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    return t.numel() * (dtype or t.dtype).itemsize
+
+
+class StageWeights:
+    """One stage's weights on one worker: chunk uploads, per-layer dicts, trainable leaves."""
+
+    def __init__(
+        self,
+        tables: Sequence[LayerTable],
+        layer_ids: range,
+        compute_dtype: torch.dtype | None,
+        chunk_bytes: int,
+        need_grads: bool,
+    ):
+        self.layer_ids = layer_ids
+        seen: dict[int, int] = {}
+        self.host: list[torch.Tensor] = []
+        self.is_param: list[bool] = []
+        # per layer: list of (name, index into self.host)
+        self.layout: dict[int, list[tuple[str, int]]] = {}
+        for l in layer_ids:
+            table = tables[l]
+            entries = []
+            for name, t, is_param in zip(table.names, table.tensors, table.is_param):
+                key = id(t)
+                if key not in seen:
+                    seen[key] = len(self.host)
+                    self.host.append(t)
+                    self.is_param.append(is_param)
+                entries.append((name, seen[key]))
+            self.layout[l] = entries
+        self.dtypes = [
+            compute_dtype if (compute_dtype is not None and p and t.is_floating_point()) else t.dtype
+            for t, p in zip(self.host, self.is_param)
+        ]
+        self.trainable = [need_grads and p and t.requires_grad for t, p in zip(self.host, self.is_param)]
+        self.nbytes = sum(tensor_bytes(t, d) for t, d in zip(self.host, self.dtypes))
+        self.grad_bytes = sum(tensor_bytes(t, d) for t, d, tr in zip(self.host, self.dtypes, self.trainable) if tr)
+        # chunking: consecutive tensors until chunk_bytes is reached
+        self.chunks: list[list[int]] = []
+        current, size = [], 0
+        for i, (t, d) in enumerate(zip(self.host, self.dtypes)):
+            current.append(i)
+            size += tensor_bytes(t, d)
+            if size >= chunk_bytes:
+                self.chunks.append(current)
+                current, size = [], 0
+        if current or not self.chunks:
+            self.chunks.append(current)
+        self.device: list[torch.Tensor | None] = [None] * len(self.host)
+        self._params: dict[int, dict[str, torch.Tensor]] | None = None
+
+    def chunk_bytes(self, chunk: list[int]) -> int:
+        return sum(tensor_bytes(self.host[i], self.dtypes[i]) for i in chunk)
+
+    def store_chunk(self, chunk: list[int], device_tensors: list[torch.Tensor]) -> None:
+        for i, t in zip(chunk, device_tensors):
+            if self.trainable[i]:
+                t.requires_grad_(True)
+            self.device[i] = t
+
+    def params_for(self, layer: int) -> dict[str, torch.Tensor]:
+        if self._params is None:
+            self._params = {l: {name: self.device[i] for name, i in entries} for l, entries in self.layout.items()}
+        return self._params[layer]
+
+    def trainable_indices(self) -> list[int]:
+        return [i for i, tr in enumerate(self.trainable) if tr]
+
+    def device_grads(self) -> list[torch.Tensor | None]:
+        return [self.device[i].grad for i in self.trainable_indices()]
+
+    def release(self) -> None:
+        self.device = [None] * len(self.host)
+        self._params = None
+
+
+def accumulate_host_grads(weights: StageWeights, host_grads: list[torch.Tensor | None], scale: float | None = None) -> None:
+    """Add a stage's downloaded gradients into the masters' ``.grad`` (fp32), optionally times ``scale``."""
+    for i, g in zip(weights.trainable_indices(), host_grads):
+        if g is None:
+            continue
+        p = weights.host[i]
+        g = g.to(p.dtype)
+        if scale is not None and scale != 1.0:
+            g = g * scale
+        if p.grad is None:
+            p.grad = g if g.data_ptr() != p.data_ptr() else g.clone()
+        else:
+            p.grad.add_(g)

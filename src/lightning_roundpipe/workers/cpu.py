@@ -1,0 +1,100 @@
+"""CPU backend: N virtual workers in one process that keep the asynchrony of the CUDA backend.
+
+Every lane is a real thread, so uploads, compute and downloads of different workers (and of one
+worker) overlap the way CUDA streams do, and the engine's event waits are exercised for real.
+Optional knobs make the machine behave like a slower or noisier one, for tests and for
+measuring the effect of transfer priorities on this machine:
+
+- ``compute_delay_s`` / ``jitter_s``: sleep a fixed / random (uniform [0, jitter)) time before each
+  compute task (jitter applies to transfers too);
+- ``bandwidth_bytes_per_s`` / ``latency_s``: each transfer sleeps ``latency + bytes / bandwidth``
+  (for example 25e9 for PCIe 4.0 x16), so a long weight prefetch really delays what queues
+  behind it, unless priorities let it overtake;
+- ``threads_per_worker``: torch intra-op threads in each compute lane (default 1: one core each).
+
+"Device" memory is host memory here; an upload is a real copy (cast to the compute dtype).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import torch
+
+from .pool import Lane, WorkerPool, Worker, _Task
+
+
+class CpuWorkerPool(WorkerPool):
+    backend = "cpu"
+
+    def __init__(
+        self,
+        num_workers: int,
+        timeout_s: float = 300.0,
+        trace=None,
+        compute_delay_s: float = 0.0,
+        jitter_s: float = 0.0,
+        bandwidth_bytes_per_s: float | None = None,
+        latency_s: float = 0.0,
+        threads_per_worker: int = 1,
+        seed: int = 0,
+    ):
+        super().__init__([torch.device("cpu")] * num_workers, timeout_s=timeout_s, trace=trace)
+        self.compute_delay_s = float(compute_delay_s)
+        self.jitter_s = float(jitter_s)
+        self.bandwidth_bytes_per_s = bandwidth_bytes_per_s
+        self.latency_s = float(latency_s)
+        self.threads_per_worker = int(threads_per_worker)
+        self._rand = random.Random(seed)
+        self._rand_lock = threading.Lock()
+
+    def _on_lane_start(self, lane: Lane) -> None:
+        if lane.queue == "compute" and self.threads_per_worker > 0:
+            torch.set_num_threads(self.threads_per_worker)
+
+    def _jitter(self) -> float:
+        if self.jitter_s <= 0:
+            return 0.0
+        with self._rand_lock:
+            return self._rand.uniform(0.0, self.jitter_s)
+
+    def _execute(self, lane: Lane, task: _Task) -> None:
+        start = self.trace.now()
+        if task.done.label.kind == "release":
+            value = task.fn()
+        elif lane.queue == "compute":
+            pause = self._jitter() + self.compute_delay_s
+            if pause > 0:
+                time.sleep(pause)
+            value = task.fn()
+        else:
+            # A transfer: copy, then pay what the modelled link would charge for these bytes.
+            value = task.fn()
+            if not task.nbytes:
+                task.nbytes = _bytes_of(value)
+            pause = self._jitter() + self.latency_s
+            if self.bandwidth_bytes_per_s:
+                pause += task.nbytes / float(self.bandwidth_bytes_per_s)
+            if pause > 0:
+                time.sleep(pause)
+        self._record(lane, task, start, self.trace.now())
+        task.done.set(value)
+
+    def _copy_to_device(self, worker: Worker, tensors, dtypes):
+        out = []
+        for t, dt in zip(tensors, dtypes):
+            out.append(None if t is None else t.detach().to(dtype=dt or t.dtype, copy=True))
+        return out
+
+    def _copy_to_host(self, worker: Worker, tensors):
+        # The host already holds CPU tensors; a copy keeps "device" and host memory apart as on a GPU.
+        return [None if t is None else t.detach().clone() for t in tensors]
+
+
+def _bytes_of(value) -> int:
+    from torch.utils import _pytree as pytree
+
+    leaves = pytree.tree_leaves(value.leaves if hasattr(value, "leaves") else value)
+    return sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
