@@ -1,0 +1,163 @@
+"""Language-model head + cross-entropy without materialising the full logits.
+
+A causal LM's last stage computes ``logits = hidden @ W.T`` of shape [tokens, vocab] and a
+cross-entropy over them. For a 150k vocabulary and a long sequence the logits (kept in fp32 for
+the loss, and kept again for backward) are the largest tensor of the whole step. The pipeline's
+last stage is *fused* (forward, loss and backward at once per microbatch), so the gradients can be
+computed right away, chunk by chunk of rows: only one chunk's logits ever exist, and backward
+just scales the stored gradients by the incoming gradient (exact for any use of the scalar).
+
+Numerics follow Hugging Face's ``ForCausalLMLoss``: the head runs in the input dtype, the logits
+are upcast to fp32 for the loss, and the logits gradient is cast back to the input dtype before
+the two matmuls of the head's backward.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+LogitsObserver = Callable[[torch.Tensor], None]
+"""Debug callback called with every logits chunk the chunked loss creates (used by tests to
+prove the O(chunk x vocab) memory bound)."""
+
+
+def plain_lm_head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference: full logits, fp32 upcast, summed cross-entropy (0-dim fp32).
+
+    Args:
+        hidden: [n, h] rows fed to the LM head.
+        weight: [vocab, h] LM head weight.
+        labels: [n] target ids; rows equal to ``ignore_index`` contribute nothing.
+        ignore_index: label value to skip.
+        bias: optional [vocab] LM head bias.
+    """
+    logits = F.linear(hidden, weight, bias).float()
+    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+
+
+def chunked_lm_head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int = 1024,
+    ignore_index: int = -100,
+    bias: torch.Tensor | None = None,
+    on_logits_chunk: LogitsObserver | None = None,
+) -> torch.Tensor:
+    """Summed cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels``, chunked.
+
+    Equals :func:`plain_lm_head_loss` (up to summation order) while holding at most
+    ``chunk_size x vocab`` logits at a time. When autograd needs gradients (grad mode on and an
+    input requires grad), they are computed in the same pass, so backward costs one multiply.
+
+    Memory: one [chunk_size, vocab] fp32 logits buffer (plus its low-precision copy for
+    non-fp32 inputs), the [n, h] gradient of ``hidden`` and an fp32 [vocab, h] accumulator for the
+    gradient of ``weight`` (fp32 so that summing many chunks loses nothing in bf16).
+
+    Args:
+        hidden: [n, h] rows (already through the final norm).
+        weight: [vocab, h] LM head weight.
+        labels: [n] integer targets (already shifted); ``ignore_index`` rows are skipped.
+        chunk_size: rows per chunk; bounds the logits memory.
+        ignore_index: label value to skip.
+        bias: optional [vocab] LM head bias.
+        on_logits_chunk: debug callback receiving every logits chunk (see ``LogitsObserver``).
+
+    Returns:
+        0-dim fp32 tensor: the sum (not the mean) of the per-token losses.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or labels.dim() != 1:
+        raise ValueError(
+            "chunked_lm_head_loss expects hidden [n, h], weight [vocab, h], labels [n]; got "
+            f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}"
+        )
+    if hidden.shape[0] != labels.shape[0] or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"shape mismatch: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
+            f"labels {tuple(labels.shape)} (need hidden [n, h], weight [vocab, h], labels [n])"
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    differentiable = [hidden, weight] + ([bias] if bias is not None else [])
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
+    return _ChunkedLMHeadLoss.apply(
+        hidden, weight, bias, labels, chunk_size, ignore_index, wants_grad, on_logits_chunk
+    )
+
+
+class _ChunkedLMHeadLoss(torch.autograd.Function):
+    """Forward computes loss and (optionally) gradients; backward rescales them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk_size, ignore_index, wants_grad, observer):
+        rows = hidden.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if wants_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_grad else None
+        grad_bias = (
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+            if wants_grad and bias is not None
+            else None
+        )
+        for start in range(0, rows, chunk_size):
+            stop = min(start + chunk_size, rows)
+            h = hidden[start:stop]
+            target = labels[start:stop]
+            # Head in the input dtype, then upcast: what HF's lm_head + ForCausalLMLoss do.
+            logits = F.linear(h, weight, bias).float()
+            if observer is not None:
+                observer(logits)
+            valid = target != ignore_index
+            safe_target = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)
+            log_norm = torch.logsumexp(logits, dim=1)
+            target_logit = logits.gather(1, safe_target).squeeze(1)
+            total += torch.where(valid, log_norm - target_logit, torch.zeros_like(log_norm)).sum()
+            if not wants_grad:
+                continue
+            # d(loss)/d(logits) = softmax - one_hot, zero on ignored rows; built in place in the
+            # logits buffer so the chunk never needs a second fp32 [chunk, vocab] tensor.
+            grad_logits = logits.sub_(log_norm.unsqueeze(1)).exp_()
+            grad_logits.scatter_add_(1, safe_target, torch.full_like(safe_target, -1, dtype=grad_logits.dtype))
+            grad_logits.mul_(valid.unsqueeze(1).to(grad_logits.dtype))
+            grad_low = grad_logits.to(hidden.dtype)  # no copy in fp32
+            grad_hidden[start:stop] = grad_low @ weight
+            if hidden.dtype == torch.float32:
+                grad_weight.addmm_(grad_low.t(), h)
+            else:
+                grad_weight += grad_low.t() @ h
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0)
+            del logits, grad_logits, grad_low
+        ctx.grad_hidden = grad_hidden
+        ctx.grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        ctx.grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
+        return total
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        if ctx.grad_hidden is None:
+            raise RuntimeError(
+                "chunked_lm_head_loss: backward called but gradients were not computed in forward "
+                "(forward ran with grad disabled or with no input requiring grad)"
+            )
+        scale = grad_output
+        # The stored gradients stay on ctx (freed with the graph) so retain_graph works.
+        grads = [
+            ctx.grad_hidden * scale.to(ctx.grad_hidden.dtype) if ctx.needs_input_grad[0] else None,
+            ctx.grad_weight * scale.to(ctx.grad_weight.dtype) if ctx.needs_input_grad[1] else None,
+            ctx.grad_bias * scale.to(ctx.grad_bias.dtype)
+            if ctx.grad_bias is not None and ctx.needs_input_grad[2]
+            else None,
+        ]
+        return (*grads, None, None, None, None, None)
