@@ -1,0 +1,388 @@
+"""Hugging Face decoder-only causal LMs as a sequence of pipeline layers.
+
+``CausalLMLayers.from_model(model).layers`` is ``[CausalLMPrefix, DecoderStep x N,
+CausalLMPostfix]``. Every layer takes one argument, the *carry* (a flat dict of tensors or
+None), and returns the next carry, so the engine can run any layer with
+``torch.func.functional_call(layer, params_and_buffers, (carry,))``.
+
+The layers are thin wrappers that hold references to the ORIGINAL submodules of the user's
+model (no copies): their parameters are the model's parameters, and the model itself (state
+dict, config, attributes) is never modified. The wrappers follow the submodules' train/eval
+mode, so dropout etc. behave as in ``model(...)``.
+
+Carry keys
+----------
+input of layer 0 (one microbatch of the user's batch):
+    ``input_ids`` [b, s] (required), ``attention_mask`` [b, s] of 1/0 (optional),
+    ``position_ids`` (optional, default ``arange(s)[None]`` exactly like the model),
+    ``labels`` [b, s] (optional, -100 = ignored).
+between layers:
+    ``hidden`` [b, s, h] (the only key that carries a gradient, see
+    ``DIFFERENTIABLE_CARRY_KEYS``), ``cos``/``sin`` (rotary position embeddings),
+    ``position_ids``, ``mask`` (the full-attention mask from HF's own ``create_causal_mask``;
+    None when the attention implementation needs no dense mask, e.g. sdpa without padding),
+    ``sliding_mask`` (only for models with sliding-window layers, from
+    ``create_sliding_window_causal_mask``), ``labels`` (passed through when given).
+output of the last layer:
+    ``{"logits": [b, s, vocab]}`` in logits mode, or ``{"loss_sum": 0-dim fp32}`` in loss mode
+    (see ``CausalLMPostfix.mode``).
+
+Loss bookkeeping: HF's loss is the mean over the shifted, non-ignored tokens of the whole batch,
+so ``loss = sum(loss_sum over microbatches) / count_loss_tokens(labels of the whole batch)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .chunked_loss import chunked_lm_head_loss
+
+Carry = dict[str, Any]
+PostfixMode = Literal["auto", "logits", "loss"]
+
+VERIFIED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""``config.model_type`` values whose HF forward was checked to be exactly
+embed -> rotary/mask -> decoder layers -> norm -> lm_head (tests/test_hf_adapter.py). Others with
+the same attributes may still scale embeddings or logits inside ``forward`` (Gemma, Cohere...)."""
+
+INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
+"""Keys the prefix accepts in a microbatch."""
+
+DIFFERENTIABLE_CARRY_KEYS = ("hidden",)
+"""Carry keys between layers that carry a gradient; all others (cos, sin, masks, ids, labels)
+depend on no parameter, so the engine need not request gradients for them."""
+
+MASK_KEY_BY_ATTENTION = {"full_attention": "mask", "sliding_attention": "sliding_mask"}
+"""Carry key holding the mask for each kind of attention layer."""
+
+IGNORE_INDEX = -100
+
+
+class UnsupportedModelError(ValueError):
+    """The model does not have the structure this adapter understands."""
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """Return the Hugging Face model inside a peft wrapper (``PeftModel.base_model.model``).
+
+    Models that are not peft-wrapped are returned unchanged. peft is optional.
+    """
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft not installed: nothing can be peft-wrapped
+        return model
+    while isinstance(model, PeftModel):
+        model = model.get_base_model()
+    return model
+
+
+def count_loss_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
+    """Number of tokens HF's causal-LM loss averages over: shifted labels != ignore_index.
+
+    Args:
+        labels: [b, s] labels of the WHOLE batch (not one microbatch).
+        ignore_index: label value that is skipped.
+    """
+    return int((labels[..., 1:] != ignore_index).sum().item())
+
+
+def attention_kinds(config: Any, num_layers: int) -> list[str]:
+    """Per decoder layer, which mask it uses: ``"full_attention"`` or ``"sliding_attention"``.
+
+    Mirrors the models: ``config.layer_types`` when the config has it (Qwen2/Qwen3), otherwise
+    sliding for every layer when ``config.sliding_window`` is set (Mistral), else full (Llama).
+    """
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        kinds = list(layer_types[:num_layers])
+    elif getattr(config, "sliding_window", None) is not None:
+        kinds = ["sliding_attention"] * num_layers
+    else:
+        kinds = ["full_attention"] * num_layers
+    unknown = sorted(set(kinds) - set(MASK_KEY_BY_ATTENTION))
+    if unknown:
+        raise UnsupportedModelError(
+            f"config.layer_types contains {unknown}; this adapter supports only "
+            f"{sorted(MASK_KEY_BY_ATTENTION)}. Pass the module to pipeline by name instead."
+        )
+    return kinds
+
+
+def _mask_builders() -> dict[str, Any]:
+    """HF's own mask helpers, so the masks equal the unpipelined model's bit for bit."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise ImportError(
+            f"the causal-LM adapter needs transformers>=5 (mask helpers take `cache=`); "
+            f"found {transformers.__version__}"
+        )
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    return {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+class CausalLMPrefix(nn.Module):
+    """Token embedding + rotary position embedding + attention masks, once per microbatch.
+
+    Parameters: ``embed_tokens.*``; buffers: ``rotary_emb.*`` (both the model's own modules).
+    """
+
+    def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module, config: Any, mask_kinds: list[str]):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.rotary_emb = rotary_emb
+        # Plain attribute (not a module): read-only, shared with the model.
+        self.config = config
+        self.mask_kinds = sorted(set(mask_kinds))
+
+    def forward(self, carry: Carry) -> Carry:
+        unknown = sorted(set(carry) - set(INPUT_KEYS))
+        if unknown:
+            raise ValueError(
+                f"CausalLMPrefix got unsupported input keys {unknown}; a microbatch may hold only "
+                f"{list(INPUT_KEYS)}. Drop the other keys from the batch before the model call."
+            )
+        input_ids = carry.get("input_ids")
+        if input_ids is None or input_ids.dim() != 2:
+            raise ValueError(
+                "CausalLMPrefix needs 'input_ids' of shape [batch, seq]; got "
+                f"{None if input_ids is None else tuple(input_ids.shape)}"
+            )
+        attention_mask = carry.get("attention_mask")
+        position_ids = carry.get("position_ids")
+        hidden = self.embed_tokens(input_ids)
+        if position_ids is None:
+            # As the model does without a cache: plain arange, NOT derived from attention_mask.
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        builders = _mask_builders()
+        out: Carry = {"hidden": hidden}
+        for kind in self.mask_kinds:
+            out[MASK_KEY_BY_ATTENTION[kind]] = builders[kind](
+                config=self.config,
+                inputs_embeds=hidden,
+                attention_mask=attention_mask,
+                cache=None,
+                position_ids=position_ids,
+            )
+        out["cos"], out["sin"] = self.rotary_emb(hidden, position_ids)
+        out["position_ids"] = position_ids
+        if carry.get("labels") is not None:
+            out["labels"] = carry["labels"]
+        return out
+
+
+class DecoderStep(nn.Module):
+    """One original decoder layer; replaces ``hidden`` and passes every other key through."""
+
+    def __init__(self, decoder_layer: nn.Module, attention_kind: str):
+        super().__init__()
+        self.decoder_layer = decoder_layer
+        self.mask_key = MASK_KEY_BY_ATTENTION[attention_kind]
+
+    def forward(self, carry: Carry) -> Carry:
+        hidden = self.decoder_layer(
+            carry["hidden"],
+            attention_mask=carry.get(self.mask_key),
+            position_embeddings=(carry["cos"], carry["sin"]),
+            position_ids=carry["position_ids"],
+            use_cache=False,
+        )
+        if isinstance(hidden, tuple):  # older transformers returned (hidden, ...)
+            hidden = hidden[0]
+        out = dict(carry)
+        out["hidden"] = hidden
+        return out
+
+
+class CausalLMPostfix(nn.Module):
+    """Final norm + LM head, returning logits or the summed loss of the microbatch.
+
+    ``mode`` (attribute, may be changed between calls by the engine):
+        ``"logits"``: ``{"logits": lm_head(norm(hidden))}`` in the dtype HF returns.
+        ``"loss"``: ``{"loss_sum": 0-dim fp32}``, the SUM of token cross-entropies with HF's
+        shift (position t predicts label t+1, -100 ignored), via ``chunked_lm_head_loss`` so the
+        full [b, s, vocab] logits never exist (memory O(loss_chunk_size x vocab)). Requires
+        ``labels`` in the carry. When grad is enabled the head's gradients are computed in the
+        same pass (fused last stage).
+        ``"auto"`` (default): ``"loss"`` when the carry holds labels, else ``"logits"``.
+    ``loss_chunk_size``: rows of logits computed at a time in loss mode.
+
+    A non-``nn.Linear`` lm_head (e.g. peft-wrapped) falls back to full logits + plain
+    cross-entropy: still exact, but without the memory bound (see ``uses_chunked_loss``).
+    """
+
+    def __init__(
+        self,
+        norm: nn.Module,
+        lm_head: nn.Module,
+        mode: PostfixMode = "auto",
+        loss_chunk_size: int = 1024,
+        ignore_index: int = IGNORE_INDEX,
+    ):
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+        self.mode = mode
+        self.loss_chunk_size = loss_chunk_size
+        self.ignore_index = ignore_index
+
+    @property
+    def uses_chunked_loss(self) -> bool:
+        """True when loss mode uses the chunked head (lm_head is a plain nn.Linear)."""
+        return type(self.lm_head) is nn.Linear
+
+    def forward(self, carry: Carry) -> Carry:
+        mode = self.mode
+        if mode == "auto":
+            mode = "loss" if carry.get("labels") is not None else "logits"
+        hidden = self.norm(carry["hidden"])
+        if mode == "logits":
+            return {"logits": self.lm_head(hidden)}
+        if mode != "loss":
+            raise ValueError(f"CausalLMPostfix.mode must be 'auto', 'logits' or 'loss', got {mode!r}")
+        labels = carry.get("labels")
+        if labels is None:
+            raise ValueError("CausalLMPostfix in loss mode needs 'labels' in the microbatch")
+        # HF's shift: pad one ignored label at the end, drop the first (keeps hidden a view).
+        shifted = F.pad(labels.to(hidden.device), (0, 1), value=self.ignore_index)[..., 1:]
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        targets = shifted.reshape(-1)
+        if self.uses_chunked_loss:
+            loss_sum = chunked_lm_head_loss(
+                rows,
+                self.lm_head.weight,
+                targets,
+                chunk_size=self.loss_chunk_size,
+                ignore_index=self.ignore_index,
+                bias=self.lm_head.bias,
+            )
+        else:
+            logits = self.lm_head(rows).float()
+            loss_sum = F.cross_entropy(logits, targets, ignore_index=self.ignore_index, reduction="sum")
+        return {"loss_sum": loss_sum}
+
+
+def _require(obj: Any, path: str, model_class: str) -> Any:
+    """Follow a dotted attribute path, raising UnsupportedModelError at the first missing part."""
+    current = obj
+    walked = "model"
+    for part in path.split(".")[1:]:
+        walked = f"{walked}.{part}"
+        if not hasattr(current, part):
+            raise UnsupportedModelError(
+                f"{model_class} has no attribute '{walked}', which the Hugging Face causal-LM "
+                "adapter needs (it expects model.model.embed_tokens, model.model.layers, "
+                "model.model.norm, model.model.rotary_emb, model.lm_head, model.config). Use a "
+                "supported architecture (e.g. Llama, Qwen2, Qwen3, Mistral) or pass the module to "
+                "pipeline by name / as an nn.Sequential."
+            )
+        current = getattr(current, part)
+    return current
+
+
+@dataclass
+class CausalLMLayers:
+    """A Hugging Face causal LM seen as ``[CausalLMPrefix, DecoderStep x N, CausalLMPostfix]``.
+
+    Attributes:
+        layers: the pipeline layers, each ``forward(carry) -> carry``.
+        model: the unwrapped HF model the layers reference (never modified).
+        model_type: ``config.model_type``.
+    """
+
+    layers: list[nn.Module]
+    model: nn.Module
+    model_type: str
+
+    @classmethod
+    def from_model(
+        cls,
+        model: nn.Module,
+        *,
+        postfix_mode: PostfixMode = "auto",
+        loss_chunk_size: int = 1024,
+        allow_unverified: bool = False,
+    ) -> "CausalLMLayers":
+        """Build the layers of a HF causal LM (or a peft-wrapped one).
+
+        Args:
+            model: e.g. ``LlamaForCausalLM``, or ``peft.get_peft_model(...)`` of one.
+            postfix_mode: initial ``CausalLMPostfix.mode``.
+            loss_chunk_size: initial ``CausalLMPostfix.loss_chunk_size``.
+            allow_unverified: accept a model whose structure matches but whose ``model_type`` is
+                not in ``VERIFIED_MODEL_TYPES`` (check loss parity yourself first).
+
+        Raises:
+            UnsupportedModelError: a required attribute is missing (named in the message), the
+                layers container is not an ``nn.ModuleList``, or the model type is unverified.
+        """
+        hf_model = unwrap_peft(model)
+        model_class = type(hf_model).__name__
+        config = _require(hf_model, "model.config", model_class)
+        embed_tokens = _require(hf_model, "model.model.embed_tokens", model_class)
+        decoder_layers = _require(hf_model, "model.model.layers", model_class)
+        norm = _require(hf_model, "model.model.norm", model_class)
+        rotary_emb = _require(hf_model, "model.model.rotary_emb", model_class)
+        lm_head = _require(hf_model, "model.lm_head", model_class)
+        if not isinstance(decoder_layers, nn.ModuleList):
+            raise UnsupportedModelError(
+                f"{model_class}.model.layers is a {type(decoder_layers).__name__}, not an "
+                "nn.ModuleList; pass the module to pipeline by name instead."
+            )
+        model_type = getattr(config, "model_type", None)
+        if model_type not in VERIFIED_MODEL_TYPES and not allow_unverified:
+            raise UnsupportedModelError(
+                f"{model_class} (model_type={model_type!r}) has the expected attributes, but its "
+                f"forward is only verified for model types {sorted(VERIFIED_MODEL_TYPES)} (others "
+                "may scale embeddings or logits inside forward). Pass allow_unverified=True after "
+                "checking loss parity, or pass the module to pipeline by name."
+            )
+        num_layers = min(len(decoder_layers), getattr(config, "num_hidden_layers", len(decoder_layers)))
+        kinds = attention_kinds(config, num_layers)
+        layers: list[nn.Module] = [CausalLMPrefix(embed_tokens, rotary_emb, config, kinds)]
+        layers += [DecoderStep(decoder_layers[i], kinds[i]) for i in range(num_layers)]
+        layers.append(CausalLMPostfix(norm, lm_head, mode=postfix_mode, loss_chunk_size=loss_chunk_size))
+        return cls(layers=layers, model=hf_model, model_type=str(model_type))
+
+    @property
+    def prefix(self) -> CausalLMPrefix:
+        """The first layer (embedding, rotary, masks)."""
+        return self.layers[0]
+
+    @property
+    def postfix(self) -> CausalLMPostfix:
+        """The last layer (norm, LM head, optional loss)."""
+        return self.layers[-1]
+
+    def set_postfix_mode(self, mode: PostfixMode) -> None:
+        """Choose what the last layer returns: ``"logits"``, ``"loss"`` or ``"auto"``."""
+        if mode not in ("auto", "logits", "loss"):
+            raise ValueError(f"postfix mode must be 'auto', 'logits' or 'loss', got {mode!r}")
+        self.postfix.mode = mode
+
+    @staticmethod
+    def count_loss_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
+        """See module-level :func:`count_loss_tokens`."""
+        return count_loss_tokens(labels, ignore_index)
+
+    def run(self, carry: Carry) -> Carry:
+        """Run all layers in order on one microbatch (reference / debugging path)."""
+        for layer in self.layers:
+            carry = layer(carry)
+        return carry
+
+    def shared_parameters(self) -> list[list[tuple[int, str]]]:
+        """Parameters that appear in more than one layer (tied embeddings: the prefix's
+        ``embed_tokens.weight`` is the postfix's ``lm_head.weight``), as groups of
+        ``(layer_index, parameter_name)``; their gradients must be summed across layers."""
+        owners: dict[int, list[tuple[int, str]]] = {}
+        for index, layer in enumerate(self.layers):
+            for name, param in layer.named_parameters(remove_duplicate=False):
+                owners.setdefault(id(param), []).append((index, name))
+        return [group for group in owners.values() if len({i for i, _ in group}) > 1]
