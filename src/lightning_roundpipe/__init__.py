@@ -17,3 +17,9 @@ __all__ = [
     "make_pool",
     "simple_plan",
 ]
+
+from .strategy import RoundPipeStrategy, register as _register  # noqa: E402
+from .runtime import RoundPipeRuntime, RuntimeOptions  # noqa: E402
+
+_register()
+__all__ += ["RoundPipeRuntime", "RoundPipeStrategy", "RuntimeOptions"]

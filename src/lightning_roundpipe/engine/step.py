@@ -279,7 +279,10 @@ class StepRun:
         else:
             for i in range(self.M):
                 self.grads[(L, i)] = Completion.done(TaskLabel("grad_output", "", i), output_grads[i])
-        for stage in self.plan.dispatched_backward_stages():
+        stages = list(reversed(self.plan.backward_stages()))
+        if self.fused:
+            stages = stages[1:]  # its backward already ran, fused with its forward
+        for stage in stages:
             worker = eng._next_worker_for()
             if self.keep_graph:
                 weights = self.fwd_weights[stage.index]
