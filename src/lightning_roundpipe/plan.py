@@ -189,24 +189,29 @@ def uniform_ranges(num_layers: int, num_stages: int) -> tuple[LayerRange, ...]:
 def balanced_ranges(costs: Sequence[float], num_stages: int) -> tuple[LayerRange, ...]:
     """Contiguous split of ``costs`` into ``num_stages`` non-empty ranges minimising the largest sum.
 
-    Exact dynamic programme, O(stages * layers^2): fine for the few hundred layers of an LLM.
-    Ties prefer earlier cuts, so the result is deterministic.
+    Among splits with the same largest sum, the one with the smallest sum of squares wins (the
+    other stages are as even as they can be). Exact dynamic programme, O(stages * layers^2):
+    fine for the few hundred layers of an LLM. Ties prefer earlier cuts (deterministic).
     """
     n = len(costs)
     k = max(1, min(num_stages, n))
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
-    inf = float("inf")
-    # best[j][i]: smallest max-stage-cost splitting the first i layers into j stages
+    inf = (float("inf"), float("inf"))
+    # best[j][i]: (largest stage cost, sum of squares) splitting the first i layers into j stages
     best = [[inf] * (n + 1) for _ in range(k + 1)]
     cut = [[0] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = 0.0
+    best[0][0] = (0.0, 0.0)
+    eps = 1e-12 * max(1.0, prefix[-1])
     for j in range(1, k + 1):
         for i in range(j, n - (k - j) + 1):
             for s in range(j - 1, i):
-                v = max(best[j - 1][s], prefix[i] - prefix[s])
-                if v < best[j][i] - 1e-12 * max(1.0, abs(v)):
+                seg = prefix[i] - prefix[s]
+                prev = best[j - 1][s]
+                v = (max(prev[0], seg), prev[1] + seg * seg)
+                cur = best[j][i]
+                if v[0] < cur[0] - eps or (abs(v[0] - cur[0]) <= eps and v[1] < cur[1] - eps * max(1.0, prefix[-1])):
                     best[j][i], cut[j][i] = v, s
     bounds, i = [], n
     for j in range(k, 0, -1):

@@ -10,6 +10,8 @@ a plain run would. Knows nothing of Lightning.
 from __future__ import annotations
 
 import collections
+import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -69,6 +71,7 @@ class PipelineEngine:
         self.pool = pool.start()
         self.options = (options or EngineOptions()).validate()
         self.tables = [LayerTable(layer) for layer in self.layers]
+        self.layer_locks = _shared_module_locks(self.layers)
         self.plan = self._checked(plan)
         self._next_worker = 0
         self._releases: dict[int, collections.deque] = {w.index: collections.deque(maxlen=8) for w in pool.workers}
@@ -184,6 +187,39 @@ class PipelineEngine:
 
     def close(self) -> None:
         self.pool.shutdown()
+
+
+def _shared_module_locks(layers: Sequence[nn.Module]) -> list:
+    """A lock per group of layers that share a module object (the same module used twice).
+
+    ``functional_call`` swaps a module's tensors for the call's duration, so one module object
+    must never run on two workers at once; distinct modules that merely share a Parameter
+    (tied weights) need no lock.
+    """
+    owners: dict[int, int] = {}
+    parent = list(range(len(layers)))
+
+    def root(i):
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for i, layer in enumerate(layers):
+        for m in layer.modules():
+            if id(m) in owners:
+                parent[root(i)] = root(owners[id(m)])
+            else:
+                owners[id(m)] = i
+    groups: dict[int, list[int]] = collections.defaultdict(list)
+    for i in range(len(layers)):
+        groups[root(i)].append(i)
+    locks: list = [None] * len(layers)
+    for members in groups.values():
+        if len(members) > 1:
+            lock = threading.Lock()
+            for i in members:
+                locks[i] = lock
+    return locks
 
 
 class _PipelineFunction(torch.autograd.Function):

@@ -108,7 +108,8 @@ class StepRun:
         saved = {}
         for l in range(start, end):
             seed = layer_seed(self.base_seed, l, mb) if self.rng_layers[l] else None
-            with seeded(device, seed):
+            lock = self.engine.layer_locks[l] or contextlib.nullcontext()
+            with lock, seeded(device, seed):
                 carry = functional_call(layers[l], weights.params_for(l), (carry,))
             if l + 1 in save_at:
                 saved[l + 1] = carry
