@@ -68,11 +68,11 @@ class PipelineEngine:
 
     def __init__(self, layers: Sequence[nn.Module], pool: WorkerPool, plan: Plan, options: EngineOptions | None = None):
         self.layers = list(layers)
-        self.pool = pool.start()
         self.options = (options or EngineOptions()).validate()
         self.tables = [LayerTable(layer) for layer in self.layers]
         self.layer_locks = _shared_module_locks(self.layers)
         self.plan = self._checked(plan)
+        self.pool = pool.start()
         self._next_worker = 0
         self._releases: dict[int, collections.deque] = {w.index: collections.deque(maxlen=8) for w in pool.workers}
         self._anchor = torch.zeros((), requires_grad=True)

@@ -1,0 +1,176 @@
+"""The Lightning side: options, module discovery, evaluation loops, precision, failures."""
+
+import time
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from _models import SeqModule, fit, make_data, weights
+from lightning_roundpipe import RoundPipeStrategy, WorkerError
+from lightning_roundpipe.target import PipelineTargetError
+
+
+def trainer(strategy, devices=2, **kw):
+    return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, **kw)
+
+
+def test_string_registration_gives_virtual_cpu_workers():
+    t = trainer("roundpipe", devices=3)
+    assert isinstance(t.strategy, RoundPipeStrategy)
+    assert t.strategy.num_workers == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"microbatches": 0}, "microbatches=0"),
+        ({"recompute": "sometimes"}, "recompute='sometimes'"),
+        ({"timeout": 0}, "timeout=0"),
+        ({"partition": "clever"}, "partition policy must be"),
+        ({"partition": {"policy": "params", "stages": 3}}, "unknown key(s) ['stages']"),
+    ],
+)
+def test_bad_options_name_the_option(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        RoundPipeStrategy(**kwargs)
+    assert message in str(err.value)
+
+
+def test_workers_must_match_devices():
+    with pytest.raises(ValueError, match=r"workers=3\) does not match Trainer\(devices=2\)"):
+        fit(SeqModule(), RoundPipeStrategy(workers=3), devices=2, max_steps=1)
+
+
+def test_wrong_accelerator_is_refused():
+    s = RoundPipeStrategy()
+    s.parallel_devices = [torch.device("meta")]
+    with pytest.raises(ValueError, match="accelerator='cpu'.*or accelerator='gpu'"):
+        s._backend()
+
+
+class TwoNets(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(8, 8))
+        self.b = nn.Sequential(nn.Linear(8, 1))
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return ((self.b(self.a(x)) - y) ** 2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class NoSeq(TwoNets):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+
+
+def test_ambiguous_module_asks_for_a_name():
+    with pytest.raises(PipelineTargetError, match=r"several modules.*a \(Sequential\), b \(Sequential\).*module='...'"):
+        fit(TwoNets(), RoundPipeStrategy(), devices=2, max_steps=1)
+    # naming one works
+    fit(TwoNets(), RoundPipeStrategy(module="a"), devices=2, max_steps=1)
+
+
+def test_no_module_to_pipeline_says_what_to_do():
+    with pytest.raises(PipelineTargetError, match="found no module to pipeline in NoSeq.*nn.Sequential"):
+        fit(NoSeq(), RoundPipeStrategy(), devices=2, max_steps=1)
+    with pytest.raises(PipelineTargetError, match="names a Linear, which RoundPipe cannot split"):
+        fit(NoSeq(), RoundPipeStrategy(module="a"), devices=2, max_steps=1)
+    with pytest.raises(PipelineTargetError, match="has no attribute 'c'"):
+        fit(NoSeq(), RoundPipeStrategy(module="c"), devices=2, max_steps=1)
+
+
+def test_validate_and_predict_match_default_strategy():
+    data = DataLoader(make_data(n=20), batch_size=6)
+    m = SeqModule()
+    ref_val = trainer("auto", devices=1).validate(m, data, verbose=False)
+    ref_pred = trainer("auto", devices=1).predict(m, data)
+    val = trainer(RoundPipeStrategy(microbatches=3)).validate(m, data, verbose=False)
+    pred = trainer(RoundPipeStrategy(microbatches=3)).predict(m, data)
+    assert val[0]["val_loss"] == pytest.approx(ref_val[0]["val_loss"], rel=1e-6)
+    assert len(pred) == len(ref_pred)
+    for p, r in zip(pred, ref_pred):
+        assert torch.allclose(p, r, atol=1e-6)
+
+
+class AutocastProbe(nn.Module):
+    seen = []
+
+    def forward(self, x):
+        AutocastProbe.seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return x
+
+
+class ProbeModule(SeqModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 8), AutocastProbe(), nn.Linear(8, 1))
+
+
+def test_autocast_is_reentered_on_workers_and_in_recompute():
+    AutocastProbe.seen.clear()
+    m = ProbeModule()
+    fit(m, RoundPipeStrategy(microbatches=2), devices=2, max_steps=2, precision="bf16-mixed")
+    # forward and recompute, 2 microbatches, 2 steps
+    assert len(AutocastProbe.seen) == 8
+    assert all(s == (True, torch.bfloat16) for s in AutocastProbe.seen)
+
+
+def test_bf16_mixed_tracks_default_strategy():
+    m_ref, m = SeqModule(opt="adamw"), SeqModule(opt="adamw")
+    fit(m_ref, "auto", precision="bf16-mixed")
+    fit(m, RoundPipeStrategy(microbatches=2), devices=2, precision="bf16-mixed")
+    w_ref, w = weights(m_ref), weights(m)
+    # bf16 matmuls on different microbatch shapes round differently; the weights stay close.
+    assert max(((w[k] - w_ref[k]).norm() / w_ref[k].norm()).item() for k in w) < 1e-2
+
+
+class Explode(nn.Module):
+    armed = False
+
+    def forward(self, x):
+        if Explode.armed:
+            raise RuntimeError("worker exploded")
+        return x
+
+
+class ArmAtStep(L.Callback):
+    def __init__(self, step):
+        self.step, self.before = step, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.before = weights(pl_module)
+            Explode.armed = True
+
+
+class ExplodingModule(SeqModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), Explode(), nn.Linear(8, 1))
+
+
+def test_worker_exception_fails_fit_fast_and_leaves_weights():
+    Explode.armed = False
+    m = ExplodingModule()
+    arm = ArmAtStep(2)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerError, match="worker exploded") as err:
+            fit(m, RoundPipeStrategy(microbatches=2), devices=2, max_steps=5, callbacks=[arm])
+    finally:
+        Explode.armed = False
+    assert time.monotonic() - t0 < 20
+    assert "original traceback on the worker" in str(err.value)
+    after = weights(m)
+    assert all(torch.equal(after[k], arm.before[k]) for k in after)
+    assert "forward" not in vars(m.net)  # teardown ran
