@@ -41,3 +41,166 @@ class CostProfile:
 
     def __len__(self) -> int:
         return len(self.layers)
+
+
+# --------------------------------------------------------------------- stage costs
+# Added for the partitioner and the plan report: the cost of a *stage* (a run of layers in one
+# direction) derived from the per-layer numbers above, with the transfers a stage causes.
+
+StageKind = str  # "forward", "backward" (recompute + backward) or "fused" (forward + loss + backward)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What one stage costs on one worker for ``microbatches`` microbatches.
+
+    Transfers go through the host (workers are stateless): a stage uploads its weights (before
+    its first microbatch, hidden by prefetch when the worker's previous stage runs long enough),
+    uploads each microbatch's input (and, in backward, the output gradient), downloads each
+    microbatch's output (in backward, the input gradient) and finally the weight gradients.
+    Upload and download use the two directions of the link, so they overlap each other and
+    the compute; the stage takes ``seconds = max(compute, upload, download)``.
+    """
+
+    kind: StageKind
+    start: int
+    end: int
+    microbatches: int
+    microbatch_compute_s: float
+    microbatch_upload_s: float  # input (+ output gradient) of one microbatch
+    microbatch_download_s: float  # output (or input gradient) of one microbatch
+    weight_upload_s: float
+    grad_download_s: float
+    weight_bytes: int
+    grad_bytes: int  # weight gradients held on the worker until downloaded (0 in forward)
+    activation_bytes: int  # activations of one microbatch held while it runs
+
+    @property
+    def compute_s(self) -> float:
+        return self.microbatches * self.microbatch_compute_s
+
+    @property
+    def upload_s(self) -> float:
+        return self.weight_upload_s + self.microbatches * self.microbatch_upload_s
+
+    @property
+    def download_s(self) -> float:
+        return self.microbatches * self.microbatch_download_s + self.grad_download_s
+
+    @property
+    def seconds(self) -> float:
+        """Predicted time of the stage: the slowest of compute, upload and download."""
+        return max(self.compute_s, self.upload_s, self.download_s)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Device memory the stage needs while it runs: weights, weight gradients, one microbatch's activations."""
+        return self.weight_bytes + self.grad_bytes + self.activation_bytes
+
+
+class StageCostModel:
+    """Stage costs of one :class:`CostProfile` for a fixed microbatch count and link speed.
+
+    Prefix sums make every stage cost O(stage length) at most, so a partitioner can price all
+    O(layers^2) candidate stages. Activation memory is kept simple and conservative:
+
+    * forward: the stage input plus the largest layer output of one microbatch (layers run
+      without autograd, so only the current output is alive);
+    * backward with recompute and fused: the stage input plus every layer's output of one
+      microbatch (the recomputed graph keeps them until backward frees them).
+
+    ``recompute=False`` prices backward without the recompute (the forward graph was kept).
+    ``link_bytes_per_second=None`` means transfers are free.
+    """
+
+    def __init__(
+        self,
+        costs: CostProfile,
+        microbatches: int,
+        link_bytes_per_second: float | None = None,
+        recompute: bool = True,
+    ) -> None:
+        self.costs = costs
+        self.microbatches = int(microbatches)
+        self.link = link_bytes_per_second
+        self.recompute = recompute
+        self.tokens = int(costs.tokens_per_microbatch)
+
+        def prefix(values) -> list[float]:
+            out = [0.0]
+            for v in values:
+                out.append(out[-1] + v)
+            return out
+
+        layers = costs.layers
+        self._fwd = prefix(c.forward_s for c in layers)
+        self._rec = prefix(c.recompute_s for c in layers)
+        self._bwd = prefix(c.backward_s for c in layers)
+        self._weights = prefix(c.weight_bytes for c in layers)
+        self._grads = prefix(c.grad_bytes for c in layers)
+        self._acts = prefix(c.act_bytes_per_token for c in layers)
+
+    def _transfer_s(self, num_bytes: float) -> float:
+        return 0.0 if not self.link else num_bytes / self.link
+
+    def _act(self, layer: int) -> int:
+        """Bytes of one microbatch's output of ``layer`` (0 for the model input, i.e. layer -1)."""
+        return 0 if layer < 0 else self.costs.layers[layer].act_bytes_per_token * self.tokens
+
+    def stage(self, kind: StageKind, start: int, end: int) -> StageCost:
+        """Cost of the stage of layers ``[start, end)`` of the given kind."""
+        if kind not in ("forward", "backward", "fused"):
+            raise ValueError(f"unknown stage kind {kind!r}; use 'forward', 'backward' or 'fused'")
+        n = len(self.costs.layers)
+        if not 0 <= start < end <= n:
+            raise ValueError(f"stage [{start}:{end}] is not a non-empty layer range of a {n}-layer model")
+        fwd = self._fwd[end] - self._fwd[start]
+        rec = self._rec[end] - self._rec[start]
+        bwd = self._bwd[end] - self._bwd[start]
+        weights = int(self._weights[end] - self._weights[start])
+        act_in = self._act(start - 1)
+        act_out = self._act(end - 1)
+        if kind == "forward":
+            compute, up, down, grads = fwd, act_in, act_out, 0
+            held = act_in + max(self._act(layer) for layer in range(start, end))
+        else:
+            grads = int(self._grads[end] - self._grads[start])
+            if kind == "fused":
+                compute, up, down = fwd + bwd, act_in, act_in  # the loss scalar coming back is negligible
+            else:
+                compute = (rec if self.recompute else 0.0) + bwd
+                up, down = act_in + act_out, act_in  # saved input + output gradient in, input gradient out
+            held = act_in + int((self._acts[end] - self._acts[start]) * self.tokens)
+        return StageCost(
+            kind=kind,
+            start=start,
+            end=end,
+            microbatches=self.microbatches,
+            microbatch_compute_s=compute,
+            microbatch_upload_s=self._transfer_s(up),
+            microbatch_download_s=self._transfer_s(down),
+            weight_upload_s=self._transfer_s(weights),
+            grad_download_s=self._transfer_s(grads),
+            weight_bytes=weights,
+            grad_bytes=grads,
+            activation_bytes=int(held),
+        )
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Human-readable size with binary units, e.g. ``1.50 GiB``."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_seconds(seconds: float) -> str:
+    """Human-readable duration: ``850 us``, ``12.3 ms`` or ``4.56 s``."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"

@@ -1,0 +1,260 @@
+"""Per-layer costs before and during training.
+
+Before the first step nothing has been measured, so :func:`estimate_costs` prices every layer
+from its size: matmul-dominated layers cost ``2 * params * tokens`` FLOPs forward, backward
+twice that, and the recompute inside backward as much as the forward. During training the
+engine measures stages, and :class:`MovingCostProfile` turns those measurements into per-layer
+moving averages; :func:`cost_change` says how far the numbers moved, so the planner re-plans
+only when it matters.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from .cost import CostProfile, LayerCost
+from .plan import Plan
+
+TIME_KINDS = ("forward", "recompute", "backward")
+
+
+# --------------------------------------------------------------------- estimates from sizes
+def _unique_tensors(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Drop repeats (tied weights appear twice in ``parameters()`` of some modules)."""
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _embedding_param_ids(layer: nn.Module) -> set[int]:
+    """Parameters of embedding tables: a lookup, not a matmul, so they cost ~no compute."""
+    return {id(p) for m in layer.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for p in m.parameters()}
+
+
+def _output_features(layer: nn.Module) -> int:
+    """Width of the layer's output, guessed from its last sized submodule (0 when unknown)."""
+    width = 0
+    for m in layer.modules():
+        if isinstance(m, nn.Linear):
+            width = m.out_features
+        elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            width = m.embedding_dim
+        elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            width = int(torch.Size(m.normalized_shape).numel())
+    return width
+
+
+def estimate_costs(
+    layers: Sequence[nn.Module],
+    example_tokens: int,
+    hidden_bytes_per_token: int | None,
+    compute_dtype: torch.dtype,
+    flops_per_second: float = 5e10,
+    link_bytes_per_second: float | None = None,
+) -> CostProfile:
+    """Estimate every layer's costs for microbatches of ``example_tokens`` tokens.
+
+    * forward time: ``2 * params * tokens`` FLOPs at ``flops_per_second``, counting only
+      matmul parameters (embedding tables are lookups); every layer also pays one FLOP per
+      output element, so parameter-free layers and embeddings are cheap but not free;
+    * recompute time equals the forward, backward time is twice the forward;
+    * ``weight_bytes``: parameters in the compute dtype (the worker uploads them cast), buffers
+      and non-floating parameters in their own dtype;
+    * ``grad_bytes``: trainable parameters in the compute dtype (gradients come back in the
+      compute dtype and are accumulated into fp32 host buffers on the host);
+    * ``act_bytes_per_token``: ``hidden_bytes_per_token`` for every layer when given, otherwise
+      the width of the layer's last Linear/Embedding/Norm times the compute dtype size.
+
+    ``link_bytes_per_second`` (host <-> worker) is kept in ``notes`` for the partitioner.
+    """
+    if example_tokens < 1:
+        raise ValueError(f"example_tokens must be at least 1, got {example_tokens}")
+    if flops_per_second <= 0:
+        raise ValueError(f"flops_per_second must be positive, got {flops_per_second}")
+    if not compute_dtype.is_floating_point:
+        raise ValueError(f"compute_dtype must be a floating dtype, got {compute_dtype}")
+    dtype_bytes = torch.empty((), dtype=compute_dtype).element_size()
+    out = []
+    for layer in layers:
+        params = _unique_tensors(layer.parameters())
+        buffers = _unique_tensors(layer.buffers())
+        lookups = _embedding_param_ids(layer)
+        matmul_params = sum(p.numel() for p in params if id(p) not in lookups)
+        weight_bytes = sum(p.numel() * (dtype_bytes if p.is_floating_point() else p.element_size()) for p in params)
+        weight_bytes += sum(b.numel() * b.element_size() for b in buffers)
+        grad_bytes = sum(p.numel() * dtype_bytes for p in params if p.requires_grad)
+        if hidden_bytes_per_token is not None:
+            act_bytes = int(hidden_bytes_per_token)
+        else:
+            act_bytes = _output_features(layer) * dtype_bytes
+        output_elements = act_bytes // dtype_bytes
+        forward_s = (2.0 * matmul_params * example_tokens + output_elements * example_tokens) / flops_per_second
+        out.append(LayerCost(forward_s, forward_s, 2.0 * forward_s, int(weight_bytes), int(grad_bytes), act_bytes))
+    return CostProfile(
+        out,
+        tokens_per_microbatch=int(example_tokens),
+        measured=False,
+        notes={
+            "source": "estimate",
+            "flops_per_second": float(flops_per_second),
+            "compute_dtype": str(compute_dtype),
+            "link_bytes_per_second": link_bytes_per_second,
+        },
+    )
+
+
+# --------------------------------------------------------------------- how far costs moved
+def _stage_totals(costs: CostProfile, plan: Plan) -> dict[str, float]:
+    """Per-stage compute per microbatch: the totals a plan's balance depends on."""
+    totals = {}
+    layers = costs.layers
+    for stage in plan.forward_stages():
+        fused = plan.fused_last and stage.index == len(plan.forward) - 1
+        per_layer = (lambda c: c.forward_s + c.backward_s) if fused else (lambda c: c.forward_s)
+        totals[stage.name] = sum(per_layer(layers[i]) for i in stage.layers)
+    for stage in plan.dispatched_backward_stages():
+        totals[stage.name] = sum(layers[i].recompute_s + layers[i].backward_s for i in stage.layers)
+    return totals
+
+
+def cost_change(previous: CostProfile, current: CostProfile, plan: Plan | None = None) -> tuple[float, str]:
+    """Largest relative change between two profiles, and what changed (for a log line).
+
+    With a ``plan``, compares each stage's total (forward stages: forward time; backward stages:
+    recompute + backward; the fused stage: forward + backward): only changes that move a stage
+    matter to the plan. Without one, compares each layer's forward and recompute+backward time
+    relative to the average layer time of that direction, so a tiny layer that doubles does not
+    count as a big move but a typical layer that does, does.
+    """
+    if len(previous) != len(current):
+        return float("inf"), f"the layer count ({len(previous)} -> {len(current)})"
+
+    def rel(old: float, new: float, scale: float) -> float:
+        if scale <= 0:
+            return 0.0 if new == old else float("inf")
+        return abs(new - old) / scale
+
+    worst, where = 0.0, "nothing"
+    if plan is not None:
+        old, new = _stage_totals(previous, plan), _stage_totals(current, plan)
+        for name in old:
+            change = rel(old[name], new[name], old[name])
+            if change > worst:
+                worst, where = change, f"stage {name} ({old[name]:.3g}s -> {new[name]:.3g}s per microbatch)"
+        return worst, where
+    directions = {
+        "forward": lambda c: c.forward_s,
+        "recompute+backward": lambda c: c.recompute_s + c.backward_s,
+    }
+    for label, get in directions.items():
+        olds = [get(c) for c in previous.layers]
+        news = [get(c) for c in current.layers]
+        mean = sum(olds) / len(olds) if olds else 0.0
+        for i, (o, n) in enumerate(zip(olds, news)):
+            change = rel(o, n, mean)
+            if change > worst:
+                worst, where = change, f"layer {i} {label} ({o:.3g}s -> {n:.3g}s)"
+    return worst, where
+
+
+# --------------------------------------------------------------------- moving averages of measurements
+class MovingCostProfile:
+    """Per-layer exponential moving averages of measured times, seeded by an estimate.
+
+    The first measurement of a layer and kind replaces the estimate outright (estimates from
+    sizes can be off by a large factor); later ones are blended with weight ``smoothing``.
+    Times are seconds per microbatch. Thread-safe: workers may report concurrently.
+    """
+
+    def __init__(self, base: CostProfile, smoothing: float = 0.3) -> None:
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        self.smoothing = smoothing
+        self._base = base
+        self._times = {kind: [getattr(c, f"{kind}_s") for c in base.layers] for kind in TIME_KINDS}
+        self._seen = {kind: [False] * len(base.layers) for kind in TIME_KINDS}
+        self._lock = threading.Lock()
+        self.observations = 0
+
+    def __len__(self) -> int:
+        return len(self._base.layers)
+
+    def _check_kind(self, kind: str, allowed: Sequence[str]) -> None:
+        if kind not in allowed:
+            raise ValueError(f"unknown time kind {kind!r}; use one of {', '.join(repr(k) for k in allowed)}")
+
+    def _check_layer(self, index: int) -> None:
+        if not 0 <= index < len(self):
+            raise IndexError(f"layer index {index} is outside the model's {len(self)} layers")
+
+    def _observe_locked(self, index: int, kind: str, seconds: float) -> None:
+        times, seen = self._times[kind], self._seen[kind]
+        times[index] = seconds if not seen[index] else (1 - self.smoothing) * times[index] + self.smoothing * seconds
+        seen[index] = True
+        self.observations += 1
+
+    def observe(self, layer_index: int, kind: str, seconds: float) -> None:
+        """Record one microbatch's measured ``seconds`` of ``kind`` ("forward", "recompute", "backward")."""
+        self._check_kind(kind, TIME_KINDS)
+        self._check_layer(layer_index)
+        if seconds < 0:
+            raise ValueError(f"a measured time cannot be negative, got {seconds}")
+        with self._lock:
+            self._observe_locked(layer_index, kind, float(seconds))
+
+    def observe_stage(self, layer_range: tuple[int, int] | range, kind: str, seconds: float, microbatches: int = 1) -> None:
+        """Record a stage measurement, spread over its layers in proportion to their current times.
+
+        ``seconds`` covers ``microbatches`` microbatches of the stage ``[start, end)``. ``kind``
+        may also be "fused" (forward + loss + backward of the last stage, no recompute), which
+        is spread over the layers' forward and backward times together.
+        """
+        self._check_kind(kind, TIME_KINDS + ("fused",))
+        start, end = (layer_range.start, layer_range.stop) if isinstance(layer_range, range) else layer_range
+        if start >= end:
+            raise ValueError(f"stage range [{start}:{end}] is empty")
+        self._check_layer(start)
+        self._check_layer(end - 1)
+        if microbatches < 1:
+            raise ValueError(f"microbatches must be at least 1, got {microbatches}")
+        per_microbatch = float(seconds) / microbatches
+        kinds = ("forward", "backward") if kind == "fused" else (kind,)
+        with self._lock:
+            shares = [(i, k, self._times[k][i]) for i in range(start, end) for k in kinds]
+            total = sum(s for _, _, s in shares)
+            for i, k, s in shares:
+                # Without estimates to go by (all zero), split evenly.
+                part = s / total if total > 0 else 1.0 / len(shares)
+                self._observe_locked(i, k, per_microbatch * part)
+
+    def profile(self) -> CostProfile:
+        """A snapshot as a :class:`CostProfile` (``measured`` once anything was observed)."""
+        with self._lock:
+            layers = [
+                LayerCost(
+                    self._times["forward"][i],
+                    self._times["recompute"][i],
+                    self._times["backward"][i],
+                    c.weight_bytes,
+                    c.grad_bytes,
+                    c.act_bytes_per_token,
+                )
+                for i, c in enumerate(self._base.layers)
+            ]
+            measured = self.observations > 0
+        notes = dict(self._base.notes)
+        notes["source"] = "measured" if measured else notes.get("source", "estimate")
+        return CostProfile(layers, self._base.tokens_per_microbatch, measured=measured, notes=notes)
+
+    def moved_since(self, previous: CostProfile, threshold: float = 0.2, plan: Plan | None = None) -> bool:
+        """True when some stage-relevant total changed by more than ``threshold`` (see :func:`cost_change`)."""
+        change, _ = cost_change(previous, self.profile(), plan)
+        return change > threshold

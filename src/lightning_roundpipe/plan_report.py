@@ -1,0 +1,118 @@
+"""A readable account of a plan: each stage's layers, predicted time and memory, and the step.
+
+``build_report(plan, costs, num_workers, microbatches).to_table()`` prints what the
+partitioner expects before anything runs, so a user can see why the plan looks as it does
+(and compare with the measured trace later). Predictions come from :func:`.partition.predict`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .cost import CostProfile, StageCostModel, format_bytes, format_seconds
+from .partition import DEFAULT_STAGE_OVERHEAD_S, dispatched_stage_costs, link_speed, predict
+from .plan import Plan, dispatch
+
+
+@dataclass(frozen=True)
+class ReportRow:
+    """One dispatched stage."""
+
+    stage: str  # "F0", "B3"; the fused stage is named after its forward stage
+    direction: str  # "forward", "backward" or "fused"
+    start: int  # first layer
+    end: int  # one past the last layer
+    worker: int  # the worker it runs on in the first step (round-robin order)
+    predicted_s: float  # max(compute, upload, download) for all microbatches
+    weight_bytes: int
+    activation_bytes: int  # one microbatch's activations held on the worker
+
+    @property
+    def layers(self) -> str:
+        return f"{self.start}:{self.end}"
+
+
+@dataclass
+class PlanReport:
+    """Per-stage predictions of a plan and the predicted step."""
+
+    plan_text: str
+    num_workers: int
+    microbatches: int
+    rows: list[ReportRow] = field(default_factory=list)
+    predicted_step_s: float = 0.0
+    predicted_bubble: float = 0.0
+
+    def to_table(self) -> str:
+        """Fixed-width text table, one line per stage in dispatch order, then the step summary."""
+        header = ("stage", "direction", "layers", "worker", "predicted", "weights", "activations")
+        lines = [
+            (r.stage, r.direction, r.layers, str(r.worker), format_seconds(r.predicted_s),
+             format_bytes(r.weight_bytes), format_bytes(r.activation_bytes))
+            for r in self.rows
+        ]
+        widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
+        left = {0, 1, 2}  # text columns left-aligned, numbers right-aligned
+
+        def fmt(cells) -> str:
+            return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+        out = [f"RoundPipe plan {self.plan_text} on {self.num_workers} worker(s), {self.microbatches} microbatch(es)"]
+        out.append(fmt(header))
+        out.append("  ".join("-" * w for w in widths))
+        out.extend(fmt(line) for line in lines)
+        out.append(
+            f"predicted step {format_seconds(self.predicted_step_s)}, "
+            f"predicted bubble fraction {self.predicted_bubble:.1%}"
+        )
+        return "\n".join(out)
+
+    def as_dict(self) -> dict:
+        """Plain data (JSON-ready)."""
+        data = asdict(self)
+        for row, r in zip(data["rows"], self.rows):
+            row["layers"] = r.layers
+        return data
+
+    def __str__(self) -> str:
+        return self.to_table()
+
+
+def build_report(
+    plan: Plan,
+    costs: CostProfile,
+    num_workers: int,
+    microbatches: int,
+    *,
+    link_bytes_per_second: float | None = None,
+    stage_overhead_s: float | None = None,
+    recompute: bool | None = None,
+) -> PlanReport:
+    """Report of ``plan`` under ``costs``; the timing-model options default to those stored in
+    ``plan.notes`` by :func:`.partition.partition`, then to the partitioner's defaults."""
+    notes = plan.notes
+    link = link_speed(costs, link_bytes_per_second if link_bytes_per_second is not None else notes.get("link_bytes_per_second"))
+    if stage_overhead_s is None:
+        stage_overhead_s = notes.get("stage_overhead_s", DEFAULT_STAGE_OVERHEAD_S)
+    if recompute is None:
+        recompute = notes.get("recompute", True)
+    prediction = predict(
+        plan, costs, num_workers, microbatches,
+        link_bytes_per_second=link, stage_overhead_s=stage_overhead_s, recompute=recompute,
+    )
+    model = StageCostModel(costs, microbatches, link, recompute)
+    workers = {task.stage.name: task.worker for task in dispatch(plan, num_workers)}
+    rows = [
+        ReportRow(
+            stage=stage.name,
+            direction=sc.kind,
+            start=stage.start,
+            end=stage.end,
+            worker=workers[stage.name],
+            predicted_s=sc.seconds,
+            weight_bytes=sc.weight_bytes,
+            activation_bytes=sc.activation_bytes,
+        )
+        for stage, sc in dispatched_stage_costs(plan, model)
+    ]
+    return PlanReport(plan.to_text(), num_workers, microbatches, rows, prediction.step_s, prediction.bubble)

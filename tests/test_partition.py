@@ -1,0 +1,310 @@
+"""Partition policies, the timing model, cost estimates and re-planning, on synthetic costs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_roundpipe.cost import CostProfile, LayerCost
+from lightning_roundpipe.cost_estimate import MovingCostProfile, cost_change, estimate_costs
+from lightning_roundpipe.partition import Replanner, partition, predict
+from lightning_roundpipe.plan import Plan, PlanError
+
+MiB = 2**20
+GiB = 2**30
+LINK = 25e9  # PCIe 4.0 x16, one direction
+
+
+def layer(forward_s: float, weight_bytes: int = 100_000_000, act_bytes_per_token: int = 8192) -> LayerCost:
+    return LayerCost(forward_s, forward_s, 2 * forward_s, weight_bytes, weight_bytes, act_bytes_per_token)
+
+
+def profile(layers: list[LayerCost], tokens: int = 2048) -> CostProfile:
+    return CostProfile(layers, tokens_per_microbatch=tokens)
+
+
+def equal_layers(n: int = 16) -> CostProfile:
+    return profile([layer(0.01) for _ in range(n)])
+
+
+def lm_head_heavy() -> CostProfile:
+    """12 decoder layers and an LM head costing three of them."""
+    return profile([layer(0.01) for _ in range(12)] + [layer(0.03, weight_bytes=300_000_000)])
+
+
+def sizes(ranges) -> list[int]:
+    return [b - a for a, b in ranges]
+
+
+def seconds_of(plan: Plan, prefix: str) -> list[float]:
+    return [s for name, s in plan.notes["stage_seconds"].items() if name.startswith(prefix)]
+
+
+# --------------------------------------------------------------------- timing model
+def test_predict_single_worker_is_serial_and_has_no_bubble():
+    costs = profile([layer(1.0, 0, 0), layer(2.0, 0, 0)])
+    plan = Plan(2, ((0, 1), (1, 2)), ((0, 1), (1, 2)))
+    p = predict(plan, costs, num_workers=1, microbatches=2, stage_overhead_s=0.0)
+    # forward 2 * (1 + 2), then backward 2 * (3 + 6)
+    assert p.step_s == pytest.approx(24.0)
+    assert p.forward_s == pytest.approx(6.0)
+    assert p.bubble == pytest.approx(0.0)
+    assert p.stage_seconds == pytest.approx({"F0": 2.0, "F1": 4.0, "B1": 12.0, "B0": 6.0})
+
+
+def test_predict_two_workers_pipelines_microbatches():
+    costs = profile([layer(1.0, 0, 0), layer(2.0, 0, 0)])
+    plan = Plan(2, ((0, 1), (1, 2)), ((0, 1), (1, 2)))
+    p = predict(plan, costs, num_workers=2, microbatches=2, stage_overhead_s=0.0)
+    # F0 on w0: 0-1, 1-2; F1 on w1: 1-3, 3-5; B1 on w0 after the forward: 5-11, 11-17; B0 on w1: 11-14, 17-20
+    assert p.forward_s == pytest.approx(5.0)
+    assert p.step_s == pytest.approx(20.0)
+    assert p.bubble == pytest.approx(1 - 24 / 40)
+
+
+def test_predict_exposes_weight_upload_of_first_stage():
+    costs = profile([LayerCost(1.0, 1.0, 2.0, 2_000, 0, 0)])
+    plan = Plan(1, ((0, 1),), ((0, 1),))
+    p = predict(plan, costs, 1, 1, link_bytes_per_second=1_000.0, stage_overhead_s=0.0)
+    # 2 s to upload the weights, 1 s forward; the backward's upload is prefetched from its
+    # predecessor's start (t=2) and ready at 4 > 3, so it waits 1 s, then runs 3 s
+    assert p.step_s == pytest.approx(7.0)
+
+
+# --------------------------------------------------------------------- simple policies
+def test_uniform_and_params_policies_for_equal_layers():
+    costs = equal_layers(16)
+    for policy in ("uniform", "params"):
+        plan = partition(policy, costs, num_workers=4, microbatches=8)
+        assert sizes(plan.forward) == [4, 4, 4, 4]
+        assert sizes(plan.backward) == [2] * 8
+        assert plan.notes["policy"] == policy
+        assert plan.notes["predicted_step_s"] > 0
+        assert set(plan.notes["stage_seconds"]) == {f"F{i}" for i in range(4)} | {f"B{i}" for i in range(8)}
+
+
+def test_params_policy_balances_weight_bytes():
+    costs = profile([layer(0.01, weight_bytes=w) for w in (1, 1, 1, 1, 4)])
+    plan = partition("params", costs, num_workers=2, microbatches=4, recompute=False)
+    assert plan.forward == ((0, 4), (4, 5))
+    assert plan.backward == plan.forward
+
+
+# --------------------------------------------------------------------- auto policy
+def test_auto_balances_equal_layers():
+    plan = partition("auto", equal_layers(16), num_workers=4, microbatches=8, link_bytes_per_second=LINK)
+    for ranges in (plan.forward, plan.backward):
+        assert len(set(sizes(ranges))) == 1, plan  # every stage of a direction holds the same layer count
+    for prefix in ("F", "B"):
+        stage_s = seconds_of(plan, prefix)
+        assert max(stage_s) == pytest.approx(min(stage_s))
+    assert plan.notes["policy"] == "auto"
+    assert 0.0 <= plan.notes["predicted_bubble"] < 1.0
+
+
+@pytest.mark.parametrize("workers,microbatches", [(2, 8), (4, 32)])
+def test_auto_backward_stages_hold_fewer_layers(workers, microbatches):
+    plan = partition("auto", equal_layers(16), workers, microbatches, link_bytes_per_second=LINK)
+    mean_forward = 16 / len(plan.forward)
+    mean_backward = 16 / len(plan.backward)
+    assert mean_backward < mean_forward, plan
+
+
+def test_auto_plan_for_two_workers_is_stable():
+    plan = partition("auto", equal_layers(16), 2, 8, link_bytes_per_second=LINK)
+    assert plan.to_text() == "F 0:4 4:8 8:12 12:16 | B 0:2 2:4 4:6 6:8 8:10 10:12 12:14 14:16"
+
+
+@pytest.mark.parametrize("workers,microbatches", [(2, 8), (4, 8), (4, 32), (8, 16)])
+def test_auto_splits_lm_head_heavy_model_evenly(workers, microbatches):
+    plan = partition("auto", lm_head_heavy(), workers, microbatches, link_bytes_per_second=LINK)
+    for prefix in ("F", "B"):
+        stage_s = seconds_of(plan, prefix)
+        balanced = sum(stage_s) / len(stage_s)
+        assert max(stage_s) <= 1.1 * balanced, (prefix, plan, stage_s)
+    # the head is never lumped with many decoder layers
+    assert plan.forward[-1][1] - plan.forward[-1][0] <= 2
+
+
+def test_auto_fused_last_stage_is_last_in_both_directions_and_balanced_with_backward():
+    plan = partition("auto", lm_head_heavy(), 4, 8, link_bytes_per_second=LINK, fused_last=True)
+    assert plan.fused_last and plan.forward[-1] == plan.backward[-1]
+    fused = plan.notes["fused_stage"]
+    assert fused == f"F{len(plan.forward) - 1}"
+    plain_forward = [s for n, s in plan.notes["stage_seconds"].items() if n.startswith("F") and n != fused]
+    backward_like = seconds_of(plan, "B") + [plan.notes["stage_seconds"][fused]]
+    for group in (plain_forward, backward_like):
+        assert max(group) <= 1.1 * sum(group) / len(group), plan
+    # the fused stage is not dispatched a second time as a backward stage
+    assert f"B{len(plan.backward) - 1}" not in plan.notes["stage_seconds"]
+
+
+def test_auto_without_recompute_uses_forward_cuts_for_backward():
+    plan = partition("auto", equal_layers(12), 4, 8, recompute=False)
+    assert plan.same_cuts()
+
+
+def test_auto_respects_memory_budget():
+    costs = equal_layers(16)  # 100 MB of weights and 100 MB of gradients per layer
+    budget = 600 * MiB
+    free = partition("auto", costs, 2, 8, link_bytes_per_second=LINK)
+    assert max(free.notes["stage_memory_bytes"].values()) > budget / 2  # the budget binds
+    plan = partition("auto", costs, 2, 8, link_bytes_per_second=LINK, memory_budget_bytes=budget)
+    for name, (a, b) in [(f"F{i}", r) for i, r in enumerate(plan.forward)] + [
+        (f"B{i}", r) for i, r in enumerate(plan.backward)
+    ]:
+        weights = sum(c.weight_bytes for c in costs.layers[a:b])
+        assert weights <= budget / 2, name
+        assert plan.notes["stage_memory_bytes"][name] <= budget / 2, name
+    assert plan.notes["memory_budget_bytes"] == budget
+    assert max(sizes(plan.forward)) == 2 and max(sizes(plan.backward)) == 1  # 3 or 2 layers would not fit
+
+
+def test_layer_too_large_for_budget_names_layer_size_and_budget():
+    layers = [layer(0.01) for _ in range(6)]
+    layers[4] = LayerCost(0.01, 0.01, 0.02, 2 * GiB, 0, 0)
+    with pytest.raises(PlanError) as info:
+        partition("auto", profile(layers), 4, 8, memory_budget_bytes=1 * GiB)
+    message = str(info.value)
+    # weights plus the 16 MiB input of one microbatch (2048 tokens x 8192 bytes from layer 3)
+    assert message.startswith("layer 4 needs 2.02 GiB (2164260864 bytes: weights 2.00 GiB, weight gradients 0 B")
+    assert "1.00 GiB (1073741824 bytes)" in message
+    assert "512.00 MiB (536870912 bytes)" in message
+    assert "Raise memory_budget_bytes" in message
+
+
+def test_simple_policy_stage_over_budget_is_reported():
+    with pytest.raises(PlanError, match=r"stage F0\[0:8\] needs 778.94 MiB \(816777216 bytes\) .* budget of 1.00 GiB"):
+        partition("uniform", equal_layers(16), 2, 8, memory_budget_bytes=1 * GiB, recompute=False)
+
+
+# --------------------------------------------------------------------- manual policy
+def test_manual_plan_is_validated_and_annotated():
+    plan = partition("manual", equal_layers(6), 2, 4, manual_forward=[[0, 3], [3, 6]], manual_backward=[[0, 2], [2, 4], [4, 6]])
+    assert plan.to_text() == "F 0:3 3:6 | B 0:2 2:4 4:6"
+    assert plan.notes["policy"] == "manual"
+    assert sorted(plan.notes["stage_seconds"]) == ["B0", "B1", "B2", "F0", "F1"]
+    same = partition("manual", equal_layers(6), 2, 4, manual_forward=[[0, 3], [3, 6]])
+    assert same.backward == same.forward
+
+
+@pytest.mark.parametrize(
+    "forward,message",
+    [
+        ([[0, 3], [4, 6]], "forward stage 1 [4:6] leaves a gap: it must start at layer 3 (layers 3..3 are in no stage)"),
+        ([[0, 3], [2, 6]], "forward stage 1 [2:6] overlaps the previous stage: it must start at layer 3"),
+        ([[0, 3], [3, 3], [3, 6]], "forward stage 1 [3:3] is empty"),
+        ([], "the plan has no forward stages"),
+        ([[0, 3]], "forward stages end at layer 3 but the model has 6 layers"),
+        ([[0, 3], [3]], "manual_forward entry [3] is not a [start, end] pair"),
+    ],
+)
+def test_manual_plan_errors(forward, message):
+    with pytest.raises(PlanError) as info:
+        partition("manual", equal_layers(6), 2, 4, manual_forward=forward)
+    assert message in str(info.value)
+
+
+def test_manual_without_recompute_needs_equal_cuts():
+    with pytest.raises(PlanError, match=r"recompute=False keeps the forward graph.*\[\[0, 3\], \[3, 6\]\].*\[\[0, 2\], \[2, 6\]\]"):
+        partition("manual", equal_layers(6), 2, 4, recompute=False, manual_forward=[[0, 3], [3, 6]], manual_backward=[[0, 2], [2, 6]])
+
+
+def test_manual_needs_ranges_and_policy_must_be_known():
+    with pytest.raises(PlanError, match="the manual policy needs manual_forward"):
+        partition("manual", equal_layers(6), 2, 4)
+    with pytest.raises(PlanError, match="unknown partition policy 'fastest'"):
+        partition("fastest", equal_layers(6), 2, 4)
+    with pytest.raises(PlanError, match="num_workers must be at least 1"):
+        partition("auto", equal_layers(6), 0, 4)
+
+
+def test_manual_fused_last_must_end_both_directions_alike():
+    with pytest.raises(PlanError, match="a fused last stage runs forward and backward of the same layers"):
+        partition("manual", equal_layers(6), 2, 4, fused_last=True, manual_forward=[[0, 3], [3, 6]], manual_backward=[[0, 4], [4, 6]])
+
+
+# --------------------------------------------------------------------- estimates
+def test_estimate_costs_from_module_sizes():
+    class WithBuffer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+            self.register_buffer("scale", torch.ones(16, dtype=torch.float32))
+
+    embedding, frozen = nn.Embedding(100, 16), nn.Linear(16, 100, bias=False)
+    frozen.weight.requires_grad_(False)
+    costs = estimate_costs([embedding, WithBuffer(), frozen], 8, None, torch.bfloat16, flops_per_second=1e9)
+    emb, mid, head = costs.layers
+    assert emb.forward_s == pytest.approx(16 * 8 / 1e9)  # lookup: one FLOP per output element only
+    assert mid.forward_s == pytest.approx((2 * 272 * 8 + 16 * 8) / 1e9)
+    assert mid.recompute_s == mid.forward_s and mid.backward_s == pytest.approx(2 * mid.forward_s)
+    assert emb.weight_bytes == 1600 * 2
+    assert mid.weight_bytes == 272 * 2 + 16 * 4  # buffer in its own dtype
+    assert head.grad_bytes == 0 and mid.grad_bytes == 272 * 2
+    assert [c.act_bytes_per_token for c in costs.layers] == [32, 32, 200]
+    assert costs.tokens_per_microbatch == 8 and not costs.measured
+    fixed = estimate_costs([embedding, frozen], 8, 4096, torch.float32, link_bytes_per_second=1e9)
+    assert [c.act_bytes_per_token for c in fixed.layers] == [4096, 4096]
+    assert fixed.notes["link_bytes_per_second"] == 1e9
+
+
+def test_moving_profile_first_measurement_replaces_then_averages():
+    moving = MovingCostProfile(profile([layer(1.0), layer(3.0)]), smoothing=0.5)
+    moving.observe(0, "forward", 2.0)
+    assert moving.profile().layers[0].forward_s == 2.0
+    moving.observe(0, "forward", 4.0)
+    assert moving.profile().layers[0].forward_s == 3.0
+    moving.observe_stage((0, 2), "backward", 16.0, microbatches=2)  # 8 s per microbatch, estimates 2 : 6
+    snapshot = moving.profile()
+    assert [c.backward_s for c in snapshot.layers] == [2.0, 6.0]
+    assert snapshot.measured and snapshot.notes["source"] == "measured"
+    moving.observe_stage(range(1, 2), "fused", 12.0)  # forward 3 : backward 6 -> 4 and 8, averaged in
+    layer1 = moving.profile().layers[1]
+    assert (layer1.forward_s, layer1.backward_s) == (4.0, 7.0)
+    with pytest.raises(ValueError, match="unknown time kind 'sideways'"):
+        moving.observe(0, "sideways", 1.0)
+    with pytest.raises(IndexError, match="layer index 5 is outside the model's 2 layers"):
+        moving.observe(5, "forward", 1.0)
+
+
+def test_moved_since_compares_stage_totals():
+    base = equal_layers(4)
+    plan = Plan(4, ((0, 2), (2, 4)), ((0, 2), (2, 4)))
+    moving = MovingCostProfile(base)
+    moving.observe(3, "forward", 0.012)  # F1 0.02 -> 0.022: 10%
+    assert not moving.moved_since(base, 0.2, plan)
+    moving.observe(3, "forward", 0.032)  # EMA 0.012 -> 0.018: F1 0.028, 40%
+    assert moving.moved_since(base, 0.2, plan)
+    change, where = cost_change(base, moving.profile(), plan)
+    assert change == pytest.approx(0.4) and where.startswith("stage F1")
+
+
+# --------------------------------------------------------------------- re-planning
+def test_replanner_replans_only_above_threshold(caplog):
+    costs = equal_layers(16)
+    plan = partition("auto", costs, 2, 8, link_bytes_per_second=LINK)
+    replanner = Replanner(plan, costs, 2, 8, threshold=0.2, link_bytes_per_second=LINK)
+    nudged = profile([layer(0.011 if i == 15 else 0.01) for i in range(16)])
+    with caplog.at_level(logging.INFO, logger="lightning_roundpipe"):
+        assert replanner.maybe_replan(nudged) is None
+    assert not caplog.records and replanner.plan is plan
+    # the last four layers become three times as slow (an LM head-like tail)
+    heavy = profile([layer(0.03 if i >= 12 else 0.01) for i in range(16)])
+    with caplog.at_level(logging.INFO, logger="lightning_roundpipe"):
+        new_plan = replanner.maybe_replan(heavy)
+    assert new_plan is not None and new_plan.to_text() != plan.to_text()
+    assert replanner.plan is new_plan and replanner.costs is heavy
+    (record,) = caplog.records
+    assert "re-planned because stage B7 (0.06s -> 0.18s per microbatch) changed by 200% (threshold 20%)" in record.getMessage()
+    assert replanner.maybe_replan(heavy) is None  # compared against the new baseline now
+
+
+def test_replanner_never_replans_a_manual_plan():
+    costs = equal_layers(4)
+    plan = partition("manual", costs, 2, 2, manual_forward=[[0, 2], [2, 4]])
+    replanner = Replanner(plan, costs, 2, 2)
+    assert replanner.maybe_replan(profile([layer(1.0) for _ in range(4)])) is None
