@@ -18,7 +18,8 @@ from torch import nn
 
 from .config import PartitionConfig, TransferConfig
 from .engine import EngineOptions, PipelineEngine
-from .plan import Plan, PlanError, simple_plan
+from .plan import PlanError
+from .planning import PlanKeeper
 from .target import patch_forward, unpatch
 from .trace import TraceRecorder
 from .workers import make_pool
@@ -52,34 +53,6 @@ class RuntimeOptions:
         return self
 
 
-def layer_param_bytes(layer: nn.Module) -> float:
-    return float(sum(p.numel() * p.element_size() for p in layer.parameters()))
-
-
-def make_plan(layers: list[nn.Module], num_workers: int, options: RuntimeOptions, fused_last: bool) -> Plan:
-    part = options.partition
-    same = options.recompute == "never"
-    n = len(layers)
-    if part.policy == "manual":
-        fwd = [tuple(r) for r in part.manual_forward]
-        bwd = [tuple(r) for r in (part.manual_backward or part.manual_forward)]
-        return Plan(n, fwd, bwd, fused_last=fused_last, notes={"policy": "manual"}).validate()
-    if part.policy == "auto":
-        from .partition_runtime import auto_plan
-
-        return auto_plan(layers, num_workers, options, fused_last)
-    return simple_plan(
-        n,
-        num_workers,
-        policy=part.policy,
-        layer_weights=[layer_param_bytes(l) for l in layers],
-        forward_stages=part.forward_stages,
-        backward_stages=part.backward_stages,
-        same_cuts=same,
-        fused_last=fused_last,
-    )
-
-
 class RoundPipeRuntime:
     """A module pipelined over a worker pool; ``detach`` restores it."""
 
@@ -104,10 +77,18 @@ class RoundPipeRuntime:
             )
         if backend == "cuda" and options.recompute == "never":
             raise ValueError("recompute='never' keeps forward graphs across workers and is only supported on the CPU backend")
-        plan = make_plan(layers, num_workers, options, fused_last)
+        microbatches = int(options.microbatches or num_workers + 1)
+        self.planner = PlanKeeper(
+            layers, num_workers, microbatches, options.partition, recompute=options.recompute == "always",
+            fused_last=fused_last, compute_dtype=options.compute_dtype,
+            link_bytes_per_second=t.bandwidth_bytes_per_s or (None if backend == "cpu" else 25e9),
+            flops_per_second=5e10 if backend == "cpu" else 1e14,
+            memory_budget_bytes=options.partition.memory_budget_bytes,
+        )
+        plan = self.planner.plan
         self.pool = make_pool(backend, num_workers, device_indices=device_indices, **pool_opts)
         engine_opts = EngineOptions(
-            microbatches=int(options.microbatches or num_workers + 1),
+            microbatches=microbatches,
             recompute=options.recompute == "always",
             compute_dtype=options.compute_dtype,
             priorities=dict(t.priorities),
@@ -119,7 +100,13 @@ class RoundPipeRuntime:
         except BaseException:
             self.pool.shutdown()
             raise
+        self.engine.step_end_hooks.append(self._after_step)
         patch_forward(module, forward(self))
+
+    def _after_step(self, run) -> None:
+        new_plan = self.planner.after_step(run.measurements)
+        if new_plan is not None:
+            self.engine.set_plan(new_plan)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -138,7 +125,8 @@ class RoundPipeRuntime:
         return cls(patched, layers, forward, backend, num_workers, options, fused_last=True, **kwargs)
 
     def describe(self) -> str:
-        return self.engine.describe()
+        """The plan's text form, the dispatch of the first step, and the predicted cost table."""
+        return f"{self.engine.describe()}\n{self.planner.report().to_table()}"
 
     def peak_weight_bytes(self) -> list[int]:
         return self.pool.peak_weight_bytes()

@@ -80,6 +80,7 @@ class PipelineEngine:
         self.last_run: StepRun | None = None
         self.measurements: list = []  # (stage, kind, seconds) of the last step, for the cost profile
         self.grad_hooks: list = []  # called with a layer range once its gradients are on the host
+        self.step_end_hooks: list = []  # called with the StepRun after each training backward
         self._weight_gate_fn = None
 
     # ------------------------------------------------------------------ plan
@@ -254,6 +255,8 @@ class _PipelineFunction(torch.autograd.Function):
         else:
             per_mb = _split_output_grads(run, grads)
             input_grads = engine._guarded(run.backward, per_mb)
+        for hook in engine.step_end_hooks:
+            hook(run)
         n_inputs = len(ctx.needs_input_grad) - 3
         merged_inputs = [None] * n_inputs
         if run.input_requires_grad and input_grads and input_grads[0] is not None:

@@ -298,7 +298,7 @@ class StepRun:
                 if not self.keep_graph:
                     a_in = self._upload_carry(worker, self.acts[(stage.start, i)], "act_in", stage, i)
                     deps.append(a_in)
-                comp = worker.compute(self._timed(stage, "backward", self._backward_fn(worker, weights, stage, i, a_in, g_in)),
+                comp = worker.compute(self._backward_fn(worker, weights, stage, i, a_in, g_in),
                                       deps, self._label("backward", stage, i, worker, "compute"))
                 last = comp
                 if stage.start > 0 or self.input_requires_grad:
@@ -339,14 +339,18 @@ class StepRun:
                 spec = a_in.value.spec
                 tree = a_in.value.tree()
                 in_leaves, tree = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad)
+                t0 = time.perf_counter()
                 with self._compute_context(worker.device, grad=True):
                     out = self._run_layers(worker.device, weights, stage.start, stage.end, tree, i)[stage.end]
+                self.measurements.append((stage, "recompute", time.perf_counter() - t0))
                 out_leaves = pytree.tree_leaves(out)
+            t0 = time.perf_counter()
             pairs = [(o, g) for o, g in zip(out_leaves, g_leaves)
                      if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
             grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in in_leaves]
+            self.measurements.append((stage, "backward", time.perf_counter() - t0))
             return HostCarry(grads, spec)
         return fn
 

@@ -95,8 +95,8 @@ class Lane:
                 del self._pending[pos]
                 waiting = next(d for d in task.deps if not d.is_set())
                 return task, PipelineTimeout(
-                    f"[{task.done.label}] waited more than {self.pool.timeout_s:g}s for [{waiting.label}]"
-                    f" (event not set)\n{self.pool.diagnose()}"
+                    f"[{task.done.label}] timed out after {self.pool.timeout_s:g}s waiting for [{waiting.label}]"
+                    f" (its event was never set)\n{self.pool._diagnose_locked()}"
                 )
             if self.strict_order:
                 break
