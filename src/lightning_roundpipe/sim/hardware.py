@@ -1,0 +1,160 @@
+"""Hardware profiles: the few numbers of a machine that decide how fast a pipeline step runs.
+
+A profile is a plain dataclass, loaded from ``conf/hardware/<name>.yaml``. The YAML keys are the
+field names; sizes may be written with units (``24 GiB``, ``25 GB/s``) so the files stay
+readable, and every file says where its numbers come from.
+
+The simulator reads compute speed from ``tflops`` (only when costs are estimated from a model
+shape; measured :class:`~lightning_roundpipe.cost.CostProfile` times are used as they are), the
+host link from ``host_device_bytes_per_s`` and ``latency_s``, and the host optimizer from
+``cpu_optimizer_params_per_s``. The same fields describe the CPU backend's virtual workers
+(``conf/hardware/cpu2.yaml``), whose injected bandwidth limit and latency play the role of the
+PCIe link, so a simulated step can be checked against a measured CPU run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_QUANTITY = re.compile(r"^\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*(/\s*s)?\s*$")
+
+
+def parse_quantity(value: Any) -> float:
+    """Turn ``24``, ``"24e9"``, ``"24 GiB"`` or ``"25 GB/s"`` into a plain number (bytes or bytes/s).
+
+    Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers of
+    1024, as vendors and operating systems use them. A trailing ``/s`` is accepted and ignored:
+    the field name already says it is a rate.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number or a size such as '24 GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    match = _QUANTITY.match(str(value))
+    if not match:
+        raise ValueError(f"cannot read {value!r} as a size: write a number or e.g. '24 GiB', '25 GB/s'")
+    number, unit = match.group(1), match.group(2).lower()
+    if unit not in _UNITS:
+        raise ValueError(f"unknown unit {match.group(2)!r} in {value!r}; use one of B, kB, MB, GB, TB, KiB, MiB, GiB, TiB")
+    try:
+        return float(number) * _UNITS[unit]
+    except ValueError:
+        raise ValueError(f"cannot read the number in {value!r}") from None
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One machine: ``num_gpus`` identical workers, each with its own link to host memory."""
+
+    name: str
+    num_gpus: int
+    tflops: float  # achievable dense bf16 (compute dtype) TFLOP/s of one worker on transformer layers
+    gpu_memory_bytes: int  # memory of one worker
+    host_device_bytes_per_s: float  # one direction of one worker's host link
+    host_memory_bytes: int  # host RAM for model state, optimizer state and saved activations
+    cpu_optimizer_params_per_s: float  # parameters per second the host optimizer updates (Adam, fp32)
+    duplex: bool = True  # uploads and downloads run at full speed at the same time (PCIe is full duplex)
+    latency_s: float = 0.0  # fixed cost of every transfer (launch, synchronisation)
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.num_gpus < 1:
+            problems.append(f"num_gpus must be at least 1, got {self.num_gpus}")
+        for name in ("tflops", "gpu_memory_bytes", "host_device_bytes_per_s", "host_memory_bytes", "cpu_optimizer_params_per_s"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        if self.latency_s < 0:
+            problems.append(f"latency_s must not be negative, got {self.latency_s}")
+        if problems:
+            raise ValueError(f"hardware profile {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def flops_per_s(self) -> float:
+        """Achievable FLOP/s of one worker."""
+        return self.tflops * 1e12
+
+    def transfer_seconds(self, num_bytes: float) -> float:
+        """Time of one transfer of ``num_bytes`` on an idle link: latency plus bytes over bandwidth."""
+        return self.latency_s + num_bytes / self.host_device_bytes_per_s
+
+    def replace(self, **changes: Any) -> "HardwareProfile":
+        """A copy with some fields changed, e.g. ``profile.replace(num_gpus=4)``."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], name: str | None = None) -> "HardwareProfile":
+        """Build from a mapping with the field names as keys; sizes may carry units."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown hardware profile key(s) {unknown}; known keys are {sorted(known)}")
+        values = dict(data)
+        if name is not None:
+            values.setdefault("name", name)
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in values and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"hardware profile {values.get('name', '?')!r} lacks key(s) {missing}")
+        for key in ("gpu_memory_bytes", "host_memory_bytes"):
+            values[key] = int(parse_quantity(values[key]))
+        for key in ("host_device_bytes_per_s", "cpu_optimizer_params_per_s", "tflops", "latency_s"):
+            if key in values:
+                values[key] = parse_quantity(values[key])
+        values["num_gpus"] = int(values["num_gpus"])
+        if "duplex" in values:
+            values["duplex"] = bool(values["duplex"])
+        return cls(**values)
+
+
+def hardware_dir() -> Path:
+    """Folder of the shipped profiles: ``$LIGHTNING_ROUNDPIPE_HARDWARE_DIR`` or the repository's ``conf/hardware``."""
+    env = os.environ.get("LIGHTNING_ROUNDPIPE_HARDWARE_DIR")
+    if env:
+        return Path(env)
+    # src/lightning_roundpipe/sim/hardware.py -> repository root is three folders up from the package.
+    return Path(__file__).resolve().parents[3] / "conf" / "hardware"
+
+
+def available_hardware() -> list[str]:
+    """Names of the shipped profiles (file names without ``.yaml``)."""
+    folder = hardware_dir()
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def load_hardware(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareProfile:
+    """Load a profile by name (``"rtx4090"``) from :func:`hardware_dir`, or from a YAML file path."""
+    if isinstance(name_or_path, HardwareProfile):
+        return name_or_path
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = hardware_dir() / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no hardware profile {str(name_or_path)!r} (looked for {path}); "
+            f"shipped profiles: {available_hardware() or 'none found'}; or pass a path to a YAML file"
+        )
+    with open(path) as fh:
+        data = yaml.safe_load(fh) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping of profile fields, got {type(data).__name__}")
+    return HardwareProfile.from_dict(data, name=path.stem)

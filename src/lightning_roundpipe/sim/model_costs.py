@@ -1,0 +1,221 @@
+"""Per-layer costs of a decoder-only transformer, estimated from its shape and a hardware profile.
+
+The pipelined module has ``num_layers + 2`` layers: a prefix (token embedding), the decoder
+layers, and a postfix (final norm, LM head and loss). Times come from FLOPs divided by the
+profile's achievable rate; bytes from parameter counts in the compute dtype.
+
+FLOPs per token, forward (``q = heads * head_dim``, ``kv = kv_heads * head_dim``):
+
+- decoder layer: ``2 * linear_params`` for the seven projections, plus attention scores and
+  the weighted sum, ``2 * seq_len * q`` (causal: ``4 * seq_len * q`` halved, as flash attention
+  skips the masked blocks). Summed over a microbatch this is the ``seq_len^2`` term.
+- postfix: ``2 * hidden * vocab`` for the LM head (norm and loss are negligible next to it).
+- prefix: a gather, costed as ``hidden`` FLOPs so it is not free.
+
+Backward proper (recompute excluded) is twice the forward: gradients of inputs and of weights.
+With LoRA (``lora_rank``) the base weights are frozen, so the base projections and the LM head
+only need input gradients (once the forward); the adapters on all seven projections add their
+own small FLOPs, and only their gradients travel home.
+
+``CostProfile.notes`` carries what the memory planner needs beyond :class:`LayerCost`:
+``graph_bytes_per_token`` (activations autograd keeps for one layer's backward),
+``params`` / ``trainable_params`` per layer, ``unique_params`` (tied embeddings counted once),
+``dtype_bytes``, ``input_bytes_per_token`` (int64 token ids) and the shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..cost import CostProfile, LayerCost
+from .hardware import HardwareProfile
+
+# Logits kept for the loss's backward, per token and vocabulary entry, on top of the compute-dtype
+# logits: Hugging Face upcasts them to fp32 and cross-entropy saves its fp32 log-softmax.
+_LOSS_FP32_COPIES = 2
+_TOKEN_ID_BYTES = 8  # int64 input ids
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder-only transformer's config that decide its cost."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    num_layers: int
+    tie_embeddings: bool = False  # LM head shares the embedding matrix
+    qk_norm: bool = False  # per-head RMSNorm on queries and keys (Qwen3)
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def projection_shapes(self) -> list[tuple[int, int]]:
+        """(in, out) of the seven linear maps of one decoder layer: q, k, v, o, gate, up, down."""
+        h, i = self.hidden, self.intermediate
+        return [(h, self.q_dim), (h, self.kv_dim), (h, self.kv_dim), (self.q_dim, h), (h, i), (h, i), (i, h)]
+
+    def decoder_layer_params(self) -> int:
+        linear = sum(a * b for a, b in self.projection_shapes())
+        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        return linear + norms
+
+    def lora_params_per_layer(self, rank: int) -> int:
+        """Adapter parameters of one decoder layer with LoRA of ``rank`` on all seven projections."""
+        return sum(rank * (a + b) for a, b in self.projection_shapes())
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    def head_params(self) -> int:
+        """Final norm plus LM head (the head's matrix counted even when tied: it is uploaded)."""
+        return self.hidden + self.vocab * self.hidden
+
+    def num_params(self) -> int:
+        """Parameter count as the model card reports it (a tied matrix counted once)."""
+        head = self.hidden + (0 if self.tie_embeddings else self.vocab * self.hidden)
+        return self.embedding_params() + self.num_layers * self.decoder_layer_params() + head
+
+
+# Published config.json numbers (Hugging Face model repositories of Qwen and Meta).
+MODEL_PRESETS: dict[str, ModelShape] = {
+    "qwen3-0.6b": ModelShape("Qwen3-0.6B", 1024, 3072, 16, 8, 128, 151936, 28, tie_embeddings=True, qk_norm=True),
+    "qwen3-1.7b": ModelShape("Qwen3-1.7B", 2048, 6144, 16, 8, 128, 151936, 28, tie_embeddings=True, qk_norm=True),
+    "qwen3-8b": ModelShape("Qwen3-8B", 4096, 12288, 32, 8, 128, 151936, 36, qk_norm=True),
+    "qwen3-32b": ModelShape("Qwen3-32B", 5120, 25600, 64, 8, 128, 151936, 64, qk_norm=True),
+    "llama-3.1-8b": ModelShape("Llama-3.1-8B", 4096, 14336, 32, 8, 128, 128256, 32),
+}
+
+
+def get_model_shape(name: str | ModelShape) -> ModelShape:
+    """A preset by name, case-insensitive (``"qwen3-8b"``, ``"Llama-3.1-8B"``), or the shape itself."""
+    if isinstance(name, ModelShape):
+        return name
+    key = name.lower().replace("_", "-")
+    if key not in MODEL_PRESETS:
+        raise KeyError(f"unknown model preset {name!r}; presets: {sorted(MODEL_PRESETS)}")
+    return MODEL_PRESETS[key]
+
+
+def transformer_layer_costs(
+    hidden: int,
+    intermediate: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    vocab: int,
+    num_layers: int,
+    seq_len: int,
+    microbatch_size: int,
+    dtype_bytes: int,
+    hardware: HardwareProfile,
+    lora_rank: int | None = None,
+    *,
+    tie_embeddings: bool = False,
+    qk_norm: bool = False,
+    loss_chunk_tokens: int | None = None,
+    name: str = "",
+) -> CostProfile:
+    """Estimated :class:`CostProfile` of one microbatch (``microbatch_size`` sequences of ``seq_len``).
+
+    Layers: prefix (embedding), ``num_layers`` decoder layers, postfix (norm + LM head + loss).
+    ``loss_chunk_tokens`` models a chunked cross-entropy that materialises the fp32 logits of only
+    that many tokens at a time (default: all of them, as Hugging Face's loss does).
+    """
+    shape = ModelShape(name or "custom", hidden, intermediate, num_heads, num_kv_heads, head_dim, vocab, num_layers,
+                       tie_embeddings=tie_embeddings, qk_norm=qk_norm)
+    if min(seq_len, microbatch_size, dtype_bytes, num_layers) < 1:
+        raise ValueError(f"seq_len, microbatch_size, dtype_bytes and num_layers must be >= 1, got "
+                         f"{seq_len}, {microbatch_size}, {dtype_bytes}, {num_layers}")
+    if lora_rank is not None and lora_rank < 1:
+        raise ValueError(f"lora_rank must be a positive integer or None, got {lora_rank}")
+    tokens = seq_len * microbatch_size
+    rate = hardware.flops_per_s
+    lora = lora_rank is not None
+
+    def layer(fwd_flops: float, bwd_flops: float, params: int, trainable: int, act: int) -> LayerCost:
+        fwd = tokens * fwd_flops / rate
+        return LayerCost(fwd, fwd, tokens * bwd_flops / rate, params * dtype_bytes, trainable * dtype_bytes, act)
+
+    layers, params, trainable, graph = [], [], [], []
+
+    # Prefix: the embedding gather. Frozen under LoRA (adapters go on the projections only).
+    emb = shape.embedding_params()
+    layers.append(layer(hidden, 2 * hidden, emb, 0 if lora else emb, hidden * dtype_bytes))
+    params.append(emb)
+    trainable.append(0 if lora else emb)
+    graph.append(0)  # token ids are all the backward needs
+
+    # Decoder layers.
+    base = shape.decoder_layer_params()
+    linear = sum(a * b for a, b in shape.projection_shapes())
+    attn = 2 * seq_len * shape.q_dim  # causal attention scores + weighted sum, per token
+    adapters = shape.lora_params_per_layer(lora_rank) if lora else 0
+    fwd = 2 * linear + attn + 2 * adapters
+    # Full: dX and dW of the projections (2x) and of attention (2x). LoRA: dX only for the frozen base.
+    bwd = (4 * linear if not lora else 2 * linear) + 2 * attn + 4 * adapters
+    saved = (4 * hidden + 2 * shape.q_dim + 2 * shape.kv_dim + 4 * intermediate
+             + (shape.q_dim + shape.kv_dim if qk_norm else 0)) * dtype_bytes
+    for _ in range(num_layers):
+        layers.append(layer(fwd, bwd, base + adapters, adapters if lora else base, hidden * dtype_bytes))
+        params.append(base + adapters)
+        trainable.append(adapters if lora else base)
+        graph.append(saved)
+
+    # Postfix: final norm + LM head + loss. Its output is the logits (or only a scalar when fused).
+    head = shape.head_params()
+    head_fwd = 2 * hidden * vocab
+    head_bwd = head_fwd if lora else 2 * head_fwd
+    layers.append(layer(head_fwd, head_bwd, head, 0 if lora else head, vocab * dtype_bytes))
+    params.append(head)
+    # A tied head's gradient travels home and adds into the embedding's; the optimizer updates
+    # that matrix once, with the prefix, so only the final norm is the postfix's own.
+    trainable.append(0 if lora else (hidden if tie_embeddings else head))
+    chunk_share = 1.0 if loss_chunk_tokens is None else min(1.0, loss_chunk_tokens / tokens)
+    graph.append(int(2 * hidden * dtype_bytes + vocab * (dtype_bytes + _LOSS_FP32_COPIES * 4) * chunk_share))
+
+    unique = shape.num_params() + (num_layers * adapters if lora else 0)
+    notes = {
+        "model": shape.name,
+        "shape": asdict(shape),
+        "seq_len": seq_len,
+        "microbatch_size": microbatch_size,
+        "dtype_bytes": dtype_bytes,
+        "lora_rank": lora_rank,
+        "hardware": hardware.name,
+        "params": params,
+        "trainable_params": trainable,
+        "unique_params": unique,
+        "unique_trainable_params": (num_layers * adapters) if lora else unique,
+        "graph_bytes_per_token": graph,
+        "input_bytes_per_token": _TOKEN_ID_BYTES,
+        "loss_chunk_tokens": loss_chunk_tokens,
+    }
+    return CostProfile(layers, tokens_per_microbatch=tokens, measured=False, notes=notes)
+
+
+def preset_costs(
+    model: str | ModelShape,
+    hardware: HardwareProfile,
+    seq_len: int,
+    microbatch_size: int = 1,
+    dtype_bytes: int = 2,
+    lora_rank: int | None = None,
+    loss_chunk_tokens: int | None = None,
+) -> CostProfile:
+    """:func:`transformer_layer_costs` for a preset name such as ``"qwen3-8b"`` (or a :class:`ModelShape`)."""
+    s = get_model_shape(model)
+    return transformer_layer_costs(
+        s.hidden, s.intermediate, s.num_heads, s.num_kv_heads, s.head_dim, s.vocab, s.num_layers,
+        seq_len, microbatch_size, dtype_bytes, hardware, lora_rank,
+        tie_embeddings=s.tie_embeddings, qk_norm=s.qk_norm, loss_chunk_tokens=loss_chunk_tokens, name=s.name,
+    )

@@ -1,0 +1,276 @@
+"""The planner: will this training run fit, and how should it be cut and fed?
+
+:func:`plan_training` takes a model (a preset name or a :class:`ModelShape`), a hardware
+profile and a sequence length, and answers:
+
+- whether the host can hold the training state (fp32 masters, gradients and Adam moments, or
+  LoRA adapters' state plus the frozen compute-dtype base) and the saved activations;
+- whether a worker can hold two stages' weights (and a stage's gradients) plus one microbatch's
+  activations, under ``memory_fraction`` of its memory;
+- which plan and microbatch count give the most tokens/s (candidates: the project's
+  ``partition("auto")`` when present and balanced plans with 2-6 stages per worker, each timed by
+  :func:`~lightning_roundpipe.sim.simulate.simulate_roundpipe`); the smallest microbatch count
+  within 5% of the best throughput is recommended, as it keeps the global batch small;
+- the longest sequence length that fits at all (one layer per stage), with its throughput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..cost import CostProfile
+from ..plan import Plan
+from .costview import CostView
+from .hardware import HardwareProfile, load_hardware
+from .memory import HostMemory, host_bytes, roundpipe_gpu_bytes
+from .model_costs import ModelShape, get_model_shape, preset_costs
+from .partitioning import balanced_plan, make_plan
+from .simulate import SimConfig, SimResult, simulate_roundpipe
+
+DEFAULT_MEMORY_FRACTION = 0.9  # of each GPU's memory; the rest is CUDA context and allocator slack
+STAGES_PER_WORKER = (2, 3, 4, 6)
+NEAR_BEST = 0.95  # recommend the smallest microbatch count within this share of the best tokens/s
+SEQ_QUANTUM = 256  # the longest-sequence search moves in steps of this many tokens
+MAX_SEQ_LEN = 1 << 20
+GiB = 2**30
+
+
+@dataclass
+class PlanChoice:
+    """A plan, a microbatch count, and what the simulator predicts for them."""
+
+    plan: Plan
+    microbatches: int
+    result: SimResult
+    gpu_bytes: int  # memory bound of the busiest worker (see memory.py)
+
+
+def finest_plan(num_layers: int, fused_last: bool) -> Plan:
+    """One layer per stage in both directions: the least memory a plan can need."""
+    ranges = tuple((i, i + 1) for i in range(num_layers))
+    return Plan(num_layers, ranges, ranges, fused_last=fused_last, notes={"policy": "finest"}).validate()
+
+
+def candidate_plans(costs: CostProfile, num_workers: int, microbatches: int, budget: float,
+                    link_bytes_per_s: float, fused_last: bool) -> list[Plan]:
+    """Plans worth timing: the partitioner's choice and balanced plans of several sizes."""
+    plans = [make_plan(costs, num_workers, microbatches, memory_budget_bytes=int(budget),
+                       link_bytes_per_second=link_bytes_per_s, fused_last=fused_last)]
+    plans += [balanced_plan(costs, k * num_workers, fused_last=fused_last) for k in STAGES_PER_WORKER]
+    plans.append(finest_plan(len(costs.layers), fused_last))
+    unique: dict[str, Plan] = {}
+    for plan in plans:
+        unique.setdefault(plan.to_text(), plan)
+    return list(unique.values())
+
+
+def best_plan(
+    costs: CostProfile,
+    hardware: HardwareProfile,
+    microbatch_options: list[int],
+    *,
+    num_workers: int | None = None,
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+    fused_last: bool = True,
+    config: SimConfig | None = None,
+    host_budget_bytes: float | None = None,
+) -> PlanChoice | None:
+    """Fastest fitting (plan, microbatch count), preferring fewer microbatches when nearly as fast.
+
+    Returns ``None`` when no candidate plan fits the worker memory (or, with
+    ``host_budget_bytes``, the host memory).
+    """
+    nw = num_workers or hardware.num_gpus
+    budget = hardware.gpu_memory_bytes * memory_fraction
+    best_per_m: dict[int, PlanChoice] = {}
+    for m in microbatch_options:
+        for plan in candidate_plans(costs, nw, m, budget, hardware.host_device_bytes_per_s, fused_last):
+            need = max(roundpipe_gpu_bytes(plan, costs, nw))
+            if need > budget:
+                continue
+            if host_budget_bytes is not None and host_bytes(costs, plan, m).total > host_budget_bytes:
+                continue
+            result = simulate_roundpipe(plan, costs, hardware, m, num_workers=nw, config=config)
+            if m not in best_per_m or result.tokens_per_s > best_per_m[m].result.tokens_per_s:
+                best_per_m[m] = PlanChoice(plan, m, result, need)
+    if not best_per_m:
+        return None
+    top = max(c.result.tokens_per_s for c in best_per_m.values())
+    return min((c for c in best_per_m.values() if c.result.tokens_per_s >= NEAR_BEST * top),
+               key=lambda c: c.microbatches)
+
+
+@dataclass
+class TrainingPlan:
+    """The planner's answer; :meth:`to_text` renders it for people."""
+
+    model: ModelShape
+    hardware: HardwareProfile
+    seq_len: int
+    microbatch_size: int
+    lora_rank: int | None
+    memory_fraction: float
+    fits: bool
+    reasons: list[str]  # why it does not fit (empty when it fits)
+    host: HostMemory
+    min_gpu_bytes: int  # least a worker needs at this sequence length (one layer per stage)
+    choice: PlanChoice | None
+    max_seq_len: int | None = None
+    max_seq_choice: PlanChoice | None = None
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def gpu_budget_bytes(self) -> float:
+        return self.hardware.gpu_memory_bytes * self.memory_fraction
+
+    def to_text(self) -> str:
+        hw, shape = self.hardware, self.model
+        mode = f"LoRA rank {self.lora_rank}" if self.lora_rank else "full fine-tuning"
+        lines = [
+            f"{shape.name} ({shape.num_params() / 1e9:.2f}B parameters), {mode}, on {hw.name} "
+            f"({hw.num_gpus} x {hw.gpu_memory_bytes / GiB:.1f} GiB GPUs, {hw.host_memory_bytes / GiB:.0f} GiB host), "
+            f"sequences of {self.seq_len} tokens, microbatch size {self.microbatch_size}",
+            f"Verdict: {'fits' if self.fits else 'does not fit'}",
+        ]
+        h = self.host
+        lines.append(
+            f"Host memory: {h.total / GiB:.1f} GiB needed of {hw.host_memory_bytes / GiB:.1f} GiB "
+            f"(fp32 optimizer state {h.optimizer_state / GiB:.1f}, compute-dtype copy {h.compute_copy / GiB:.1f}, "
+            f"saved activations {h.saved_activations / GiB:.1f})"
+        )
+        need = self.choice.gpu_bytes if self.choice else self.min_gpu_bytes
+        lines.append(
+            f"GPU memory per worker: {need / GiB:.1f} GiB needed of {self.gpu_budget_bytes / GiB:.1f} GiB usable "
+            f"({self.memory_fraction:.0%} of {hw.gpu_memory_bytes / GiB:.1f} GiB; two stages' weights and gradients "
+            f"+ one microbatch's activations)"
+        )
+        for reason in self.reasons:
+            lines.append(f"  - {reason}")
+        if self.choice:
+            c, r = self.choice, self.choice.result
+            lines += [
+                f"Recommended: {c.microbatches} microbatches per step ({r.tokens_per_step} tokens per step)",
+                f"Plan ({len(c.plan.forward)} forward + {len(c.plan.dispatched_backward_stages())} backward stages, "
+                f"policy {c.plan.notes.get('policy', '?')}): {c.plan.to_text()}",
+                f"Predicted: {r.step_s:.3f} s per step, {r.tokens_per_s:,.0f} tokens/s, bubble {r.bubble_fraction:.1%}, "
+                f"simulated peak GPU memory {r.max_peak_gpu_bytes / GiB:.1f} GiB",
+            ]
+        if self.max_seq_len is not None:
+            extra = ""
+            if self.max_seq_choice is not None:
+                mc = self.max_seq_choice
+                extra = (f": {mc.microbatches} microbatches, {mc.result.tokens_per_s:,.0f} tokens/s "
+                         f"with plan {mc.plan.to_text()}")
+            lines.append(f"Longest sequence that fits: {self.max_seq_len} tokens{extra}")
+        elif self.notes.get("searched_max_seq"):
+            lines.append(f"Longest sequence that fits: none (not even {SEQ_QUANTUM} tokens)")
+        return "\n".join(lines)
+
+
+def _costs(shape: ModelShape, hardware: HardwareProfile, seq_len: int, microbatch_size: int,
+           lora_rank: int | None, loss_chunk_tokens: int | None) -> CostProfile:
+    return preset_costs(shape, hardware, seq_len, microbatch_size, lora_rank=lora_rank,
+                        loss_chunk_tokens=loss_chunk_tokens)
+
+
+def _fit_problems(costs: CostProfile, hardware: HardwareProfile, memory_fraction: float, microbatches: int,
+                  fused_last: bool) -> tuple[list[str], HostMemory, int]:
+    """Reasons the run cannot fit even with the least-memory plan, host memory and that plan's GPU need."""
+    finest = finest_plan(len(costs.layers), fused_last)
+    host = host_bytes(costs, finest, microbatches)
+    gpu = max(roundpipe_gpu_bytes(finest, costs, hardware.num_gpus))
+    problems = []
+    if host.total > hardware.host_memory_bytes:
+        problems.append(f"host memory: needs {host.total / GiB:.1f} GiB but the host has "
+                        f"{hardware.host_memory_bytes / GiB:.1f} GiB (try LoRA, or a machine with more RAM)")
+    budget = hardware.gpu_memory_bytes * memory_fraction
+    if gpu > budget:
+        view = CostView(costs)
+        heaviest = max(range(len(view)), key=lambda i: view.graph_per_token[i])
+        problems.append(f"GPU memory: even with one layer per stage a worker needs {gpu / GiB:.1f} GiB of "
+                        f"{budget / GiB:.1f} GiB usable (layer {heaviest} keeps {view.graph(heaviest, heaviest + 1) / GiB:.1f} "
+                        f"GiB of activations per microbatch); use shorter sequences or a smaller microbatch")
+    return problems, host, gpu
+
+
+def plan_training(
+    model: str | ModelShape,
+    hardware: str | HardwareProfile,
+    seq_len: int = 4096,
+    *,
+    microbatch_size: int = 1,
+    lora_rank: int | None = None,
+    microbatches: int | None = None,
+    loss_chunk_tokens: int | None = None,
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+    find_max_seq_len: bool = True,
+    fused_last: bool = True,
+    config: SimConfig | None = None,
+) -> TrainingPlan:
+    """Decide whether training fits and recommend microbatches, a plan and the longest sequence.
+
+    ``microbatches`` fixes the count; by default 1, 2 and 4 per worker are tried. ``fused_last``
+    (default on) assumes the model computes its own loss, as a Hugging Face causal LM given
+    labels does. ``config`` tunes the simulations (default: 2 simulated steps, enough for the
+    planner's comparisons).
+    """
+    shape = get_model_shape(model)
+    hw = load_hardware(hardware)
+    cfg = config or SimConfig(steps=2)
+    nw = hw.num_gpus
+    options = [microbatches] if microbatches else [nw, 2 * nw, 4 * nw]
+    costs = _costs(shape, hw, seq_len, microbatch_size, lora_rank, loss_chunk_tokens)
+    problems, host, min_gpu = _fit_problems(costs, hw, memory_fraction, min(options), fused_last)
+    choice = None
+    if not problems:
+        choice = best_plan(costs, hw, options, memory_fraction=memory_fraction, fused_last=fused_last,
+                           config=cfg, host_budget_bytes=hw.host_memory_bytes)
+        if choice is None:
+            problems.append("no candidate plan fits both the worker and the host memory")
+        else:
+            host = host_bytes(costs, choice.plan, choice.microbatches)
+    report = TrainingPlan(shape, hw, seq_len, microbatch_size, lora_rank, memory_fraction, not problems, problems,
+                          host, min_gpu, choice)
+    if find_max_seq_len:
+        report.notes["searched_max_seq"] = True
+        longest = longest_seq_len(shape, hw, microbatch_size=microbatch_size, lora_rank=lora_rank,
+                                  microbatches=min(options), loss_chunk_tokens=loss_chunk_tokens,
+                                  memory_fraction=memory_fraction, fused_last=fused_last)
+        report.max_seq_len = longest
+        if longest is not None:
+            long_costs = _costs(shape, hw, longest, microbatch_size, lora_rank, loss_chunk_tokens)
+            report.max_seq_choice = best_plan(long_costs, hw, [min(options)], memory_fraction=memory_fraction,
+                                              fused_last=fused_last, config=cfg, host_budget_bytes=hw.host_memory_bytes)
+    return report
+
+
+def longest_seq_len(
+    model: str | ModelShape,
+    hardware: str | HardwareProfile,
+    *,
+    microbatch_size: int = 1,
+    lora_rank: int | None = None,
+    microbatches: int | None = None,
+    loss_chunk_tokens: int | None = None,
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+    fused_last: bool = True,
+) -> int | None:
+    """Longest sequence (a multiple of 256 tokens, at most 1M) whose one-layer-per-stage plan fits."""
+    shape, hw = get_model_shape(model), load_hardware(hardware)
+    m = microbatches or hw.num_gpus
+
+    def fits(seq: int) -> bool:
+        costs = _costs(shape, hw, seq, microbatch_size, lora_rank, loss_chunk_tokens)
+        return not _fit_problems(costs, hw, memory_fraction, m, fused_last)[0]
+
+    lo, hi = 0, 1  # in quanta: lo fits (0 = nothing), hi is the first candidate to test
+    while hi * SEQ_QUANTUM <= MAX_SEQ_LEN and fits(hi * SEQ_QUANTUM):
+        lo, hi = hi, hi * 2
+    hi = min(hi, MAX_SEQ_LEN // SEQ_QUANTUM + 1)
+    while hi - lo > 1:  # invariant: lo fits (or is 0), hi does not (or is past the cap)
+        mid = (lo + hi) // 2
+        if fits(mid * SEQ_QUANTUM):
+            lo = mid
+        else:
+            hi = mid
+    return lo * SEQ_QUANTUM if lo else None

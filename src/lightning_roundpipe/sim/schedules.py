@@ -1,0 +1,287 @@
+"""Bound pipeline schedules with CPU offload (GPipe, 1F1B, interleaved 1F1B), for comparison.
+
+Here each GPU owns fixed stages: the layers are split into ``P`` (``P * v`` for interleaved)
+contiguous stages with the smallest largest per-stage time (forward + recompute + backward),
+and virtual stage ``s`` lives on GPU ``s % P``. Model state lives on the host as for RoundPipe
+(fp32 masters and Adam on the CPU); the simulator grants the baselines the same favours it grants
+RoundPipe, so the comparison isolates the schedule:
+
+- Activations between GPUs go through host memory (consumer GPUs have no peer-to-peer), one
+  download and one upload, at high priority.
+- Activation checkpointing per layer (each layer's input kept on the GPU, one layer's graph live
+  during its backward): the smallest memory a bound schedule can have at the same FLOPs.
+- Offload policy, per GPU: if the GPU's stage weights and gradients plus checkpoints and working
+  set fit, weights stay resident; each step uploads the updated compute-dtype weights once (after
+  the host optimizer updated that layer) and downloads the accumulated gradients once. Otherwise
+  weights are streamed: every forward or backward of a microbatch uploads its layers one at a
+  time (two layers resident) and every backward sends that layer's gradients home.
+- The host optimizer overlaps layer by layer, exactly as for RoundPipe (no step barrier).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..cost import CostProfile
+from ..plan import balanced_ranges
+from .costview import CostView
+from .events import EventSimulator, Op
+from .hardware import HardwareProfile
+from .simulate import PRIO_ACTIVATIONS, PRIO_GRADS, PRIO_WEIGHTS, SimConfig, SimResult, add_optimizer, link_of, summarize
+
+BOUND_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+Action = tuple[str, int, int]  # ("F" or "B", virtual stage, microbatch)
+
+
+def bound_order(schedule: str, gpu: int, num_gpus: int, microbatches: int, chunks: int = 2) -> list[Action]:
+    """The compute order of one GPU under a bound schedule.
+
+    ``gpipe``: all forwards, then all backwards. ``1f1b``: ``P - p - 1`` warm-up forwards, then
+    one forward one backward, then the remaining backwards. ``interleaved``: Megatron-LM's
+    interleaved 1F1B with ``chunks`` model chunks per GPU (needs microbatches divisible by GPUs).
+    """
+    p, P, M = gpu, num_gpus, microbatches
+    if schedule == "gpipe":
+        return [("F", p, i) for i in range(M)] + [("B", p, i) for i in range(M)]
+    if schedule == "1f1b":
+        warm = min(P - p - 1, M)
+        order: list[Action] = [("F", p, i) for i in range(warm)]
+        for k in range(M - warm):
+            order += [("F", p, warm + k), ("B", p, k)]
+        return order + [("B", p, k) for k in range(M - warm, M)]
+    if schedule == "interleaved":
+        v = chunks
+        if M % P:
+            raise ValueError(f"interleaved 1F1B needs the microbatch count ({M}) to be a multiple of the GPU count ({P})")
+
+        def unit(k: int, backward: bool) -> Action:
+            chunk = (k // P) % v
+            if backward:
+                chunk = v - 1 - chunk
+            return ("B" if backward else "F", chunk * P + p, (k // (P * v)) * P + k % P)
+
+        total = M * v
+        warm = min((P - p - 1) * 2 + (v - 1) * P, total)
+        order = [unit(k, False) for k in range(warm)]
+        for k in range(total - warm):
+            order += [unit(warm + k, False), unit(k, True)]
+        return order + [unit(k, True) for k in range(total - warm, total)]
+    raise ValueError(f"unknown bound schedule {schedule!r}; choose from {BOUND_SCHEDULES}")
+
+
+def max_in_flight(order: list[Action]) -> int:
+    """Most microbatch-stages forwarded but not yet backwarded at once on a GPU (checkpoints held)."""
+    live = peak = 0
+    for direction, _, _ in order:
+        live += 1 if direction == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+@dataclass
+class BoundLayout:
+    """Where a bound schedule puts the layers and whether each GPU keeps its weights resident."""
+
+    ranges: tuple[tuple[int, int], ...]  # layer range of each virtual stage
+    resident: list[bool]  # per GPU
+    need_bytes: list[int]  # per GPU, estimated peak under the chosen policy
+    fits: bool
+
+
+def bound_layout(schedule: str, view: CostView, num_gpus: int, microbatches: int, memory_bytes: float,
+                 chunks: int = 2, offload: str = "auto") -> BoundLayout:
+    """Balanced split, and per GPU the offload policy that fits (``offload``: auto, resident, stream)."""
+    v = chunks if schedule == "interleaved" else 1
+    num_stages = num_gpus * v
+    if num_stages > len(view):
+        raise ValueError(f"{schedule} over {num_gpus} GPUs needs {num_stages} stages but the model has {len(view)} layers")
+    ranges = balanced_ranges(view.total_per_layer(), num_stages)
+    resident, need = [], []
+    for p in range(num_gpus):
+        mine = [ranges[s] for s in range(p, num_stages, num_gpus)]
+        order = bound_order(schedule, p, num_gpus, microbatches, chunks)
+        checkpoints = max_in_flight(order) * max(sum(view.in_bytes(l) for l in range(a, b)) for a, b in mine)
+        working = max(view.max_layer_graph(a, b) for a, b in mine)
+        buffers = 2 * max(max(view.in_bytes(a), view.out_bytes(b - 1)) for a, b in mine)
+        state = sum(view.weights(a, b) + view.grads(a, b) for a, b in mine)
+        layer_state = max(view.layers[l].weight_bytes + view.layers[l].grad_bytes for a, b in mine for l in range(a, b))
+        resident_need = state + checkpoints + working + buffers
+        stream_need = 2 * layer_state + checkpoints + working + buffers
+        keep = offload == "resident" or (offload == "auto" and resident_need <= memory_bytes)
+        if offload not in ("auto", "resident", "stream"):
+            raise ValueError(f"unknown offload policy {offload!r}; use 'auto', 'resident' or 'stream'")
+        resident.append(keep)
+        need.append(resident_need if keep else stream_need)
+    return BoundLayout(tuple(ranges), resident, need, all(n <= memory_bytes for n in need))
+
+
+class _BoundBuilder:
+    def __init__(self, sim: EventSimulator, schedule: str, view: CostView, hardware: HardwareProfile,
+                 layout: BoundLayout, microbatches: int, num_gpus: int, chunks: int, config: SimConfig) -> None:
+        self.sim, self.schedule, self.view, self.hw, self.layout = sim, schedule, view, hardware, layout
+        self.m, self.P, self.chunks, self.cfg = microbatches, num_gpus, chunks, config
+        self.V = len(layout.ranges)
+        self.optim_prev: dict[int, list[Op]] = {}
+        self.stream_computes: list[list[Op]] = [[] for _ in range(num_gpus)]  # per-layer compute sequence
+        self.allocated_state: set[int] = set()  # layers whose resident weights/grads are already counted
+
+    def gpu_of(self, stage: int) -> int:
+        return stage % self.P
+
+    def step(self, step: int) -> None:
+        view, m, P, V = self.view, self.m, self.P, self.V
+        sim = self.sim
+        first: dict[tuple[str, int, int], Op] = {}  # first compute op of each action
+        last: dict[tuple[str, int, int], Op] = {}
+        wgrads: list[tuple[int, Op]] = []
+        weight_ops: dict[int, list[Op]] = {}  # resident: stage -> this step's uploads
+
+        # Resident weights: one upload per layer per step, after the host updated it.
+        for s, (a, b) in enumerate(self.layout.ranges):
+            p = self.gpu_of(s)
+            if not self.layout.resident[p]:
+                continue
+            ops = []
+            for layer in range(a, b):
+                nbytes = view.layers[layer].weight_bytes
+                alloc = [] if layer in self.allocated_state else [(p, nbytes + view.layers[layer].grad_bytes)]
+                self.allocated_state.add(layer)
+                deps = list(self.optim_prev.get(layer, []))
+                ops.append(sim.add(Op(p, "upload", "weights", f"S{s}", -1, step, bytes=nbytes, priority=PRIO_WEIGHTS,
+                                      deps=deps, alloc=alloc)))
+            weight_ops[s] = ops
+
+        # Compute ops, GPU by GPU in schedule order (the queue order); dependencies wired below.
+        for p in range(P):
+            for direction, s, i in bound_order(self.schedule, p, P, m, self.chunks):
+                a, b = self.layout.ranges[s]
+                name = f"{direction}{s}"
+                if self.layout.resident[p]:
+                    if direction == "F":
+                        op = Op(p, "compute", "forward", name, i, step, seconds=view.forward_s(a, b),
+                                deps=list(weight_ops[s]),
+                                alloc=[(p, sum(view.in_bytes(l) for l in range(a, b)) + view.max_layer_graph(a, b))],
+                                free=[(p, view.max_layer_graph(a, b))])
+                    else:
+                        op = Op(p, "compute", "backward", name, i, step, seconds=view.backward_with_recompute_s(a, b),
+                                alloc=[(p, view.max_layer_graph(a, b))],
+                                free=[(p, view.max_layer_graph(a, b) + sum(view.in_bytes(l) for l in range(a, b)))])
+                    sim.add(op)
+                    first[(direction, s, i)] = last[(direction, s, i)] = op
+                else:
+                    ops = self._streamed(p, direction, s, i, step, a, b, wgrads)
+                    first[(direction, s, i)], last[(direction, s, i)] = ops[0], ops[-1]
+
+        # Activations and gradients between stages, through the host.
+        for s in range(V):
+            p = self.gpu_of(s)
+            a, b = self.layout.ranges[s]
+            for i in range(m):
+                f_first, f_last = first[("F", s, i)], last[("F", s, i)]
+                b_first, b_last = first[("B", s, i)], last[("B", s, i)]
+                b_first.deps.append(f_last)
+                if s == 0:
+                    ids = sim.add(Op(p, "upload", "act_in", f"F{s}", i, step, bytes=view.in_bytes(0),
+                                     priority=PRIO_ACTIVATIONS, alloc=[(p, view.in_bytes(0))]))
+                    f_first.deps.append(ids)
+                    f_last.free.append((p, view.in_bytes(0)))
+                if s < V - 1:
+                    q = self.gpu_of(s + 1)
+                    nxt_f, nxt_b_last = first[("F", s + 1, i)], last[("B", s + 1, i)]
+                    nbytes = view.out_bytes(b - 1)
+                    if q == p:  # next stage on the same GPU: nothing moves
+                        nxt_f.deps.append(f_last)
+                        b_first.deps.append(nxt_b_last)
+                        continue
+                    down = sim.add(Op(p, "download", "act_out", f"F{s}", i, step, bytes=nbytes,
+                                      priority=PRIO_ACTIVATIONS, deps=[f_last], free=[(p, nbytes)]))
+                    f_last.alloc.append((p, nbytes))
+                    up = sim.add(Op(q, "upload", "act_in", f"F{s + 1}", i, step, bytes=nbytes,
+                                    priority=PRIO_ACTIVATIONS, deps=[down], alloc=[(q, nbytes)]))
+                    nxt_f.deps.append(up)
+                    last[("F", s + 1, i)].free.append((q, nbytes))
+                    gdown = sim.add(Op(q, "download", "grad_out", f"B{s + 1}", i, step, bytes=nbytes,
+                                       priority=PRIO_ACTIVATIONS, deps=[nxt_b_last], free=[(q, nbytes)]))
+                    nxt_b_last.alloc.append((q, nbytes))
+                    gup = sim.add(Op(p, "upload", "grad_in", f"B{s}", i, step, bytes=nbytes,
+                                     priority=PRIO_ACTIVATIONS, deps=[gdown], alloc=[(p, nbytes)]))
+                    b_first.deps.append(gup)
+                    b_last.free.append((p, nbytes))
+            # Resident: accumulated gradients go home once, after the stage's last backward.
+            if self.layout.resident[p]:
+                done = [last[("B", s, i)] for i in range(m)]
+                for layer in reversed(range(a, b)):
+                    nbytes = view.layers[layer].grad_bytes
+                    if nbytes > 0:
+                        wgrads.append((layer, sim.add(Op(p, "download", "wgrad", f"B{s}", -1, step, bytes=nbytes,
+                                                         priority=PRIO_GRADS, deps=list(done)))))
+
+        by_layer: dict[int, list[Op]] = {}
+        for layer, op in wgrads:
+            by_layer.setdefault(layer, []).append(op)
+        self.optim_prev = add_optimizer(sim, by_layer, view, self.hw, self.cfg, step)
+
+    def _streamed(self, p: int, direction: str, s: int, i: int, step: int, a: int, b: int,
+                  wgrads: list[tuple[int, Op]]) -> list[Op]:
+        """One forward or backward of a microbatch with weights streamed layer by layer."""
+        view, sim, seq = self.view, self.sim, self.stream_computes[p]
+        name = f"{direction}{s}"
+        layers = range(a, b) if direction == "F" else reversed(range(a, b))
+        ops = []
+        for layer in layers:
+            cost = view.layers[layer]
+            slot = [seq[-2]] if len(seq) >= 2 else []  # two layers' weights resident
+            deps = slot + self.optim_prev.get(layer, [])
+            up = sim.add(Op(p, "upload", "weights", name, i, step, bytes=cost.weight_bytes, priority=PRIO_WEIGHTS,
+                            deps=deps, alloc=[(p, cost.weight_bytes)]))
+            graph = view.graph_per_token[layer] * view.tokens
+            if direction == "F":
+                op = Op(p, "compute", "forward", name, i, step, seconds=cost.forward_s, deps=[up] + ops[-1:],
+                        alloc=[(p, view.in_bytes(layer) + graph)], free=[(p, graph + cost.weight_bytes)])
+            else:
+                op = Op(p, "compute", "backward", name, i, step, seconds=cost.recompute_s + cost.backward_s,
+                        deps=[up] + ops[-1:], alloc=[(p, graph + cost.grad_bytes)],
+                        free=[(p, graph + cost.weight_bytes + view.in_bytes(layer))])
+            sim.add(op)
+            seq.append(op)
+            ops.append(op)
+            if direction == "B" and cost.grad_bytes > 0:
+                wgrads.append((layer, sim.add(Op(p, "download", "wgrad", name, i, step, bytes=cost.grad_bytes,
+                                                 priority=PRIO_GRADS, deps=[op], free=[(p, cost.grad_bytes)]))))
+        return ops
+
+
+def simulate_bound(
+    schedule: str,
+    costs: CostProfile,
+    hardware: HardwareProfile,
+    microbatches: int,
+    *,
+    num_gpus: int | None = None,
+    chunks_per_gpu: int = 2,
+    offload: str = "auto",
+    memory_fraction: float = 0.9,
+    config: SimConfig | None = None,
+) -> SimResult:
+    """Simulate ``gpipe``, ``1f1b`` or ``interleaved`` with stages bound to GPUs and CPU offload.
+
+    ``memory_fraction`` of each GPU's memory is usable (the rest is CUDA context and allocator
+    slack); when even streamed weights do not fit, the result has ``fits=False`` and an infinite
+    step time, without simulating.
+    """
+    P = hardware.num_gpus if num_gpus is None else int(num_gpus)
+    cfg = config or SimConfig()
+    view = CostView(costs)
+    budget = hardware.gpu_memory_bytes * memory_fraction
+    layout = bound_layout(schedule, view, P, microbatches, budget, chunks_per_gpu, offload)
+    notes = {"ranges": layout.ranges, "resident": layout.resident, "estimated_gpu_bytes": layout.need_bytes}
+    if not layout.fits:
+        return SimResult(schedule, math.inf, 0.0, list(layout.need_bytes), [], P, microbatches,
+                         microbatches * view.tokens, fits=False, notes=notes)
+    sim = EventSimulator(link_of(hardware, cfg))
+    builder = _BoundBuilder(sim, schedule, view, hardware, layout, microbatches, P, chunks_per_gpu, cfg)
+    for step in range(cfg.steps):
+        builder.step(step)
+    sim.run()
+    return summarize(sim, schedule, P, microbatches, view.tokens, cfg.steps, **notes)
