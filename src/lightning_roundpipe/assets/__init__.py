@@ -1,0 +1,40 @@
+"""Files shipped with the package: a tiny pretrained Qwen3, a tiny Llama, and a Shakespeare text.
+
+They let the default fine-tuning job and the tests run with no download. See ``README.md`` in
+this directory for where each file comes from and how to regenerate the models.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ASSETS_DIR = Path(__file__).resolve().parent
+
+# Public names -> location relative to this directory.
+_NAMES = {
+    "tiny-qwen3": "tiny-qwen3",
+    "tiny-llama": "tiny-llama",
+    "shakespeare.txt": "data/shakespeare.txt",
+}
+
+
+def names() -> list[str]:
+    """The names that :func:`path` resolves."""
+    return sorted(_NAMES)
+
+
+def path(name: str) -> Path:
+    """Absolute path of the shipped asset ``name`` ("tiny-qwen3", "tiny-llama", "shakespeare.txt").
+
+    Raises ``KeyError`` for an unknown name and ``FileNotFoundError`` when the asset is missing
+    (the models are made by ``scripts/make_tiny_models.py``).
+    """
+    if name not in _NAMES:
+        raise KeyError(f"unknown asset {name!r}; known assets: {', '.join(names())}")
+    resolved = ASSETS_DIR / _NAMES[name]
+    if not resolved.exists():
+        raise FileNotFoundError(
+            f"asset {name!r} is missing at {resolved}; regenerate it with "
+            "`python scripts/make_tiny_models.py`"
+        )
+    return resolved
