@@ -14,6 +14,7 @@ tokens/s and wall time, and writes a checkpoint (and the LoRA adapter when ``lor
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -31,28 +32,50 @@ except ModuleNotFoundError as missing:  # a checkout without `pip install -e .`:
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_roundpipe.finetune import CausalLMFineTune, TextDataModule, TokenThroughput
+from lightning_roundpipe.finetune import CausalLMFineTune, FineTuneInputError, TextDataModule, TokenThroughput
 from lightning_roundpipe.finetune.config import check_no_missing, register_resolvers
-from lightning_roundpipe.finetune.trace_window import TraceWindow
 
 register_resolvers()
+
+
+# Strategy options the config documents that a RoundPipeStrategy version may not take yet, with
+# the value that means its built-in behaviour: such a key is dropped (with a note) only while it
+# holds that value; any other value is an error rather than a silently ignored setting.
+BUILT_IN_BEHAVIOUR = {"rng": "auto", "staleness": 0, "overlap_optimizer": True, "pinned": "alloc"}
+
+
+def strategy_options(cfg: DictConfig, accepted: set[str]) -> dict:
+    """Keyword arguments for the strategy class: ``cfg.strategy`` plus partition, transfer and trace."""
+    options = OmegaConf.to_container(cfg.strategy, resolve=True)
+    options.pop("_target_")
+    options["partition"] = OmegaConf.to_container(cfg.partition, resolve=True)
+    options["transfer"] = OmegaConf.to_container(cfg.transfer, resolve=True)
+    options["trace_steps"] = cfg.trace_steps if cfg.trace else 0
+    options["trace_dir"] = str(cfg.out_dir)
+    for key in sorted(set(options) - accepted):
+        value = options.pop(key)
+        if key not in BUILT_IN_BEHAVIOUR or value != BUILT_IN_BEHAVIOUR[key]:
+            raise FineTuneInputError(
+                f"strategy.{key}={value!r} is not supported by {cfg.strategy._target_} in this version; "
+                f"remove it or set it to {BUILT_IN_BEHAVIOUR.get(key)!r}"
+            )
+        print(f"note: {cfg.strategy._target_} has no option {key!r}; it runs its built-in behaviour ({key}={value!r})")
+    return options
 
 
 def build_strategy(cfg: DictConfig) -> tuple[object, int | str]:
     """The Trainer's ``strategy`` argument and device count, from ``cfg.strategy``.
 
     A config with ``_target_`` (RoundPipe) is instantiated with the partition and transfer
-    groups as plain dicts; otherwise ``name`` is a Lightning strategy name used as is, on
-    ``cfg.strategy.devices`` devices.
+    groups as plain dicts (and the trace settings); otherwise ``name`` is a Lightning strategy
+    name used as is, on ``cfg.strategy.devices`` devices.
     """
     if cfg.strategy.get("_target_"):
-        strategy = hydra.utils.instantiate(
-            cfg.strategy,
-            partition=OmegaConf.to_container(cfg.partition, resolve=True),
-            transfer=OmegaConf.to_container(cfg.transfer, resolve=True),
-            _convert_="all",
-        )
-        return strategy, cfg.trainer.devices
+        target = hydra.utils.get_class(cfg.strategy._target_)
+        accepted = set(inspect.signature(target).parameters)
+        return target(**strategy_options(cfg, accepted)), cfg.trainer.devices
+    if cfg.trace:
+        print(f"note: trace=true needs strategy=roundpipe; strategy {cfg.strategy.name!r} records no trace")
     return cfg.strategy.name, cfg.strategy.get("devices", cfg.trainer.devices)
 
 
@@ -103,10 +126,7 @@ def run(cfg: DictConfig) -> dict:
         dtype=cfg.model.dtype,
     )
     throughput = TokenThroughput()
-    callbacks: list[pl.Callback] = [throughput]
-    if cfg.trace:
-        callbacks.append(TraceWindow(out_dir, steps=cfg.trace_steps))
-    trainer = build_trainer(cfg, callbacks)
+    trainer = build_trainer(cfg, [throughput])
 
     started = time.perf_counter()
     before = trainer.validate(module, datamodule=data, verbose=False)[0]
