@@ -59,6 +59,7 @@ class ScheduleTable:
             if "resident" in r.notes:
                 note = "weights " + ("resident" if all(r.notes["resident"]) else
                                      f"streamed on {r.notes['resident'].count(False)} GPU(s)")
+            note = note.replace("|", "\\|")  # plan text holds pipes; keep the table's columns
             lines.append(f"| {name} | {r.step_s:.3f} | {r.tokens_per_s:,.0f} | {r.bubble_fraction:.1%} | "
                          f"{r.max_peak_gpu_bytes / GiB:.1f} | {note} |")
         return "\n".join(lines)

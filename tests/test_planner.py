@@ -1,0 +1,111 @@
+"""Planner and command line of the simulator."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from lightning_roundpipe.sim import get_model_shape, host_bytes, load_hardware, plan_training, preset_costs
+from lightning_roundpipe.sim.__main__ import main
+from lightning_roundpipe.sim.compare import compare_schedules, paper_table
+from lightning_roundpipe.sim.planner import SEQ_QUANTUM, _fit_problems, longest_seq_len
+
+GiB = 2**30
+
+
+def test_host_memory_is_18_bytes_per_parameter_for_full_fine_tuning():
+    hw = load_hardware("rtx4090")
+    costs = preset_costs("qwen3-8b", hw, 1024)
+    host = host_bytes(costs)
+    params = get_model_shape("qwen3-8b").num_params()
+    assert host.optimizer_state == 16 * params and host.compute_copy == 2 * params
+    lora = host_bytes(preset_costs("qwen3-8b", hw, 1024, lora_rank=16))
+    assert lora.compute_copy > host.compute_copy  # base plus adapters in bf16
+    assert lora.optimizer_state < host.optimizer_state / 100  # only the adapters have fp32 state
+
+
+def test_planner_says_does_not_fit_when_the_host_is_too_small():
+    report = plan_training("qwen3-32b", "rtx3090", 4096, find_max_seq_len=False)  # 512 GiB host
+    assert not report.fits and report.choice is None
+    assert report.host.total > report.hardware.host_memory_bytes
+    text = report.to_text()
+    assert "Verdict: does not fit" in text and "host memory: needs" in text and "try LoRA" in text
+
+
+def test_planner_says_does_not_fit_when_one_layer_exceeds_the_gpu():
+    report = plan_training("qwen3-0.6b", "rtx4090", 262144, find_max_seq_len=False)
+    assert not report.fits
+    assert any("even with one layer per stage" in r for r in report.reasons)
+    assert report.min_gpu_bytes > report.gpu_budget_bytes
+
+
+def test_planner_recommends_a_plan_that_fits_and_the_longest_sequence():
+    report = plan_training("qwen3-0.6b", "rtx4090", 1024, microbatches=8)
+    assert report.fits and report.reasons == []
+    choice = report.choice
+    assert choice.microbatches == 8 and choice.plan.fused_last
+    choice.plan.validate()
+    assert choice.gpu_bytes <= report.gpu_budget_bytes
+    assert choice.result.max_peak_gpu_bytes <= choice.gpu_bytes
+    assert choice.result.tokens_per_s > 0 and choice.result.tokens_per_step == 8 * 1024
+    longest = report.max_seq_len
+    assert longest is not None and longest >= 1024 and longest % SEQ_QUANTUM == 0
+    # It is the longest: one quantum more does not fit.
+    hw = load_hardware("rtx4090")
+    more = preset_costs("qwen3-0.6b", hw, longest + SEQ_QUANTUM)
+    assert _fit_problems(more, hw, report.memory_fraction, 8, True)[0]
+    assert report.max_seq_choice is not None and report.max_seq_choice.result.tokens_per_s > 0
+    text = report.to_text()
+    assert "Verdict: fits" in text and "Recommended: 8 microbatches" in text and choice.plan.to_text() in text
+    assert f"Longest sequence that fits: {longest} tokens" in text
+
+
+def test_a_chunked_loss_allows_longer_sequences():
+    plain = longest_seq_len("qwen3-0.6b", "rtx4090", microbatches=8)
+    chunked = longest_seq_len("qwen3-0.6b", "rtx4090", microbatches=8, loss_chunk_tokens=1024)
+    assert chunked > plain
+
+
+def test_compare_schedules_reports_every_schedule():
+    table = compare_schedules("qwen3-0.6b", "rtx4090", 1024, microbatches=8)
+    assert list(table.results) == ["roundpipe", "gpipe", "1f1b", "interleaved"]
+    assert all(r.fits and r.tokens_per_s > 0 for r in table.results.values())
+    assert table.speedup() == pytest.approx(table.results["roundpipe"].tokens_per_s / table.best_bound().tokens_per_s)
+    md = table.to_markdown()
+    assert md.count("\n| ") == 5 and "| interleaved |" in md
+    rows = [line for line in md.splitlines() if line.startswith("| ")]
+    assert {line.replace("\\|", "").count("|") for line in rows} == {7}  # plan text's pipes are escaped
+
+
+def test_cli_plan_fits_and_does_not_fit(capsys):
+    assert main(["plan", "--model", "qwen3-0.6b", "--hardware", "rtx4090", "--seq-len", "1024",
+                 "--microbatches", "8", "--no-max-seq"]) == 0
+    out = capsys.readouterr().out
+    assert "Verdict: fits" in out and "tokens/s" in out and "| fused" in out
+    assert main(["plan", "--model", "qwen3-32b", "--hardware", "rtx3090", "--no-max-seq"]) == 1
+    assert "does not fit" in capsys.readouterr().out
+    assert main(["plan", "--model", "gpt-5", "--hardware", "rtx4090"]) == 2
+    assert "unknown model preset 'gpt-5'" in capsys.readouterr().err
+
+
+def test_cli_paper_prints_a_markdown_table(capsys):
+    assert main(["paper", "--models", "qwen3-0.6b", "--microbatches", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "| model | RoundPipe | GPipe+offload | 1F1B+offload | interleaved+offload |" in out
+    row = next(line for line in out.splitlines() if line.startswith("| Qwen3-0.6B"))
+    assert row.rstrip().endswith("| 1.48-2.16x |") and row.count("x |") >= 3
+
+
+def test_module_entry_point_runs():
+    proc = subprocess.run([sys.executable, "-m", "lightning_roundpipe.sim", "plan", "--model", "qwen3-0.6b",
+                           "--hardware", "cpu2", "--seq-len", "256", "--microbatches", "2", "--no-max-seq"],
+                          capture_output=True, text=True, timeout=110)
+    assert proc.returncode in (0, 1), proc.stderr
+    assert "Verdict:" in proc.stdout and "cpu2" in proc.stdout
+
+
+def test_paper_table_function_matches_the_cli_format():
+    text = paper_table("rtx4090", ("qwen3-0.6b",), 1024, 8)
+    assert "8x rtx4090, 1024-token sequences, 8 microbatches" in text
