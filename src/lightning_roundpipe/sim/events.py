@@ -115,7 +115,7 @@ class EventSimulator:
 
     # ------------------------------------------------------------------ run
     def run(self) -> None:
-        """Run every op; fills ``start``/``end``, :attr:`records` and :attr:`peak_bytes`."""
+        """Run every op once; fills ``start``/``end``, :attr:`records` and :attr:`peak_bytes`."""
         order = self._order
         waiting = {id(op): 0 for op in self.ops}
         dependents: dict[int, list[Op]] = defaultdict(list)
@@ -239,10 +239,9 @@ class EventSimulator:
                 server = servers[key]
                 server.busy = False
                 touched.add(key)
-                if kind == 0:
-                    if not op.is_transfer:
-                        self.records.append(TraceRecord(op.worker, op.queue, op.kind, op.stage, op.microbatch,
-                                                        0, op.start, now, op.step))
+                if kind == 0:  # compute or host work done
+                    self.records.append(TraceRecord(op.worker, op.queue, op.kind, op.stage, op.microbatch,
+                                                    0, op.start, now, op.step))
                     finish(op)
                 else:
                     remaining[id(op)] -= nbytes

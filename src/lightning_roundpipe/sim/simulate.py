@@ -175,12 +175,12 @@ class _RoundPipeBuilder:
             # starts once the outputs of compute n-2 are home.
             buffer_deps = [self.computes[w][n - 2]] if n >= 2 else []
             output_deps = self.outputs[w][n - 2] if n >= 2 else []
-            inputs = []
-            if stage.direction == "F":
-                inputs.append(self._upload(w, "act_in", name, i, step, view.in_bytes(a), self.act_src.get((a, i)), buffer_deps))
-            else:
-                inputs.append(self._upload(w, "act_in", name, i, step, view.in_bytes(a), self.act_src.get((a, i)), buffer_deps))
-                inputs.append(self._upload(w, "grad_in", name, i, step, view.out_bytes(b - 1), self.grad_src.get((b, i)), buffer_deps))
+            # Every stage needs its input (backward: the saved one, for recompute); backward also
+            # needs the gradient of its output.
+            inputs = [self._upload(w, "act_in", name, i, step, view.in_bytes(a), self.act_src.get((a, i)), buffer_deps)]
+            if stage.direction == "B":
+                inputs.append(self._upload(w, "grad_in", name, i, step, view.out_bytes(b - 1),
+                                           self.grad_src.get((b, i)), buffer_deps))
             outputs: list[tuple[str, int, int]] = []  # (kind, bytes, boundary)
             if stage.direction == "F" and not fused:
                 outputs.append(("act_out", view.out_bytes(b - 1), b))
