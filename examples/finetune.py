@@ -138,7 +138,7 @@ def run(cfg: DictConfig) -> dict:
     wall_seconds = time.perf_counter() - started
 
     checkpoint = out_dir / "last.ckpt"
-    trainer.save_checkpoint(checkpoint)
+    trainer.save_checkpoint(checkpoint, weights_only=False)  # full state: resumable
     adapter = module.save_adapter(out_dir / "adapter") if trainer.is_global_zero else None
 
     results = {
