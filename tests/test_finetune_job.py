@@ -248,3 +248,13 @@ def test_data_split_holds_the_end_of_the_text_for_validation():
     assert data.val_set.input_ids[-1].tolist() == ids[(blocks - 1) * 128 : blocks * 128]
     assert bool((data.train_set.labels == data.train_set.input_ids).all())
     assert len(data.train_dataloader()) == len(data.train_set) // 8  # full batches only
+
+
+def test_make_tiny_models_retrains_the_shipped_tokenizer_exactly():
+    spec = importlib.util.spec_from_file_location("make_tiny_models", REPO / "scripts" / "make_tiny_models.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    retrained = script.train_tokenizer(assets.path("shakespeare.txt").read_text(encoding="utf-8"))
+    shipped = AutoTokenizer.from_pretrained(assets.path("tiny-qwen3"))
+    assert retrained.get_vocab() == shipped.get_vocab()
+    assert script.common_shape(retrained)["vocab_size"] == 512
