@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -250,9 +251,10 @@ def test_data_split_holds_the_end_of_the_text_for_validation():
     assert len(data.train_dataloader()) == len(data.train_set) // 8  # full batches only
 
 
-def test_make_tiny_models_retrains_the_shipped_tokenizer_exactly():
+def test_make_tiny_models_retrains_the_shipped_tokenizer_exactly(monkeypatch):
     spec = importlib.util.spec_from_file_location("make_tiny_models", REPO / "scripts" / "make_tiny_models.py")
     script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "make_tiny_models", script)  # its dataclasses look themselves up there
     spec.loader.exec_module(script)
     retrained = script.train_tokenizer(assets.path("shakespeare.txt").read_text(encoding="utf-8"))
     shipped = AutoTokenizer.from_pretrained(assets.path("tiny-qwen3"))
