@@ -158,3 +158,6 @@ def test_bad_options_name_their_key():
         CausalLMFineTune(TINY, lora={"enabled": True, "rank": 4})
     with pytest.raises(FineTuneInputError, match=r"optim.schedule='cosine'; choose 'linear' or 'constant'"):
         CausalLMFineTune(TINY, optim={"schedule": "cosine"})
+    with pytest.raises(FineTuneInputError, match=r"model.dtype='bf16' is not a torch dtype"):
+        CausalLMFineTune(TINY, dtype="bf16")
+    assert CausalLMFineTune(TINY, dtype="bfloat16").model.dtype == torch.bfloat16

@@ -133,7 +133,11 @@ class CausalLMFineTune(pl.LightningModule):
                 "dtype": dtype,
             }
         )
-        load_kwargs = {"dtype": getattr(torch, dtype)} if dtype else {}
+        load_kwargs = {}
+        if dtype is not None:
+            if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+                raise FineTuneInputError(f"model.dtype={dtype!r} is not a torch dtype; use e.g. float32, bfloat16 or null.")
+            load_kwargs["dtype"] = getattr(torch, dtype)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, **load_kwargs)
         model.train()  # from_pretrained returns eval mode; Lightning keeps submodule modes as found
         if self.lora is not None:
