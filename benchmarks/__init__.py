@@ -1,0 +1,1 @@
+"""Benchmarks of lightning-roundpipe against real peers (see benchmarks/README.md)."""
