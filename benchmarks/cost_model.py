@@ -100,3 +100,85 @@ def bound_bubble(timings: Sequence[LayerTiming], ranges: Sequence[tuple[int, int
     rc = rank_costs(timings, ranges, recompute)
     step = bound_step_s(timings, ranges, microbatches, recompute)
     return 1.0 - microbatches * sum(rc) / (len(rc) * step)
+
+
+# ------------------------------------------------------------------ what-if: schedule search
+# The engine starts backward only after the whole forward is back on the host (``loss.backward()``
+# runs after the forward returned), even when the last stage is fused and every microbatch's
+# output gradient already exists. The functions below price a plan with and without that barrier
+# and search all plans exhaustively (a handful of layers: a few thousand plans), to tell how much
+# of the gap to the balance bound is the partitioner's choice and how much is the barrier.
+
+def stage_costs(timings: Sequence[LayerTiming], forward: Sequence[Sequence[int]], backward: Sequence[Sequence[int]],
+                recompute: bool) -> tuple[list[float], list[float]]:
+    """Per-microbatch compute of the forward stages (last one fused) and of the dispatched backward stages.
+
+    ``backward`` lists backward ranges in layer order, ending with the fused stage (as in a Plan);
+    the result's backward list is in dispatch order (reverse), without the fused stage.
+    """
+    f = [t.forward_s for t in timings]
+    b = [t.backward_s for t in timings]
+    fwd = [sum(f[s:e]) for s, e in forward[:-1]]
+    s, e = forward[-1]
+    fwd.append(sum(f[s:e]) + sum(b[s:e]))  # fused: forward + loss + backward at once, never recomputed
+    bwd = [sum(b[s:e]) + (sum(f[s:e]) if recompute else 0.0) for s, e in reversed(list(backward)[:-1])]
+    return fwd, bwd
+
+
+def round_robin_step_s(forward_costs: Sequence[float], backward_costs: Sequence[float], microbatches: int,
+                       workers: int, barrier: bool = True) -> float:
+    """Step time of round-robin dispatch with free copies and dispatch.
+
+    Stage k goes to worker ``k % workers``; its microbatch i starts when the worker is free and
+    microbatch i of the previous stage is done. ``barrier``: backward waits for the whole forward
+    (the engine today); without it, backward microbatch i starts once the fused stage produced it.
+    """
+    free = [0.0] * workers
+    ready = [0.0] * microbatches
+    forward_end = 0.0
+    for k, cost in enumerate(list(forward_costs) + list(backward_costs)):
+        if k == len(forward_costs) and barrier:
+            ready = [forward_end] * microbatches
+        w = k % workers
+        t = free[w]
+        done = []
+        for i in range(microbatches):
+            t = max(t, ready[i]) + cost
+            done.append(t)
+        free[w] = t
+        ready = done
+        if k < len(forward_costs):
+            forward_end = max(forward_end, done[-1])
+    return max(free)
+
+
+def _compositions(start: int, end: int):
+    """Every split of [start, end) into contiguous non-empty ranges."""
+    n = end - start
+    for mask in range(1 << max(n - 1, 0)):
+        cuts = [start + i + 1 for i in range(n - 1) if mask >> i & 1]
+        bounds = [start] + cuts + [end]
+        yield [(bounds[j], bounds[j + 1]) for j in range(len(bounds) - 1)]
+
+
+def best_plan(timings: Sequence[LayerTiming], microbatches: int, workers: int, recompute: bool, barrier: bool,
+              max_layers: int = 12) -> tuple[float, list, list]:
+    """The fastest plan under :func:`round_robin_step_s` (exhaustive; fused last stage holding the head).
+
+    Returns (step seconds, forward ranges, backward ranges in layer order ending with the fused stage).
+    With ``recompute=False`` backward stages equal forward stages, as the engine requires.
+    """
+    n = len(timings)
+    if n > max_layers:
+        raise ValueError(f"exhaustive plan search is for at most {max_layers} layers, got {n}")
+    best = (float("inf"), [], [])
+    for forward in _compositions(0, n):
+        head = forward[-1]
+        choices = [forward[:-1]] if not recompute else (list(_compositions(0, head[0])) if head[0] > 0 else [[]])
+        for inner in choices:
+            backward = list(inner) + [head]
+            fc, bc = stage_costs(timings, forward, backward, recompute)
+            t = round_robin_step_s(fc, bc, microbatches, workers, barrier)
+            if t < best[0] - 1e-12:
+                best = (t, [list(r) for r in forward], [list(r) for r in backward])
+    return best

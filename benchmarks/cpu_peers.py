@@ -40,7 +40,9 @@ from benchmarks.models import ShapeConfig, build_layers, head_to_block_flops, me
 from benchmarks.report import markdown_table, write_json
 
 WORKERS = 2  # virtual workers / ranks / threads: the machine has 2 cores
-SYSTEMS = ("roundpipe", "1F1B", "GPipe", "plain")
+# "roundpipe" runs the project's partitioner's plan; "roundpipe-search" the best plan found by
+# exhaustive search under the same timing model (what a better partitioner would give today).
+SYSTEMS = ("roundpipe", "roundpipe-search", "1F1B", "GPipe", "plain")
 
 SHAPES = {
     # Each worker's share is a few layers; the head weighs about 3 blocks; 2 x workers microbatches.
@@ -111,7 +113,7 @@ def check_targets(rows: Sequence[dict], paper_shape: str) -> list[dict]:
     out = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
         for rec in (True, False):
-            ours = find(shape, rec, "roundpipe")
+            ours = find(shape, rec, "roundpipe (")
             if ours is None:
                 continue
             for peer in ("torch 1F1B", "torch GPipe"):
@@ -134,6 +136,31 @@ def check_targets(rows: Sequence[dict], paper_shape: str) -> list[dict]:
                 a, b = tps(ours), tps(plain)
                 out.append({"target": f"{shape}, recompute off: >= 0.8x plain single-process tokens/s",
                             "met": bool(a and b and a >= 0.8 * b), "value": (a / b) if a and b else None})
+    return out
+
+
+WHATIF_COLUMNS = [
+    ("shape", "shape", "{}"),
+    ("recompute", "recompute", "{}"),
+    ("bound", "1F1B/GPipe model s", "{:.3f}"),
+    ("auto", "RoundPipe plan run (model) s", "{:.3f}"),
+    ("search", "best plan, engine as is s", "{:.3f}"),
+    ("eager", "best plan, no fwd/bwd barrier s", "{:.3f}"),
+    ("balance", "balance bound s", "{:.3f}"),
+    ("ratios", "ratios vs 1F1B (run / best / no barrier / bound)", "{}"),
+]
+
+
+def whatif_rows(infos: dict) -> list[dict]:
+    """Cost-model step times per shape and policy: bound schedules, RoundPipe's plan, better plans, the bound."""
+    out = []
+    for name, info in infos.items():
+        for key, pol in info["policies"].items():
+            b = pol["bound_model_step_s"]
+            vals = [pol["roundpipe_model_step_s"], pol["search_model_step_s"], pol["eager_model_step_s"],
+                    pol["balance_bound_step_s"]]
+            out.append({"shape": name, "recompute": key == "on", "bound": b, "auto": vals[0], "search": vals[1],
+                        "eager": vals[2], "balance": vals[3], "ratios": " / ".join(f"{b / v:.2f}x" for v in vals)})
     return out
 
 
@@ -177,9 +204,17 @@ def prepare_shape(shape: ShapeConfig, policies: Sequence[bool], seed: int = 0, l
             "roundpipe_model_step_s": rp.step_s,
             "roundpipe_model_bubble": rp.bubble,
         }
+        # What-ifs for the report: the best plan the engine could run as it is, and with backward
+        # starting per microbatch right after the fused stage (no forward/backward barrier).
+        for tag, barrier in (("search", True), ("eager", False)):
+            t, fwd, bwd = cost_model.best_plan(timings, shape.microbatches, WORKERS, rec, barrier)
+            pol[f"{tag}_model_step_s"], pol[f"{tag}_forward"], pol[f"{tag}_backward"] = t, fwd, bwd
         info["policies"]["on" if rec else "off"] = pol
         log(f"  recompute {'on' if rec else 'off'}: bound split {ranges} (model {pol['bound_model_step_s']:.3f}s), "
             f"RoundPipe plan {rp.plan.to_text()} (model {rp.step_s:.3f}s), balance bound {pol['balance_bound_step_s']:.3f}s")
+        log(f"    what-if: best plan as the engine is {pol['search_forward']} / {pol['search_backward']} "
+            f"({pol['search_model_step_s']:.3f}s); best plan without the forward/backward barrier "
+            f"{pol['eager_forward']} / {pol['eager_backward']} ({pol['eager_model_step_s']:.3f}s)")
     return info
 
 
@@ -191,6 +226,11 @@ def run_system(shape: ShapeConfig, info: dict, rec: bool, system: str, config: R
         res = roundpipe_run(shape, rec, config, pol["roundpipe_forward"], pol["roundpipe_backward"], WORKERS, partition)
         row = result_row(shape, res, bound_s / pol["roundpipe_model_step_s"], pol["roundpipe_model_step_s"],
                          pol["roundpipe_model_bubble"])
+        row["balance_ratio_vs_1f1b"] = bound_s / pol["balance_bound_step_s"]
+    elif system == "roundpipe-search":
+        res = roundpipe_run(shape, rec, config, pol["search_forward"], pol["search_backward"], WORKERS, "measured")
+        res.system = res.system.replace("roundpipe", "roundpipe, searched plan")
+        row = result_row(shape, res, bound_s / pol["search_model_step_s"], pol["search_model_step_s"], None)
         row["balance_ratio_vs_1f1b"] = bound_s / pol["balance_bound_step_s"]
     elif system in ("1F1B", "GPipe"):
         res = torch_pipeline_run(shape, rec, config, system, [tuple(r) for r in pol["bound_ranges"]])
@@ -284,6 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(markdown_table(table_rows))
     print()
     print(format_targets(targets))
+    print("\nCost model (measured one-thread layer costs, free copies and dispatch):\n")
+    print(markdown_table(whatif_rows(infos), WHATIF_COLUMNS))
     elapsed = time.perf_counter() - started
     print(f"\nload average after: {load_after[0]:.2f}; total {elapsed:.0f}s")
     if args.json:
