@@ -88,17 +88,15 @@ class GradRecorder(L.Callback):
 
 def fit(module, strategy, devices=1, max_steps=5, batch_size=8, data=None, callbacks=(), **trainer_kwargs):
     rec = GradRecorder()
+    options = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    options.update(trainer_kwargs)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=devices,
         max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[rec, *callbacks],
-        **trainer_kwargs,
+        **options,
     )
     trainer.fit(module, DataLoader(data or make_data(), batch_size=batch_size))
     return trainer, rec.first

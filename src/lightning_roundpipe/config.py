@@ -65,6 +65,8 @@ class TransferConfig:
     prefetch_depth: stages a worker uploads ahead of the one it runs (1 keeps two resident).
     bandwidth_bytes_per_s / latency_s: CPU backend only: each transfer costs latency + bytes/bandwidth
         (25e9 models PCIe 4.0 x16); None means copies cost only the memory copy.
+    queue: "priority" (each transfer queue picks the most urgent ready transfer) or "fifo" (one
+        first-in-first-out queue per direction, like a bare CUDA stream: the baseline priorities beat).
     """
 
     priorities: dict = field(default_factory=lambda: {"activation": 0, "weights": 1, "gradients": 2})
@@ -72,6 +74,17 @@ class TransferConfig:
     prefetch_depth: int = 1
     bandwidth_bytes_per_s: float | None = None
     latency_s: float = 0.0
+    queue: str = "priority"
+
+    def validate(self) -> "TransferConfig":
+        if self.queue not in ("priority", "fifo"):
+            raise ValueError(f"transfer queue must be 'priority' or 'fifo', got {self.queue!r}")
+        missing = {"activation", "weights", "gradients"} - set(self.priorities or {})
+        if missing:
+            raise ValueError(f"transfer priorities must give a number for {sorted(missing)}")
+        if int(self.chunk_bytes) < 1 or int(self.prefetch_depth) < 0:
+            raise ValueError("transfer chunk_bytes must be >= 1 and prefetch_depth >= 0")
+        return self
 
 
 def partition_config(value: Any) -> PartitionConfig:
@@ -79,4 +92,4 @@ def partition_config(value: Any) -> PartitionConfig:
 
 
 def transfer_config(value: Any) -> TransferConfig:
-    return _from_mapping(TransferConfig, value, "transfer")
+    return _from_mapping(TransferConfig, value, "transfer").validate()

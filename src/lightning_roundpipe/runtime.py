@@ -41,6 +41,8 @@ class RuntimeOptions:
     cpu_jitter_s: float = 0.0
     cpu_threads_per_worker: int = 1
     seed: int = 0
+    trace_steps: int = 0  # keep the timeline of this many training steps (for export)
+    step_metrics: bool = True  # time every step's tasks for bubble / exposed transfer / tokens per second
 
     def validate(self) -> "RuntimeOptions":
         if self.microbatches is not None and int(self.microbatches) < 1:
@@ -64,8 +66,12 @@ class RoundPipeRuntime:
         self.options = options.validate()
         self.num_workers = num_workers
         self.trace = trace or TraceRecorder()
+        self.trace.enabled = bool(options.step_metrics or options.trace_steps)
+        self.kept_steps: list[int] = []
+        self.last_metrics: dict = {}
+        self.last_tokens: int | None = None
         t = options.transfer
-        pool_opts: dict[str, Any] = dict(timeout_s=options.timeout_s, trace=self.trace)
+        pool_opts: dict[str, Any] = dict(timeout_s=options.timeout_s, trace=self.trace, fifo_transfers=t.queue == "fifo")
         if backend == "cpu":
             pool_opts.update(
                 compute_delay_s=options.cpu_compute_delay_s,
@@ -103,10 +109,48 @@ class RoundPipeRuntime:
         self.engine.step_end_hooks.append(self._after_step)
         patch_forward(module, forward(self))
 
+    def run(self, inputs, loss_scale: float | None = None, tokens: int | None = None):
+        """One pipelined call (what the patched forward does); keeps the step's bookkeeping."""
+        self.last_tokens = tokens
+        out = self.engine(inputs, loss_scale=loss_scale)
+        run = self.engine.last_run
+        if run is not None and not run.training:
+            self.trace.discard_step(run.step)  # evaluation calls are not part of the training timeline
+        return out
+
     def _after_step(self, run) -> None:
         new_plan = self.planner.after_step(run.measurements)
         if new_plan is not None:
             self.engine.set_plan(new_plan)
+        if self.trace.enabled:
+            from .timeline import step_metrics
+
+            records = self.trace.records(run.step)
+            if records:
+                self.last_metrics = step_metrics(records, self.last_tokens)
+            if len(self.kept_steps) < self.options.trace_steps:
+                self.kept_steps.append(run.step)
+            else:
+                self.trace.discard_step(run.step)
+
+    def export_timeline(self, directory) -> list[str]:
+        """Write the kept steps as a Chrome/Perfetto trace and, with matplotlib, a PNG Gantt chart."""
+        import os
+
+        from .timeline import save_gantt_png, to_chrome_trace
+
+        records = [r for r in self.trace.records() if r.step in self.kept_steps]
+        if not records:
+            return []
+        os.makedirs(directory, exist_ok=True)
+        written = [os.path.join(directory, "roundpipe_trace.json")]
+        to_chrome_trace(records, written[0])
+        try:
+            save_gantt_png(records, os.path.join(directory, "roundpipe_timeline.png"), title="RoundPipe timeline")
+            written.append(os.path.join(directory, "roundpipe_timeline.png"))
+        except ImportError as err:
+            log.warning("timeline PNG not written: %s", err)
+        return written
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -138,6 +182,6 @@ class RoundPipeRuntime:
 
 def _sequential_forward(runtime: RoundPipeRuntime) -> Callable:
     def forward(x):
-        return runtime.engine(x)
+        return runtime.run(x, tokens=int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() else None)
 
     return forward

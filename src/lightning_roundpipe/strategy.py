@@ -41,6 +41,11 @@ class RoundPipeStrategy(ParallelStrategy):
         cpu_compute_delay_s, cpu_jitter_s: CPU backend only: injected delay / random jitter per task.
         cpu_threads_per_worker: CPU backend only: torch threads per worker's compute queue.
         seed: seed of the CPU backend's jitter.
+        trace_steps: keep the timeline of the first N training steps and write it at the end of the
+            run to ``trace_dir`` as ``roundpipe_trace.json`` (Chrome/Perfetto) and ``roundpipe_timeline.png``.
+        trace_dir: where the timeline goes (None: the trainer's ``default_root_dir``).
+        step_metrics: log ``roundpipe/bubble_fraction``, ``roundpipe/exposed_transfer_s``,
+            ``roundpipe/step_s`` and ``roundpipe/tokens_per_s`` to the trainer's loggers every step.
     """
 
     strategy_name = "roundpipe"
@@ -58,6 +63,9 @@ class RoundPipeStrategy(ParallelStrategy):
         cpu_jitter_s: float = 0.0,
         cpu_threads_per_worker: int = 1,
         seed: int = 0,
+        trace_steps: int = 0,
+        trace_dir: str | None = None,
+        step_metrics: bool = True,
         accelerator=None,
         parallel_devices=None,
         cluster_environment=None,
@@ -81,7 +89,10 @@ class RoundPipeStrategy(ParallelStrategy):
             cpu_jitter_s=cpu_jitter_s,
             cpu_threads_per_worker=cpu_threads_per_worker,
             seed=seed,
+            trace_steps=int(trace_steps),
+            step_metrics=bool(step_metrics),
         ).validate()
+        self.trace_dir = trace_dir
         self.module_path = module
         self.expected_workers = workers
         self.runtime: RoundPipeRuntime | None = None
@@ -137,8 +148,29 @@ class RoundPipeStrategy(ParallelStrategy):
         rank_zero_info(f"RoundPipe pipelines `{target.path}` ({type(target.module).__name__})\n{self.runtime.describe()}")
 
     @override
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._log_step_metrics()
+        return out
+
+    def _log_step_metrics(self) -> None:
+        if self.runtime is None or not self.runtime.last_metrics or self.lightning_module is None:
+            return
+        trainer = self.lightning_module.trainer
+        m = self.runtime.last_metrics
+        metrics = {f"roundpipe/{k}": float(m[k]) for k in ("bubble_fraction", "exposed_transfer_s", "step_s", "tokens_per_s")
+                   if m.get(k) is not None}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    @override
     def teardown(self) -> None:
         if self.runtime is not None:
+            if self.options.trace_steps:
+                directory = self.trace_dir or (self.lightning_module.trainer.default_root_dir if self.lightning_module else ".")
+                written = self.runtime.export_timeline(directory)
+                if written:
+                    rank_zero_info(f"RoundPipe timeline written: {', '.join(written)}")
             self.runtime.detach()
             self.runtime = None
         super().teardown()

@@ -58,3 +58,8 @@ class TraceRecorder:
     def clear(self) -> None:
         with self._lock:
             self._records.clear()
+
+    def discard_step(self, step: int) -> None:
+        """Forget the records of one step (metrics were taken; the timeline keeps only chosen steps)."""
+        with self._lock:
+            self._records = [r for r in self._records if r.step != step]

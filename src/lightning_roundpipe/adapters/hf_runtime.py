@@ -46,7 +46,7 @@ def causal_lm_runtime_parts(module: nn.Module) -> tuple[nn.Module, list[nn.Modul
                 batch["position_ids"] = position_ids.expand(input_ids.shape[0], -1) if position_ids.shape[0] == 1 else position_ids
             if labels is None:
                 adapter.set_postfix_mode("logits")
-                out = runtime.engine(batch)
+                out = runtime.run(batch, tokens=int(input_ids.numel()))
                 return CausalLMOutputWithPast(loss=None, logits=out["logits"])
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
@@ -54,7 +54,7 @@ def causal_lm_runtime_parts(module: nn.Module) -> tuple[nn.Module, list[nn.Modul
             adapter.set_postfix_mode("loss")
             count = count_loss_tokens(labels)
             scale = 1.0 / count if count > 0 else float("nan")
-            loss = runtime.engine(batch, loss_scale=scale)
+            loss = runtime.run(batch, loss_scale=scale, tokens=int(input_ids.numel()))
             return CausalLMOutputWithPast(loss=loss, logits=None)
 
         return forward

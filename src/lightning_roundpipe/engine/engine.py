@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..plan import Plan, PlanError, dispatch
-from ..workers.events import Completion
+from ..workers.events import Completion, WorkerError
 from ..workers.pool import WorkerPool
 from .microbatch import merge_microbatches, split_microbatches
 from .rng import uses_randomness
@@ -113,7 +113,10 @@ class PipelineEngine:
     def _slot_dependency(self, worker_index: int) -> Completion | None:
         history = self._releases[worker_index]
         depth = int(self.options.prefetch_depth)
-        return history[-(depth + 1)] if len(history) >= depth + 1 else None
+        if len(history) < depth + 1:
+            return None
+        dep = history[-(depth + 1)]
+        return None if dep.failed() else dep  # a release cancelled with a failed step freed its memory already
 
     def _record_release(self, worker_index: int, completion: Completion) -> None:
         self._releases[worker_index].append(completion)
@@ -179,11 +182,15 @@ class PipelineEngine:
         """Run a host-side phase; on failure let every queued task finish or fail before re-raising."""
         try:
             return fn(*args)
-        except BaseException:
-            try:
-                self.pool.drain()
-            except Exception:
-                pass
+        except BaseException as exc:
+            if isinstance(exc, WorkerError):
+                # Failed tasks fail their dependants at once, so the queues empty quickly.
+                try:
+                    self.pool.drain()
+                except Exception:
+                    self.pool.cancel_pending(exc)
+            else:  # a timeout or an interrupt: do not wait that long again
+                self.pool.cancel_pending(exc)
             raise
 
     def close(self) -> None:

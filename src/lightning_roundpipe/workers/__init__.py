@@ -24,6 +24,6 @@ def make_pool(backend: str, num_workers: int, device_indices=None, **options) ->
     if backend == "cuda":
         from .cuda import CudaWorkerPool
 
-        cuda_opts = {k: v for k, v in options.items() if k in ("timeout_s", "trace", "max_in_flight", "pin_memory")}
+        cuda_opts = {k: v for k, v in options.items() if k in ("timeout_s", "trace", "max_in_flight", "pin_memory", "fifo_transfers")}
         return CudaWorkerPool(device_indices if device_indices is not None else range(num_workers), **cuda_opts)
     raise ValueError(f"unknown worker backend {backend!r}: use 'cpu' or 'cuda'")

@@ -40,8 +40,10 @@ class CpuWorkerPool(WorkerPool):
         latency_s: float = 0.0,
         threads_per_worker: int = 1,
         seed: int = 0,
+        fifo_transfers: bool = False,
     ):
-        super().__init__([torch.device("cpu")] * num_workers, timeout_s=timeout_s, trace=trace)
+        super().__init__([torch.device("cpu")] * num_workers, timeout_s=timeout_s, trace=trace,
+                         fifo_transfers=fifo_transfers)
         self.compute_delay_s = float(compute_delay_s)
         self.jitter_s = float(jitter_s)
         self.bandwidth_bytes_per_s = bandwidth_bytes_per_s

@@ -23,10 +23,12 @@ from .pool import Lane, WorkerPool, Worker, _Task
 class CudaWorkerPool(WorkerPool):
     backend = "cuda"
 
-    def __init__(self, device_indices, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2, pin_memory: bool = True):
+    def __init__(self, device_indices, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2, pin_memory: bool = True,
+                 fifo_transfers: bool = False):
         if not torch.cuda.is_available():
             raise RuntimeError("the CUDA backend needs CUDA: use accelerator='cpu' for virtual CPU workers")
-        super().__init__([torch.device("cuda", int(i)) for i in device_indices], timeout_s=timeout_s, trace=trace)
+        super().__init__([torch.device("cuda", int(i)) for i in device_indices], timeout_s=timeout_s, trace=trace,
+                         fifo_transfers=fifo_transfers)
         self.max_in_flight = max(1, int(max_in_flight))
         self.pin_memory = pin_memory
         self._in_flight: dict[int, collections.deque] = {}

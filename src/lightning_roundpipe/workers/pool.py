@@ -52,7 +52,9 @@ class Lane:
         self.pool = pool
         self.worker = worker
         self.queue = queue
-        self.strict_order = queue == "compute"
+        # The compute lane always runs in submission order (fixed gradient accumulation order);
+        # transfer lanes do too when the pool is asked for plain FIFO queues (no priorities).
+        self.strict_order = queue == "compute" or pool.fifo_transfers
         self._pending: list[tuple[tuple[int, int], _Task]] = []
         self.busy = False
         self.stream: Any = None  # set by the CUDA backend
@@ -67,8 +69,9 @@ class Lane:
         self._thread.join(timeout)
 
     def submit(self, task: _Task) -> None:
+        key = (0, task.seq) if self.strict_order else task.key()  # a strict lane ignores priorities
         with self.pool._cv:
-            bisect.insort(self._pending, (task.key(), task), key=lambda kt: kt[0])
+            bisect.insort(self._pending, (key, task), key=lambda kt: kt[0])
             self.pool._cv.notify_all()
 
     def pending_count(self) -> int:
@@ -187,10 +190,12 @@ class WorkerPool:
 
     backend = "base"
 
-    def __init__(self, devices: Sequence[torch.device], timeout_s: float = 300.0, trace: TraceRecorder | None = None):
+    def __init__(self, devices: Sequence[torch.device], timeout_s: float = 300.0, trace: TraceRecorder | None = None,
+                 fifo_transfers: bool = False):
         if len(devices) < 1:
             raise ValueError("a worker pool needs at least one worker")
         self.timeout_s = float(timeout_s)
+        self.fifo_transfers = fifo_transfers
         self.trace = trace if trace is not None else TraceRecorder()
         self._cv = threading.Condition()
         self._seq = itertools.count()
@@ -238,6 +243,26 @@ class WorkerPool:
                     raise PipelineTimeout(f"worker queues did not drain within {timeout:g}s\n{self._diagnose_locked()}")
                 self._cv.wait(timeout=min(left, 0.5))
         self.synchronize()
+
+    def cancel_pending(self, error: BaseException) -> None:
+        """Fail every queued task with ``error`` (running ones finish); releases still run.
+
+        Used after a timeout or an interrupt, when waiting for the queues to drain could take
+        as long again. A release only drops references and updates the memory count, so it is
+        safe to run here, and it keeps the per-worker memory accounting right.
+        """
+        with self._cv:
+            for lane in self.lanes():
+                pending, lane._pending = lane._pending, []
+                for _, task in pending:
+                    if task.always:
+                        try:
+                            task.done.set(task.fn())
+                        except BaseException as exc:  # pragma: no cover - releases do not raise
+                            task.done.fail_from_exception(exc)
+                    else:
+                        task.done.fail_from_exception(error)
+            self._cv.notify_all()
 
     def diagnose(self) -> str:
         with self._cv:
