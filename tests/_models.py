@@ -86,7 +86,8 @@ class GradRecorder(L.Callback):
             self.first = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
 
 
-def fit(module, strategy, devices=1, max_steps=5, batch_size=8, data=None, callbacks=(), **trainer_kwargs):
+def fit(module, strategy, devices=1, max_steps=5, batch_size=8, data=None, callbacks=(), record_grads=True,
+        **trainer_kwargs):
     rec = GradRecorder()
     options = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     options.update(trainer_kwargs)
@@ -95,7 +96,7 @@ def fit(module, strategy, devices=1, max_steps=5, batch_size=8, data=None, callb
         accelerator="cpu",
         devices=devices,
         max_steps=max_steps,
-        callbacks=[rec, *callbacks],
+        callbacks=[rec, *callbacks] if record_grads else list(callbacks),
         **options,
     )
     trainer.fit(module, DataLoader(data or make_data(), batch_size=batch_size))

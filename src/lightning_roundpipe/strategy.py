@@ -16,7 +16,13 @@ from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning.pytorch.trainer.states import TrainerFn
+
+from .checkpoint import AtomicCheckpointIO
 from .config import partition_config, transfer_config
+from .optim import OverlappedOptimizer
+from .precision import compute_dtype_of, translate
+from .shadows import ShadowStore, check_pinned_policy, register_pinned, unregister_pinned
 from .runtime import RoundPipeRuntime, RuntimeOptions
 from .target import find_target
 
@@ -46,6 +52,13 @@ class RoundPipeStrategy(ParallelStrategy):
         trace_dir: where the timeline goes (None: the trainer's ``default_root_dir``).
         step_metrics: log ``roundpipe/bubble_fraction``, ``roundpipe/exposed_transfer_s``,
             ``roundpipe/step_s`` and ``roundpipe/tokens_per_s`` to the trainer's loggers every step.
+        overlap_optimizer: step the user's optimizer layer by layer on a host thread, hidden behind
+            backward and the next forward (exact). False: the plain synchronous ``optimizer.step()``.
+        staleness: 0 (exact) or 1: RoundPipe's one-step-delayed update (the gradient of step t is
+            taken at the weights from before update t-1): more overlap, NOT exact.
+        pinned: pinned host memory policy for the CUDA backend: "alloc", "register" or "off"
+            (see ``shadows.py`` for the trade-off); no effect on the CPU backend.
+        optimizer_delay_s: testing knob: sleep this long before each layer's optimizer step.
     """
 
     strategy_name = "roundpipe"
@@ -66,6 +79,10 @@ class RoundPipeStrategy(ParallelStrategy):
         trace_steps: int = 0,
         trace_dir: str | None = None,
         step_metrics: bool = True,
+        overlap_optimizer: bool = True,
+        staleness: int = 0,
+        pinned: str = "alloc",
+        optimizer_delay_s: float = 0.0,
         accelerator=None,
         parallel_devices=None,
         cluster_environment=None,
@@ -76,7 +93,7 @@ class RoundPipeStrategy(ParallelStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io or AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
         )
         self.options = RuntimeOptions(
@@ -93,6 +110,18 @@ class RoundPipeStrategy(ParallelStrategy):
             step_metrics=bool(step_metrics),
         ).validate()
         self.trace_dir = trace_dir
+        if int(staleness) not in (0, 1):
+            raise ValueError(f"RoundPipeStrategy(staleness={staleness}): use 0 (exact) or 1 (one-step-delayed update)")
+        if int(staleness) and not overlap_optimizer:
+            raise ValueError("RoundPipeStrategy(staleness=1) is a mode of the overlapped optimizer: keep overlap_optimizer=True")
+        self.overlap_optimizer = bool(overlap_optimizer)
+        self.staleness = int(staleness)
+        self.pinned = check_pinned_policy(pinned)
+        self.optimizer_delay_s = float(optimizer_delay_s)
+        self.overlaps: list[OverlappedOptimizer] = []
+        self.shadows: ShadowStore | None = None
+        self._registered: list = []
+        self._patched_reads: list[str] = []
         self.module_path = module
         self.expected_workers = workers
         self.runtime: RoundPipeRuntime | None = None
@@ -138,14 +167,134 @@ class RoundPipeStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer) -> None:
-        super().setup(trainer)  # precision conversion, model to host, optimizers
         backend, indices = self._backend()
+        self.precision_plugin = translate(self.precision_plugin, backend)
+        super().setup(trainer)  # precision conversion, model to host, optimizers
         target = find_target(self.lightning_module, self.module_path)
+        self.options.compute_dtype = compute_dtype_of(self.precision_plugin)
         self.runtime = RoundPipeRuntime.attach(
             target.module, backend=backend, num_workers=self.num_workers, options=self.options, kind=target.kind,
             device_indices=indices,
         )
+        self._setup_host_state(trainer, backend)
         rank_zero_info(f"RoundPipe pipelines `{target.path}` ({type(target.module).__name__})\n{self.runtime.describe()}")
+
+    def _setup_host_state(self, trainer, backend: str) -> None:
+        """Shadows, pinned memory and the overlapped optimizer, once the optimizers exist."""
+        engine = self.runtime.engine
+        masters = [t for table in engine.tables for t, is_param in zip(table.tensors, table.is_param) if is_param]
+        pin = backend == "cuda" and self.pinned == "alloc"
+        if self.options.compute_dtype is not None or self.staleness:
+            self.shadows = ShadowStore(masters, self.options.compute_dtype, pin=pin)
+            engine.shadows = self.shadows
+        if backend == "cuda" and self.pinned == "register":
+            self._registered = register_pinned(masters)
+        self.runtime.pool.pin_memory = backend == "cuda" and self.pinned != "off"
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if not (fitting and self.overlap_optimizer and self.optimizers):
+            return
+        early = self._early_steps_allowed(trainer)
+        for opt in self.optimizers:
+            ov = OverlappedOptimizer(
+                opt, engine.tables, self.runtime.trace, notify_cv=self.runtime.pool._cv, staleness=self.staleness,
+                delay_per_layer_s=self.optimizer_delay_s,
+                after_layer_step=self.shadows.refresh if self.shadows is not None else None,
+            )
+            ov.early_steps = early
+            if self.shadows is not None:
+                ov.refresh_shadows = self.shadows.refresh
+            engine.grad_hooks.append(ov.on_layer_grads)
+            self.overlaps.append(ov)
+        engine._weight_gate_fn = lambda ids: [c for ov in self.overlaps for c in ov.weight_gates(ids)]
+        self._patch_reads()
+
+    def _early_steps_allowed(self, trainer) -> bool:
+        """Layers may step during backward only if nothing after backward can change gradients."""
+        import lightning.pytorch as pl
+
+        module = self.lightning_module
+        if trainer.gradient_clip_val or getattr(self.precision_plugin, "scaler", None) is not None:
+            return False
+        if not module.automatic_optimization:
+            return False
+        for hook in ("on_before_optimizer_step", "configure_gradient_clipping"):
+            if getattr(type(module), hook) is not getattr(pl.LightningModule, hook):
+                return False
+        return all(type(cb).on_before_optimizer_step is pl.Callback.on_before_optimizer_step for cb in trainer.callbacks)
+
+    def _patch_reads(self) -> None:
+        """Reading the module's weights through the usual methods waits for in-flight layer steps."""
+        module = self.lightning_module
+        for name in ("parameters", "named_parameters", "state_dict"):
+            original = getattr(module, name)
+
+            def joined(*args, _original=original, **kwargs):
+                self.join()
+                return _original(*args, **kwargs)
+
+            object.__setattr__(module, name, joined)
+            self._patched_reads.append(name)
+
+    def join(self) -> None:
+        """Wait for every submitted layer optimizer step (call before reading weights directly)."""
+        for ov in self.overlaps:
+            ov.join()
+
+    # Every place Lightning reads weights or optimizer state joins first.
+    @override
+    def on_validation_start(self) -> None:
+        self.join()
+
+    @override
+    def on_test_start(self) -> None:
+        self.join()
+
+    @override
+    def on_predict_start(self) -> None:
+        self.join()
+
+    @override
+    def on_train_end(self) -> None:
+        self.join()
+
+    @override
+    def lightning_module_state_dict(self) -> dict:
+        self.join()
+        state = self.lightning_module.state_dict()
+        frozen = [n for n, p in self.lightning_module.named_parameters() if not p.requires_grad]
+        if frozen and any(p.requires_grad for p in self.lightning_module.parameters()):
+            # LoRA and other adapters: keep what is trained (and buffers); the frozen base is rebuilt
+            # from the model path the module was created with (its hyper-parameters).
+            frozen_set = set(frozen)
+            state = {k: v for k, v in state.items() if k not in frozen_set}
+        return state
+
+    @override
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        state = checkpoint["state_dict"]
+        module = self.lightning_module
+        missing = set(module.state_dict().keys()) - set(state)
+        frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+        if strict and missing - frozen:
+            raise KeyError(f"checkpoint lacks trainable weights {sorted(missing - frozen)[:5]}")
+        module.load_state_dict(state, strict=False)
+        if self.shadows is not None:
+            self.shadows.refresh()
+
+    @override
+    def optimizer_state(self, optimizer) -> dict:
+        self.join()
+        return super().optimizer_state(optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        self.join()
+        super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        self.join()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
@@ -165,6 +314,17 @@ class RoundPipeStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        module = self.lightning_module
+        for name in self._patched_reads:
+            vars(module).pop(name, None)
+        self._patched_reads = []
+        for ov in self.overlaps:
+            ov.close()
+        self.overlaps = []
+        if self._registered:
+            unregister_pinned(self._registered)
+            self._registered = []
+        self.shadows = None
         if self.runtime is not None:
             if self.options.trace_steps:
                 directory = self.trace_dir or (self.lightning_module.trainer.default_root_dir if self.lightning_module else ".")

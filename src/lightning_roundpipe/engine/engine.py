@@ -82,6 +82,7 @@ class PipelineEngine:
         self.grad_hooks: list = []  # called with a layer range once its gradients are on the host
         self.step_end_hooks: list = []  # called with the StepRun after each training backward
         self._weight_gate_fn = None
+        self.shadows = None  # a ShadowStore: uploads read compute-dtype copies of the masters
 
     # ------------------------------------------------------------------ plan
     def _checked(self, plan: Plan) -> Plan:

@@ -118,12 +118,13 @@ class StepRun:
 
     def _upload_weights(self, worker, stage: Stage, need_grads: bool) -> tuple[StageWeights, list[Completion]]:
         eng = self.engine
-        weights = StageWeights(eng.tables, stage.layers, self.opts.compute_dtype, self.opts.chunk_bytes, need_grads)
+        weights = StageWeights(eng.tables, stage.layers, self.opts.compute_dtype, self.opts.chunk_bytes, need_grads,
+                               eng.shadows)
         deps = [eng._slot_dependency(worker.index)] + eng.weight_gates(stage.layers)
         done = []
         for k, chunk in enumerate(weights.chunks):
             def fn(chunk=chunk):
-                dev = self.pool._copy_to_device(worker, [weights.host[i] for i in chunk], [weights.dtypes[i] for i in chunk])
+                dev = self.pool._copy_to_device(worker, [weights.sources[i] for i in chunk], [weights.dtypes[i] for i in chunk])
                 weights.store_chunk(chunk, dev)
                 worker.track_weights(weights.chunk_bytes(chunk))
                 return None

@@ -47,6 +47,7 @@ class StageWeights:
         compute_dtype: torch.dtype | None,
         chunk_bytes: int,
         need_grads: bool,
+        shadows=None,
     ):
         self.layer_ids = layer_ids
         seen: dict[int, int] = {}
@@ -65,6 +66,8 @@ class StageWeights:
                     self.is_param.append(is_param)
                 entries.append((name, seen[key]))
             self.layout[l] = entries
+        # What is uploaded: the shadow (compute-dtype copy) where one exists, else the master.
+        self.sources = [shadows.get(t) if shadows is not None else t for t in self.host]
         self.dtypes = [
             compute_dtype if (compute_dtype is not None and p and t.is_floating_point()) else t.dtype
             for t, p in zip(self.host, self.is_param)

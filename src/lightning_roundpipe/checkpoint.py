@@ -1,0 +1,41 @@
+"""Checkpoints written atomically: a crash mid-write leaves the previous file intact.
+
+The file is written next to its destination under a temporary name, flushed to disk, and
+renamed over the destination (``os.replace`` is atomic on POSIX and Windows). The format is
+Lightning's own (``torch.save`` of the checkpoint dict), so it loads with plain ``torch.load``
+and into a model trained under any strategy.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"AtomicCheckpointIO takes no storage_options, got {storage_options}")
+        path = os.fspath(path)
+        fs = get_filesystem(path)
+        if fs.protocol not in ("file", ("file", "local")) and "file" not in getattr(fs, "protocol", ()):
+            return super().save_checkpoint(checkpoint, path)  # remote filesystems: their own semantics
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise

@@ -1,0 +1,45 @@
+"""A host thread that runs optimizer work in submission order, with completions and trace records."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+from ..trace import TraceRecord, TraceRecorder
+from ..workers.events import Completion, TaskLabel
+
+
+class HostLane:
+    def __init__(self, trace: TraceRecorder, notify_cv: threading.Condition | None = None, name: str = "roundpipe-optim"):
+        self.trace = trace
+        self._cv = notify_cv
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], object], label: TaskLabel) -> Completion:
+        done = Completion(label, self._cv)
+        self._queue.put((fn, done))
+        return done
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, done = item
+            start = self.trace.now()
+            try:
+                value = fn()
+            except BaseException as exc:  # reaches whoever waits on the version
+                done.fail_from_exception(exc)
+                continue
+            if self.trace.enabled:
+                lab = done.label
+                self.trace.add(TraceRecord(-1, "host", lab.kind, lab.stage, -1, 0, start, self.trace.now(), self.trace.step))
+            done.set(value)
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
