@@ -269,6 +269,7 @@ def trace_breakdown(records, workers: int, step_start: float, step_end: float) -
         key = f"{r.queue}:{r.kind}"
         by_kind[key] = by_kind.get(key, 0.0) + r.duration
     compute = [r for r in records if r.queue == "compute"]
+    delays = dispatch_delays(records)
     first = min((r.start for r in compute), default=step_start)
     last = max((r.end for r in compute), default=step_end)
     return {
@@ -280,7 +281,29 @@ def trace_breakdown(records, workers: int, step_start: float, step_end: float) -
         "compute_tasks": count,
         "task_seconds_by_kind": dict(sorted(by_kind.items())),
         "exposed_transfer_s": exposed_transfer_seconds(records),
+        "dispatch_delay_s": {"sum": sum(delays), "max": max(delays, default=0.0), "tasks": len(delays)},
     }
+
+
+def dispatch_delays(records) -> list[float]:
+    """Per compute task: seconds between "could start" and "started" (engine overhead, not schedule).
+
+    A task could start once the previous compute task on its worker ended and its own uploads on
+    that worker (the stage's weights, the microbatch's input or output gradient) had ended.
+    """
+    uploads: dict = {}
+    for r in records:
+        if r.queue == "upload":
+            key = (r.worker, r.stage, r.microbatch if r.kind != "weights" else -1)
+            uploads[key] = max(uploads.get(key, 0.0), r.end)
+    out = []
+    last_end: dict = {}
+    for r in sorted((r for r in records if r.queue == "compute"), key=lambda r: r.start):
+        ready = max(last_end.get(r.worker, r.start), uploads.get((r.worker, r.stage, -1), 0.0),
+                    uploads.get((r.worker, r.stage, r.microbatch), 0.0))
+        out.append(max(0.0, r.start - ready))
+        last_end[r.worker] = r.end
+    return out
 
 
 def _pipeline_rank(rank: int, world: int, port: int, shape: ShapeConfig, recompute: bool, config: RunConfig,

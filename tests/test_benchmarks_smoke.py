@@ -149,6 +149,8 @@ def test_roundpipe_and_plain_runners_train_the_same_model():
     assert 0.0 <= ours["bubble"] < 1.0
     assert ours["details"]["plan"] == "F 0:2 2:3 | B 0:1 1:2 2:3 | fused"
     assert ours["details"]["compute_tasks"] == 2 * 2 + 2 * 2  # (F0, fused) + (B1, B0), 2 microbatches each
+    delay = ours["details"]["dispatch_delay_s"]
+    assert delay["tasks"] == 8 and 0.0 <= delay["max"] <= delay["sum"]
 
 
 # ------------------------------------------------------------------ GPU script
