@@ -25,7 +25,7 @@ class SeqModule(L.LightningModule):
     """An MLP in an nn.Sequential: the usual way a user would write it."""
 
     def __init__(self, width=8, depth=4, opt="sgd", lr=0.1, scheduler=False, frozen=False, tied=False, dropout=0.0,
-                 manual=False, seed=0):
+                 manual=False, seed=0, scheduler_interval="epoch"):
         super().__init__()
         torch.manual_seed(seed)
         blocks = []
@@ -41,7 +41,7 @@ class SeqModule(L.LightningModule):
         if frozen:
             for p in self.net[1].parameters():
                 p.requires_grad_(False)
-        self.opt, self.lr, self.use_scheduler = opt, lr, scheduler
+        self.opt, self.lr, self.use_scheduler, self.scheduler_interval = opt, lr, scheduler, scheduler_interval
         self.automatic_optimization = not manual
 
     def training_step(self, batch, batch_idx):
@@ -71,7 +71,8 @@ class SeqModule(L.LightningModule):
         else:
             opt = torch.optim.AdamW(params, lr=self.lr * 0.1, weight_decay=0.01)
         if self.use_scheduler:
-            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": self.scheduler_interval}}
         return opt
 
 
