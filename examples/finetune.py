@@ -38,12 +38,6 @@ from lightning_roundpipe.finetune.config import check_no_missing, register_resol
 register_resolvers()
 
 
-# Strategy options the config documents that a RoundPipeStrategy version may not take yet, with
-# the value that means its built-in behaviour: such a key is dropped (with a note) only while it
-# holds that value; any other value is an error rather than a silently ignored setting.
-BUILT_IN_BEHAVIOUR = {"rng": "auto", "staleness": 0, "overlap_optimizer": True, "pinned": "alloc"}
-
-
 def strategy_options(cfg: DictConfig, accepted: set[str]) -> dict:
     """Keyword arguments for the strategy class: ``cfg.strategy`` plus partition, transfer and trace."""
     options = OmegaConf.to_container(cfg.strategy, resolve=True)
@@ -52,14 +46,9 @@ def strategy_options(cfg: DictConfig, accepted: set[str]) -> dict:
     options["transfer"] = OmegaConf.to_container(cfg.transfer, resolve=True)
     options["trace_steps"] = cfg.trace_steps if cfg.trace else 0
     options["trace_dir"] = str(cfg.out_dir)
-    for key in sorted(set(options) - accepted):
-        value = options.pop(key)
-        if key not in BUILT_IN_BEHAVIOUR or value != BUILT_IN_BEHAVIOUR[key]:
-            raise FineTuneInputError(
-                f"strategy.{key}={value!r} is not supported by {cfg.strategy._target_} in this version; "
-                f"remove it or set it to {BUILT_IN_BEHAVIOUR.get(key)!r}"
-            )
-        print(f"note: {cfg.strategy._target_} has no option {key!r}; it runs its built-in behaviour ({key}={value!r})")
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise FineTuneInputError(f"strategy options {unknown} are not options of {cfg.strategy._target_}")
     return options
 
 
