@@ -8,9 +8,18 @@ gradient clipping, accumulation and logging as they are: they act on host parame
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -20,6 +29,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from .checkpoint import AtomicCheckpointIO
 from .config import partition_config, transfer_config
+from .distributed import GradientSync, broadcast_module
 from .optim import OverlappedOptimizer
 from .precision import compute_dtype_of, translate
 from .shadows import ShadowStore, check_pinned_policy, register_pinned, unregister_pinned
@@ -126,6 +136,8 @@ class RoundPipeStrategy(ParallelStrategy):
         self.expected_workers = workers
         self.runtime: RoundPipeRuntime | None = None
         self.num_nodes = 1
+        self.grad_sync: GradientSync | None = None
+        self.last_bytes_reduced = 0
 
     # ------------------------------------------------------------------ devices
     @property
@@ -149,8 +161,35 @@ class RoundPipeStrategy(ParallelStrategy):
     def num_workers(self) -> int:
         return len(self.parallel_devices or [None])
 
+    # ------------------------------------------------------------------ nodes (one process per node)
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank)
+            self.cluster_environment.set_world_size(self.num_nodes)
+        rank_zero_only.rank = self.global_rank
+
+    @override
+    def _configure_launcher(self) -> None:
+        env = self.cluster_environment
+        if self.num_nodes > 1 and env is not None and not env.creates_processes_externally:
+            # Lightning's own launcher, with one process per node: it sets the environment and starts no child.
+            self._launcher = _SubprocessScriptLauncher(env, num_processes=1, num_nodes=self.num_nodes)
+
     @override
     def setup_environment(self) -> None:
+        if self.world_size > 1:
+            try:
+                _init_dist_connection(self.cluster_environment, "gloo", timeout=timedelta(seconds=self.options.timeout_s))
+            except Exception as err:
+                raise RuntimeError(
+                    f"rank {self.global_rank} of {self.world_size} could not join the other nodes at "
+                    f"{self.cluster_environment.main_address}:{self.cluster_environment.main_port} within "
+                    f"{self.options.timeout_s:g}s: {err}"
+                ) from err
         backend, indices = self._backend()
         if self.expected_workers is not None and int(self.expected_workers) != self.num_workers:
             raise ValueError(
@@ -176,6 +215,10 @@ class RoundPipeStrategy(ParallelStrategy):
             target.module, backend=backend, num_workers=self.num_workers, options=self.options, kind=target.kind,
             device_indices=indices,
         )
+        if self.world_size > 1:
+            broadcast_module(self.lightning_module)  # every node starts from rank 0's weights
+            self.grad_sync = GradientSync(self.runtime.engine.tables, self.runtime.trace, self.options.timeout_s)
+            self.runtime.engine.grad_hooks.append(self.grad_sync.on_layer_grads)
         self._setup_host_state(trainer, backend)
         rank_zero_info(f"RoundPipe pipelines `{target.path}` ({type(target.module).__name__})\n{self.runtime.describe()}")
 
@@ -203,6 +246,8 @@ class RoundPipeStrategy(ParallelStrategy):
             ov.early_steps = early
             if self.shadows is not None:
                 ov.refresh_shadows = self.shadows.refresh
+            if self.grad_sync is not None:
+                ov.before_layer_step = self.grad_sync.finalize_params
             engine.grad_hooks.append(ov.on_layer_grads)
             self.overlaps.append(ov)
         engine._weight_gate_fn = lambda ids: [c for ov in self.overlaps for c in ov.weight_gates(ids)]
@@ -294,7 +339,8 @@ class RoundPipeStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         self.join()
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.is_global_zero:  # every node holds the same weights
+            super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
@@ -325,6 +371,9 @@ class RoundPipeStrategy(ParallelStrategy):
             unregister_pinned(self._registered)
             self._registered = []
         self.shadows = None
+        if self.grad_sync is not None:
+            self.grad_sync.close()
+            self.grad_sync = None
         if self.runtime is not None:
             if self.options.trace_steps:
                 directory = self.trace_dir or (self.lightning_module.trainer.default_root_dir if self.lightning_module else ".")
@@ -335,32 +384,70 @@ class RoundPipeStrategy(ParallelStrategy):
             self.runtime = None
         super().teardown()
 
+    # ------------------------------------------------------------------ gradients across nodes
+    @contextmanager
+    def block_backward_sync(self):
+        """Lightning enters this on accumulation-only steps: nothing is communicated then."""
+        if self.grad_sync is None:
+            yield
+            return
+        self.grad_sync.blocked = True
+        try:
+            yield
+        finally:
+            self.grad_sync.blocked = False
+
+    @override
+    def pre_backward(self, closure_loss) -> None:
+        if self.grad_sync is not None and not self.grad_sync.blocked:
+            self.grad_sync.new_step()
+
+    @override
+    def post_backward(self, closure_loss) -> None:
+        if self.grad_sync is not None and not self.grad_sync.blocked:
+            inside = {id(t) for table in self.runtime.engine.tables for t in table.tensors}
+            outside = [p for p in self.lightning_module.parameters() if p.requires_grad and id(p) not in inside]
+            self.grad_sync.finish_backward(outside)
+            self.last_bytes_reduced = self.grad_sync.bytes_reduced
+
     # ------------------------------------------------------------------ collectives (one process per node)
     @property
     @override
     def is_global_zero(self) -> bool:
         return self.global_rank == 0
 
+    def _dist(self) -> bool:
+        return self.world_size > 1 and torch.distributed.is_initialized()
+
     @override
     def reduce(self, tensor, group=None, reduce_op: ReduceOp | str | None = "mean"):
+        if isinstance(tensor, torch.Tensor) and self._dist():
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def all_gather(self, tensor, group=None, sync_grads: bool = False):
+        if self._dist():
+            return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
         return tensor
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        pass
+        if self._dist():
+            torch.distributed.barrier()
 
     @override
     def broadcast(self, obj, src: int = 0):
-        return obj
+        if not self._dist():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src)
+        return holder[0]
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict:
-        return {"num_replicas": 1, "rank": 0}
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @classmethod
     @override

@@ -51,6 +51,7 @@ class OverlappedOptimizer:
         self.staleness = staleness
         self.delay_per_layer_s = float(delay_per_layer_s)
         self.after_layer_step = after_layer_step
+        self.before_layer_step: Callable[[list[torch.Tensor]], None] | None = None  # e.g. wait for the node all-reduce
         self.early_steps = True
         self.in_step = False
         self._view = copy.copy(optimizer)
@@ -175,6 +176,8 @@ class OverlappedOptimizer:
         def run():
             if self.delay_per_layer_s:
                 time.sleep(self.delay_per_layer_s)
+            if self.before_layer_step is not None:
+                self.before_layer_step([p for _, p in params])
             self._run_view(params, hp, grads)
             if self.after_layer_step is not None and not self.staleness:
                 self.after_layer_step([p for _, p in params])

@@ -1,0 +1,172 @@
+"""Data parallel across nodes: one process per node, gradients averaged on the host buffers.
+
+Each node runs RoundPipe over its own workers; after each layer's gradients are complete on
+the host (the engine's per-stage hook), that layer's trainable gradients are flattened into
+one buffer and all-reduced asynchronously over gloo, so communication overlaps the rest of
+backward. Before a layer's optimizer step (or at the end of backward, for clipping and
+callbacks) the reduction is waited for, divided by the world size and copied back. Steps that
+only accumulate (Lightning's ``block_backward_sync``) communicate nothing.
+
+A watcher thread waits on the reductions in order and records each one on the timeline
+(queue "comm", kind "allreduce"), so the share of communication hidden behind backward can be
+read from the trace. A peer that dies makes the reduction fail after the process-group
+timeout; the error names this rank, the layer and the timeout.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .trace import TraceRecord, TraceRecorder
+from .workers.events import PipelineError
+
+
+class NodeSyncError(PipelineError):
+    """A gradient all-reduce across nodes failed (a peer died, or the network did)."""
+
+
+@dataclass
+class _Pending:
+    unit: int
+    params: list
+    buffer: torch.Tensor
+    work: object
+    start: float
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    finalized: bool = False
+
+
+class GradientSync:
+    def __init__(self, layer_tables, trace: TraceRecorder, timeout_s: float, group=None):
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.group = group
+        self.trace = trace
+        self.timeout_s = timeout_s
+        self.blocked = False  # True while Lightning accumulates without stepping
+        units: dict[int, list] = {}
+        layers_of: dict[int, set[int]] = {}
+        owner: dict[int, torch.Tensor] = {}
+        for l, table in enumerate(layer_tables):
+            for t, is_param in zip(table.tensors, table.is_param):
+                if is_param and t.requires_grad:
+                    layers_of.setdefault(id(t), set()).add(l)
+                    owner[id(t)] = t
+        self.unit_layers: dict[int, set[int]] = {}
+        for pid, layers in layers_of.items():
+            unit = min(layers)
+            units.setdefault(unit, []).append(owner[pid])
+            self.unit_layers.setdefault(unit, set()).update(layers)
+        self.unit_params = units
+        self._done_layers: set[int] = set()
+        self._pending: dict[int, _Pending] = {}
+        self._lock = threading.Lock()
+        self.bytes_reduced = 0  # this step
+        self._watch: queue.Queue = queue.Queue()
+        self._watcher = threading.Thread(target=self._watch_loop, name="roundpipe-allreduce", daemon=True)
+        self._watcher.start()
+
+    # ------------------------------------------------------------------ engine hook
+    def on_layer_grads(self, layer_ids) -> None:
+        if self.blocked:
+            return
+        self._done_layers.update(layer_ids)
+        for unit, layers in self.unit_layers.items():
+            if unit not in self._pending and layers <= self._done_layers:
+                self._launch(unit)
+
+    def _launch(self, unit: int) -> None:
+        params = [p for p in self.unit_params[unit] if p.grad is not None]
+        if not params:
+            return
+        buffer = torch.cat([p.grad.reshape(-1) for p in params])
+        self.bytes_reduced += buffer.numel() * buffer.element_size()
+        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        pending = _Pending(unit, params, buffer, work, self.trace.now())
+        self._pending[unit] = pending
+        self._watch.put(pending)
+
+    def _watch_loop(self) -> None:
+        while True:
+            pending = self._watch.get()
+            if pending is None:
+                return
+            try:
+                pending.work.wait()
+            except BaseException as exc:  # gloo raises when a peer is gone
+                pending.error = exc
+            if self.trace.enabled:
+                nbytes = pending.buffer.numel() * pending.buffer.element_size()
+                self.trace.add(TraceRecord(-1, "comm", "allreduce", f"L{pending.unit}", -1, nbytes, pending.start,
+                                           self.trace.now(), self.trace.step))
+            pending.done.set()
+
+    # ------------------------------------------------------------------ completion
+    def finalize(self, unit: int) -> None:
+        """Wait for a unit's reduction and write the averaged gradients back (once; thread-safe)."""
+        pending = self._pending.get(unit)
+        if pending is None:
+            return
+        if not pending.done.wait(self.timeout_s):
+            raise NodeSyncError(
+                f"rank {self.rank}: the gradient all-reduce of layer {unit} did not finish within {self.timeout_s:g}s; "
+                f"a peer node of the {self.world} may have died or cannot be reached"
+            )
+        with self._lock:
+            if pending.finalized:
+                return
+            if pending.error is not None:
+                raise NodeSyncError(
+                    f"rank {self.rank}: the gradient all-reduce of layer {unit} failed ({pending.error}); a peer node of "
+                    f"the {self.world} died or cannot be reached (timeout {self.timeout_s:g}s)"
+                ) from pending.error
+            pending.buffer.div_(self.world)
+            offset = 0
+            for p in pending.params:
+                n = p.grad.numel()
+                p.grad.copy_(pending.buffer[offset: offset + n].view_as(p.grad))
+                offset += n
+            pending.finalized = True
+
+    def finalize_params(self, params) -> None:
+        ids = {id(p) for p in params}
+        for unit, ps in self.unit_params.items():
+            if any(id(p) in ids for p in ps):
+                self.finalize(unit)
+
+    def finish_backward(self, other_params=()) -> None:
+        """End of a synced backward: every launched reduction is in; parameters outside the pipeline too."""
+        if self.blocked:
+            return
+        for unit in list(self._pending):
+            self.finalize(unit)
+        for p in other_params:
+            if p.grad is not None:
+                self.bytes_reduced += p.grad.numel() * p.grad.element_size()
+                dist.all_reduce(p.grad, group=self.group)
+                p.grad.div_(self.world)
+
+    def new_step(self) -> int:
+        """Forget the previous step's reductions; return the bytes it reduced."""
+        sent = self.bytes_reduced
+        self._done_layers = set()
+        self._pending = {}
+        self.bytes_reduced = 0
+        return sent
+
+    def close(self) -> None:
+        self._watch.put(None)
+        self._watcher.join(5)
+
+
+def broadcast_module(module: torch.nn.Module, src: int = 0) -> None:
+    """Make every node start from rank ``src``'s parameters and buffers."""
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=src)

@@ -1,0 +1,78 @@
+"""One "node" of the two-process tests: run by tests/test_multinode.py as a subprocess.
+
+Usage: python multinode_worker.py MODE OUT_DIR   (rank and port come from NODE_RANK / MASTER_PORT)
+MODE: "seq" (the MLP of _models) or "lora" (the tiny peft model of test_hf_pipeline).
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from _models import SeqModule, make_data  # noqa: E402
+from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
+from lightning_roundpipe.timeline import hidden_share  # noqa: E402
+
+
+class Grab(L.Callback):
+    def __init__(self):
+        self.bytes, self.records = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.bytes.append(trainer.strategy.last_bytes_reduced)
+        if os.environ.get("RP_DEBUG"):
+            print("DEBUG", trainer.global_rank, batch_idx, batch[0][:, 0].tolist() if isinstance(batch, (list, tuple)) else "", flush=True)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if os.environ.get("RP_DEBUG"):
+            print("GRAD", trainer.global_rank, next(pl_module.parameters()).grad.flatten()[:3].tolist(), flush=True)
+
+    def on_train_end(self, trainer, pl_module):
+        self.records = trainer.strategy.runtime.trace.records()
+
+
+def main():
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    rank = int(os.environ["NODE_RANK"])
+    torch.manual_seed(0)
+    if mode == "seq":
+        module = SeqModule(opt="adamw")
+        data = DataLoader(make_data(n=40), batch_size=4)
+        max_steps = 5
+    else:
+        from test_hf_pipeline import LoraFineTune, batch
+
+        module = LoraFineTune()
+        ids, mask, labels = batch(padded=True, seed=3)
+        items = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(4)] * 2
+        data = DataLoader(items, batch_size=2)
+        max_steps = 2
+    grab = Grab()
+    trainer = L.Trainer(
+        strategy=RoundPipeStrategy(microbatches=2, timeout=60, trace_steps=max_steps, cpu_compute_delay_s=0.002,
+                                   overlap_optimizer=os.environ.get("RP_OVERLAP", "1") == "1"),
+        accelerator="cpu", devices=2, num_nodes=2, max_steps=max_steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[grab], gradient_clip_val=0.05,
+    )
+    trainer.fit(module, data)
+    trainer.save_checkpoint(out / "two_node.ckpt")
+    torch.save({n: p.detach().clone() for n, p in module.named_parameters()}, out / f"rank{rank}.pt")
+    trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    total = sum(p.numel() * p.element_size() for p in module.parameters())
+    records = grab.records
+    comm = [r for r in records if r.kind == "allreduce"]
+    (out / f"rank{rank}.json").write_text(json.dumps({
+        "bytes_reduced": grab.bytes, "trainable_bytes": trainable, "total_bytes": total,
+        "allreduce_hidden_share": hidden_share(records, kind="allreduce") if comm else None,
+        "allreduce_count": len(comm), "world_size": trainer.world_size, "global_rank": trainer.global_rank,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Two "nodes" (two processes, 2 CPU workers each) over gloo on localhost."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from _models import SeqModule, fit, make_data, weight_error, weights
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_nodes(mode: str, out: Path, timeout=150):
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_RANK="0", PYTHONUNBUFFERED="1")
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "multinode_worker.py"), mode, str(out)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for p, text in zip(procs, outputs):
+        assert p.returncode == 0, text[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_two_nodes_train_identically_and_match_one_process(tmp_path):
+    info = run_two_nodes("seq", tmp_path)
+    w0, w1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)  # bit-identical on both ranks
+    assert [i["world_size"] for i in info] == [2, 2] and [i["global_rank"] for i in info] == [0, 1]
+    # single process on the same global batch: Lightning injected a DistributedSampler (shuffled,
+    # seed 0) and each node took 4 samples per step; one process takes both nodes' 8.
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(0)).tolist()
+    order = [i for k in range(5) for rank in (0, 1) for i in perm[rank::2][4 * k: 4 * k + 4]]
+    ref = SeqModule(opt="adamw")
+    init = weights(ref)
+    fit(ref, "auto", max_steps=5, batch_size=8, data=torch.utils.data.Subset(make_data(n=40), order),
+        gradient_clip_val=0.05)
+    assert weight_error(w0, weights(ref), init) <= 1e-4
+    # one all-reduce per step of exactly the trainable bytes, overlapped with backward
+    assert info[0]["bytes_reduced"] == [info[0]["trainable_bytes"]] * 5
+    assert info[0]["allreduce_count"] >= 5
+    # the two-node checkpoint resumes in a single-node run
+    more = SeqModule(opt="adamw", seed=9)
+    t = L.Trainer(strategy="roundpipe", accelerator="cpu", devices=2, max_steps=7, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    t.fit(more, DataLoader(make_data(n=40), batch_size=8), ckpt_path=str(tmp_path / "two_node.ckpt"))
+    assert t.global_step == 7
+
+
+def test_lora_communicates_only_adapter_gradients(tmp_path):
+    info = run_two_nodes("lora", tmp_path)
+    for i in info:
+        assert i["trainable_bytes"] < i["total_bytes"] / 10
+        assert i["bytes_reduced"] == [i["trainable_bytes"]] * 2
+    w0, w1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+def test_unreachable_node_gives_a_clear_error(tmp_path):
+    port = free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="1", WORLD_SIZE="2", LOCAL_RANK="0")
+    code = (
+        "import lightning as L, torch, sys; sys.path.insert(0, %r)\n"
+        "from _models import SeqModule, make_data\n"
+        "from torch.utils.data import DataLoader\n"
+        "from lightning_roundpipe import RoundPipeStrategy\n"
+        "t = L.Trainer(strategy=RoundPipeStrategy(timeout=3), accelerator='cpu', devices=2, num_nodes=2, max_steps=1,"
+        " logger=False, enable_checkpointing=False, enable_progress_bar=False)\n"
+        "t.fit(SeqModule(), DataLoader(make_data(), batch_size=4))\n" % str(HERE)
+    )
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=90)
+    assert p.returncode != 0
+    assert "rank 1 of 2 could not join the other nodes" in p.stderr and "within 3s" in p.stderr
