@@ -1,0 +1,43 @@
+"""CUDA backend: parity with the single-device run on 1 and 2 GPUs. Skipped without CUDA."""
+
+import pytest
+import torch
+
+from _models import SeqModule, fit, grad_error, weight_error, weights
+from lightning_roundpipe import RoundPipeStrategy
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_cuda_parity_with_single_device(gpus):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs CUDA with {gpus} GPU(s)")
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from _models import GradRecorder, make_data
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    ref = SeqModule(opt="adamw")
+    w0 = weights(ref)
+    _, g_ref = fit(ref, "auto", gradient_clip_val=0.05)  # CPU reference
+    m = SeqModule(opt="adamw")
+    rec = GradRecorder()
+    trainer = L.Trainer(strategy=RoundPipeStrategy(microbatches=3), accelerator="gpu", devices=gpus, max_steps=5,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[rec], gradient_clip_val=0.05)
+    trainer.fit(m, DataLoader(make_data(), batch_size=8))
+    assert all(p.device.type == "cpu" for p in m.parameters())  # state stays on the host
+    assert grad_error(rec.first, g_ref) <= 1e-5
+    assert weight_error(weights(m), weights(ref), w0) <= 1e-4
+
+
+def test_cuda_pool_skips_cleanly_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this check is for machines without CUDA")
+    from lightning_roundpipe.workers import make_pool
+
+    with pytest.raises(RuntimeError, match="the CUDA backend needs CUDA: use accelerator='cpu'"):
+        make_pool("cuda", 1)
