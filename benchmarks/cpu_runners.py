@@ -70,6 +70,7 @@ class RunResult:
     peak_rss_mib: float = float("nan")  # largest peak RSS of the run's processes
     extra_rss_mib: float = float("nan")  # sum over processes of (peak RSS - RSS after imports)
     bubble: float | None = None  # measured from the trace (RoundPipe only)
+    other_load: float = float("nan")  # cores other processes used during the timed steps
     details: dict = field(default_factory=dict)
     error: str | None = None
 
@@ -154,16 +155,34 @@ def _spawn_and_collect(jobs: list[tuple[str, tuple]], timeout_s: float) -> list[
 
 
 # ------------------------------------------------------------------ the runs
-def _timed_steps(step, config: RunConfig) -> tuple[list[float], float]:
+def system_busy_seconds() -> float:
+    """CPU seconds all processes of the machine have been busy since boot (Linux /proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _timed_steps(step, config: RunConfig) -> tuple[list[float], float, dict]:
+    """Warm-up and timed steps; also what the machine and this process spent during the timed ones.
+
+    ``window`` holds the wall time of the timed steps, the machine's busy CPU seconds and this
+    process's CPU seconds over them: busy minus the run's own CPU is other people's load.
+    """
     losses, times = [], []
+    window = {}
     for i in range(config.warmup + config.steps):
+        if i == config.warmup:
+            window = {"wall": time.perf_counter(), "busy": system_busy_seconds(), "own": time.process_time()}
         t0 = time.perf_counter()
         loss = step()
         dt = time.perf_counter() - t0
         losses.append(float(loss))
         if i >= config.warmup:
             times.append(dt)
-    return times, losses[0]
+    window = {"wall": time.perf_counter() - window["wall"], "busy": system_busy_seconds() - window["busy"],
+              "own": time.process_time() - window["own"]}
+    return times, losses[0], window
 
 
 def _plain_process(shape: ShapeConfig, recompute: bool, config: RunConfig) -> dict:
@@ -181,8 +200,8 @@ def _plain_process(shape: ShapeConfig, recompute: bool, config: RunConfig) -> di
         opt.step()
         return loss.detach()
 
-    times, first = _timed_steps(step, config)
-    return {"times": times, "first_loss": first, "peak": peak_rss_bytes(), "base": base}
+    times, first, window = _timed_steps(step, config)
+    return {"times": times, "first_loss": first, "peak": peak_rss_bytes(), "base": base, "window": window}
 
 
 def _roundpipe_process(shape: ShapeConfig, recompute: bool, config: RunConfig, forward, backward, workers: int,
@@ -240,7 +259,7 @@ def _roundpipe_process(shape: ShapeConfig, recompute: bool, config: RunConfig, f
                 phases[k].append(v)
             return loss.detach()
 
-        times, first = _timed_steps(step, config)
+        times, first, window = _timed_steps(step, config)
         timed = spans[config.warmup:]
         bubbles = [bubble_fraction(runtime.trace.records(s), workers) for s, _, _ in timed]
         last_step, s0, s1 = timed[-1]
@@ -249,7 +268,7 @@ def _roundpipe_process(shape: ShapeConfig, recompute: bool, config: RunConfig, f
         details["phases_median_s"] = {k: _median(v[config.warmup:]) for k, v in phases.items()}
         details["plan"] = runtime.engine.plan.to_text()
         details["partition"] = partition
-        return {"times": times, "first_loss": first, "peak": peak_rss_bytes(), "base": base,
+        return {"times": times, "first_loss": first, "peak": peak_rss_bytes(), "base": base, "window": window,
                 "bubble": _median(bubbles), "details": details}
     finally:
         runtime.detach()
@@ -342,8 +361,9 @@ def _pipeline_rank(rank: int, world: int, port: int, shape: ShapeConfig, recompu
             return torch.stack(losses).detach().mean() if losses else torch.tensor(float("nan"))
 
         dist.barrier()
-        times, first = _timed_steps(step, config)
-        return {"rank": rank, "times": times, "first_loss": first, "peak": peak_rss_bytes(), "base": base}
+        times, first, window = _timed_steps(step, config)
+        return {"rank": rank, "times": times, "first_loss": first, "peak": peak_rss_bytes(), "base": base,
+                "window": window}
     finally:
         dist.destroy_process_group()
 
@@ -361,7 +381,21 @@ def _result(system: str, recompute: bool, parts: list[dict]) -> RunResult:
         extra_rss_mib=sum(p["peak"] - p["base"] for p in parts) / 2**20,
         bubble=parts[0].get("bubble"),
         details=parts[0].get("details", {}),
+        other_load=other_load_cores(parts),
     )
+
+
+def other_load_cores(parts: list[dict]) -> float:
+    """Average cores other processes kept busy during the run's timed steps (0 on a quiet machine).
+
+    The machine's busy CPU time over the first process's timed window, minus the CPU time of
+    the run's own processes (all ranks), per second of that window.
+    """
+    w = parts[0].get("window")
+    if not w or w["wall"] <= 0:
+        return float("nan")
+    own = sum(p["window"]["own"] for p in parts if p.get("window"))
+    return max(0.0, (w["busy"] - own) / w["wall"])
 
 
 def _failed(system: str, recompute: bool, exc: BaseException) -> RunResult:

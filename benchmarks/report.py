@@ -21,6 +21,7 @@ CPU_COLUMNS: list[tuple[str, str, str]] = [
     ("peak_rss_mib", "peak RSS MiB", "{:.0f}"),
     ("extra_rss_mib", "extra MiB", "{:.0f}"),
     ("bubble", "bubble", "{:.1%}"),
+    ("other_load", "other load (cores)", "{:.2f}"),
 ]
 
 

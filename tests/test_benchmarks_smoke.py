@@ -92,7 +92,8 @@ def fake_rows():
     shape = ShapeConfig("fake", hidden=8, blocks=2, head_ratio=1.0, seq_len=10, batch=10, microbatches=2)
     R = cpu_runners.RunResult
     runs = [
-        (R("roundpipe (2 CPU workers)", True, step_s=0.5, peak_rss_mib=300.0, extra_rss_mib=40.0, bubble=0.1), 1.6, 0.45, 0.2),
+        (R("roundpipe (2 CPU workers)", True, step_s=0.5, peak_rss_mib=300.0, extra_rss_mib=40.0, bubble=0.1,
+           other_load=0.05), 1.6, 0.45, 0.2),
         (R("torch 1F1B (2 ranks)", True, step_s=0.8, peak_rss_mib=250.0, extra_rss_mib=30.0), 1.0, 0.72, 0.25),
         (R("torch GPipe (2 ranks)", True, step_s=1.0, peak_rss_mib=260.0, extra_rss_mib=35.0), 1.0, 0.72, 0.25),
         (R("plain (1 process, 2 threads)", True, error="RuntimeError: boom"), None, None, None),
@@ -112,9 +113,9 @@ def test_table_has_the_columns_and_values():
     for title in ("system", "recompute", "tokens/s", "vs 1F1B", "ideal vs 1F1B", "peak RSS MiB", "bubble"):
         assert title in table[0]
     assert table[2] == ("| fake | roundpipe (2 CPU workers) | on | 0.500 | 0.450 | 200 | 1.60x | 1.60x | - | 300 | 40 "
-                        "| 10.0% (trace) |")
-    assert table[3].endswith("| 25.0% (model) |")
-    assert table[5] == "| fake | plain (1 process, 2 threads) | on | - | - | - | - | - | - | - | - | - |"
+                        "| 10.0% (trace) | 0.05 |")
+    assert table[3].endswith("| 25.0% (model) | - |")
+    assert table[5] == "| fake | plain (1 process, 2 threads) | on | - | - | - | - | - | - | - | - | - | - |"
 
 
 def test_json_is_strict_and_complete(tmp_path):
@@ -131,6 +132,19 @@ def test_json_is_strict_and_complete(tmp_path):
         "fake, recompute on: >= 1.3x 1F1B tokens/s": True,
         "fake, recompute on: within 10% of the ideal ratio": True,
     }
+    assert not any(t["disturbed"] for t in data["targets"])
+
+
+def test_other_load_and_best_attempt():
+    # two ranks, each 1.0 CPU s over a 2 s window in which the machine was busy 2.5 s: 0.25 cores of others
+    parts = [{"window": {"wall": 2.0, "busy": 2.5, "own": 1.0}}, {"window": {"wall": 2.0, "busy": 2.4, "own": 1.0}}]
+    assert cpu_runners.other_load_cores(parts) == pytest.approx(0.25)
+    assert math.isnan(cpu_runners.other_load_cores([{}]))
+    rows = [{"step_s": 0.9, "error": None, "other_load": 0.8}, {"step_s": 0.6, "error": None, "other_load": 0.1},
+            {"step_s": float("nan"), "error": "boom", "other_load": float("nan")}]
+    best = cpu_peers.best_attempt(rows)
+    assert best["step_s"] == 0.6 and best["attempt_step_s"][:2] == [0.9, 0.6]
+    assert not cpu_peers.is_loaded(best) and cpu_peers.is_loaded(rows[0])
 
 
 # ------------------------------------------------------------------ runners, in process
