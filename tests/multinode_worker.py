@@ -20,6 +20,25 @@ from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
 from lightning_roundpipe.timeline import hidden_share  # noqa: E402
 
 
+class Conveniences(SeqModule):
+    """Uses Lightning's distributed conveniences from the training step."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("synced_loss", loss, sync_dist=True)
+        if batch_idx == 0:
+            s = self.trainer.strategy
+            s.barrier()
+            gathered = self.all_gather(torch.tensor([float(self.global_rank)]))
+            self.seen = {
+                "broadcast": s.broadcast(f"from rank {self.global_rank}"),
+                "all_gather": gathered.flatten().tolist(),
+                "reduce_sum": float(s.reduce(torch.tensor(float(self.global_rank + 1)), reduce_op="sum")),
+                "sampler": type(self.trainer.train_dataloader.sampler).__name__,
+            }
+        return loss
+
+
 class Grab(L.Callback):
     def __init__(self):
         self.bytes, self.records = [], []
@@ -41,10 +60,19 @@ def main():
     mode, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["NODE_RANK"])
     torch.manual_seed(0)
+    accumulate = 1
     if mode == "seq":
-        module = SeqModule(opt="adamw")
+        module = Conveniences(opt="adamw")
         data = DataLoader(make_data(n=40), batch_size=4)
         max_steps = 5
+    elif mode == "accum":
+        module = SeqModule(opt="adamw")
+        data = DataLoader(make_data(n=32), batch_size=4)
+        max_steps, accumulate = 2, 2
+    elif mode == "big":  # for the overlap figure: enough compute that communication can hide
+        module = SeqModule(opt="adamw", width=512, depth=8)
+        data = DataLoader(make_data(n=64, width=512), batch_size=16)
+        max_steps = 4
     else:
         from test_hf_pipeline import LoraFineTune, batch
 
@@ -59,6 +87,7 @@ def main():
                                    overlap_optimizer=os.environ.get("RP_OVERLAP", "1") == "1"),
         accelerator="cpu", devices=2, num_nodes=2, max_steps=max_steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[grab], gradient_clip_val=0.05,
+        accumulate_grad_batches=accumulate,
     )
     trainer.fit(module, data)
     trainer.save_checkpoint(out / "two_node.ckpt")
@@ -71,6 +100,8 @@ def main():
         "bytes_reduced": grab.bytes, "trainable_bytes": trainable, "total_bytes": total,
         "allreduce_hidden_share": hidden_share(records, kind="allreduce") if comm else None,
         "allreduce_count": len(comm), "world_size": trainer.world_size, "global_rank": trainer.global_rank,
+        "conveniences": getattr(module, "seen", None),
+        "logged_loss": float(trainer.callback_metrics["synced_loss"]) if "synced_loss" in trainer.callback_metrics else None,
     }))
 
 

@@ -58,6 +58,12 @@ def test_two_nodes_train_identically_and_match_one_process(tmp_path):
     fit(ref, "auto", max_steps=5, batch_size=8, data=torch.utils.data.Subset(make_data(n=40), order),
         gradient_clip_val=0.05)
     assert weight_error(w0, weights(ref), init) <= 1e-4
+    # Lightning's distributed conveniences
+    for r, i in enumerate(info):
+        seen = i["conveniences"]
+        assert seen["broadcast"] == "from rank 0" and seen["all_gather"] == [0.0, 1.0] and seen["reduce_sum"] == 3.0
+        assert seen["sampler"] == "DistributedSampler"
+    assert info[0]["logged_loss"] == info[1]["logged_loss"]  # sync_dist=True: the mean over nodes
     # one all-reduce per step of exactly the trainable bytes, overlapped with backward
     assert info[0]["bytes_reduced"] == [info[0]["trainable_bytes"]] * 5
     assert info[0]["allreduce_count"] >= 5
@@ -67,6 +73,14 @@ def test_two_nodes_train_identically_and_match_one_process(tmp_path):
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     t.fit(more, DataLoader(make_data(n=40), batch_size=8), ckpt_path=str(tmp_path / "two_node.ckpt"))
     assert t.global_step == 7
+
+
+def test_accumulation_steps_communicate_nothing(tmp_path):
+    info = run_two_nodes("accum", tmp_path)
+    trainable = info[0]["trainable_bytes"]
+    assert info[0]["bytes_reduced"] == [0, trainable, 0, trainable]  # per batch: accumulate, then sync
+    w0, w1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
 
 
 def test_lora_communicates_only_adapter_gradients(tmp_path):

@@ -399,8 +399,11 @@ class RoundPipeStrategy(ParallelStrategy):
 
     @override
     def pre_backward(self, closure_loss) -> None:
-        if self.grad_sync is not None and not self.grad_sync.blocked:
-            self.grad_sync.new_step()
+        if self.grad_sync is not None:
+            if self.grad_sync.blocked:
+                self.last_bytes_reduced = 0  # accumulation only: nothing is sent
+            else:
+                self.grad_sync.new_step()
 
     @override
     def post_backward(self, closure_loss) -> None:
