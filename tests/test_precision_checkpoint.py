@@ -138,3 +138,17 @@ def test_lora_checkpoint_holds_only_trainable_weights(tmp_path):
     t2 = _trainer(tmp_path, 3)
     t2.fit(fresh, data, ckpt_path=str(ckpt))
     assert t2.global_step == 3
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "32-true"])
+def test_true_precisions_train_like_the_default_strategy(precision):
+    ref, got = SeqModule(opt="sgd"), SeqModule(opt="sgd")
+    w0 = weights(got)
+    fit(ref, "auto", max_steps=3, precision=precision)
+    fit(got, RoundPipeStrategy(microbatches=2), devices=2, max_steps=3, precision=precision)
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    assert all(p.dtype == dtype for p in got.parameters())  # masters live on the host in that dtype
+    w, w_ref = weights(got), weights(ref)
+    tol = 0.1 if precision == "bf16-true" else 1e-4  # bf16 rounding of the updates themselves
+    for k in w:
+        assert ((w[k].float() - w_ref[k].float()).norm() / (w_ref[k].float() - w0[k].float()).norm()).item() <= tol

@@ -89,7 +89,7 @@ class RoundPipeRuntime:
             fused_last=fused_last, compute_dtype=options.compute_dtype,
             link_bytes_per_second=t.bandwidth_bytes_per_s or (None if backend == "cpu" else 25e9),
             flops_per_second=5e10 if backend == "cpu" else 1e14,
-            memory_budget_bytes=options.partition.memory_budget_bytes,
+            memory_budget_bytes=options.partition.memory_budget_bytes or _device_budget(backend, device_indices),
         )
         plan = self.planner.plan
         self.pool = make_pool(backend, num_workers, device_indices=device_indices, **pool_opts)
@@ -178,6 +178,14 @@ class RoundPipeRuntime:
     def detach(self) -> None:
         unpatch(self.module)
         self.engine.close()
+
+
+def _device_budget(backend: str, device_indices) -> int | None:
+    """Per-worker memory budget for the auto partitioner: 90% of the smallest GPU, none on the CPU backend."""
+    if backend != "cuda":
+        return None
+    indices = list(device_indices) if device_indices is not None else [0]
+    return int(0.9 * min(torch.cuda.get_device_properties(i).total_memory for i in indices))
 
 
 def _sequential_forward(runtime: RoundPipeRuntime) -> Callable:
