@@ -8,7 +8,7 @@ callbacks) the reduction is waited for, divided by the world size and copied bac
 only accumulate (Lightning's ``block_backward_sync``) communicate nothing.
 
 A watcher thread waits on the reductions in order and records each one on the timeline
-(queue "comm", kind "allreduce"), so the share of communication hidden behind backward can be
+(host queue, kind "allreduce"), so the share of communication hidden behind backward can be
 read from the trace. A peer that dies makes the reduction fail after the process-group
 timeout; the error names this rank, the layer and the timeout.
 """
@@ -103,7 +103,7 @@ class GradientSync:
                 pending.error = exc
             if self.trace.enabled:
                 nbytes = pending.buffer.numel() * pending.buffer.element_size()
-                self.trace.add(TraceRecord(-1, "comm", "allreduce", f"L{pending.unit}", -1, nbytes, pending.start,
+                self.trace.add(TraceRecord(-1, "host", "allreduce", f"L{pending.unit}", -1, nbytes, pending.start,
                                            self.trace.now(), self.trace.step))
             pending.done.set()
 
