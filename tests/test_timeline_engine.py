@@ -19,7 +19,7 @@ def tiny_layers(n, width=8):
 def test_balanced_plan_has_small_bubble_with_fixed_delays():
     layers = tiny_layers(8)
     plan = Plan(8, [(0, 2), (2, 4), (4, 6), (6, 8)], [(0, 2), (2, 4), (4, 6), (6, 8)])
-    pool = CpuWorkerPool(2, compute_delay_s=0.02)
+    pool = CpuWorkerPool(2, compute_delay_s=0.04)  # long enough that host overheads stay small next to it
     eng = PipelineEngine(layers, pool, plan, EngineOptions(microbatches=8))
     pool.trace.enabled = True
     try:
