@@ -1,0 +1,177 @@
+"""Smoke tests of the measurement scripts benchmarks/partition_transfer.py and benchmarks/sim_validation.py.
+
+They run each script in its --quick mode (a few seconds) and check the table and JSON carry the
+expected columns and sane values; the pieces with exact answers (the cost profile that charges
+one delay per task, the host-barrier simulation) are checked against hand-computed numbers.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root holds benchmarks/
+
+from benchmarks import partition_transfer, sim_validation  # noqa: E402
+from lightning_roundpipe.plan import Plan  # noqa: E402
+from lightning_roundpipe.sim import SimConfig, simulate_roundpipe  # noqa: E402
+from lightning_roundpipe.sim.costview import CostView  # noqa: E402
+
+
+# ------------------------------------------------------------------ partition_transfer
+@pytest.fixture(scope="module")
+def transfer_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pt") / "pt.json"
+    result = partition_transfer.main(["--quick", "--json", str(path)])
+    return result, json.loads(path.read_text())
+
+
+def test_partition_transfer_rows_and_values(transfer_run):
+    result, saved = transfer_run
+    names = [r["variant"] for r in result["rows"]]
+    assert names == [v.name for v in partition_transfer.VARIANTS]
+    cfg = partition_transfer.quick_config()
+    n_timed = cfg.rounds * cfg.steps_per_round
+    losses = []
+    for row in result["rows"]:
+        assert 0.0 <= row["bubble_fraction"] <= 1.0
+        assert row["wall_step_s"] > 0 and row["trace_step_s"] > 0
+        assert row["trace_step_s"] <= row["wall_step_s"] * 1.05  # the traced span lies inside the step
+        assert row["exposed_transfer_s"] >= 0
+        assert row["timed_steps"] == n_timed
+        assert len(row["steps"]) == cfg.warmup + n_timed
+        Plan.from_text(row["plan"], cfg.shape.num_layers)  # a valid plan of the pipelined model
+        losses.append(row["loss_last"])
+    by = {r["variant"]: r for r in result["rows"]}
+    # The FIFO variant of the auto plan runs exactly the plan the auto variant ended its warm-up with.
+    auto_warm = [s["plan"] for s in by["auto / priority"]["steps"]][cfg.warmup]
+    assert by["auto plan / fifo"]["plan"] == auto_warm
+    assert by["uniform / fifo"]["plan"] == by["uniform / priority"]["plan"]
+    # Same model, seed and batch: the queue discipline never changes the numbers; the plan only
+    # changes summation order.
+    assert by["uniform / fifo"]["loss_last"] == by["uniform / priority"]["loss_last"]
+    assert max(losses) - min(losses) < 1e-4 * abs(losses[0])
+    labels = [c["comparison"] for c in result["comparisons"]]
+    assert labels == ["auto over uniform (priority queues)", "priority over FIFO (uniform plan)",
+                      "priority over FIFO (auto plan)"]
+    for c in result["comparisons"]:
+        assert c["speedup"] > 0 and math.isfinite(c["speedup"])
+    # JSON mirrors the result, with the command and machine facts.
+    assert saved["command"] == "python -m benchmarks.partition_transfer --quick --json " + saved["command"].split()[-1]
+    assert [r["variant"] for r in saved["rows"]] == names
+    assert len(saved["loadavg_before"]) == 3 and saved["cpus"] >= 1
+
+
+def test_partition_transfer_table_columns(transfer_run):
+    result, _ = transfer_run
+    text = partition_transfer.render(result)
+    header = text.splitlines()[3]
+    assert header == ("| variant | plan (timed steps) | step s (wall) | step s (trace) | bubble | exposed transfer s "
+                      "| timed steps | last loss |")
+    line = next(l for l in text.splitlines() if l.startswith("| uniform / priority |"))
+    cells = [c.strip() for c in line.strip("|").split(" | ")]
+    assert len(cells) == 8  # plan pipes are escaped, so they do not split cells
+    assert cells[4].endswith("%")
+
+
+def test_partition_transfer_rejects_unknown_variant():
+    cfg = partition_transfer.quick_config()
+    with pytest.raises(ValueError, match="unknown variant"):
+        partition_transfer.run_benchmark(partition_transfer.replace(cfg, variants=("nope",)))
+    with pytest.raises(ValueError, match="needs|pins the plan"):
+        partition_transfer.run_benchmark(partition_transfer.replace(cfg, variants=("auto plan / fifo",)))
+
+
+# ------------------------------------------------------------------ sim_validation: exact pieces
+def test_task_costs_charge_one_delay_per_task():
+    cfg = sim_validation.ValidationConfig()
+    model = sim_validation.build_model(cfg)
+    plan = Plan.from_text("F 0:3 3:6 | B 0:2 2:4 4:5 5:6")
+    fwd = {"F0": 0.01, "F1": 0.02}
+    bwd = {"B0": 0.03, "B1": 0.04, "B2": 0.05, "B3": 0.06}
+    costs = sim_validation.task_costs(plan, model, cfg, 4, fwd, bwd)
+    view = CostView(costs)
+    for stage in plan.forward_stages():
+        assert view.forward_s(stage.start, stage.end) == fwd[stage.name]
+    for stage in plan.backward_stages():
+        assert view.backward_with_recompute_s(stage.start, stage.end) == bwd[stage.name]
+    assert costs.layers[0].weight_bytes == (256 * 256 + 256) * 4
+    assert costs.layers[5].weight_bytes == (256 * 1024 + 1024) * 4
+    assert view.out_bytes(5) == 1024 * 4 * (32 // 4)  # rows per microbatch x head width x fp32
+    assert view.in_bytes(0) == 256 * 4 * 8
+
+
+def test_host_barriers_give_the_hand_computed_step():
+    """Two one-layer stages per direction, 2 workers, free transfers: the step is (2M + 2) d.
+
+    F0 (w0) runs M tasks; F1 (w1) ends one task later, at (M + 1) d. The loss needs every
+    microbatch, so B1 (w0) starts then and ends at (2M + 1) d; B0 (w1) ends one task later.
+    Without the barrier the simulator starts B1 per microbatch, as soon as w0 is free, at M d.
+    """
+    d, m = 0.01, 4
+    cfg = sim_validation.ValidationConfig(bandwidth_bytes_per_s=1e18, latency_s=0.0, layers=2, width=4, head_width=4,
+                                          batch=8)
+    model = sim_validation.build_model(cfg)
+    plan = Plan.from_text("F 0:1 1:2 | B 0:1 1:2")
+    costs = sim_validation.task_costs(plan, model, cfg, m, {"F0": d, "F1": d}, {"B0": d, "B1": d})
+    hw = sim_validation.hardware_of(cfg)
+    barrier = sim_validation.simulate_with_host_barriers(plan, costs, hw, m, 2, SimConfig(steps=3))
+    stalled = sim_validation.simulate_with_host_barriers(plan, costs, hw, m, 2, SimConfig(steps=3), release_stall=True)
+    shipped = simulate_roundpipe(plan, costs, hw, m, num_workers=2, config=SimConfig(steps=3))
+    assert barrier.step_s == pytest.approx((2 * m + 2) * d, rel=1e-9)
+    assert stalled.step_s == pytest.approx((2 * m + 2) * d, rel=1e-9)  # free gradient downloads stall nothing
+    assert shipped.step_s < barrier.step_s - d  # the shipped simulator overlaps forward and backward
+    gap = sim_validation.forward_backward_gap([r for r in barrier.timeline if r.step == 1], plan)
+    assert gap == pytest.approx(0.0, abs=1e-9)
+
+
+def test_release_stall_costs_one_gradient_download():
+    """A slow link: the worker's next backward waits for the previous stage's gradient download."""
+    d, m = 0.01, 2
+    cfg = sim_validation.ValidationConfig(bandwidth_bytes_per_s=1e18, latency_s=0.0, layers=3, width=4, head_width=4,
+                                          batch=4)
+    model = sim_validation.build_model(cfg)
+    plan = Plan.from_text("F 0:3 | B 0:1 1:2 2:3")
+    fwd, bwd = {"F0": d}, {"B0": d, "B1": d, "B2": d}
+    costs = sim_validation.task_costs(plan, model, cfg, m, fwd, bwd)
+    grad_s = 0.05
+    costs.layers[2].grad_bytes = int(grad_s * 1e9)  # B2's gradient takes grad_s on a 1 GB/s link
+    hw = sim_validation.hardware_of(sim_validation.replace(cfg, bandwidth_bytes_per_s=1e9))
+    free = sim_validation.simulate_with_host_barriers(plan, costs, hw, m, 2, SimConfig(steps=1))
+    stalled = sim_validation.simulate_with_host_barriers(plan, costs, hw, m, 2, SimConfig(steps=1), release_stall=True)
+    # Dispatch: F0 -> w0, B2 -> w1, B1 -> w0, B0 -> w1. B0's inputs are ready long before B2's
+    # gradient is home, so with the stall B0 starts exactly when that download ends.
+    b0_free = min(r.start for r in free.timeline if r.stage == "B0" and r.queue == "compute")
+    b0_stalled = min(r.start for r in stalled.timeline if r.stage == "B0" and r.queue == "compute")
+    b2_end = max(r.end for r in stalled.timeline if r.stage == "B2" and r.queue == "compute")
+    assert b0_stalled == pytest.approx(b2_end + grad_s, abs=1e-6)
+    assert b0_free < b0_stalled
+
+
+# ------------------------------------------------------------------ sim_validation: quick run
+def test_sim_validation_quick_run(tmp_path):
+    path = tmp_path / "sv.json"
+    result = sim_validation.main(["--quick", "--json", str(path)])
+    saved = json.loads(path.read_text())
+    cfg = sim_validation.quick_config()
+    assert [r["case"] for r in result["rows"]] == [c.name for c in cfg.cases]
+    for row in result["rows"]:
+        assert row["measured_step_s"] > 0 and row["sim_step_s"] > 0
+        # Every measured step at least runs the injected compute of one worker's share of the tasks.
+        plan = Plan.from_text(row["plan"])
+        tasks = (len(plan.forward) + len(plan.backward)) * row["microbatches"]
+        assert row["measured_step_s"] >= cfg.delay_s * tasks / cfg.workers
+        for key in ("error", "error_barrier", "error_engine", "error_tasks"):
+            assert math.isfinite(row[key]) and -1.0 < row[key] < 5.0
+        assert 0.0 <= row["measured_bubble"] <= 1.0 and 0.0 <= row["sim_bubble"] <= 1.0
+        # Host barriers only ever delay work, the release stall too.
+        assert row["sim_barrier_step_s"] >= row["sim_step_s"] - 1e-9
+        assert row["sim_engine_step_s"] >= row["sim_barrier_step_s"] - 1e-9
+        assert row["task_overhead_s"] > -cfg.delay_s  # every task slept at least about the delay
+    text = sim_validation.render(result)
+    assert "| case | plan | measured step s (wall) | traced step s | sim as shipped s | error |" in text
+    assert "(goal: within 15%)" in text
+    assert saved["command"].startswith("python -m benchmarks.sim_validation --quick")
+    assert [r["case"] for r in saved["rows"]] == [c.name for c in cfg.cases]
