@@ -32,6 +32,9 @@ def test_string_registration_gives_virtual_cpu_workers():
         ({"timeout": 0}, "timeout=0"),
         ({"partition": "clever"}, "partition policy must be"),
         ({"partition": {"policy": "params", "stages": 3}}, "unknown key(s) ['stages']"),
+        ({"transfer": {"queue": "lifo"}}, "transfer queue must be 'priority' or 'fifo'"),
+        ({"transfer": {"priorities": {"activation": 0}}}, "priorities must give a number for ['gradients', 'weights']"),
+        ({"transfer": 3}, "transfer=...) takes a TransferConfig, a dict or None"),
     ],
 )
 def test_bad_options_name_the_option(kwargs, message):
@@ -174,3 +177,20 @@ def test_worker_exception_fails_fit_fast_and_leaves_weights():
     after = weights(m)
     assert all(torch.equal(after[k], arm.before[k]) for k in after)
     assert "forward" not in vars(m.net)  # teardown ran
+
+
+def test_transfer_and_partition_dicts_as_hydra_gives_them():
+    from _models import grad_error
+
+    ref = SeqModule()
+    _, g_ref = fit(ref, "auto", max_steps=2)
+    m = SeqModule()
+    strategy = RoundPipeStrategy(
+        microbatches=2,
+        partition={"policy": "manual", "manual_forward": [[0, 3], [3, 6]], "manual_backward": [[0, 2], [2, 4], [4, 6]]},
+        transfer={"queue": "fifo", "chunk_bytes": 256, "prefetch_depth": 1, "bandwidth_bytes_per_s": 1e8, "latency_s": 1e-4,
+                  "priorities": {"activation": 0, "weights": 0, "gradients": 0}},
+        cpu_jitter_s=0.001, seed=3,
+    )
+    _, g = fit(m, strategy, devices=2, max_steps=2)
+    assert grad_error(g, g_ref) <= 1e-5
