@@ -14,12 +14,15 @@ every stage (forward times on the first layer of each forward stage, recompute +
 first layer of each backward stage) and the other layers cost nothing. Bytes are the real
 weight, gradient and activation sizes.
 
-Two predictions per case:
+Four predictions per case:
 
-- ``sim (injected)``: the costs above, i.e. what one knows before running anything;
-- ``sim (task times)``: each stage's compute time replaced by the median measured duration of
-  its compute tasks (delay plus real compute and lane overhead), so what remains is the
-  simulator's scheduling and transfer model.
+- ``sim as shipped``: ``simulate_roundpipe`` with the costs above (what one knows beforehand);
+- ``sim + host barriers``: the same, plus the engine's two host barriers when it is driven from
+  plain PyTorch (:class:`HostBarrierBuilder`, a proposal for the simulator);
+- ``+ release stall``: also the engine's compute-lane wait for weight-gradient downloads;
+- ``same, measured task times``: each stage's compute time replaced by the median measured
+  duration of its compute tasks (delay plus real compute and lane overhead), so what remains
+  is the scheduling and transfer model.
 
 The measured step is the median wall-clock time of a training step (pipelined forward, loss on
 the host, pipelined backward, SGD step); the traced step (first task start to last task end) is
@@ -39,7 +42,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
@@ -51,6 +54,7 @@ from lightning_roundpipe.runtime import RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.plan import dispatch
 from lightning_roundpipe.sim import HardwareProfile, SimConfig, simulate_roundpipe
 from lightning_roundpipe.sim import simulate as sim_internals
+from lightning_roundpipe.sim.costview import CostView
 from lightning_roundpipe.sim.events import HOST, EventSimulator, Op
 
 from .report import markdown_table, write_json
@@ -236,6 +240,7 @@ class HostBarrierBuilder(sim_internals._RoundPipeBuilder):
     host_loss_s = 0.0
     host_step_s = 0.0
     release_stall = False
+    step_done: Op | None = None  # the host op after which the next step is dispatched
 
     def step(self, step: int) -> None:
         if self.plan.fused_last:
@@ -245,7 +250,7 @@ class HostBarrierBuilder(sim_internals._RoundPipeBuilder):
             self.first_worker = (self.first_worker + len(tasks)) % self.nw
         self.act_src, self.grad_src, self.wgrads = {}, {}, []
         n_layers, n_forward = self.plan.num_layers, len(self.plan.forward)
-        previous = getattr(self, "step_done", None)
+        previous = self.step_done
         if previous is not None:  # step s+1 is dispatched after step s returned
             for i in range(self.m):
                 self.act_src[(0, i)] = previous
@@ -281,7 +286,7 @@ def simulate_with_host_barriers(plan: Plan, costs: CostProfile, hardware: Hardwa
     """``simulate_roundpipe`` with :class:`HostBarrierBuilder` in place of the shipped builder."""
     cfg = config or SimConfig()
     plan.validate()
-    view = sim_internals.CostView(costs)
+    view = CostView(costs)
     sim = EventSimulator(sim_internals.link_of(hardware, cfg))
     builder = HostBarrierBuilder(sim, plan, view, hardware, microbatches, num_workers, cfg)
     builder.release_stall = release_stall
@@ -326,7 +331,7 @@ def forward_backward_gap(records, plan: Plan) -> float:
 
 
 def run_validation(cfg: ValidationConfig, log=print) -> dict:
-    """Measure every case, simulate it twice, and return rows with the prediction errors."""
+    """Measure every case, simulate it four ways, and return rows with the prediction errors."""
     torch.set_num_threads(1)
     load_before = os.getloadavg()
     started = time.perf_counter()

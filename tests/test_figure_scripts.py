@@ -53,6 +53,10 @@ def test_partition_transfer_rows_and_values(transfer_run):
     # changes summation order.
     assert by["uniform / fifo"]["loss_last"] == by["uniform / priority"]["loss_last"]
     assert max(losses) - min(losses) < 1e-4 * abs(losses[0])
+    assert list(result["plans_after_warmup"]) == names
+    for name, text in result["plans_after_warmup"].items():
+        assert text.startswith(f"RoundPipe plan over {cfg.shape.num_layers} layers, 2 worker(s): ")
+        assert "predicted step" in text
     labels = [c["comparison"] for c in result["comparisons"]]
     assert labels == ["auto over uniform (priority queues)", "priority over FIFO (uniform plan)",
                       "priority over FIFO (auto plan)"]
