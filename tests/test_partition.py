@@ -308,3 +308,15 @@ def test_replanner_never_replans_a_manual_plan():
     plan = partition("manual", costs, 2, 2, manual_forward=[[0, 2], [2, 4]])
     replanner = Replanner(plan, costs, 2, 2)
     assert replanner.maybe_replan(profile([layer(1.0) for _ in range(4)])) is None
+
+
+def test_replanner_keeps_its_plan_without_a_clear_predicted_gain(caplog):
+    """Measured costs moved past the threshold, but the best new plan is not clearly faster."""
+    costs = equal_layers(16)
+    plan = partition("auto", costs, 2, 8, link_bytes_per_second=LINK)
+    heavy = profile([layer(0.03 if i >= 12 else 0.01) for i in range(16)])
+    demanding = Replanner(plan, costs, 2, 8, threshold=0.2, min_gain=0.9, link_bytes_per_second=LINK)
+    with caplog.at_level(logging.INFO, logger="lightning_roundpipe"):
+        assert demanding.maybe_replan(heavy) is None
+    assert demanding.plan is plan
+    assert "kept its plan" in caplog.records[-1].getMessage()

@@ -59,8 +59,10 @@ class PartitionConfig:
 class TransferConfig:
     """Transfer priorities and the optional link model of the CPU backend.
 
-    priorities: lower goes first; activations the running stage waits for, then weight
-        prefetch, then gradient downloads. Give all three the same value for one FIFO queue.
+    priorities: rank of each kind (lower first). Uploads are ordered by stage first, then by
+        this rank: the running stage's inputs, then its weights, then the next stage's prefetch
+        (which fills the gaps while inputs are not ready). Downloads by rank first: activations
+        and input gradients other workers wait for before weight gradients.
     chunk_bytes: weight uploads are cut into chunks of about this size.
     prefetch_depth: stages a worker uploads ahead of the one it runs (1 keeps two resident).
     bandwidth_bytes_per_s / latency_s: CPU backend only: each transfer costs latency + bytes/bandwidth

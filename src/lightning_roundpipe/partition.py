@@ -510,6 +510,7 @@ class Replanner:
         *,
         threshold: float = 0.2,
         policy: str | None = None,
+        min_gain: float = 0.05,
         **options,
     ) -> None:
         if threshold < 0:
@@ -519,6 +520,7 @@ class Replanner:
         self.num_workers = num_workers
         self.microbatches = microbatches
         self.threshold = threshold
+        self.min_gain = min_gain  # a new plan must be predicted at least this much faster
         self.policy = policy or plan.notes.get("policy", "auto")
         options.setdefault("fused_last", plan.fused_last)
         for key in ("memory_budget_bytes", "link_bytes_per_second", "stage_overhead_s", "recompute"):
@@ -537,8 +539,20 @@ class Replanner:
             return None
         new_plan = partition(self.policy, new_costs, self.num_workers, self.microbatches, **self.options)
         old_plan = self.plan
-        self.plan, self.costs = new_plan, new_costs
+        self.costs = new_costs
         same = (new_plan.forward, new_plan.backward) == (old_plan.forward, old_plan.backward)
+        if not same and self.min_gain > 0:
+            # Measured times are noisy: switch only for a clear predicted gain under the new costs.
+            keys = ("link_bytes_per_second", "stage_overhead_s", "recompute")
+            opts = {k: self.options[k] for k in keys if k in self.options}
+            old_s = predict(old_plan, new_costs, self.num_workers, self.microbatches, **opts).step_s
+            new_s = new_plan.notes["predicted_step_s"]
+            if new_s > old_s * (1.0 - self.min_gain):
+                log.info("RoundPipe kept its plan %s: costs moved by %.0f%% at %s, but the best new plan %s is "
+                         "predicted only %.1f%% faster (needs %.0f%%)", old_plan.to_text(), 100 * change, where,
+                         new_plan.to_text(), 100 * (1 - new_s / old_s) if old_s > 0 else 0.0, 100 * self.min_gain)
+                return None
+        self.plan = new_plan
         log.info(
             "RoundPipe re-planned because %s changed by %.0f%% (threshold %.0f%%): %s -> %s%s; predicted step %s",
             where,

@@ -74,6 +74,7 @@ class PipelineEngine:
         self.plan = self._checked(plan)
         self.pool = pool.start()
         self._next_worker = 0
+        self._stage_serial = 0
         self._releases: dict[int, collections.deque] = {w.index: collections.deque(maxlen=8) for w in pool.workers}
         self._anchor = torch.zeros((), requires_grad=True)
         self.step_count = 0
@@ -110,6 +111,10 @@ class PipelineEngine:
         w = self.pool.workers[self._next_worker % len(self.pool)]
         self._next_worker = (self._next_worker + 1) % len(self.pool)
         return w
+
+    def _next_stage_serial(self) -> int:
+        self._stage_serial += 1
+        return self._stage_serial
 
     def _slot_dependency(self, worker_index: int) -> Completion | None:
         history = self._releases[worker_index]

@@ -82,8 +82,22 @@ class StepRun:
         self.loss_parts: list[Completion] = []
         self.wgrad_downloads: list[tuple[StageWeights, Completion]] = []
         self.measurements: list[tuple[Stage, str, float]] = []
+        self.stage_order: dict[str, int] = {}  # dispatch serial of each stage, for transfer priorities
 
     # ------------------------------------------------------------------ helpers
+    def _prio(self, kind: str, stage: Stage, queue: str) -> int:
+        """Transfer priority (lower first).
+
+        Uploads: stage first, then kind: everything the running stage needs (its weights and its
+        microbatch inputs, inputs first) goes before anything of a later stage, and a prefetch of
+        the next stage fills the gaps while the running stage waits for its inputs. Downloads: kind
+        first, then stage: activations and input gradients that another worker waits for go before
+        weight gradients, which only the host needs.
+        """
+        kind_rank = int(self.opts.priorities[kind])
+        order = self.stage_order.get(stage.name, 0)
+        return order * 16 + kind_rank if queue == "upload" else kind_rank * (1 << 40) + order
+
     def _timeout(self) -> float:
         return self.pool.timeout_s
 
@@ -131,7 +145,7 @@ class StepRun:
 
             done.append(
                 worker.submit("upload", fn, deps, self._label("weights", stage, -1, worker, "upload"),
-                              priority=self.opts.priorities["weights"], nbytes=weights.chunk_bytes(chunk))
+                              priority=self._prio("weights", stage, "upload"), nbytes=weights.chunk_bytes(chunk))
             )
         return weights, done
 
@@ -140,7 +154,10 @@ class StepRun:
             weights.release()
             worker.track_weights(-weights.nbytes)
 
-        c = worker.submit("compute", fn, deps, self._label("release", stage, -1, worker, "compute"), always=True)
+        # On the download lane, not the in-order compute lane: the worker's next stage must not
+        # wait behind this stage's gradient download just to free memory.
+        c = worker.submit("download", fn, deps, self._label("release", stage, -1, worker, "download"), priority=-1,
+                          always=True)
         self.engine._record_release(worker.index, c)
 
     def _upload_carry(self, worker, src: Completion, kind: str, stage: Stage, mb: int) -> Completion:
@@ -155,7 +172,7 @@ class StepRun:
 
         nbytes = _carry_bytes(src.value) if src.is_set() and src.value is not None else 0
         return worker.submit("upload", fn, [src], self._label(kind, stage, mb, worker, "upload"),
-                             priority=self.opts.priorities["activation"], nbytes=nbytes)
+                             priority=self._prio("activation", stage, "upload"), nbytes=nbytes)
 
     def _download_carry(self, worker, get_tree, dep: Completion, kind: str, stage: Stage, mb: int) -> Completion:
         def fn():
@@ -168,7 +185,7 @@ class StepRun:
             return HostCarry(leaves, host.spec)
 
         return worker.submit("download", fn, [dep], self._label(kind, stage, mb, worker, "download"),
-                             priority=self.opts.priorities["activation"])
+                             priority=self._prio("activation", stage, "download"))
 
     def _timed(self, stage: Stage, kind: str, fn):
         def run():
@@ -189,6 +206,7 @@ class StepRun:
         fwd = self.plan.forward_stages()
         for k, stage in enumerate(fwd):
             worker = eng._next_worker_for()
+            self.stage_order[stage.name] = eng._next_stage_serial()
             is_fused = self.fused and k == len(fwd) - 1
             need_grads = self.keep_graph or is_fused
             weights, ready = self._upload_weights(worker, stage, need_grads)
@@ -209,7 +227,7 @@ class StepRun:
             if is_fused:
                 wg = worker.download(lambda w=weights: w.device_grads(), [last],
                                      self._label("wgrad", stage, -1, worker, "download"),
-                                     priority=self.opts.priorities["gradients"], nbytes=weights.grad_bytes)
+                                     priority=self._prio("gradients", stage, "download"), nbytes=weights.grad_bytes)
                 self.fused_stash["wgrad"] = (weights, wg)
                 self._release(worker, weights, [wg], stage)
             elif self.keep_graph:
@@ -252,7 +270,7 @@ class StepRun:
                               self._label("fused", stage, i, worker, "compute"))
         self.loss_parts.append(worker.download(lambda: [comp.value[0]], [comp],
                                                self._label("loss", stage, i, worker, "download"),
-                                               priority=self.opts.priorities["activation"]))
+                                               priority=self._prio("activation", stage, "download")))
         self.grads[(stage.start, i)] = self._download_carry(
             worker, lambda: comp.value[1], comp, "grad_out", stage, i)
         return comp
@@ -286,6 +304,7 @@ class StepRun:
             stages = stages[1:]  # its backward already ran, fused with its forward
         for stage in stages:
             worker = eng._next_worker_for()
+            self.stage_order[stage.name] = eng._next_stage_serial()
             if self.keep_graph:
                 weights = self.fwd_weights[stage.index]
                 ready = []
@@ -307,7 +326,7 @@ class StepRun:
                         worker, (lambda comp=comp: comp.value), comp, "grad_out", stage, i)
             wg = worker.download(lambda w=weights: w.device_grads(), [last],
                                  self._label("wgrad", stage, -1, worker, "download"),
-                                 priority=self.opts.priorities["gradients"], nbytes=weights.grad_bytes)
+                                 priority=self._prio("gradients", stage, "download"), nbytes=weights.grad_bytes)
             host_work.append((weights, wg, None))
             if self.keep_graph:
                 self._release_kept(weights, wg, stage)
@@ -329,7 +348,8 @@ class StepRun:
             weights.release()
             worker.track_weights(-weights.nbytes)
 
-        worker.submit("compute", fn, [wg], self._label("release", stage, -1, worker, "compute"), always=True)
+        worker.submit("download", fn, [wg], self._label("release", stage, -1, worker, "download"), priority=-1,
+                      always=True)
 
     def _backward_fn(self, worker, weights, stage, i, a_in, g_in):
         def fn():
