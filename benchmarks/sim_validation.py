@@ -14,15 +14,18 @@ every stage (forward times on the first layer of each forward stage, recompute +
 first layer of each backward stage) and the other layers cost nothing. Bytes are the real
 weight, gradient and activation sizes.
 
-Four predictions per case:
+Three predictions per case:
 
-- ``sim as shipped``: ``simulate_roundpipe`` with the costs above (what one knows beforehand);
-- ``sim + host barriers``: the same, plus the engine's two host barriers when it is driven from
-  plain PyTorch (:class:`HostBarrierBuilder`, a proposal for the simulator);
-- ``+ release stall``: also the engine's compute-lane wait for weight-gradient downloads;
-- ``same, measured task times``: each stage's compute time replaced by the median measured
-  duration of its compute tasks (delay plus real compute and lane overhead), so what remains
-  is the scheduling and transfer model.
+- ``sim``: ``simulate_roundpipe`` with the costs above and its defaults, which include the
+  engine's two host barriers (``SimConfig.host_barriers``: backward is dispatched by
+  ``loss.backward()`` once the whole forward output is home; the next step once ``backward()``
+  returned). This is what one knows beforehand;
+- ``sim, measured task times``: the same with each stage's compute time replaced by the median
+  measured duration of its compute tasks (delay plus real compute and lane overhead), so what
+  remains is the scheduling and transfer model;
+- ``sim, no host barriers``: ``SimConfig(host_barriers=False)``, each microbatch's backward
+  starting on its own output gradient: what an engine that started backward per microbatch
+  could reach, not what this one runs.
 
 The measured step is the median wall-clock time of a training step (pipelined forward, loss on
 the host, pipelined backward, SGD step); the traced step (first task start to last task end) is
@@ -51,11 +54,7 @@ from lightning_roundpipe.config import PartitionConfig, TransferConfig
 from lightning_roundpipe.cost import CostProfile, LayerCost
 from lightning_roundpipe.plan import Plan
 from lightning_roundpipe.runtime import RoundPipeRuntime, RuntimeOptions
-from lightning_roundpipe.plan import dispatch
-from lightning_roundpipe.sim import HardwareProfile, SimConfig, simulate_roundpipe
-from lightning_roundpipe.sim import simulate as sim_internals
-from lightning_roundpipe.sim.costview import CostView
-from lightning_roundpipe.sim.events import HOST, EventSimulator, Op
+from lightning_roundpipe.sim import HardwareProfile, SimConfig, SimResult, simulate_roundpipe
 
 from .report import markdown_table, write_json
 
@@ -216,93 +215,12 @@ def measure_case(case: Case, cfg: ValidationConfig) -> dict:
     }
 
 
-class HostBarrierBuilder(sim_internals._RoundPipeBuilder):
-    """The simulator's RoundPipe step plus the two host barriers of the engine run from plain PyTorch.
-
-    A proposal for ``lightning_roundpipe.sim`` (it builds on that module's private builder, so
-    it lives here until the simulator grows an option for it):
-
-    - **forward/backward**: the host computes the loss only once every microbatch's output is
-      home, and ``loss.backward()`` is what dispatches the backward stages. So no backward input
-      upload and no backward-stage weight upload starts before the whole forward is on the host.
-    - **step to step**: the next step is dispatched when ``backward()`` has returned, i.e. once
-      every weight gradient is home (and the optimizer step, here free, is done); nothing of step
-      s+1 (not even its first weight upload) overlaps step s.
-
-    With ``release_stall`` it also models what the engine does today when a backward stage ends:
-    the task that frees the stage's weights sits on the worker's in-order compute lane and waits
-    for the weight-gradient download, so the worker's next compute waits for it as well.
-
-    ``host_loss_s`` / ``host_step_s`` are host seconds spent at the two barriers (0: unknown).
-    Only for plans without a fused last stage.
-    """
-
-    host_loss_s = 0.0
-    host_step_s = 0.0
-    release_stall = False
-    step_done: Op | None = None  # the host op after which the next step is dispatched
-
-    def step(self, step: int) -> None:
-        if self.plan.fused_last:
-            raise ValueError("HostBarrierBuilder models the host loss of a plan without a fused last stage")
-        tasks = dispatch(self.plan, self.nw, self.first_worker)
-        if self.cfg.continue_round_robin:
-            self.first_worker = (self.first_worker + len(tasks)) % self.nw
-        self.act_src, self.grad_src, self.wgrads = {}, {}, []
-        n_layers, n_forward = self.plan.num_layers, len(self.plan.forward)
-        previous = self.step_done
-        if previous is not None:  # step s+1 is dispatched after step s returned
-            for i in range(self.m):
-                self.act_src[(0, i)] = previous
-            self.optim_prev = {layer: self.optim_prev.get(layer, []) + [previous] for layer in range(n_layers)}
-        for task in tasks[:n_forward]:
-            self._task(task.stage, task.worker, step)
-        outputs = [self.act_src[(n_layers, i)] for i in range(self.m)]
-        loss = self.add(Op(HOST, "host", "loss", "", -1, step, seconds=self.host_loss_s, deps=outputs))
-        # loss.backward() dispatches the backward: everything it uploads waits for the loss.
-        self.act_src = {key: loss for key in self.act_src}
-        self.grad_src = {(n_layers, i): loss for i in range(self.m)}
-        self.optim_prev = {layer: self.optim_prev.get(layer, []) + [loss] for layer in range(n_layers)}
-        for task in tasks[n_forward:]:
-            self._task(task.stage, task.worker, step)
-            if self.release_stall:
-                # The engine frees a stage's weights with a task on the worker's in-order compute
-                # lane that waits for the weight-gradient download: the worker's next compute
-                # waits for that download too. (Compute n waits for the outputs of compute n-2.)
-                wgrads = self.releases[task.worker][-1][1:]
-                for downloads in self.outputs[task.worker][-2:]:
-                    downloads.extend(wgrads)
-        by_layer: dict[int, list[Op]] = {}
-        for layer, op in self.wgrads:
-            by_layer.setdefault(layer, []).append(op)
-        self.optim_prev = sim_internals.add_optimizer(self.sim, by_layer, self.view, self.hw, self.cfg, step)
-        updates = [op for ops in self.optim_prev.values() for op in ops]
-        self.step_done = self.add(Op(HOST, "host", "step", "", -1, step, seconds=self.host_step_s,
-                                     deps=[op for _, op in self.wgrads] + updates))
-
-
-def simulate_with_host_barriers(plan: Plan, costs: CostProfile, hardware: HardwareProfile, microbatches: int,
-                                num_workers: int, config: SimConfig | None = None, release_stall: bool = False):
-    """``simulate_roundpipe`` with :class:`HostBarrierBuilder` in place of the shipped builder."""
-    cfg = config or SimConfig()
-    plan.validate()
-    view = CostView(costs)
-    sim = EventSimulator(sim_internals.link_of(hardware, cfg))
-    builder = HostBarrierBuilder(sim, plan, view, hardware, microbatches, num_workers, cfg)
-    builder.release_stall = release_stall
-    for step in range(cfg.steps):
-        builder.step(step)
-    sim.run()
-    return sim_internals.summarize(sim, "roundpipe+host-barriers", num_workers, microbatches, view.tokens, cfg.steps)
-
-
 def predict_case(plan: Plan, case: Case, cfg: ValidationConfig, model: nn.Sequential,
-                 task_s: dict[str, float] | None = None, barriers: bool = False, release_stall: bool = False):
+                 task_s: dict[str, float] | None = None, host_barriers: bool = True) -> SimResult:
     """Simulate ``plan`` (steady state over 4 steps).
 
     ``task_s`` ("forward F0" -> seconds) replaces the injected delay by measured task times;
-    ``barriers`` adds the engine's host barriers and ``release_stall`` its compute-lane wait for
-    gradient downloads (:class:`HostBarrierBuilder`).
+    ``host_barriers`` is :attr:`SimConfig.host_barriers` (the engine's; False: backward per microbatch).
     """
     def seconds(kind: str, stage: str) -> float:
         return cfg.delay_s if task_s is None else task_s[f"{kind} {stage}"]
@@ -310,12 +228,8 @@ def predict_case(plan: Plan, case: Case, cfg: ValidationConfig, model: nn.Sequen
     fwd = {s.name: seconds("forward", s.name) for s in plan.forward_stages()}
     bwd = {s.name: seconds("backward", s.name) for s in plan.backward_stages()}
     costs = task_costs(plan, model, cfg, case.microbatches, fwd, bwd)
-    sim_cfg = SimConfig(steps=4)
-    if barriers:
-        return simulate_with_host_barriers(plan, costs, hardware_of(cfg), case.microbatches, cfg.workers, sim_cfg,
-                                           release_stall=release_stall)
     return simulate_roundpipe(plan, costs, hardware_of(cfg), case.microbatches, num_workers=cfg.workers,
-                              config=sim_cfg)
+                              config=SimConfig(steps=4, host_barriers=host_barriers))
 
 
 def forward_backward_gap(records, plan: Plan) -> float:
@@ -331,7 +245,7 @@ def forward_backward_gap(records, plan: Plan) -> float:
 
 
 def run_validation(cfg: ValidationConfig, log=print) -> dict:
-    """Measure every case, simulate it four ways, and return rows with the prediction errors."""
+    """Measure every case, simulate it three ways, and return rows with the prediction errors."""
     torch.set_num_threads(1)
     load_before = os.getloadavg()
     started = time.perf_counter()
@@ -340,10 +254,9 @@ def run_validation(cfg: ValidationConfig, log=print) -> dict:
     for case in cfg.cases:
         m = measure_case(case, cfg)
         plan = m["plan"]
-        shipped = predict_case(plan, case, cfg, model)
-        barrier = predict_case(plan, case, cfg, model, barriers=True)
-        engine_like = predict_case(plan, case, cfg, model, barriers=True, release_stall=True)
-        calibrated = predict_case(plan, case, cfg, model, m["task_s"], barriers=True, release_stall=True)
+        sim = predict_case(plan, case, cfg, model)
+        calibrated = predict_case(plan, case, cfg, model, m["task_s"])
+        free = predict_case(plan, case, cfg, model, host_barriers=False)
         wall, traced = m["wall_step_s"], m["trace_step_s"]
         row = {
             "case": case.name,
@@ -352,27 +265,25 @@ def run_validation(cfg: ValidationConfig, log=print) -> dict:
             "measured_step_s": wall,
             "trace_step_s": traced,
             "host_gap_s": wall - traced,
-            "sim_step_s": shipped.step_s,
-            "error": shipped.step_s / wall - 1.0,
-            "sim_barrier_step_s": barrier.step_s,
-            "error_barrier": barrier.step_s / wall - 1.0,
-            "sim_engine_step_s": engine_like.step_s,
-            "error_engine": engine_like.step_s / wall - 1.0,
+            "sim_step_s": sim.step_s,
+            "error": sim.step_s / wall - 1.0,
             "sim_tasks_step_s": calibrated.step_s,
             "error_tasks": calibrated.step_s / wall - 1.0,
+            "sim_no_barriers_step_s": free.step_s,
+            "error_no_barriers": free.step_s / wall - 1.0,
             "measured_bubble": m["bubble_fraction"],
-            "sim_bubble": shipped.bubble_fraction,
-            "sim_barrier_bubble": barrier.bubble_fraction,
+            "sim_bubble": sim.bubble_fraction,
+            "sim_no_barriers_bubble": free.bubble_fraction,
             "fb_gap_s": m["fb_gap_s"],
-            "sim_fb_gap_s": forward_backward_gap([r for r in shipped.timeline if r.step == 1], plan),
-            "sim_barrier_fb_gap_s": forward_backward_gap([r for r in barrier.timeline if r.step == 1], plan),
+            "sim_fb_gap_s": forward_backward_gap([r for r in sim.timeline if r.step == 1], plan),
+            "sim_no_barriers_fb_gap_s": forward_backward_gap([r for r in free.timeline if r.step == 1], plan),
             "task_overhead_s": _median(v - cfg.delay_s for v in m["task_s"].values()),
             "task_s": m["task_s"],
             "wall_steps_s": m["wall_steps_s"],
         }
         rows.append(row)
-        log(f"measured {case.name}: {wall:.3f} s; simulated {shipped.step_s:.3f} s ({row['error']:+.1%}), "
-            f"with host barriers {barrier.step_s:.3f} s ({row['error_barrier']:+.1%})")
+        log(f"measured {case.name}: {wall:.3f} s; simulated {sim.step_s:.3f} s ({row['error']:+.1%}), "
+            f"without host barriers {free.step_s:.3f} s ({row['error_no_barriers']:+.1%})")
     return {
         "config": cfg.as_dict(),
         "rows": rows,
@@ -388,20 +299,18 @@ COLUMNS = [
     ("plan", "plan", "{}"),
     ("measured_step_s", "measured step s (wall)", "{:.3f}"),
     ("trace_step_s", "traced step s", "{:.3f}"),
-    ("sim_step_s", "sim as shipped s", "{:.3f}"),
+    ("sim_step_s", "sim s", "{:.3f}"),
     ("error", "error", "{:+.1%}"),
-    ("sim_barrier_step_s", "sim + host barriers s", "{:.3f}"),
-    ("error_barrier", "error", "{:+.1%}"),
-    ("sim_engine_step_s", "sim + barriers + release stall s", "{:.3f}"),
-    ("error_engine", "error", "{:+.1%}"),
-    ("sim_tasks_step_s", "same, measured task times s", "{:.3f}"),
+    ("sim_tasks_step_s", "sim, measured task times s", "{:.3f}"),
     ("error_tasks", "error", "{:+.1%}"),
+    ("sim_no_barriers_step_s", "sim, no host barriers s", "{:.3f}"),
+    ("error_no_barriers", "error", "{:+.1%}"),
     ("measured_bubble", "bubble measured", "{:.1%}"),
     ("sim_bubble", "bubble sim", "{:.1%}"),
-    ("sim_barrier_bubble", "bubble sim + barriers", "{:.1%}"),
+    ("sim_no_barriers_bubble", "bubble sim, no barriers", "{:.1%}"),
     ("fb_gap_s", "fwd-to-bwd gap s", "{:.3f}"),
     ("sim_fb_gap_s", "sim gap s", "{:.3f}"),
-    ("sim_barrier_fb_gap_s", "sim + barriers gap s", "{:.3f}"),
+    ("sim_no_barriers_fb_gap_s", "sim gap, no barriers s", "{:.3f}"),
     ("task_overhead_s", "task overhead s", "{:.4f}"),
     ("host_gap_s", "host gap s", "{:.4f}"),
 ]
@@ -417,9 +326,9 @@ def render(result: dict) -> str:
             f"({result['cpus']} CPUs); {result['elapsed_s']:.0f} s")
     rows = [dict(r, plan=r["plan"].replace("|", "\\|")) for r in result["rows"]]
     lines = []
-    for key, label in (("error", "simulator as shipped"), ("error_barrier", "simulator + host barriers"),
-                       ("error_engine", "simulator + host barriers + release stall"),
-                       ("error_tasks", "the same with measured task times")):
+    for key, label in (("error", "simulator (host barriers, the default)"),
+                       ("error_tasks", "the same with measured task times"),
+                       ("error_no_barriers", "simulator without host barriers")):
         worst = max(abs(r[key]) for r in result["rows"])
         lines.append(f"largest |error| vs wall clock, {label}: {worst:.1%} (goal: within 15%)")
     verdict = "\n".join(lines)

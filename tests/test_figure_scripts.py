@@ -2,7 +2,8 @@
 
 They run each script in its --quick mode (a few seconds) and check the table and JSON carry the
 expected columns and sane values; the pieces with exact answers (the cost profile that charges
-one delay per task, the host-barrier simulation) are checked against hand-computed numbers.
+one delay per task, the predictions with and without host barriers) are checked against
+hand-computed numbers.
 """
 
 import json
@@ -16,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from benchmarks import partition_transfer, sim_validation  # noqa: E402
 from lightning_roundpipe.plan import Plan  # noqa: E402
-from lightning_roundpipe.sim import SimConfig, simulate_roundpipe  # noqa: E402
 from lightning_roundpipe.sim.costview import CostView  # noqa: E402
 
 
@@ -107,51 +107,31 @@ def test_task_costs_charge_one_delay_per_task():
     assert view.in_bytes(0) == 256 * 4 * 8
 
 
-def test_host_barriers_give_the_hand_computed_step():
-    """Two one-layer stages per direction, 2 workers, free transfers: the step is (2M + 2) d.
+@pytest.mark.parametrize("host_barriers", [True, False])
+def test_predictions_give_the_hand_computed_step(host_barriers):
+    """Two one-layer stages per direction, 2 workers, free transfers, task time d.
 
-    F0 (w0) runs M tasks; F1 (w1) ends one task later, at (M + 1) d. The loss needs every
-    microbatch, so B1 (w0) starts then and ends at (2M + 1) d; B0 (w1) ends one task later.
-    Without the barrier the simulator starts B1 per microbatch, as soon as w0 is free, at M d.
+    F0 (w0) runs M tasks; F1 (w1) ends one task later, at (M + 1) d. With host barriers (the
+    simulator's default, what the engine runs) the loss needs every microbatch, so B1 (w0)
+    starts then and ends at (2M + 1) d; B0 (w1) ends one task later: the step is (2M + 2) d and
+    the forward-to-backward gap 0. Without them B1 starts per microbatch as soon as w0 is free,
+    at M d, before F1's last output is home: the step is (2M + 1) d and the gap -d.
     """
     d, m = 0.01, 4
     cfg = sim_validation.ValidationConfig(bandwidth_bytes_per_s=1e18, latency_s=0.0, layers=2, width=4, head_width=4,
-                                          batch=8)
+                                          batch=8, delay_s=d)
     model = sim_validation.build_model(cfg)
     plan = Plan.from_text("F 0:1 1:2 | B 0:1 1:2")
-    costs = sim_validation.task_costs(plan, model, cfg, m, {"F0": d, "F1": d}, {"B0": d, "B1": d})
-    hw = sim_validation.hardware_of(cfg)
-    barrier = sim_validation.simulate_with_host_barriers(plan, costs, hw, m, 2, SimConfig(steps=3))
-    stalled = sim_validation.simulate_with_host_barriers(plan, costs, hw, m, 2, SimConfig(steps=3), release_stall=True)
-    shipped = simulate_roundpipe(plan, costs, hw, m, num_workers=2, config=SimConfig(steps=3))
-    assert barrier.step_s == pytest.approx((2 * m + 2) * d, rel=1e-9)
-    assert stalled.step_s == pytest.approx((2 * m + 2) * d, rel=1e-9)  # free gradient downloads stall nothing
-    assert shipped.step_s < barrier.step_s - d  # the shipped simulator overlaps forward and backward
-    gap = sim_validation.forward_backward_gap([r for r in barrier.timeline if r.step == 1], plan)
-    assert gap == pytest.approx(0.0, abs=1e-9)
-
-
-def test_release_stall_costs_one_gradient_download():
-    """A slow link: the worker's next backward waits for the previous stage's gradient download."""
-    d, m = 0.01, 2
-    cfg = sim_validation.ValidationConfig(bandwidth_bytes_per_s=1e18, latency_s=0.0, layers=3, width=4, head_width=4,
-                                          batch=4)
-    model = sim_validation.build_model(cfg)
-    plan = Plan.from_text("F 0:3 | B 0:1 1:2 2:3")
-    fwd, bwd = {"F0": d}, {"B0": d, "B1": d, "B2": d}
-    costs = sim_validation.task_costs(plan, model, cfg, m, fwd, bwd)
-    grad_s = 0.05
-    costs.layers[2].grad_bytes = int(grad_s * 1e9)  # B2's gradient takes grad_s on a 1 GB/s link
-    hw = sim_validation.hardware_of(sim_validation.replace(cfg, bandwidth_bytes_per_s=1e9))
-    free = sim_validation.simulate_with_host_barriers(plan, costs, hw, m, 2, SimConfig(steps=1))
-    stalled = sim_validation.simulate_with_host_barriers(plan, costs, hw, m, 2, SimConfig(steps=1), release_stall=True)
-    # Dispatch: F0 -> w0, B2 -> w1, B1 -> w0, B0 -> w1. B0's inputs are ready long before B2's
-    # gradient is home, so with the stall B0 starts exactly when that download ends.
-    b0_free = min(r.start for r in free.timeline if r.stage == "B0" and r.queue == "compute")
-    b0_stalled = min(r.start for r in stalled.timeline if r.stage == "B0" and r.queue == "compute")
-    b2_end = max(r.end for r in stalled.timeline if r.stage == "B2" and r.queue == "compute")
-    assert b0_stalled == pytest.approx(b2_end + grad_s, abs=1e-6)
-    assert b0_free < b0_stalled
+    case = sim_validation.Case("two stages", "uniform", m)
+    result = sim_validation.predict_case(plan, case, cfg, model, host_barriers=host_barriers)
+    assert result.step_s == pytest.approx((2 * m + (2 if host_barriers else 1)) * d, rel=1e-9)
+    gap = sim_validation.forward_backward_gap([r for r in result.timeline if r.step == 1], plan)
+    assert gap == pytest.approx(0.0 if host_barriers else -d, abs=1e-9)
+    # Measured task times replace the injected delay stage by stage.
+    task_s = {"forward F0": d, "forward F1": d, "backward B0": 2 * d, "backward B1": 2 * d}
+    slower = sim_validation.predict_case(plan, case, cfg, model, task_s, host_barriers=host_barriers)
+    backward = [r.duration for r in slower.timeline if r.kind == "backward"]
+    assert backward == pytest.approx([2 * d] * len(backward))
 
 
 # ------------------------------------------------------------------ sim_validation: quick run
@@ -167,15 +147,15 @@ def test_sim_validation_quick_run(tmp_path):
         plan = Plan.from_text(row["plan"])
         tasks = (len(plan.forward) + len(plan.backward)) * row["microbatches"]
         assert row["measured_step_s"] >= cfg.delay_s * tasks / cfg.workers
-        for key in ("error", "error_barrier", "error_engine", "error_tasks"):
+        for key in ("error", "error_tasks", "error_no_barriers"):
             assert math.isfinite(row[key]) and -1.0 < row[key] < 5.0
         assert 0.0 <= row["measured_bubble"] <= 1.0 and 0.0 <= row["sim_bubble"] <= 1.0
-        # Host barriers only ever delay work, the release stall too.
-        assert row["sim_barrier_step_s"] >= row["sim_step_s"] - 1e-9
-        assert row["sim_engine_step_s"] >= row["sim_barrier_step_s"] - 1e-9
+        # Host barriers only ever delay work: the backward waits for the whole forward output.
+        assert row["sim_step_s"] >= row["sim_no_barriers_step_s"] - 1e-9
+        assert row["sim_fb_gap_s"] >= -1e-9 and row["sim_no_barriers_fb_gap_s"] <= row["sim_fb_gap_s"] + 1e-9
         assert row["task_overhead_s"] > -cfg.delay_s  # every task slept at least about the delay
     text = sim_validation.render(result)
-    assert "| case | plan | measured step s (wall) | traced step s | sim as shipped s | error |" in text
+    assert "| case | plan | measured step s (wall) | traced step s | sim s | error | sim, measured task times s |" in text
     assert "(goal: within 15%)" in text
     assert saved["command"].startswith("python -m benchmarks.sim_validation --quick")
     assert [r["case"] for r in saved["rows"]] == [c.name for c in cfg.cases]

@@ -171,47 +171,103 @@ def test_one_worker_one_stage_step_is_the_sum_of_compute():
     assert result.tokens_per_step == 4
 
 
-def test_two_workers_balanced_stages_have_the_expected_bubble():
+@pytest.mark.parametrize("host_barriers,step_s", [(False, 19.0), (True, 20.0)])
+def test_two_workers_balanced_stages_have_the_expected_bubble(host_barriers, step_s):
     # F0 -> w0, F1 -> w1, B1 -> w0, B0 -> w1; forward f=1, backward with recompute c=3 per microbatch.
-    # The step is M*(f+c) + c: the last microbatch's backward of layer 0 waits for layer 1's;
-    # the next step's first forward waits for layer 0's update. Bubble c / (M*(f+c) + c).
+    # F0 ends at M*f = 4 and F1 one forward later, at 5.
+    # Without host barriers B1 mb0 starts at 4 on w0 (its output gradient is ready at 2): the step
+    # is M*(f+c) + c = 19, bubble c / 19 (B0's last microbatch waits for B1's; the next step's
+    # first forward waits for layer 0's update).
+    # With them B1 waits for the loss, i.e. for F1's last microbatch at 5: B1 runs 5..17, B0 ends
+    # one backward later at 20 = (M+1)*(f+c), bubble (f+c) / 20; the next step starts at 20.
     costs = uniform_costs(2)
     plan = Plan(2, ((0, 1), (1, 2)), ((0, 1), (1, 2)))
+    busy = 4 * 2 * 4.0  # M microbatches x 2 stages x (f + c)
     for steps in (1, 2, 3):
-        result = simulate_roundpipe(plan, costs, ideal(2), 4, config=SimConfig(steps=steps))
-        assert result.step_s == pytest.approx(19.0)
-        assert result.bubble_fraction == pytest.approx(3 / 19)
+        result = simulate_roundpipe(plan, costs, ideal(2), 4, config=SimConfig(steps=steps, host_barriers=host_barriers))
+        assert result.step_s == pytest.approx(step_s)
+        assert result.bubble_fraction == pytest.approx(1 - busy / (2 * step_s))
+    first_backward = min(r.start for r in result.timeline if r.step == 2 and r.kind == "backward")
+    step_start = min(r.start for r in result.timeline if r.step == 2 and r.queue == "compute")
+    assert first_backward - step_start == pytest.approx(5.0 if host_barriers else 4.0)
     # The simulated timeline is drawn and measured by the same tools as a recorded one.
     last = [r for r in result.timeline if r.step == 2 and r.queue == "compute"]
-    assert bubble_fraction(last, num_workers=2) == pytest.approx(1 - 32 / (2 * 19))
+    assert bubble_fraction(last, num_workers=2) == pytest.approx(1 - busy / (2 * step_s))
     trace = to_chrome_trace(result.timeline)
     assert len(trace["traceEvents"]) >= len(result.timeline)
 
 
-def test_fused_last_stage_runs_forward_and_backward_per_microbatch():
+@pytest.mark.parametrize("host_barriers,step_s", [(False, 13.0), (True, 19.0)])
+def test_fused_last_stage_runs_forward_and_backward_per_microbatch(host_barriers, step_s):
     costs = uniform_costs(2)
     plan = Plan(2, ((0, 1), (1, 2)), ((0, 1), (1, 2)), fused_last=True)
-    result = simulate_roundpipe(plan, costs, ideal(2), 3, config=SimConfig(steps=1))
+    result = simulate_roundpipe(plan, costs, ideal(2), 3, config=SimConfig(steps=1, host_barriers=host_barriers))
     kinds = {(r.stage, r.kind) for r in result.timeline if r.queue == "compute"}
     assert kinds == {("F0", "forward"), ("F1", "fused"), ("B0", "backward")}
     fused = [r for r in result.timeline if r.kind == "fused"]
     assert [r.duration for r in fused] == pytest.approx([3.0, 3.0, 3.0])  # forward 1 + backward 2, no recompute
-    # F0 [0,3] on w0; fused mb i on w1 after F0 mb i: ends 4,7,10; B0 on w0 mb i after fused mb i: ends 7,10,13.
-    assert result.step_s == pytest.approx(13.0)
+    # F0 [0,3] on w0; fused mb i on w1 after F0 mb i: ends 4,7,10. Without barriers B0 mb i runs on
+    # w0 after fused mb i: ends 7,10,13. With them the host sums the three loss scalars first
+    # (at 10) and only then dispatches B0: ends 13,16,19.
+    assert result.step_s == pytest.approx(step_s)
+    losses = [r for r in result.timeline if r.kind == "loss"]
+    if host_barriers:
+        assert [(r.queue, r.microbatch, r.end) for r in losses] == [
+            ("download", 0, 4.0), ("download", 1, 7.0), ("download", 2, 10.0), ("main", -1, 10.0)]
+    else:
+        assert losses == []
 
 
-def test_transfers_and_host_optimizer_with_a_bandwidth_limit():
+@pytest.mark.parametrize("host_barriers,step_s,first", [
+    (False, 7.0, {"forward": (1.0, 2.0), "backward": (2.0, 5.0), "wgrad": (5.0, 6.0), "optim": (6.0, 7.0)}),
+    (True, 8.0, {"forward": (1.0, 2.0), "backward": (3.0, 6.0), "wgrad": (6.0, 7.0), "optim": (7.0, 8.0)}),
+])
+def test_transfers_and_host_optimizer_with_a_bandwidth_limit(host_barriers, step_s, first):
     # The hook for checking the simulator against the CPU backend: links at an injected rate.
     hw = ideal(1, host_device_bytes_per_s=100.0, cpu_optimizer_params_per_s=50.0)
     costs = CostProfile([LayerCost(1.0, 1.0, 2.0, 100, 100, 0)], tokens_per_microbatch=1)
     plan = Plan(1, ((0, 1),), ((0, 1),))
-    result = simulate_roundpipe(plan, costs, hw, 1, config=SimConfig(steps=3))
-    # weights 1 s, forward 1 s (backward weights prefetched meanwhile), backward 3 s, gradients 1 s,
-    # optimizer 50 params at 50/s = 1 s; the next upload of the layer waits for its update.
-    assert result.step_s == pytest.approx(7.0)
-    first = {r.kind: (r.start, r.end) for r in result.timeline if r.step == 0 and r.stage in ("F0", "B0", "L0")
-             and r.kind in ("forward", "backward", "wgrad", "optim")}
-    assert first == {"forward": (1.0, 2.0), "backward": (2.0, 5.0), "wgrad": (5.0, 6.0), "optim": (6.0, 7.0)}
+    result = simulate_roundpipe(plan, costs, hw, 1, config=SimConfig(steps=3, host_barriers=host_barriers))
+    # weights 1 s, forward 1 s, backward 3 s, gradients 1 s, optimizer 50 params at 50/s = 1 s; the
+    # next upload of the layer waits for its update. Without barriers the backward weights upload
+    # during the forward; with them only after the loss (at 2), so backward starts at 3.
+    assert result.step_s == pytest.approx(step_s)
+    got = {r.kind: (r.start, r.end) for r in result.timeline if r.step == 0 and r.stage in ("F0", "B0", "L0")
+           and r.kind in ("forward", "backward", "wgrad", "optim")}
+    assert got == first
+
+
+@pytest.mark.parametrize("host_barriers,step_s", [(False, 8.0), (True, 9.0)])
+def test_step_barrier_keeps_the_next_step_from_overlapping_the_gradient_download(host_barriers, step_s):
+    # One worker, F 0:1 1:2 | B 0:2, one microbatch; forward 1 s per layer, backward with
+    # recompute 3 s per layer, free transfers except layer 1's gradient (100 bytes at 100 B/s: 1 s).
+    # Layer 0 is frozen (no gradient, no update), so nothing but the step barrier holds the next
+    # step's F0: without it F0 runs during the gradient download and a step costs its 8 s of
+    # compute; with it the next step starts when backward() returned (all gradients home): 9 s.
+    hw = ideal(1, host_device_bytes_per_s=100.0)
+    costs = CostProfile([LayerCost(1.0, 1.0, 2.0, 0, 0, 0), LayerCost(1.0, 1.0, 2.0, 0, 100, 0)],
+                        tokens_per_microbatch=1)
+    plan = Plan(2, ((0, 1), (1, 2)), ((0, 2),))
+    result = simulate_roundpipe(plan, costs, hw, 1, config=SimConfig(steps=3, host_barriers=host_barriers))
+    assert result.step_s == pytest.approx(step_s)
+    wgrad_end = next(r.end for r in result.timeline if r.step == 0 and r.kind == "wgrad")
+    next_forward = next(r.start for r in result.timeline if r.step == 1 and r.stage == "F0" and r.kind == "forward")
+    assert (wgrad_end, next_forward) == pytest.approx((9.0, 9.0 if host_barriers else 8.0))
+
+
+def _check_host_barriers(result, plan):
+    """No backward upload before the host has the loss; nothing of step s+1 before step s returned."""
+    main = {(r.step, r.kind): r.end for r in result.timeline if r.queue == "main"}
+    backward_names = {s.name for s in plan.dispatched_backward_stages()}
+    for r in result.timeline:
+        if r.queue == "upload" and r.stage in backward_names:
+            assert r.start >= main[(r.step, "loss")] - 1e-9, r
+        if r.worker >= 0 and r.step > 0:
+            assert r.start >= main[(r.step - 1, "step")] - 1e-9, r
+    for step in {r.step for r in result.timeline}:
+        # backward() returns once every backward stage has computed and sent its gradients home.
+        done = [r.end for r in result.timeline if r.step == step and r.kind in ("wgrad", "backward", "fused")]
+        assert main[(step, "step")] == pytest.approx(max(done))
 
 
 def test_cpu_profile_link_numbers_drive_transfer_times():
@@ -249,7 +305,8 @@ def _random_costs(rng: random.Random, n: int) -> CostProfile:
                        notes={"graph_bytes_per_token": [rng.randint(0, 100) for _ in range(n)]})
 
 
-def test_peak_memory_never_exceeds_two_stages_plus_one_microbatch_of_activations():
+@pytest.mark.parametrize("host_barriers", [False, True])
+def test_peak_memory_never_exceeds_two_stages_plus_one_microbatch_of_activations(host_barriers):
     rng = random.Random(7)
     for trial in range(12):
         n = rng.randint(2, 9)
@@ -258,9 +315,14 @@ def test_peak_memory_never_exceeds_two_stages_plus_one_microbatch_of_activations
         plan = balanced_plan(costs, rng.randint(2, 2 * n), fused_last=bool(trial % 2))
         hw = ideal(workers, host_device_bytes_per_s=rng.choice([50.0, 500.0]), latency_s=0.01,
                    cpu_optimizer_params_per_s=200.0)
-        result = simulate_roundpipe(plan, costs, hw, rng.randint(1, 6), config=SimConfig(chunk_bytes=64))
+        config = SimConfig(chunk_bytes=64, host_barriers=host_barriers)
+        result = simulate_roundpipe(plan, costs, hw, rng.randint(1, 6), config=config)
         bound = roundpipe_gpu_bytes(plan, costs, workers)
         assert all(0 < p <= b for p, b in zip(result.peak_gpu_bytes, bound) if b), (plan, result.peak_gpu_bytes, bound)
+        if host_barriers:
+            _check_host_barriers(result, plan)
+        else:
+            assert not any(r.queue == "main" or r.kind == "loss" for r in result.timeline)
 
 
 def test_preset_memory_bound_holds_and_stays_under_a_4090():
@@ -295,16 +357,24 @@ def test_gpipe_on_ideal_hardware_has_the_textbook_bubble():
     assert result.bubble_fraction == pytest.approx(3 / 11)
 
 
-def test_roundpipe_beats_bound_1f1b_when_the_lm_head_is_heavy():
+def test_roundpipe_beats_bound_1f1b_when_the_lm_head_is_heavy_unless_the_loss_barrier_holds_it():
     # Eight equal layers and an LM head costing four of them: bound stages wait for the head's GPU.
     layers = [LayerCost(1.0, 1.0, 2.0, 100, 100, 10) for _ in range(8)] + [LayerCost(4.0, 4.0, 8.0, 400, 400, 10)]
     costs = CostProfile(layers, tokens_per_microbatch=1)
     hw = ideal(4, host_device_bytes_per_s=1e4, latency_s=1e-3, cpu_optimizer_params_per_s=1e5)
     bound = simulate_bound("1f1b", costs, hw, 8)
-    best = max((simulate_roundpipe(balanced_plan(costs, k, fused_last=True), costs, hw, 8) for k in (8, 12, 16)),
-               key=lambda r: r.tokens_per_s)
-    assert best.tokens_per_s > 1.1 * bound.tokens_per_s
+
+    def best(host_barriers: bool):
+        config = SimConfig(host_barriers=host_barriers)
+        return max((simulate_roundpipe(balanced_plan(costs, k, fused_last=True), costs, hw, 8, config=config)
+                    for k in (8, 12, 16)), key=lambda r: r.tokens_per_s)
+
+    # The schedule itself (backward per microbatch, as an engine without host barriers could run it).
+    assert best(False).tokens_per_s > 1.1 * bound.tokens_per_s
     assert bound.notes["ranges"][-1] == (8, 9)  # the head alone is still the slowest bound stage
+    # The engine as autograd drives it: the fused head runs all 8 microbatches on one worker before
+    # the host has the loss and dispatches any other backward stage, and the others wait meanwhile.
+    assert best(True).tokens_per_s < bound.tokens_per_s < best(False).tokens_per_s
 
 
 def test_bound_schedule_streams_weights_when_they_do_not_fit():

@@ -17,6 +17,14 @@ One step, as the engine runs it (see ``docs/simulator.md`` for the assumptions):
 - After a stage's last backward microbatch its weight gradients go home (lowest priority), layer
   by layer; the host optimizer updates each layer once its gradients have arrived (or after all
   of them with ``clip_grad_norm``), and the next step's upload of a layer waits for it.
+- Host barriers (``SimConfig.host_barriers``, on by default): the engine is driven by autograd,
+  so the host computes the loss from every microbatch's output (or, with a fused last stage,
+  from every microbatch's loss scalar) before ``loss.backward()`` dispatches the backward
+  stages, and dispatches the next step only once ``backward()`` has returned (every weight
+  gradient home). Nothing a dispatch submits (weight or input uploads) starts earlier. Off, the
+  backward of microbatch i starts as soon as its own output gradient exists and the next step's
+  weights prefetch during this step's tail: what an engine that started backward per
+  microbatch could reach.
 
 Several steps are simulated; the step time is the steady-state period between step ends.
 """
@@ -38,11 +46,24 @@ from .hardware import HardwareProfile
 PRIO_ACTIVATIONS = 0
 PRIO_WEIGHTS = 1
 PRIO_GRADS = 2
+LOSS_BYTES = 4  # one fp32 loss scalar per microbatch (fused last stage)
+MAIN_QUEUE = "main"  # the host thread that drives the step (loss, dispatch); the optimizer has its own queue
 
 
 @dataclass
 class SimConfig:
-    """Knobs of a simulation that are not part of the plan, the costs or the hardware."""
+    """Knobs of a simulation that are not part of the plan, the costs or the hardware.
+
+    ``host_barriers`` (default True) models the engine as it runs when autograd drives it, from
+    Lightning or plain PyTorch: ``model(batch)`` returns only when every microbatch's output is on
+    the host, the host computes the loss, and ``loss.backward()`` dispatches the backward stages
+    (so no backward weight or input upload starts before the loss); the next step's forward is
+    dispatched only when ``backward()`` has returned, i.e. every weight gradient is home. The
+    host optimizer still overlaps, per layer. With a fused last stage the first barrier is the
+    last microbatch's loss scalar reaching the host. ``host_barriers=False`` lets microbatch i's
+    backward start on its own output gradient and the next step prefetch during this one: what an
+    engine that started backward per microbatch could reach. Bound schedules ignore the option.
+    """
 
     steps: int = 3  # steps simulated; the step time is the mean period after the first one
     chunk_bytes: int = 32 * 2**20  # transfers are cut into chunks; an urgent one overtakes at a boundary
@@ -54,6 +75,10 @@ class SimConfig:
     # A synchronous offloaded optimizer (ZeRO-Offload's default): it starts once every gradient of
     # the step is home, and the next step's weight uploads wait for the whole update.
     optimizer_barrier: bool = False
+    # The engine's two host barriers when autograd drives it (RoundPipe steps only):
+    # forward -> loss on the host -> backward, and backward returned -> next step. False models
+    # an engine that starts each microbatch's backward on its own output gradient.
+    host_barriers: bool = True
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -124,6 +149,10 @@ class _RoundPipeBuilder:
         self.computes: list[list[Op]] = [[] for _ in range(num_workers)]  # compute queue, in order
         self.outputs: list[list[list[Op]]] = [[] for _ in range(num_workers)]  # downloads of each compute
         self.optim_prev: dict[int, list[Op]] = {}  # layer -> optimizer updates its next upload waits for
+        # Host barriers: the ops every upload of the tasks being dispatched now waits for (the host
+        # submits those tasks only after them), and the op after which the last step's backward returned.
+        self.gate: list[Op] = []
+        self.step_done: Op | None = None
 
     def add(self, op: Op) -> Op:
         return self.sim.add(op)
@@ -135,8 +164,25 @@ class _RoundPipeBuilder:
         self.act_src: dict[tuple[int, int], Op] = {}  # (layer boundary, mb) -> op that put the activation on the host
         self.grad_src: dict[tuple[int, int], Op] = {}  # (layer boundary, mb) -> op that put the gradient on the host
         self.wgrads: list[tuple[int, Op]] = []
-        for task in tasks:
+        self.losses: list[Op] = []  # fused last stage: the download of each microbatch's loss scalar
+        self.backward_done: list[Op] = []  # what backward() waits for before it returns
+        barriers = self.cfg.host_barriers
+        n_forward = len(self.plan.forward)
+        self.gate = [self.step_done] if barriers and self.step_done is not None else []
+        for task in tasks[:n_forward]:
             self._task(task.stage, task.worker, step)
+        if barriers:
+            # The host has the loss once every microbatch's output (fused: loss scalar) is home;
+            # loss.backward() then dispatches the backward stages.
+            outputs = self.losses if self.plan.fused_last else [self.act_src[(self.plan.num_layers, i)]
+                                                                for i in range(self.m)]
+            self.gate = [self.add(Op(HOST, MAIN_QUEUE, "loss", "", -1, step, deps=outputs))]
+        for task in tasks[n_forward:]:
+            self._task(task.stage, task.worker, step)
+        if barriers:
+            # backward() returns once every stage's weight gradients are home; the next step's
+            # forward is dispatched after that (the optimizer's per-layer updates still overlap it).
+            self.step_done = self.add(Op(HOST, MAIN_QUEUE, "step", "", -1, step, deps=self.backward_done))
         by_layer: dict[int, list[Op]] = {}
         for layer, op in self.wgrads:
             by_layer.setdefault(layer, []).append(op)
@@ -153,7 +199,7 @@ class _RoundPipeBuilder:
         weight_ops = []
         for layer in range(a, b):
             nbytes = view.layers[layer].weight_bytes
-            deps = list(slot) + self.optim_prev.get(layer, [])
+            deps = list(slot) + self.optim_prev.get(layer, []) + self.gate
             weight_ops.append(self.add(Op(w, "upload", "weights", name, -1, step, bytes=nbytes,
                                           priority=PRIO_WEIGHTS, deps=deps, alloc=[(w, nbytes)])))
         weights_total = view.weights(a, b)
@@ -194,6 +240,12 @@ class _RoundPipeBuilder:
             compute = self.add(Op(w, "compute", kind, name, i, step, seconds=seconds,
                                   deps=weight_ops + inputs + list(output_deps), alloc=alloc, free=free))
             downloads = []
+            if fused and self.cfg.host_barriers:
+                # The loss scalar goes home ahead of the input gradient: the host sums the scalars.
+                loss = self.add(Op(w, "download", "loss", name, i, step, bytes=LOSS_BYTES, priority=PRIO_ACTIVATIONS,
+                                   deps=[compute]))
+                downloads.append(loss)
+                self.losses.append(loss)
             for out_kind, nbytes, boundary in outputs:
                 op = self.add(Op(w, "download", out_kind, name, i, step, bytes=nbytes, priority=PRIO_ACTIVATIONS,
                                  deps=[compute], free=[(w, nbytes)]))
@@ -217,11 +269,12 @@ class _RoundPipeBuilder:
                                  deps=[compute], free=[(w, nbytes)]))
                 self.wgrads.append((layer, op))
                 release.append(op)
+            self.backward_done.extend(release)
         self.releases[w].append(release)
 
     def _upload(self, w: int, kind: str, name: str, mb: int, step: int, nbytes: int, source: Op | None,
                 buffer_deps: list[Op]) -> Op:
-        deps = ([source] if source is not None else []) + list(buffer_deps)
+        deps = ([source] if source is not None else []) + list(buffer_deps) + self.gate
         return self.add(Op(w, "upload", kind, name, mb, step, bytes=nbytes, priority=PRIO_ACTIVATIONS,
                            deps=deps, alloc=[(w, nbytes)]))
 
