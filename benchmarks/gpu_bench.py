@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import os
 import platform
 import sys
 import time
