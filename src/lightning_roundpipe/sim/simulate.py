@@ -6,11 +6,14 @@ One step, as the engine runs it (see ``docs/simulator.md`` for the assumptions):
   backward stages of :meth:`Plan.dispatched_backward_stages`, each to the next worker. With
   ``continue_round_robin`` the next step's dispatch starts on the worker after the last one.
 - Every worker has an upload, a compute and a download queue. A task uploads its layers'
-  weights (low priority: this is the prefetch that fills gaps), then per microbatch uploads its
-  input (and for backward the output gradient) at high priority, computes, and downloads its
-  output (and the stage-internal activations backward recompute starts from, and for backward
-  the input gradient). The weights of a task may upload only when the worker's task two back
+  weights, then per microbatch uploads its input (and for backward the output gradient),
+  computes, and downloads its output (and the stage-internal activations backward recompute
+  starts from, and for backward the input gradient). The weights of a task may upload only when the worker's task two back
   has finished computing and sent its gradients home: at most two stages' weights are resident.
+- Uploads go by dispatch order, then kind (``SimConfig.upload_order="stage"``, as the engine):
+  a stage's inputs, then its weights, before anything of a later stage, so the next stage's
+  weight prefetch fills the gaps while the running stage waits for its inputs. Downloads go by
+  kind, then dispatch order: activations and input gradients, then weight gradients.
 - Microbatch i of a stage waits only for microbatch i of the stage before it (event-based
   synchronisation), and an activation moves from worker to worker through host memory.
 - The fused last stage runs forward, loss and backward of its layers per microbatch.
@@ -41,11 +44,12 @@ from .costview import CostView
 from .events import HOST, EventSimulator, LinkSpec, Op
 from .hardware import HardwareProfile
 
-# Transfer priorities (lower goes first): what the running stage waits for, then weight prefetch,
-# then gradients going home.
+# Transfer priorities by kind (lower goes first): what a stage waits for, then weight prefetch,
+# then gradients going home. Uploads put the dispatch order before these (SimConfig.upload_order).
 PRIO_ACTIVATIONS = 0
 PRIO_WEIGHTS = 1
 PRIO_GRADS = 2
+UPLOAD_KINDS = 2  # upload priorities per task with upload_order="stage" (activations, weights)
 LOSS_BYTES = 4  # one fp32 loss scalar per microbatch (fused last stage)
 MAIN_QUEUE = "main"  # the host thread that drives the step (loss, dispatch); the optimizer has its own queue
 
@@ -79,6 +83,10 @@ class SimConfig:
     # forward -> loss on the host -> backward, and backward returned -> next step. False models
     # an engine that starts each microbatch's backward on its own output gradient.
     host_barriers: bool = True
+    # Upload priority: "stage" (dispatch order first, then kind: the running stage's weights and
+    # inputs go before anything of a later stage, as the engine orders them) or "kind"
+    # (activations of any stage before any weights: the engine before it keyed on stage order).
+    upload_order: str = "stage"
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -87,6 +95,12 @@ class SimConfig:
             raise ValueError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
         if self.optimizer_order not in ("arrival", "layer"):
             raise ValueError(f"optimizer_order must be 'arrival' or 'layer', got {self.optimizer_order!r}")
+        if self.upload_order not in ("stage", "kind"):
+            raise ValueError(f"upload_order must be 'stage' or 'kind', got {self.upload_order!r}")
+
+    def upload_priority(self, task_serial: int, kind_priority: int) -> int:
+        """Link priority of an upload for the ``task_serial``-th dispatched task (lower goes first)."""
+        return task_serial * UPLOAD_KINDS + kind_priority if self.upload_order == "stage" else kind_priority
 
     def optimizer_priority(self, layer: int) -> int:
         """Host-queue priority of a layer's optimizer update (lower runs first among ready ones)."""
@@ -153,6 +167,7 @@ class _RoundPipeBuilder:
         # submits those tasks only after them), and the op after which the last step's backward returned.
         self.gate: list[Op] = []
         self.step_done: Op | None = None
+        self.serial = 0  # tasks dispatched so far, all steps (the engine's stage order)
 
     def add(self, op: Op) -> Op:
         return self.sim.add(op)
@@ -193,6 +208,8 @@ class _RoundPipeBuilder:
         a, b, name = stage.start, stage.end, stage.name
         fused = plan.fused_last and stage.direction == "F" and stage.index == len(plan.forward) - 1
         backward = stage.direction == "B" or fused
+        serial, self.serial = self.serial, self.serial + 1
+        input_priority = self.cfg.upload_priority(serial, PRIO_ACTIVATIONS)
 
         # Weights, layer by layer, into one of the worker's two stage slots.
         slot = self.releases[w][-2] if len(self.releases[w]) >= 2 else []
@@ -201,7 +218,8 @@ class _RoundPipeBuilder:
             nbytes = view.layers[layer].weight_bytes
             deps = list(slot) + self.optim_prev.get(layer, []) + self.gate
             weight_ops.append(self.add(Op(w, "upload", "weights", name, -1, step, bytes=nbytes,
-                                          priority=PRIO_WEIGHTS, deps=deps, alloc=[(w, nbytes)])))
+                                          priority=self.cfg.upload_priority(serial, PRIO_WEIGHTS), deps=deps,
+                                          alloc=[(w, nbytes)])))
         weights_total = view.weights(a, b)
         grads_total = view.grads(a, b) if backward else 0
 
@@ -223,10 +241,11 @@ class _RoundPipeBuilder:
             output_deps = self.outputs[w][n - 2] if n >= 2 else []
             # Every stage needs its input (backward: the saved one, for recompute); backward also
             # needs the gradient of its output.
-            inputs = [self._upload(w, "act_in", name, i, step, view.in_bytes(a), self.act_src.get((a, i)), buffer_deps)]
+            inputs = [self._upload(w, "act_in", name, i, step, view.in_bytes(a), self.act_src.get((a, i)), buffer_deps,
+                                   input_priority)]
             if stage.direction == "B":
                 inputs.append(self._upload(w, "grad_in", name, i, step, view.out_bytes(b - 1),
-                                           self.grad_src.get((b, i)), buffer_deps))
+                                           self.grad_src.get((b, i)), buffer_deps, input_priority))
             outputs: list[tuple[str, int, int]] = []  # (kind, bytes, boundary)
             if stage.direction == "F" and not fused:
                 outputs.append(("act_out", view.out_bytes(b - 1), b))
@@ -273,9 +292,9 @@ class _RoundPipeBuilder:
         self.releases[w].append(release)
 
     def _upload(self, w: int, kind: str, name: str, mb: int, step: int, nbytes: int, source: Op | None,
-                buffer_deps: list[Op]) -> Op:
+                buffer_deps: list[Op], priority: int) -> Op:
         deps = ([source] if source is not None else []) + list(buffer_deps) + self.gate
-        return self.add(Op(w, "upload", kind, name, mb, step, bytes=nbytes, priority=PRIO_ACTIVATIONS,
+        return self.add(Op(w, "upload", kind, name, mb, step, bytes=nbytes, priority=priority,
                            deps=deps, alloc=[(w, nbytes)]))
 
 
