@@ -79,6 +79,7 @@ class StepRun:
         self.graphs: dict[tuple[int, int], tuple[list, list]] = {}
         self.fwd_weights: dict[int, StageWeights] = {}
         self.fused_stash: dict[str, Any] = {}
+        self.eager_work: list = []  # fused runs: backward stages dispatched right after the last stage
         self.loss_parts: list[Completion] = []
         self.wgrad_downloads: list[tuple[StageWeights, Completion]] = []
         self.measurements: list[tuple[Stage, str, float]] = []
@@ -236,6 +237,7 @@ class StepRun:
             else:
                 self._release(worker, weights, [last], stage)
         if self.fused:
+            self.eager_work = self._dispatch_backward()
             return []
         L = self.plan.num_layers
         return [self._wait(self.acts[(L, i)]) for i in range(self.M)]
@@ -283,22 +285,38 @@ class StepRun:
 
     # ------------------------------------------------------------------ backward
     def backward(self, output_grads: list[HostCarry | None], incoming_scale: float | None = None) -> list[list | None]:
-        """Dispatch the backward stages; add weight gradients to the host ``.grad``; return input grads."""
+        """Add every stage's weight gradients to the host ``.grad`` (dispatch order); return input grads.
+
+        Ordinary runs dispatch the backward stages now. A fused run dispatched them already, right
+        after its last stage (backward is linear in the loss's gradient, so it ran for a gradient
+        of 1 while the host went on): here its results are only multiplied by ``incoming_scale``.
+        """
         eng = self.engine
-        L = self.plan.num_layers
-        host_work: list[tuple[StageWeights, Completion, float | None]] = []
         if self.fused:
             weights, wg = self.fused_stash["wgrad"]
-            host_work.append((weights, wg, incoming_scale))
-            start = self.plan.forward[-1][0]
-            if incoming_scale is not None and incoming_scale != 1.0:
-                for i in range(self.M):
-                    src = self.grads[(start, i)]
-                    self._wait(src)
-                    self.grads[(start, i)] = _scaled_grads(src, incoming_scale)
+            host_work = [(weights, wg)] + self.eager_work
+            scale = incoming_scale
         else:
             for i in range(self.M):
-                self.grads[(L, i)] = Completion.done(TaskLabel("grad_output", "", i), output_grads[i])
+                self.grads[(self.plan.num_layers, i)] = Completion.done(TaskLabel("grad_output", "", i), output_grads[i])
+            host_work = self._dispatch_backward()
+            scale = None
+        # Host side: gradients into .grad in dispatch order (deterministic whatever the timing).
+        for weights, wg in host_work:
+            grads = self._wait(wg)
+            accumulate_host_grads(weights, grads, scale)
+            eng._on_grads_accumulated(weights.layer_ids)
+        if not self.input_requires_grad:
+            return [None] * self.M
+        trees = [self._wait(self.grads[(0, i)]) for i in range(self.M)]
+        if scale is not None and scale != 1.0:
+            trees = [HostCarry([x * scale if isinstance(x, torch.Tensor) else x for x in t.leaves], t.spec) for t in trees]
+        return [t.tree() for t in trees]
+
+    def _dispatch_backward(self) -> list[tuple[StageWeights, Completion]]:
+        """Submit the backward stages (the fused one excepted) in reverse; return their gradient downloads."""
+        eng = self.engine
+        host_work = []
         stages = list(reversed(self.plan.backward_stages()))
         if self.fused:
             stages = stages[1:]  # its backward already ran, fused with its forward
@@ -327,19 +345,12 @@ class StepRun:
             wg = worker.download(lambda w=weights: w.device_grads(), [last],
                                  self._label("wgrad", stage, -1, worker, "download"),
                                  priority=self._prio("gradients", stage, "download"), nbytes=weights.grad_bytes)
-            host_work.append((weights, wg, None))
+            host_work.append((weights, wg))
             if self.keep_graph:
                 self._release_kept(weights, wg, stage)
             else:
                 self._release(worker, weights, [wg], stage)
-        # Host side: gradients into .grad in dispatch order (deterministic whatever the timing).
-        for weights, wg, scale in host_work:
-            grads = self._wait(wg)
-            accumulate_host_grads(weights, grads, scale)
-            eng._on_grads_accumulated(weights.layer_ids)
-        if self.input_requires_grad:
-            return [self._wait(self.grads[(0, i)]).tree() for i in range(self.M)]
-        return [None] * self.M
+        return host_work
 
     def _release_kept(self, weights, wg, stage):
         worker = weights._worker
@@ -386,9 +397,3 @@ def _leaves_requiring_grad(tree, need: bool):
 
 def _carry_bytes(host: HostCarry) -> int:
     return sum(x.numel() * x.element_size() for x in host.leaves if isinstance(x, torch.Tensor))
-
-
-def _scaled_grads(src: Completion, scale: float) -> Completion:
-    host = src.value
-    leaves = [x * scale if isinstance(x, torch.Tensor) else x for x in host.leaves]
-    return Completion.done(src.label, HostCarry(leaves, host.spec))
