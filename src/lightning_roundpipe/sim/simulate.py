@@ -21,13 +21,13 @@ One step, as the engine runs it (see ``docs/simulator.md`` for the assumptions):
   by layer; the host optimizer updates each layer once its gradients have arrived (or after all
   of them with ``clip_grad_norm``), and the next step's upload of a layer waits for it.
 - Host barriers (``SimConfig.host_barriers``, on by default): the engine is driven by autograd,
-  so the host computes the loss from every microbatch's output (or, with a fused last stage,
-  from every microbatch's loss scalar) before ``loss.backward()`` dispatches the backward
-  stages, and dispatches the next step only once ``backward()`` has returned (every weight
-  gradient home). Nothing a dispatch submits (weight or input uploads) starts earlier. Off, the
-  backward of microbatch i starts as soon as its own output gradient exists and the next step's
-  weights prefetch during this step's tail: what an engine that started backward per
-  microbatch could reach.
+  so without a fused last stage the host computes the loss from every microbatch's output
+  before ``loss.backward()`` dispatches the backward stages (a fused run dispatches them right
+  after the fused stage), and in every run the next step is dispatched only once ``backward()``
+  has returned (every weight gradient and loss scalar home). Nothing a dispatch submits
+  (weight or input uploads) starts earlier. Off, the backward of microbatch i starts as soon as
+  its own output gradient exists and the next step's weights prefetch during this step's tail:
+  what an engine that started backward per microbatch could reach.
 
 Several steps are simulated; the step time is the steady-state period between step ends.
 """
@@ -59,14 +59,16 @@ class SimConfig:
     """Knobs of a simulation that are not part of the plan, the costs or the hardware.
 
     ``host_barriers`` (default True) models the engine as it runs when autograd drives it, from
-    Lightning or plain PyTorch: ``model(batch)`` returns only when every microbatch's output is on
-    the host, the host computes the loss, and ``loss.backward()`` dispatches the backward stages
-    (so no backward weight or input upload starts before the loss); the next step's forward is
-    dispatched only when ``backward()`` has returned, i.e. every weight gradient is home. The
-    host optimizer still overlaps, per layer. With a fused last stage the first barrier is the
-    last microbatch's loss scalar reaching the host. ``host_barriers=False`` lets microbatch i's
-    backward start on its own output gradient and the next step prefetch during this one: what an
-    engine that started backward per microbatch could reach. Bound schedules ignore the option.
+    Lightning or plain PyTorch. Without a fused last stage, ``model(batch)`` returns only when
+    every microbatch's output is on the host, the host computes the loss, and ``loss.backward()``
+    dispatches the backward stages (so no backward weight or input upload starts before the
+    loss). A fused run has no such barrier: the engine dispatches the backward stages right after
+    the fused stage (backward is linear in the loss gradient; the host scales the result). In
+    both, the next step's forward is dispatched only when ``backward()`` has returned, i.e. every
+    weight gradient (and loss scalar) is home; the host optimizer still overlaps, per layer.
+    ``host_barriers=False`` lets microbatch i's backward start on its own output gradient and the
+    next step prefetch during this one: what an engine that started backward per microbatch
+    could reach. Bound schedules ignore the option.
     """
 
     steps: int = 3  # steps simulated; the step time is the mean period after the first one
@@ -79,9 +81,9 @@ class SimConfig:
     # A synchronous offloaded optimizer (ZeRO-Offload's default): it starts once every gradient of
     # the step is home, and the next step's weight uploads wait for the whole update.
     optimizer_barrier: bool = False
-    # The engine's two host barriers when autograd drives it (RoundPipe steps only):
-    # forward -> loss on the host -> backward, and backward returned -> next step. False models
-    # an engine that starts each microbatch's backward on its own output gradient.
+    # The engine's host barriers when autograd drives it (RoundPipe steps only): forward -> loss
+    # on the host -> backward (not in fused runs), and backward returned -> next step. False
+    # models an engine that starts each microbatch's backward on its own output gradient.
     host_barriers: bool = True
     # Upload priority: "stage" (dispatch order first, then kind: the running stage's weights and
     # inputs go before anything of a later stage, as the engine orders them) or "kind"
@@ -186,18 +188,20 @@ class _RoundPipeBuilder:
         self.gate = [self.step_done] if barriers and self.step_done is not None else []
         for task in tasks[:n_forward]:
             self._task(task.stage, task.worker, step)
-        if barriers:
-            # The host has the loss once every microbatch's output (fused: loss scalar) is home;
-            # loss.backward() then dispatches the backward stages.
-            outputs = self.losses if self.plan.fused_last else [self.act_src[(self.plan.num_layers, i)]
-                                                                for i in range(self.m)]
+        if barriers and not self.plan.fused_last:
+            # The host has the loss once every microbatch's output is home; loss.backward() then
+            # dispatches the backward stages. (A fused run dispatches them right after the fused
+            # stage, without waiting: backward is linear in the loss gradient, scaled on the host.)
+            outputs = [self.act_src[(self.plan.num_layers, i)] for i in range(self.m)]
             self.gate = [self.add(Op(HOST, MAIN_QUEUE, "loss", "", -1, step, deps=outputs))]
         for task in tasks[n_forward:]:
             self._task(task.stage, task.worker, step)
         if barriers:
-            # backward() returns once every stage's weight gradients are home; the next step's
-            # forward is dispatched after that (the optimizer's per-layer updates still overlap it).
-            self.step_done = self.add(Op(HOST, MAIN_QUEUE, "step", "", -1, step, deps=self.backward_done))
+            # backward() returns once the host has the loss and every stage's weight gradients are
+            # home; the next step's forward is dispatched after that (the optimizer's per-layer
+            # updates still overlap it).
+            self.step_done = self.add(Op(HOST, MAIN_QUEUE, "step", "", -1, step,
+                                         deps=self.backward_done + self.losses))
         by_layer: dict[int, list[Op]] = {}
         for layer, op in self.wgrads:
             by_layer.setdefault(layer, []).append(op)
@@ -260,7 +264,7 @@ class _RoundPipeBuilder:
                                   deps=weight_ops + inputs + list(output_deps), alloc=alloc, free=free))
             downloads = []
             if fused and self.cfg.host_barriers:
-                # The loss scalar goes home ahead of the input gradient: the host sums the scalars.
+                # The loss scalar goes home ahead of the input gradient; backward() needs the sum.
                 loss = self.add(Op(w, "download", "loss", name, i, step, bytes=LOSS_BYTES, priority=PRIO_ACTIVATIONS,
                                    deps=[compute]))
                 downloads.append(loss)
