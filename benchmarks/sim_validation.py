@@ -33,7 +33,7 @@ shown too: their difference is host work between the pipeline's tasks, which the
 not model. The host optimizer is left out of the simulation (plain PyTorch runs SGD after
 backward, and it takes well under a millisecond here).
 
-    python -m benchmarks.sim_validation [--json out.json] [--quick]
+    python -m benchmarks.sim_validation [--json out.json] [--quick]   # or: python benchmarks/sim_validation.py
 """
 
 from __future__ import annotations
@@ -56,7 +56,11 @@ from lightning_roundpipe.plan import Plan
 from lightning_roundpipe.runtime import RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.sim import HardwareProfile, SimConfig, SimResult, simulate_roundpipe
 
-from .report import markdown_table, write_json
+if __package__:
+    from .report import markdown_table, write_json
+else:  # run as a file (python benchmarks/sim_validation.py): the repository root holds benchmarks/
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.report import markdown_table, write_json
 
 
 @dataclass(frozen=True)
