@@ -214,3 +214,33 @@ def test_recompute_never_requires_same_cuts():
 
     with pytest.raises(PlanError, match="recompute='never'.*cut"):
         engine_for(mlp(depth=4), plan=Plan(4, [(0, 2), (2, 4)], [(0, 1), (1, 4)]), recompute=False)
+
+
+def test_microbatch_inputs_on_a_worker_are_bounded():
+    """Inputs are uploaded at most two microbatches ahead of the compute queue (one stage's activations)."""
+    layers = mlp(depth=4, width=16)
+    plan = Plan(4, [(0, 2), (2, 4)], [(0, 1), (1, 2), (2, 3), (3, 4)])
+    eng = engine_for(layers, workers=2, microbatches=8, plan=plan, compute_delay_s=0.01)
+    eng.pool.trace.enabled = True
+    try:
+        (eng(torch.randn(16, 16)) ** 2).mean().backward()
+        records = eng.pool.trace.records(step=eng.step_count)
+    finally:
+        eng.close()
+    for w in (0, 1):
+        events = []
+        for r in records:
+            if r.worker != w:
+                continue
+            if r.queue == "upload" and r.kind in ("act_in", "grad_in"):
+                events.append((r.end, 1, (r.stage, r.microbatch)))
+            elif r.queue == "compute":
+                events.append((r.end, -1, (r.stage, r.microbatch)))
+        resident, peak = set(), 0
+        for _, change, key in sorted(events, key=lambda e: (e[0], e[1])):
+            if change > 0:
+                resident.add(key)
+            else:
+                resident.discard(key)
+            peak = max(peak, len(resident))
+        assert 1 <= peak <= 3  # the running microbatch and two uploaded ahead

@@ -76,6 +76,7 @@ class PipelineEngine:
         self._next_worker = 0
         self._stage_serial = 0
         self._releases: dict[int, collections.deque] = {w.index: collections.deque(maxlen=8) for w in pool.workers}
+        self._computes: dict[int, collections.deque] = {w.index: collections.deque(maxlen=4) for w in pool.workers}
         self._anchor = torch.zeros((), requires_grad=True)
         self.step_count = 0
         self.last_run: StepRun | None = None
@@ -123,6 +124,17 @@ class PipelineEngine:
             return None
         dep = history[-(depth + 1)]
         return None if dep.failed() else dep  # a release cancelled with a failed step freed its memory already
+
+    def _input_slot(self, worker_index: int) -> Completion | None:
+        """An input upload waits for the compute two places before the one it feeds (double buffering)."""
+        history = self._computes[worker_index]
+        if len(history) < 2:
+            return None
+        dep = history[-2]
+        return None if dep.failed() else dep
+
+    def _record_compute(self, worker_index: int, completion: Completion) -> None:
+        self._computes[worker_index].append(completion)
 
     def _record_release(self, worker_index: int, completion: Completion) -> None:
         self._releases[worker_index].append(completion)

@@ -172,7 +172,9 @@ class StepRun:
             return HostCarry(leaves, host.spec)
 
         nbytes = _carry_bytes(src.value) if src.is_set() and src.value is not None else 0
-        return worker.submit("upload", fn, [src], self._label(kind, stage, mb, worker, "upload"),
+        # At most two microbatch inputs ahead of the compute queue: bounded activation memory.
+        deps = [src, self.engine._input_slot(worker.index)]
+        return worker.submit("upload", fn, deps, self._label(kind, stage, mb, worker, "upload"),
                              priority=self._prio("activation", stage, "upload"), nbytes=nbytes)
 
     def _download_carry(self, worker, get_tree, dep: Completion, kind: str, stage: Stage, mb: int) -> Completion:
@@ -221,6 +223,7 @@ class StepRun:
                 comp = worker.compute(
                     self._timed(stage, "forward", self._forward_fn(worker, weights, stage, i, act_in, save_at)),
                     ready + [act_in], self._label("forward", stage, i, worker, "compute"))
+                eng._record_compute(worker.index, comp)
                 last = comp
                 for b in sorted(save_at | {stage.end}):
                     self.acts[(b, i)] = self._download_carry(
@@ -270,6 +273,7 @@ class StepRun:
 
         comp = worker.compute(self._timed(stage, "fused", fn), ready + [act_in],
                               self._label("fused", stage, i, worker, "compute"))
+        self.engine._record_compute(worker.index, comp)
         self.loss_parts.append(worker.download(lambda: [comp.value[0]], [comp],
                                                self._label("loss", stage, i, worker, "download"),
                                                priority=self._prio("activation", stage, "download")))
@@ -338,6 +342,7 @@ class StepRun:
                     deps.append(a_in)
                 comp = worker.compute(self._backward_fn(worker, weights, stage, i, a_in, g_in),
                                       deps, self._label("backward", stage, i, worker, "compute"))
+                eng._record_compute(worker.index, comp)
                 last = comp
                 if stage.start > 0 or self.input_requires_grad:
                     self.grads[(stage.start, i)] = self._download_carry(
