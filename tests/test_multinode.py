@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import lightning as L
-import pytest
 import torch
 from torch.utils.data import DataLoader
 

@@ -65,8 +65,6 @@ def test_early_layer_steps_overlap_backward():
 def test_staleness_one_matches_delayed_reference():
     torch.manual_seed(0)
     m = SeqModule(opt="sgd", lr=0.05)
-    w0 = weights(m)
-    data_m = SeqModule(opt="sgd")  # only for shapes
     fit(m, RoundPipeStrategy(microbatches=2, staleness=1), devices=2, max_steps=4, record_grads=False)
     got = weights(m)
     # Hand-written reference: g_t is taken at v_{t-2}; v_t = v_{t-1} - update(g_t) (SGD with momentum 0.9).

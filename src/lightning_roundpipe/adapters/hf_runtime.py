@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from .hf_causal_lm import CausalLMLayers, count_loss_tokens, unwrap_peft

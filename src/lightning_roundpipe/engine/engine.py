@@ -10,7 +10,6 @@ a plain run would. Knows nothing of Lightning.
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
