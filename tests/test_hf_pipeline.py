@@ -182,3 +182,19 @@ def test_lora_lightning_module_matches_default_strategy():
         else:
             assert torch.equal(p, w0[n]), f"frozen {n} changed"
     assert moved == 12  # q_proj and v_proj LoRA A/B in 3 layers
+
+
+def test_overlapping_calls_never_leak_gradients_into_host_weights():
+    """A fused run's eager backward may still recompute layers while the next call runs them."""
+    model = tiny("qwen3")
+    ids, mask, labels = batch(padded=False)
+    rt = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(microbatches=3, cpu_jitter_s=0.002))
+    try:
+        for _ in range(15):
+            model(input_ids=ids, attention_mask=mask, labels=labels)  # loss dropped, backward still running
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask)
+    finally:
+        rt.detach()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())  # every swap was undone

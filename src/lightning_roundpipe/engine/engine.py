@@ -215,11 +215,12 @@ class PipelineEngine:
 
 
 def _shared_module_locks(layers: Sequence[nn.Module]) -> list:
-    """A lock per group of layers that share a module object (the same module used twice).
+    """A lock per layer, shared by layers that share a module object (the same module used twice).
 
     ``functional_call`` swaps a module's tensors for the call's duration, so one module object
-    must never run on two workers at once; distinct modules that merely share a Parameter
-    (tied weights) need no lock.
+    must never run on two workers at once: not when a module appears in two layers, and not when
+    two calls overlap (a fused run's eager backward still recomputing a layer while the next call
+    runs it). Distinct modules that merely share a Parameter (tied weights) need no common lock.
     """
     owners: dict[int, int] = {}
     parent = list(range(len(layers)))
@@ -240,10 +241,9 @@ def _shared_module_locks(layers: Sequence[nn.Module]) -> list:
         groups[root(i)].append(i)
     locks: list = [None] * len(layers)
     for members in groups.values():
-        if len(members) > 1:
-            lock = threading.Lock()
-            for i in members:
-                locks[i] = lock
+        lock = threading.Lock()
+        for i in members:
+            locks[i] = lock
     return locks
 
 
