@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .engine.weights import group_by_lowest_layer
 from .trace import TraceRecord, TraceRecorder
 from .workers.events import PipelineError
 
@@ -50,20 +51,8 @@ class GradientSync:
         self.trace = trace
         self.timeout_s = timeout_s
         self.blocked = False  # True while Lightning accumulates without stepping
-        units: dict[int, list] = {}
-        layers_of: dict[int, set[int]] = {}
-        owner: dict[int, torch.Tensor] = {}
-        for l, table in enumerate(layer_tables):
-            for t, is_param in zip(table.tensors, table.is_param):
-                if is_param and t.requires_grad:
-                    layers_of.setdefault(id(t), set()).add(l)
-                    owner[id(t)] = t
-        self.unit_layers: dict[int, set[int]] = {}
-        for pid, layers in layers_of.items():
-            unit = min(layers)
-            units.setdefault(unit, []).append(owner[pid])
-            self.unit_layers.setdefault(unit, set()).update(layers)
-        self.unit_params = units
+        trainable = {id(t) for table in layer_tables for t in table.tensors if t.requires_grad}
+        self.unit_params, self.unit_layers = group_by_lowest_layer(layer_tables, trainable)
         self._done_layers: set[int] = set()
         self._pending: dict[int, _Pending] = {}
         self._lock = threading.Lock()

@@ -137,6 +137,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self.runtime: RoundPipeRuntime | None = None
         self.num_nodes = 1
         self.grad_sync: GradientSync | None = None
+        self._params_outside_pipeline: list = []  # trainable, all-reduced whole at the end of backward
         self.last_bytes_reduced = 0
 
     # ------------------------------------------------------------------ devices
@@ -219,6 +220,9 @@ class RoundPipeStrategy(ParallelStrategy):
             broadcast_module(self.lightning_module)  # every node starts from rank 0's weights
             self.grad_sync = GradientSync(self.runtime.engine.tables, self.runtime.trace, self.options.timeout_s)
             self.runtime.engine.grad_hooks.append(self.grad_sync.on_layer_grads)
+            inside = {id(t) for table in self.runtime.engine.tables for t in table.tensors}
+            self._params_outside_pipeline = [p for p in self.lightning_module.parameters()
+                                             if p.requires_grad and id(p) not in inside]
         self._setup_host_state(trainer, backend)
         rank_zero_info(f"RoundPipe pipelines `{target.path}` ({type(target.module).__name__})\n{self.runtime.describe()}")
 
@@ -408,9 +412,7 @@ class RoundPipeStrategy(ParallelStrategy):
     @override
     def post_backward(self, closure_loss) -> None:
         if self.grad_sync is not None and not self.grad_sync.blocked:
-            inside = {id(t) for table in self.runtime.engine.tables for t in table.tensors}
-            outside = [p for p in self.lightning_module.parameters() if p.requires_grad and id(p) not in inside]
-            self.grad_sync.finish_backward(outside)
+            self.grad_sync.finish_backward(self._params_outside_pipeline)
             self.last_bytes_reduced = self.grad_sync.bytes_reduced
 
     # ------------------------------------------------------------------ collectives (one process per node)

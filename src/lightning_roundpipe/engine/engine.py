@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..plan import Plan, PlanError, dispatch
+from ..plan import Plan, PlanError
 from ..workers.events import Completion, WorkerError
 from ..workers.pool import WorkerPool
 from .microbatch import merge_microbatches, split_microbatches
@@ -102,9 +102,6 @@ class PipelineEngine:
 
     def describe(self) -> str:
         return self.plan.describe(len(self.pool))
-
-    def first_tasks(self):
-        return dispatch(self.plan, len(self.pool), self._next_worker)
 
     # ------------------------------------------------------------------ hooks used by StepRun
     def _next_worker_for(self):

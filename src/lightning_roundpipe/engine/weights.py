@@ -127,3 +127,27 @@ def accumulate_host_grads(weights: StageWeights, host_grads: list[torch.Tensor |
             p.grad = g if g.data_ptr() != p.data_ptr() else g.clone()
         else:
             p.grad.add_(g)
+
+
+def group_by_lowest_layer(tables: Sequence[LayerTable], selected: set[int]) -> tuple[dict, dict]:
+    """Group parameters (by id, those in ``selected``) under the lowest pipeline layer holding them.
+
+    A parameter's gradient is complete once every layer holding it has run its backward; since
+    backward runs from the last layer down, that is when its lowest layer has. Returns
+    ``(unit_params, unit_layers)``: per unit (its lowest layer) the parameters, and the layers
+    whose gradients the unit waits for (more than one only for tied parameters).
+    """
+    layers_of: dict[int, set[int]] = {}
+    owner: dict[int, torch.Tensor] = {}
+    for l, table in enumerate(tables):
+        for t, is_param in zip(table.tensors, table.is_param):
+            if is_param and id(t) in selected:
+                layers_of.setdefault(id(t), set()).add(l)
+                owner[id(t)] = t
+    unit_params: dict[int, list[torch.Tensor]] = {}
+    unit_layers: dict[int, set[int]] = {}
+    for pid, layers in layers_of.items():
+        unit = min(layers)
+        unit_params.setdefault(unit, []).append(owner[pid])
+        unit_layers.setdefault(unit, set()).update(layers)
+    return unit_params, unit_layers

@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from ..engine.weights import group_by_lowest_layer
 from ..workers.events import Completion, TaskLabel
 from .host_lane import HostLane
 
@@ -62,22 +63,15 @@ class OverlappedOptimizer:
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 where[id(p)] = (gi, p)
-        layers_of: dict[int, set[int]] = {}
-        for l, table in enumerate(layer_tables):
-            for t, is_param in zip(table.tensors, table.is_param):
-                if is_param and id(t) in where:
-                    layers_of.setdefault(id(t), set()).add(l)
-        self.unit_params: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        self.unit_layers: dict[int, set[int]] = {}
-        for pid, layers in layers_of.items():
-            unit = min(layers)
-            self.unit_params.setdefault(unit, []).append(where[pid])
-            self.unit_layers.setdefault(unit, set()).update(layers)
+        params_of, self.unit_layers = group_by_lowest_layer(layer_tables, set(where))
+        self.unit_params: dict[int, list[tuple[int, torch.Tensor]]] = {
+            unit: [where[id(p)] for p in ps] for unit, ps in params_of.items()}
         self.layer_units: dict[int, set[int]] = {}
         for unit, layers in self.unit_layers.items():
             for l in layers:
                 self.layer_units.setdefault(l, set()).add(unit)
-        self.rest = [where[pid] for pid in where if pid not in layers_of]  # not in the pipelined module
+        inside = {id(p) for ps in params_of.values() for p in ps}
+        self.rest = [where[pid] for pid in where if pid not in inside]  # not in the pipelined module
         self.versions: dict[int, Completion] = {}
         self.version_count = 0
         self.lane = HostLane(trace, notify_cv)
