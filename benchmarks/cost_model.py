@@ -15,9 +15,9 @@ costs ``c_l = f_l + b_l (+ f_l when recomputed)``, and the whole step ``m * W`` 
 - **RoundPipe, balance bound**: ``m * W / p``: every worker busy all the time.
 - **RoundPipe, plan model**: the project's list-scheduling model (``partition.predict``) of the
   plan actually run, with free dispatch and free copies: round-robin stages, per-microbatch
-  dependencies, and the engine's rule that backward starts after the whole forward returned.
-  Its gap to the balance bound is the schedule's own bubble; the gap between a measured run
-  and it is engine overhead.
+  dependencies; the fused head's backward stages start per microbatch as soon as the fused
+  stage sent its gradient (the engine dispatches them right after it). Its gap to the balance
+  bound is the schedule's own bubble; the gap between a measured run and it is engine overhead.
 """
 
 from __future__ import annotations
@@ -102,12 +102,10 @@ def bound_bubble(timings: Sequence[LayerTiming], ranges: Sequence[tuple[int, int
     return 1.0 - microbatches * sum(rc) / (len(rc) * step)
 
 
-# ------------------------------------------------------------------ what-if: schedule search
-# The engine starts backward only after the whole forward is back on the host (``loss.backward()``
-# runs after the forward returned), even when the last stage is fused and every microbatch's
-# output gradient already exists. The functions below price a plan with and without that barrier
-# and search all plans exhaustively (a handful of layers: a few thousand plans), to tell how much
-# of the gap to the balance bound is the partitioner's choice and how much is the barrier.
+# ------------------------------------------------------------------ exhaustive plan search
+# The functions below price a plan on their own (a few lines, independent of the project's
+# timing model) and search every plan of a small model, to check the project's partitioner
+# against the true optimum of the same model.
 
 def stage_costs(timings: Sequence[LayerTiming], forward: Sequence[Sequence[int]], backward: Sequence[Sequence[int]],
                 recompute: bool) -> tuple[list[float], list[float]]:
@@ -131,7 +129,8 @@ def round_robin_step_s(forward_costs: Sequence[float], backward_costs: Sequence[
 
     Stage k goes to worker ``k % workers``; its microbatch i starts when the worker is free and
     microbatch i of the previous stage is done. ``barrier``: backward waits for the whole forward
-    (the engine today); without it, backward microbatch i starts once the fused stage produced it.
+    (how the engine runs without a fused last stage); without it, backward microbatch i starts
+    once the fused stage produced it (the engine with a fused last stage, as here).
     """
     free = [0.0] * workers
     ready = [0.0] * microbatches
@@ -161,7 +160,7 @@ def _compositions(start: int, end: int):
         yield [(bounds[j], bounds[j + 1]) for j in range(len(bounds) - 1)]
 
 
-def best_plan(timings: Sequence[LayerTiming], microbatches: int, workers: int, recompute: bool, barrier: bool,
+def best_plan(timings: Sequence[LayerTiming], microbatches: int, workers: int, recompute: bool, barrier: bool = False,
               max_layers: int = 12) -> tuple[float, list, list]:
     """The fastest plan under :func:`round_robin_step_s` (exhaustive; fused last stage holding the head).
 

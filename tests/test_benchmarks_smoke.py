@@ -70,12 +70,12 @@ def test_round_robin_model_matches_the_projects_timing_model():
     for recompute in (True, False):
         rp = cost_model.roundpipe_plan(t, shape, [100] * 4, 2, recompute)
         fc, bc = cost_model.stage_costs(t, rp.forward, rp.backward, recompute)
-        assert cost_model.round_robin_step_s(fc, bc, 4, 2, barrier=True) == pytest.approx(rp.step_s, rel=1e-12)
-        best_now, fwd, bwd = cost_model.best_plan(t, 4, 2, recompute, barrier=True)
-        best_eager, _, _ = cost_model.best_plan(t, 4, 2, recompute, barrier=False)
-        assert best_now <= rp.step_s + 1e-12
-        assert best_eager <= best_now + 1e-12
-        assert best_eager >= cost_model.balance_bound_s(t, 4, 2, recompute) - 1e-12
+        # The engine starts a fused run's backward per microbatch: no barrier in the model.
+        assert cost_model.round_robin_step_s(fc, bc, 4, 2, barrier=False) == pytest.approx(rp.step_s, rel=1e-12)
+        best, fwd, bwd = cost_model.best_plan(t, 4, 2, recompute)
+        assert rp.step_s == pytest.approx(best, rel=1e-12)  # the partitioner finds the optimum of a small model
+        assert best <= cost_model.best_plan(t, 4, 2, recompute, barrier=True)[0] + 1e-12
+        assert best >= cost_model.balance_bound_s(t, 4, 2, recompute) - 1e-12
         assert fwd[-1] == bwd[-1] == [3, 4]  # the head is the fused last stage
         if not recompute:
             assert fwd == bwd

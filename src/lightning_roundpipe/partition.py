@@ -5,11 +5,15 @@ Policies:
 * ``uniform``: equal layer counts (``plan.simple_plan``);
 * ``params``: equal weight bytes (``plan.simple_plan``);
 * ``manual``: the user's layer ranges, validated;
-* ``auto``: the RoundPipe partitioner. Forward and backward are cut independently so that the
-  stages of each direction cost about the same (a heavy stage holds its worker while the rest
-  of the round-robin queue waits behind it); the stage counts are chosen by simulating the
-  round-robin dispatch of every candidate and keeping the fastest, under a per-worker memory
-  budget.
+* ``auto``: the RoundPipe partitioner, a search against the timing model below under a
+  per-worker memory budget. It starts from balanced cuts (for every stage count, forward and
+  backward cut independently so that the stages of each direction cost about the same: a heavy
+  stage holds its worker while the rest of the round-robin queue waits behind it), simulates
+  every pairing, then improves the fastest few by local moves (shift one cut by a layer, merge
+  two neighbouring stages, split one) as long as the predicted step gets shorter. Balanced cuts
+  alone are not enough: with a fused last stage the backward stages run alongside it, so the
+  best cuts are the ones that keep both workers busy, not the ones that equalise each
+  direction.
 
 Every policy stores its predictions in ``plan.notes``: ``policy``, ``stage_seconds`` (per
 dispatched stage, e.g. ``{"F0": ..., "B3": ...}``), ``stage_memory_bytes``,
@@ -26,8 +30,10 @@ The timing model (:func:`predict`) is a small list-scheduling simulation of one 
 * weights of a worker's next stage are prefetched from the moment its current stage starts,
   after the current stage's input uploads (which have priority); gradients are downloaded
   last and only delay the end of the step;
-* backward starts when the whole forward is done (``loss.backward()`` runs after the forward
-  returned), also with a fused last stage.
+* without a fused last stage, backward starts when the whole forward is done
+  (``loss.backward()`` runs after the forward returned); with one, backward microbatch i
+  starts as soon as the fused stage sent back its input gradient (the engine dispatches the
+  backward stages right after the fused stage, no barrier).
 
 Memory rule (documented and conservative): a worker holds the stage it runs and the stage it
 prefetches, plus one microbatch's activations, so every stage's weights + weight gradients +
@@ -76,8 +82,13 @@ def dispatched_stage_costs(plan: Plan, model: StageCostModel) -> list[tuple[Stag
     return out
 
 
-def _simulate(stages: Sequence[StageCost], num_forward: int, num_workers: int, overhead_s: float) -> tuple[float, float, float]:
-    """Round-robin list scheduling of one step; returns (step seconds, busy compute seconds, forward end)."""
+def _simulate(stages: Sequence[StageCost], num_forward: int, num_workers: int, overhead_s: float,
+              barrier: bool = True) -> tuple[float, float, float]:
+    """Round-robin list scheduling of one step; returns (step seconds, busy compute seconds, forward end).
+
+    ``barrier``: backward waits for the whole forward (runs without a fused last stage); a fused
+    run passes False and each backward microbatch waits only for its own output gradient.
+    """
     if not stages:
         return 0.0, 0.0, 0.0
     m = stages[0].microbatches
@@ -88,7 +99,7 @@ def _simulate(stages: Sequence[StageCost], num_forward: int, num_workers: int, o
     inputs = [0.0] * m  # when microbatch i's input is on the host
     step_end = busy = forward_end = 0.0
     for k, sc in enumerate(stages):
-        if k == num_forward:
+        if k == num_forward and barrier:
             inputs = [forward_end] * m  # backward waits for the whole forward
         w = k % num_workers
         prefetch_from = 0.0 if previous_start[w] is None else previous_start[w] + previous_input_upload[w]
@@ -132,7 +143,8 @@ def predict(
         raise PlanError(f"the plan covers {plan.num_layers} layers but the cost profile has {len(costs)}")
     model = StageCostModel(costs, microbatches, link_speed(costs, link_bytes_per_second), recompute)
     staged = dispatched_stage_costs(plan, model)
-    step, busy, forward_end = _simulate([sc for _, sc in staged], len(plan.forward), num_workers, stage_overhead_s)
+    step, busy, forward_end = _simulate([sc for _, sc in staged], len(plan.forward), num_workers, stage_overhead_s,
+                                        barrier=not plan.fused_last)
     bubble = 1.0 - busy / (num_workers * step) if step > 0 else 0.0
     return Prediction(
         step_s=step,
@@ -254,43 +266,206 @@ def _cost_table(model: StageCostModel, kind: str, cap: float) -> list[list[float
     return table
 
 
-def _imbalance(seconds: Sequence[float]) -> float:
-    """Costliest stage over the mean stage (1.0 is perfectly balanced)."""
-    if not seconds:
-        return 1.0
-    mean = sum(seconds) / len(seconds)
-    return max(seconds) / mean if mean > 0 else 1.0
-
-
-def _balanced_options(options: list[tuple[tuple[LayerRange, ...], list[float]]], tolerance: float):
-    """Keep the cuts whose costliest stage is within ``tolerance`` of the mean stage.
-
-    When no option is that balanced (few layers, a very heavy layer, a tight memory budget),
-    keep those within ``tolerance`` of the best balance on offer.
-    """
-    if not options:
-        return options
-    limit = max(1.0, min(_imbalance(o[1]) for o in options)) * (1.0 + tolerance)
-    return [o for o in options if _imbalance(o[1]) <= limit]
-
-
 # --------------------------------------------------------------------- auto policy
-@dataclass(frozen=True)
-class _Candidate:
-    plan: Plan
-    step_s: float
-    imbalance: float
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.plan.forward) + len(self.plan.backward)
+MAX_EVALUATIONS = 6000  # plans the local search may simulate (about 2 s for 40 layers on 8 workers)
+EXHAUSTIVE_PLANS = 3000  # plan spaces up to this size are searched exhaustively (exact optimum)
 
 
-def _pick(candidates: list[_Candidate], tie_tolerance: float = 0.01) -> _Candidate:
-    """Fastest candidate; among those within ``tie_tolerance`` of it, the most balanced, then the fewest stages."""
-    fastest = min(c.step_s for c in candidates)
-    near = [c for c in candidates if c.step_s <= fastest * (1 + tie_tolerance)]
-    return min(near, key=lambda c: (round(c.imbalance, 6), c.num_stages, c.step_s, c.plan.to_text()))
+class _Search:
+    """Plans as cut positions, priced by the timing model; memoised.
+
+    A plan is ``(fcuts, bcuts)``: the interior layer boundaries of the forward and the backward
+    stages (sorted tuples). With a fused last stage the last forward cut ``h`` is where the fused
+    stage starts; the backward stages are ``bcuts`` (all below ``h``) plus ``h``. Without
+    recompute the backward cuts are the forward cuts.
+    """
+
+    def __init__(self, model: StageCostModel, num_workers: int, cap: float, fused_last: bool, recompute: bool,
+                 overhead_s: float) -> None:
+        self.model, self.num_workers, self.cap = model, num_workers, cap
+        self.fused_last, self.recompute, self.overhead_s = fused_last, recompute, overhead_s
+        self.n = len(model.costs)
+        self.seen: dict[tuple, float] = {}
+        self._stages: dict[tuple, StageCost | None] = {}
+
+    def _stage(self, kind: str, a: int, b: int) -> StageCost | None:
+        key = (kind, a, b)
+        if key not in self._stages:
+            sc = self.model.stage(kind, a, b)
+            self._stages[key] = sc if sc.memory_bytes <= self.cap else None
+        return self._stages[key]
+
+    def ranges(self, cuts: tuple[int, ...]) -> tuple[LayerRange, ...]:
+        bounds = (0,) + cuts + (self.n,)
+        return tuple((bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1))
+
+    def plan(self, fcuts: tuple[int, ...], bcuts: tuple[int, ...]) -> Plan:
+        forward = self.ranges(fcuts)
+        if not self.recompute:
+            backward = forward
+        elif self.fused_last:
+            backward = self.ranges(bcuts + fcuts[-1:]) if fcuts else ((0, self.n),)
+        else:
+            backward = self.ranges(bcuts)
+        return Plan(self.n, forward, backward, fused_last=self.fused_last)
+
+    def normalise(self, fcuts, bcuts) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """Sorted, in range, consistent cuts (None when the move makes no plan)."""
+        fcuts = tuple(sorted(set(fcuts)))
+        if any(c <= 0 or c >= self.n for c in fcuts):
+            return None
+        if not self.recompute:
+            return fcuts, fcuts
+        h = fcuts[-1] if (self.fused_last and fcuts) else (0 if self.fused_last else self.n)
+        bcuts = tuple(sorted(c for c in set(bcuts) if 0 < c < h))
+        return fcuts, bcuts
+
+    def step_s(self, fcuts: tuple[int, ...], bcuts: tuple[int, ...]) -> float:
+        key = (fcuts, bcuts)
+        if key in self.seen:
+            return self.seen[key]
+        plan = self.plan(fcuts, bcuts)
+        staged = []
+        last = len(plan.forward) - 1
+        for i, (a, b) in enumerate(plan.forward):
+            staged.append(self._stage("fused" if self.fused_last and i == last else "forward", a, b))
+        inner = plan.backward[:-1] if self.fused_last else plan.backward
+        staged += [self._stage("backward", a, b) for a, b in reversed(inner)]
+        if any(sc is None for sc in staged):
+            value = INF  # some stage breaks the memory budget
+        else:
+            value = _simulate(staged, len(plan.forward), self.num_workers, self.overhead_s,
+                              barrier=not self.fused_last)[0]
+        self.seen[key] = value
+        return value
+
+    def neighbours(self, fcuts: tuple[int, ...], bcuts: tuple[int, ...]):
+        """Plans one move away: shift a cut by one layer, drop a cut (merge), add a cut (split),
+        in the forward cuts, in the backward cuts, or in both at once where they coincide."""
+        def moves(cuts, allowed=None):
+            for i, c in enumerate(cuts):
+                if allowed is not None and c not in allowed:
+                    continue
+                rest = cuts[:i] + cuts[i + 1:]
+                yield c, rest + (c - 1,)
+                yield c, rest + (c + 1,)
+                yield c, rest
+            for c in range(1, self.n):
+                if c not in cuts and (allowed is None or c not in allowed):
+                    yield c, cuts + (c,)
+
+        def apply(cuts, c, moved):  # the same move on the other direction's cuts
+            if c in cuts:
+                delta = set(moved) - set(cuts)
+                return tuple(x for x in cuts if x != c) + tuple(delta)
+            return cuts + (c,)
+
+        for _, f in moves(fcuts):
+            yield self.normalise(f, bcuts)
+        if self.recompute:
+            for _, b in moves(bcuts):
+                yield self.normalise(fcuts, b)
+            shared = set(fcuts) & set(bcuts)
+            for c, f in moves(fcuts, allowed=shared | {x for x in range(1, self.n) if x not in fcuts and x not in bcuts}):
+                yield self.normalise(f, apply(bcuts, c, f))
+
+    def _subsets(self, lo: int, hi: int):
+        """Every set of interior cuts strictly between ``lo`` and ``hi``."""
+        inner = list(range(lo + 1, hi))
+        for mask in range(1 << len(inner)):
+            yield tuple(c for i, c in enumerate(inner) if mask >> i & 1)
+
+    def space_size(self) -> int:
+        """How many plans there are (forward cuts x backward cuts allowed by them)."""
+        n = self.n
+        if not self.recompute:
+            return 2 ** (n - 1)
+        if not self.fused_last:
+            return 4 ** (n - 1)
+        # fused stage from h: forward cuts below h (2^(h-1)) times backward cuts below h (2^(h-1))
+        return 1 + sum(4 ** (h - 1) for h in range(1, n))
+
+    def every_plan(self):
+        n = self.n
+        if not self.recompute:
+            for f in self._subsets(0, n):
+                yield f, f
+        elif not self.fused_last:
+            for f in self._subsets(0, n):
+                for b in self._subsets(0, n):
+                    yield f, b
+        else:
+            yield (), ()
+            for h in range(1, n):
+                for f in self._subsets(0, h):
+                    for b in self._subsets(0, h):
+                        yield f + (h,), b
+
+    def improve(self, fcuts: tuple[int, ...], bcuts: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Steepest descent over :meth:`neighbours` until no move shortens the predicted step."""
+        best, best_s = (fcuts, bcuts), self.step_s(fcuts, bcuts)
+        while len(self.seen) < MAX_EVALUATIONS:
+            found = None
+            for nb in self.neighbours(*best):
+                if nb is None:
+                    continue
+                s = self.step_s(*nb)
+                if s < best_s * (1 - 1e-9):
+                    best_s, found = s, nb
+            if found is None:
+                break
+            best = found
+        return best
+
+
+def _cuts_of(ranges: Sequence[LayerRange]) -> tuple[int, ...]:
+    return tuple(a for a, _ in ranges[1:])
+
+
+def _seed_plans(model: StageCostModel, search: _Search, k_limit: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Starting points: for every stage count, the min-max balanced cuts of each direction, paired."""
+    n, cap, fused_last = search.n, search.cap, search.fused_last
+    fwd_table = _cost_table(model, "forward", cap)
+    fwd_cuts = _Cuts(fwd_table, n, k_limit)
+    if all(fwd_cuts.best[k][n] == INF for k in range(1, fwd_cuts.max_stages + 1)):
+        fwd_cuts = _Cuts(fwd_table, n, n)  # the budget needs more stages than the usual limit
+    fused_cost = [model.stage("fused", h, n) for h in range(n)] if fused_last else []
+    forward_options: list[tuple[LayerRange, ...]] = []
+    for k in range(1, fwd_cuts.max_stages + 1):
+        if not fused_last:
+            ranges = fwd_cuts.ranges(k, n)
+        elif k == 1:
+            ranges = ((0, n),) if fused_cost[0].memory_bytes <= cap else None
+        else:  # the fused stage where it best matches the balanced forward stages below it
+            best_h, best_value = None, INF
+            for h in range(k - 1, n):
+                if fused_cost[h].memory_bytes > cap:
+                    continue
+                value = max(fwd_cuts.best[k - 1][h], fused_cost[h].seconds)
+                if value < best_value:
+                    best_h, best_value = h, value
+            ranges = None if best_h is None else fwd_cuts.ranges(k - 1, best_h) + ((best_h, n),)
+        if ranges is not None:
+            forward_options.append(ranges)
+    if not forward_options:
+        raise PlanError("no forward partition fits the memory budget")  # single layers were checked, so unexpected
+    seeds = [(_cuts_of(f), _cuts_of(f)) for f in forward_options]  # the same cuts both ways
+    if not search.recompute:
+        return seeds
+    bwd_table = _cost_table(model, "backward", cap)
+    bwd_cuts = _Cuts(bwd_table, n, k_limit)
+    if all(bwd_cuts.best[k][n] == INF for k in range(1, bwd_cuts.max_stages + 1)):
+        bwd_cuts = _Cuts(bwd_table, n, n)
+    for forward in forward_options:
+        end = forward[-1][0] if fused_last else n  # backward stages cover the layers below the fused stage
+        if end == 0:
+            seeds.append((_cuts_of(forward), ()))
+            continue
+        for k in range(1, min(bwd_cuts.max_stages, end) + 1):
+            ranges = bwd_cuts.ranges(k, end)
+            if ranges is not None:
+                seeds.append((_cuts_of(forward), _cuts_of(ranges)))
+    return seeds
 
 
 def _auto_plan(
@@ -301,85 +476,30 @@ def _auto_plan(
     fused_last: bool,
     recompute: bool,
     overhead_s: float,
-    balance_tolerance: float,
     max_stages: int | None,
+    starts: int = 8,
 ) -> Plan:
-    n = len(model.costs)
-    k_limit = max_stages or max(4 * num_workers, 8)
-    fwd_table = _cost_table(model, "forward", cap)
-    fwd_cuts = _Cuts(fwd_table, n, k_limit)
-    if all(fwd_cuts.best[k][n] == INF for k in range(1, fwd_cuts.max_stages + 1)):
-        fwd_cuts = _Cuts(fwd_table, n, n)  # the budget needs more stages than the usual limit
-    fused_cost = [model.stage("fused", h, n) for h in range(n)] if fused_last else []
-
-    # Forward candidates: one per stage count (with a fused stage, the best place for it).
-    forward_options: list[tuple[tuple[LayerRange, ...], list[float]]] = []
-    for k in range(1, fwd_cuts.max_stages + 1):
-        if not fused_last:
-            ranges = fwd_cuts.ranges(k, n)
-        elif k == 1:
-            ranges = ((0, n),) if fused_cost[0].memory_bytes <= cap else None
-        else:
-            best_h, best_value = None, INF
-            for h in range(k - 1, n):
-                if fused_cost[h].memory_bytes > cap:
-                    continue
-                value = max(fwd_cuts.best[k - 1][h], fused_cost[h].seconds)
-                if value < best_value:
-                    best_h, best_value = h, value
-            ranges = None if best_h is None else fwd_cuts.ranges(k - 1, best_h) + ((best_h, n),)
-        if ranges is not None:
-            # Balance is judged among plain forward stages; the fused stage is backward-like
-            # (forward + backward of its layers) and is balanced with the backward stages below.
-            plain = ranges[:-1] if fused_last else ranges
-            forward_options.append((ranges, [fwd_table[a][b] for a, b in plain]))
-    if not forward_options:
-        raise PlanError("no forward partition fits the memory budget")  # single layers were checked, so unexpected
-    forward_options = _balanced_options(forward_options, balance_tolerance)
-
-    def candidate(forward: tuple[LayerRange, ...], backward: tuple[LayerRange, ...], imbalance: float) -> _Candidate:
-        plan = Plan(n, forward, backward, fused_last=fused_last)
-        staged = dispatched_stage_costs(plan, model)
-        step, _, _ = _simulate([sc for _, sc in staged], len(forward), num_workers, overhead_s)
-        return _Candidate(plan, step, imbalance)
-
-    if not recompute:  # the forward graph is kept: backward must use the forward cuts
-        return _pick([candidate(f, f, _imbalance(s)) for f, s in forward_options]).plan
-
-    # The two phases are separated by the barrier at loss.backward(), so rank forward cuts on
-    # the forward phase alone and pair only the best few with every backward option.
-    def forward_phase_s(option) -> float:
-        ranges = option[0]
-        plan = Plan(n, ranges, ranges, fused_last=fused_last)
-        staged = dispatched_stage_costs(plan, model)[: len(ranges)]
-        return _simulate([sc for _, sc in staged], len(ranges), num_workers, overhead_s)[0]
-
-    ranked = sorted(forward_options, key=lambda o: (forward_phase_s(o), _imbalance(o[1]), len(o[0])))
-    bwd_table = _cost_table(model, "backward", cap)
-    bwd_cuts = _Cuts(bwd_table, n, k_limit)
-    if all(bwd_cuts.best[k][n] == INF for k in range(1, bwd_cuts.max_stages + 1)):
-        bwd_cuts = _Cuts(bwd_table, n, n)
-    candidates = []
-    for forward, f_seconds in ranked[:4]:
-        end = forward[-1][0] if fused_last else n  # backward stages cover the layers below the fused stage
-        tail = (forward[-1],) if fused_last else ()
-        if end == 0:
-            candidates.append(candidate(forward, tail, _imbalance(f_seconds)))
-            continue
-        backward_options = []
-        for k in range(1, min(bwd_cuts.max_stages, end) + 1):
-            ranges = bwd_cuts.ranges(k, end)
-            if ranges is not None:
-                backward_options.append((ranges, [bwd_table[a][b] for a, b in ranges]))
-        if fused_last:
-            fused_s = fused_cost[end].seconds
-            backward_options = [(r, s + [fused_s]) for r, s in backward_options]
-        for backward, b_seconds in _balanced_options(backward_options, balance_tolerance):
-            imbalance = max(_imbalance(f_seconds), _imbalance(b_seconds))
-            candidates.append(candidate(forward, backward + tail, imbalance))
-    if not candidates:
-        raise PlanError("no backward partition fits the memory budget")  # single layers were checked, so unexpected
-    return _pick(candidates).plan
+    """Every plan when there are at most ``EXHAUSTIVE_PLANS``; otherwise balanced seeds, all
+    priced, the ``starts`` fastest improved by local search. The fastest wins; ties (within
+    1e-9) go to fewer stages, then to the earlier-found plan (deterministic).
+    """
+    search = _Search(model, num_workers, cap, fused_last, recompute, overhead_s)
+    size = lambda s: len(s[0]) + len(s[1])  # noqa: E731
+    if search.space_size() <= EXHAUSTIVE_PLANS:  # few layers: try every plan
+        every = list(search.every_plan())
+        fastest = min(search.step_s(*p) for p in every)
+        if fastest == INF:
+            raise PlanError("no partition fits the memory budget")  # single layers were checked, so unexpected
+        return search.plan(*min((p for p in every if search.step_s(*p) <= fastest * (1 + 1e-9)), key=size))
+    seeds = _seed_plans(model, search, max_stages or max(4 * num_workers, 8))
+    seeds = [s for s in dict.fromkeys(search.normalise(*seed) for seed in seeds) if s is not None]
+    priced = sorted(seeds, key=lambda s: (search.step_s(*s), size(s)))
+    results = [search.improve(*s) for s in priced[:starts]]
+    fastest = min(search.step_s(*s) for s in results)
+    if fastest == INF:
+        raise PlanError("no partition fits the memory budget")  # single layers were checked, so unexpected
+    near = [s for s in results if search.step_s(*s) <= fastest * (1 + 1e-9)]
+    return search.plan(*min(near, key=size))
 
 
 # --------------------------------------------------------------------- entry point
@@ -409,7 +529,6 @@ def partition(
     manual_forward: Sequence[Sequence[int]] | None = None,
     manual_backward: Sequence[Sequence[int]] | None = None,
     stage_overhead_s: float = DEFAULT_STAGE_OVERHEAD_S,
-    balance_tolerance: float = 0.1,
     max_stages: int | None = None,
 ) -> Plan:
     """Build and validate a plan with ``policy`` ("auto", "uniform", "params" or "manual").
@@ -429,10 +548,9 @@ def partition(
         manual_forward, manual_backward: ``[[start, end], ...]`` for the manual policy
             (``manual_backward`` defaults to the forward cuts).
         stage_overhead_s: fixed cost per dispatched stage in the timing model.
-        balance_tolerance: auto only: stage counts whose costliest stage exceeds the mean stage
-            of its direction by more than this share are skipped (when any count qualifies).
-        max_stages: auto only: most stages per direction to consider (default ``4 * num_workers``,
-            at least 8; more when the memory budget needs it).
+        max_stages: auto only: most stages per direction of the balanced starting points
+            (default ``4 * num_workers``, at least 8; more when the memory budget needs it); the
+            local search may split further when that is predicted faster.
 
     Returns:
         The validated plan; ``plan.notes`` holds the policy and the predictions.
@@ -465,7 +583,6 @@ def partition(
             fused_last=fused_last,
             recompute=recompute,
             overhead_s=stage_overhead_s,
-            balance_tolerance=balance_tolerance,
             max_stages=max_stages,
         ).validate()
     _check_plan_fits(plan, model, memory_budget_bytes)
