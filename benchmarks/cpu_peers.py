@@ -44,6 +44,10 @@ LOAD_LIMIT = 0.25  # cores of other processes' work during a run above which the
 # "roundpipe" runs the project's partitioner's plan; "roundpipe-search" the best plan found by
 # the benchmark's own exhaustive search (a check on the partitioner: the two should agree).
 SYSTEMS = ("roundpipe", "roundpipe-search", "1F1B", "GPipe", "plain")
+# glibc returns freed blocks above 128 KiB to the system (mmap) and trims the heap top; a training
+# step frees and reallocates megabytes of activations per microbatch, so every one of them faults
+# in fresh pages, and threads of one process fault under one lock. Every system runs with these.
+MALLOC_KEEP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 
 SHAPES = {
     # Each worker's share is a few layers; the head weighs about 3 blocks; 2 x workers microbatches.
@@ -286,6 +290,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="RoundPipe's plan: the project's partitioner on the measured layer costs (default), "
                         "or the runtime's own auto policy (estimates, then re-planning)")
     p.add_argument("--host-threads", type=int, default=2, help="torch threads of RoundPipe's host thread")
+    p.add_argument("--sync-optimizer", action="store_true",
+                   help="RoundPipe steps the optimizer after backward instead of overlapping it layer by layer")
+    p.add_argument("--malloc", default="keep", choices=("keep", "default"),
+                   help="glibc malloc settings of every run's processes: 'keep' (default) keeps freed memory "
+                        "in the process instead of returning blocks above 128 KiB to the system, so "
+                        "activations do not fault in fresh pages every microbatch; 'default' leaves glibc as is")
     return p.parse_args(argv)
 
 
@@ -305,7 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup=args.warmup if args.warmup is not None else 1,
         optimizer=args.optimizer,
         host_threads=args.host_threads,
+        overlap_optimizer=not args.sync_optimizer,
     )
+    if args.malloc == "keep":
+        os.environ.update(MALLOC_KEEP_ENV)  # read by glibc when each spawned run process starts
     load_before = os.getloadavg()
     started = time.perf_counter()
     print(f"# RoundPipe vs peers on CPU ({os.cpu_count()} cores, torch {torch.__version__}); "
@@ -361,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                         "load_before": load_before, "load_after": load_after},
             "command": " ".join([Path(sys.argv[0]).name] + list(sys.argv[1:] if argv is None else argv)),
-            "config": {**vars(config), "rounds": args.rounds, "rp_partition": args.rp_partition,
+            "config": {**vars(config), "rounds": args.rounds, "rp_partition": args.rp_partition, "malloc": args.malloc,
                        "max_retries": args.max_retries, "max_minutes": args.max_minutes, "load_limit": LOAD_LIMIT},
             "shapes": list(infos.values()),
             "rows": rows,

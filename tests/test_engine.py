@@ -244,3 +244,21 @@ def test_microbatch_inputs_on_a_worker_are_bounded():
                 resident.discard(key)
             peak = max(peak, len(resident))
         assert 1 <= peak <= 3  # the running microbatch and two uploaded ahead
+
+
+def test_cpu_backend_shares_read_only_weights_and_copies_inputs():
+    """What a GPU copy engine would move costs no CPU copy here: weights in the host dtype are
+    shared, casts and stage inputs are real copies, downloads hand over the finished tensor."""
+    pool = CpuWorkerPool(1)
+    try:
+        w = pool.workers[0]
+        host = torch.randn(4, 4)
+        shared, cast = pool._copy_to_device(w, [host, host], [None, torch.bfloat16], read_only=True)
+        (private,) = pool._copy_to_device(w, [host], [None])
+        assert shared.data_ptr() == host.data_ptr() and not shared.requires_grad
+        assert cast.dtype == torch.bfloat16 and cast.data_ptr() != host.data_ptr()
+        assert private.data_ptr() != host.data_ptr() and torch.equal(private, host)
+        (back,) = pool._copy_to_host(w, [private])
+        assert back.data_ptr() == private.data_ptr()
+    finally:
+        pool.shutdown()

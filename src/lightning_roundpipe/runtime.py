@@ -3,7 +3,10 @@
 Free of Lightning, so the same set-up serves the strategy and plain PyTorch users:
 
     runtime = RoundPipeRuntime.attach(model.net, backend="cpu", num_workers=2)
+    optimizer = runtime.overlap_optimizer(torch.optim.AdamW(model.parameters()))  # optional
     loss = loss_fn(model.net(x), y); loss.backward()   # pipelined forward and backward
+    optimizer.step()                                   # layer by layer, behind the next forward
+    runtime.join()                                     # before reading the weights directly
     runtime.detach()
 """
 
@@ -107,7 +110,47 @@ class RoundPipeRuntime:
             self.pool.shutdown()
             raise
         self.engine.step_end_hooks.append(self._after_step)
+        self.overlapped: list = []  # OverlappedOptimizer per optimizer handed to overlap_optimizer
         patch_forward(module, forward(self))
+
+    def overlap_optimizer(self, optimizer: torch.optim.Optimizer, *, staleness: int = 0, shadows=None,
+                          delay_per_layer_s: float = 0.0):
+        """Step ``optimizer`` layer by layer on a host thread, hidden behind the pipeline.
+
+        Patches ``optimizer.step`` and ``optimizer.zero_grad`` in place and returns the
+        :class:`~.optim.overlap.OverlappedOptimizer` driving them. ``optimizer.step()`` then
+        submits every layer's update (in layer order) and returns at once; the next forward
+        uploads a layer only once its update is done, so results equal the synchronous step bit
+        for bit (``staleness=0``). ``staleness=1`` is RoundPipe's one-step-delayed update: the
+        pipeline reads host shadows refreshed once per step (``shadows``, a
+        :class:`~.shadows.ShadowStore`; one is made when not given). Call :meth:`join` before
+        reading weights or optimizer state directly; :meth:`detach` joins and restores the
+        optimizer. ``delay_per_layer_s`` slows every layer step (tests and benchmarks).
+        """
+        from .optim.overlap import OverlappedOptimizer
+        from .shadows import ShadowStore
+
+        engine = self.engine
+        if staleness and shadows is None:
+            shadows = engine.shadows
+            if shadows is None:
+                masters = [t for table in engine.tables for t, is_param in zip(table.tensors, table.is_param) if is_param]
+                shadows = ShadowStore(masters, self.options.compute_dtype, pin=False)
+                engine.shadows = shadows
+        ov = OverlappedOptimizer(optimizer, engine.tables, self.trace, notify_cv=self.pool._cv, staleness=staleness,
+                                 delay_per_layer_s=delay_per_layer_s,
+                                 after_layer_step=shadows.refresh if shadows is not None else None)
+        if shadows is not None:
+            ov.refresh_shadows = shadows.refresh
+        engine.grad_hooks.append(ov.on_layer_grads)
+        self.overlapped.append(ov)
+        engine._weight_gate_fn = lambda ids: [c for o in self.overlapped for c in o.weight_gates(ids)]
+        return ov
+
+    def join(self) -> None:
+        """Wait for every submitted layer optimizer step (see :meth:`overlap_optimizer`)."""
+        for ov in self.overlapped:
+            ov.join()
 
     def run(self, inputs, loss_scale: float | None = None, tokens: int | None = None):
         """One pipelined call (what the patched forward does); keeps the step's bookkeeping."""
@@ -176,8 +219,14 @@ class RoundPipeRuntime:
         return self.pool.peak_weight_bytes()
 
     def detach(self) -> None:
-        unpatch(self.module)
-        self.engine.close()
+        """Join and restore overlapped optimizers, restore the module's forward, stop the workers."""
+        try:
+            for ov in self.overlapped:
+                ov.close()
+        finally:
+            self.overlapped = []
+            unpatch(self.module)
+            self.engine.close()
 
 
 def _device_budget(backend: str, device_indices) -> int | None:

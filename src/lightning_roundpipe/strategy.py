@@ -242,19 +242,12 @@ class RoundPipeStrategy(ParallelStrategy):
             return
         early = self._early_steps_allowed(trainer)
         for opt in self.optimizers:
-            ov = OverlappedOptimizer(
-                opt, engine.tables, self.runtime.trace, notify_cv=self.runtime.pool._cv, staleness=self.staleness,
-                delay_per_layer_s=self.optimizer_delay_s,
-                after_layer_step=self.shadows.refresh if self.shadows is not None else None,
-            )
+            ov = self.runtime.overlap_optimizer(opt, staleness=self.staleness, shadows=self.shadows,
+                                                delay_per_layer_s=self.optimizer_delay_s)
             ov.early_steps = early
-            if self.shadows is not None:
-                ov.refresh_shadows = self.shadows.refresh
             if self.grad_sync is not None:
                 ov.before_layer_step = self.grad_sync.finalize_params
-            engine.grad_hooks.append(ov.on_layer_grads)
             self.overlaps.append(ov)
-        engine._weight_gate_fn = lambda ids: [c for ov in self.overlaps for c in ov.weight_gates(ids)]
         self._patch_reads()
 
     def _early_steps_allowed(self, trainer) -> bool:

@@ -139,7 +139,8 @@ class StepRun:
         done = []
         for k, chunk in enumerate(weights.chunks):
             def fn(chunk=chunk):
-                dev = self.pool._copy_to_device(worker, [weights.sources[i] for i in chunk], [weights.dtypes[i] for i in chunk])
+                dev = self.pool._copy_to_device(worker, [weights.sources[i] for i in chunk], [weights.dtypes[i] for i in chunk],
+                                                read_only=True)
                 weights.store_chunk(chunk, dev)
                 worker.track_weights(weights.chunk_bytes(chunk))
                 return None

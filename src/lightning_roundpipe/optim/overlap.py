@@ -85,6 +85,7 @@ class OverlappedOptimizer:
         self._saved_attrs = {k: vars(optimizer)[k] for k in ("step", "zero_grad") if k in vars(optimizer)}
         optimizer.step = self.step
         optimizer.zero_grad = self.zero_grad
+        self._closed = False
 
     # ------------------------------------------------------------------ engine hooks
     def weight_gates(self, layer_ids) -> list[Completion]:
@@ -136,7 +137,9 @@ class OverlappedOptimizer:
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
-        if not self.staleness:
+        # Submitted layer steps hold their own references to the gradients they read, so dropping
+        # .grad needs no wait; zeroing in place does (exact mode reads .grad itself).
+        if not self.staleness and not set_to_none:
             self.join()
         for group in self.optimizer.param_groups:
             for p in group["params"]:
@@ -212,6 +215,10 @@ class OverlappedOptimizer:
             c.wait(timeout, waiter="the optimizer join")
 
     def close(self) -> None:
+        """Join, stop the host thread and restore the optimizer's own methods (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.join()
         finally:

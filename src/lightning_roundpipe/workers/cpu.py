@@ -12,7 +12,13 @@ measuring the effect of transfer priorities on this machine:
   behind it, unless priorities let it overtake;
 - ``threads_per_worker``: torch intra-op threads in each compute lane (default 1: one core each).
 
-"Device" memory is host memory here; an upload is a real copy (cast to the compute dtype).
+"Device" memory is host memory here. What a GPU's copy engine would move without using a CPU
+core is not copied by a CPU core here either: a weight upload in the host dtype shares the host
+tensor (the engine only reads it, and its optimizer gates keep the host from changing it while a
+stage runs), and a download hands the finished device tensor to the host (nothing on the device
+side writes it afterwards). Activation and gradient inputs are copied, so a stage owns its inputs
+as on a GPU, and a cast to the compute dtype is a real copy. The tasks, lanes, priorities and
+completions are the same as with copies, so the asynchrony is unchanged.
 """
 
 from __future__ import annotations
@@ -84,15 +90,20 @@ class CpuWorkerPool(WorkerPool):
         self._record(lane, task, start, self.trace.now())
         task.done.set(value)
 
-    def _copy_to_device(self, worker: Worker, tensors, dtypes):
+    def _copy_to_device(self, worker: Worker, tensors, dtypes, read_only: bool = False):
         out = []
         for t, dt in zip(tensors, dtypes):
-            out.append(None if t is None else t.detach().to(dtype=dt or t.dtype, copy=True))
+            if t is None:
+                out.append(None)
+            elif read_only and (dt is None or dt == t.dtype):
+                out.append(t.detach())  # shares the host memory (see the module doc)
+            else:
+                out.append(t.detach().to(dtype=dt or t.dtype, copy=True))
         return out
 
     def _copy_to_host(self, worker: Worker, tensors):
-        # The host already holds CPU tensors; a copy keeps "device" and host memory apart as on a GPU.
-        return [None if t is None else t.detach().clone() for t in tensors]
+        # The device side is done with these tensors: the host takes them as they are.
+        return [None if t is None else t.detach() for t in tensors]
 
 
 def _bytes_of(value) -> int:
