@@ -87,10 +87,10 @@ class RoundPipePlanModel:
 
 def roundpipe_plan(timings: Sequence[LayerTiming], shape: ShapeConfig, weight_bytes: Sequence[int], workers: int,
                    recompute: bool) -> RoundPipePlanModel:
-    """The ``auto`` partition of the measured costs (fused head), and its predicted step."""
+    """The ``auto`` partition of the measured costs (fused head), and its predicted step (free dispatch)."""
     profile = cost_profile(timings, shape, weight_bytes)
-    plan = partition("auto", profile, workers, shape.microbatches, fused_last=True, recompute=recompute,
-                     stage_overhead_s=0.0)
+    # Planned as the runtime plans (its default per-stage overhead); priced with free dispatch.
+    plan = partition("auto", profile, workers, shape.microbatches, fused_last=True, recompute=recompute)
     pred = predict(plan, profile, workers, shape.microbatches, stage_overhead_s=0.0, recompute=recompute)
     return RoundPipePlanModel(plan=plan, step_s=pred.step_s, bubble=pred.bubble)
 

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from lightning_roundpipe.partition import TIE_TOLERANCE
 import torch
 from torch import nn
 
@@ -73,7 +75,8 @@ def test_round_robin_model_matches_the_projects_timing_model():
         # The engine starts a fused run's backward per microbatch: no barrier in the model.
         assert cost_model.round_robin_step_s(fc, bc, 4, 2, barrier=False) == pytest.approx(rp.step_s, rel=1e-12)
         best, fwd, bwd = cost_model.best_plan(t, 4, 2, recompute)
-        assert rp.step_s == pytest.approx(best, rel=1e-12)  # the partitioner finds the optimum of a small model
+        # the partitioner finds the optimum of a small model (up to its tie rule: fewer stages within 2%)
+        assert best - 1e-12 <= rp.step_s <= best * (1 + TIE_TOLERANCE)
         assert best <= cost_model.best_plan(t, 4, 2, recompute, barrier=True)[0] + 1e-12
         assert best >= cost_model.balance_bound_s(t, 4, 2, recompute) - 1e-12
         assert fwd[-1] == bwd[-1] == [3, 4]  # the head is the fused last stage

@@ -137,7 +137,7 @@ class RoundPipeRuntime:
                 masters = [t for table in engine.tables for t, is_param in zip(table.tensors, table.is_param) if is_param]
                 shadows = ShadowStore(masters, self.options.compute_dtype, pin=False)
                 engine.shadows = shadows
-        ov = OverlappedOptimizer(optimizer, engine.tables, self.trace, notify_cv=self.pool._cv, staleness=staleness,
+        ov = OverlappedOptimizer(optimizer, engine.tables, self.trace, notifier=self.pool, staleness=staleness,
                                  delay_per_layer_s=delay_per_layer_s,
                                  after_layer_step=shadows.refresh if shadows is not None else None)
         if shadows is not None:

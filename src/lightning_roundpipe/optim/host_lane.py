@@ -11,15 +11,17 @@ from ..workers.events import Completion, TaskLabel
 
 
 class HostLane:
-    def __init__(self, trace: TraceRecorder, notify_cv: threading.Condition | None = None, name: str = "roundpipe-optim"):
+    def __init__(self, trace: TraceRecorder, notifier=None, name: str = "roundpipe-optim"):
+        """``notifier``: the worker pool whose lanes wait for these completions (uploads gated on
+        a layer's new version), told when each one is set."""
         self.trace = trace
-        self._cv = notify_cv
+        self._notifier = notifier
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], object], label: TaskLabel) -> Completion:
-        done = Completion(label, self._cv)
+        done = Completion(label, self._notifier)
         self._queue.put((fn, done))
         return done
 

@@ -40,7 +40,7 @@ from .host_lane import HostLane
 
 
 class OverlappedOptimizer:
-    def __init__(self, optimizer: torch.optim.Optimizer, layer_tables, trace, *, notify_cv=None,
+    def __init__(self, optimizer: torch.optim.Optimizer, layer_tables, trace, *, notifier=None,
                  staleness: int = 0, delay_per_layer_s: float = 0.0,
                  after_layer_step: Callable[[list[torch.Tensor]], None] | None = None):
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -74,7 +74,7 @@ class OverlappedOptimizer:
         self.rest = [where[pid] for pid in where if pid not in inside]  # not in the pipelined module
         self.versions: dict[int, Completion] = {}
         self.version_count = 0
-        self.lane = HostLane(trace, notify_cv)
+        self.lane = HostLane(trace, notifier)
         self._done_layers: set[int] = set()
         self._submitted: set[int] = set()
         self._lock = threading.Lock()

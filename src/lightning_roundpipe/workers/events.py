@@ -62,14 +62,17 @@ class PipelineTimeout(PipelineError, TimeoutError):
 class Completion:
     """Set once when a task has issued its work; may instead fail with an error."""
 
-    __slots__ = ("label", "_flag", "error", "cuda_event", "_pool_cv", "value")
+    __slots__ = ("label", "_flag", "error", "cuda_event", "_notifier", "waiters", "value")
 
-    def __init__(self, label: TaskLabel, pool_cv: threading.Condition | None = None):
+    def __init__(self, label: TaskLabel, notifier: Any = None):
         self.label = label
         self._flag = threading.Event()
         self.error: PipelineError | None = None
         self.cuda_event: Any = None
-        self._pool_cv = pool_cv
+        # The pool whose lanes may wait for this completion: told when it is set, it wakes the
+        # lanes that registered in ``waiters`` (only those: no thundering herd of every lane).
+        self._notifier = notifier
+        self.waiters: list | None = None
         self.value: Any = None  # what the task produced (device tensors, host tensors, ...)
 
     @classmethod
@@ -86,9 +89,8 @@ class Completion:
         return self.error is not None
 
     def _notify(self) -> None:
-        if self._pool_cv is not None:
-            with self._pool_cv:
-                self._pool_cv.notify_all()
+        if self._notifier is not None:
+            self._notifier._on_completion(self)
 
     def set(self, value: Any = None) -> None:
         self.value = value

@@ -57,6 +57,9 @@ class Lane:
         self.strict_order = queue == "compute" or pool.fifo_transfers
         self._pending: list[tuple[tuple[int, int], _Task]] = []
         self.busy = False
+        # Woken only by what concerns this lane: a task submitted to it, a completion one of its
+        # tasks waits for, shutdown. Shares the pool's lock.
+        self.cond = threading.Condition(pool._lock)
         self.stream: Any = None  # set by the CUDA backend
         self._thread = threading.Thread(
             target=self._loop, name=f"roundpipe-w{worker.index}-{queue}", daemon=True
@@ -70,9 +73,14 @@ class Lane:
 
     def submit(self, task: _Task) -> None:
         key = (0, task.seq) if self.strict_order else task.key()  # a strict lane ignores priorities
-        with self.pool._cv:
+        with self.pool._lock:
             bisect.insort(self._pending, (key, task), key=lambda kt: kt[0])
-            self.pool._cv.notify_all()
+            for d in task.deps:
+                if not d.is_set():
+                    if d.waiters is None:
+                        d.waiters = []
+                    d.waiters.append(self)
+            self.cond.notify()
 
     def pending_count(self) -> int:
         return len(self._pending) + (1 if self.busy else 0)
@@ -109,7 +117,7 @@ class Lane:
         self.pool._on_lane_start(self)
         cv = self.pool._cv
         while True:
-            with cv:
+            with self.cond:
                 while True:
                     if self.pool._stopping:
                         return
@@ -117,7 +125,7 @@ class Lane:
                     if task is not None:
                         self.busy = True
                         break
-                    cv.wait(timeout=0.5)
+                    self.cond.wait(timeout=0.5)  # the timeout also lets _pick notice timed-out tasks
             try:
                 if error is not None:
                     task.done.fail(error)
@@ -129,7 +137,7 @@ class Lane:
             finally:
                 with cv:
                     self.busy = False
-                    cv.notify_all()
+                    cv.notify_all()  # drain() waits for idle lanes
 
 
 class Worker:
@@ -155,7 +163,7 @@ class Worker:
         always: bool = False,
     ) -> Completion:
         """Queue ``fn`` on one of this worker's lanes, to run once every completion in ``deps`` is set."""
-        done = Completion(label, self.pool._cv)
+        done = Completion(label, self.pool)
         deps = [d for d in deps if d is not None]
         self.lanes[queue].submit(_Task(fn, deps, done, priority, next(self.pool._seq), nbytes, always))
         return done
@@ -197,7 +205,8 @@ class WorkerPool:
         self.timeout_s = float(timeout_s)
         self.fifo_transfers = fifo_transfers
         self.trace = trace if trace is not None else TraceRecorder()
-        self._cv = threading.Condition()
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)  # drain, shutdown and cancel wait or notify here
         self._seq = itertools.count()
         self._stopping = False
         self.workers = [Worker(self, i, torch.device(d)) for i, d in enumerate(devices)]
@@ -217,7 +226,7 @@ class WorkerPool:
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._cv:
             self._stopping = True
-            self._cv.notify_all()
+            self._wake_all_locked()
         if self._started:
             for w in self.workers:
                 for lane in w.lanes.values():
@@ -262,7 +271,19 @@ class WorkerPool:
                             task.done.fail_from_exception(exc)
                     else:
                         task.done.fail_from_exception(error)
-            self._cv.notify_all()
+            self._wake_all_locked()
+
+    def _wake_all_locked(self) -> None:
+        self._cv.notify_all()
+        for lane in self.lanes():
+            lane.cond.notify()
+
+    def _on_completion(self, completion: Completion) -> None:
+        """A completion was set or failed: wake the lanes with a task waiting for it."""
+        with self._lock:
+            waiters, completion.waiters = completion.waiters, None
+            for lane in waiters or ():
+                lane.cond.notify()
 
     def diagnose(self) -> str:
         with self._cv:
