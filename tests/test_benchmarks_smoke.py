@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from lightning_roundpipe.partition import TIE_TOLERANCE
 import torch
 from torch import nn
+
+from lightning_roundpipe.partition import TIE_TOLERANCE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root holds benchmarks/
 
