@@ -103,14 +103,15 @@ def test_bad_staleness_options():
 
 
 # ------------------------------------------------------------------ plain PyTorch (no Lightning)
-def _plain_training(overlap: bool, staleness: int = 0, delay: float = 0.0, steps: int = 4):
+def _plain_training(overlap: bool, staleness: int = 0, delay: float = 0.0, steps: int = 4, closure: bool = False):
     from torch import nn
 
     from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
 
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(5)], nn.Linear(16, 4))
-    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=3, step_metrics=False))
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=3, step_metrics=False,
+                                                                    trace_steps=steps, cpu_compute_delay_s=0.002))
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     if overlap:
         assert runtime.overlap_optimizer(opt, staleness=staleness, delay_per_layer_s=delay).optimizer is opt
@@ -118,10 +119,17 @@ def _plain_training(overlap: bool, staleness: int = 0, delay: float = 0.0, steps
     data = [(torch.randn(6, 16, generator=g), torch.randn(6, 4, generator=g)) for _ in range(steps)]
     try:
         for x, y in data:
-            opt.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.mse_loss(net(x), y)
-            loss.backward()
-            opt.step()
+            def step_closure(x=x, y=y):
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.mse_loss(net(x), y)
+                loss.backward()
+                return loss
+
+            if closure:
+                opt.step(step_closure)
+            else:
+                step_closure()
+                opt.step()
         runtime.join()
         return {k: v.detach().clone() for k, v in net.state_dict().items()}, runtime
     finally:
@@ -137,6 +145,21 @@ def test_plain_pytorch_overlapped_optimizer_is_exact():
         assert torch.equal(sync[k], overlapped[k]), k
         assert torch.equal(sync[k], slow[k]), k
     assert runtime.overlapped == []  # detach closed it
+
+
+@pytest.mark.timeout(60)
+def test_plain_pytorch_closure_steps_layers_during_backward():
+    sync, _ = _plain_training(overlap=False)
+    early, runtime = _plain_training(overlap=True, closure=True, delay=0.002)
+    for k in sync:
+        assert torch.equal(sync[k], early[k]), k
+    records = runtime.trace.records()
+    last = max(r.step for r in records)
+    optim = [r for r in records if r.kind == "optim" and r.step == last]
+    compute = [r for r in records if r.queue == "compute" and r.step == last]
+    assert optim and compute
+    # the head's layer steps while earlier layers are still in backward on the workers
+    assert min(r.start for r in optim) < max(r.end for r in compute)
 
 
 @pytest.mark.timeout(60)
