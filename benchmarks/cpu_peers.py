@@ -357,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [best_attempt(attempts[i]) for i in range(len(specs))]
     add_ratios(rows)
     load_after = os.getloadavg()
-    targets = check_targets(rows, paper_shape=shapes[0].name)
+    targets = check_targets(rows, paper_shape=SHAPES["paper"].name)  # the 1.3x target is for that shape only
     table_rows = [{**r, "bubble": r["bubble_text"]} for r in rows]
     print()
     print(markdown_table(table_rows))
