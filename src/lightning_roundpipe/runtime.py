@@ -123,7 +123,9 @@ class RoundPipeRuntime:
         uploads a layer only once its update is done, so results equal the synchronous step bit
         for bit (``staleness=0``). ``staleness=1`` is RoundPipe's one-step-delayed update: the
         pipeline reads host shadows refreshed once per step (``shadows``, a
-        :class:`~.shadows.ShadowStore`; one is made when not given). Call :meth:`join` before
+        :class:`~.shadows.ShadowStore`; one is made when not given, also with a
+        ``compute_dtype``, whose shadows hold the weights already cast and are refreshed after each
+        layer's update; pinned on CUDA). Call :meth:`join` before
         reading weights or optimizer state directly; :meth:`detach` joins and restores the
         optimizer. ``delay_per_layer_s`` slows every layer step (tests and benchmarks).
         """
@@ -131,11 +133,11 @@ class RoundPipeRuntime:
         from .shadows import ShadowStore
 
         engine = self.engine
-        if staleness and shadows is None:
+        if (staleness or self.options.compute_dtype is not None) and shadows is None:
             shadows = engine.shadows
-            if shadows is None:
+            if shadows is None:  # uploads read compute-dtype copies, refreshed per layer step
                 masters = [t for table in engine.tables for t, is_param in zip(table.tensors, table.is_param) if is_param]
-                shadows = ShadowStore(masters, self.options.compute_dtype, pin=False)
+                shadows = ShadowStore(masters, self.options.compute_dtype, pin=self.pool.backend == "cuda")
                 engine.shadows = shadows
         ov = OverlappedOptimizer(optimizer, engine.tables, self.trace, notifier=self.pool, staleness=staleness,
                                  delay_per_layer_s=delay_per_layer_s,
