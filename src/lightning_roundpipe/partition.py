@@ -12,10 +12,9 @@ Policies:
   every pairing, then improves the fastest few by local moves (shift one cut by a layer, merge
   two neighbouring stages, split one) as long as the predicted step gets shorter; models with
   few layers are searched exhaustively. Plans within 2% of the fastest count as tied and the
-  one with the fewest stages wins (``TIE_TOLERANCE``). Balanced cuts
-  alone are not enough: with a fused last stage the backward stages run alongside it, so the
-  best cuts are the ones that keep both workers busy, not the ones that equalise each
-  direction.
+  one with the fewest stages wins (``TIE_TOLERANCE``). Balanced cuts alone are not enough:
+  with a fused last stage the backward stages run alongside it, so the best cuts are the ones
+  that keep every worker busy, not the ones that equalise each direction.
 
 Every policy stores its predictions in ``plan.notes``: ``policy``, ``stage_seconds`` (per
 dispatched stage, e.g. ``{"F0": ..., "B3": ...}``), ``stage_memory_bytes``,
@@ -346,35 +345,33 @@ class _Search:
         self.seen[key] = value
         return value
 
+    def _moves(self, cuts: tuple[int, ...]):
+        """Cut sets one move from ``cuts``: shift a cut by one layer, drop one (merge), add one (split)."""
+        for i, c in enumerate(cuts):
+            rest = cuts[:i] + cuts[i + 1:]
+            yield rest + (c - 1,)
+            yield rest + (c + 1,)
+            yield rest
+        for c in range(1, self.n):
+            if c not in cuts:
+                yield cuts + (c,)
+
     def neighbours(self, fcuts: tuple[int, ...], bcuts: tuple[int, ...]):
-        """Plans one move away: shift a cut by one layer, drop a cut (merge), add a cut (split),
-        in the forward cuts, in the backward cuts, or in both at once where they coincide."""
-        def moves(cuts, allowed=None):
-            for i, c in enumerate(cuts):
-                if allowed is not None and c not in allowed:
-                    continue
-                rest = cuts[:i] + cuts[i + 1:]
-                yield c, rest + (c - 1,)
-                yield c, rest + (c + 1,)
-                yield c, rest
-            for c in range(1, self.n):
-                if c not in cuts and (allowed is None or c not in allowed):
-                    yield c, cuts + (c,)
-
-        def apply(cuts, c, moved):  # the same move on the other direction's cuts
-            if c in cuts:
-                delta = set(moved) - set(cuts)
-                return tuple(x for x in cuts if x != c) + tuple(delta)
-            return cuts + (c,)
-
-        for _, f in moves(fcuts):
+        """Plans one move away, in the forward cuts, in the backward cuts, or in both at once:
+        shift or drop a cut they share, add one neither has (``None`` where no plan results)."""
+        for f in self._moves(fcuts):
             yield self.normalise(f, bcuts)
-        if self.recompute:
-            for _, b in moves(bcuts):
-                yield self.normalise(fcuts, b)
-            shared = set(fcuts) & set(bcuts)
-            for c, f in moves(fcuts, allowed=shared | {x for x in range(1, self.n) if x not in fcuts and x not in bcuts}):
-                yield self.normalise(f, apply(bcuts, c, f))
+        if not self.recompute:
+            return  # backward cuts follow the forward ones
+        for b in self._moves(bcuts):
+            yield self.normalise(fcuts, b)
+        fs, bs = set(fcuts), set(bcuts)
+        for c in sorted(fs & bs):
+            for new in ((c - 1,), (c + 1,), ()):
+                yield self.normalise(tuple(fs - {c}) + new, tuple(bs - {c}) + new)
+        for c in range(1, self.n):
+            if c not in fs and c not in bs:
+                yield self.normalise(fcuts + (c,), bcuts + (c,))
 
     def _subsets(self, lo: int, hi: int):
         """Every set of interior cuts strictly between ``lo`` and ``hi``."""
