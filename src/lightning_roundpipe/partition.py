@@ -268,7 +268,7 @@ def _cost_table(model: StageCostModel, kind: str, cap: float) -> list[list[float
 
 
 # --------------------------------------------------------------------- auto policy
-MAX_EVALUATIONS = 6000  # plans the local search may simulate (about 2 s for 40 layers on 8 workers)
+MAX_EVALUATIONS = 6000  # plans the local search may simulate (about 1.5 s for 40 layers on 8 workers)
 EXHAUSTIVE_PLANS = 6000  # plan spaces up to this size are searched exhaustively (exact optimum; < 1 s)
 # Plans predicted within this share of the fastest count as tied, and the one with the fewest
 # stages wins: measured costs are noisy at this level, and every stage adds tasks, transfers and
