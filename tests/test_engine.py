@@ -260,5 +260,26 @@ def test_cpu_backend_shares_read_only_weights_and_copies_inputs():
         assert private.data_ptr() != host.data_ptr() and torch.equal(private, host)
         (back,) = pool._copy_to_host(w, [private])
         assert back.data_ptr() == private.data_ptr()
+        param, buffer = pool._copy_to_device(w, [host, host], [None, None], read_only=[True, False])
+        assert param.data_ptr() == host.data_ptr() and buffer.data_ptr() != host.data_ptr()
     finally:
         pool.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_buffers_written_in_forward_do_not_reach_the_host():
+    """Documented limitation, the same on every backend: a stage gets its own copy of buffers
+    (parameters are shared read-only on the CPU backend), so BatchNorm statistics stay as they were."""
+    from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False))
+    try:
+        net(torch.randn(8, 8)).sum().backward()
+    finally:
+        runtime.detach()
+    assert torch.equal(net[1].running_mean, before["1.running_mean"])
+    assert torch.equal(net[1].num_batches_tracked, before["1.num_batches_tracked"])
+    assert torch.equal(net[0].weight, before["0.weight"]) and net[0].weight.grad is not None

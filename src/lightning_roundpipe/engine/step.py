@@ -139,8 +139,10 @@ class StepRun:
         done = []
         for k, chunk in enumerate(weights.chunks):
             def fn(chunk=chunk):
+                # Parameters are only read; buffers may be written in forward (BatchNorm statistics)
+                # and must not reach the host that way.
                 dev = self.pool._copy_to_device(worker, [weights.sources[i] for i in chunk], [weights.dtypes[i] for i in chunk],
-                                                read_only=True)
+                                                read_only=[weights.is_param[i] for i in chunk])
                 weights.store_chunk(chunk, dev)
                 worker.track_weights(weights.chunk_bytes(chunk))
                 return None

@@ -13,9 +13,9 @@ measuring the effect of transfer priorities on this machine:
 - ``threads_per_worker``: torch intra-op threads in each compute lane (default 1: one core each).
 
 "Device" memory is host memory here. What a GPU's copy engine would move without using a CPU
-core is not copied by a CPU core here either: a weight upload in the host dtype shares the host
-tensor (the engine only reads it, and its optimizer gates keep the host from changing it while a
-stage runs), and a download hands the finished device tensor to the host (nothing on the device
+core is not copied by a CPU core here either: a parameter upload in the host dtype shares the
+host tensor (the engine only reads it, and its optimizer gates keep the host from changing it
+while a stage runs; buffers, which a forward may write, are copied), and a download hands the finished device tensor to the host (nothing on the device
 side writes it afterwards). Activation and gradient inputs are copied, so a stage owns its inputs
 as on a GPU, and a cast to the compute dtype is a real copy. The tasks, lanes, priorities and
 completions are the same as with copies, so the asynchrony is unchanged.
@@ -90,12 +90,13 @@ class CpuWorkerPool(WorkerPool):
         self._record(lane, task, start, self.trace.now())
         task.done.set(value)
 
-    def _copy_to_device(self, worker: Worker, tensors, dtypes, read_only: bool = False):
+    def _copy_to_device(self, worker: Worker, tensors, dtypes, read_only=False):
+        flags = list(read_only) if isinstance(read_only, (list, tuple)) else [read_only] * len(tensors)
         out = []
-        for t, dt in zip(tensors, dtypes):
+        for t, dt, shared in zip(tensors, dtypes, flags):
             if t is None:
                 out.append(None)
-            elif read_only and (dt is None or dt == t.dtype):
+            elif shared and (dt is None or dt == t.dtype):
                 out.append(t.detach())  # shares the host memory (see the module doc)
             else:
                 out.append(t.detach().to(dtype=dt or t.dtype, copy=True))

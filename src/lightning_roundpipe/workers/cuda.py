@@ -68,7 +68,7 @@ class CudaWorkerPool(WorkerPool):
             self._record(lane, task, start, self.trace.now())
         task.done.set(value)
 
-    def _copy_to_device(self, worker: Worker, tensors, dtypes, read_only: bool = False):
+    def _copy_to_device(self, worker: Worker, tensors, dtypes, read_only=False):
         compute_stream = worker.lanes["compute"].stream
         out = []
         for t, dt in zip(tensors, dtypes):

@@ -311,10 +311,10 @@ class WorkerPool:
     def _execute(self, lane: Lane, task: _Task) -> None:
         raise NotImplementedError  # each backend defines how a task runs
 
-    def _copy_to_device(self, worker: Worker, tensors, dtypes, read_only: bool = False):
-        """Device copies of host ``tensors`` (cast to ``dtypes`` where given). ``read_only``: the
-        engine will only read them (weights), so a backend whose device memory is host memory may
-        share it."""
+    def _copy_to_device(self, worker: Worker, tensors, dtypes, read_only=False):
+        """Device copies of host ``tensors`` (cast to ``dtypes`` where given). ``read_only`` (one
+        flag, or one per tensor): the engine will only read that tensor (parameters), so a backend
+        whose device memory is host memory may share it."""
         raise NotImplementedError  # each backend defines its copies
 
     def _copy_to_host(self, worker: Worker, tensors):
