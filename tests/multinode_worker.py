@@ -1,7 +1,8 @@
 """One "node" of the two-process tests: run by tests/test_multinode.py as a subprocess.
 
 Usage: python multinode_worker.py MODE OUT_DIR   (rank and port come from NODE_RANK / MASTER_PORT)
-MODE: "seq" (the MLP of _models) or "lora" (the tiny peft model of test_hf_pipeline).
+MODE: "seq" (the MLP of _models), "accum", "big", "lora" (the tiny peft model of test_hf_pipeline),
+or "die" (rank 1 exits abruptly after the forward of its third step, before its backward).
 """
 
 import json
@@ -39,6 +40,14 @@ class Conveniences(SeqModule):
         return loss
 
 
+class DieMidStep(L.Callback):
+    """Rank 1 vanishes in the middle of step 3: its peer is already in backward, all-reducing."""
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if trainer.global_rank == 1 and trainer.global_step == 2:
+            os._exit(17)
+
+
 class Grab(L.Callback):
     def __init__(self):
         self.bytes, self.records = [], []
@@ -69,6 +78,10 @@ def main():
         module = SeqModule(opt="adamw")
         data = DataLoader(make_data(n=32), batch_size=4)
         max_steps, accumulate = 2, 2
+    elif mode == "die":
+        module = SeqModule(opt="adamw")
+        data = DataLoader(make_data(n=40), batch_size=4)
+        max_steps = 5
     elif mode == "big":  # for the overlap figure: enough compute that communication can hide
         module = SeqModule(opt="adamw", width=512, depth=8)
         data = DataLoader(make_data(n=64, width=512), batch_size=16)
@@ -82,11 +95,12 @@ def main():
         data = DataLoader(items, batch_size=2)
         max_steps = 2
     grab = Grab()
+    callbacks = [grab] + ([DieMidStep()] if mode == "die" else [])
     trainer = L.Trainer(
-        strategy=RoundPipeStrategy(microbatches=2, timeout=60, trace_steps=max_steps, cpu_compute_delay_s=0.002,
-                                   overlap_optimizer=os.environ.get("RP_OVERLAP", "1") == "1"),
+        strategy=RoundPipeStrategy(microbatches=2, timeout=float(os.environ.get("RP_TIMEOUT", 60)), trace_steps=max_steps,
+                                   cpu_compute_delay_s=0.002, overlap_optimizer=os.environ.get("RP_OVERLAP", "1") == "1"),
         accelerator="cpu", devices=2, num_nodes=2, max_steps=max_steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[grab], gradient_clip_val=0.05,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, gradient_clip_val=0.05,
         accumulate_grad_batches=accumulate,
     )
     trainer.fit(module, data)

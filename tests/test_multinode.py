@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -22,12 +23,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_nodes(mode: str, out: Path, timeout=150):
+def start_two_nodes(mode: str, out: Path, timeout=150, **extra_env):
+    """Both processes' (return code, output), in rank order."""
     port = free_port()
     procs = []
     for rank in (0, 1):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(rank), WORLD_SIZE="2",
-                   LOCAL_RANK="0", PYTHONUNBUFFERED="1")
+                   LOCAL_RANK="0", PYTHONUNBUFFERED="1", **extra_env)
         procs.append(subprocess.Popen([sys.executable, str(HERE / "multinode_worker.py"), mode, str(out)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
@@ -38,8 +40,12 @@ def run_two_nodes(mode: str, out: Path, timeout=150):
             for q in procs:
                 q.kill()
             raise
-    for p, text in zip(procs, outputs):
-        assert p.returncode == 0, text[-4000:]
+    return [(p.returncode, text) for p, text in zip(procs, outputs)]
+
+
+def run_two_nodes(mode: str, out: Path, timeout=150):
+    for code, text in start_two_nodes(mode, out, timeout):
+        assert code == 0, text[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
@@ -89,6 +95,19 @@ def test_lora_communicates_only_adapter_gradients(tmp_path):
         assert i["bytes_reduced"] == [i["trainable_bytes"]] * 2
     w0, w1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+def test_a_node_dying_mid_step_fails_its_peer_within_the_timeout(tmp_path):
+    """Rank 1 exits between its forward and backward of step 3; rank 0, already all-reducing its
+    layers' gradients, fails with NodeSyncError naming its rank and the layer, well within the
+    10 s timeout (gloo reports the reset connection), instead of hanging."""
+    t0 = time.monotonic()
+    (code0, text0), (code1, _) = start_two_nodes("die", tmp_path, timeout=120, RP_TIMEOUT="10")
+    assert code1 == 17
+    assert code0 != 0
+    assert "NodeSyncError: rank 0: the gradient all-reduce of layer" in text0
+    assert "a peer node of the 2 died or cannot be reached (timeout 10s)" in text0
+    assert time.monotonic() - t0 < 90
 
 
 def test_unreachable_node_gives_a_clear_error(tmp_path):
