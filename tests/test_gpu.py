@@ -63,8 +63,7 @@ def test_cuda_plain_pytorch_overlapped_optimizer_with_bf16_shadows_matches_synch
         else:  # the same bf16 uploads, refreshed by hand after the synchronous step
             from lightning_roundpipe.shadows import ShadowStore
 
-            masters = [t for tb in runtime.engine.tables for t, p in zip(tb.tensors, tb.is_param) if p]
-            runtime.engine.shadows = ShadowStore(masters, torch.bfloat16, pin=True)
+            runtime.engine.shadows = ShadowStore(runtime.engine.master_parameters(), torch.bfloat16, pin=True)
         g = torch.Generator().manual_seed(1)
         try:
             for _ in range(3):

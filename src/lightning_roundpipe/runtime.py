@@ -136,8 +136,8 @@ class RoundPipeRuntime:
         if (staleness or self.options.compute_dtype is not None) and shadows is None:
             shadows = engine.shadows
             if shadows is None:  # uploads read compute-dtype copies, refreshed per layer step
-                masters = [t for table in engine.tables for t, is_param in zip(table.tensors, table.is_param) if is_param]
-                shadows = ShadowStore(masters, self.options.compute_dtype, pin=self.pool.backend == "cuda")
+                shadows = ShadowStore(engine.master_parameters(), self.options.compute_dtype,
+                                      pin=self.pool.backend == "cuda")
                 engine.shadows = shadows
         ov = OverlappedOptimizer(optimizer, engine.tables, self.trace, notifier=self.pool, staleness=staleness,
                                  delay_per_layer_s=delay_per_layer_s,

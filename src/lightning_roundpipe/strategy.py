@@ -229,7 +229,7 @@ class RoundPipeStrategy(ParallelStrategy):
     def _setup_host_state(self, trainer, backend: str) -> None:
         """Shadows, pinned memory and the overlapped optimizer, once the optimizers exist."""
         engine = self.runtime.engine
-        masters = [t for table in engine.tables for t, is_param in zip(table.tensors, table.is_param) if is_param]
+        masters = engine.master_parameters()
         pin = backend == "cuda" and self.pinned == "alloc"
         if self.options.compute_dtype is not None or self.staleness:
             self.shadows = ShadowStore(masters, self.options.compute_dtype, pin=pin)

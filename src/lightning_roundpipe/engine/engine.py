@@ -153,8 +153,12 @@ class PipelineEngine:
                 state[dev] = (True, torch.get_autocast_dtype(dev))
         return state
 
+    def master_parameters(self) -> list:
+        """The host parameters of every layer, in layer order (a tied one once per layer holding it)."""
+        return [t for table in self.tables for t, p in zip(table.tensors, table.is_param) if p]
+
     def trainable(self) -> bool:
-        return any(t.requires_grad for table in self.tables for t, p in zip(table.tensors, table.is_param) if p)
+        return any(t.requires_grad for t in self.master_parameters())
 
     # ------------------------------------------------------------------ entry points
     def __call__(self, inputs: Any, loss_scale: float | None = None) -> Any:
