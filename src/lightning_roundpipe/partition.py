@@ -292,13 +292,13 @@ class _Search:
         self.fused_last, self.recompute, self.overhead_s = fused_last, recompute, overhead_s
         self.n = len(model.costs)
         self.seen: dict[tuple, float] = {}
-        self._stages: dict[tuple, StageCost | None] = {}
+        self._stages: dict[tuple, StageCost] = {}
 
-    def _stage(self, kind: str, a: int, b: int) -> StageCost | None:
+    def stage(self, kind: str, a: int, b: int) -> StageCost:
+        """``model.stage``, memoised (the search prices the same stages over and over)."""
         key = (kind, a, b)
         if key not in self._stages:
-            sc = self.model.stage(kind, a, b)
-            self._stages[key] = sc if sc.memory_bytes <= self.cap else None
+            self._stages[key] = self.model.stage(kind, a, b)
         return self._stages[key]
 
     def ranges(self, cuts: tuple[int, ...]) -> tuple[LayerRange, ...]:
@@ -331,13 +331,8 @@ class _Search:
         if key in self.seen:
             return self.seen[key]
         plan = self.plan(fcuts, bcuts)
-        staged = []
-        last = len(plan.forward) - 1
-        for i, (a, b) in enumerate(plan.forward):
-            staged.append(self._stage("fused" if self.fused_last and i == last else "forward", a, b))
-        inner = plan.backward[:-1] if self.fused_last else plan.backward
-        staged += [self._stage("backward", a, b) for a, b in reversed(inner)]
-        if any(sc is None for sc in staged):
+        staged = [sc for _, sc in dispatched_stage_costs(plan, self)]
+        if any(sc.memory_bytes > self.cap for sc in staged):
             value = INF  # some stage breaks the memory budget
         else:
             value = _simulate(staged, len(plan.forward), self.num_workers, self.overhead_s,
@@ -426,13 +421,23 @@ def _cuts_of(ranges: Sequence[LayerRange]) -> tuple[int, ...]:
     return tuple(a for a, _ in ranges[1:])
 
 
+def _min_max_cuts(model: StageCostModel, kind: str, cap: float, k_limit: int) -> _Cuts:
+    """Min-max cuts of one direction for up to ``k_limit`` stages (more when the budget needs them)."""
+    n = len(model.costs)
+    cuts = _Cuts(_cost_table(model, kind, cap), n, k_limit)
+    if all(cuts.best[k][n] == INF for k in range(1, cuts.max_stages + 1)):
+        cuts = _Cuts(cuts.table, n, n)  # the budget needs more stages than the usual limit
+    return cuts
+
+
+def _num_stages(cuts: tuple[tuple[int, ...], tuple[int, ...]]) -> int:
+    return len(cuts[0]) + len(cuts[1])
+
+
 def _seed_plans(model: StageCostModel, search: _Search, k_limit: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Starting points: for every stage count, the min-max balanced cuts of each direction, paired."""
     n, cap, fused_last = search.n, search.cap, search.fused_last
-    fwd_table = _cost_table(model, "forward", cap)
-    fwd_cuts = _Cuts(fwd_table, n, k_limit)
-    if all(fwd_cuts.best[k][n] == INF for k in range(1, fwd_cuts.max_stages + 1)):
-        fwd_cuts = _Cuts(fwd_table, n, n)  # the budget needs more stages than the usual limit
+    fwd_cuts = _min_max_cuts(model, "forward", cap, k_limit)
     fused_cost = [model.stage("fused", h, n) for h in range(n)] if fused_last else []
     forward_options: list[tuple[LayerRange, ...]] = []
     for k in range(1, fwd_cuts.max_stages + 1):
@@ -456,10 +461,7 @@ def _seed_plans(model: StageCostModel, search: _Search, k_limit: int) -> list[tu
     seeds = [(_cuts_of(f), _cuts_of(f)) for f in forward_options]  # the same cuts both ways
     if not search.recompute:
         return seeds
-    bwd_table = _cost_table(model, "backward", cap)
-    bwd_cuts = _Cuts(bwd_table, n, k_limit)
-    if all(bwd_cuts.best[k][n] == INF for k in range(1, bwd_cuts.max_stages + 1)):
-        bwd_cuts = _Cuts(bwd_table, n, n)
+    bwd_cuts = _min_max_cuts(model, "backward", cap, k_limit)
     for forward in forward_options:
         end = forward[-1][0] if fused_last else n  # backward stages cover the layers below the fused stage
         if end == 0:
@@ -488,13 +490,12 @@ def _auto_plan(
     stages among those within ``TIE_TOLERANCE`` of the fastest wins (then the fastest).
     """
     search = _Search(model, num_workers, cap, fused_last, recompute, overhead_s)
-    size = lambda s: len(s[0]) + len(s[1])  # noqa: E731
     if search.space_size() <= EXHAUSTIVE_PLANS:  # few layers: try every plan
         every = list(search.every_plan())
         return search.plan(*_pick(search, every))
     seeds = _seed_plans(model, search, max_stages or max(4 * num_workers, 8))
     seeds = [s for s in dict.fromkeys(search.normalise(*seed) for seed in seeds) if s is not None]
-    priced = sorted(seeds, key=lambda s: (search.step_s(*s), size(s)))
+    priced = sorted(seeds, key=lambda s: (search.step_s(*s), _num_stages(s)))
     for start in priced[:starts]:
         search.improve(*start)
     # Every plan priced on the way is a candidate, so near-ties with fewer stages are not lost.
@@ -507,7 +508,7 @@ def _pick(search: _Search, plans) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if fastest == INF:
         raise PlanError("no partition fits the memory budget")  # single layers were checked, so unexpected
     near = [p for p in plans if search.step_s(*p) <= fastest * (1 + TIE_TOLERANCE)]
-    return min(near, key=lambda p: (len(p[0]) + len(p[1]), search.step_s(*p)))
+    return min(near, key=lambda p: (_num_stages(p), search.step_s(*p)))
 
 
 # --------------------------------------------------------------------- entry point
