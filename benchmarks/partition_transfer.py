@@ -41,7 +41,7 @@ from lightning_roundpipe.config import PartitionConfig, TransferConfig
 from lightning_roundpipe.runtime import RoundPipeRuntime, RuntimeOptions
 
 from .models import CarryBlock, LMHead, ShapeConfig, build_layers, make_batch
-from .report import markdown_table, write_json
+from .report import load_line, markdown_table, run_info, write_json
 
 
 @dataclass
@@ -276,10 +276,7 @@ def run_benchmark(cfg: BenchConfig, log=print) -> dict:
         "comparisons": comparisons(rows),
         "plans_after_warmup": warm_plans,
         "final_plans": final_plans,
-        "loadavg_before": list(load_before),
-        "loadavg_after": list(os.getloadavg()),
-        "elapsed_s": time.perf_counter() - started,
-        "cpus": os.cpu_count(),
+        **run_info(load_before, started),
     }
 
 
@@ -317,9 +314,7 @@ def render(result: dict) -> str:
             f"{s['batch']}x{s['seq_len']} tokens, {s['microbatches']} microbatches, {cfg['workers']} CPU workers, "
             f"link {cfg['bandwidth_bytes_per_s'] / 1e9:g} GB/s + {cfg['latency_s'] * 1e6:g} us; "
             f"medians of {cfg['rounds']}x{cfg['steps_per_round']} interleaved steps after {cfg['warmup']} warm-up")
-    load = (f"load average before {result['loadavg_before'][0]:.2f}, after {result['loadavg_after'][0]:.2f} "
-            f"({result['cpus']} CPUs); {result['elapsed_s']:.0f} s")
-    parts = [head, load, "", markdown_table(rows, COLUMNS), "", markdown_table(result["comparisons"], COMPARISON_COLUMNS)]
+    parts = [head, load_line(result), "", markdown_table(rows, COLUMNS), "", markdown_table(result["comparisons"], COMPARISON_COLUMNS)]
     for name, text in result["plans_after_warmup"].items():
         parts += ["", f"plan of {name} after warm-up (with the planner's predicted stage costs):", text]
     return "\n".join(parts)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -62,3 +64,16 @@ def write_json(path: str | Path, payload: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_jsonable(payload), indent=2, sort_keys=False) + "\n")
+
+
+def run_info(load_before: Sequence[float], started: float) -> dict:
+    """What a measurement script stores about the machine around a run: load averages before and
+    now, seconds since ``started`` (``time.perf_counter``), CPU count."""
+    return {"loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg()),
+            "elapsed_s": time.perf_counter() - started, "cpus": os.cpu_count()}
+
+
+def load_line(info: dict) -> str:
+    """The one-line summary of :func:`run_info`'s fields printed under a result table."""
+    return (f"load average before {info['loadavg_before'][0]:.2f}, after {info['loadavg_after'][0]:.2f} "
+            f"({info['cpus']} CPUs); {info['elapsed_s']:.0f} s")

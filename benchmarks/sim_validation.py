@@ -57,10 +57,10 @@ from lightning_roundpipe.runtime import RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.sim import HardwareProfile, SimConfig, SimResult, simulate_roundpipe
 
 if __package__:
-    from .report import markdown_table, write_json
+    from .report import load_line, markdown_table, run_info, write_json
 else:  # run as a file (python benchmarks/sim_validation.py): the repository root holds benchmarks/
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from benchmarks.report import markdown_table, write_json
+    from benchmarks.report import load_line, markdown_table, run_info, write_json
 
 
 @dataclass(frozen=True)
@@ -291,10 +291,7 @@ def run_validation(cfg: ValidationConfig, log=print) -> dict:
     return {
         "config": cfg.as_dict(),
         "rows": rows,
-        "loadavg_before": list(load_before),
-        "loadavg_after": list(os.getloadavg()),
-        "elapsed_s": time.perf_counter() - started,
-        "cpus": os.cpu_count(),
+        **run_info(load_before, started),
     }
 
 
@@ -326,8 +323,7 @@ def render(result: dict) -> str:
             f"{cfg['head_width']}), batch {cfg['batch']}, {cfg['workers']} CPU workers; injected "
             f"{cfg['delay_s'] * 1e3:g} ms per compute task, link {cfg['bandwidth_bytes_per_s'] / 1e6:g} MB/s + "
             f"{cfg['latency_s'] * 1e3:g} ms per transfer; medians of {cfg['steps']} steps after {cfg['warmup']} warm-up")
-    load = (f"load average before {result['loadavg_before'][0]:.2f}, after {result['loadavg_after'][0]:.2f} "
-            f"({result['cpus']} CPUs); {result['elapsed_s']:.0f} s")
+    load = load_line(result)
     rows = [dict(r, plan=r["plan"].replace("|", "\\|")) for r in result["rows"]]
     lines = []
     for key, label in (("error", "simulator (host barriers, the default)"),
