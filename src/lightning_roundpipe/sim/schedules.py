@@ -174,6 +174,14 @@ class _BoundBuilder:
                     first[(direction, s, i)], last[(direction, s, i)] = ops[0], ops[-1]
 
         # Activations and gradients between stages, through the host.
+        def hop(src, dst, kind, from_stage, to_stage, i, nbytes, producer):
+            """``producer``'s output of microbatch i downloaded from GPU ``src`` and uploaded to ``dst``."""
+            down = sim.add(Op(src, "download", f"{kind}_out", from_stage, i, step, bytes=nbytes,
+                              priority=PRIO_ACTIVATIONS, deps=[producer], free=[(src, nbytes)]))
+            producer.alloc.append((src, nbytes))
+            return sim.add(Op(dst, "upload", f"{kind}_in", to_stage, i, step, bytes=nbytes,
+                              priority=PRIO_ACTIVATIONS, deps=[down], alloc=[(dst, nbytes)]))
+
         for s in range(V):
             p = self.gpu_of(s)
             a, b = self.layout.ranges[s]
@@ -194,19 +202,9 @@ class _BoundBuilder:
                         nxt_f.deps.append(f_last)
                         b_first.deps.append(nxt_b_last)
                         continue
-                    down = sim.add(Op(p, "download", "act_out", f"F{s}", i, step, bytes=nbytes,
-                                      priority=PRIO_ACTIVATIONS, deps=[f_last], free=[(p, nbytes)]))
-                    f_last.alloc.append((p, nbytes))
-                    up = sim.add(Op(q, "upload", "act_in", f"F{s + 1}", i, step, bytes=nbytes,
-                                    priority=PRIO_ACTIVATIONS, deps=[down], alloc=[(q, nbytes)]))
-                    nxt_f.deps.append(up)
+                    nxt_f.deps.append(hop(p, q, "act", f"F{s}", f"F{s + 1}", i, nbytes, f_last))
                     last[("F", s + 1, i)].free.append((q, nbytes))
-                    gdown = sim.add(Op(q, "download", "grad_out", f"B{s + 1}", i, step, bytes=nbytes,
-                                       priority=PRIO_ACTIVATIONS, deps=[nxt_b_last], free=[(q, nbytes)]))
-                    nxt_b_last.alloc.append((q, nbytes))
-                    gup = sim.add(Op(p, "upload", "grad_in", f"B{s}", i, step, bytes=nbytes,
-                                     priority=PRIO_ACTIVATIONS, deps=[gdown], alloc=[(p, nbytes)]))
-                    b_first.deps.append(gup)
+                    b_first.deps.append(hop(q, p, "grad", f"B{s + 1}", f"B{s}", i, nbytes, nxt_b_last))
                     b_last.free.append((p, nbytes))
             # Resident: accumulated gradients go home once, after the stage's last backward.
             if self.layout.resident[p]:
