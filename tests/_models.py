@@ -21,19 +21,25 @@ def make_data(n=40, width=8, seed=1):
     return TensorDataset(torch.randn(n, width, generator=g), torch.randn(n, 1, generator=g))
 
 
+def mlp(depth=6, width=16, dropout=0.0, seed=0):
+    """``depth`` blocks of Linear + Tanh (+ Dropout), initialised from ``seed``."""
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(depth):
+        block = [nn.Linear(width, width), nn.Tanh()]
+        if dropout:
+            block.append(nn.Dropout(dropout))
+        layers.append(nn.Sequential(*block))
+    return layers
+
+
 class SeqModule(L.LightningModule):
     """An MLP in an nn.Sequential: the usual way a user would write it."""
 
     def __init__(self, width=8, depth=4, opt="sgd", lr=0.1, scheduler=False, frozen=False, tied=False, dropout=0.0,
                  manual=False, seed=0, scheduler_interval="epoch"):
         super().__init__()
-        torch.manual_seed(seed)
-        blocks = []
-        for _ in range(depth):
-            block = [nn.Linear(width, width), nn.Tanh()]
-            if dropout:
-                block.append(nn.Dropout(dropout))
-            blocks.append(nn.Sequential(*block))
+        blocks = mlp(depth, width, dropout, seed)
         head = nn.Linear(width, width)
         if tied:
             head.weight = blocks[0][0].weight  # one Parameter used by two layers

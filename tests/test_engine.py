@@ -9,16 +9,7 @@ from torch import nn
 from lightning_roundpipe import CpuWorkerPool, EngineOptions, PipelineEngine, Plan, PipelineTimeout, WorkerError, simple_plan
 from lightning_roundpipe.engine import MicrobatchError, layer_seed, split_microbatches, merge_microbatches
 
-
-def mlp(depth=6, width=16, dropout=0.0, seed=0):
-    torch.manual_seed(seed)
-    layers = []
-    for _ in range(depth):
-        block = [nn.Linear(width, width), nn.Tanh()]
-        if dropout:
-            block.append(nn.Dropout(dropout))
-        layers.append(nn.Sequential(*block))
-    return layers
+from _models import mlp
 
 
 def engine_for(layers, workers=2, microbatches=2, plan=None, recompute=True, **pool_kwargs):
