@@ -16,7 +16,6 @@ above the RSS right after imports ("extra": model, optimizer state, activations,
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -218,10 +217,6 @@ def _roundpipe_process(shape: ShapeConfig, recompute: bool, config: RunConfig, f
     blocks, head = build_layers(shape, config.seed)
     seq = roundpipe_sequential(blocks, head)
     total_steps = config.warmup + config.steps
-    extra = {}
-    known = {f.name for f in dataclasses.fields(RuntimeOptions)}
-    if "trace_steps" in known:
-        extra["trace_steps"] = total_steps  # keep every step's records (the default keeps only metrics)
     if partition == "auto":
         part = PartitionConfig(policy="auto")
     else:
@@ -231,7 +226,7 @@ def _roundpipe_process(shape: ShapeConfig, recompute: bool, config: RunConfig, f
         recompute="always" if recompute else "never",
         partition=part,
         cpu_threads_per_worker=1,
-        **extra,
+        trace_steps=total_steps,  # keep every step's records (the default keeps only metrics)
     )
     runtime = RoundPipeRuntime.attach(seq, "cpu", workers, options, fused_last=True)
     runtime.trace.enabled = True
@@ -243,7 +238,6 @@ def _roundpipe_process(shape: ShapeConfig, recompute: bool, config: RunConfig, f
             runtime.overlap_optimizer(opt)
         x, y = make_batch(shape, config.seed + 1)
         batch = {"h": x, "y": y}
-        total = config.warmup + config.steps
         scale = 1.0 / shape.tokens
         phases = {"forward": [], "backward": [], "optimizer": []}
         spans = []  # (engine step, start, end) on the trace clock
@@ -266,7 +260,7 @@ def _roundpipe_process(shape: ShapeConfig, recompute: bool, config: RunConfig, f
             else:
                 loss = closure()
                 opt.step()
-            if len(spans) == total - 1:
+            if len(spans) == total_steps - 1:
                 runtime.join()  # the last step waits for its own update: nothing is left uncounted
             t3 = time.perf_counter()
             spans.append((runtime.engine.step_count, s0, runtime.trace.now()))
