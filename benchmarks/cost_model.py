@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from lightning_roundpipe.cost import CostProfile, LayerCost
-from lightning_roundpipe.partition import partition, predict
-from lightning_roundpipe.plan import Plan, balanced_ranges
+from lightning_roundpipe.cost.profile import CostProfile, LayerCost
+from lightning_roundpipe.planning.partition import partition, predict
+from lightning_roundpipe.schedule.plan import Plan, balanced_ranges
 
 from .models import LayerTiming, ShapeConfig
 

@@ -210,8 +210,8 @@ def _roundpipe_process(shape: ShapeConfig, recompute: bool, config: RunConfig, f
                        partition: str) -> dict:
     torch.set_num_threads(config.host_threads)
     from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
-    from lightning_roundpipe.config import PartitionConfig
-    from lightning_roundpipe.timeline import bubble_fraction
+    from lightning_roundpipe.options import PartitionConfig
+    from lightning_roundpipe.tracing.timeline import bubble_fraction
 
     base = rss_now_bytes()
     blocks, head = build_layers(shape, config.seed)
@@ -285,7 +285,7 @@ def _roundpipe_process(shape: ShapeConfig, recompute: bool, config: RunConfig, f
 
 def trace_breakdown(records, workers: int, step_start: float, step_end: float) -> dict:
     """Where a traced step's time went: per-worker compute busy time, task time by kind, idle gaps."""
-    from lightning_roundpipe.timeline import exposed_transfer_seconds
+    from lightning_roundpipe.tracing.timeline import exposed_transfer_seconds
 
     by_kind: dict[str, float] = {}
     busy = [0.0] * workers

@@ -213,7 +213,7 @@ def time_steps(step: Callable[[], tuple[float, float, float]], cfg: GpuBenchConf
 def run_roundpipe(size: str, cfg: GpuBenchConfig) -> tuple[GpuRow, dict]:
     """This project: host-resident model, one worker, bf16 compute, recompute, overlapped host AdamW."""
     from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
-    from lightning_roundpipe.config import PartitionConfig
+    from lightning_roundpipe.options import PartitionConfig
 
     device = cfg.device
     model = build_host_model(size, cfg.seq_len, torch.float32, cfg.seed, init_on_cuda=device == "cuda")

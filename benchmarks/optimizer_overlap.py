@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_roundpipe import RoundPipeStrategy
-from lightning_roundpipe.timeline import hidden_share
+from lightning_roundpipe.tracing.timeline import hidden_share
 
 warnings.filterwarnings("ignore")
 
@@ -160,7 +160,7 @@ def kernel_figures(params: float, repeats: int = 3) -> dict:
 
 def bytes_per_param() -> dict:
     """Host bytes per parameter after one AdamW step, for each precision mode (small model)."""
-    from lightning_roundpipe.precision import HostScaledMixedPrecision
+    from lightning_roundpipe.lightning.precision import HostScaledMixedPrecision
 
     out = {}
     for mode in ("32-true", "bf16-mixed", "16-mixed", "bf16-true"):

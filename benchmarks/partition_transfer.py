@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_roundpipe.config import PartitionConfig, TransferConfig
+from lightning_roundpipe.options import PartitionConfig, TransferConfig
 from lightning_roundpipe.runtime import RoundPipeRuntime, RuntimeOptions
 
 from .models import CarryBlock, LMHead, ShapeConfig, build_layers, make_batch

@@ -8,7 +8,7 @@ The CPU backend is made to behave like a machine whose numbers are known:
 
 The simulator gets the same plan (the one the runtime ran in the timed steps), the same
 microbatch count, a :class:`~lightning_roundpipe.sim.HardwareProfile` with the same link, and a
-:class:`~lightning_roundpipe.cost.CostProfile` whose times reproduce the injected delays. The
+:class:`~lightning_roundpipe.cost.profile.CostProfile` whose times reproduce the injected delays. The
 backend sleeps once per compute *task*, not per layer, so the delay is put on the first layer of
 every stage (forward times on the first layer of each forward stage, recompute + backward on the
 first layer of each backward stage) and the other layers cost nothing. Bytes are the real
@@ -50,9 +50,9 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import nn
 
-from lightning_roundpipe.config import PartitionConfig, TransferConfig
-from lightning_roundpipe.cost import CostProfile, LayerCost
-from lightning_roundpipe.plan import Plan
+from lightning_roundpipe.options import PartitionConfig, TransferConfig
+from lightning_roundpipe.cost.profile import CostProfile, LayerCost
+from lightning_roundpipe.schedule.plan import Plan
 from lightning_roundpipe.runtime import RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.sim import HardwareProfile, SimConfig, SimResult, simulate_roundpipe
 

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from _models import SeqModule, make_data  # noqa: E402
 from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
-from lightning_roundpipe.timeline import hidden_share  # noqa: E402
+from lightning_roundpipe.tracing.timeline import hidden_share  # noqa: E402
 
 
 class Conveniences(SeqModule):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_roundpipe.partition import TIE_TOLERANCE
+from lightning_roundpipe.planning.partition import TIE_TOLERANCE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root holds benchmarks/
 

@@ -16,8 +16,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root holds benchmarks/
 
 from benchmarks import partition_transfer, sim_validation  # noqa: E402
-from lightning_roundpipe.plan import Plan  # noqa: E402
-from lightning_roundpipe.sim.costview import CostView  # noqa: E402
+from lightning_roundpipe.schedule.plan import Plan  # noqa: E402
+from lightning_roundpipe.cost.view import CostView  # noqa: E402
 
 
 # ------------------------------------------------------------------ partition_transfer

@@ -61,7 +61,7 @@ def test_cuda_plain_pytorch_overlapped_optimizer_with_bf16_shadows_matches_synch
         if overlap:
             runtime.overlap_optimizer(opt)
         else:  # the same bf16 uploads, refreshed by hand after the synchronous step
-            from lightning_roundpipe.shadows import ShadowStore
+            from lightning_roundpipe.params.shadows import ShadowStore
 
             runtime.engine.shadows = ShadowStore(runtime.engine.master_parameters(), torch.bfloat16, pin=True)
         g = torch.Generator().manual_seed(1)

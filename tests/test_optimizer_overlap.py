@@ -44,7 +44,7 @@ def test_overlapped_matches_default_strategy():
 
 def test_early_layer_steps_overlap_backward():
     """Without clipping, layers step while earlier layers are still in backward."""
-    from lightning_roundpipe.timeline import hidden_share
+    from lightning_roundpipe.tracing.timeline import hidden_share
 
     m = SeqModule(opt="adamw", depth=10)
     strategy = RoundPipeStrategy(microbatches=4, trace_steps=3, optimizer_delay_s=0.002, cpu_compute_delay_s=0.006)

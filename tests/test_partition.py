@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_roundpipe.cost import CostProfile, LayerCost
-from lightning_roundpipe.cost_estimate import MovingCostProfile, cost_change, estimate_costs
-from lightning_roundpipe.partition import TIE_TOLERANCE, Replanner, partition, predict
-from lightning_roundpipe.plan import Plan, PlanError
+from lightning_roundpipe.cost.profile import CostProfile, LayerCost
+from lightning_roundpipe.cost.estimate import MovingCostProfile, cost_change, estimate_costs
+from lightning_roundpipe.planning.partition import TIE_TOLERANCE, Replanner, partition, predict
+from lightning_roundpipe.schedule.plan import Plan, PlanError
 
 MiB = 2**20
 GiB = 2**30

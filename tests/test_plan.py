@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_roundpipe.plan import Plan, PlanError, balanced_ranges, dispatch, simple_plan, uniform_ranges
+from lightning_roundpipe.schedule.plan import Plan, PlanError, balanced_ranges, dispatch, simple_plan, uniform_ranges
 
 
 def test_text_round_trip():

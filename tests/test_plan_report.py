@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from lightning_roundpipe.cost import CostProfile, LayerCost
-from lightning_roundpipe.partition import partition, predict
-from lightning_roundpipe.plan import Plan
-from lightning_roundpipe.plan_report import build_report
+from lightning_roundpipe.cost.profile import CostProfile, LayerCost
+from lightning_roundpipe.planning.partition import partition, predict
+from lightning_roundpipe.schedule.plan import Plan
+from lightning_roundpipe.planning.report import build_report
 
 MiB = 2**20
 

@@ -10,7 +10,7 @@ import pytest
 from lightning_roundpipe.sim import get_model_shape, host_bytes, load_hardware, plan_training, preset_costs
 from lightning_roundpipe.sim.__main__ import main
 from lightning_roundpipe.sim.compare import compare_schedules, paper_table
-from lightning_roundpipe.sim.planner import SEQ_QUANTUM, _fit_problems, longest_seq_len
+from lightning_roundpipe.planning.fit import SEQ_QUANTUM, _fit_problems, longest_seq_len
 
 GiB = 2**30
 

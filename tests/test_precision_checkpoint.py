@@ -9,8 +9,8 @@ from torch.utils.data import DataLoader
 
 from _models import SeqModule, fit, make_data, weights
 from lightning_roundpipe import RoundPipeStrategy
-from lightning_roundpipe.checkpoint import AtomicCheckpointIO
-from lightning_roundpipe.precision import HostScaledMixedPrecision
+from lightning_roundpipe.lightning.checkpoint_io import AtomicCheckpointIO
+from lightning_roundpipe.lightning.precision import HostScaledMixedPrecision
 
 
 def test_bf16_mixed_tracks_default_over_20_steps():

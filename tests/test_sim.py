@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from lightning_roundpipe.cost import CostProfile, LayerCost
-from lightning_roundpipe.plan import Plan, PlanError
+from lightning_roundpipe.cost.profile import CostProfile, LayerCost
+from lightning_roundpipe.schedule.plan import Plan, PlanError
 from lightning_roundpipe.sim import (
     HardwareProfile,
     SimConfig,
@@ -23,9 +23,9 @@ from lightning_roundpipe.sim import (
     simulate_roundpipe,
     transformer_layer_costs,
 )
-from lightning_roundpipe.sim.events import EventSimulator, LinkSpec, Op, SimulationError
+from lightning_roundpipe.sim.event_queue import EventSimulator, LinkSpec, Op, SimulationError
 from lightning_roundpipe.sim.hardware import parse_quantity
-from lightning_roundpipe.timeline import bubble_fraction, to_chrome_trace
+from lightning_roundpipe.tracing.timeline import bubble_fraction, to_chrome_trace
 
 INF = float("inf")
 
@@ -112,7 +112,7 @@ def test_layer_costs_follow_flops_and_sizes():
 
 
 def get_model_shape_of(h, i, heads, kv, hd):
-    from lightning_roundpipe.sim.model_costs import ModelShape
+    from lightning_roundpipe.cost.transformer import ModelShape
 
     return ModelShape("t", h, i, heads, kv, hd, 10, 1)
 

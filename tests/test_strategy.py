@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from _models import SeqModule, fit, make_data, weights
 from lightning_roundpipe import RoundPipeStrategy, WorkerError
-from lightning_roundpipe.target import PipelineTargetError
+from lightning_roundpipe.adapters.target import PipelineTargetError
 
 
 def trainer(strategy, devices=2, **kw):

@@ -15,7 +15,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 import pytest
 
-from lightning_roundpipe.timeline import (
+from lightning_roundpipe.tracing.timeline import (
     bubble_fraction,
     exposed_transfer_seconds,
     from_chrome_trace,
@@ -26,7 +26,7 @@ from lightning_roundpipe.timeline import (
     summarize_by_step,
     to_chrome_trace,
 )
-from lightning_roundpipe.trace import TraceRecord
+from lightning_roundpipe.tracing.records import TraceRecord
 
 
 def rec(worker, queue, kind, start, end, stage="", mb=-1, nbytes=0, step=0):

@@ -7,7 +7,7 @@ from torch import nn
 
 from _models import SeqModule, fit
 from lightning_roundpipe import CpuWorkerPool, EngineOptions, PipelineEngine, Plan, RoundPipeStrategy
-from lightning_roundpipe.timeline import bubble_fraction
+from lightning_roundpipe.tracing.timeline import bubble_fraction
 
 
 def tiny_layers(n, width=8):

@@ -1,7 +1,7 @@
 """lightning-roundpipe: the RoundPipe schedule as a PyTorch Lightning strategy (engine usable alone)."""
 
 from .engine import EngineOptions, PipelineEngine
-from .plan import Plan, PlanError, dispatch, simple_plan
+from .schedule.plan import Plan, PlanError, dispatch, simple_plan
 from .workers import CpuWorkerPool, PipelineError, PipelineTimeout, WorkerError, make_pool
 
 __all__ = [
@@ -18,7 +18,7 @@ __all__ = [
     "simple_plan",
 ]
 
-from .strategy import RoundPipeStrategy, register as _register  # noqa: E402
+from .lightning.strategy import RoundPipeStrategy, register as _register  # noqa: E402
 from .runtime import RoundPipeRuntime, RuntimeOptions  # noqa: E402
 
 _register()

@@ -19,12 +19,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .config import PartitionConfig, TransferConfig
+from .options import PartitionConfig, TransferConfig
 from .engine import EngineOptions, PipelineEngine
-from .plan import PlanError
-from .planning import PlanKeeper
-from .target import patch_forward, unpatch
-from .trace import TraceRecorder
+from .schedule.plan import PlanError
+from .planning.keeper import PlanKeeper
+from .adapters.target import patch_forward, unpatch
+from .tracing.records import TraceRecorder
 from .workers import make_pool
 
 log = logging.getLogger("lightning_roundpipe")
@@ -130,7 +130,7 @@ class RoundPipeRuntime:
         optimizer. ``delay_per_layer_s`` slows every layer step (tests and benchmarks).
         """
         from .optim.overlap import OverlappedOptimizer
-        from .shadows import ShadowStore
+        from .params.shadows import ShadowStore
 
         engine = self.engine
         if (staleness or self.options.compute_dtype is not None) and shadows is None:
@@ -168,7 +168,7 @@ class RoundPipeRuntime:
         if new_plan is not None:
             self.engine.set_plan(new_plan)
         if self.trace.enabled:
-            from .timeline import step_metrics
+            from .tracing.timeline import step_metrics
 
             records = self.trace.records(run.step)
             if records:
@@ -182,7 +182,7 @@ class RoundPipeRuntime:
         """Write the kept steps as a Chrome/Perfetto trace and, with matplotlib, a PNG Gantt chart."""
         import os
 
-        from .timeline import save_gantt_png, to_chrome_trace
+        from .tracing.timeline import save_gantt_png, to_chrome_trace
 
         records = [r for r in self.trace.records() if r.step in self.kept_steps]
         if not records:

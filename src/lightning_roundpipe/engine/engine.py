@@ -18,13 +18,13 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..plan import Plan, PlanError
-from ..workers.events import Completion, WorkerError
+from ..schedule.plan import Plan, PlanError
+from ..workers.completions import Completion, WorkerError
 from ..workers.pool import WorkerPool
 from .microbatch import merge_microbatches, split_microbatches
 from .rng import uses_randomness
 from .step import HostCarry, StepRun
-from .weights import LayerTable
+from ..params.weights import LayerTable
 
 
 @dataclass

@@ -23,10 +23,10 @@ import torch
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
-from ..plan import Stage
-from ..workers.events import Completion, TaskLabel
+from ..schedule.plan import Stage
+from ..workers.completions import Completion, TaskLabel
 from .rng import layer_seed, seeded
-from .weights import StageWeights, accumulate_host_grads
+from ..params.weights import StageWeights, accumulate_host_grads
 
 if TYPE_CHECKING:
     from .engine import PipelineEngine

@@ -6,8 +6,8 @@ import queue
 import threading
 from typing import Callable
 
-from ..trace import TraceRecord, TraceRecorder
-from ..workers.events import Completion, TaskLabel
+from ..tracing.records import TraceRecord, TraceRecorder
+from ..workers.completions import Completion, TaskLabel
 
 
 class HostLane:

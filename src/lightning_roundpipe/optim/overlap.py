@@ -34,8 +34,8 @@ from typing import Callable
 
 import torch
 
-from ..engine.weights import group_by_lowest_layer
-from ..workers.events import Completion, TaskLabel
+from ..params.weights import group_by_lowest_layer
+from ..workers.completions import Completion, TaskLabel
 from .host_lane import HostLane
 
 

@@ -1,17 +1,17 @@
 """Discrete-event simulator of RoundPipe steps (and of bound schedules), and a planner built on it.
 
-It reads the same :class:`~lightning_roundpipe.plan.Plan` and dispatch order the engine runs,
+It reads the same :class:`~lightning_roundpipe.schedule.plan.Plan` and dispatch order the engine runs,
 times them with per-layer costs and a :class:`HardwareProfile`, and returns
-:class:`~lightning_roundpipe.trace.TraceRecord` timelines that ``timeline.py`` draws like
+:class:`~lightning_roundpipe.tracing.records.TraceRecord` timelines that ``timeline.py`` draws like
 measured ones. See ``docs/simulator.md``.
 """
 
 from .compare import ScheduleTable, compare_schedules, paper_table
 from .hardware import HardwareProfile, available_hardware, load_hardware
-from .memory import HostMemory, host_bytes, roundpipe_gpu_bytes
-from .model_costs import MODEL_PRESETS, ModelShape, get_model_shape, preset_costs, transformer_layer_costs
-from .partitioning import balanced_plan, make_plan
-from .planner import PlanChoice, TrainingPlan, best_plan, longest_seq_len, plan_training
+from ..cost.memory import HostMemory, host_bytes, roundpipe_gpu_bytes
+from ..cost.transformer import MODEL_PRESETS, ModelShape, get_model_shape, preset_costs, transformer_layer_costs
+from ..planning.balanced import balanced_plan, make_plan
+from ..planning.fit import PlanChoice, TrainingPlan, best_plan, longest_seq_len, plan_training
 from .schedules import BOUND_SCHEDULES, bound_order, simulate_bound
 from .simulate import SimConfig, SimResult, simulate_roundpipe
 

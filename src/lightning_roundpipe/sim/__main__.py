@@ -14,8 +14,8 @@ from typing import Sequence
 
 from .compare import PAPER_MODELS, compare_schedules, paper_table
 from .hardware import available_hardware
-from .model_costs import MODEL_PRESETS
-from .planner import DEFAULT_MEMORY_FRACTION, plan_training
+from ..cost.transformer import MODEL_PRESETS
+from ..planning.fit import DEFAULT_MEMORY_FRACTION, plan_training
 
 
 def _positive(text: str) -> int:

@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass, field, replace
 
 from .hardware import HardwareProfile, load_hardware
-from .model_costs import ModelShape, get_model_shape, preset_costs
-from .planner import DEFAULT_MEMORY_FRACTION, best_plan
+from ..cost.transformer import ModelShape, get_model_shape, preset_costs
+from ..planning.fit import DEFAULT_MEMORY_FRACTION, best_plan
 from .schedules import BOUND_SCHEDULES, simulate_bound
 from .simulate import SimConfig, SimResult
 
@@ -81,7 +81,7 @@ def compare_schedules(
     """Simulate ``schedules`` for a model preset on a hardware profile; same costs, same microbatches.
 
     ``microbatches`` defaults to four per GPU (a multiple of the GPU count, as interleaved 1F1B
-    needs). RoundPipe uses :func:`~lightning_roundpipe.sim.planner.best_plan` with that count.
+    needs). RoundPipe uses :func:`~lightning_roundpipe.planning.fit.best_plan` with that count.
     ``bound_config`` (default: ``config``) lets the bound schedules run with other simulation
     knobs, e.g. ``SimConfig(optimizer_barrier=True)`` for a synchronous offloaded optimizer.
     """

@@ -5,7 +5,7 @@ field names; sizes may be written with units (``24 GiB``, ``25 GB/s``) so the fi
 readable, and every file says where its numbers come from.
 
 The simulator reads compute speed from ``tflops`` (only when costs are estimated from a model
-shape; measured :class:`~lightning_roundpipe.cost.CostProfile` times are used as they are), the
+shape; measured :class:`~lightning_roundpipe.cost.profile.CostProfile` times are used as they are), the
 host link from ``host_device_bytes_per_s`` and ``latency_s``, and the host optimizer from
 ``cpu_optimizer_params_per_s``. The same fields describe the CPU backend's virtual workers
 (``conf/hardware/cpu2.yaml``), whose injected bandwidth limit and latency play the role of the

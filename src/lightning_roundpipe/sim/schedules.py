@@ -23,10 +23,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..cost import CostProfile
-from ..plan import balanced_ranges
-from .costview import CostView
-from .events import EventSimulator, Op
+from ..cost.profile import CostProfile
+from ..schedule.plan import balanced_ranges
+from ..cost.view import CostView
+from .event_queue import EventSimulator, Op
 from .hardware import HardwareProfile
 from .simulate import PRIO_ACTIVATIONS, PRIO_GRADS, PRIO_WEIGHTS, SimConfig, SimResult, add_optimizer, link_of, summarize
 

@@ -2,7 +2,7 @@
 
 One step, as the engine runs it (see ``docs/simulator.md`` for the assumptions):
 
-- Tasks come from :func:`lightning_roundpipe.plan.dispatch`: forward stages in order, then the
+- Tasks come from :func:`lightning_roundpipe.schedule.plan.dispatch`: forward stages in order, then the
   backward stages of :meth:`Plan.dispatched_backward_stages`, each to the next worker. With
   ``continue_round_robin`` the next step's dispatch starts on the worker after the last one.
 - Every worker has an upload, a compute and a download queue. A task uploads its layers'
@@ -37,11 +37,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..cost import CostProfile
-from ..plan import Plan, PlanError, dispatch
-from ..trace import TraceRecord
-from .costview import CostView
-from .events import HOST, EventSimulator, LinkSpec, Op
+from ..cost.profile import CostProfile
+from ..schedule.plan import Plan, PlanError, dispatch
+from ..tracing.records import TraceRecord
+from ..cost.view import CostView
+from .event_queue import HOST, EventSimulator, LinkSpec, Op
 from .hardware import HardwareProfile
 
 # Transfer priorities by kind (lower goes first): what a stage waits for, then weight prefetch,
@@ -334,7 +334,7 @@ def simulate_roundpipe(
     """Simulate RoundPipe steps of ``plan`` with ``microbatches`` microbatches per step.
 
     ``costs`` holds per-microbatch layer costs (estimated by
-    :func:`~lightning_roundpipe.sim.model_costs.transformer_layer_costs` or measured by the
+    :func:`~lightning_roundpipe.cost.transformer.transformer_layer_costs` or measured by the
     engine); ``hardware`` gives the link (``host_device_bytes_per_s``, ``latency_s``,
     ``duplex``) and the host optimizer speed. ``num_workers`` defaults to ``hardware.num_gpus``.
     To check the simulator against the CPU backend, pass a profile whose link numbers are the

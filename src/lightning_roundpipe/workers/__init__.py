@@ -1,7 +1,7 @@
 """Worker pools: one interface, a CPU backend (virtual workers) and a CUDA backend."""
 
 from .cpu import CpuWorkerPool
-from .events import Completion, PipelineError, PipelineTimeout, TaskLabel, WorkerError
+from .completions import Completion, PipelineError, PipelineTimeout, TaskLabel, WorkerError
 from .pool import Worker, WorkerPool
 
 __all__ = [

@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..trace import TraceRecord, TraceRecorder
-from .events import Completion, PipelineTimeout, TaskLabel
+from ..tracing.records import TraceRecord, TraceRecorder
+from .completions import Completion, PipelineTimeout, TaskLabel
 
 QUEUES = ("upload", "compute", "download")
 

@@ -1,6 +1,6 @@
 """Plans for the simulator and planner: the project's partitioner when present, else a fallback.
 
-:func:`make_plan` calls ``lightning_roundpipe.partition.partition("auto", ...)`` when that
+:func:`make_plan` calls ``lightning_roundpipe.planning.partition.partition("auto", ...)`` when that
 module exists, so the simulator times the plans the engine would run. Without it,
 :func:`balanced_plan` cuts stages itself: forward stages balanced by forward time, backward
 stages by recompute + backward time, and (for a fused last stage) the start of the fused stage
@@ -10,9 +10,9 @@ to have several, are what keep a round-robin pool busy.
 
 from __future__ import annotations
 
-from ..cost import CostProfile
-from ..plan import Plan, PlanError, balanced_ranges
-from .costview import CostView
+from ..cost.profile import CostProfile
+from ..schedule.plan import Plan, PlanError, balanced_ranges
+from ..cost.view import CostView
 
 
 def _counts(num_stages: int, fwd: list[float], bwd: list[float]) -> tuple[int, int]:
@@ -33,7 +33,7 @@ def balanced_plan(costs: CostProfile, num_stages: int, fused_last: bool = False)
     """Plan with ``num_stages`` stages in all (forward + dispatched backward), of near-equal time.
 
     Forward and backward stage counts follow the share of time each pass takes, each split by
-    :func:`~lightning_roundpipe.plan.balanced_ranges`; with ``fused_last`` the fused stage
+    :func:`~lightning_roundpipe.schedule.plan.balanced_ranges`; with ``fused_last`` the fused stage
     ``[head, n)`` takes the cut that minimises the largest stage time. Counts are capped by the
     number of layers (a stage needs a layer).
     """
@@ -80,7 +80,7 @@ def make_plan(
     """
     if num_stages is None:
         try:
-            from ..partition import partition  # written alongside; absent in older trees
+            from .partition import partition  # written alongside; absent in older trees
         except ImportError:
             partition = None
         if partition is not None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .cost import CostProfile, StageCostModel, format_bytes, format_seconds
+from ..cost.profile import CostProfile, StageCostModel, format_bytes, format_seconds
 from .partition import DEFAULT_STAGE_OVERHEAD_S, dispatched_stage_costs, link_speed, predict
-from .plan import Plan, dispatch
+from ..schedule.plan import Plan, dispatch
 
 
 @dataclass(frozen=True)

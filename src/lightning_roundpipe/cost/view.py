@@ -1,14 +1,14 @@
-"""Read-only helpers over a :class:`~lightning_roundpipe.cost.CostProfile` for whole layer ranges.
+"""Read-only helpers over a :class:`~lightning_roundpipe.cost.profile.CostProfile` for whole layer ranges.
 
 Per-microbatch bytes and seconds of a stage ``[a, b)``, with fallbacks for profiles that carry
-only :class:`~lightning_roundpipe.cost.LayerCost` fields (measured ones): the activation graph
+only :class:`~lightning_roundpipe.cost.profile.LayerCost` fields (measured ones): the activation graph
 kept for backward is then taken as the layer's output activation, and trainable parameters as
 gradient bytes over the compute dtype size.
 """
 
 from __future__ import annotations
 
-from ..cost import CostProfile
+from .profile import CostProfile
 
 
 class CostView:

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .engine.weights import group_by_lowest_layer
-from .trace import TraceRecord, TraceRecorder
-from .workers.events import PipelineError
+from ..params.weights import group_by_lowest_layer
+from ..tracing.records import TraceRecord, TraceRecorder
+from ..workers.completions import PipelineError
 
 
 class NodeSyncError(PipelineError):

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..cost import CostProfile
-from ..plan import Plan
-from .costview import CostView
-from .hardware import HardwareProfile, load_hardware
-from .memory import HostMemory, host_bytes, roundpipe_gpu_bytes
-from .model_costs import ModelShape, get_model_shape, preset_costs
-from .partitioning import balanced_plan, make_plan
-from .simulate import SimConfig, SimResult, simulate_roundpipe
+from ..cost.profile import CostProfile
+from ..schedule.plan import Plan
+from ..cost.view import CostView
+from ..sim.hardware import HardwareProfile, load_hardware
+from ..cost.memory import HostMemory, host_bytes, roundpipe_gpu_bytes
+from ..cost.transformer import ModelShape, get_model_shape, preset_costs
+from .balanced import balanced_plan, make_plan
+from ..sim.simulate import SimConfig, SimResult, simulate_roundpipe
 
 DEFAULT_MEMORY_FRACTION = 0.9  # of each GPU's memory; the rest is CUDA context and allocator slack
 STAGES_PER_WORKER = (2, 3, 4, 6)

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..cost import CostProfile, LayerCost
-from .hardware import HardwareProfile
+from .profile import CostProfile, LayerCost
+from ..sim.hardware import HardwareProfile
 
 # Logits kept for the loss's backward, per token and vocabulary entry, on top of the compute-dtype
 # logits: Hugging Face upcasts them to fp32 and cross-entropy saves its fp32 log-softmax.

@@ -13,10 +13,10 @@ import logging
 import torch
 from torch import nn
 
-from .cost_estimate import MovingCostProfile, estimate_costs
+from ..cost.estimate import MovingCostProfile, estimate_costs
 from .partition import Replanner, partition
-from .plan import Plan, simple_plan
-from .plan_report import PlanReport, build_report
+from ..schedule.plan import Plan, simple_plan
+from .report import PlanReport, build_report
 
 log = logging.getLogger("lightning_roundpipe")
 

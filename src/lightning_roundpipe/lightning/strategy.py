@@ -27,14 +27,14 @@ from typing_extensions import override
 
 from lightning.pytorch.trainer.states import TrainerFn
 
-from .checkpoint import AtomicCheckpointIO
-from .config import partition_config, transfer_config
-from .distributed import GradientSync, broadcast_module
-from .optim import OverlappedOptimizer
+from .checkpoint_io import AtomicCheckpointIO
+from ..options import partition_config, transfer_config
+from ..distributed.gradient_sync import GradientSync, broadcast_module
+from ..optim import OverlappedOptimizer
 from .precision import compute_dtype_of, translate
-from .shadows import ShadowStore, check_pinned_policy, register_pinned, unregister_pinned
-from .runtime import RoundPipeRuntime, RuntimeOptions
-from .target import find_target
+from ..params.shadows import ShadowStore, check_pinned_policy, register_pinned, unregister_pinned
+from ..runtime import RoundPipeRuntime, RuntimeOptions
+from ..adapters.target import find_target
 
 
 class RoundPipeStrategy(ParallelStrategy):
@@ -46,8 +46,8 @@ class RoundPipeStrategy(ParallelStrategy):
     Args:
         microbatches: microbatches per batch (None: number of workers + 1).
         partition: "params" | "uniform" | "auto" | "manual", or a dict of
-            :class:`~lightning_roundpipe.config.PartitionConfig` fields (Hydra group ``partition``).
-        transfer: dict of :class:`~lightning_roundpipe.config.TransferConfig` fields (priorities,
+            :class:`~lightning_roundpipe.options.PartitionConfig` fields (Hydra group ``partition``).
+        transfer: dict of :class:`~lightning_roundpipe.options.TransferConfig` fields (priorities,
             chunk size, prefetch depth, CPU link model; Hydra group ``transfer``).
         recompute: "always" (keep stage inputs, recompute in backward) or "never" (keep forward
             graphs; CPU backend only).

@@ -16,8 +16,8 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from .cost import CostProfile, LayerCost
-from .plan import Plan
+from .profile import CostProfile, LayerCost
+from ..schedule.plan import Plan
 
 TIME_KINDS = ("forward", "recompute", "backward")
 

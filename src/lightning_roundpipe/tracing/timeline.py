@@ -1,4 +1,4 @@
-"""Timeline export and metrics over :class:`~lightning_roundpipe.trace.TraceRecord` lists.
+"""Timeline export and metrics over :class:`~lightning_roundpipe.tracing.records.TraceRecord` lists.
 
 The engine records one :class:`TraceRecord` per task (see ``trace.py``); this module turns a list
 of them into
@@ -9,7 +9,7 @@ of them into
   :func:`exposed_transfer_seconds`, :func:`hidden_share`, :func:`step_metrics` and
   :func:`summarize_by_step`.
 
-Command line: ``python -m lightning_roundpipe.timeline trace.json --png out.png`` reads a trace
+Command line: ``python -m lightning_roundpipe.tracing.timeline trace.json --png out.png`` reads a trace
 written by :func:`to_chrome_trace`, prints the per-step metrics and draws the chart.
 
 Everything here is a pure function of the records: nothing touches tensors or devices.
@@ -23,7 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from .trace import TraceRecord
+from .records import TraceRecord
 
 # Queues in the order a worker's rows are shown (data flows upload -> compute -> download).
 QUEUE_ORDER = ("upload", "compute", "download", "host")
@@ -281,7 +281,7 @@ def from_chrome_trace(trace: dict | list) -> list[TraceRecord]:
         if missing:
             raise ValueError(
                 f"trace event {index} ({event.get('name')!r}) lacks args {missing}; "
-                "from_chrome_trace reads only traces written by lightning_roundpipe.timeline.to_chrome_trace"
+                "from_chrome_trace reads only traces written by lightning_roundpipe.tracing.timeline.to_chrome_trace"
             )
         ts, dur = float(event["ts"]), float(event["dur"])
         records.append(
@@ -412,8 +412,8 @@ def _format_metrics(step: int, m: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: print per-step metrics of a Chrome trace and optionally draw it as a PNG."""
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_roundpipe.timeline",
-        description="Read a trace written by lightning_roundpipe.timeline.to_chrome_trace, "
+        prog="python -m lightning_roundpipe.tracing.timeline",
+        description="Read a trace written by lightning_roundpipe.tracing.timeline.to_chrome_trace, "
         "print per-step metrics and optionally draw a Gantt chart.",
     )
     parser.add_argument("trace", help="Chrome trace JSON file")

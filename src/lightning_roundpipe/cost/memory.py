@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cost import CostProfile
-from ..plan import Plan, Stage, dispatch
-from .costview import CostView
+from .profile import CostProfile
+from ..schedule.plan import Plan, Stage, dispatch
+from .view import CostView
 
 FP32_STATE_BYTES_PER_TRAINABLE = 16  # master weight, gradient, Adam m and v, all fp32
 

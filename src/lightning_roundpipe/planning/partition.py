@@ -48,9 +48,9 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
-from .cost import CostProfile, StageCost, StageCostModel, format_bytes, format_seconds
-from .cost_estimate import cost_change
-from .plan import LayerRange, Plan, PlanError, Stage, simple_plan
+from ..cost.profile import CostProfile, StageCost, StageCostModel, format_bytes, format_seconds
+from ..cost.estimate import cost_change
+from ..schedule.plan import LayerRange, Plan, PlanError, Stage, simple_plan
 
 log = logging.getLogger("lightning_roundpipe")
 

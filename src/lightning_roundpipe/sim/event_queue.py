@@ -14,7 +14,7 @@ queues behave like the executor's:
 
 Memory: an operation can allocate bytes on a worker when it starts and free bytes when it ends;
 the engine keeps the running total and its peak per worker. Every operation leaves one
-:class:`~lightning_roundpipe.trace.TraceRecord` per uninterrupted run on its queue.
+:class:`~lightning_roundpipe.tracing.records.TraceRecord` per uninterrupted run on its queue.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ..trace import TraceRecord
+from ..tracing.records import TraceRecord
 
 HOST = -1
 
