@@ -146,7 +146,7 @@ class RoundPipeRuntime:
             ov.refresh_shadows = shadows.refresh
         engine.grad_hooks.append(ov.on_layer_grads)
         self.overlapped.append(ov)
-        engine._weight_gate_fn = lambda ids: [c for o in self.overlapped for c in o.weight_gates(ids)]
+        engine.add_weight_gate(ov.weight_gates)
         return ov
 
     def join(self) -> None:

@@ -166,6 +166,9 @@ def cost_change(previous: CostProfile, current: CostProfile, plan: Plan | None =
 
 
 # --------------------------------------------------------------------- moving averages of measurements
+COMBINED_KINDS = {"fused": ("forward", "backward"), "recompute_backward": ("recompute", "backward")}
+
+
 class MovingCostProfile:
     """Per-layer exponential moving averages of measured times, seeded by an estimate.
 
@@ -214,10 +217,11 @@ class MovingCostProfile:
         """Record a stage measurement, spread over its layers in proportion to their current times.
 
         ``seconds`` covers ``microbatches`` microbatches of the stage ``[start, end)``. ``kind``
-        may also be "fused" (forward + loss + backward of the last stage, no recompute), which
-        is spread over the layers' forward and backward times together.
+        may also be a task that does two kinds of work, spread over both together: "fused"
+        (forward + loss + backward of the last stage, no recompute) and "recompute_backward"
+        (a backward task that recomputes the stage's forward first).
         """
-        self._check_kind(kind, TIME_KINDS + ("fused",))
+        self._check_kind(kind, TIME_KINDS + tuple(COMBINED_KINDS))
         start, end = (layer_range.start, layer_range.stop) if isinstance(layer_range, range) else layer_range
         if start >= end:
             raise ValueError(f"stage range [{start}:{end}] is empty")
@@ -226,7 +230,7 @@ class MovingCostProfile:
         if microbatches < 1:
             raise ValueError(f"microbatches must be at least 1, got {microbatches}")
         per_microbatch = float(seconds) / microbatches
-        kinds = ("forward", "backward") if kind == "fused" else (kind,)
+        kinds = COMBINED_KINDS.get(kind, (kind,))
         with self._lock:
             shares = [(i, k, self._times[k][i]) for i in range(start, end) for k in kinds]
             total = sum(s for _, _, s in shares)

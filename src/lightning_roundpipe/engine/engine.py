@@ -12,19 +12,24 @@ from __future__ import annotations
 import collections
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..schedule.history import WorkerHistory
+from ..schedule.lowering import LoweringOptions, TaskGraph, lower
 from ..schedule.plan import Plan, PlanError
 from ..workers.completions import Completion, WorkerError
 from ..workers.pool import WorkerPool
 from .microbatch import merge_microbatches, split_microbatches
 from .rng import uses_randomness
-from .step import HostCarry, StepRun
+from .step import HostCarry, StepRun, TableSizes
 from ..params.weights import LayerTable
+
+
+UNREAD_CALLS_KEPT = 16  # calls whose task times may still be read (several calls per step before backward)
 
 
 @dataclass
@@ -40,6 +45,9 @@ class EngineOptions:
     chunk_bytes: weight uploads are split into chunks of about this size, so higher-priority
         transfers can get in between chunks.
     prefetch_depth: stages a worker may upload ahead of the one it runs (1: at most two resident).
+    measure_tasks: keep every compute task's trace record until the step's measurements are
+        read (:attr:`StepRun.measurements`, what the cost profile and the re-planner learn
+        from), even when no timeline is recorded.
     """
 
     microbatches: int = 2
@@ -48,6 +56,7 @@ class EngineOptions:
     priorities: dict = field(default_factory=lambda: {"activation": 0, "weights": 1, "gradients": 2})
     chunk_bytes: int = 32 << 20
     prefetch_depth: int = 1
+    measure_tasks: bool = True
 
     def validate(self) -> "EngineOptions":
         if int(self.microbatches) < 1:
@@ -65,24 +74,24 @@ class EngineOptions:
 class PipelineEngine:
     """Runs ``layers`` as a RoundPipe pipeline over ``pool`` according to ``plan``."""
 
-    def __init__(self, layers: Sequence[nn.Module], pool: WorkerPool, plan: Plan, options: EngineOptions | None = None):
+    def __init__(self, layers: Sequence[nn.Module], pool: WorkerPool, plan: Plan, options: EngineOptions | None = None,
+                 weight_gates: Sequence[Callable[[range], list[Completion]]] = ()):
         self.layers = list(layers)
         self.options = (options or EngineOptions()).validate()
         self.tables = [LayerTable(layer) for layer in self.layers]
         self.layer_locks = _shared_module_locks(self.layers)
         self.plan = self._checked(plan)
         self.pool = pool.start()
-        self._next_worker = 0
-        self._stage_serial = 0
-        self._releases: dict[int, collections.deque] = {w.index: collections.deque(maxlen=8) for w in pool.workers}
-        self._computes: dict[int, collections.deque] = {w.index: collections.deque(maxlen=4) for w in pool.workers}
+        if self.options.measure_tasks:
+            pool.trace.keep_task_times()
+        self.history: WorkerHistory[Completion] = WorkerHistory(len(pool))  # cursor and slots, across steps
+        self._weight_gates = list(weight_gates)
         self._anchor = torch.zeros((), requires_grad=True)
         self.step_count = 0
         self.last_run: StepRun | None = None
-        self.measurements: list = []  # (stage, kind, seconds) of the last step, for the cost profile
+        self.measurements: list = []  # (stage, kind, seconds) of the last finished call, for the cost profile
         self.grad_hooks: list = []  # called with a layer range once its gradients are on the host
         self.step_end_hooks: list = []  # called with the StepRun after each training backward
-        self._weight_gate_fn = None
         self.shadows = None  # a ShadowStore: uploads read compute-dtype copies of the masters
 
     # ------------------------------------------------------------------ plan
@@ -103,50 +112,39 @@ class PipelineEngine:
     def describe(self) -> str:
         return self.plan.describe(len(self.pool))
 
-    # ------------------------------------------------------------------ hooks used by StepRun
-    def _next_worker_for(self):
-        w = self.pool.workers[self._next_worker % len(self.pool)]
-        self._next_worker = (self._next_worker + 1) % len(self.pool)
-        return w
+    # ------------------------------------------------------------------ used by StepRun
+    def lower_step(self, microbatches: int, *, training: bool, fused: bool, input_gradient: bool) -> TaskGraph:
+        """The next call's task graph, dispatched from where the previous one left off."""
+        o = self.options
+        graph = lower(self.plan, len(self.pool), self.history.next_worker,
+                      TableSizes(self.tables, o.compute_dtype, o.chunk_bytes),
+                      LoweringOptions(microbatches=microbatches, training=training, fused=fused, recompute=o.recompute,
+                                      input_gradient=input_gradient, prefetch_depth=int(o.prefetch_depth),
+                                      priorities=dict(o.priorities), first_serial=self.history.next_serial + 1))
+        self.history.advance(graph)
+        return graph
 
-    def _next_stage_serial(self) -> int:
-        self._stage_serial += 1
-        return self._stage_serial
+    def add_weight_gate(self, gate: Callable[[range], list[Completion]]) -> None:
+        """Make every weights upload of layers ``ids`` also wait for ``gate(ids)`` (e.g. new weight versions).
 
-    def _slot_dependency(self, worker_index: int) -> Completion | None:
-        history = self._releases[worker_index]
-        depth = int(self.options.prefetch_depth)
-        if len(history) < depth + 1:
-            return None
-        dep = history[-(depth + 1)]
-        return None if dep.failed() else dep  # a release cancelled with a failed step freed its memory already
-
-    def _input_slot(self, worker_index: int) -> Completion | None:
-        """An input upload waits for the compute two places before the one it feeds (double buffering)."""
-        history = self._computes[worker_index]
-        if len(history) < 2:
-            return None
-        dep = history[-2]
-        return None if dep.failed() else dep
-
-    def _record_compute(self, worker_index: int, completion: Completion) -> None:
-        self._computes[worker_index].append(completion)
-
-    def _record_release(self, worker_index: int, completion: Completion) -> None:
-        self._releases[worker_index].append(completion)
+        An overlapped host optimizer registers its ``weight_gates`` here, so the next forward's
+        upload of a layer waits only for that layer's update."""
+        self._weight_gates.append(gate)
 
     def weight_gates(self, layer_ids) -> list[Completion]:
         """Completions an upload of these layers must wait for (new weight versions); none by default."""
-        return self._weight_gate_fn(layer_ids) if self._weight_gate_fn is not None else []
+        return [c for gate in self._weight_gates for c in gate(layer_ids)]
 
-    def _on_grads_accumulated(self, layer_ids) -> None:
+    def notify_grads_accumulated(self, layer_ids) -> None:
+        """The host ``.grad`` of these layers holds this call's gradients: tell the grad hooks."""
         for hook in self.grad_hooks:
             hook(layer_ids)
 
     def layer_uses_rng(self, index: int) -> bool:
         return uses_randomness(self.layers[index])
 
-    def _autocast_state(self) -> dict:
+    def autocast_state(self) -> dict:
+        """Per device type of the workers: (enabled, dtype) of the caller's autocast."""
         state = {}
         for dev in {w.device.type for w in self.pool.workers}:
             if torch.is_autocast_enabled(dev):
@@ -174,6 +172,9 @@ class PipelineEngine:
         microbatches = split_microbatches(inputs, self.options.microbatches)
         self.step_count += 1
         self.pool.trace.step = self.step_count
+        if not self.pool.trace.enabled:
+            # A training call whose backward never ran leaves its task times unread.
+            self.pool.trace.discard_before(self.step_count - UNREAD_CALLS_KEPT)
         run = StepRun(self, microbatches, training=training, loss_scale=loss_scale, input_requires_grad=input_requires_grad)
         self.last_run = run
         if not training:
@@ -182,7 +183,6 @@ class PipelineEngine:
             self.measurements = run.measurements
             return self._finish_outputs(outs, loss_scale)
         out = _PipelineFunction.apply(self, run, self._anchor, *tensor_inputs)
-        self.measurements = run.measurements
         if loss_scale is not None:
             return out[0]
         return pytree.tree_unflatten(list(out), run.output_spec)
@@ -280,6 +280,7 @@ class _PipelineFunction(torch.autograd.Function):
         else:
             per_mb = _split_output_grads(run, grads)
             input_grads = engine._guarded(run.backward, per_mb)
+        engine.measurements = run.measurements
         for hook in engine.step_end_hooks:
             hook(run)
         n_inputs = len(ctx.needs_input_grad) - 3

@@ -1,21 +1,15 @@
-"""One pipelined step: the forward stages, then (when asked) the backward stages, over a pool.
+"""One pipelined call over a pool: the lowered task graph submitted, with each task kind's tensor work.
 
-This file is the ordering logic, the same for every backend. For each stage the dispatcher
-takes the next worker (round-robin, continuing across steps); per microbatch the worker
-uploads that microbatch's input as soon as it is on the host, computes, and downloads what the
-next stage (and the recompute in backward) needs. Everything is expressed as tasks with
-completion dependencies; the host thread only waits for the results it hands back.
-
-Memory bound: a worker's upload of its n-th stage waits for the release of its (n-1-depth)-th
-stage, so with prefetch depth 1 a worker holds at most the stage it runs and the one it
-prefetches. The compute lane runs in submission order, so a stage's gradient accumulates over
-microbatches 0..M-1 in that order, and the host adds stage gradients in dispatch order.
+The rules (which tasks, on which worker and lane, waiting for what, at which priority) are
+in :func:`lightning_roundpipe.schedule.lowering.lower`; this file attaches to each task kind
+what it does with tensors, the same for every backend. The compute lane runs in submission
+order, so a stage's gradient accumulates over microbatches 0..M-1 in that order, and the host
+adds stage gradients in dispatch order.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +17,7 @@ import torch
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
+from ..schedule.lowering import GraphTask, TaskGraph
 from ..schedule.plan import Stage
 from ..workers.completions import Completion, TaskLabel
 from .rng import layer_seed, seeded
@@ -52,8 +47,35 @@ def _is_float_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
+class TableSizes:
+    """The engine's :class:`~lightning_roundpipe.schedule.lowering.Sizes`: weight chunks from the layer tables.
+
+    Activation bytes are only known when a task runs (the carries' shapes), so they are 0 here.
+    """
+
+    def __init__(self, tables, compute_dtype, chunk_bytes: int) -> None:
+        self.tables, self.compute_dtype, self.chunk_bytes = tables, compute_dtype, chunk_bytes
+        self._cache: dict[tuple[int, int], StageWeights] = {}
+
+    def _weights(self, start: int, end: int) -> StageWeights:
+        if (start, end) not in self._cache:
+            self._cache[(start, end)] = StageWeights(self.tables, range(start, end), self.compute_dtype,
+                                                     self.chunk_bytes, need_grads=True)
+        return self._cache[(start, end)]
+
+    def weight_chunks(self, start: int, end: int) -> list[int]:
+        w = self._weights(start, end)
+        return [w.chunk_bytes(chunk) for chunk in w.chunks]
+
+    def grad_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        return [(start, end, self._weights(start, end).grad_bytes)]  # one download per stage, even when frozen
+
+    def boundary_bytes(self, boundary: int) -> int:
+        return 0
+
+
 class StepRun:
-    """State of one forward (+ backward) call: host activations, gradients, stashes."""
+    """One forward (+ backward) call: submits the lowered task graph, holds host activations and gradients."""
 
     def __init__(self, engine: "PipelineEngine", microbatches: list[Any], *, training: bool, loss_scale: float | None,
                  input_requires_grad: bool):
@@ -68,45 +90,29 @@ class StepRun:
         self.fused = training and loss_scale is not None and self.plan.fused_last
         self.loss_scale = loss_scale
         self.input_requires_grad = input_requires_grad
-        self.autocast = engine._autocast_state()
+        self.autocast = engine.autocast_state()
         rng_layers = [engine.layer_uses_rng(i) for i in range(len(engine.layers))]
         self.rng_layers = rng_layers
         self.base_seed = int(torch.randint(0, 2**62, ()).item()) if any(rng_layers) else None
         self.step = engine.step_count
-        # (layer boundary, microbatch) -> Completion whose value is a HostCarry
-        self.acts: dict[tuple[int, int], Completion] = {}
-        self.grads: dict[tuple[int, int], Completion] = {}
-        self.graphs: dict[tuple[int, int], tuple[list, list]] = {}
-        self.fwd_weights: dict[int, StageWeights] = {}
-        self.fused_stash: dict[str, Any] = {}
-        self.eager_work: list = []  # fused runs: backward stages dispatched right after the last stage
-        self.loss_parts: list[Completion] = []
-        self.wgrad_downloads: list[tuple[StageWeights, Completion]] = []
-        self.measurements: list[tuple[Stage, str, float]] = []
-        self.stage_order: dict[str, int] = {}  # dispatch serial of each stage, for transfer priorities
+        self.graph: TaskGraph = engine.lower_step(len(microbatches), training=training, fused=self.fused,
+                                                  input_gradient=input_requires_grad)
+        self.stages = {s.name: s for s in self.plan.forward_stages() + self.plan.backward_stages()}
+        self.done: dict[int, Completion] = {}  # graph task id -> its completion
+        self.weights: dict[str, StageWeights] = {}  # stage name -> its weights on its worker
+        self.saves: dict[str, set[int]] = {}  # forward stage -> boundaries it sends home besides its output
+        for t in self.graph:
+            if t.kind == "act_save":
+                self.saves.setdefault(t.stage, set()).add(t.boundary)
+        self.host_inputs = [HostCarry.of(mb) for mb in microbatches]
+        self.output_grads: list[HostCarry | None] = []
+        self.graphs: dict[tuple[int, int], tuple[list, Any, list]] = {}  # kept forward graphs (no recompute)
+        self.host_work: list[tuple[StageWeights, Completion]] = []  # weight-gradient downloads, dispatch order
+        self._measurements: list | None = None
 
     # ------------------------------------------------------------------ helpers
-    def _prio(self, kind: str, stage: Stage, queue: str) -> int:
-        """Transfer priority (lower first).
-
-        Uploads: stage first, then kind: everything the running stage needs (its weights and its
-        microbatch inputs, inputs first) goes before anything of a later stage, and a prefetch of
-        the next stage fills the gaps while the running stage waits for its inputs. Downloads: kind
-        first, then stage: activations and input gradients that another worker waits for go before
-        weight gradients, which only the host needs.
-        """
-        kind_rank = int(self.opts.priorities[kind])
-        order = self.stage_order.get(stage.name, 0)
-        return order * 16 + kind_rank if queue == "upload" else kind_rank * (1 << 40) + order
-
-    def _timeout(self) -> float:
-        return self.pool.timeout_s
-
     def _wait(self, c: Completion) -> Any:
-        return c.wait(self._timeout(), waiter="the host thread", diagnose=self.pool.diagnose)
-
-    def _label(self, kind: str, stage: Stage | None, mb: int, worker, queue: str) -> TaskLabel:
-        return TaskLabel(kind, stage.name if stage is not None else "", mb, worker.index, queue)
+        return c.wait(self.pool.timeout_s, waiter="the host thread", diagnose=self.pool.diagnose)
 
     @contextlib.contextmanager
     def _compute_context(self, device: torch.device, grad: bool):
@@ -131,40 +137,61 @@ class StepRun:
         saved[end] = carry
         return saved
 
-    def _upload_weights(self, worker, stage: Stage, need_grads: bool) -> tuple[StageWeights, list[Completion]]:
-        eng = self.engine
-        weights = StageWeights(eng.tables, stage.layers, self.opts.compute_dtype, self.opts.chunk_bytes, need_grads,
-                               eng.shadows)
-        deps = [eng._slot_dependency(worker.index)] + eng.weight_gates(stage.layers)
-        done = []
-        for k, chunk in enumerate(weights.chunks):
-            def fn(chunk=chunk):
-                # Parameters are only read; buffers may be written in forward (BatchNorm statistics)
-                # and must not reach the host that way.
-                dev = self.pool._copy_to_device(worker, [weights.sources[i] for i in chunk], [weights.dtypes[i] for i in chunk],
-                                                read_only=[weights.is_param[i] for i in chunk])
-                weights.store_chunk(chunk, dev)
-                worker.track_weights(weights.chunk_bytes(chunk))
-                return None
+    # ------------------------------------------------------------------ submission
+    def _submit(self, tasks: list[GraphTask]) -> None:
+        """Submit graph tasks in order: the graph's deps, the history waits, and each kind's tensor work."""
+        history = self.engine.history
+        for t in tasks:
+            worker = self.pool.workers[t.worker]
+            fn, nbytes, extra = getattr(self, f"_{t.kind}")(t, worker)
+            deps = [self.done[d] for d in t.deps] + history.resolve(t, usable=lambda c: not c.failed()) + extra
+            label = TaskLabel("release" if t.kind == "free_kept" else t.kind, t.stage, t.microbatch, t.worker, t.lane)
+            c = worker.submit(t.lane, fn, deps, label, priority=t.priority, nbytes=nbytes,
+                              always=t.kind in ("release", "free_kept"))
+            self.done[t.id] = c
+            history.record(t, c)
 
-            done.append(
-                worker.submit("upload", fn, deps, self._label("weights", stage, -1, worker, "upload"),
-                              priority=self._prio("weights", stage, "upload"), nbytes=weights.chunk_bytes(chunk))
-            )
-        return weights, done
+    def _dep(self, t: GraphTask, kind: str) -> Completion | None:
+        """The completion of ``t``'s dependency of ``kind`` (its input upload, its compute, ...)."""
+        for d in t.deps:
+            if self.graph.tasks[d].kind == kind:
+                return self.done[d]
+        return None
 
-    def _release(self, worker, weights: StageWeights, deps, stage: Stage) -> None:
+    def _source(self, t: GraphTask) -> Completion:
+        """Where an input upload's carry is on the host: a download of this step, or the caller's data."""
+        if t.deps:
+            return self.done[t.deps[0]]
+        if t.kind == "act_in":
+            return Completion.done(TaskLabel("input", "", t.microbatch), self.host_inputs[t.microbatch])
+        return Completion.done(TaskLabel("grad_output", "", t.microbatch), self.output_grads[t.microbatch])
+
+    # one method per task kind: (fn, bytes, extra dependencies)
+    def _weights(self, t: GraphTask, worker):
+        eng, stage = self.engine, self.stages[t.stage]
+        if t.stage not in self.weights:
+            need_grads = stage.direction == "B" or self.keep_graph or (self.fused and self._is_fused(stage))
+            self.weights[t.stage] = StageWeights(eng.tables, stage.layers, self.opts.compute_dtype,
+                                                 self.opts.chunk_bytes, need_grads, eng.shadows)
+            self._chunk = iter(self.weights[t.stage].chunks)
+        weights, chunk = self.weights[t.stage], next(self._chunk)
+
         def fn():
-            weights.release()
-            worker.track_weights(-weights.nbytes)
+            # Parameters are only read; buffers may be written in forward (BatchNorm statistics)
+            # and must not reach the host that way.
+            dev = self.pool._copy_to_device(worker, [weights.sources[i] for i in chunk], [weights.dtypes[i] for i in chunk],
+                                            read_only=[weights.is_param[i] for i in chunk])
+            weights.store_chunk(chunk, dev)
+            worker.track_weights(weights.chunk_bytes(chunk))
 
-        # On the download lane, not the in-order compute lane: the worker's next stage must not
-        # wait behind this stage's gradient download just to free memory.
-        c = worker.submit("download", fn, deps, self._label("release", stage, -1, worker, "download"), priority=-1,
-                          always=True)
-        self.engine._record_release(worker.index, c)
+        return fn, weights.chunk_bytes(chunk), eng.weight_gates(stage.layers)
 
-    def _upload_carry(self, worker, src: Completion, kind: str, stage: Stage, mb: int) -> Completion:
+    def _is_fused(self, stage: Stage) -> bool:
+        return stage.direction == "F" and stage.index == len(self.plan.forward) - 1
+
+    def _upload_carry(self, t: GraphTask, worker):
+        src = self._source(t)
+
         def fn():
             host: HostCarry = src.value
             idx = [i for i, x in enumerate(host.leaves) if isinstance(x, torch.Tensor)]
@@ -175,12 +202,12 @@ class StepRun:
             return HostCarry(leaves, host.spec)
 
         nbytes = _carry_bytes(src.value) if src.is_set() and src.value is not None else 0
-        # At most two microbatch inputs ahead of the compute queue: bounded activation memory.
-        deps = [src, self.engine._input_slot(worker.index)]
-        return worker.submit("upload", fn, deps, self._label(kind, stage, mb, worker, "upload"),
-                             priority=self._prio("activation", stage, "upload"), nbytes=nbytes)
+        return fn, nbytes, []
 
-    def _download_carry(self, worker, get_tree, dep: Completion, kind: str, stage: Stage, mb: int) -> Completion:
+    _act_in = _upload_carry
+    _grad_in = _upload_carry
+
+    def _download_carry(self, t: GraphTask, worker, get_tree):
         def fn():
             host = get_tree()
             idx = [i for i, x in enumerate(host.leaves) if isinstance(x, torch.Tensor)]
@@ -190,65 +217,49 @@ class StepRun:
                 leaves[i] = h
             return HostCarry(leaves, host.spec)
 
-        return worker.submit("download", fn, [dep], self._label(kind, stage, mb, worker, "download"),
-                             priority=self._prio("activation", stage, "download"))
+        return fn, 0, []
 
-    def _timed(self, stage: Stage, kind: str, fn):
-        def run():
-            t0 = time.perf_counter()
-            out = fn()
-            self.measurements.append((stage, kind, time.perf_counter() - t0))
-            return out
+    def _act_out(self, t: GraphTask, worker):
+        comp = self.done[t.deps[0]]
+        return self._download_carry(t, worker, lambda: HostCarry.of(comp.value[t.boundary]))
 
-        return run
+    _act_save = _act_out
 
-    # ------------------------------------------------------------------ forward
-    def forward(self) -> list[HostCarry]:
-        """Dispatch every forward stage; return each microbatch's output carry (host)."""
-        eng = self.engine
-        for i, mb in enumerate(self.mbs):
-            self.acts[(0, i)] = Completion.done(TaskLabel("input", "", i), HostCarry.of(mb))
-        saved_bounds = set(self.plan.saved_boundaries()) if (self.training and not self.keep_graph) else set()
-        fwd = self.plan.forward_stages()
-        for k, stage in enumerate(fwd):
-            worker = eng._next_worker_for()
-            self.stage_order[stage.name] = eng._next_stage_serial()
-            is_fused = self.fused and k == len(fwd) - 1
-            need_grads = self.keep_graph or is_fused
-            weights, ready = self._upload_weights(worker, stage, need_grads)
-            last = None
-            for i in range(self.M):
-                act_in = self._upload_carry(worker, self.acts[(stage.start, i)], "act_in", stage, i)
-                if is_fused:
-                    last = self._fused_microbatch(worker, weights, stage, i, ready, act_in)
-                    continue
-                save_at = {b for b in saved_bounds if stage.start < b < stage.end}
-                comp = worker.compute(
-                    self._timed(stage, "forward", self._forward_fn(worker, weights, stage, i, act_in, save_at)),
-                    ready + [act_in], self._label("forward", stage, i, worker, "compute"))
-                eng._record_compute(worker.index, comp)
-                last = comp
-                for b in sorted(save_at | {stage.end}):
-                    self.acts[(b, i)] = self._download_carry(
-                        worker, (lambda comp=comp, b=b: HostCarry.of(comp.value[b])), comp, "act_out", stage, i)
-            if is_fused:
-                wg = worker.download(lambda w=weights: w.device_grads(), [last],
-                                     self._label("wgrad", stage, -1, worker, "download"),
-                                     priority=self._prio("gradients", stage, "download"), nbytes=weights.grad_bytes)
-                self.fused_stash["wgrad"] = (weights, wg)
-                self._release(worker, weights, [wg], stage)
-            elif self.keep_graph:
-                self.fwd_weights[k] = weights  # the kept graph holds them until backward
-                self.fwd_weights[k]._worker = worker
-            else:
-                self._release(worker, weights, [last], stage)
-        if self.fused:
-            self.eager_work = self._dispatch_backward()
-            return []
-        L = self.plan.num_layers
-        return [self._wait(self.acts[(L, i)]) for i in range(self.M)]
+    def _grad_out(self, t: GraphTask, worker):
+        comp = self.done[t.deps[0]]
+        fused = self.graph.tasks[t.deps[0]].kind == "fused"
+        return self._download_carry(t, worker, (lambda: comp.value[1]) if fused else (lambda: comp.value))
 
-    def _forward_fn(self, worker, weights, stage, i, act_in, save_at):
+    def _loss(self, t: GraphTask, worker):
+        comp = self.done[t.deps[0]]
+        return (lambda: self.pool._copy_to_host(worker, [comp.value[0]])), 0, []
+
+    def _wgrad(self, t: GraphTask, worker):
+        weights = self._stage_weights(t)
+        return (lambda: self.pool._copy_to_host(worker, weights.device_grads())), t.bytes, []
+
+    def _release(self, t: GraphTask, worker):
+        weights = self._stage_weights(t)
+
+        def fn():
+            weights.release()
+            worker.track_weights(-weights.nbytes)
+
+        return fn, 0, []
+
+    _free_kept = _release
+
+    def _stage_weights(self, t: GraphTask) -> StageWeights:
+        stage = self.stages[t.stage]
+        if self.keep_graph and stage.direction == "B":
+            return self.weights[f"F{stage.index}"]  # the forward kept them, with its graph
+        return self.weights[t.stage]
+
+    def _forward(self, t: GraphTask, worker):
+        stage, i = self.stages[t.stage], t.microbatch
+        weights, act_in = self.weights[t.stage], self._dep(t, "act_in")
+        save_at = self.saves.get(t.stage, set())
+
         def fn():
             carry = act_in.value
             if self.keep_graph:
@@ -260,10 +271,14 @@ class StepRun:
                 return {stage.end: pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out[stage.end])}
             with self._compute_context(worker.device, grad=False):
                 return self._run_layers(worker.device, weights, stage.start, stage.end, carry.tree(), i, save_at)
-        return fn
 
-    def _fused_microbatch(self, worker, weights, stage, i, ready, act_in) -> Completion:
+        return fn, 0, []
+
+    def _fused(self, t: GraphTask, worker):
         """Forward, loss and backward of the last stage at once; only the scalar and gradients come home."""
+        stage, i = self.stages[t.stage], t.microbatch
+        weights, act_in = self.weights[t.stage], self._dep(t, "act_in")
+
         def fn():
             tree = act_in.value.tree()
             in_leaves, tree = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad)
@@ -274,103 +289,12 @@ class StepRun:
             grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in in_leaves]
             return loss_sum.detach().float(), HostCarry(grads, act_in.value.spec)
 
-        comp = worker.compute(self._timed(stage, "fused", fn), ready + [act_in],
-                              self._label("fused", stage, i, worker, "compute"))
-        self.engine._record_compute(worker.index, comp)
-        self.loss_parts.append(worker.download(lambda: [comp.value[0]], [comp],
-                                               self._label("loss", stage, i, worker, "download"),
-                                               priority=self._prio("activation", stage, "download")))
-        self.grads[(stage.start, i)] = self._download_carry(
-            worker, lambda: comp.value[1], comp, "grad_out", stage, i)
-        return comp
+        return fn, 0, []
 
-    def fused_loss(self) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32)
-        for c in self.loss_parts:  # fixed order: microbatch 0..M-1
-            total = total + self._wait(c)[0]
-        return total * self.loss_scale
+    def _backward(self, t: GraphTask, worker):
+        stage, i = self.stages[t.stage], t.microbatch
+        weights, a_in, g_in = self._stage_weights(t), self._dep(t, "act_in"), self._dep(t, "grad_in")
 
-    # ------------------------------------------------------------------ backward
-    def backward(self, output_grads: list[HostCarry | None], incoming_scale: float | None = None) -> list[list | None]:
-        """Add every stage's weight gradients to the host ``.grad`` (dispatch order); return input grads.
-
-        Ordinary runs dispatch the backward stages now. A fused run dispatched them already, right
-        after its last stage (backward is linear in the loss's gradient, so it ran for a gradient
-        of 1 while the host went on): here its results are only multiplied by ``incoming_scale``.
-        """
-        eng = self.engine
-        if self.fused:
-            weights, wg = self.fused_stash["wgrad"]
-            host_work = [(weights, wg)] + self.eager_work
-            scale = incoming_scale
-        else:
-            for i in range(self.M):
-                self.grads[(self.plan.num_layers, i)] = Completion.done(TaskLabel("grad_output", "", i), output_grads[i])
-            host_work = self._dispatch_backward()
-            scale = None
-        # Host side: gradients into .grad in dispatch order (deterministic whatever the timing).
-        for weights, wg in host_work:
-            grads = self._wait(wg)
-            accumulate_host_grads(weights, grads, scale)
-            eng._on_grads_accumulated(weights.layer_ids)
-        if not self.input_requires_grad:
-            return [None] * self.M
-        trees = [self._wait(self.grads[(0, i)]) for i in range(self.M)]
-        if scale is not None and scale != 1.0:
-            trees = [HostCarry([x * scale if isinstance(x, torch.Tensor) else x for x in t.leaves], t.spec) for t in trees]
-        return [t.tree() for t in trees]
-
-    def _dispatch_backward(self) -> list[tuple[StageWeights, Completion]]:
-        """Submit the backward stages (the fused one excepted) in reverse; return their gradient downloads."""
-        eng = self.engine
-        host_work = []
-        stages = list(reversed(self.plan.backward_stages()))
-        if self.fused:
-            stages = stages[1:]  # its backward already ran, fused with its forward
-        for stage in stages:
-            worker = eng._next_worker_for()
-            self.stage_order[stage.name] = eng._next_stage_serial()
-            if self.keep_graph:
-                weights = self.fwd_weights[stage.index]
-                ready = []
-            else:
-                weights, ready = self._upload_weights(worker, stage, need_grads=True)
-            last = None
-            for i in range(self.M):
-                g_in = self._upload_carry(worker, self.grads[(stage.end, i)], "grad_in", stage, i)
-                deps = ready + [g_in]
-                a_in = None
-                if not self.keep_graph:
-                    a_in = self._upload_carry(worker, self.acts[(stage.start, i)], "act_in", stage, i)
-                    deps.append(a_in)
-                comp = worker.compute(self._backward_fn(worker, weights, stage, i, a_in, g_in),
-                                      deps, self._label("backward", stage, i, worker, "compute"))
-                eng._record_compute(worker.index, comp)
-                last = comp
-                if stage.start > 0 or self.input_requires_grad:
-                    self.grads[(stage.start, i)] = self._download_carry(
-                        worker, (lambda comp=comp: comp.value), comp, "grad_out", stage, i)
-            wg = worker.download(lambda w=weights: w.device_grads(), [last],
-                                 self._label("wgrad", stage, -1, worker, "download"),
-                                 priority=self._prio("gradients", stage, "download"), nbytes=weights.grad_bytes)
-            host_work.append((weights, wg))
-            if self.keep_graph:
-                self._release_kept(weights, wg, stage)
-            else:
-                self._release(worker, weights, [wg], stage)
-        return host_work
-
-    def _release_kept(self, weights, wg, stage):
-        worker = weights._worker
-
-        def fn():
-            weights.release()
-            worker.track_weights(-weights.nbytes)
-
-        worker.submit("download", fn, [wg], self._label("release", stage, -1, worker, "download"), priority=-1,
-                      always=True)
-
-    def _backward_fn(self, worker, weights, stage, i, a_in, g_in):
         def fn():
             g_leaves = g_in.value.leaves
             if self.keep_graph:
@@ -379,20 +303,97 @@ class StepRun:
                 spec = a_in.value.spec
                 tree = a_in.value.tree()
                 in_leaves, tree = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad)
-                t0 = time.perf_counter()
                 with self._compute_context(worker.device, grad=True):
                     out = self._run_layers(worker.device, weights, stage.start, stage.end, tree, i)[stage.end]
-                self.measurements.append((stage, "recompute", time.perf_counter() - t0))
                 out_leaves = pytree.tree_leaves(out)
-            t0 = time.perf_counter()
             pairs = [(o, g) for o, g in zip(out_leaves, g_leaves)
                      if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
             grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in in_leaves]
-            self.measurements.append((stage, "backward", time.perf_counter() - t0))
             return HostCarry(grads, spec)
-        return fn
+
+        return fn, 0, []
+
+    def _wgrad_work(self, tasks: list[GraphTask]) -> list[tuple[StageWeights, Completion]]:
+        return [(self._stage_weights(t), self.done[t.id]) for t in tasks if t.kind == "wgrad"]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self) -> list[HostCarry]:
+        """Submit the forward phase; return each microbatch's output carry (host).
+
+        A fused run's forward phase holds the backward stages too (backward is linear in the
+        loss's gradient, so they run for a gradient of 1 while the host goes on)."""
+        tasks = self.graph.phase("forward")
+        self._submit(tasks)
+        if self.fused:
+            self.host_work = self._wgrad_work(tasks)
+            return []
+        L = self.plan.num_layers
+        outs = [t for t in tasks if t.kind == "act_out" and t.boundary == L]
+        return [self._wait(self.done[t.id]) for t in sorted(outs, key=lambda t: t.microbatch)]
+
+    def fused_loss(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32)
+        for t in self.graph.tasks:  # fixed order: microbatch 0..M-1
+            if t.kind == "loss":
+                total = total + self._wait(self.done[t.id])[0]
+        return total * self.loss_scale
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, output_grads: list[HostCarry | None], incoming_scale: float | None = None) -> list[list | None]:
+        """Add every stage's weight gradients to the host ``.grad`` (dispatch order); return input grads.
+
+        Ordinary runs submit the backward phase now. A fused run submitted it already: here its
+        results are only multiplied by ``incoming_scale``.
+        """
+        eng = self.engine
+        if self.fused:
+            scale = incoming_scale
+        else:
+            self.output_grads = list(output_grads)
+            tasks = self.graph.phase("backward")
+            self._submit(tasks)
+            self.host_work = self._wgrad_work(tasks)
+            scale = None
+        # Host side: gradients into .grad in dispatch order (deterministic whatever the timing).
+        for weights, wg in self.host_work:
+            grads = self._wait(wg)
+            accumulate_host_grads(weights, grads, scale)
+            eng.notify_grads_accumulated(weights.layer_ids)
+        if not self.input_requires_grad:
+            return [None] * self.M
+        firsts = sorted((t for t in self.graph.tasks if t.kind == "grad_out" and t.boundary == 0),
+                        key=lambda t: t.microbatch)
+        trees = [self._wait(self.done[t.id]) for t in firsts]
+        if scale is not None and scale != 1.0:
+            trees = [HostCarry([x * scale if isinstance(x, torch.Tensor) else x for x in t.leaves], t.spec) for t in trees]
+        return [t.tree() for t in trees]
+
+    # ------------------------------------------------------------------ measurements
+    @property
+    def measurements(self) -> list[tuple[Stage, str, float]]:
+        """(stage, kind, seconds) of every compute task of this call, read from the pool's trace records.
+
+        Kinds are "forward", "fused", and "backward" (with recompute: "recompute_backward", the
+        recompute and the backward proper in one task). Read once every compute has finished
+        (after backward, or after an evaluation forward); the records are dropped then unless
+        the timeline keeps them.
+        """
+        if self._measurements is None:
+            trace = self.pool.trace
+            records = [r for r in trace.records(self.step) if r.queue == "compute"] if trace.recording else []
+            if not trace.enabled:
+                trace.discard_step(self.step)
+            out = []
+            for r in records:
+                stage = self.stages.get(r.stage)
+                if stage is None:
+                    continue
+                kind = "recompute_backward" if r.kind == "backward" and not self.keep_graph else r.kind
+                out.append((stage, kind, r.duration))
+            self._measurements = out
+        return self._measurements
 
 
 def _leaves_requiring_grad(tree, need: bool):

@@ -165,11 +165,18 @@ class Plan:
         return "\n".join(lines)
 
 
-def dispatch(plan: Plan, num_workers: int, first_worker: int = 0) -> list[Task]:
-    """Round-robin dispatch: forward stages in order, then backward stages in reverse, each to the next worker."""
+def dispatch(plan: Plan, num_workers: int, first_worker: int = 0, fused: bool | None = None) -> list[Task]:
+    """Round-robin dispatch: forward stages in order, then backward stages in reverse, each to the next worker.
+
+    ``fused`` (default: the plan's ``fused_last``) says whether the last stage runs fused; a plan
+    with a fused last stage run with the loss outside the pipeline dispatches that stage's
+    backward like any other.
+    """
     if num_workers < 1:
         raise PlanError(f"dispatch needs at least one worker, got {num_workers}")
-    stages = plan.forward_stages() + plan.dispatched_backward_stages()
+    fused = plan.fused_last if fused is None else fused and plan.fused_last
+    backward = plan.dispatched_backward_stages() if fused else list(reversed(plan.backward_stages()))
+    stages = plan.forward_stages() + backward
     return [Task(k, s, (first_worker + k) % num_workers) for k, s in enumerate(stages)]
 
 

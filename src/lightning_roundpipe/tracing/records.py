@@ -34,14 +34,30 @@ class TraceRecord:
 
 
 class TraceRecorder:
-    """Thread-safe list of records, switched on and off by the engine."""
+    """Thread-safe list of records.
+
+    ``enabled`` asks for a timeline (step metrics, exported traces). Independently, an engine
+    that learns task times from the records calls :meth:`keep_task_times`; the lanes record
+    whenever :attr:`recording` is true, and that engine drops a step's records once it has
+    read them unless a timeline was asked for.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._records: list[TraceRecord] = []
         self.origin = time.perf_counter()
         self.enabled = False
+        self.measuring = False
         self.step = 0
+
+    @property
+    def recording(self) -> bool:
+        """Whether the lanes add a record per task (a timeline, or task times, is wanted)."""
+        return self.enabled or self.measuring
+
+    def keep_task_times(self) -> None:
+        """Record every task even without a timeline: the caller reads and drops each step's records."""
+        self.measuring = True
 
     def now(self) -> float:
         return time.perf_counter() - self.origin
@@ -55,11 +71,12 @@ class TraceRecorder:
             out = list(self._records)
         return out if step is None else [r for r in out if r.step == step]
 
-    def clear(self) -> None:
-        with self._lock:
-            self._records.clear()
-
     def discard_step(self, step: int) -> None:
         """Forget the records of one step (metrics were taken; the timeline keeps only chosen steps)."""
         with self._lock:
             self._records = [r for r in self._records if r.step != step]
+
+    def discard_before(self, step: int) -> None:
+        """Forget the records of every step before ``step`` (calls whose records nobody read)."""
+        with self._lock:
+            self._records = [r for r in self._records if r.step >= step]

@@ -50,7 +50,7 @@ class CudaWorkerPool(WorkerPool):
         for dep in task.deps:
             if dep.cuda_event is not None:
                 stream.wait_event(dep.cuda_event)
-        record = self.trace.enabled and task.done.label.kind != "release"
+        record = self.trace.recording and task.done.label.kind != "release"
         if record:
             t0 = torch.cuda.Event(enable_timing=True)
             t0.record(stream)

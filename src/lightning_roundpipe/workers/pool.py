@@ -324,7 +324,7 @@ class WorkerPool:
         pass
 
     def _record(self, lane: Lane, task: _Task, start: float, end: float) -> None:
-        if self.trace.enabled and task.done.label.kind != "release":
+        if self.trace.recording and task.done.label.kind != "release":
             lab = task.done.label
             self.trace.add(
                 TraceRecord(lane.worker.index, lane.queue, lab.kind, lab.stage, lab.microbatch, task.nbytes, start, end, self.trace.step)

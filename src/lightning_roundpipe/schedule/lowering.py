@@ -1,0 +1,277 @@
+"""The plan lowered into one training step's task graph, as plain data.
+
+This is the only place where the rules of a RoundPipe step live; the executor submits the
+graph, the simulator times it and the partitioner's test checks its predictor against that:
+
+- round-robin: forward stages in order, then the dispatched backward stages (last layers
+  first), each to the next worker after ``first_worker`` (:func:`~.plan.dispatch`);
+- per stage: its weights go up (in chunks), then per microbatch its input (and, in backward,
+  the gradient of its output) goes up, the worker computes, and what another stage needs
+  comes down: the output and the stage-internal inputs backward recomputes from, or the input
+  gradient; after the last microbatch the weight gradients come down and the stage's slot is
+  released;
+- the fused last stage runs forward, loss and backward per microbatch; only the loss scalar
+  and the input gradient come down;
+- without recompute the forward keeps its graph and weights until the stage's backward, which
+  then uploads neither; the backward's worker is the one that ran the forward;
+- memory bounds, as waits on the worker's history (:class:`~.history.WorkerHistory`, which
+  also spans calls and steps): a weights upload waits for the release ``prefetch_depth + 1``
+  back on its worker; an input upload waits for the compute two back (double buffering); a
+  compute waits for the downloads of the compute two back;
+- priorities (lower first): uploads by stage serial, then kind, so everything the running
+  stage needs goes before a later stage's prefetch; downloads by kind, then stage serial, so
+  activations other workers wait for go before weight gradients; releases first of all.
+
+A task's ``deps`` name earlier tasks of the same graph; its ``waits`` name history entries
+(``("release", 2)``: the second most recent release recorded on its worker when it is
+submitted). Every weights upload also waits for its layers' new weight versions (the host
+optimizer), which the reader supplies. Bytes come from a :class:`Sizes` the reader passes:
+the simulator's from a cost profile, the engine's from its weight tables (activation bytes
+there are only known when a task runs, so they are 0 in the graph).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .plan import Plan, PlanError, Stage, dispatch
+
+LANES = ("upload", "compute", "download")
+LANE_KINDS = {
+    "upload": ("weights", "act_in", "grad_in"),
+    "compute": ("forward", "fused", "backward"),
+    "download": ("act_out", "act_save", "grad_out", "loss", "wgrad", "release", "free_kept"),
+}
+# Transfer kinds by the priority class (EngineOptions.priorities) they take.
+PRIORITY_CLASS = {"weights": "weights", "act_in": "activation", "grad_in": "activation", "act_out": "activation",
+                  "act_save": "activation", "grad_out": "activation", "loss": "activation", "wgrad": "gradients"}
+DEFAULT_PRIORITIES = {"activation": 0, "weights": 1, "gradients": 2}
+UPLOAD_STRIDE = 16  # upload priority = stage serial * UPLOAD_STRIDE + class rank
+DOWNLOAD_STRIDE = 1 << 40  # download priority = class rank * DOWNLOAD_STRIDE + stage serial
+RELEASE_PRIORITY = -1
+LOSS_BYTES = 4  # one fp32 scalar per microbatch
+INPUT_BUFFERS = 2  # microbatch inputs a worker may hold ahead of its compute (and outputs behind it)
+
+
+class Sizes(Protocol):
+    """Bytes the graph's transfers move; the lowering decides only how many tasks and in which order."""
+
+    def weight_chunks(self, start: int, end: int) -> list[int]:
+        """Bytes of each weights upload of the stage ``[start, end)`` (one task each, in order)."""
+
+    def grad_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """``(first layer, end layer, bytes)`` of each weight-gradient download of the stage."""
+
+    def boundary_bytes(self, boundary: int) -> int:
+        """Bytes of one microbatch's activation at a layer boundary (the input of layer ``boundary``)."""
+
+
+@dataclass(frozen=True)
+class LoweringOptions:
+    """What, besides the plan, decides a step's graph.
+
+    training: backward stages are lowered too (False: an evaluation forward).
+    fused: the plan's fused last stage runs fused (the loss is computed inside the pipeline).
+    recompute: False keeps every forward graph until its backward (see the module doc).
+    input_gradient: the input gradient of layer 0 comes home (the caller's input needs grad).
+    first_serial: serial of the first stage, continuing the previous steps' (transfer priorities).
+    """
+
+    microbatches: int = 2
+    training: bool = True
+    fused: bool = False
+    recompute: bool = True
+    input_gradient: bool = False
+    prefetch_depth: int = 1
+    priorities: dict = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
+    first_serial: int = 0
+
+
+@dataclass(frozen=True)
+class GraphTask:
+    """One task of the step: a transfer or a compute on one lane of one worker."""
+
+    id: int
+    worker: int
+    lane: str
+    kind: str
+    stage: str  # stage name, e.g. "F0" or "B3"
+    microbatch: int  # -1 for per-stage tasks
+    bytes: int
+    deps: tuple[int, ...]  # ids of earlier tasks in this graph
+    priority: int  # transfer lanes: lower first; 0 on the in-order compute lane
+    phase: str  # "forward" or "backward": the host call that submits it
+    start: int  # the stage's layers
+    end: int
+    boundary: int = -1  # activation transfers: the layer boundary of the carry
+    waits: tuple[tuple[str, int], ...] = ()  # (history, back) entries on this worker's history
+    layers: tuple[int, int] | None = None  # weight-gradient downloads: the layers they cover
+
+    def to_text(self) -> str:
+        mb = f" mb{self.microbatch}" if self.microbatch >= 0 else ""
+        at = f" @{self.boundary}" if self.boundary >= 0 else ""
+        deps = f" <- {','.join(map(str, self.deps))}" if self.deps else ""
+        waits = "".join(f" wait {h}-{back}" for h, back in self.waits)
+        return (f"{self.id:>4} w{self.worker} {self.lane:<8} {self.kind:<9} {self.stage}[{self.start}:{self.end}]"
+                f"{mb}{at} {self.bytes}B p{self.priority}{deps}{waits}")
+
+
+@dataclass(frozen=True)
+class TaskGraph:
+    """The tasks of one step in submission order, and where the next step's dispatch continues."""
+
+    tasks: tuple[GraphTask, ...]
+    num_workers: int
+    next_worker: int
+    next_serial: int
+    stage_workers: dict = field(default_factory=dict, compare=False)  # stage name -> worker
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __iter__(self):
+        return iter(self.tasks)
+
+    def phase(self, name: str) -> list[GraphTask]:
+        return [t for t in self.tasks if t.phase == name]
+
+    def to_text(self) -> str:
+        return "\n".join(t.to_text() for t in self.tasks)
+
+    def validate(self) -> "TaskGraph":
+        """Raise :class:`PlanError` naming the first malformed task; return ``self``."""
+        for pos, t in enumerate(self.tasks):
+            if t.id != pos:
+                raise PlanError(f"task {pos} has id {t.id}: ids must be positions in submission order")
+            if t.lane not in LANES or t.kind not in LANE_KINDS[t.lane]:
+                raise PlanError(f"task {t.id} ({t.kind}) cannot run on the {t.lane!r} lane")
+            if not 0 <= t.worker < self.num_workers:
+                raise PlanError(f"task {t.id} names worker {t.worker} of {self.num_workers}")
+            for d in t.deps:
+                if not 0 <= d < t.id:
+                    raise PlanError(f"task {t.id} depends on task {d}, which is not submitted before it")
+                if self.tasks[d].phase == "backward" and t.phase == "forward":
+                    raise PlanError(f"forward-phase task {t.id} depends on backward-phase task {d}")
+            if t.bytes < 0:
+                raise PlanError(f"task {t.id} moves {t.bytes} bytes")
+            if t.lane == "compute":
+                # A compute runs where its weights and inputs were uploaded.
+                for d in t.deps:
+                    src = self.tasks[d]
+                    if src.lane == "upload" and src.worker != t.worker:
+                        raise PlanError(f"compute task {t.id} on worker {t.worker} uses upload {d} of worker {src.worker}")
+        return self
+
+
+class _Builder:
+    def __init__(self, plan: Plan, num_workers: int, sizes: Sizes, options: LoweringOptions) -> None:
+        self.plan, self.nw, self.sizes, self.o = plan, num_workers, sizes, options
+        self.tasks: list[GraphTask] = []
+        self.rank = options.priorities
+        self.acts: dict[tuple[int, int], int] = {}  # (boundary, mb) -> download that brought it home
+        self.grads: dict[tuple[int, int], int] = {}
+        self.forward_worker: dict[int, int] = {}  # kept graphs: forward stage index -> the worker holding it
+
+    def add(self, worker, lane, kind, stage: Stage, mb, nbytes, deps, priority, phase, boundary=-1, waits=(),
+            layers=None) -> int:
+        tid = len(self.tasks)
+        self.tasks.append(GraphTask(tid, worker, lane, kind, stage.name, mb, int(nbytes), tuple(deps), int(priority),
+                                    phase, stage.start, stage.end, boundary, tuple(waits), layers))
+        return tid
+
+    def upload_priority(self, kind: str, serial: int) -> int:
+        return serial * UPLOAD_STRIDE + int(self.rank[PRIORITY_CLASS[kind]])
+
+    def download_priority(self, kind: str, serial: int) -> int:
+        return int(self.rank[PRIORITY_CLASS[kind]]) * DOWNLOAD_STRIDE + serial
+
+    def stage(self, stage: Stage, worker: int, serial: int, phase: str, kind: str) -> None:
+        o, plan, m = self.o, self.plan, self.o.microbatches
+        keep = o.training and not o.recompute
+        backward = stage.direction == "B"
+        kept_backward = backward and keep
+        weights = []
+        if not kept_backward:
+            waits = (("release", int(o.prefetch_depth) + 1),)
+            for nbytes in self.sizes.weight_chunks(stage.start, stage.end):
+                weights.append(self.add(worker, "upload", "weights", stage, -1, nbytes, (), self.upload_priority(
+                    "weights", serial), phase, waits=waits))
+        in_prio = self.upload_priority("act_in", serial)
+        saves = ([b for b in plan.saved_boundaries() if stage.start < b < stage.end]
+                 if stage.direction == "F" and o.training and o.recompute and kind == "forward" else [])
+        last = None
+        for i in range(m):
+            inputs = []
+            buffer = (("compute", INPUT_BUFFERS),)
+            if not kept_backward:
+                src = self.acts.get((stage.start, i))
+                inputs.append(self.add(worker, "upload", "act_in", stage, i, self.sizes.boundary_bytes(stage.start),
+                                       () if src is None else (src,), in_prio, phase, stage.start, buffer))
+            if backward:
+                src = self.grads.get((stage.end, i))
+                g_in = self.add(worker, "upload", "grad_in", stage, i, self.sizes.boundary_bytes(stage.end),
+                                () if src is None else (src,), in_prio, phase, stage.end, buffer)
+                inputs.append(g_in)
+            deps = weights + inputs
+            last = self.add(worker, "compute", kind, stage, i, 0, deps, 0, phase, waits=(("outputs", INPUT_BUFFERS),))
+            act_prio = self.download_priority("act_out", serial)
+            if kind == "fused":
+                self.add(worker, "download", "loss", stage, i, LOSS_BYTES, (last,), act_prio, phase)
+            if kind == "forward":
+                self.acts[(stage.end, i)] = self.add(worker, "download", "act_out", stage, i,
+                                                     self.sizes.boundary_bytes(stage.end), (last,), act_prio, phase,
+                                                     stage.end)
+                for b in saves:
+                    self.acts[(b, i)] = self.add(worker, "download", "act_save", stage, i, self.sizes.boundary_bytes(b),
+                                                 (last,), act_prio, phase, b)
+            elif stage.start > 0 or o.input_gradient:
+                self.grads[(stage.start, i)] = self.add(worker, "download", "grad_out", stage, i,
+                                                        self.sizes.boundary_bytes(stage.start), (last,), act_prio,
+                                                        phase, stage.start)
+        if kind == "forward":
+            if keep:
+                self.forward_worker[stage.index] = worker
+                return  # the kept graph holds the weights until this stage's backward
+            self.add(worker, "download", "release", stage, -1, 0, (last,), RELEASE_PRIORITY, phase)
+            return
+        wgrads = [self.add(worker, "download", "wgrad", stage, -1, nbytes, (last,),
+                           self.download_priority("wgrad", serial), phase, layers=(a, b))
+                  for a, b, nbytes in self.sizes.grad_chunks(stage.start, stage.end)]
+        deps = tuple(wgrads) or (last,)
+        if kept_backward:
+            # The kept weights live on the forward's worker (the CPU backend's workers share memory).
+            self.add(self.forward_worker[stage.index], "download", "free_kept", stage, -1, 0, deps, RELEASE_PRIORITY,
+                     phase)
+        else:
+            self.add(worker, "download", "release", stage, -1, 0, deps, RELEASE_PRIORITY, phase)
+
+
+def lower(plan: Plan, num_workers: int, first_worker: int, sizes: Sizes, options: LoweringOptions) -> TaskGraph:
+    """The step's task graph: ``plan`` dispatched round-robin from ``first_worker`` (see the module doc)."""
+    if options.microbatches < 1:
+        raise PlanError(f"a step needs at least one microbatch, got {options.microbatches}")
+    if options.training and not options.recompute and not plan.same_cuts():
+        raise PlanError(f"without recompute backward stages must be cut like forward ones; got {plan.to_text()}")
+    fused = options.training and options.fused and plan.fused_last
+    n_forward = len(plan.forward)
+    # The plan's fused stage runs as a plain forward and backward stage when the loss is computed outside.
+    tasks = dispatch(plan, num_workers, first_worker, fused=fused)
+    if not options.training:
+        tasks = tasks[:n_forward]
+    builder = _Builder(plan, num_workers, sizes, options)
+    stage_workers: dict[str, int] = {}
+    for k, task in enumerate(tasks):
+        stage = task.stage
+        serial = options.first_serial + k
+        if stage.direction == "F":
+            kind = "fused" if fused and stage.index == n_forward - 1 else "forward"
+            phase = "forward"
+        else:
+            kind, phase = "backward", "forward" if fused else "backward"
+        builder.stage(stage, task.worker, serial, phase, kind)
+        stage_workers[stage.name] = task.worker
+    next_worker = (first_worker + len(tasks)) % num_workers
+    return TaskGraph(tuple(builder.tasks), num_workers, next_worker, options.first_serial + len(tasks),
+                     stage_workers).validate()
+
