@@ -65,7 +65,7 @@ def cost_profile(timings: Sequence[LayerTiming], shape: ShapeConfig, weight_byte
     act = shape.hidden * 4 + 8  # fp32 hidden state plus the int64 target id travelling with it
     layers = [LayerCost(t.forward_s, t.forward_s, t.backward_s, int(w), int(w), act) for t, w in zip(timings, weight_bytes)]
     mb_tokens = max(1, shape.batch // shape.microbatches) * shape.seq_len
-    return CostProfile(layers, tokens_per_microbatch=mb_tokens, measured=True, notes={"source": "benchmarks.models"})
+    return CostProfile(layers, tokens_per_microbatch=mb_tokens, measured=True, source="benchmarks.models")
 
 
 @dataclass

@@ -147,7 +147,7 @@ def task_costs(plan: Plan, model: nn.Sequential, cfg: ValidationConfig, microbat
                                 grad_bytes=nbytes, act_bytes_per_token=layer.out_features * 4))
     rows = cfg.batch // microbatches  # one "token" = one row of the batch
     return CostProfile(layers, tokens_per_microbatch=rows, measured=True,
-                       notes={"dtype_bytes": 4, "input_bytes_per_token": cfg.width * 4})
+                       dtype_bytes=4, input_bytes_per_token=cfg.width * 4)
 
 
 def hardware_of(cfg: ValidationConfig) -> HardwareProfile:

@@ -10,7 +10,8 @@ from torch import nn
 
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.cost.estimate import MovingCostProfile, cost_change, estimate_costs
-from lightning_roundpipe.planning.partition import TIE_TOLERANCE, Replanner, partition, predict
+from lightning_roundpipe.planning.partition import TIE_TOLERANCE, partition, predict
+from lightning_roundpipe.planning.replan import Replanner
 from lightning_roundpipe.schedule.plan import Plan, PlanError
 
 MiB = 2**20
@@ -40,7 +41,7 @@ def sizes(ranges) -> list[int]:
 
 
 def seconds_of(plan: Plan, prefix: str) -> list[float]:
-    return [s for name, s in plan.notes["stage_seconds"].items() if name.startswith(prefix)]
+    return [s for name, s in plan.facts.stage_seconds.items() if name.startswith(prefix)]
 
 
 # --------------------------------------------------------------------- timing model
@@ -81,9 +82,9 @@ def test_uniform_and_params_policies_for_equal_layers():
         plan = partition(policy, costs, num_workers=4, microbatches=8)
         assert sizes(plan.forward) == [4, 4, 4, 4]
         assert sizes(plan.backward) == [2] * 8
-        assert plan.notes["policy"] == policy
-        assert plan.notes["predicted_step_s"] > 0
-        assert set(plan.notes["stage_seconds"]) == {f"F{i}" for i in range(4)} | {f"B{i}" for i in range(8)}
+        assert plan.facts.policy == policy
+        assert plan.facts.predicted_step_s > 0
+        assert set(plan.facts.stage_seconds) == {f"F{i}" for i in range(4)} | {f"B{i}" for i in range(8)}
 
 
 def test_params_policy_balances_weight_bytes():
@@ -98,11 +99,11 @@ def test_auto_on_equal_layers_beats_equal_cuts_and_is_annotated():
     costs = equal_layers(16)
     plan = partition("auto", costs, num_workers=4, microbatches=8, link_bytes_per_second=LINK)
     uniform = partition("uniform", costs, num_workers=4, microbatches=8, link_bytes_per_second=LINK)
-    assert plan.notes["predicted_step_s"] < uniform.notes["predicted_step_s"]
+    assert plan.facts.predicted_step_s < uniform.facts.predicted_step_s
     # small first stages: the second worker starts sooner (the pipeline fills faster)
     assert plan.forward[0][1] - plan.forward[0][0] <= uniform.forward[0][1] - uniform.forward[0][0]
-    assert plan.notes["policy"] == "auto"
-    assert 0.0 <= plan.notes["predicted_bubble"] < 1.0
+    assert plan.facts.policy == "auto"
+    assert 0.0 <= plan.facts.predicted_bubble < 1.0
 
 
 def _compositions(start: int, end: int):
@@ -141,7 +142,7 @@ def test_auto_finds_the_fastest_plan_of_a_small_model(costs, workers, microbatch
     priced = [(predict(p, c, workers, microbatches, link_bytes_per_second=LINK, recompute=recompute).step_s, p)
               for p in _every_plan(7, fused, recompute)]
     best = min(s for s, _ in priced)
-    got = plan.notes["predicted_step_s"]
+    got = plan.facts.predicted_step_s
     assert best * (1 - 1e-9) <= got <= best * (1 + TIE_TOLERANCE) + 1e-12
     stages = lambda p: len(p.forward) + len(p.backward)  # noqa: E731
     fewest = min(stages(p) for s, p in priced if s <= best * (1 + TIE_TOLERANCE))
@@ -163,17 +164,17 @@ def test_auto_is_never_predicted_slower_than_balanced_cuts(workers, microbatches
     plan = partition("auto", c, workers, microbatches, **kw)
     for policy in ("uniform", "params"):
         other = partition(policy, c, workers, microbatches, **kw)
-        assert plan.notes["predicted_step_s"] <= other.notes["predicted_step_s"] * (1 + 1e-9), (policy, other)
+        assert plan.facts.predicted_step_s <= other.facts.predicted_step_s * (1 + 1e-9), (policy, other)
     assert plan.forward[-1][1] - plan.forward[-1][0] <= 2
 
 
 def test_auto_fused_last_stage_is_last_in_both_directions():
     plan = partition("auto", lm_head_heavy(), 4, 8, link_bytes_per_second=LINK, fused_last=True)
     assert plan.fused_last and plan.forward[-1] == plan.backward[-1]
-    fused = plan.notes["fused_stage"]
+    fused = plan.fused_stage
     assert fused == f"F{len(plan.forward) - 1}"
     # the fused stage is not dispatched a second time as a backward stage
-    assert f"B{len(plan.backward) - 1}" not in plan.notes["stage_seconds"]
+    assert f"B{len(plan.backward) - 1}" not in plan.facts.stage_seconds
 
 
 def test_fused_runs_start_backward_per_microbatch():
@@ -199,15 +200,15 @@ def test_auto_respects_memory_budget():
     costs = equal_layers(16)  # 100 MB of weights and 100 MB of gradients per layer
     budget = 600 * MiB
     free = partition("auto", costs, 2, 8, link_bytes_per_second=LINK)
-    assert max(free.notes["stage_memory_bytes"].values()) > budget / 2  # the budget binds
+    assert max(free.facts.stage_memory_bytes.values()) > budget / 2  # the budget binds
     plan = partition("auto", costs, 2, 8, link_bytes_per_second=LINK, memory_budget_bytes=budget)
     for name, (a, b) in [(f"F{i}", r) for i, r in enumerate(plan.forward)] + [
         (f"B{i}", r) for i, r in enumerate(plan.backward)
     ]:
         weights = sum(c.weight_bytes for c in costs.layers[a:b])
         assert weights <= budget / 2, name
-        assert plan.notes["stage_memory_bytes"][name] <= budget / 2, name
-    assert plan.notes["memory_budget_bytes"] == budget
+        assert plan.facts.stage_memory_bytes[name] <= budget / 2, name
+    assert plan.facts.memory_budget_bytes == budget
     assert max(sizes(plan.forward)) == 2 and max(sizes(plan.backward)) == 1  # 3 or 2 layers would not fit
 
 
@@ -233,8 +234,8 @@ def test_simple_policy_stage_over_budget_is_reported():
 def test_manual_plan_is_validated_and_annotated():
     plan = partition("manual", equal_layers(6), 2, 4, manual_forward=[[0, 3], [3, 6]], manual_backward=[[0, 2], [2, 4], [4, 6]])
     assert plan.to_text() == "F 0:3 3:6 | B 0:2 2:4 4:6"
-    assert plan.notes["policy"] == "manual"
-    assert sorted(plan.notes["stage_seconds"]) == ["B0", "B1", "B2", "F0", "F1"]
+    assert plan.facts.policy == "manual"
+    assert sorted(plan.facts.stage_seconds) == ["B0", "B1", "B2", "F0", "F1"]
     same = partition("manual", equal_layers(6), 2, 4, manual_forward=[[0, 3], [3, 6]])
     assert same.backward == same.forward
 
@@ -297,7 +298,7 @@ def test_estimate_costs_from_module_sizes():
     assert costs.tokens_per_microbatch == 8 and not costs.measured
     fixed = estimate_costs([embedding, frozen], 8, 4096, torch.float32, link_bytes_per_second=1e9)
     assert [c.act_bytes_per_token for c in fixed.layers] == [4096, 4096]
-    assert fixed.notes["link_bytes_per_second"] == 1e9
+    assert fixed.link_bytes_per_second == 1e9
 
 
 def test_moving_profile_first_measurement_replaces_then_averages():
@@ -309,7 +310,7 @@ def test_moving_profile_first_measurement_replaces_then_averages():
     moving.observe_stage((0, 2), "backward", 16.0, microbatches=2)  # 8 s per microbatch, estimates 2 : 6
     snapshot = moving.profile()
     assert [c.backward_s for c in snapshot.layers] == [2.0, 6.0]
-    assert snapshot.measured and snapshot.notes["source"] == "measured"
+    assert snapshot.measured and snapshot.source == "measured"
     moving.observe_stage(range(1, 2), "fused", 12.0)  # forward 3 : backward 6 -> 4 and 8, averaged in
     layer1 = moving.profile().layers[1]
     assert (layer1.forward_s, layer1.backward_s) == (4.0, 7.0)

@@ -47,7 +47,7 @@ def test_table_lists_every_stage_and_the_bubble():
     assert lines[1].split() == ["stage", "direction", "layers", "worker", "predicted", "weights", "activations"]
     stage_lines = lines[3:-1]
     assert [line.split()[0] for line in stage_lines] == [r.stage for r in report.rows]
-    assert set(plan.notes["stage_seconds"]) == {r.stage for r in report.rows}
+    assert set(plan.facts.stage_seconds) == {r.stage for r in report.rows}
     assert stage_lines[len(plan.forward) - 1].split()[1] == "fused"
     assert all("MiB" in line for line in stage_lines)
     assert lines[-1] == (
@@ -57,8 +57,8 @@ def test_table_lists_every_stage_and_the_bubble():
     # fixed width: every row as wide as the header row's columns allow
     assert len({len(line) for line in lines[1:3]}) == 1
     # the report reuses the timing options the partitioner stored in the plan
-    assert report.predicted_step_s == pytest.approx(plan.notes["predicted_step_s"])
-    assert report.predicted_bubble == pytest.approx(plan.notes["predicted_bubble"])
+    assert report.predicted_step_s == pytest.approx(plan.facts.predicted_step_s)
+    assert report.predicted_bubble == pytest.approx(plan.facts.predicted_bubble)
 
 
 def test_as_dict_is_plain_json_data():

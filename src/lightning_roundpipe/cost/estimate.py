@@ -10,6 +10,8 @@ only when it matters.
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 from typing import Iterable, Sequence
 
@@ -73,7 +75,7 @@ def estimate_costs(
     * ``act_bytes_per_token``: ``hidden_bytes_per_token`` for every layer when given, otherwise
       the width of the layer's last Linear/Embedding/Norm times the compute dtype size.
 
-    ``link_bytes_per_second`` (host <-> worker) is kept in ``notes`` for the partitioner.
+    ``link_bytes_per_second`` (host <-> worker) is kept with the profile for the partitioner.
     """
     if example_tokens < 1:
         raise ValueError(f"example_tokens must be at least 1, got {example_tokens}")
@@ -97,18 +99,11 @@ def estimate_costs(
             act_bytes = _output_features(layer) * dtype_bytes
         output_elements = act_bytes // dtype_bytes
         forward_s = (2.0 * matmul_params * example_tokens + output_elements * example_tokens) / flops_per_second
-        out.append(LayerCost(forward_s, forward_s, 2.0 * forward_s, int(weight_bytes), int(grad_bytes), act_bytes))
-    return CostProfile(
-        out,
-        tokens_per_microbatch=int(example_tokens),
-        measured=False,
-        notes={
-            "source": "estimate",
-            "flops_per_second": float(flops_per_second),
-            "compute_dtype": str(compute_dtype),
-            "link_bytes_per_second": link_bytes_per_second,
-        },
-    )
+        out.append(LayerCost(forward_s, forward_s, 2.0 * forward_s, int(weight_bytes), int(grad_bytes), act_bytes,
+                             params=sum(p.numel() for p in params),
+                             trainable_params=sum(p.numel() for p in params if p.requires_grad)))
+    return CostProfile(out, tokens_per_microbatch=int(example_tokens), measured=False, source="estimate",
+                       dtype_bytes=dtype_bytes, link_bytes_per_second=link_bytes_per_second)
 
 
 # --------------------------------------------------------------------- how far costs moved
@@ -243,20 +238,13 @@ class MovingCostProfile:
         """A snapshot as a :class:`CostProfile` (``measured`` once anything was observed)."""
         with self._lock:
             layers = [
-                LayerCost(
-                    self._times["forward"][i],
-                    self._times["recompute"][i],
-                    self._times["backward"][i],
-                    c.weight_bytes,
-                    c.grad_bytes,
-                    c.act_bytes_per_token,
-                )
+                dataclasses.replace(c, forward_s=self._times["forward"][i], recompute_s=self._times["recompute"][i],
+                                    backward_s=self._times["backward"][i])
                 for i, c in enumerate(self._base.layers)
             ]
             measured = self.observations > 0
-        notes = dict(self._base.notes)
-        notes["source"] = "measured" if measured else notes.get("source", "estimate")
-        return CostProfile(layers, self._base.tokens_per_microbatch, measured=measured, notes=notes)
+        return dataclasses.replace(self._base, layers=layers, measured=measured,
+                                   source="measured" if measured else self._base.source)
 
     def moved_since(self, previous: CostProfile, threshold: float = 0.2, plan: Plan | None = None) -> bool:
         """True when some stage-relevant total changed by more than ``threshold`` (see :func:`cost_change`)."""

@@ -7,45 +7,74 @@ measurement; the engine later replaces times by moving averages of what the work
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 
 
 @dataclass
 class LayerCost:
+    """One layer's costs for one microbatch.
+
+    The last three fields are optional; where a layer leaves them out, readers derive them
+    from the bytes above (``CostProfile.dtype_bytes`` per parameter, the output activation as
+    the kept graph).
+    """
+
     forward_s: float  # forward of one microbatch
     recompute_s: float  # the forward again inside backward (same as forward_s unless measured otherwise)
     backward_s: float  # the backward proper of one microbatch (about 2x forward), recompute excluded
     weight_bytes: int  # uploaded bytes of the layer's weights and buffers, in compute dtype
     grad_bytes: int  # downloaded bytes of its trainable weights' gradients (0 when frozen)
     act_bytes_per_token: int  # bytes of the layer's output activation per token
+    params: int | None = None  # parameter count (weights the host keeps a compute-dtype copy of)
+    trainable_params: int | None = None  # parameters the host optimizer updates
+    graph_bytes_per_token: int | None = None  # activations autograd keeps for the layer's backward
 
     def scaled(self, factor: float) -> "LayerCost":
-        return LayerCost(
-            self.forward_s * factor,
-            self.recompute_s * factor,
-            self.backward_s * factor,
-            self.weight_bytes,
-            self.grad_bytes,
-            self.act_bytes_per_token,
-        )
+        return dataclasses.replace(self, forward_s=self.forward_s * factor, recompute_s=self.recompute_s * factor,
+                                   backward_s=self.backward_s * factor)
 
 
 @dataclass
 class CostProfile:
-    """Costs of every layer of the pipelined module, for a given microbatch shape."""
+    """Costs of every layer of the pipelined module, for a given microbatch shape.
+
+    ``dtype_bytes``: bytes per element of ``weight_bytes`` and ``grad_bytes`` (the compute
+    dtype), used to count parameters of layers that do not give ``params`` themselves.
+    ``link_bytes_per_second``: the host <-> worker link the estimate assumed (None: free).
+    ``input_bytes_per_token``: the model input (token ids) per token. ``unique_params`` and
+    ``unique_trainable_params``: totals with parameters shared between layers counted once
+    (default: the per-layer sums).
+    """
 
     layers: list[LayerCost]
     tokens_per_microbatch: int = 1
     measured: bool = False  # False while the numbers are estimates
-    notes: dict = field(default_factory=dict)
+    source: str = "estimate"  # where the numbers come from: "estimate", "measured", a model or benchmark name
+    dtype_bytes: int = 2
+    link_bytes_per_second: float | None = None
+    input_bytes_per_token: int = 0
+    unique_params: int | None = None
+    unique_trainable_params: int | None = None
 
     def __len__(self) -> int:
         return len(self.layers)
 
+    def layer_params(self) -> list[int]:
+        return [c.params if c.params is not None else c.weight_bytes // self.dtype_bytes for c in self.layers]
+
+    def layer_trainable_params(self) -> list[int]:
+        return [c.trainable_params if c.trainable_params is not None else c.grad_bytes // self.dtype_bytes
+                for c in self.layers]
+
+    def layer_graph_bytes_per_token(self) -> list[int]:
+        return [c.graph_bytes_per_token if c.graph_bytes_per_token is not None else c.act_bytes_per_token
+                for c in self.layers]
+
 
 # --------------------------------------------------------------------- stage costs
-# Added for the partitioner and the plan report: the cost of a *stage* (a run of layers in one
-# direction) derived from the per-layer numbers above, with the transfers a stage causes.
+# The cost of a *stage* (a run of layers in one direction) from the per-layer numbers above,
+# with the transfers a stage causes: what the partitioner and the plan report price.
 
 StageKind = str  # "forward", "backward" (recompute + backward) or "fused" (forward + loss + backward)
 

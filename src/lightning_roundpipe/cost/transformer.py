@@ -17,15 +17,15 @@ With LoRA (``lora_rank``) the base weights are frozen, so the base projections a
 only need input gradients (once the forward); the adapters on all seven projections add their
 own small FLOPs, and only their gradients travel home.
 
-``CostProfile.notes`` carries what the memory planner needs beyond :class:`LayerCost`:
-``graph_bytes_per_token`` (activations autograd keeps for one layer's backward),
-``params`` / ``trainable_params`` per layer, ``unique_params`` (tied embeddings counted once),
-``dtype_bytes``, ``input_bytes_per_token`` (int64 token ids) and the shape.
+Besides times and bytes, every layer gives what the memory planner needs: the activations
+autograd keeps for its backward and its (trainable) parameter counts; the profile gives
+``unique_params`` (tied embeddings counted once), ``dtype_bytes`` and ``input_bytes_per_token``
+(int64 token ids).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from .profile import CostProfile, LayerCost
 from ..sim.hardware import HardwareProfile
@@ -184,23 +184,11 @@ def transformer_layer_costs(
     graph.append(int(2 * hidden * dtype_bytes + vocab * (dtype_bytes + _LOSS_FP32_COPIES * 4) * chunk_share))
 
     unique = shape.num_params() + (num_layers * adapters if lora else 0)
-    notes = {
-        "model": shape.name,
-        "shape": asdict(shape),
-        "seq_len": seq_len,
-        "microbatch_size": microbatch_size,
-        "dtype_bytes": dtype_bytes,
-        "lora_rank": lora_rank,
-        "hardware": hardware.name,
-        "params": params,
-        "trainable_params": trainable,
-        "unique_params": unique,
-        "unique_trainable_params": (num_layers * adapters) if lora else unique,
-        "graph_bytes_per_token": graph,
-        "input_bytes_per_token": _TOKEN_ID_BYTES,
-        "loss_chunk_tokens": loss_chunk_tokens,
-    }
-    return CostProfile(layers, tokens_per_microbatch=tokens, measured=False, notes=notes)
+    for cost, p, t, g in zip(layers, params, trainable, graph):
+        cost.params, cost.trainable_params, cost.graph_bytes_per_token = p, t, g
+    return CostProfile(layers, tokens_per_microbatch=tokens, measured=False, source=f"{shape.name} on {hardware.name}",
+                       dtype_bytes=dtype_bytes, input_bytes_per_token=_TOKEN_ID_BYTES, unique_params=unique,
+                       unique_trainable_params=(num_layers * adapters) if lora else unique)
 
 
 def preset_costs(

@@ -1,9 +1,7 @@
 """Read-only helpers over a :class:`~lightning_roundpipe.cost.profile.CostProfile` for whole layer ranges.
 
-Per-microbatch bytes and seconds of a stage ``[a, b)``, with fallbacks for profiles that carry
-only :class:`~lightning_roundpipe.cost.profile.LayerCost` fields (measured ones): the activation graph
-kept for backward is then taken as the layer's output activation, and trainable parameters as
-gradient bytes over the compute dtype size.
+Per-microbatch bytes and seconds of a stage ``[a, b)``. Where a layer gives no parameter
+counts or kept graph, :class:`~lightning_roundpipe.cost.profile.CostProfile` derives them.
 """
 
 from __future__ import annotations
@@ -20,19 +18,11 @@ class CostView:
         self.costs = costs
         self.layers = costs.layers
         self.tokens = int(costs.tokens_per_microbatch)
-        notes = costs.notes or {}
-        self.dtype_bytes = int(notes.get("dtype_bytes", 2))
-        graph = notes.get("graph_bytes_per_token")
-        self.graph_per_token = list(graph) if graph else [c.act_bytes_per_token for c in self.layers]
-        trainable = notes.get("trainable_params")
-        self.trainable = list(trainable) if trainable else [c.grad_bytes // self.dtype_bytes for c in self.layers]
-        params = notes.get("params")
-        self.params = list(params) if params else [c.weight_bytes // self.dtype_bytes for c in self.layers]
-        self.input_bytes_per_token = int(notes.get("input_bytes_per_token", 0))
-        for name, values in (("graph_bytes_per_token", self.graph_per_token), ("trainable_params", self.trainable),
-                             ("params", self.params)):
-            if len(values) != len(self.layers):
-                raise ValueError(f"cost profile notes[{name!r}] has {len(values)} entries for {len(self.layers)} layers")
+        self.dtype_bytes = int(costs.dtype_bytes)
+        self.graph_per_token = costs.layer_graph_bytes_per_token()
+        self.trainable = costs.layer_trainable_params()
+        self.params = costs.layer_params()
+        self.input_bytes_per_token = int(costs.input_bytes_per_token)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -76,7 +66,9 @@ class CostView:
         return [c.forward_s + c.recompute_s + c.backward_s for c in self.layers]
 
     def unique_params(self) -> int:
-        return int((self.costs.notes or {}).get("unique_params", sum(self.params)))
+        c = self.costs.unique_params
+        return int(sum(self.params) if c is None else c)
 
     def unique_trainable_params(self) -> int:
-        return int((self.costs.notes or {}).get("unique_trainable_params", sum(self.trainable)))
+        c = self.costs.unique_trainable_params
+        return int(sum(self.trainable) if c is None else c)

@@ -63,9 +63,9 @@ class TableSizes:
                                                      self.chunk_bytes, need_grads=True)
         return self._cache[(start, end)]
 
-    def weight_chunks(self, start: int, end: int) -> list[int]:
-        w = self._weights(start, end)
-        return [w.chunk_bytes(chunk) for chunk in w.chunks]
+    def weight_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        w = self._weights(start, end)  # chunks are runs of tensors; each waits for the whole stage's versions
+        return [(start, end, w.chunk_bytes(chunk)) for chunk in w.chunks]
 
     def grad_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
         return [(start, end, self._weights(start, end).grad_bytes)]  # one download per stage, even when frozen
@@ -184,7 +184,7 @@ class StepRun:
             weights.store_chunk(chunk, dev)
             worker.track_weights(weights.chunk_bytes(chunk))
 
-        return fn, weights.chunk_bytes(chunk), eng.weight_gates(stage.layers)
+        return fn, weights.chunk_bytes(chunk), eng.weight_gates(range(*t.layers))
 
     def _is_fused(self, stage: Stage) -> bool:
         return stage.direction == "F" and stage.index == len(self.plan.forward) - 1

@@ -1,8 +1,8 @@
-"""Plans for the simulator and planner: the project's partitioner when present, else a fallback.
+"""Plans for the simulator and planner: the engine's partitioner, else balanced stages.
 
-:func:`make_plan` calls ``lightning_roundpipe.planning.partition.partition("auto", ...)`` when that
-module exists, so the simulator times the plans the engine would run. Without it,
-:func:`balanced_plan` cuts stages itself: forward stages balanced by forward time, backward
+:func:`make_plan` calls :func:`~.partition.partition` with the ``auto`` policy, so the
+simulator times the plans the engine would run. Where that policy cannot meet the memory
+budget, or a stage count is forced, :func:`balanced_plan` cuts stages itself: forward stages balanced by forward time, backward
 stages by recompute + backward time, and (for a fused last stage) the start of the fused stage
 chosen to minimise the largest stage time. Equal stage times, and enough stages for every worker
 to have several, are what keep a round-robin pool busy.
@@ -11,8 +11,9 @@ to have several, are what keep a round-robin pool busy.
 from __future__ import annotations
 
 from ..cost.profile import CostProfile
-from ..schedule.plan import Plan, PlanError, balanced_ranges
 from ..cost.view import CostView
+from ..schedule.plan import Plan, PlanError, PlanFacts, balanced_ranges
+from .partition import partition
 
 
 def _counts(num_stages: int, fwd: list[float], bwd: list[float]) -> tuple[int, int]:
@@ -42,12 +43,12 @@ def balanced_plan(costs: CostProfile, num_stages: int, fused_last: bool = False)
     fwd = [c.forward_s for c in view.layers]
     bwd = [c.recompute_s + c.backward_s for c in view.layers]
     fused_cost = [c.forward_s + c.backward_s for c in view.layers]
-    notes = {"policy": "sim-balanced", "stages": num_stages}
+    facts = PlanFacts(policy="sim-balanced")
     if not fused_last:
         nf, nb = _counts(max(2, num_stages), fwd, bwd)
-        return Plan(n, balanced_ranges(fwd, nf), balanced_ranges(bwd, nb), notes=notes).validate()
+        return Plan(n, balanced_ranges(fwd, nf), balanced_ranges(bwd, nb), facts=facts).validate()
     if n == 1:  # the fused stage is the whole model
-        return Plan(1, ((0, 1),), ((0, 1),), fused_last=True, notes=notes).validate()
+        return Plan(1, ((0, 1),), ((0, 1),), fused_last=True, facts=facts).validate()
     best = None
     for head in range(n - 1, 0, -1):  # the fused stage is [head, n)
         fused = sum(fused_cost[head:])
@@ -59,8 +60,8 @@ def balanced_plan(costs: CostProfile, num_stages: int, fused_last: bool = False)
         if best is None or worst < best[0]:
             best = (worst, head, f_ranges, b_ranges)
     worst, head, f_ranges, b_ranges = best
-    notes["max_stage_s"] = worst
-    return Plan(n, tuple(f_ranges) + ((head, n),), tuple(b_ranges) + ((head, n),), fused_last=True, notes=notes).validate()
+    return Plan(n, tuple(f_ranges) + ((head, n),), tuple(b_ranges) + ((head, n),), fused_last=True,
+                facts=PlanFacts(policy="sim-balanced", max_stage_s=worst)).validate()
 
 
 def make_plan(
@@ -80,13 +81,8 @@ def make_plan(
     """
     if num_stages is None:
         try:
-            from .partition import partition  # written alongside; absent in older trees
-        except ImportError:
-            partition = None
-        if partition is not None:
-            try:
-                return partition("auto", costs, num_workers, microbatches, memory_budget_bytes=memory_budget_bytes,
-                                 link_bytes_per_second=link_bytes_per_second, fused_last=fused_last).validate()
-            except (PlanError, ValueError, TypeError):
-                pass  # e.g. the budget cannot be met by its policy: fall back to our own cut
+            return partition("auto", costs, num_workers, microbatches, memory_budget_bytes=memory_budget_bytes,
+                             link_bytes_per_second=link_bytes_per_second, fused_last=fused_last).validate()
+        except (PlanError, ValueError, TypeError):
+            pass  # e.g. the budget cannot be met by its policy: fall back to our own cut
     return balanced_plan(costs, num_stages or 3 * num_workers, fused_last=fused_last)

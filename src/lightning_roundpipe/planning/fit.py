@@ -16,10 +16,10 @@ profile and a sequence length, and answers:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..cost.profile import CostProfile
-from ..schedule.plan import Plan
+from ..schedule.plan import Plan, PlanFacts
 from ..cost.view import CostView
 from ..sim.hardware import HardwareProfile, load_hardware
 from ..cost.memory import HostMemory, host_bytes, roundpipe_gpu_bytes
@@ -48,7 +48,7 @@ class PlanChoice:
 def finest_plan(num_layers: int, fused_last: bool) -> Plan:
     """One layer per stage in both directions: the least memory a plan can need."""
     ranges = tuple((i, i + 1) for i in range(num_layers))
-    return Plan(num_layers, ranges, ranges, fused_last=fused_last, notes={"policy": "finest"}).validate()
+    return Plan(num_layers, ranges, ranges, fused_last=fused_last, facts=PlanFacts(policy="finest")).validate()
 
 
 def candidate_plans(costs: CostProfile, num_workers: int, microbatches: int, budget: float,
@@ -117,7 +117,7 @@ class TrainingPlan:
     choice: PlanChoice | None
     max_seq_len: int | None = None
     max_seq_choice: PlanChoice | None = None
-    notes: dict = field(default_factory=dict)
+    searched_max_seq: bool = False  # True once the longest fitting sequence was looked for
 
     @property
     def gpu_budget_bytes(self) -> float:
@@ -151,7 +151,7 @@ class TrainingPlan:
             lines += [
                 f"Recommended: {c.microbatches} microbatches per step ({r.tokens_per_step} tokens per step)",
                 f"Plan ({len(c.plan.forward)} forward + {len(c.plan.dispatched_backward_stages())} backward stages, "
-                f"policy {c.plan.notes.get('policy', '?')}): {c.plan.to_text()}",
+                f"policy {c.plan.facts.policy or '?'}): {c.plan.to_text()}",
                 f"Predicted: {r.step_s:.3f} s per step, {r.tokens_per_s:,.0f} tokens/s, bubble {r.bubble_fraction:.1%}, "
                 f"simulated peak GPU memory {r.max_peak_gpu_bytes / GiB:.1f} GiB",
             ]
@@ -162,7 +162,7 @@ class TrainingPlan:
                 extra = (f": {mc.microbatches} microbatches, {mc.result.tokens_per_s:,.0f} tokens/s "
                          f"with plan {mc.plan.to_text()}")
             lines.append(f"Longest sequence that fits: {self.max_seq_len} tokens{extra}")
-        elif self.notes.get("searched_max_seq"):
+        elif self.searched_max_seq:
             lines.append(f"Longest sequence that fits: none (not even {SEQ_QUANTUM} tokens)")
         return "\n".join(lines)
 
@@ -232,7 +232,7 @@ def plan_training(
     report = TrainingPlan(shape, hw, seq_len, microbatch_size, lora_rank, memory_fraction, not problems, problems,
                           host, min_gpu, choice)
     if find_max_seq_len:
-        report.notes["searched_max_seq"] = True
+        report.searched_max_seq = True
         longest = longest_seq_len(shape, hw, microbatch_size=microbatch_size, lora_rank=lora_rank,
                                   microbatches=min(options), loss_chunk_tokens=loss_chunk_tokens,
                                   memory_fraction=memory_fraction, fused_last=fused_last)

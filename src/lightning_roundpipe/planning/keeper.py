@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from ..cost.estimate import MovingCostProfile, estimate_costs
-from .partition import Replanner, partition
-from ..schedule.plan import Plan, simple_plan
+from .partition import partition
+from .replan import Replanner
+from ..schedule.plan import Plan, PlanFacts, simple_plan
 from .report import PlanReport, build_report
 
 log = logging.getLogger("lightning_roundpipe")
@@ -43,8 +44,7 @@ class PlanKeeper:
             plan = simple_plan(n, num_workers, p.policy, layer_weights=[c.weight_bytes for c in costs.layers],
                                forward_stages=p.forward_stages, backward_stages=p.backward_stages,
                                same_cuts=not recompute, fused_last=fused_last)
-            plan = Plan(plan.num_layers, plan.forward, plan.backward, plan.fused_last,
-                        notes={"policy": p.policy, "recompute": recompute}).validate()
+            plan = plan.with_facts(PlanFacts(policy=p.policy, recompute=recompute))
         else:
             plan = partition(p.policy, costs, num_workers, microbatches, memory_budget_bytes=memory_budget_bytes,
                              link_bytes_per_second=link_bytes_per_second, fused_last=fused_last, recompute=recompute,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..cost.profile import CostProfile, StageCostModel, format_bytes, format_seconds
-from .partition import DEFAULT_STAGE_OVERHEAD_S, dispatched_stage_costs, link_speed, predict
+from .predictor import DEFAULT_STAGE_OVERHEAD_S, dispatched_stage_costs, link_speed, predict
 from ..schedule.plan import Plan, dispatch
 
 
@@ -89,13 +89,13 @@ def build_report(
     recompute: bool | None = None,
 ) -> PlanReport:
     """Report of ``plan`` under ``costs``; the timing-model options default to those stored in
-    ``plan.notes`` by :func:`.partition.partition`, then to the partitioner's defaults."""
-    notes = plan.notes
-    link = link_speed(costs, link_bytes_per_second if link_bytes_per_second is not None else notes.get("link_bytes_per_second"))
+    ``plan.facts`` by :func:`.partition.partition`, then to the partitioner's defaults."""
+    facts = plan.facts
+    link = link_speed(costs, link_bytes_per_second if link_bytes_per_second is not None else facts.link_bytes_per_second)
     if stage_overhead_s is None:
-        stage_overhead_s = notes.get("stage_overhead_s", DEFAULT_STAGE_OVERHEAD_S)
+        stage_overhead_s = DEFAULT_STAGE_OVERHEAD_S if facts.stage_overhead_s is None else facts.stage_overhead_s
     if recompute is None:
-        recompute = notes.get("recompute", True)
+        recompute = True if facts.recompute is None else facts.recompute
     prediction = predict(
         plan, costs, num_workers, microbatches,
         link_bytes_per_second=link, stage_overhead_s=stage_overhead_s, recompute=recompute,

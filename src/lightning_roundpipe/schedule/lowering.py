@@ -24,8 +24,8 @@ graph, the simulator times it and the partitioner's test checks its predictor ag
 
 A task's ``deps`` name earlier tasks of the same graph; its ``waits`` name history entries
 (``("release", 2)``: the second most recent release recorded on its worker when it is
-submitted). Every weights upload also waits for its layers' new weight versions (the host
-optimizer), which the reader supplies. Bytes come from a :class:`Sizes` the reader passes:
+submitted). Every weights upload also waits for the new weight versions of the layers it
+covers (the host optimizer), which the reader supplies. Bytes come from a :class:`Sizes` the reader passes:
 the simulator's from a cost profile, the engine's from its weight tables (activation bytes
 there are only known when a task runs, so they are 0 in the graph).
 """
@@ -57,8 +57,8 @@ INPUT_BUFFERS = 2  # microbatch inputs a worker may hold ahead of its compute (a
 class Sizes(Protocol):
     """Bytes the graph's transfers move; the lowering decides only how many tasks and in which order."""
 
-    def weight_chunks(self, start: int, end: int) -> list[int]:
-        """Bytes of each weights upload of the stage ``[start, end)`` (one task each, in order)."""
+    def weight_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """``(first layer, end layer, bytes)`` of each weights upload of the stage (one task each, in order)."""
 
     def grad_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
         """``(first layer, end layer, bytes)`` of each weight-gradient download of the stage."""
@@ -106,7 +106,7 @@ class GraphTask:
     end: int
     boundary: int = -1  # activation transfers: the layer boundary of the carry
     waits: tuple[tuple[str, int], ...] = ()  # (history, back) entries on this worker's history
-    layers: tuple[int, int] | None = None  # weight-gradient downloads: the layers they cover
+    layers: tuple[int, int] | None = None  # weight uploads and gradient downloads: the layers they cover
 
     def to_text(self) -> str:
         mb = f" mb{self.microbatch}" if self.microbatch >= 0 else ""
@@ -194,9 +194,9 @@ class _Builder:
         weights = []
         if not kept_backward:
             waits = (("release", int(o.prefetch_depth) + 1),)
-            for nbytes in self.sizes.weight_chunks(stage.start, stage.end):
+            for a, b, nbytes in self.sizes.weight_chunks(stage.start, stage.end):
                 weights.append(self.add(worker, "upload", "weights", stage, -1, nbytes, (), self.upload_priority(
-                    "weights", serial), phase, waits=waits))
+                    "weights", serial), phase, waits=waits, layers=(a, b)))
         in_prio = self.upload_priority("act_in", serial)
         saves = ([b for b in plan.saved_boundaries() if stage.start < b < stage.end]
                  if stage.direction == "F" and o.training and o.recompute and kind == "forward" else [])

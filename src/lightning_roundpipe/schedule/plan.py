@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
+from .cuts import MinMaxCuts
+
 Direction = Literal["F", "B"]
 LayerRange = tuple[int, int]
 
@@ -56,6 +58,28 @@ class Task:
 
 
 @dataclass(frozen=True)
+class PlanFacts:
+    """What the policy that made a plan knew and predicted; not part of the plan's identity.
+
+    The assumptions (``link_bytes_per_second``, ``stage_overhead_s``, ``recompute``,
+    ``memory_budget_bytes``) are kept so that a re-plan works under the same ones.
+    """
+
+    policy: str = ""
+    num_workers: int | None = None
+    microbatches: int | None = None
+    predicted_step_s: float | None = None
+    predicted_bubble: float | None = None
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # per dispatched stage, e.g. "F0", "B3"
+    stage_memory_bytes: dict[str, int] = field(default_factory=dict)
+    max_stage_s: float | None = None  # the costliest stage, for policies that balance stages only
+    link_bytes_per_second: float | None = None
+    stage_overhead_s: float | None = None
+    recompute: bool | None = None
+    memory_budget_bytes: int | None = None
+
+
+@dataclass(frozen=True)
 class Plan:
     """Forward and backward layer ranges for a model of ``num_layers`` layers."""
 
@@ -63,8 +87,7 @@ class Plan:
     forward: tuple[LayerRange, ...]
     backward: tuple[LayerRange, ...]
     fused_last: bool = False
-    # Free-form facts a policy wants to keep with the plan (predicted costs, policy name).
-    notes: dict = field(default_factory=dict, compare=False, hash=False)
+    facts: PlanFacts = field(default_factory=PlanFacts, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "forward", tuple((int(a), int(b)) for a, b in self.forward))
@@ -123,6 +146,14 @@ class Plan:
 
     def same_cuts(self) -> bool:
         return self.forward == self.backward
+
+    def with_facts(self, facts: PlanFacts) -> "Plan":
+        return Plan(self.num_layers, self.forward, self.backward, self.fused_last, facts)
+
+    @property
+    def fused_stage(self) -> str | None:
+        """Name of the fused last stage (the last forward one), or None."""
+        return f"F{len(self.forward) - 1}" if self.fused_last else None
 
     # ----------------------------------------------------------------- text form
     def to_text(self) -> str:
@@ -197,35 +228,17 @@ def balanced_ranges(costs: Sequence[float], num_stages: int) -> tuple[LayerRange
     """Contiguous split of ``costs`` into ``num_stages`` non-empty ranges minimising the largest sum.
 
     Among splits with the same largest sum, the one with the smallest sum of squares wins (the
-    other stages are as even as they can be). Exact dynamic programme, O(stages * layers^2):
-    fine for the few hundred layers of an LLM. Ties prefer earlier cuts (deterministic).
+    other stages are as even as they can be); ties prefer earlier cuts (:class:`~.cuts.MinMaxCuts`).
     """
     n = len(costs)
     k = max(1, min(num_stages, n))
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
-    inf = (float("inf"), float("inf"))
-    # best[j][i]: (largest stage cost, sum of squares) splitting the first i layers into j stages
-    best = [[inf] * (n + 1) for _ in range(k + 1)]
-    cut = [[0] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = (0.0, 0.0)
     eps = 1e-12 * max(1.0, prefix[-1])
-    for j in range(1, k + 1):
-        for i in range(j, n - (k - j) + 1):
-            for s in range(j - 1, i):
-                seg = prefix[i] - prefix[s]
-                prev = best[j - 1][s]
-                v = (max(prev[0], seg), prev[1] + seg * seg)
-                cur = best[j][i]
-                if v[0] < cur[0] - eps or (abs(v[0] - cur[0]) <= eps and v[1] < cur[1] - eps * max(1.0, prefix[-1])):
-                    best[j][i], cut[j][i] = v, s
-    bounds, i = [], n
-    for j in range(k, 0, -1):
-        s = cut[j][i]
-        bounds.append((s, i))
-        i = s
-    return tuple(reversed(bounds))
+    cuts = MinMaxCuts(lambda s, e: prefix[e] - prefix[s], n, k, even_rest=True, tolerance=eps,
+                      square_tolerance=eps * max(1.0, prefix[-1]))
+    return cuts.ranges(k)
 
 
 def simple_plan(
@@ -267,4 +280,4 @@ def simple_plan(
         else:
             inner = [(a, min(b, head_start)) for a, b in bwd if a < head_start]
             bwd = tuple(inner) + (fwd[-1],)
-    return Plan(num_layers, fwd, bwd, fused_last=fused_last, notes={"policy": policy}).validate()
+    return Plan(num_layers, fwd, bwd, fused_last=fused_last, facts=PlanFacts(policy=policy)).validate()

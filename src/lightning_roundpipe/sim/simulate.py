@@ -38,19 +38,19 @@ import math
 from dataclasses import dataclass, field
 
 from ..cost.profile import CostProfile
-from ..schedule.plan import Plan, PlanError, dispatch
+from ..schedule.history import WorkerHistory
+from ..schedule.lowering import DEFAULT_PRIORITIES, PRIORITY_CLASS, GraphTask, LoweringOptions, lower
+from ..schedule.plan import Plan, PlanError
 from ..tracing.records import TraceRecord
 from ..cost.view import CostView
 from .event_queue import HOST, EventSimulator, LinkSpec, Op
 from .hardware import HardwareProfile
 
-# Transfer priorities by kind (lower goes first): what a stage waits for, then weight prefetch,
-# then gradients going home. Uploads put the dispatch order before these (SimConfig.upload_order).
-PRIO_ACTIVATIONS = 0
-PRIO_WEIGHTS = 1
-PRIO_GRADS = 2
-UPLOAD_KINDS = 2  # upload priorities per task with upload_order="stage" (activations, weights)
-LOSS_BYTES = 4  # one fp32 loss scalar per microbatch (fused last stage)
+# Transfer priorities by kind for the bound schedules (lower goes first): what a stage waits for,
+# then weight prefetch, then gradients going home. RoundPipe steps take theirs from the lowering.
+PRIO_ACTIVATIONS = DEFAULT_PRIORITIES["activation"]
+PRIO_WEIGHTS = DEFAULT_PRIORITIES["weights"]
+PRIO_GRADS = DEFAULT_PRIORITIES["gradients"]
 MAIN_QUEUE = "main"  # the host thread that drives the step (loss, dispatch); the optimizer has its own queue
 
 
@@ -99,10 +99,6 @@ class SimConfig:
             raise ValueError(f"optimizer_order must be 'arrival' or 'layer', got {self.optimizer_order!r}")
         if self.upload_order not in ("stage", "kind"):
             raise ValueError(f"upload_order must be 'stage' or 'kind', got {self.upload_order!r}")
-
-    def upload_priority(self, task_serial: int, kind_priority: int) -> int:
-        """Link priority of an upload for the ``task_serial``-th dispatched task (lower goes first)."""
-        return task_serial * UPLOAD_KINDS + kind_priority if self.upload_order == "stage" else kind_priority
 
     def optimizer_priority(self, layer: int) -> int:
         """Host-queue priority of a layer's optimizer update (lower runs first among ready ones)."""
@@ -153,153 +149,132 @@ def summarize(sim: EventSimulator, schedule: str, num_workers: int, microbatches
                      microbatches * tokens_per_microbatch, notes=dict(notes))
 
 
+class CostSizes:
+    """The simulator's :class:`~lightning_roundpipe.schedule.lowering.Sizes`: per-layer transfers of a cost view."""
+
+    def __init__(self, view: CostView) -> None:
+        self.view = view
+
+    def weight_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        return [(layer, layer + 1, self.view.layers[layer].weight_bytes) for layer in range(start, end)]
+
+    def grad_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        # Last layers first, as backward produces them; frozen layers send nothing.
+        return [(layer, layer + 1, self.view.layers[layer].grad_bytes) for layer in reversed(range(start, end))
+                if self.view.layers[layer].grad_bytes > 0]
+
+    def boundary_bytes(self, boundary: int) -> int:
+        return self.view.in_bytes(boundary)
+
+
 class _RoundPipeBuilder:
-    """Adds the operations of RoundPipe steps to an :class:`EventSimulator`."""
+    """Times the lowered graph of RoundPipe steps on an :class:`EventSimulator`.
+
+    Each graph task becomes one operation (a release takes no time: it is done when what it
+    waits for is); the history waits resolve on a :class:`WorkerHistory` of operations, as the
+    engine resolves them on its completions. What the graph leaves to its reader is added
+    here: compute seconds and memory from the cost view, the host optimizer that gates each
+    layer's next upload, and the host barriers of :class:`SimConfig`.
+    """
 
     def __init__(self, sim: EventSimulator, plan: Plan, view: CostView, hardware: HardwareProfile,
                  microbatches: int, num_workers: int, config: SimConfig) -> None:
         self.sim, self.plan, self.view, self.hw = sim, plan, view, hardware
         self.m, self.nw, self.cfg = microbatches, num_workers, config
-        self.first_worker = 0
-        self.releases: list[list[list[Op]]] = [[] for _ in range(num_workers)]  # per task: ops that free its memory
-        self.computes: list[list[Op]] = [[] for _ in range(num_workers)]  # compute queue, in order
-        self.outputs: list[list[list[Op]]] = [[] for _ in range(num_workers)]  # downloads of each compute
+        self.sizes = CostSizes(view)
+        self.history: WorkerHistory[list[Op]] = WorkerHistory(num_workers)
         self.optim_prev: dict[int, list[Op]] = {}  # layer -> optimizer updates its next upload waits for
-        # Host barriers: the ops every upload of the tasks being dispatched now waits for (the host
-        # submits those tasks only after them), and the op after which the last step's backward returned.
-        self.gate: list[Op] = []
+        # Host barriers: the op after which the last step's backward returned.
         self.step_done: Op | None = None
-        self.serial = 0  # tasks dispatched so far, all steps (the engine's stage order)
 
     def add(self, op: Op) -> Op:
         return self.sim.add(op)
 
     def step(self, step: int) -> None:
-        tasks = dispatch(self.plan, self.nw, self.first_worker)
-        if self.cfg.continue_round_robin:
-            self.first_worker = (self.first_worker + len(tasks)) % self.nw
-        self.act_src: dict[tuple[int, int], Op] = {}  # (layer boundary, mb) -> op that put the activation on the host
-        self.grad_src: dict[tuple[int, int], Op] = {}  # (layer boundary, mb) -> op that put the gradient on the host
-        self.wgrads: list[tuple[int, Op]] = []
-        self.losses: list[Op] = []  # fused last stage: the download of each microbatch's loss scalar
-        self.backward_done: list[Op] = []  # what backward() waits for before it returns
-        barriers = self.cfg.host_barriers
-        n_forward = len(self.plan.forward)
-        self.gate = [self.step_done] if barriers and self.step_done is not None else []
-        for task in tasks[:n_forward]:
-            self._task(task.stage, task.worker, step)
-        if barriers and not self.plan.fused_last:
-            # The host has the loss once every microbatch's output is home; loss.backward() then
-            # dispatches the backward stages. (A fused run dispatches them right after the fused
-            # stage, without waiting: backward is linear in the loss gradient, scaled on the host.)
-            outputs = [self.act_src[(self.plan.num_layers, i)] for i in range(self.m)]
-            self.gate = [self.add(Op(HOST, MAIN_QUEUE, "loss", "", -1, step, deps=outputs))]
-        for task in tasks[n_forward:]:
-            self._task(task.stage, task.worker, step)
+        cfg, plan, view, m = self.cfg, self.plan, self.view, self.m
+        first = self.history.next_worker if cfg.continue_round_robin else 0
+        graph = lower(plan, self.nw, first, self.sizes,
+                      LoweringOptions(microbatches=m, training=True, fused=plan.fused_last, recompute=True,
+                                      first_serial=self.history.next_serial))
+        self.history.advance(graph)
+        tasks = graph.tasks
+        done: dict[int, list[Op]] = {}  # task id -> the ops that finish it
+        outputs_of: dict[int, list[GraphTask]] = {}  # compute id -> its activation downloads
+        for t in tasks:
+            if t.kind in ("act_out", "act_save", "grad_out"):
+                outputs_of.setdefault(t.deps[0], []).append(t)
+        backward_stages = {t.stage for t in tasks if t.kind in ("fused", "backward")}
+        host_output = {t.microbatch: t.id for t in tasks if t.kind == "act_out" and t.boundary == plan.num_layers}
+        barriers = cfg.host_barriers
+        gate = [self.step_done] if barriers and self.step_done is not None else []
+        wgrads: list[tuple[int, Op]] = []
+        losses: list[Op] = []
+        backward_done: list[Op] = []
+        in_backward = False
+        for t in tasks:
+            if t.phase == "backward" and not in_backward:
+                in_backward = True
+                if barriers:
+                    # The host has the loss once every microbatch's output is home; loss.backward()
+                    # then submits the backward phase.
+                    outs = [op for i in sorted(host_output) for op in done[host_output[i]]]
+                    gate = [self.add(Op(HOST, MAIN_QUEUE, "loss", "", -1, step, deps=outs))]
+            deps = [op for d in t.deps for op in done[d]]
+            deps += [op for ops in self.history.resolve(t) for op in ops]
+            w, name = t.worker, t.stage
+            if t.kind in ("release", "free_kept"):
+                done[t.id] = deps
+                if t.stage in backward_stages:
+                    backward_done.extend(deps)
+                self.history.record(t, deps)
+                continue
+            if t.lane == "upload":
+                if t.kind == "grad_in" and not t.deps and t.boundary == plan.num_layers:
+                    deps += done[host_output[t.microbatch]]  # the host computes the loss and its gradient
+                if t.kind == "weights":
+                    deps += [op for layer in range(*t.layers) for op in self.optim_prev.get(layer, [])]
+                priority = t.priority if cfg.upload_order == "stage" else DEFAULT_PRIORITIES[PRIORITY_CLASS[t.kind]]
+                op = Op(w, "upload", t.kind, name, t.microbatch, step, bytes=t.bytes, priority=priority,
+                        deps=deps + gate, alloc=[(w, t.bytes)])
+            elif t.lane == "compute":
+                op = self._compute(t, step, deps, [tasks[d] for d in t.deps], outputs_of.get(t.id, []))
+            else:
+                free = [(w, t.bytes)] if t.kind != "loss" else []
+                op = Op(w, "download", t.kind, name, t.microbatch, step, bytes=t.bytes, priority=t.priority, deps=deps,
+                        free=free)
+            self.add(op)
+            done[t.id] = [op]
+            self.history.record(t, [op])
+            if t.kind == "loss":
+                losses.append(op)
+            elif t.kind == "wgrad":
+                wgrads.append((t.layers[0], op))
         if barriers:
             # backward() returns once the host has the loss and every stage's weight gradients are
-            # home; the next step's forward is dispatched after that (the optimizer's per-layer
+            # home; the next step's forward is submitted after that (the optimizer's per-layer
             # updates still overlap it).
-            self.step_done = self.add(Op(HOST, MAIN_QUEUE, "step", "", -1, step,
-                                         deps=self.backward_done + self.losses))
+            self.step_done = self.add(Op(HOST, MAIN_QUEUE, "step", "", -1, step, deps=backward_done + losses))
         by_layer: dict[int, list[Op]] = {}
-        for layer, op in self.wgrads:
+        for layer, op in wgrads:
             by_layer.setdefault(layer, []).append(op)
-        self.optim_prev = add_optimizer(self.sim, by_layer, self.view, self.hw, self.cfg, step)
+        self.optim_prev = add_optimizer(self.sim, by_layer, view, self.hw, cfg, step)
 
-    def _task(self, stage, w: int, step: int) -> None:
-        view, plan, m = self.view, self.plan, self.m
-        a, b, name = stage.start, stage.end, stage.name
-        fused = plan.fused_last and stage.direction == "F" and stage.index == len(plan.forward) - 1
-        backward = stage.direction == "B" or fused
-        serial, self.serial = self.serial, self.serial + 1
-        input_priority = self.cfg.upload_priority(serial, PRIO_ACTIVATIONS)
-
-        # Weights, layer by layer, into one of the worker's two stage slots.
-        slot = self.releases[w][-2] if len(self.releases[w]) >= 2 else []
-        weight_ops = []
-        for layer in range(a, b):
-            nbytes = view.layers[layer].weight_bytes
-            deps = list(slot) + self.optim_prev.get(layer, []) + self.gate
-            weight_ops.append(self.add(Op(w, "upload", "weights", name, -1, step, bytes=nbytes,
-                                          priority=self.cfg.upload_priority(serial, PRIO_WEIGHTS), deps=deps,
-                                          alloc=[(w, nbytes)])))
-        weights_total = view.weights(a, b)
-        grads_total = view.grads(a, b) if backward else 0
-
-        if stage.direction == "F" and not fused:
-            seconds, kind, transient = view.forward_s(a, b), "forward", view.max_layer_graph(a, b)
-        elif fused:
-            seconds, kind, transient = view.fused_s(a, b), "fused", view.graph(a, b)
+    def _compute(self, t: GraphTask, step: int, deps: list[Op], inputs: list[GraphTask],
+                 outputs: list[GraphTask]) -> Op:
+        view, a, b, w = self.view, t.start, t.end, t.worker
+        if t.kind == "forward":
+            seconds, transient = view.forward_s(a, b), view.max_layer_graph(a, b)
+        elif t.kind == "fused":
+            seconds, transient = view.fused_s(a, b), view.graph(a, b)
         else:
-            seconds, kind, transient = view.backward_with_recompute_s(a, b), "backward", view.graph(a, b)
-        # Stage-internal boundaries whose activations backward recompute starts from.
-        saves = [c for c in plan.saved_boundaries() if a < c < b] if stage.direction == "F" else []
-
-        compute = None
-        for i in range(m):
-            n = len(self.computes[w])
-            # Double buffering: inputs of compute n upload once compute n-2 is done, and compute n
-            # starts once the outputs of compute n-2 are home.
-            buffer_deps = [self.computes[w][n - 2]] if n >= 2 else []
-            output_deps = self.outputs[w][n - 2] if n >= 2 else []
-            # Every stage needs its input (backward: the saved one, for recompute); backward also
-            # needs the gradient of its output.
-            inputs = [self._upload(w, "act_in", name, i, step, view.in_bytes(a), self.act_src.get((a, i)), buffer_deps,
-                                   input_priority)]
-            if stage.direction == "B":
-                inputs.append(self._upload(w, "grad_in", name, i, step, view.out_bytes(b - 1),
-                                           self.grad_src.get((b, i)), buffer_deps, input_priority))
-            outputs: list[tuple[str, int, int]] = []  # (kind, bytes, boundary)
-            if stage.direction == "F" and not fused:
-                outputs.append(("act_out", view.out_bytes(b - 1), b))
-                outputs.extend(("act_save", view.in_bytes(c), c) for c in saves)
-            elif a > 0:
-                outputs.append(("grad_out", view.in_bytes(a), a))  # gradient of the stage input, same size
-            out_total = sum(nbytes for _, nbytes, _ in outputs)
-            in_total = sum(op.bytes for op in inputs)
-            alloc = [(w, transient + out_total)] + ([(w, grads_total)] if i == 0 and grads_total else [])
-            free = [(w, transient + in_total)] + ([(w, weights_total)] if i == m - 1 else [])
-            compute = self.add(Op(w, "compute", kind, name, i, step, seconds=seconds,
-                                  deps=weight_ops + inputs + list(output_deps), alloc=alloc, free=free))
-            downloads = []
-            if fused and self.cfg.host_barriers:
-                # The loss scalar goes home ahead of the input gradient; backward() needs the sum.
-                loss = self.add(Op(w, "download", "loss", name, i, step, bytes=LOSS_BYTES, priority=PRIO_ACTIVATIONS,
-                                   deps=[compute]))
-                downloads.append(loss)
-                self.losses.append(loss)
-            for out_kind, nbytes, boundary in outputs:
-                op = self.add(Op(w, "download", out_kind, name, i, step, bytes=nbytes, priority=PRIO_ACTIVATIONS,
-                                 deps=[compute], free=[(w, nbytes)]))
-                downloads.append(op)
-                if out_kind == "grad_out":
-                    self.grad_src[(boundary, i)] = op
-                else:
-                    self.act_src[(boundary, i)] = op
-                    if boundary == plan.num_layers:
-                        self.grad_src[(boundary, i)] = op  # the host computes the loss and its gradient
-            self.computes[w].append(compute)
-            self.outputs[w].append(downloads)
-
-        release = [compute]
-        if backward:
-            for layer in reversed(range(a, b)):
-                nbytes = view.layers[layer].grad_bytes
-                if nbytes <= 0:
-                    continue
-                op = self.add(Op(w, "download", "wgrad", name, -1, step, bytes=nbytes, priority=PRIO_GRADS,
-                                 deps=[compute], free=[(w, nbytes)]))
-                self.wgrads.append((layer, op))
-                release.append(op)
-            self.backward_done.extend(release)
-        self.releases[w].append(release)
-
-    def _upload(self, w: int, kind: str, name: str, mb: int, step: int, nbytes: int, source: Op | None,
-                buffer_deps: list[Op], priority: int) -> Op:
-        deps = ([source] if source is not None else []) + list(buffer_deps) + self.gate
-        return self.add(Op(w, "upload", kind, name, mb, step, bytes=nbytes, priority=priority,
-                           deps=deps, alloc=[(w, nbytes)]))
+            seconds, transient = view.backward_with_recompute_s(a, b), view.graph(a, b)
+        grads_total = view.grads(a, b) if t.kind != "forward" else 0
+        out_total = sum(o.bytes for o in outputs)
+        in_total = sum(i.bytes for i in inputs if i.kind in ("act_in", "grad_in"))
+        first, last = t.microbatch == 0, t.microbatch == self.m - 1
+        alloc = [(w, transient + out_total)] + ([(w, grads_total)] if first and grads_total else [])
+        free = [(w, transient + in_total)] + ([(w, view.weights(a, b))] if last else [])
+        return Op(w, "compute", t.kind, t.stage, t.microbatch, step, seconds=seconds, deps=deps, alloc=alloc, free=free)
 
 
 def add_optimizer(sim: EventSimulator, wgrads: dict[int, list[Op]], view: CostView, hardware: HardwareProfile,

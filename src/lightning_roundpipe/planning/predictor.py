@@ -1,0 +1,144 @@
+"""The partitioner's timing model: a fast list-scheduling estimate of one step of a plan.
+
+It prices the tasks of :func:`~lightning_roundpipe.schedule.lowering.lower` stage by stage
+rather than task by task, so the search can price thousands of plans; ``tests/test_lowering.py``
+bounds its error against the simulator, which times the lowered graph itself.
+
+* stages run in dispatch order on the worker :func:`~lightning_roundpipe.schedule.plan.dispatch`
+  gives them; a worker runs its stages one after another, paying ``stage_overhead_s`` per stage
+  (dispatch, events, launch gaps);
+* microbatch i of a stage starts when the worker is free, the stage's weights are on the
+  worker, and its input is: the previous stage's microbatch i output, downloaded to the host
+  and uploaded again (workers are stateless, data goes through the host);
+* weights of a worker's next stage are prefetched from the moment its current stage starts,
+  after the current stage's input uploads (which have priority); gradients are downloaded
+  last and only delay the end of the step;
+* without a fused last stage, backward starts when the whole forward is done
+  (``loss.backward()`` runs after the forward returned); with one, backward microbatch i
+  starts as soon as the fused stage sent back its input gradient (the engine dispatches the
+  backward stages right after the fused stage, no barrier).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..cost.profile import CostProfile, StageCost, StageCostModel
+from ..schedule.plan import Plan, PlanError, Stage, dispatch
+
+DEFAULT_STAGE_OVERHEAD_S = 1e-3  # per dispatched stage: event waits, kernel-launch gaps, Python dispatch
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the timing model predicts for one step of a plan."""
+
+    step_s: float
+    bubble: float  # share of worker time spent not computing
+    stage_seconds: dict[str, float]  # per dispatched stage: max(compute, upload, download)
+    stage_memory_bytes: dict[str, int]
+    forward_s: float  # when the whole forward is back on the host
+
+
+def dispatched_stage_costs(plan: Plan, model: StageCostModel) -> list[tuple[Stage, StageCost]]:
+    """(stage, cost) of every dispatched stage in dispatch order; the fused stage is the last forward one."""
+    out = []
+    last = len(plan.forward) - 1
+    for task in dispatch(plan, 1):
+        stage = task.stage
+        if stage.direction == "B":
+            kind = "backward"
+        else:
+            kind = "fused" if plan.fused_last and stage.index == last else "forward"
+        out.append((stage, model.stage(kind, stage.start, stage.end)))
+    return out
+
+
+def list_schedule(stages: Sequence[StageCost], workers: Sequence[int], num_forward: int, num_workers: int,
+              overhead_s: float, barrier: bool = True) -> tuple[float, float, float]:
+    """List scheduling of one step, stage ``k`` on ``workers[k]`` (:func:`~..schedule.plan.dispatch`);
+    returns (step seconds, busy compute seconds, forward end).
+
+    ``barrier``: backward waits for the whole forward (runs without a fused last stage); a fused
+    run passes False and each backward microbatch waits only for its own output gradient.
+    """
+    if not stages:
+        return 0.0, 0.0, 0.0
+    m = stages[0].microbatches
+    compute_free = [0.0] * num_workers
+    download_free = [0.0] * num_workers
+    previous_start: list[float | None] = [None] * num_workers
+    previous_input_upload = [0.0] * num_workers
+    inputs = [0.0] * m  # when microbatch i's input is on the host
+    step_end = busy = forward_end = 0.0
+    for k, sc in enumerate(stages):
+        if k == num_forward and barrier:
+            inputs = [forward_end] * m  # backward waits for the whole forward
+        w = workers[k]
+        prefetch_from = 0.0 if previous_start[w] is None else previous_start[w] + previous_input_upload[w]
+        upload_free = prefetch_from + sc.weight_upload_s
+        free = compute_free[w] + overhead_s
+        first_start = None
+        outputs = []
+        for i in range(m):
+            upload_free = max(upload_free, inputs[i]) + sc.microbatch_upload_s
+            start = max(free, upload_free)
+            if first_start is None:
+                first_start = start
+            free = start + sc.microbatch_compute_s
+            download_free[w] = max(download_free[w], free) + sc.microbatch_download_s
+            outputs.append(download_free[w])
+        download_free[w] += sc.grad_download_s
+        compute_free[w] = free
+        previous_start[w] = first_start
+        previous_input_upload[w] = m * sc.microbatch_upload_s
+        busy += sc.compute_s
+        step_end = max(step_end, download_free[w])
+        if k < num_forward:
+            forward_end = max(forward_end, outputs[-1])
+        inputs = outputs
+    return step_end, busy, forward_end
+
+
+def predict(
+    plan: Plan,
+    costs: CostProfile,
+    num_workers: int,
+    microbatches: int,
+    *,
+    link_bytes_per_second: float | None = None,
+    stage_overhead_s: float = DEFAULT_STAGE_OVERHEAD_S,
+    recompute: bool = True,
+) -> Prediction:
+    """Predict step time, bubble fraction and per-stage seconds/memory of ``plan`` (see module doc)."""
+    check_inputs(costs, num_workers, microbatches)
+    if plan.num_layers != len(costs):
+        raise PlanError(f"the plan covers {plan.num_layers} layers but the cost profile has {len(costs)}")
+    model = StageCostModel(costs, microbatches, link_speed(costs, link_bytes_per_second), recompute)
+    staged = dispatched_stage_costs(plan, model)
+    workers = [t.worker for t in dispatch(plan, num_workers)]
+    step, busy, forward_end = list_schedule([sc for _, sc in staged], workers, len(plan.forward), num_workers,
+                                        stage_overhead_s, barrier=not plan.fused_last)
+    bubble = 1.0 - busy / (num_workers * step) if step > 0 else 0.0
+    return Prediction(
+        step_s=step,
+        bubble=max(0.0, bubble),
+        stage_seconds={s.name: sc.seconds for s, sc in staged},
+        stage_memory_bytes={s.name: sc.memory_bytes for s, sc in staged},
+        forward_s=forward_end,
+    )
+
+
+def link_speed(costs: CostProfile, link_bytes_per_second: float | None) -> float | None:
+    """The explicit link speed, else the one the cost estimate recorded, else None (free transfers)."""
+    return link_bytes_per_second if link_bytes_per_second is not None else costs.link_bytes_per_second
+
+
+def check_inputs(costs: CostProfile, num_workers: int, microbatches: int) -> None:
+    if len(costs) < 1:
+        raise PlanError("the cost profile has no layers: there is nothing to partition")
+    if num_workers < 1:
+        raise PlanError(f"num_workers must be at least 1, got {num_workers}")
+    if microbatches < 1:
+        raise PlanError(f"microbatches must be at least 1, got {microbatches}")
