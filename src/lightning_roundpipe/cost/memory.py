@@ -38,12 +38,11 @@ def stage_activation_bytes(plan: Plan, view: CostView, stage: Stage) -> tuple[in
     """(graph, input buffer, output buffer) bytes of one microbatch of ``stage``."""
     a, b = stage.start, stage.end
     fused = _is_backward(plan, stage) and stage.direction == "F"
+    graph = view.stage_graph("forward" if stage.direction == "F" and not fused else "backward", a, b)
     if stage.direction == "F" and not fused:
-        graph = view.max_layer_graph(a, b)
         inputs = view.in_bytes(a)
         outputs = view.out_bytes(b - 1) + sum(view.in_bytes(c) for c in plan.saved_boundaries() if a < c < b)
     else:
-        graph = view.graph(a, b)
         inputs = view.in_bytes(a) + (view.out_bytes(b - 1) if stage.direction == "B" else 0)
         outputs = view.in_bytes(a) if a > 0 else 0
     return graph, inputs, outputs

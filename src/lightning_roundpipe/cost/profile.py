@@ -131,12 +131,8 @@ class StageCostModel:
     """Stage costs of one :class:`CostProfile` for a fixed microbatch count and link speed.
 
     Prefix sums make every stage cost O(stage length) at most, so a partitioner can price all
-    O(layers^2) candidate stages. Activation memory is kept simple and conservative:
-
-    * forward: the stage input plus the largest layer output of one microbatch (layers run
-      without autograd, so only the current output is alive);
-    * backward with recompute and fused: the stage input plus every layer's output of one
-      microbatch (the recomputed graph keeps them until backward frees them).
+    O(layers^2) candidate stages. Activation memory: the stage input plus the working set of
+    :meth:`~.view.CostView.stage_graph` (the formula the simulator and the memory bound use).
 
     ``recompute=False`` prices backward without the recompute (the forward graph was kept).
     ``link_bytes_per_second=None`` means transfers are free.
@@ -167,7 +163,9 @@ class StageCostModel:
         self._bwd = prefix(c.backward_s for c in layers)
         self._weights = prefix(c.weight_bytes for c in layers)
         self._grads = prefix(c.grad_bytes for c in layers)
-        self._acts = prefix(c.act_bytes_per_token for c in layers)
+        from .view import CostView  # the view reads this module's profile types
+
+        self.view = CostView(costs)
 
     def _transfer_s(self, num_bytes: float) -> float:
         return 0.0 if not self.link else num_bytes / self.link
@@ -189,9 +187,9 @@ class StageCostModel:
         weights = int(self._weights[end] - self._weights[start])
         act_in = self._act(start - 1)
         act_out = self._act(end - 1)
+        held = self.view.in_bytes(start) + self.view.stage_graph(kind, start, end)
         if kind == "forward":
             compute, up, down, grads = fwd, act_in, act_out, 0
-            held = act_in + max(self._act(layer) for layer in range(start, end))
         else:
             grads = int(self._grads[end] - self._grads[start])
             if kind == "fused":
@@ -199,7 +197,6 @@ class StageCostModel:
             else:
                 compute = (rec if self.recompute else 0.0) + bwd
                 up, down = act_in + act_out, act_in  # saved input + output gradient in, input gradient out
-            held = act_in + int((self._acts[end] - self._acts[start]) * self.tokens)
         return StageCost(
             kind=kind,
             start=start,

@@ -23,6 +23,9 @@ class CostView:
         self.trainable = costs.layer_trainable_params()
         self.params = costs.layer_params()
         self.input_bytes_per_token = int(costs.input_bytes_per_token)
+        self._graph_prefix = [0]
+        for g in self.graph_per_token:
+            self._graph_prefix.append(self._graph_prefix[-1] + g)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -44,11 +47,19 @@ class CostView:
 
     def graph(self, a: int, b: int) -> int:
         """Activations autograd keeps for the backward of the whole range (stage-level recompute)."""
-        return sum(self.graph_per_token[i] for i in range(a, b)) * self.tokens
+        return (self._graph_prefix[b] - self._graph_prefix[a]) * self.tokens
 
     def max_layer_graph(self, a: int, b: int) -> int:
         """Largest single-layer working set in the range (forward without a kept graph)."""
         return max(self.graph_per_token[i] for i in range(a, b)) * self.tokens
+
+    def stage_graph(self, kind: str, a: int, b: int) -> int:
+        """The activation working set of one microbatch of a stage, the one formula every reader uses.
+
+        A forward runs without autograd, so only the largest layer's intermediates are alive; a
+        backward (it recomputes the stage) and a fused stage keep the whole stage's graph.
+        """
+        return self.max_layer_graph(a, b) if kind == "forward" else self.graph(a, b)
 
     # seconds of one microbatch
     def forward_s(self, a: int, b: int) -> float:

@@ -262,12 +262,13 @@ class _RoundPipeBuilder:
     def _compute(self, t: GraphTask, step: int, deps: list[Op], inputs: list[GraphTask],
                  outputs: list[GraphTask]) -> Op:
         view, a, b, w = self.view, t.start, t.end, t.worker
+        transient = view.stage_graph(t.kind, a, b)
         if t.kind == "forward":
-            seconds, transient = view.forward_s(a, b), view.max_layer_graph(a, b)
+            seconds = view.forward_s(a, b)
         elif t.kind == "fused":
-            seconds, transient = view.fused_s(a, b), view.graph(a, b)
+            seconds = view.fused_s(a, b)
         else:
-            seconds, transient = view.backward_with_recompute_s(a, b), view.graph(a, b)
+            seconds = view.backward_with_recompute_s(a, b)
         grads_total = view.grads(a, b) if t.kind != "forward" else 0
         out_total = sum(o.bytes for o in outputs)
         in_total = sum(i.bytes for i in inputs if i.kind in ("act_in", "grad_in"))
