@@ -2,8 +2,8 @@
 
 One :class:`TraceRecord` per task on any queue of any worker. Times are seconds from the
 recorder's origin (``time.perf_counter`` on the CPU backend, CUDA events on the CUDA backend).
-Export (Chrome trace, PNG) and metrics (bubble fraction, exposed transfers) live in
-``timeline.py``; this module only collects.
+Metrics (:mod:`.metrics`), the Chrome trace (:mod:`.chrome`) and the PNG (:mod:`.gantt`)
+read them; this module only collects.
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import asdict, dataclass
+
+
+HOST_WORKER = -1  # TraceRecord.worker of tasks that run on the host
 
 
 @dataclass(frozen=True)
