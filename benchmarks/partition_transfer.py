@@ -1,4 +1,4 @@
-"""Partition policy and transfer queue, measured side by side on the CPU backend (issue 4 figures).
+"""Partition policy and transfer queue, measured side by side on the CPU backend .
 
 One decoder-style model with a heavy LM head (``benchmarks.models``: MLP blocks of width H and a
 head ``Linear(H, V)`` worth ``head_ratio`` blocks; the per-sample loss is computed inside the last

@@ -1,15 +1,17 @@
-"""Simulated RoundPipe training steps over the same plan and dispatch data the engine runs.
+"""Simulated RoundPipe training steps: the lowered task graph the engine submits, timed.
 
 One step, as the engine runs it (see ``docs/simulator.md`` for the assumptions):
 
-- Tasks come from :func:`lightning_roundpipe.schedule.plan.dispatch`: forward stages in order, then the
-  backward stages of :meth:`Plan.dispatched_backward_stages`, each to the next worker. With
-  ``continue_round_robin`` the next step's dispatch starts on the worker after the last one.
-- Every worker has an upload, a compute and a download queue. A task uploads its layers'
+- Tasks, their workers, lanes, dependencies and priorities come from
+  :func:`lightning_roundpipe.schedule.lowering.lower`, the function that gives the engine its
+  tasks: forward stages in order, then the dispatched backward stages, each to the next
+  worker. With ``continue_round_robin`` the next step's dispatch starts on the worker after
+  the last one.
+- Every worker has an upload, a compute and a download queue. A stage uploads its layers'
   weights, then per microbatch uploads its input (and for backward the output gradient),
   computes, and downloads its output (and the stage-internal activations backward recompute
-  starts from, and for backward the input gradient). The weights of a task may upload only when the worker's task two back
-  has finished computing and sent its gradients home: at most two stages' weights are resident.
+  starts from, and for backward the input gradient). The weights of a stage may upload only
+  once the worker's stage two back released its slot: at most two stages' weights are resident.
 - Uploads go by dispatch order, then kind (``SimConfig.upload_order="stage"``, as the engine):
   a stage's inputs, then its weights, before anything of a later stage, so the next stage's
   weight prefetch fills the gaps while the running stage waits for its inputs. Downloads go by
@@ -87,7 +89,7 @@ class SimConfig:
     host_barriers: bool = True
     # Upload priority: "stage" (dispatch order first, then kind: the running stage's weights and
     # inputs go before anything of a later stage, as the engine orders them) or "kind"
-    # (activations of any stage before any weights: the engine before it keyed on stage order).
+    # (activations of any stage before any weights, whatever their stage: for comparison).
     upload_order: str = "stage"
 
     def __post_init__(self) -> None:
