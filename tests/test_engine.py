@@ -274,3 +274,38 @@ def test_buffers_written_in_forward_do_not_reach_the_host():
     assert torch.equal(net[1].running_mean, before["1.running_mean"])
     assert torch.equal(net[1].num_batches_tracked, before["1.num_batches_tracked"])
     assert torch.equal(net[0].weight, before["0.weight"]) and net[0].weight.grad is not None
+
+
+def test_task_times_come_from_the_trace_records_and_are_dropped_after_reading():
+    layers = mlp(depth=4)
+    eng = engine_for(layers, workers=2, microbatches=2)
+    try:
+        x = torch.randn(4, 16)
+        eng(x).pow(2).sum().backward()
+        # No timeline was asked for, yet the step's compute tasks were measured (the cost profile
+        # and the re-planner learn from them), and their records were dropped once read.
+        kinds = sorted({(stage.name, kind) for stage, kind, _ in eng.measurements})
+        assert kinds == [("B0", "recompute_backward"), ("B1", "recompute_backward"), ("B2", "recompute_backward"),
+                         ("B3", "recompute_backward"), ("F0", "forward"), ("F1", "forward")]
+        assert len(eng.measurements) == 6 * 2  # one per stage and microbatch
+        assert all(seconds >= 0 for _, _, seconds in eng.measurements)
+        assert eng.pool.trace.records() == []
+        # With a timeline the records stay, and the measurements are exactly their durations.
+        eng.pool.trace.enabled = True
+        eng(x).pow(2).sum().backward()
+        compute = [r for r in eng.pool.trace.records(eng.step_count) if r.queue == "compute"]
+        assert len(compute) == 12
+        assert [(s.name, sec) for s, _, sec in eng.measurements] == [(r.stage, r.duration) for r in compute]
+    finally:
+        eng.close()
+
+
+def test_without_task_measurements_nothing_is_recorded():
+    layers = mlp(depth=2)
+    pool = CpuWorkerPool(2)
+    eng = PipelineEngine(layers, pool, simple_plan(2, 2), EngineOptions(microbatches=2, measure_tasks=False))
+    try:
+        eng(torch.randn(4, 16)).sum().backward()
+        assert eng.measurements == [] and not pool.trace.recording
+    finally:
+        eng.close()
