@@ -116,146 +116,157 @@ class EventSimulator:
     # ------------------------------------------------------------------ run
     def run(self) -> None:
         """Run every op once; fills ``start``/``end``, :attr:`records` and :attr:`peak_bytes`."""
-        order = self._order
-        waiting = {id(op): 0 for op in self.ops}
-        dependents: dict[int, list[Op]] = defaultdict(list)
-        for op in self.ops:
-            for dep in op.deps:
-                if id(dep) not in order:
-                    raise SimulationError(f"{op.describe()} depends on {dep.describe()}, which was never added")
-                waiting[id(op)] += 1
-                dependents[id(dep)].append(op)
+        _Run(self).execute()
 
-        servers: dict[tuple[int, str], object] = {}
-        for op in self.ops:
-            key = self._server_key(op)
-            if key not in servers:
-                servers[key] = _InOrderServer() if op.queue == "compute" else _ReadyServer()
-            server = servers[key]
+
+class _Run:
+    """One run of an :class:`EventSimulator`'s ops: the event loop and its bookkeeping."""
+
+    def __init__(self, sim: EventSimulator) -> None:
+        self.sim, self.link, self.order = sim, sim.link, sim._order
+        self.waiting = {id(op): 0 for op in sim.ops}
+        self.dependents: dict[int, list[Op]] = defaultdict(list)
+        for op in sim.ops:
+            for dep in op.deps:
+                if id(dep) not in self.order:
+                    raise SimulationError(f"{op.describe()} depends on {dep.describe()}, which was never added")
+                self.waiting[id(op)] += 1
+                self.dependents[id(dep)].append(op)
+        self.servers: dict[tuple[int, str], object] = {}
+        for op in sim.ops:
+            key = sim._server_key(op)
+            if key not in self.servers:
+                self.servers[key] = _InOrderServer() if op.queue == "compute" else _ReadyServer()
+            server = self.servers[key]
             if isinstance(server, _InOrderServer):
                 server.ops.append(op)
-
-        remaining: dict[int, int] = {id(op): op.bytes for op in self.ops if op.is_transfer}
-        started: set[int] = set()
-        is_ready: set[int] = set()
-        memory: dict[int, int] = defaultdict(int)
-        events: list[tuple[float, int, int, Op, int, float]] = []  # (time, seq, kind, op, chunk bytes, chunk start)
-        seq = 0
-        now = 0.0
-        done = 0
-        touched: set[tuple[int, str]] = set()
-
-        def make_ready(op: Op) -> None:
-            is_ready.add(id(op))
-            key = self._server_key(op)
-            server = servers[key]
-            if isinstance(server, _ReadyServer):
-                # Links serve equal priorities in the order the work was issued; the host serves
-                # them in the order they became ready (a FIFO of arrived gradients).
-                heapq.heappush(server.ready, (op.priority, now if op.queue == "host" else 0.0, order[id(op)], op))
-            touched.add(key)
-
-        def begin(op: Op) -> None:
-            if id(op) not in started:
-                started.add(id(op))
-                op.start = now
-                for worker, nbytes in op.alloc:
-                    memory[worker] += nbytes
-                    if memory[worker] > self.peak_bytes[worker]:
-                        self.peak_bytes[worker] = memory[worker]
-
+        self.remaining: dict[int, int] = {id(op): op.bytes for op in sim.ops if op.is_transfer}
+        self.started: set[int] = set()
+        self.is_ready: set[int] = set()
+        self.memory: dict[int, int] = defaultdict(int)
+        self.events: list[tuple[float, int, int, Op, int, float]] = []  # (time, seq, kind, op, chunk bytes, chunk start)
+        self.seq = 0
+        self.now = 0.0
+        self.done = 0
+        self.touched: set[tuple[int, str]] = set()
         # Transfer records are merged per op while they run back to back; keep one "open" record
         # per op instead of relying on list order, since many queues interleave.
-        open_record: dict[int, int] = {}
+        self.open_record: dict[int, int] = {}
 
-        def record_transfer(op: Op, start: float, end: float, nbytes: int) -> None:
-            if nbytes == 0 and end == start:
-                return  # an empty transfer that only carries a dependency
-            idx = open_record.get(id(op))
-            if idx is not None and self.records[idx].end == start:
-                r = self.records[idx]
-                self.records[idx] = TraceRecord(r.worker, r.queue, r.kind, r.stage, r.microbatch,
-                                                r.bytes + nbytes, r.start, end, r.step)
-            else:
-                open_record[id(op)] = len(self.records)
-                self.records.append(TraceRecord(op.worker, op.queue, op.kind, op.stage, op.microbatch,
-                                                nbytes, start, end, op.step))
+    def make_ready(self, op: Op) -> None:
+        self.is_ready.add(id(op))
+        key = self.sim._server_key(op)
+        server = self.servers[key]
+        if isinstance(server, _ReadyServer):
+            # Links serve equal priorities in the order the work was issued; the host serves
+            # them in the order they became ready (a FIFO of arrived gradients).
+            heapq.heappush(server.ready, (op.priority, self.now if op.queue == "host" else 0.0, self.order[id(op)], op))
+        self.touched.add(key)
 
-        def try_start(key: tuple[int, str]) -> None:
-            nonlocal seq
-            server = servers[key]
-            if server.busy:
+    def begin(self, op: Op) -> None:
+        if id(op) not in self.started:
+            self.started.add(id(op))
+            op.start = self.now
+            peak = self.sim.peak_bytes
+            for worker, nbytes in op.alloc:
+                self.memory[worker] += nbytes
+                if self.memory[worker] > peak[worker]:
+                    peak[worker] = self.memory[worker]
+
+    def record_transfer(self, op: Op, start: float, end: float, nbytes: int) -> None:
+        if nbytes == 0 and end == start:
+            return  # an empty transfer that only carries a dependency
+        records = self.sim.records
+        idx = self.open_record.get(id(op))
+        if idx is not None and records[idx].end == start:
+            r = records[idx]
+            records[idx] = TraceRecord(r.worker, r.queue, r.kind, r.stage, r.microbatch, r.bytes + nbytes, r.start, end,
+                                       r.step)
+        else:
+            self.open_record[id(op)] = len(records)
+            records.append(TraceRecord(op.worker, op.queue, op.kind, op.stage, op.microbatch, nbytes, start, end,
+                                       op.step))
+
+    def push(self, at: float, kind: int, op: Op, nbytes: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (at, self.seq, kind, op, nbytes, self.now))
+
+    def try_start(self, key: tuple[int, str]) -> None:
+        server = self.servers[key]
+        if server.busy:
+            return
+        if isinstance(server, _InOrderServer):
+            if server.next >= len(server.ops):
                 return
-            if isinstance(server, _InOrderServer):
-                if server.next >= len(server.ops):
-                    return
-                op = server.ops[server.next]
-                if id(op) not in is_ready:
-                    return
-                server.next += 1
-                server.busy = True
-                begin(op)
-                seq += 1
-                heapq.heappush(events, (now + op.seconds, seq, 0, op, 0, now))
+            op = server.ops[server.next]
+            if id(op) not in self.is_ready:
                 return
-            if not server.ready:
-                return
-            op = heapq.heappop(server.ready)[-1]
+            server.next += 1
             server.busy = True
-            first = id(op) not in started
-            begin(op)
-            seq += 1
-            if op.is_transfer:
-                nbytes = min(remaining[id(op)], self.link.chunk_bytes) if remaining[id(op)] > 0 else 0
-                heapq.heappush(events, (now + self._chunk_seconds(op, nbytes, first), seq, 1, op, nbytes, now))
-            else:
-                heapq.heappush(events, (now + op.seconds, seq, 0, op, 0, now))
+            self.begin(op)
+            self.push(self.now + op.seconds, 0, op, 0)
+            return
+        if not server.ready:
+            return
+        op = heapq.heappop(server.ready)[-1]
+        server.busy = True
+        first = id(op) not in self.started
+        self.begin(op)
+        if op.is_transfer:
+            left = self.remaining[id(op)]
+            nbytes = min(left, self.link.chunk_bytes) if left > 0 else 0
+            self.push(self.now + self.sim._chunk_seconds(op, nbytes, first), 1, op, nbytes)
+        else:
+            self.push(self.now + op.seconds, 0, op, 0)
 
-        def finish(op: Op) -> None:
-            nonlocal done
-            op.end = now
-            done += 1
-            for worker, nbytes in op.free:
-                memory[worker] -= nbytes
-            for nxt in dependents[id(op)]:
-                waiting[id(nxt)] -= 1
-                if waiting[id(nxt)] == 0:
-                    make_ready(nxt)
+    def finish(self, op: Op) -> None:
+        op.end = self.now
+        self.done += 1
+        for worker, nbytes in op.free:
+            self.memory[worker] -= nbytes
+        for nxt in self.dependents[id(op)]:
+            self.waiting[id(nxt)] -= 1
+            if self.waiting[id(nxt)] == 0:
+                self.make_ready(nxt)
 
-        for op in self.ops:
-            if waiting[id(op)] == 0:
-                make_ready(op)
-        for key in list(touched):
-            try_start(key)
-        touched.clear()
+    def start_touched(self, ordered: bool) -> None:
+        for key in (sorted(self.touched, key=lambda k: (k[0], k[1])) if ordered else list(self.touched)):
+            self.try_start(key)
+        self.touched.clear()
 
+    def handle(self, kind: int, op: Op, nbytes: int, chunk_start: float) -> None:
+        key = self.sim._server_key(op)
+        server = self.servers[key]
+        server.busy = False
+        self.touched.add(key)
+        if kind == 0:  # compute or host work done
+            self.sim.records.append(TraceRecord(op.worker, op.queue, op.kind, op.stage, op.microbatch, 0, op.start,
+                                                self.now, op.step))
+            self.finish(op)
+            return
+        self.remaining[id(op)] -= nbytes
+        self.record_transfer(op, chunk_start, self.now, nbytes)
+        if self.remaining[id(op)] > 0:
+            heapq.heappush(server.ready, (op.priority, 0.0, self.order[id(op)], op))
+        else:
+            self.finish(op)
+
+    def execute(self) -> None:
+        ops, events = self.sim.ops, self.events
+        for op in ops:
+            if self.waiting[id(op)] == 0:
+                self.make_ready(op)
+        self.start_touched(ordered=False)
         while events:
-            now = events[0][0]
+            self.now = events[0][0]
             # Handle every event at this instant before starting anything, so memory freed at
             # time t is counted as free for work that starts at t.
-            while events and events[0][0] == now:
+            while events and events[0][0] == self.now:
                 _, _, kind, op, nbytes, chunk_start = heapq.heappop(events)
-                key = self._server_key(op)
-                server = servers[key]
-                server.busy = False
-                touched.add(key)
-                if kind == 0:  # compute or host work done
-                    self.records.append(TraceRecord(op.worker, op.queue, op.kind, op.stage, op.microbatch,
-                                                    0, op.start, now, op.step))
-                    finish(op)
-                else:
-                    remaining[id(op)] -= nbytes
-                    record_transfer(op, chunk_start, now, nbytes)
-                    if remaining[id(op)] > 0:
-                        heapq.heappush(server.ready, (op.priority, 0.0, order[id(op)], op))
-                    else:
-                        finish(op)
-            for key in sorted(touched, key=lambda k: (k[0], k[1])):
-                try_start(key)
-            touched.clear()
-
-        if done != len(self.ops):
-            stuck = [op for op in self.ops if math.isnan(op.end)]
+                self.handle(kind, op, nbytes, chunk_start)
+            self.start_touched(ordered=True)
+        if self.done != len(ops):
+            stuck = [op for op in ops if math.isnan(op.end)]
             names = "; ".join(op.describe() for op in stuck[:5])
-            raise SimulationError(f"{len(stuck)} of {len(self.ops)} operations never ran (a dependency cycle or a "
+            raise SimulationError(f"{len(stuck)} of {len(ops)} operations never ran (a dependency cycle or a "
                                   f"queue order that contradicts the dependencies); first: {names}")
