@@ -219,3 +219,24 @@ def test_predictor_agrees_with_the_simulator_of_the_lowered_graph():
     assert errors[len(errors) // 2] <= 0.02
     assert errors[int(0.9 * len(errors)) - 1] <= 0.05
     assert errors[-1] <= 0.25
+
+
+def test_loss_inside_the_pipeline_without_a_fused_stage_matches_plain_autograd():
+    torch.manual_seed(0)
+    layers = mlp(depth=3, width=4) + [LossHead(4)]
+    x = torch.randn(6, 4)
+    h = x
+    for layer in layers[:-1]:
+        h = layer(h)
+    (layers[-1](h)["loss_sum"] * 0.25).backward()
+    want = [p.grad.clone() for l in layers for p in l.parameters()]
+    for l in layers:
+        l.zero_grad(set_to_none=True)
+    eng = PipelineEngine(layers, CpuWorkerPool(2), simple_plan(4, 2), EngineOptions(microbatches=3))
+    try:
+        loss = eng(x, loss_scale=0.25)
+        loss.backward()
+    finally:
+        eng.close()
+    got = [p.grad for l in layers for p in l.parameters()]
+    assert max(((g - w).norm() / w.norm()).item() for g, w in zip(got, want)) <= 1e-5

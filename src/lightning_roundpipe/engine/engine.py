@@ -295,6 +295,16 @@ class _PipelineFunction(torch.autograd.Function):
 
 def _split_output_grads(run: StepRun, grads) -> list[HostCarry]:
     """Split the merged output's gradients back into per-microbatch carries (aligned with outputs)."""
+    if run.loss_scale is not None:
+        # The output was sum(loss_sum) * loss_scale: every microbatch's loss_sum gets g * loss_scale.
+        g = grads[0]
+        out = []
+        for tree in run.output_sizes:
+            leaves, spec = pytree.tree_flatten(tree)
+            marked = pytree.tree_leaves({k: pytree.tree_map(lambda _, k=k: k == "loss_sum", v) for k, v in tree.items()})
+            out.append(HostCarry([None if g is None or not is_loss else (g * run.loss_scale).to(x.dtype)
+                                  for x, is_loss in zip(leaves, marked)], spec))
+        return out
     per_mb_trees = run.output_sizes
     sizes = []
     for tree in per_mb_trees:
