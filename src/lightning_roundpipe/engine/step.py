@@ -141,7 +141,7 @@ class StepRun:
             def fn(chunk=chunk):
                 # Parameters are only read; buffers may be written in forward (BatchNorm statistics)
                 # and must not reach the host that way.
-                dev = self.pool._copy_to_device(worker, [weights.sources[i] for i in chunk], [weights.dtypes[i] for i in chunk],
+                dev = self.pool.copy_to_device(worker, [weights.sources[i] for i in chunk], [weights.dtypes[i] for i in chunk],
                                                 read_only=[weights.is_param[i] for i in chunk])
                 weights.store_chunk(chunk, dev)
                 worker.track_weights(weights.chunk_bytes(chunk))
@@ -168,7 +168,7 @@ class StepRun:
         def fn():
             host: HostCarry = src.value
             idx = [i for i, x in enumerate(host.leaves) if isinstance(x, torch.Tensor)]
-            dev = self.pool._copy_to_device(worker, [host.leaves[i] for i in idx], [None] * len(idx))
+            dev = self.pool.copy_to_device(worker, [host.leaves[i] for i in idx], [None] * len(idx))
             leaves = list(host.leaves)
             for i, d in zip(idx, dev):
                 leaves[i] = d
@@ -184,7 +184,7 @@ class StepRun:
         def fn():
             host = get_tree()
             idx = [i for i, x in enumerate(host.leaves) if isinstance(x, torch.Tensor)]
-            out = self.pool._copy_to_host(worker, [host.leaves[i] for i in idx])
+            out = self.pool.copy_to_host(worker, [host.leaves[i] for i in idx])
             leaves = list(host.leaves)
             for i, h in zip(idx, out):
                 leaves[i] = h
@@ -314,8 +314,10 @@ class StepRun:
             accumulate_host_grads(weights, grads, scale)
             eng._on_grads_accumulated(weights.layer_ids)
         if not self.input_requires_grad:
+            self.pool.finish_step()  # device timings of the step into the trace, read once
             return [None] * self.M
         trees = [self._wait(self.grads[(0, i)]) for i in range(self.M)]
+        self.pool.finish_step()
         if scale is not None and scale != 1.0:
             trees = [HostCarry([x * scale if isinstance(x, torch.Tensor) else x for x in t.leaves], t.spec) for t in trees]
         return [t.tree() for t in trees]
