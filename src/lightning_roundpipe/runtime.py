@@ -84,6 +84,8 @@ class RoundPipeRuntime:
                 threads_per_worker=options.cpu_threads_per_worker,
                 seed=options.seed,
             )
+        if backend == "fake_cuda":  # the CUDA protocol on CPU streams; the jitter delays stream work
+            pool_opts.update(stream_jitter_s=options.cpu_jitter_s, seed=options.seed)
         if backend == "cuda" and options.recompute == "never":
             raise ValueError("recompute='never' keeps forward graphs across workers and is only supported on the CPU backend")
         microbatches = int(options.microbatches or num_workers + 1)
