@@ -194,7 +194,7 @@ def _train(backend, staleness, pinned, compute_dtype, opt_name, steps=4, jitter=
     ov = runtime.overlap_optimizer(opt, staleness=staleness)
     if backend == "fake_cuda":
         shadows = runtime.engine.shadows
-        uploaded = list(shadows.shadows.values()) if shadows is not None else runtime.engine.master_parameters()
+        uploaded = shadows.buffers() if shadows is not None else runtime.engine.master_parameters()
         runtime.pool.pin_uploads(pinned, uploaded)
     g = torch.Generator().manual_seed(1)
     try:
@@ -229,3 +229,37 @@ def test_race_amplifier_bit_identical_to_cpu_backend(pinned):
         got = _train("fake_cuda", staleness, pinned, dtype, opt_name, jitter=0.003)
         diff = [(a - b).abs().max().item() for a, b in zip(ref, got)]
         assert all(torch.equal(a, b) for a, b in zip(ref, got)), (staleness, dtype, opt_name, diff)
+
+
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["32-true", "bf16"])
+@pytest.mark.parametrize("pinned", ["alloc", "register", "off"])
+def test_pinned_policies_pin_exactly_what_is_uploaded(pinned, compute_dtype):
+    """Issue 15 item 5: the uploads read the shadows where they exist, else the masters; the
+    policy pins exactly those, once, and no upload then reads pageable memory (before: "register"
+    pinned the masters while uploads read unpinned shadows, and with "alloc" and no shadows every
+    upload made a pinned staging copy)."""
+    from lightning_roundpipe.params.shadows import ShadowStore
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    runtime = RoundPipeRuntime.attach(net, "fake_cuda", 2, RuntimeOptions(microbatches=2, compute_dtype=compute_dtype))
+    try:
+        masters = runtime.engine.master_parameters()
+        n_params = sum(p.numel() for p in masters)
+        shadows = ShadowStore(masters, compute_dtype) if compute_dtype is not None else None
+        runtime.engine.shadows = shadows
+        uploaded = shadows.buffers() if shadows is not None else masters
+        pinned_bytes = runtime.pool.pin_uploads(pinned, uploaded)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute_dtype is not None):
+            out = net(torch.randn(4, 16))
+        out.float().sum().backward()
+        per_param = 2 if compute_dtype is not None else 4
+        if pinned == "off":
+            assert pinned_bytes == 0 and runtime.pool.pageable_upload_bytes > 0
+        else:
+            assert pinned_bytes == n_params * per_param  # exactly the uploaded bytes: no rounding
+            assert runtime.pool.pageable_upload_bytes == 0
+        if shadows is not None:
+            assert shadows.nbytes() == n_params * 2
+    finally:
+        runtime.detach()

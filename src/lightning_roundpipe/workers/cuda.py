@@ -19,7 +19,7 @@ Timing: with tracing on, a task gets a start and an end event; they are read onc
 
 Pinned memory: nothing is pinned per copy. :meth:`pin_uploads` pins, once and in place, exactly
 the host tensors the uploads read; an upload from pageable memory is a plain (staged) copy and
-is counted in ``pageable_upload_bytes``.
+of weights is counted in ``pageable_upload_bytes``.
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ class StreamWorkerPool(WorkerPool):
 
     def on_shutdown(self, timeout: float) -> None:
         self.driver.close(timeout)
+        self.unpin()
 
     def threads_alive(self) -> list[str]:
         fake = self.driver.threads_alive() if self.driver.fake else []
@@ -156,13 +157,14 @@ class StreamWorkerPool(WorkerPool):
     def copy_to_device(self, worker: Worker, tensors, dtypes, read_only=False):
         drv = self.driver
         compute_stream = worker.lanes["compute"].stream
+        flags = list(read_only) if isinstance(read_only, (list, tuple)) else [read_only] * len(tensors)
         out = []
-        for t, dt in zip(tensors, dtypes):
+        for t, dt, weight in zip(tensors, dtypes, flags):
             if t is None:
                 out.append(None)
                 continue
             src = t.detach()
-            if not drv.is_pinned(src):
+            if weight and not drv.is_pinned(src):
                 self.pageable_upload_bytes += src.numel() * src.element_size()
             dev = drv.to_device(src, worker.device, dt or src.dtype)
             drv.record_stream(dev, compute_stream)

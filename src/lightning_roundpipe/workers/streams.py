@@ -227,7 +227,7 @@ class FakeStreams:
         self._streams: list[FakeStream] = []
         self.local = threading.local()
         self.record_stream_calls = 0
-        self.registered: dict[int, int] = {}  # data_ptr -> bytes of host tensors "pinned in place"
+        self.registered: dict[int, int] = {}  # start data_ptr -> bytes of host tensors "pinned in place"
 
     def pause(self) -> None:
         if self.jitter_s > 0:
@@ -268,10 +268,11 @@ class FakeStreams:
         dst.copy_(src)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
-        return t.data_ptr() in self.registered
+        ptr = t.data_ptr()
+        return any(start <= ptr < start + n for start, n in self.registered.items())
 
     def register(self, t: torch.Tensor) -> bool:
-        if not t.is_contiguous() or t.numel() == 0 or t.data_ptr() in self.registered:
+        if not t.is_contiguous() or t.numel() == 0 or self.is_pinned(t):
             return False
         self.registered[t.data_ptr()] = t.numel() * t.element_size()
         return True
