@@ -24,7 +24,7 @@ from ..workers.pool import WorkerPool
 from .microbatch import merge_microbatches, split_microbatches
 from .rng import uses_randomness
 from .step import HostCarry, StepRun
-from ..params.weights import LayerTable
+from ..params.weights import HostGradBuffers, LayerTable
 
 
 @dataclass
@@ -84,6 +84,7 @@ class PipelineEngine:
         self.step_end_hooks: list = []  # called with the StepRun after each training backward
         self._weight_gate_fn = None
         self.shadows = None  # a ShadowStore: uploads read compute-dtype copies of the masters
+        self.grad_buffers = HostGradBuffers()  # .grad tensors reused across steps (no fresh pages per step)
 
     # ------------------------------------------------------------------ plan
     def _checked(self, plan: Plan) -> Plan:

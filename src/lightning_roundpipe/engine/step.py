@@ -99,6 +99,10 @@ class StepRun:
         order = self.stage_order.get(stage.name, 0)
         return order * 16 + kind_rank if queue == "upload" else kind_rank * (1 << 40) + order
 
+    def _grad_keys(self, stage: Stage):
+        """The carry keys that carry a gradient into this stage, if its first layer declares them."""
+        return getattr(self.engine.layers[stage.start], "differentiable_carry_keys", None)
+
     def _timeout(self) -> float:
         return self.pool.timeout_s
 
@@ -253,7 +257,8 @@ class StepRun:
             carry = act_in.value
             if self.keep_graph:
                 tree = carry.tree()
-                in_leaves = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad)
+                in_leaves = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad,
+                                               keys=self._grad_keys(stage))
                 with self._compute_context(worker.device, grad=True):
                     out = self._run_layers(worker.device, weights, stage.start, stage.end, in_leaves[1], i)
                 self.graphs[(stage.index, i)] = (in_leaves[0], carry.spec, pytree.tree_leaves(out[stage.end]))
@@ -266,7 +271,8 @@ class StepRun:
         """Forward, loss and backward of the last stage at once; only the scalar and gradients come home."""
         def fn():
             tree = act_in.value.tree()
-            in_leaves, tree = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad)
+            in_leaves, tree = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad,
+                                               keys=self._grad_keys(stage))
             with self._compute_context(worker.device, grad=True):
                 out = self._run_layers(worker.device, weights, stage.start, stage.end, tree, i)[stage.end]
                 loss_sum = out["loss_sum"]
@@ -311,7 +317,7 @@ class StepRun:
         # Host side: gradients into .grad in dispatch order (deterministic whatever the timing).
         for weights, wg in host_work:
             grads = self._wait(wg)
-            accumulate_host_grads(weights, grads, scale)
+            accumulate_host_grads(weights, grads, scale, eng.grad_buffers)
             eng._on_grads_accumulated(weights.layer_ids)
         if not self.input_requires_grad:
             self.pool.finish_step()  # device timings of the step into the trace, read once
@@ -380,7 +386,8 @@ class StepRun:
             else:
                 spec = a_in.value.spec
                 tree = a_in.value.tree()
-                in_leaves, tree = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad)
+                in_leaves, tree = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad,
+                                               keys=self._grad_keys(stage))
                 t0 = time.perf_counter()
                 with self._compute_context(worker.device, grad=True):
                     out = self._run_layers(worker.device, weights, stage.start, stage.end, tree, i)[stage.end]
@@ -397,8 +404,17 @@ class StepRun:
         return fn
 
 
-def _leaves_requiring_grad(tree, need: bool):
-    """Return (leaves, tree) where floating tensor leaves are fresh leaves requiring grad (if ``need``)."""
+def _leaves_requiring_grad(tree, need: bool, keys=None):
+    """Return (leaves, tree) where floating tensor leaves are fresh leaves requiring grad (if ``need``).
+
+    ``keys``: for a dict carry, only the values under these keys get a gradient (the stage's
+    first layer's ``differentiable_carry_keys``); rotary tables and masks are then neither
+    differentiated nor shipped back.
+    """
+    if need and keys is not None and isinstance(tree, dict):
+        fresh = lambda x: x.detach().requires_grad_(True) if _is_float_tensor(x) else x  # noqa: E731
+        tree = {k: pytree.tree_map(fresh, v) if k in keys else v for k, v in tree.items()}
+        return pytree.tree_leaves(tree), tree
     leaves, spec = pytree.tree_flatten(tree)
     if need:
         leaves = [x.detach().requires_grad_(True) if _is_float_tensor(x) else x for x in leaves]
