@@ -28,11 +28,12 @@ def make_pool(backend: str, num_workers: int, device_indices=None, **options) ->
     "fake_cuda" (the CUDA backend's protocol on CPU executor threads standing for streams; its
     own options ``stream_jitter_s`` and ``seed`` delay stream work at random)."""
     if backend == "cpu":
-        return CpuWorkerPool(num_workers, **{k: v for k, v in options.items() if k not in ("stream_jitter_s",)})
+        return CpuWorkerPool(num_workers, **{k: v for k, v in options.items()
+                                             if k not in ("stream_jitter_s", "stream_jitter_cycles")})
     if backend == "cuda":
         from .cuda import CudaWorkerPool
 
-        cuda_opts = {k: v for k, v in options.items() if k in _STREAM_OPTIONS}
+        cuda_opts = {k: v for k, v in options.items() if k in _STREAM_OPTIONS + ("stream_jitter_cycles", "seed")}
         return CudaWorkerPool(device_indices if device_indices is not None else range(num_workers), **cuda_opts)
     if backend == "fake_cuda":
         from .cuda import FakeCudaWorkerPool

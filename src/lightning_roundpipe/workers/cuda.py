@@ -216,10 +216,13 @@ class CudaWorkerPool(StreamWorkerPool):
     backend = "cuda"
 
     def __init__(self, device_indices, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
-                 pin_memory: bool = True, fifo_transfers: bool = False, issue_after_device: bool = True):
+                 pin_memory: bool = True, fifo_transfers: bool = False, issue_after_device: bool = True,
+                 stream_jitter_cycles: int = 0, seed: int = 0):
+        """``device_indices`` may repeat a GPU: several workers (each with its own streams) on one device."""
         if not torch.cuda.is_available():
             raise RuntimeError("the CUDA backend needs CUDA: use accelerator='cpu' for virtual CPU workers")
-        super().__init__(CudaStreams(), [torch.device("cuda", int(i)) for i in device_indices], timeout_s=timeout_s,
+        super().__init__(CudaStreams(stream_jitter_cycles, seed), [torch.device("cuda", int(i)) for i in device_indices],
+                         timeout_s=timeout_s,
                          trace=trace, max_in_flight=max_in_flight, pin_memory=pin_memory,
                          fifo_transfers=fifo_transfers, issue_after_device=issue_after_device)
 

@@ -65,11 +65,17 @@ class CudaEvent:
 
 
 class CudaStreams:
+    """``jitter_cycles``: before each piece of stream work, a ``torch.cuda._sleep`` of a random
+    number of GPU cycles in [0, jitter_cycles) on that stream (the race amplifier on a GPU)."""
+
     kind = "cuda"
     fake = False
 
-    def __init__(self) -> None:
+    def __init__(self, jitter_cycles: int = 0, seed: int = 0) -> None:
         self.record_stream_calls = 0
+        self.jitter_cycles = int(jitter_cycles)
+        self._rand = random.Random(seed)
+        self._rand_lock = threading.Lock()
 
     def new_stream(self, device: torch.device):
         with torch.cuda.device(device):
@@ -84,6 +90,10 @@ class CudaStreams:
     def issue(self, stream, device: torch.device, fn: Callable[[], Any], label: TaskLabel, timeout_s: float) -> Any:
         """Run ``fn`` with ``stream`` current: its kernels and copies are queued on the stream."""
         with torch.cuda.device(device), torch.cuda.stream(stream):
+            if self.jitter_cycles > 0:
+                with self._rand_lock:
+                    cycles = self._rand.randrange(self.jitter_cycles)
+                torch.cuda._sleep(cycles)
             return fn()
 
     def current_stream(self, device: torch.device):
