@@ -263,3 +263,35 @@ def test_pinned_policies_pin_exactly_what_is_uploaded(pinned, compute_dtype):
             assert shadows.nbytes() == n_params * 2
     finally:
         runtime.detach()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_hf_fused_last_stage_on_fake_streams_matches_unpipelined(padded):
+    """A tiny Llama through the fused last stage (forward, loss and backward at once, eager
+    backward stages) on jittered fake streams: the unpipelined model's loss and gradients."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         attn_implementation="sdpa"))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 96, (5, 12), generator=g)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, 8:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    ref = model(input_ids=ids, attention_mask=mask, labels=labels)
+    ref.loss.backward()
+    g_ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    rt = RoundPipeRuntime.attach(model, "fake_cuda", 2, RuntimeOptions(microbatches=3, cpu_jitter_s=0.002))
+    try:
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        assert abs(out.loss.item() / ref.loss.item() - 1) <= 1e-6
+        out.loss.backward()
+        got = {n: p.grad for n, p in model.named_parameters()}
+    finally:
+        rt.detach()
+    assert got.keys() == g_ref.keys()
+    assert max(((got[k] - g_ref[k]).norm() / g_ref[k].norm()).item() for k in g_ref) <= 1e-5
