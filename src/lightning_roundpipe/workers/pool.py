@@ -71,7 +71,7 @@ class Lane:
         # Woken only by what concerns this lane: a task submitted to it, a completion one of its
         # tasks waits for, shutdown. Shares the pool's lock.
         self.cond = threading.Condition(pool._lock)
-        self.stream: Any = None  # set by the CUDA backend
+        self.stream: Any = None  # the stream backends give each lane its stream while they construct the pool
         self._thread = threading.Thread(
             target=self._loop, name=f"roundpipe-w{worker.index}-{queue}", daemon=True
         )
