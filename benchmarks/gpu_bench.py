@@ -4,7 +4,7 @@ Randomly initialised ``Qwen3ForCausalLM`` models with the real Qwen3-0.6B and Qw
 (no weights are downloaded), trained for a few steps on random token ids by:
 
 - ``roundpipe``: this project, CUDA backend, 1 worker. The model and its fp32 master weights and
-  AdamW state stay in host RAM (pinned once, so uploads need no staging copy); stages run in
+  AdamW state stay in host RAM (the bf16 shadows the uploads read are pinned once); stages run in
   bf16 on the GPU (``compute_dtype``, from pinned bf16 shadows) with recompute; the loss is
   computed inside the last stage; fused AdamW runs on the host layer by layer as gradients
   complete (``runtime.overlap_optimizer``, exact).
@@ -82,7 +82,7 @@ class GpuBenchConfig:
     seq_len / batch: tokens per sequence and sequences per step; microbatches: RoundPipe's split.
     steps / warmup: timed and untimed steps per system.
     device: "cuda" (the benchmark) or "cpu" (debug: RoundPipe's CPU backend, tiny sizes only).
-    pin_host: pin RoundPipe's host weights once before attaching (CUDA only).
+    pin_host: pin what RoundPipe uploads (its bf16 shadows) once, exactly sized (CUDA only; else pageable).
     rp_policy: RoundPipe's partition policy ("auto" cuts stages from estimated costs, so weight
         uploads of the next stage overlap the running one; "params" gives one stage per worker).
     plain_checkpointing: gradient checkpointing for the plain run (off: the usual baseline).
@@ -162,13 +162,6 @@ def make_tokens(cfg: GpuBenchConfig, vocab: int, device: str) -> torch.Tensor:
     return torch.randint(0, vocab, (cfg.batch, cfg.seq_len), generator=g).to(device)
 
 
-def pin_parameters(model) -> None:
-    """Move every parameter's storage into pinned host memory once (tied weights stay tied)."""
-    for p in model.parameters():
-        if not p.is_pinned():
-            p.data = p.data.pin_memory()
-
-
 # ------------------------------------------------------------------ timing
 def _sync(device: str) -> None:
     if device == "cuda":
@@ -217,8 +210,6 @@ def run_roundpipe(size: str, cfg: GpuBenchConfig) -> tuple[GpuRow, dict]:
 
     device = cfg.device
     model = build_host_model(size, cfg.seq_len, torch.float32, cfg.seed, init_on_cuda=device == "cuda")
-    if device == "cuda" and cfg.pin_host:
-        pin_parameters(model)
     n = count_params(model)
     ids = make_tokens(cfg, model.config.vocab_size, "cpu")
     options = RuntimeOptions(microbatches=cfg.microbatches, recompute="always",
@@ -230,7 +221,10 @@ def run_roundpipe(size: str, cfg: GpuBenchConfig) -> tuple[GpuRow, dict]:
         # Fused AdamW on the host, stepped layer by layer behind the pipeline (exact): each layer's
         # update starts once its gradient is complete; uploads read bf16 shadows it refreshes.
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
-        runtime.overlap_optimizer(opt)
+        runtime.overlap_optimizer(opt)  # pins the bf16 shadows the uploads read, once, exactly sized
+        if device == "cuda" and not cfg.pin_host:
+            runtime.pool.unpin()
+            runtime.pool.pin_uploads("off", [])
 
         def step():
             marks = []

@@ -244,14 +244,14 @@ def test_cpu_backend_shares_read_only_weights_and_copies_inputs():
     try:
         w = pool.workers[0]
         host = torch.randn(4, 4)
-        shared, cast = pool._copy_to_device(w, [host, host], [None, torch.bfloat16], read_only=True)
-        (private,) = pool._copy_to_device(w, [host], [None])
+        shared, cast = pool.copy_to_device(w, [host, host], [None, torch.bfloat16], read_only=True)
+        (private,) = pool.copy_to_device(w, [host], [None])
         assert shared.data_ptr() == host.data_ptr() and not shared.requires_grad
         assert cast.dtype == torch.bfloat16 and cast.data_ptr() != host.data_ptr()
         assert private.data_ptr() != host.data_ptr() and torch.equal(private, host)
-        (back,) = pool._copy_to_host(w, [private])
+        (back,) = pool.copy_to_host(w, [private])
         assert back.data_ptr() == private.data_ptr()
-        param, buffer = pool._copy_to_device(w, [host, host], [None, None], read_only=[True, False])
+        param, buffer = pool.copy_to_device(w, [host, host], [None, None], read_only=[True, False])
         assert param.data_ptr() == host.data_ptr() and buffer.data_ptr() != host.data_ptr()
     finally:
         pool.shutdown()

@@ -6,9 +6,9 @@ import torch
 from _models import SeqModule, fit, grad_error, weight_error, weights
 from lightning_roundpipe import RoundPipeStrategy
 
-pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_cuda_parity_with_single_device(gpus):
     if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
@@ -43,41 +43,49 @@ def test_cuda_pool_skips_cleanly_without_cuda():
         make_pool("cuda", 1)
 
 
-@pytest.mark.timeout(120)
-def test_cuda_plain_pytorch_overlapped_optimizer_with_bf16_shadows_matches_synchronous():
-    """Plain PyTorch on the CUDA backend: bf16 compute reads pinned shadows refreshed per layer
-    step; the overlapped step gives the same weights as the synchronous one over the same runtime."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+def train_plain_bf16(backend: str, overlap: bool):
+    """Plain PyTorch, bf16 compute: the forward runs under autocast (the weights go up in bf16, the
+    inputs stay fp32: without autocast the first matmul fails on mismatched dtypes)."""
     from torch import nn
 
     from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
 
-    def train(overlap: bool):
-        torch.manual_seed(0)
-        net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)], nn.Linear(64, 8))
-        runtime = RoundPipeRuntime.attach(net, "cuda", 1, RuntimeOptions(microbatches=2, compute_dtype=torch.bfloat16))
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-        if overlap:
-            runtime.overlap_optimizer(opt)
-        else:  # the same bf16 uploads, refreshed by hand after the synchronous step
-            from lightning_roundpipe.params.shadows import ShadowStore
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)], nn.Linear(64, 8))
+    runtime = RoundPipeRuntime.attach(net, backend, 1, RuntimeOptions(microbatches=2, compute_dtype=torch.bfloat16))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    device_type = "cuda" if backend == "cuda" else "cpu"
+    if overlap:
+        runtime.overlap_optimizer(opt)
+    else:  # the same bf16 uploads, refreshed by hand after the synchronous step
+        from lightning_roundpipe.params.shadows import ShadowStore
 
-            runtime.engine.shadows = ShadowStore(runtime.engine.master_parameters(), torch.bfloat16, pin=True)
-        g = torch.Generator().manual_seed(1)
-        try:
-            for _ in range(3):
-                x, y = torch.randn(4, 64, generator=g), torch.randn(4, 8, generator=g)
-                opt.zero_grad(set_to_none=True)
-                torch.nn.functional.mse_loss(net(x).float(), y).backward()
-                opt.step()
-                if not overlap:
-                    runtime.engine.shadows.refresh()
-            runtime.join()
-            assert all(p.device.type == "cpu" for p in net.parameters())
-            return [p.detach().clone() for p in net.parameters()]
-        finally:
-            runtime.detach()
+        runtime.engine.shadows = ShadowStore(runtime.engine.master_parameters(), torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(3):
+            x, y = torch.randn(4, 64, generator=g), torch.randn(4, 8, generator=g)
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device_type, dtype=torch.bfloat16):
+                out = net(x)
+            torch.nn.functional.mse_loss(out.float(), y).backward()
+            opt.step()
+            if not overlap:
+                runtime.engine.shadows.refresh()
+        runtime.join()
+        assert all(p.device.type == "cpu" for p in net.parameters())
+        return [p.detach().clone() for p in net.parameters()]
+    finally:
+        runtime.detach()
 
-    for a, b in zip(train(False), train(True)):
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["cpu", "fake_cuda", "cuda"])
+def test_plain_pytorch_overlapped_optimizer_with_bf16_shadows_matches_synchronous(backend):
+    """bf16 compute reads shadows refreshed per layer step; the overlapped step gives the same
+    weights as the synchronous one over the same runtime (the CPU and fake-stream backends run
+    the very test the CUDA run will)."""
+    if backend == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for a, b in zip(train_plain_bf16(backend, False), train_plain_bf16(backend, True)):
         assert torch.equal(a, b)

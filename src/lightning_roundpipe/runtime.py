@@ -84,6 +84,8 @@ class RoundPipeRuntime:
                 threads_per_worker=options.cpu_threads_per_worker,
                 seed=options.seed,
             )
+        if backend == "fake_cuda":  # the CUDA protocol on CPU streams; the jitter delays stream work
+            pool_opts.update(stream_jitter_s=options.cpu_jitter_s, seed=options.seed)
         if backend == "cuda" and options.recompute == "never":
             raise ValueError("recompute='never' keeps forward graphs across workers and is only supported on the CPU backend")
         microbatches = int(options.microbatches or num_workers + 1)
@@ -136,9 +138,10 @@ class RoundPipeRuntime:
         if (staleness or self.options.compute_dtype is not None) and shadows is None:
             shadows = engine.shadows
             if shadows is None:  # uploads read compute-dtype copies, refreshed per layer step
-                shadows = ShadowStore(engine.master_parameters(), self.options.compute_dtype,
-                                      pin=self.pool.backend == "cuda")
+                shadows = ShadowStore(engine.master_parameters(), self.options.compute_dtype)
                 engine.shadows = shadows
+                if self.pool.backend != "cpu":  # pinned once, exactly; unpinned at the pool's shutdown
+                    self.pool.pin_uploads("alloc", shadows.buffers())
         ov = OverlappedOptimizer(optimizer, engine.tables, self.trace, notifier=self.pool, staleness=staleness,
                                  delay_per_layer_s=delay_per_layer_s,
                                  after_layer_step=shadows.refresh if shadows is not None else None)

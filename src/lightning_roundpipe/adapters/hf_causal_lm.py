@@ -180,6 +180,8 @@ class CausalLMPrefix(nn.Module):
 class DecoderStep(nn.Module):
     """One original decoder layer; replaces ``hidden`` and passes every other key through."""
 
+    differentiable_carry_keys = DIFFERENTIABLE_CARRY_KEYS  # read by the engine: what gets a gradient
+
     def __init__(self, decoder_layer: nn.Module, attention_kind: str):
         super().__init__()
         self.decoder_layer = decoder_layer
@@ -216,6 +218,8 @@ class CausalLMPostfix(nn.Module):
     A non-``nn.Linear`` lm_head (e.g. peft-wrapped) falls back to full logits + plain
     cross-entropy: still exact, but without the memory bound (see ``uses_chunked_loss``).
     """
+
+    differentiable_carry_keys = DIFFERENTIABLE_CARRY_KEYS  # read by the engine: what gets a gradient
 
     def __init__(
         self,

@@ -26,7 +26,7 @@ from ..workers.pool import WorkerPool
 from .microbatch import merge_microbatches, split_microbatches
 from .rng import uses_randomness
 from .step import HostCarry, StepRun, TableSizes
-from ..params.weights import LayerTable
+from ..params.weights import HostGradBuffers, LayerTable
 
 
 UNREAD_CALLS_KEPT = 16  # calls whose task times may still be read (several calls per step before backward)
@@ -93,6 +93,7 @@ class PipelineEngine:
         self.grad_hooks: list = []  # called with a layer range once its gradients are on the host
         self.step_end_hooks: list = []  # called with the StepRun after each training backward
         self.shadows = None  # a ShadowStore: uploads read compute-dtype copies of the masters
+        self.grad_buffers = HostGradBuffers()  # .grad tensors reused across steps (no fresh pages per step)
 
     # ------------------------------------------------------------------ plan
     def _checked(self, plan: Plan) -> Plan:

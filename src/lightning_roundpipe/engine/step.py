@@ -111,6 +111,10 @@ class StepRun:
         self._measurements: list | None = None
 
     # ------------------------------------------------------------------ helpers
+    def _grad_keys(self, stage: Stage):
+        """The carry keys that carry a gradient into this stage, if its first layer declares them."""
+        return getattr(self.engine.layers[stage.start], "differentiable_carry_keys", None)
+
     def _wait(self, c: Completion) -> Any:
         return c.wait(self.pool.timeout_s, waiter="the host thread", diagnose=self.pool.diagnose)
 
@@ -179,7 +183,7 @@ class StepRun:
         def fn():
             # Parameters are only read; buffers may be written in forward (BatchNorm statistics)
             # and must not reach the host that way.
-            dev = self.pool._copy_to_device(worker, [weights.sources[i] for i in chunk], [weights.dtypes[i] for i in chunk],
+            dev = self.pool.copy_to_device(worker, [weights.sources[i] for i in chunk], [weights.dtypes[i] for i in chunk],
                                             read_only=[weights.is_param[i] for i in chunk])
             weights.store_chunk(chunk, dev)
             worker.track_weights(weights.chunk_bytes(chunk))
@@ -195,7 +199,7 @@ class StepRun:
         def fn():
             host: HostCarry = src.value
             idx = [i for i, x in enumerate(host.leaves) if isinstance(x, torch.Tensor)]
-            dev = self.pool._copy_to_device(worker, [host.leaves[i] for i in idx], [None] * len(idx))
+            dev = self.pool.copy_to_device(worker, [host.leaves[i] for i in idx], [None] * len(idx))
             leaves = list(host.leaves)
             for i, d in zip(idx, dev):
                 leaves[i] = d
@@ -211,7 +215,7 @@ class StepRun:
         def fn():
             host = get_tree()
             idx = [i for i, x in enumerate(host.leaves) if isinstance(x, torch.Tensor)]
-            out = self.pool._copy_to_host(worker, [host.leaves[i] for i in idx])
+            out = self.pool.copy_to_host(worker, [host.leaves[i] for i in idx])
             leaves = list(host.leaves)
             for i, h in zip(idx, out):
                 leaves[i] = h
@@ -232,11 +236,11 @@ class StepRun:
 
     def _loss(self, t: GraphTask, worker):
         comp = self.done[t.deps[0]]
-        return (lambda: self.pool._copy_to_host(worker, [comp.value[0]])), 0, []
+        return (lambda: self.pool.copy_to_host(worker, [comp.value[0]])), 0, []
 
     def _wgrad(self, t: GraphTask, worker):
         weights = self._stage_weights(t)
-        return (lambda: self.pool._copy_to_host(worker, weights.device_grads())), t.bytes, []
+        return (lambda: self.pool.copy_to_host(worker, weights.device_grads())), t.bytes, []
 
     def _release(self, t: GraphTask, worker):
         weights = self._stage_weights(t)
@@ -264,7 +268,8 @@ class StepRun:
             carry = act_in.value
             if self.keep_graph:
                 tree = carry.tree()
-                in_leaves = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad)
+                in_leaves = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad,
+                                               keys=self._grad_keys(stage))
                 with self._compute_context(worker.device, grad=True):
                     out = self._run_layers(worker.device, weights, stage.start, stage.end, in_leaves[1], i)
                 self.graphs[(stage.index, i)] = (in_leaves[0], carry.spec, pytree.tree_leaves(out[stage.end]))
@@ -281,7 +286,8 @@ class StepRun:
 
         def fn():
             tree = act_in.value.tree()
-            in_leaves, tree = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad)
+            in_leaves, tree = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad,
+                                               keys=self._grad_keys(stage))
             with self._compute_context(worker.device, grad=True):
                 out = self._run_layers(worker.device, weights, stage.start, stage.end, tree, i)[stage.end]
                 loss_sum = out["loss_sum"]
@@ -302,7 +308,8 @@ class StepRun:
             else:
                 spec = a_in.value.spec
                 tree = a_in.value.tree()
-                in_leaves, tree = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad)
+                in_leaves, tree = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad,
+                                               keys=self._grad_keys(stage))
                 with self._compute_context(worker.device, grad=True):
                     out = self._run_layers(worker.device, weights, stage.start, stage.end, tree, i)[stage.end]
                 out_leaves = pytree.tree_leaves(out)
@@ -359,13 +366,15 @@ class StepRun:
         # Host side: gradients into .grad in dispatch order (deterministic whatever the timing).
         for weights, wg in self.host_work:
             grads = self._wait(wg)
-            accumulate_host_grads(weights, grads, scale)
+            accumulate_host_grads(weights, grads, scale, eng.grad_buffers)
             eng.notify_grads_accumulated(weights.layer_ids)
         if not self.input_requires_grad:
+            self.pool.finish_step()  # device timings of the step into the trace, read once
             return [None] * self.M
         firsts = sorted((t for t in self.graph.tasks if t.kind == "grad_out" and t.boundary == 0),
                         key=lambda t: t.microbatch)
         trees = [self._wait(self.done[t.id]) for t in firsts]
+        self.pool.finish_step()
         if scale is not None and scale != 1.0:
             trees = [HostCarry([x * scale if isinstance(x, torch.Tensor) else x for x in t.leaves], t.spec) for t in trees]
         return [t.tree() for t in trees]
@@ -381,6 +390,7 @@ class StepRun:
         the timeline keeps them.
         """
         if self._measurements is None:
+            self.pool.finish_step()  # device backends add their task records here
             trace = self.pool.trace
             records = [r for r in trace.records(self.step) if r.queue == "compute"] if trace.recording else []
             if not trace.enabled:
@@ -396,8 +406,17 @@ class StepRun:
         return self._measurements
 
 
-def _leaves_requiring_grad(tree, need: bool):
-    """Return (leaves, tree) where floating tensor leaves are fresh leaves requiring grad (if ``need``)."""
+def _leaves_requiring_grad(tree, need: bool, keys=None):
+    """Return (leaves, tree) where floating tensor leaves are fresh leaves requiring grad (if ``need``).
+
+    ``keys``: for a dict carry, only the values under these keys get a gradient (the stage's
+    first layer's ``differentiable_carry_keys``); rotary tables and masks are then neither
+    differentiated nor shipped back.
+    """
+    if need and keys is not None and isinstance(tree, dict):
+        fresh = lambda x: x.detach().requires_grad_(True) if _is_float_tensor(x) else x  # noqa: E731
+        tree = {k: pytree.tree_map(fresh, v) if k in keys else v for k, v in tree.items()}
+        return pytree.tree_leaves(tree), tree
     leaves, spec = pytree.tree_flatten(tree)
     if need:
         leaves = [x.detach().requires_grad_(True) if _is_float_tensor(x) else x for x in leaves]

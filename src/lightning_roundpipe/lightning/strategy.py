@@ -230,13 +230,11 @@ class RoundPipeStrategy(ParallelStrategy):
         """Shadows, pinned memory and the overlapped optimizer, once the optimizers exist."""
         engine = self.runtime.engine
         masters = engine.master_parameters()
-        pin = backend == "cuda" and self.pinned == "alloc"
         if self.options.compute_dtype is not None or self.staleness:
-            self.shadows = ShadowStore(masters, self.options.compute_dtype, pin=pin)
+            self.shadows = ShadowStore(masters, self.options.compute_dtype)
             engine.shadows = self.shadows
-        if backend == "cuda" and self.pinned == "register":
-            self._registered = register_pinned(masters)
-        self.runtime.pool.pin_memory = backend == "cuda" and self.pinned != "off"
+        if backend != "cpu":  # pin exactly what the uploads read, once; the pool unpins at shutdown
+            self.runtime.pool.pin_uploads(self.pinned, self.shadows.buffers() if self.shadows is not None else masters)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if not (fitting and self.overlap_optimizer and self.optimizers):
             return
@@ -342,6 +340,8 @@ class RoundPipeStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.shadows is not None and not self.overlaps:
+            self.shadows.refresh()  # a synchronous step wrote the masters; the uploads read the shadows
         self._log_step_metrics()
         return out
 

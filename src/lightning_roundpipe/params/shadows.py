@@ -6,12 +6,16 @@ parameter has a bf16 shadow, refreshed as part of its layer's optimizer step, an
 copy to the GPU is asynchronous. With ``staleness=1`` shadows (in the parameter dtype) also
 hold the previous version of the weights while the optimizer writes the next one.
 
-Pinned-memory policy (``pinned``): ``alloc`` allocates shadows (and download buffers) in pinned
-memory: fastest copies, but pinned memory is taken from the OS and cannot be swapped;
-``register`` pins the existing master tensors in place with ``cudaHostRegister`` (no extra
-copy, but registration is slow to set up and pins the masters too); ``off`` keeps everything
-pageable (least pinned memory, slower and synchronous host-to-device copies). On the CPU
-backend pinning does not exist and the policy changes nothing.
+Storage: one flat, exactly sized host buffer per dtype holds every shadow (views into it), so
+pinning the shadows is one registration of exactly their bytes: no staging copy per upload and
+no power-of-two rounding of the caching host allocator, which also never returns memory.
+
+Pinned-memory policy (``pinned``, applied by the stream pools' ``pin_uploads`` to exactly what
+the uploads read: the shadows' buffers where shadows exist, else the masters): ``alloc`` and
+``register`` pin those tensors in place once (``cudaHostRegister``), and download buffers are
+pinned; ``off`` keeps everything pageable (least pinned memory, staged synchronous copies).
+On the CPU backend pinning does not exist and the policy changes nothing; the fake-stream
+backend counts what would be pinned.
 """
 
 from __future__ import annotations
@@ -30,25 +34,48 @@ def check_pinned_policy(policy: str) -> str:
 
 
 class ShadowStore:
-    """Shadows of floating parameters, keyed by the master tensor's id."""
+    """Shadows of floating parameters, keyed by the master tensor's id, in flat buffers.
+
+    ``pin``: register the flat buffers as pinned memory right away (CUDA only; the stream pools'
+    ``pin_uploads`` is the usual way, through the pinned policy)."""
 
     def __init__(self, params: Iterable[torch.Tensor], dtype: torch.dtype | None, pin: bool = False):
         self.dtype = dtype
-        self.pin = pin
         self.shadows: dict[int, torch.Tensor] = {}
         self.masters: dict[int, torch.Tensor] = {}
+        unique = []
         for p in params:
-            if id(p) in self.shadows or not p.is_floating_point():
+            if id(p) in self.masters or not p.is_floating_point():
                 continue
-            dt = dtype or p.dtype
-            s = torch.empty(p.shape, dtype=dt, pin_memory=pin)
-            with torch.no_grad():
-                s.copy_(p)
-            self.shadows[id(p)] = s
             self.masters[id(p)] = p
+            unique.append(p)
+        self._flat: dict[torch.dtype, torch.Tensor] = {}
+        sizes: dict[torch.dtype, int] = {}
+        for p in unique:
+            dt = dtype or p.dtype
+            sizes[dt] = sizes.get(dt, 0) + p.numel()
+        offsets = {dt: 0 for dt in sizes}
+        for dt, n in sizes.items():
+            self._flat[dt] = torch.empty(n, dtype=dt)
+        with torch.no_grad():
+            for p in unique:
+                dt = dtype or p.dtype
+                off = offsets[dt]
+                # Its own tensor on the shared storage, not a view: a view shares the buffer's
+                # version counter, so refreshing one layer's shadow would look to autograd like a
+                # write into every other layer's weights saved for backward.
+                s = torch.empty(0, dtype=dt).set_(self._flat[dt].untyped_storage(), off, p.shape)
+                offsets[dt] = off + p.numel()
+                s.copy_(p)
+                self.shadows[id(p)] = s
+        self.registered = register_pinned(self._flat.values()) if pin else []
 
     def get(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.shadows.get(id(tensor), tensor)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The flat buffers holding every shadow: what the uploads read."""
+        return list(self._flat.values())
 
     def refresh(self, params: Iterable[torch.Tensor] | None = None) -> None:
         with torch.no_grad():
@@ -58,7 +85,12 @@ class ShadowStore:
                     s.copy_(p)
 
     def nbytes(self) -> int:
-        return sum(s.numel() * s.element_size() for s in self.shadows.values())
+        return sum(b.numel() * b.element_size() for b in self._flat.values())
+
+    def close(self) -> None:
+        if self.registered:
+            unregister_pinned(self.registered)
+            self.registered = []
 
 
 def register_pinned(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -10,6 +10,7 @@ fixed order. Frozen parameters are uploaded but never produce or download gradie
 
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import torch
@@ -114,14 +115,61 @@ class StageWeights:
         self._params = None
 
 
-def accumulate_host_grads(weights: StageWeights, host_grads: list[torch.Tensor | None], scale: float | None = None) -> None:
-    """Add a stage's downloaded gradients into the masters' ``.grad`` (fp32), optionally times ``scale``."""
+class HostGradBuffers:
+    """Persistent host gradient buffers, one per parameter, reused from step to step.
+
+    ``zero_grad(set_to_none=True)`` (Lightning's default) drops ``.grad`` every step, and adding
+    the first downloaded gradient would then allocate a fresh tensor per parameter per step (for
+    an 8B model, tens of GB of new pages per step). Instead the first gradient of a step is
+    copied into this parameter's buffer, which becomes ``.grad`` again. A buffer is reused only
+    when nothing else holds it (no ``.grad``, no view, no reference kept by the user or by an
+    optimizer step still reading it); otherwise a new one is made, so reuse never changes a
+    tensor someone can still see.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, torch.Tensor] = {}
+        self.allocations = 0  # buffers made (not reused): one per parameter in steady state
+
+    def _free(self, key: int) -> bool:
+        if key not in self._buffers:
+            return False
+        held = self._buffers[key]
+        # Python references (the dict, ``held``, getrefcount's argument); C++ references to the
+        # tensor (a .grad slot, a view's base) and to its storage (views; +1 for the temporary).
+        return (sys.getrefcount(self._buffers[key]) == 3 and held._use_count() == 1
+                and torch._C._storage_Use_Count(held.untyped_storage()._cdata) == 2)
+
+    def take(self, p: torch.Tensor) -> torch.Tensor:
+        """A buffer shaped like ``p`` that nothing else references (reused when possible)."""
+        key = id(p)
+        if not self._free(key) or self._buffers[key].shape != p.shape or self._buffers[key].dtype != p.dtype:
+            self._buffers[key] = torch.empty_like(p, memory_format=torch.contiguous_format)
+            self.allocations += 1
+        return self._buffers[key]
+
+
+def accumulate_host_grads(weights: StageWeights, host_grads: list[torch.Tensor | None], scale: float | None = None,
+                          buffers: HostGradBuffers | None = None) -> None:
+    """Add a stage's downloaded gradients into the masters' ``.grad`` (fp32), optionally times ``scale``.
+
+    With ``buffers``, a missing ``.grad`` is filled from a persistent buffer instead of a new
+    tensor; the arithmetic (a cast, then the scale, then the sum) is the same either way.
+    """
     for i, g in zip(weights.trainable_indices(), host_grads):
         if g is None:
             continue
         p = weights.host[i]
+        scaled = scale is not None and scale != 1.0
+        if p.grad is None and buffers is not None:
+            buf = buffers.take(p)
+            buf.copy_(g)
+            if scaled:
+                buf.mul_(scale)
+            p.grad = buf
+            continue
         g = g.to(p.dtype)
-        if scale is not None and scale != 1.0:
+        if scaled:
             g = g * scale
         if p.grad is None:
             p.grad = g if g.data_ptr() != p.data_ptr() else g.clone()

@@ -1,4 +1,5 @@
-"""Worker pools: one interface, a CPU backend (virtual workers) and a CUDA backend."""
+"""Worker pools: one interface; a CPU backend (virtual workers), a CUDA backend, and the CUDA
+backend's protocol on fake CPU streams ("fake_cuda", for CI)."""
 
 from .cpu import CpuWorkerPool
 from .completions import Completion, PipelineError, PipelineTimeout, TaskLabel, WorkerError
@@ -13,17 +14,30 @@ __all__ = [
     "Worker",
     "WorkerError",
     "WorkerPool",
+    "BACKENDS",
     "make_pool",
 ]
 
 
+BACKENDS = ("cpu", "cuda", "fake_cuda")
+_STREAM_OPTIONS = ("timeout_s", "trace", "max_in_flight", "pin_memory", "fifo_transfers", "issue_after_device")
+
+
 def make_pool(backend: str, num_workers: int, device_indices=None, **options) -> WorkerPool:
-    """Build a pool: ``backend`` is "cpu" (virtual workers) or "cuda" (one worker per GPU)."""
+    """Build a pool: ``backend`` is "cpu" (virtual workers), "cuda" (one worker per GPU) or
+    "fake_cuda" (the CUDA backend's protocol on CPU executor threads standing for streams; its
+    own options ``stream_jitter_s`` and ``seed`` delay stream work at random)."""
     if backend == "cpu":
-        return CpuWorkerPool(num_workers, **options)
+        return CpuWorkerPool(num_workers, **{k: v for k, v in options.items()
+                                             if k not in ("stream_jitter_s", "stream_jitter_cycles")})
     if backend == "cuda":
         from .cuda import CudaWorkerPool
 
-        cuda_opts = {k: v for k, v in options.items() if k in ("timeout_s", "trace", "max_in_flight", "pin_memory", "fifo_transfers")}
+        cuda_opts = {k: v for k, v in options.items() if k in _STREAM_OPTIONS + ("stream_jitter_cycles", "seed")}
         return CudaWorkerPool(device_indices if device_indices is not None else range(num_workers), **cuda_opts)
-    raise ValueError(f"unknown worker backend {backend!r}: use 'cpu' or 'cuda'")
+    if backend == "fake_cuda":
+        from .cuda import FakeCudaWorkerPool
+
+        fake_opts = {k: v for k, v in options.items() if k in _STREAM_OPTIONS + ("stream_jitter_s", "seed")}
+        return FakeCudaWorkerPool(num_workers, **fake_opts)
+    raise ValueError(f"unknown worker backend {backend!r}: use one of {', '.join(BACKENDS)}")

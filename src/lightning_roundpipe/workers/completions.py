@@ -1,9 +1,11 @@
 """Completions: the events that order work across queues and workers, and the errors they carry.
 
 A :class:`Completion` is set when its task's work is *issued*: on the CPU backend that means
-done; on the CUDA backend it means enqueued on a stream, with a CUDA event recorded after it,
-so another queue can order itself after it without blocking the host. Host code that needs the
-data calls :meth:`Completion.wait`, which also waits for the CUDA event.
+done; on the stream backends (CUDA and its CPU fake) it means enqueued on a stream, with a
+device event recorded after it, so another queue can order itself after it without blocking the
+host. Host code that needs the data calls :meth:`Completion.wait`, which also waits for that
+event. On the fake-stream backend the value itself is produced by the stream's executor, so it
+may be a :class:`Deferred` that reading ``value`` resolves.
 
 Every wait has a timeout. Errors name the task (kind, stage, microbatch, worker, queue) and,
 for worker exceptions, carry the original traceback.
@@ -12,6 +14,7 @@ for worker exceptions, carry the original traceback.
 from __future__ import annotations
 
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -59,26 +62,75 @@ class PipelineTimeout(PipelineError, TimeoutError):
     """A wait ran past its timeout. The message names the task waited on and what it was waiting for."""
 
 
+class Deferred:
+    """A value a stream executor will produce: the fake-stream backend's stand-in for device tensors
+    that exist at issue time on CUDA. ``result`` waits (bounded) for it and re-raises its error."""
+
+    __slots__ = ("label", "timeout_s", "_ready", "_value", "_error")
+
+    def __init__(self, label: TaskLabel, timeout_s: float):
+        self.label = label
+        self.timeout_s = timeout_s
+        self._ready = threading.Event()
+        self._value: Any = None
+        self._error: PipelineError | None = None
+
+    def resolve(self, value: Any) -> None:
+        self._value = value
+        self._ready.set()
+
+    def fail(self, exc: BaseException) -> None:
+        self._error = exc if isinstance(exc, PipelineError) else worker_error(self.label, exc)
+        self._ready.set()
+
+    def result(self) -> Any:
+        if not self._ready.wait(self.timeout_s):
+            raise PipelineTimeout(f"the work of [{self.label}] did not run on its stream within {self.timeout_s:g}s")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def worker_error(label: TaskLabel, exc: BaseException) -> WorkerError:
+    tb_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    err = WorkerError(label, exc, tb_text)
+    err.__cause__ = exc
+    return err
+
+
 class Completion:
-    """Set once when a task has issued its work; may instead fail with an error."""
+    """Set once when a task has issued its work; may instead fail with an error.
 
-    __slots__ = ("label", "_flag", "error", "cuda_event", "_notifier", "waiters", "value")
+    ``deps`` and ``started`` (monotonic time its lane began it, 0 before) let a timeout name the
+    task that is really stuck rather than the one waited for (see ``WorkerPool.blocker``).
+    """
 
-    def __init__(self, label: TaskLabel, notifier: Any = None):
+    __slots__ = ("label", "_flag", "error", "device_event", "_notifier", "waiters", "_value", "deps", "started")
+
+    def __init__(self, label: TaskLabel, notifier: Any = None, deps: tuple = ()):
         self.label = label
         self._flag = threading.Event()
         self.error: PipelineError | None = None
-        self.cuda_event: Any = None
+        # Recorded on the task's stream after its work (stream backends only): waited for on the
+        # device by dependants, and on the host by ``wait``.
+        self.device_event: Any = None
+        self.deps = deps
+        self.started = 0.0
         # The pool whose lanes may wait for this completion: told when it is set, it wakes the
         # lanes that registered in ``waiters`` (only those: no thundering herd of every lane).
         self._notifier = notifier
         self.waiters: list | None = None
-        self.value: Any = None  # what the task produced (device tensors, host tensors, ...)
+        self._value: Any = None  # what the task produced (device tensors, host tensors, ...)
+
+    @property
+    def value(self) -> Any:
+        v = self._value
+        return v.result() if isinstance(v, Deferred) else v
 
     @classmethod
     def done(cls, label: TaskLabel, value: Any = None) -> "Completion":
         c = cls(label)
-        c.value = value
+        c._value = value
         c._flag.set()
         return c
 
@@ -90,10 +142,10 @@ class Completion:
 
     def _notify(self) -> None:
         if self._notifier is not None:
-            self._notifier._on_completion(self)
+            self._notifier.on_completion(self)
 
     def set(self, value: Any = None) -> None:
-        self.value = value
+        self._value = value
         self._flag.set()
         self._notify()
 
@@ -103,23 +155,23 @@ class Completion:
         self._notify()
 
     def fail_from_exception(self, exc: BaseException) -> None:
-        if isinstance(exc, PipelineError):
-            self.fail(exc)
-        else:
-            tb_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-            err = WorkerError(self.label, exc, tb_text)
-            err.__cause__ = exc
-            self.fail(err)
+        self.fail(exc if isinstance(exc, PipelineError) else worker_error(self.label, exc))
 
     def wait(self, timeout: float, waiter: str = "the caller", diagnose=None) -> Any:
-        """Block until set (and, on CUDA, the work is finished); raise its error or a timeout naming it."""
+        """Block until set and, on a stream backend, its device work finished; raise its error or a
+        timeout naming it. ``diagnose(self)`` returns text naming what is stuck."""
+        deadline = time.monotonic() + timeout
         if not self._flag.wait(timeout):
-            extra = f"\n{diagnose()}" if diagnose is not None else ""
+            extra = f"\n{diagnose(self)}" if diagnose is not None else ""
             raise PipelineTimeout(
                 f"{waiter} timed out after {timeout:g}s waiting for [{self.label}] to complete{extra}"
             )
         if self.error is not None:
             raise self.error
-        if self.cuda_event is not None:
-            self.cuda_event.synchronize()
+        event = self.device_event
+        if event is not None and not event.wait(max(0.0, deadline - time.monotonic())):
+            extra = f"\n{diagnose(self)}" if diagnose is not None else ""
+            raise PipelineTimeout(
+                f"{waiter} timed out after {timeout:g}s waiting for the device work of [{self.label}] to finish{extra}"
+            )
         return self.value

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from .pool import Lane, WorkerPool, Worker, _Task
+from .pool import Lane, Task, WorkerPool, Worker
 
 
 class CpuWorkerPool(WorkerPool):
@@ -58,7 +58,7 @@ class CpuWorkerPool(WorkerPool):
         self._rand = random.Random(seed)
         self._rand_lock = threading.Lock()
 
-    def _on_lane_start(self, lane: Lane) -> None:
+    def on_lane_start(self, lane: Lane) -> None:
         if lane.queue == "compute" and self.threads_per_worker > 0:
             torch.set_num_threads(self.threads_per_worker)
 
@@ -68,7 +68,7 @@ class CpuWorkerPool(WorkerPool):
         with self._rand_lock:
             return self._rand.uniform(0.0, self.jitter_s)
 
-    def _execute(self, lane: Lane, task: _Task) -> None:
+    def execute(self, lane: Lane, task: Task) -> None:
         start = self.trace.now()
         if task.done.label.kind == "release":
             value = task.fn()
@@ -87,10 +87,10 @@ class CpuWorkerPool(WorkerPool):
                 pause += task.nbytes / float(self.bandwidth_bytes_per_s)
             if pause > 0:
                 time.sleep(pause)
-        self._record(lane, task, start, self.trace.now())
+        self.record(lane, task, start, self.trace.now())
         task.done.set(value)
 
-    def _copy_to_device(self, worker: Worker, tensors, dtypes, read_only=False):
+    def copy_to_device(self, worker: Worker, tensors, dtypes, read_only=False):
         flags = list(read_only) if isinstance(read_only, (list, tuple)) else [read_only] * len(tensors)
         out = []
         for t, dt, shared in zip(tensors, dtypes, flags):
@@ -102,7 +102,7 @@ class CpuWorkerPool(WorkerPool):
                 out.append(t.detach().to(dtype=dt or t.dtype, copy=True))
         return out
 
-    def _copy_to_host(self, worker: Worker, tensors):
+    def copy_to_host(self, worker: Worker, tensors):
         # The device side is done with these tensors: the host takes them as they are.
         return [None if t is None else t.detach() for t in tensors]
 

@@ -1,102 +1,244 @@
-"""CUDA backend: one worker per GPU, each with an upload, a compute and a download stream.
+"""Stream backends: the CUDA protocol, run on CUDA streams or on the CPU fake of ``streams.py``.
 
-A lane thread issues its task on its stream after making the stream wait for the CUDA events
-of the task's dependencies, then records an event; the completion is set when the work is
-*issued*, so the host never blocks on the GPU except where it reads data. Host buffers for
-downloads are pinned so copies are asynchronous. Tensors handed from one stream to another are
-marked with ``record_stream`` so the caching allocator does not reuse them too early.
+Per worker an upload, a compute and a download stream, one per lane. A lane issues its task
+on its stream after making the stream wait for the device events of the task's dependencies,
+then records an event; the completion is set when the work is *issued*, so the host never
+blocks on the device except where it reads data (``Completion.wait`` also waits for the event,
+bounded by the timeout). Tensors handed from one stream to another are marked with
+``record_stream`` so the caching allocator does not reuse them too early.
 
-Transfer lanes keep at most ``max_in_flight`` copies issued and unfinished: a later
-high-priority copy then waits behind at most that many chunks, which is what makes priorities
-work on a FIFO stream.
+Priorities on FIFO streams: a transfer is issued only once its dependencies' device work has
+*finished* (``ready_for``), not merely been issued. Otherwise an activation upload whose input
+is still being computed on another worker sits at the head of the upload stream waiting for it,
+and the next stage's weight prefetch queues behind it instead of filling the gap. Transfer lanes
+also keep at most ``max_in_flight`` copies issued and unfinished, so a later high-priority copy
+waits behind at most that many chunks.
+
+Timing: with tracing on, a task gets a start and an end event; they are read once per step in
+:meth:`finish_step` (never one synchronize per task), so the records hold device times.
+
+Pinned memory: nothing is pinned per copy. :meth:`pin_uploads` pins, once and in place, exactly
+the host tensors the uploads read; an upload from pageable memory is a plain (staged) copy and
+of weights is counted in ``pageable_upload_bytes``.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
+import time
+from typing import Iterable
 
 import torch
 
-from .pool import Lane, WorkerPool, Worker, _Task
+from .completions import Completion, PipelineTimeout
+from .pool import Lane, Task, Worker, WorkerPool
+from .streams import CudaStreams, FakeStreams
+from ..tracing.records import TraceRecord
 
 
-class CudaWorkerPool(WorkerPool):
-    backend = "cuda"
+class StreamWorkerPool(WorkerPool):
+    """The stream protocol over a driver (:class:`CudaStreams` or :class:`FakeStreams`)."""
 
-    def __init__(self, device_indices, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2, pin_memory: bool = True,
-                 fifo_transfers: bool = False):
-        if not torch.cuda.is_available():
-            raise RuntimeError("the CUDA backend needs CUDA: use accelerator='cpu' for virtual CPU workers")
-        super().__init__([torch.device("cuda", int(i)) for i in device_indices], timeout_s=timeout_s, trace=trace,
-                         fifo_transfers=fifo_transfers)
+    device_poll_s = 5e-4
+
+    def __init__(self, driver, devices, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
+                 pin_memory: bool = True, fifo_transfers: bool = False, issue_after_device: bool = True):
+        super().__init__(devices, timeout_s=timeout_s, trace=trace, fifo_transfers=fifo_transfers)
+        self.driver = driver
         self.max_in_flight = max(1, int(max_in_flight))
-        self.pin_memory = pin_memory
+        self.pin_memory = pin_memory  # download buffers in pinned memory
+        self.issue_after_device = issue_after_device  # False: the old rule (issue once deps are issued)
         self._in_flight: dict[int, collections.deque] = {}
+        self._timings: list = []  # (lane, label, nbytes, step, start event, end event), read in finish_step
+        self._timing_lock = threading.Lock()
+        self._pinned: list[torch.Tensor] = []
+        self.pinned_bytes = 0
+        self.pageable_upload_bytes = 0
         for w in self.workers:
             for lane in w.lanes.values():
-                with torch.cuda.device(w.device):
-                    lane.stream = torch.cuda.Stream(device=w.device)
+                lane.stream = self._new_stream(w, lane.queue)
                 self._in_flight[id(lane)] = collections.deque()
+        self._clock = {w.device: self._new_stream(w, "clock") for w in self.workers}
 
-    def _on_lane_start(self, lane: Lane) -> None:
-        torch.cuda.set_device(lane.worker.device)
+    def _new_stream(self, worker: Worker, queue: str):
+        if self.driver.fake:
+            return self.driver.new_stream(worker.device, f"w{worker.index}-{queue}")
+        return self.driver.new_stream(worker.device)
 
-    def _execute(self, lane: Lane, task: _Task) -> None:
+    # ------------------------------------------------------------------ the protocol
+    def ready_for(self, lane: Lane, dep: Completion) -> bool:
+        if not dep.is_set():
+            return False
+        if lane.queue == "compute" or not self.issue_after_device or dep.device_event is None:
+            return True
+        return dep.device_event.query()
+
+    def execute(self, lane: Lane, task: Task) -> None:
+        drv = self.driver
         stream = lane.stream
         in_flight = self._in_flight[id(lane)]
         if lane.queue != "compute":
             while len(in_flight) >= self.max_in_flight:
-                in_flight.popleft().synchronize()
+                if not in_flight[0].wait(self.timeout_s):
+                    raise PipelineTimeout(
+                        f"[{task.done.label}] timed out after {self.timeout_s:g}s: the {lane.queue} stream of worker "
+                        f"{lane.worker.index} did not finish an earlier copy"
+                    )
+                in_flight.popleft()
         for dep in task.deps:
-            if dep.cuda_event is not None:
-                stream.wait_event(dep.cuda_event)
-        record = self.trace.recording and task.done.label.kind != "release"
-        if record:
-            t0 = torch.cuda.Event(enable_timing=True)
-            t0.record(stream)
-        with torch.cuda.device(lane.worker.device), torch.cuda.stream(stream):
-            value = task.fn()
-        event = torch.cuda.Event(enable_timing=record)
-        event.record(stream)
-        task.done.cuda_event = event
+            if dep.device_event is not None:
+                drv.wait_event(stream, dep.device_event)
+        timed = self.trace.recording and task.done.label.kind != "release"
+        start = None
+        if timed:
+            start = drv.new_event(timing=True)
+            start.record(stream)
+        value = drv.issue(stream, lane.worker.device, task.fn, task.done.label, self.timeout_s)
+        end = drv.new_event(timing=timed)
+        end.record(stream)
+        task.done.device_event = end
         if lane.queue != "compute":
-            in_flight.append(event)
-        if record:
-            # Timed on the GPU: resolve once finished (cheap for a profiling run).
-            event.synchronize()
-            start = self.trace.now() - t0.elapsed_time(event) / 1e3
-            self._record(lane, task, start, self.trace.now())
+            in_flight.append(end)
+        if timed:
+            with self._timing_lock:
+                self._timings.append((lane, task.done.label, task.nbytes, self.trace.step, start, end))
         task.done.set(value)
 
-    def _copy_to_device(self, worker: Worker, tensors, dtypes, read_only=False):
+    def finish_step(self) -> None:
+        """Read the timing events of every task issued so far, once: per device an anchor event on an
+        idle stream gives the host time of "now", and each record is placed relative to it."""
+        with self._timing_lock:
+            pending, self._timings = self._timings, []
+        if not pending:
+            return
+        anchors = {}
+        for device, clock in self._clock.items():
+            ev = self.driver.new_event(timing=True)
+            ev.record(clock)
+            anchors[device] = ev
+        unfinished = []
+        deadline = time.monotonic() + self.timeout_s
+        for item in pending:
+            lane, label, nbytes, step, start, end = item
+            anchor = anchors[lane.worker.device]
+            left = max(0.0, deadline - time.monotonic())
+            if not end.wait(left) or not anchor.wait(left):
+                unfinished.append(item)
+                continue
+            now = self.trace.now()
+            # The anchor completes a moment after it is recorded; taking "now" after waiting
+            # for it makes every record end slightly late, never early.
+            t_end = now - end.seconds_until(anchor)
+            t_start = now - start.seconds_until(anchor)
+            self.trace.add(TraceRecord(lane.worker.index, lane.queue, label.kind, label.stage, label.microbatch,
+                                       nbytes, t_start, t_end, step))
+        if unfinished:
+            with self._timing_lock:
+                self._timings = unfinished + self._timings
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        timeout = self.timeout_s if timeout is None else timeout
+        for w in self.workers:
+            streams = [lane.stream for lane in w.lanes.values()]
+            if not self.driver.synchronize(w.device, streams, timeout):
+                raise PipelineTimeout(f"the streams of worker {w.index} did not finish within {timeout:g}s\n"
+                                      f"{self.diagnose()}")
+
+    def on_shutdown(self, timeout: float) -> None:
+        self.driver.close(timeout)
+        self.unpin()
+
+    def threads_alive(self) -> list[str]:
+        fake = self.driver.threads_alive() if self.driver.fake else []
+        return super().threads_alive() + fake
+
+    # ------------------------------------------------------------------ copies
+    def copy_to_device(self, worker: Worker, tensors, dtypes, read_only=False):
+        drv = self.driver
         compute_stream = worker.lanes["compute"].stream
+        flags = list(read_only) if isinstance(read_only, (list, tuple)) else [read_only] * len(tensors)
         out = []
-        for t, dt in zip(tensors, dtypes):
+        for t, dt, weight in zip(tensors, dtypes, flags):
             if t is None:
                 out.append(None)
                 continue
             src = t.detach()
-            if self.pin_memory and not src.is_pinned():
-                src = src.pin_memory()
-            dev = src.to(worker.device, dtype=dt or src.dtype, non_blocking=True)
-            dev.record_stream(compute_stream)
+            if weight and not drv.is_pinned(src):
+                self.pageable_upload_bytes += src.numel() * src.element_size()
+            dev = drv.to_device(src, worker.device, dt or src.dtype)
+            drv.record_stream(dev, compute_stream)
             out.append(dev)
         return out
 
-    def _copy_to_host(self, worker: Worker, tensors):
-        stream = torch.cuda.current_stream(worker.device)
+    def copy_to_host(self, worker: Worker, tensors):
+        drv = self.driver
+        stream = drv.current_stream(worker.device)
         out = []
         for t in tensors:
             if t is None:
                 out.append(None)
                 continue
             t = t.detach()
-            t.record_stream(stream)
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin_memory)
-            host.copy_(t, non_blocking=True)
+            drv.record_stream(t, stream)
+            host = drv.empty_host(t.shape, t.dtype, pinned=self.pin_memory)
+            drv.to_host(host, t)
             out.append(host)
         return out
 
-    def synchronize(self) -> None:
-        for w in self.workers:
-            torch.cuda.synchronize(w.device)
+    # ------------------------------------------------------------------ pinned memory
+    def pin_uploads(self, policy: str, tensors: Iterable[torch.Tensor]) -> int:
+        """Apply a pinned policy to the host tensors the uploads read (shadows where they exist,
+        else the masters): "alloc" and "register" pin each of them in place, once (exact size, no
+        staging copy per upload); "off" pins nothing and keeps download buffers pageable.
+        Returns the bytes pinned."""
+        self.pin_memory = policy != "off"
+        if policy == "off":
+            return 0
+        seen = set()
+        for t in tensors:
+            if id(t) in seen or self.driver.is_pinned(t):
+                continue
+            seen.add(id(t))
+            if self.driver.register(t):
+                self._pinned.append(t)
+                self.pinned_bytes += t.numel() * t.element_size()
+        return self.pinned_bytes
+
+    def unpin(self) -> None:
+        for t in self._pinned:
+            self.driver.unregister(t)
+        self._pinned = []
+        self.pinned_bytes = 0
+
+
+class CudaWorkerPool(StreamWorkerPool):
+    backend = "cuda"
+
+    def __init__(self, device_indices, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
+                 pin_memory: bool = True, fifo_transfers: bool = False, issue_after_device: bool = True,
+                 stream_jitter_cycles: int = 0, seed: int = 0):
+        """``device_indices`` may repeat a GPU: several workers (each with its own streams) on one device."""
+        if not torch.cuda.is_available():
+            raise RuntimeError("the CUDA backend needs CUDA: use accelerator='cpu' for virtual CPU workers")
+        super().__init__(CudaStreams(stream_jitter_cycles, seed), [torch.device("cuda", int(i)) for i in device_indices],
+                         timeout_s=timeout_s,
+                         trace=trace, max_in_flight=max_in_flight, pin_memory=pin_memory,
+                         fifo_transfers=fifo_transfers, issue_after_device=issue_after_device)
+
+    def on_lane_start(self, lane: Lane) -> None:
+        torch.cuda.set_device(lane.worker.device)
+
+
+class FakeCudaWorkerPool(StreamWorkerPool):
+    """The CUDA protocol on CPU threads (see ``streams.py``): ``stream_jitter_s`` delays stream work
+    at random (the race amplifier), ``seed`` fixes those delays."""
+
+    backend = "fake_cuda"
+
+    def __init__(self, num_workers: int, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
+                 pin_memory: bool = True, fifo_transfers: bool = False, issue_after_device: bool = True,
+                 stream_jitter_s: float = 0.0, seed: int = 0):
+        super().__init__(FakeStreams(stream_jitter_s, seed), [torch.device("cpu")] * num_workers, timeout_s=timeout_s,
+                         trace=trace, max_in_flight=max_in_flight, pin_memory=pin_memory,
+                         fifo_transfers=fifo_transfers, issue_after_device=issue_after_device)

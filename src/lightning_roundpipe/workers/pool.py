@@ -6,16 +6,23 @@ runs its tasks strictly in submission order (so gradients accumulate in a fixed 
 transfer lanes pick the highest-priority task whose inputs are ready (lower number first), so an
 activation the running stage waits for overtakes a queued weight prefetch.
 
-What "running a task" means is the backend's business (:meth:`WorkerPool._execute`): the CPU
+What "running a task" means is the backend's business (:meth:`WorkerPool.execute`): the CPU
 backend runs it on the lane thread (with optional injected delay, jitter and bandwidth cost);
-the CUDA backend issues it on the lane's stream and records an event. The code that orders work
-(the engine) is the same for both.
+the stream backends (CUDA, and its CPU fake) issue it on the lane's stream and record an event.
+The code that orders work (the engine) is the same for all.
+
+Every wait is bounded by the pool's ``timeout_s``: a queued task whose inputs do not arrive, a
+host wait, a drain. A timeout names the task that is really stuck (:meth:`WorkerPool.blocker`
+follows the chain of unfinished dependencies to a running task or to an event nobody sets), and
+:meth:`WorkerPool.shutdown` never waits long for a lane stuck inside a task: Python cannot stop
+a thread, so such a lane (a daemon thread) ends when its task returns.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -26,9 +33,12 @@ from ..tracing.records import TraceRecord, TraceRecorder
 from .completions import Completion, PipelineTimeout, TaskLabel
 
 QUEUES = ("upload", "compute", "download")
+log = logging.getLogger("lightning_roundpipe")
 
 
-class _Task:
+class Task:
+    """One queued unit of work of a lane: what to run, what it waits for, where its result goes."""
+
     __slots__ = ("fn", "deps", "done", "priority", "seq", "nbytes", "submitted", "always")
 
     def __init__(self, fn, deps, done, priority, seq, nbytes, always=False):
@@ -55,12 +65,13 @@ class Lane:
         # The compute lane always runs in submission order (fixed gradient accumulation order);
         # transfer lanes do too when the pool is asked for plain FIFO queues (no priorities).
         self.strict_order = queue == "compute" or pool.fifo_transfers
-        self._pending: list[tuple[tuple[int, int], _Task]] = []
+        self._pending: list[tuple[tuple[int, int], Task]] = []
         self.busy = False
+        self.running: Task | None = None  # the task this lane's thread is executing now
         # Woken only by what concerns this lane: a task submitted to it, a completion one of its
         # tasks waits for, shutdown. Shares the pool's lock.
         self.cond = threading.Condition(pool._lock)
-        self.stream: Any = None  # set by the CUDA backend
+        self.stream: Any = None  # the stream backends give each lane its stream while they construct the pool
         self._thread = threading.Thread(
             target=self._loop, name=f"roundpipe-w{worker.index}-{queue}", daemon=True
         )
@@ -71,7 +82,10 @@ class Lane:
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
-    def submit(self, task: _Task) -> None:
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, task: Task) -> None:
         key = (0, task.seq) if self.strict_order else task.key()  # a strict lane ignores priorities
         with self.pool._lock:
             bisect.insort(self._pending, (key, task), key=lambda kt: kt[0])
@@ -87,56 +101,70 @@ class Lane:
 
     def describe_pending(self) -> list[str]:
         lines = []
+        if self.running is not None:
+            since = time.monotonic() - self.running.done.started
+            lines.append(f"[{self.running.done.label}] running for {since:.1f}s")
         for _, task in self._pending:
-            waiting = [str(d.label) for d in task.deps if not d.is_set()]
+            waiting = [str(d.label) for d in task.deps if not self.pool.ready_for(self, d)]
             lines.append(f"[{task.done.label}] waits for: {', '.join(waiting) or 'its turn'}")
         return lines
 
-    # Called with the pool lock held. Returns (task, error) or (None, None).
+    def first_waiting(self) -> Task | None:
+        return self._pending[0][1] if self._pending else None
+
+    # Called with the pool lock held. Returns (task, error, device_wait): device_wait is True when
+    # some task waits only for device work already issued (checked again soon, not on a notify).
     def _pick(self, now: float):
+        device_wait = False
         for pos, (_, task) in enumerate(self._pending):
             failed = None if task.always else next((d for d in task.deps if d.failed()), None)
             if failed is not None:
                 del self._pending[pos]
-                return task, failed.error
-            if all(d.is_set() for d in task.deps):
+                return task, failed.error, False
+            waiting = next((d for d in task.deps if not self.pool.ready_for(self, d)), None)
+            if waiting is None:
                 del self._pending[pos]
-                return task, None
+                return task, None, False
             if now - task.submitted > self.pool.timeout_s:
                 del self._pending[pos]
-                waiting = next(d for d in task.deps if not d.is_set())
                 return task, PipelineTimeout(
-                    f"[{task.done.label}] timed out after {self.pool.timeout_s:g}s waiting for [{waiting.label}]"
-                    f" (its event was never set)\n{self.pool._diagnose_locked()}"
-                )
+                    f"[{task.done.label}] timed out after {self.pool.timeout_s:g}s waiting for [{waiting.label}]\n"
+                    f"{self.pool.diagnose_locked(waiting)}"
+                ), False
+            device_wait = device_wait or waiting.is_set()
             if self.strict_order:
                 break
-        return None, None
+        return None, None, device_wait
 
     def _loop(self) -> None:
-        self.pool._on_lane_start(self)
+        self.pool.on_lane_start(self)
         cv = self.pool._cv
         while True:
             with self.cond:
                 while True:
                     if self.pool._stopping:
                         return
-                    task, error = self._pick(time.monotonic())
+                    task, error, device_wait = self._pick(time.monotonic())
                     if task is not None:
                         self.busy = True
+                        self.running = task
+                        task.done.started = time.monotonic()
                         break
-                    self.cond.wait(timeout=0.5)  # the timeout also lets _pick notice timed-out tasks
+                    # A device event completes without a notify: look again soon. Otherwise the
+                    # timeout only lets _pick notice timed-out tasks.
+                    self.cond.wait(timeout=self.pool.device_poll_s if device_wait else min(0.5, self.pool.timeout_s / 4))
             try:
                 if error is not None:
                     task.done.fail(error)
                 else:
                     try:
-                        self.pool._execute(self, task)
+                        self.pool.execute(self, task)
                     except BaseException as exc:  # the caller gets it, with the traceback
                         task.done.fail_from_exception(exc)
             finally:
                 with cv:
                     self.busy = False
+                    self.running = None
                     cv.notify_all()  # drain() waits for idle lanes
 
 
@@ -163,28 +191,18 @@ class Worker:
         always: bool = False,
     ) -> Completion:
         """Queue ``fn`` on one of this worker's lanes, to run once every completion in ``deps`` is set."""
-        done = Completion(label, self.pool)
         deps = [d for d in deps if d is not None]
-        self.lanes[queue].submit(_Task(fn, deps, done, priority, next(self.pool._seq), nbytes, always))
+        done = Completion(label, self.pool, tuple(deps))
+        self.lanes[queue].submit(Task(fn, deps, done, priority, next(self.pool._seq), nbytes, always))
         return done
 
     def compute(self, fn, deps, label: TaskLabel) -> Completion:
         return self.submit("compute", fn, deps, label)
 
-    def upload(self, host_tensors_fn, dtypes, deps, label: TaskLabel, priority: int, nbytes: int = 0) -> Completion:
-        """Copy host tensors to this worker (cast to ``dtypes``); the completion's value is the device list.
-
-        ``host_tensors_fn`` is called when the task runs, so it may read the value of a completion
-        the task depends on.
-        """
-        return self.submit(
-            "upload", lambda: self.pool._copy_to_device(self, host_tensors_fn(), dtypes), deps, label, priority, nbytes
-        )
-
     def download(self, device_tensors_fn, deps, label: TaskLabel, priority: int, nbytes: int = 0) -> Completion:
         """Copy device tensors (``None`` entries kept) to host memory; the completion's value is the host list."""
         return self.submit(
-            "download", lambda: self.pool._copy_to_host(self, device_tensors_fn()), deps, label, priority, nbytes
+            "download", lambda: self.pool.copy_to_host(self, device_tensors_fn()), deps, label, priority, nbytes
         )
 
     def track_weights(self, delta_bytes: int) -> None:
@@ -223,23 +241,32 @@ class WorkerPool:
             self._started = True
         return self
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 1.0) -> list[str]:
+        """Stop every lane; wait at most ``timeout`` seconds in all (not per lane).
+
+        Idle lanes stop at once. A lane inside a task stops when the task returns: after a
+        timeout that task may be hung, and no wait here could end it, so shutdown returns after
+        ``timeout`` and names the lanes still running (daemon threads that end with their task).
+        """
         with self._cv:
             self._stopping = True
             self._wake_all_locked()
+        still: list[str] = []
+        deadline = time.monotonic() + timeout
         if self._started:
-            for w in self.workers:
-                for lane in w.lanes.values():
-                    lane.join(timeout)
+            for lane in self.lanes():
+                lane.join(max(0.0, deadline - time.monotonic()))
+            still = [f"worker {lane.worker.index} {lane.queue}" + (f" in [{lane.running.done.label}]" if lane.running else "")
+                     for lane in self.lanes() if lane.alive()]
         self._started = False
+        self.on_shutdown(max(0.0, deadline - time.monotonic()))
+        if still:
+            log.warning("worker lanes still inside a task after shutdown (they end when it returns): %s", "; ".join(still))
+        return still
 
     def lanes(self):
         for w in self.workers:
             yield from w.lanes.values()
-
-    def idle(self) -> bool:
-        with self._cv:
-            return all(lane.pending_count() == 0 for lane in self.lanes())
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every queue is empty (after an error, failed tasks fail their dependants quickly)."""
@@ -249,9 +276,9 @@ class WorkerPool:
             while not all(lane.pending_count() == 0 for lane in self.lanes()):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise PipelineTimeout(f"worker queues did not drain within {timeout:g}s\n{self._diagnose_locked()}")
+                    raise PipelineTimeout(f"worker queues did not drain within {timeout:g}s\n{self.diagnose_locked()}")
                 self._cv.wait(timeout=min(left, 0.5))
-        self.synchronize()
+        self.synchronize(max(0.0, deadline - time.monotonic()))
 
     def cancel_pending(self, error: BaseException) -> None:
         """Fail every queued task with ``error`` (running ones finish); releases still run.
@@ -278,52 +305,107 @@ class WorkerPool:
         for lane in self.lanes():
             lane.cond.notify()
 
-    def _on_completion(self, completion: Completion) -> None:
+    def on_completion(self, completion: Completion) -> None:
         """A completion was set or failed: wake the lanes with a task waiting for it."""
         with self._lock:
             waiters, completion.waiters = completion.waiters, None
             for lane in waiters or ():
                 lane.cond.notify()
 
-    def diagnose(self) -> str:
+    def diagnose(self, waited: Completion | None = None) -> str:
         with self._cv:
-            return self._diagnose_locked()
+            return self.diagnose_locked(waited)
 
-    def _diagnose_locked(self) -> str:
-        lines = ["pending tasks:"]
+    def diagnose_locked(self, waited: Completion | None = None) -> str:
+        """What is stuck (when ``waited`` is given), then what each lane runs and holds."""
+        lines = []
+        if waited is not None:
+            lines.append(f"stuck: {self.blocker(waited)}")
+        lines.append("lanes:")
         for lane in self.lanes():
             for text in lane.describe_pending()[:4]:
                 lines.append(f"  worker {lane.worker.index} {lane.queue}: {text}")
-        return "\n".join(lines) if len(lines) > 1 else "no pending tasks"
+        if len(lines) == (2 if waited is not None else 1):
+            lines.append("  every lane is idle")
+        return "\n".join(lines)
+
+    def blocker(self, waited: Completion) -> str:
+        """The task a wait for ``waited`` really waits on: follow unfinished dependencies (and, in an
+        in-order lane, the task ahead) down to a running task or an event that nothing will set."""
+        seen = set()
+        c = waited
+        while id(c) not in seen:
+            seen.add(id(c))
+            if c.is_set() and (c.device_event is None or c.device_event.query()):
+                return f"[{c.label}] is done"
+            if c.started:
+                since = time.monotonic() - c.started
+                state = "running" if not c.is_set() else "issued, its device work unfinished"
+                return f"[{c.label}] {state} for {since:.1f}s"
+            dep = next((d for d in c.deps if not d.is_set() or (d.device_event is not None and not d.device_event.query())),
+                       None)
+            if dep is not None:
+                c = dep
+                continue
+            lane = self._lane_of(c)
+            if lane is None:
+                return f"[{c.label}] (set by the host, not by a worker task) was never set"
+            if lane.running is not None:
+                c = lane.running.done
+                continue
+            ahead = lane.first_waiting()
+            if ahead is not None and ahead.done is not c and lane.strict_order:
+                c = ahead.done
+                continue
+            return f"[{c.label}] is ready and waits for its lane"
+        return f"[{c.label}] (dependency cycle)"
+
+    def _lane_of(self, c: Completion) -> Lane | None:
+        lab = c.label
+        if 0 <= lab.worker < len(self.workers) and lab.queue in QUEUES:
+            return self.workers[lab.worker].lanes[lab.queue]
+        return None
+
+    def ready_for(self, lane: Lane, dep: Completion) -> bool:
+        """Whether ``dep`` no longer holds back a task of ``lane`` (the stream backends also ask
+        that its device work be finished before a transfer is issued)."""
+        return dep.is_set()
+
+    def threads_alive(self) -> list[str]:
+        return [f"roundpipe-w{lane.worker.index}-{lane.queue}" for lane in self.lanes() if lane.alive()]
 
     def peak_weight_bytes(self) -> list[int]:
         return [w.peak_weight_bytes for w in self.workers]
 
-    def reset_peaks(self) -> None:
-        for w in self.workers:
-            with w._mem_lock:
-                w.peak_weight_bytes = w.resident_weight_bytes
-
     # ------------------------------------------------------------------ backend hooks
-    def _on_lane_start(self, lane: Lane) -> None:
+    device_poll_s = 0.5  # how soon a lane looks again at a task waiting only for device work
+
+    def on_lane_start(self, lane: Lane) -> None:
         pass
 
-    def _execute(self, lane: Lane, task: _Task) -> None:
+    def on_shutdown(self, timeout: float) -> None:
+        """Stop what the backend runs besides the lanes (stream executors)."""
+
+    def finish_step(self) -> None:
+        """Turn the device timings of the tasks issued so far into trace records (stream backends
+        read their timing events once per step, here; the CPU backend records as it runs)."""
+
+    def execute(self, lane: Lane, task: Task) -> None:
         raise NotImplementedError  # each backend defines how a task runs
 
-    def _copy_to_device(self, worker: Worker, tensors, dtypes, read_only=False):
+    def copy_to_device(self, worker: Worker, tensors, dtypes, read_only=False):
         """Device copies of host ``tensors`` (cast to ``dtypes`` where given). ``read_only`` (one
         flag, or one per tensor): the engine will only read that tensor (parameters), so a backend
         whose device memory is host memory may share it."""
         raise NotImplementedError  # each backend defines its copies
 
-    def _copy_to_host(self, worker: Worker, tensors):
+    def copy_to_host(self, worker: Worker, tensors):
         raise NotImplementedError  # each backend defines its copies
 
-    def synchronize(self) -> None:
+    def synchronize(self, timeout: float | None = None) -> None:
         pass
 
-    def _record(self, lane: Lane, task: _Task, start: float, end: float) -> None:
+    def record(self, lane: Lane, task: Task, start: float, end: float) -> None:
         if self.trace.recording and task.done.label.kind != "release":
             lab = task.done.label
             self.trace.add(

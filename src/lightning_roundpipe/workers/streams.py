@@ -1,0 +1,310 @@
+"""Streams and events: the small interface the stream backend's protocol is written against.
+
+Two drivers implement it. :class:`CudaStreams` maps it onto CUDA streams and events.
+:class:`FakeStreams` runs it on the CPU so the same protocol runs in CI: each stream is an
+in-order executor thread, work "issued" on a stream is queued to that thread and runs later,
+an event recorded on a stream completes when the executor reaches it, and a stream told to
+wait for an event stops there until the event completes. The lane that issues work therefore
+runs ahead of the "device" exactly as on a GPU, so races between host writes and copies in
+flight, or decisions made on work that is issued but not finished, show up on the CPU.
+``jitter_s`` inserts a random delay before each piece of work on a fake stream (never in the
+host threads): the race amplifier.
+
+Pinned memory on the fake driver is plain memory; what would be pinned is still counted, so
+the bookkeeping of the pinned policies runs too.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from .completions import Deferred, TaskLabel
+
+
+def _poll_until(done: Callable[[], bool], timeout: float) -> bool:
+    """Wait for ``done()`` without spinning a core: sleeps that grow from 20 us to 1 ms."""
+    deadline = time.monotonic() + timeout
+    pause = 2e-5
+    while not done():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 1e-3)
+    return True
+
+
+# ---------------------------------------------------------------------------- CUDA
+
+
+class CudaEvent:
+    """A CUDA event created ``blocking`` (a synchronize yields the core) with bounded host waits."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, timing: bool):
+        self.raw = torch.cuda.Event(enable_timing=timing, blocking=True)
+
+    def record(self, stream) -> None:
+        self.raw.record(stream)
+
+    def query(self) -> bool:
+        return self.raw.query()
+
+    def wait(self, timeout: float) -> bool:
+        return self.raw.query() or _poll_until(self.raw.query, timeout)
+
+    def seconds_until(self, later: "CudaEvent") -> float:
+        return self.raw.elapsed_time(later.raw) / 1e3
+
+
+class CudaStreams:
+    """``jitter_cycles``: before each piece of stream work, a ``torch.cuda._sleep`` of a random
+    number of GPU cycles in [0, jitter_cycles) on that stream (the race amplifier on a GPU)."""
+
+    kind = "cuda"
+    fake = False
+
+    def __init__(self, jitter_cycles: int = 0, seed: int = 0) -> None:
+        self.record_stream_calls = 0
+        self.jitter_cycles = int(jitter_cycles)
+        self._rand = random.Random(seed)
+        self._rand_lock = threading.Lock()
+
+    def new_stream(self, device: torch.device):
+        with torch.cuda.device(device):
+            return torch.cuda.Stream(device=device)
+
+    def new_event(self, timing: bool = False) -> CudaEvent:
+        return CudaEvent(timing)
+
+    def wait_event(self, stream, event: CudaEvent) -> None:
+        stream.wait_event(event.raw)
+
+    def issue(self, stream, device: torch.device, fn: Callable[[], Any], label: TaskLabel, timeout_s: float) -> Any:
+        """Run ``fn`` with ``stream`` current: its kernels and copies are queued on the stream."""
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            if self.jitter_cycles > 0:
+                with self._rand_lock:
+                    cycles = self._rand.randrange(self.jitter_cycles)
+                torch.cuda._sleep(cycles)
+            return fn()
+
+    def current_stream(self, device: torch.device):
+        return torch.cuda.current_stream(device)
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        self.record_stream_calls += 1
+        tensor.record_stream(stream)
+
+    def to_device(self, src: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return src.to(device, dtype=dtype, non_blocking=True)
+
+    def empty_host(self, shape, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return t.is_pinned()
+
+    def register(self, t: torch.Tensor) -> bool:
+        """Pin an existing host tensor in place (``cudaHostRegister``); False if it cannot be."""
+        if t.device.type != "cpu" or t.is_pinned() or not t.is_contiguous() or t.numel() == 0:
+            return False
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        return int(err) == 0
+
+    def unregister(self, t: torch.Tensor) -> None:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+    def synchronize(self, device: torch.device, streams, timeout: float) -> bool:
+        """Wait (bounded) until every stream of ``device`` in ``streams`` has finished its work."""
+        deadline = time.monotonic() + timeout
+        for s in streams:
+            ev = self.new_event()
+            ev.record(s)
+            if not ev.wait(max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
+    def close(self, timeout: float) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------- CPU fake
+
+
+class FakeEvent:
+    """Completes when the executor of the stream it was recorded on reaches it."""
+
+    __slots__ = ("_done", "_recorded", "time")
+
+    def __init__(self, timing: bool = False):
+        self._done = threading.Event()
+        self._recorded = False
+        self.time = 0.0
+
+    def record(self, stream: "FakeStream") -> None:
+        self._recorded = True
+        stream.put(("event", self))
+
+    def query(self) -> bool:
+        return not self._recorded or self._done.is_set()  # as on CUDA: never recorded means done
+
+    def wait(self, timeout: float) -> bool:
+        return not self._recorded or self._done.wait(timeout)
+
+    def seconds_until(self, later: "FakeEvent") -> float:
+        return later.time - self.time
+
+
+class FakeStream:
+    """One in-order executor thread standing for a CUDA stream."""
+
+    def __init__(self, driver: "FakeStreams", name: str):
+        self.driver = driver
+        self.name = name
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, item) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _loop(self) -> None:
+        self.driver.local.stream = self
+        while True:
+            with self._cond:
+                while not self._items and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    for kind, *rest in self._items:  # nothing more runs: let waiters see failures
+                        if kind == "work":
+                            rest[1].fail(RuntimeError(f"the fake stream {self.name} was stopped before this work ran"))
+                    return
+                kind, *rest = self._items.popleft()
+            if kind == "wait":
+                event = rest[0]
+                while not event.wait(0.1):
+                    if self._stopping:
+                        break
+            elif kind == "event":
+                event = rest[0]
+                event.time = time.perf_counter()
+                event._done.set()
+            else:
+                fn, deferred = rest
+                self.driver.pause()
+                try:
+                    deferred.resolve(fn())
+                except BaseException as exc:  # the reader of the value gets it
+                    deferred.fail(exc)
+
+
+class FakeStreams:
+    """CPU stand-in for CUDA streams; ``jitter_s`` delays each piece of stream work at random."""
+
+    kind = "fake_cuda"
+    fake = True
+
+    def __init__(self, jitter_s: float = 0.0, seed: int = 0):
+        self.jitter_s = float(jitter_s)
+        self._rand = random.Random(seed)
+        self._rand_lock = threading.Lock()
+        self._streams: list[FakeStream] = []
+        self.local = threading.local()
+        self.record_stream_calls = 0
+        self.registered: dict[int, int] = {}  # start data_ptr -> bytes of host tensors "pinned in place"
+
+    def pause(self) -> None:
+        if self.jitter_s > 0:
+            with self._rand_lock:
+                delay = self._rand.uniform(0.0, self.jitter_s)
+            time.sleep(delay)
+
+    def new_stream(self, device: torch.device, name: str = "") -> FakeStream:
+        s = FakeStream(self, f"roundpipe-stream-{name or len(self._streams)}")
+        self._streams.append(s)
+        return s
+
+    def new_event(self, timing: bool = False) -> FakeEvent:
+        return FakeEvent(timing)
+
+    def wait_event(self, stream: FakeStream, event: FakeEvent) -> None:
+        if event._recorded:
+            stream.put(("wait", event))
+
+    def issue(self, stream: FakeStream, device, fn: Callable[[], Any], label: TaskLabel, timeout_s: float) -> Deferred:
+        deferred = Deferred(label, timeout_s)
+        stream.put(("work", fn, deferred))
+        return deferred
+
+    def current_stream(self, device) -> FakeStream:
+        return self.local.stream
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        self.record_stream_calls += 1  # CPU memory is never reused early: only counted
+
+    def to_device(self, src: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
+        return src.to(dtype=dtype, copy=True)  # runs on the stream's executor: the "copy engine"
+
+    def empty_host(self, shape, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        ptr = t.data_ptr()
+        return any(start <= ptr < start + n for start, n in self.registered.items())
+
+    def register(self, t: torch.Tensor) -> bool:
+        if not t.is_contiguous() or t.numel() == 0 or self.is_pinned(t):
+            return False
+        self.registered[t.data_ptr()] = t.numel() * t.element_size()
+        return True
+
+    def unregister(self, t: torch.Tensor) -> None:
+        self.registered.pop(t.data_ptr(), None)
+
+    def synchronize(self, device, streams, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        for s in streams:
+            ev = FakeEvent()
+            ev.record(s)
+            if not ev.wait(max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
+    def close(self, timeout: float) -> None:
+        for s in self._streams:
+            s.stop()
+        deadline = time.monotonic() + timeout
+        for s in self._streams:
+            s.join(max(0.0, deadline - time.monotonic()))
+
+    def threads_alive(self) -> list[str]:
+        return [s.name for s in self._streams if s.alive()]
