@@ -28,10 +28,45 @@ def checkpoint_state(module: nn.Module, weights: str) -> dict:
 
 
 def load_checkpoint_state(module: nn.Module, state: dict, strict: bool) -> None:
-    """Load ``state`` as strictly as ``module.load_state_dict(state, strict)``, frozen weights excepted."""
-    expected = set(module.state_dict())
-    missing = expected - set(state)
-    unexpected = set(state) - expected
+    """Load ``state`` as strictly as ``module.load_state_dict(state, strict)``, frozen weights excepted.
+
+    A checkpoint that cannot load is refused before any weight is written (``load_state_dict``
+    itself copies the matching tensors first), with the error PyTorch would raise."""
+    current = module.state_dict()
+    missing = [k for k in current if k not in state]
+    unexpected = _unexpected_keys(module, state)
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
-    only_frozen_missing = strict and missing and missing <= frozen and not unexpected
-    module.load_state_dict(state, strict=strict and not only_frozen_missing)
+    if strict and missing and set(missing) <= frozen and not unexpected:
+        missing = []  # the documented case: a trainable-only checkpoint keeps the frozen base as built
+        strict = False
+    errors = [f"size mismatch for {k}: copying a param with shape {v.shape} from checkpoint, the shape in current "
+              f"model is {current[k].shape}." for k in current
+              if (v := state.get(k)) is not None and hasattr(v, "shape") and v.shape != current[k].shape]
+    if strict:
+        if unexpected:
+            errors.insert(0, "Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
+        if missing:
+            errors.insert(0, "Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
+    if errors:
+        raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(type(module).__name__, "\n\t".join(errors)))
+    module.load_state_dict(state, strict=strict)
+
+
+def _unexpected_keys(module: nn.Module, state: dict) -> list[str]:
+    """The keys ``load_state_dict`` reports as unexpected, in its order (module by module, from the root)."""
+    found = []
+
+    def visit(m: nn.Module, prefix: str) -> None:
+        local = {n for n, _ in m.named_parameters(recurse=False)}
+        local |= {n for n, _ in m.named_buffers(recurse=False) if n not in m._non_persistent_buffers_set}
+        children = dict(m.named_children())
+        for key in state:
+            if key.startswith(prefix):
+                name = key[len(prefix):].split(".", 1)[0]
+                if name not in children and name not in local:
+                    found.append(key)
+        for name, child in children.items():
+            visit(child, f"{prefix}{name}.")
+
+    visit(module, "")
+    return found
