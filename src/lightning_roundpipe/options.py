@@ -12,6 +12,7 @@ strategy user, ``RuntimeOptions(timeout=nan)`` for a user of the Lightning-free 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import numbers
 from dataclasses import dataclass, field, fields
@@ -305,6 +306,17 @@ def strategy_options(owner: str = "RoundPipeStrategy", **values: Any) -> Strateg
     if unknown:
         raise TypeError(f"{owner}() got unknown option(s) {unknown}; the options are {sorted(known)}")
     return StrategyOptions(**{k: plain(v) for k, v in values.items()}).validate(owner)
+
+
+def option_keywords_signature(init) -> inspect.Signature:
+    """``init``'s signature with its ``**options`` replaced by one keyword per :class:`StrategyOptions`
+    field (with its default), so IDEs, ``help``, ``inspect`` and Hydra see the real arguments."""
+    own = inspect.signature(init)
+    params = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    defaults = StrategyOptions()
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=getattr(defaults, f.name))
+               for f in fields(StrategyOptions) if f.name != "compute_dtype"]
+    return own.replace(parameters=params)
 
 
 # ---------------------------------------------------------------------- Hydra structured configs

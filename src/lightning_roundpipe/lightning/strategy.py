@@ -9,9 +9,7 @@ parameters whose ``.grad`` the pipeline filled.
 
 from __future__ import annotations
 
-import inspect
 from contextlib import contextmanager
-from dataclasses import fields
 from datetime import timedelta
 
 import lightning.pytorch as pl
@@ -26,7 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
 from ..adapters.target import find_target
-from ..options import StrategyOptions, strategy_options
+from ..options import StrategyOptions, option_keywords_signature, strategy_options
 from ..runtime import RoundPipeRuntime, check_writable_dir, run_all
 from . import weight_reads
 from .checkpoint_io import AtomicCheckpointIO
@@ -289,17 +287,7 @@ class RoundPipeStrategy(ParallelStrategy):
         strategy_registry.register(cls.strategy_name, cls, description=DESCRIPTION)
 
 
-def _options_signature() -> inspect.Signature:
-    """``RoundPipeStrategy``'s signature as IDEs, ``help`` and Hydra see it: one keyword per option."""
-    own = inspect.signature(RoundPipeStrategy.__init__)
-    params = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    defaults = StrategyOptions()
-    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=getattr(defaults, f.name))
-               for f in fields(StrategyOptions) if f.name != "compute_dtype"]
-    return own.replace(parameters=params)
-
-
-RoundPipeStrategy.__init__.__signature__ = _options_signature()
+RoundPipeStrategy.__init__.__signature__ = option_keywords_signature(RoundPipeStrategy.__init__)
 
 
 def register() -> None:
