@@ -97,11 +97,11 @@ class RoundPipeRuntime:
                 self.engine.grad_hooks.append(self.grad_sync.on_layer_grads)
             inside = {id(p) for p in masters}
             self.params_outside = [p for p in (root_module or module).parameters() if p.requires_grad and id(p) not in inside]
+            self.engine.step_end_hooks.append(self._after_step)
+            patch_forward(module, forward(self))
         except BaseException:
-            self.pool.shutdown()
+            run_all([self.grad_sync.close if self.grad_sync is not None else (lambda: None), self.pool.shutdown])
             raise
-        self.engine.step_end_hooks.append(self._after_step)
-        patch_forward(module, forward(self))
 
     def _weight_gates(self, layer_ids) -> list:
         return [c for ov in self.overlapped for c in ov.weight_gates(layer_ids)]
