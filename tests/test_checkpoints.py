@@ -136,3 +136,18 @@ def test_interrupted_saves_are_cleaned_up_on_the_next_save(tmp_path):
     AtomicCheckpointIO().save_checkpoint({"version": 3}, tmp_path / "epoch=1-step=6.ckpt")
     assert sorted(os.listdir(tmp_path)) == ["epoch=1-step=6.ckpt", "notes.txt"]
     assert torch.load(tmp_path / "epoch=1-step=6.ckpt")["version"] == 3
+
+
+def test_a_key_of_a_non_persistent_buffer_is_unexpected_as_in_pytorch():
+    class WithScratch(SeqModule):
+        def __init__(self):
+            super().__init__()
+            self.net[0].register_buffer("scratch", torch.zeros(2), persistent=False)
+
+    m = WithScratch()
+    state = {**m.state_dict(), "net.0.scratch": torch.ones(2)}
+    expected = _error(lambda: WithScratch().load_state_dict(state, strict=True))
+    s = RoundPipeStrategy()
+    s.connect(m)
+    assert _error(lambda: s.load_model_state_dict({"state_dict": state}, strict=True)) == expected
+    assert torch.equal(m.net[0].scratch, torch.zeros(2))

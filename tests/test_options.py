@@ -206,3 +206,22 @@ def test_one_worker_warns_and_says_how_to_ask_for_more():
 def test_registered_with_a_description():
     assert "roundpipe" in StrategyRegistry.available_strategies()
     assert "round-robin" in StrategyRegistry["roundpipe"]["description"]
+
+
+def test_runtime_hands_host_state_to_the_engine_at_construction():
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, staleness=1, step_metrics=False))
+    try:
+        assert runtime.engine.shadows is runtime.shadows and runtime.shadows is not None
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        ov = runtime.overlap_optimizer(opt, early_steps=False)
+        assert ov.staleness == 1 and ov.early_steps is False
+        with pytest.raises(OptionError, match=r"overlap_optimizer\(staleness=0\).*RuntimeOptions\(staleness=1\)"):
+            runtime.overlap_optimizer(torch.optim.SGD(net.parameters(), lr=0.1), staleness=0)
+    finally:
+        runtime.detach()
+    plain = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False))
+    try:
+        assert plain.shadows is None and plain.engine.shadows is None
+    finally:
+        plain.detach()

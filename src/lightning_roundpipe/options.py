@@ -333,7 +333,8 @@ def strategy_config_class():
 def register_configs() -> None:
     """Store the structured configs the YAML files under ``conf/`` extend (``defaults: [<name>, _self_]``).
 
-    ``strategy/roundpipe_schema``, ``partition/partition_schema`` and ``transfer/transfer_schema``:
+    ``strategy/roundpipe_schema``, ``partition/partition_schema`` (``manual_partition_schema`` for
+    ``policy: manual``, whose ranges are required) and ``transfer/transfer_schema``:
     Hydra then checks types and rejects unknown keys when it composes the job's config.
     """
     from hydra.core.config_store import ConfigStore
@@ -341,4 +342,7 @@ def register_configs() -> None:
     store = ConfigStore.instance()
     store.store(group="strategy", name="roundpipe_schema", node=strategy_config_class())
     store.store(group="partition", name="partition_schema", node=PartitionConfig)
+    # policy=manual: the layer ranges are required (Hydra's "???"), which a merge onto None would drop
+    store.store(group="partition", name="manual_partition_schema",
+                node=OmegaConf.structured(PartitionConfig(policy="manual", manual_forward="???")))
     store.store(group="transfer", name="transfer_schema", node=TransferConfig)

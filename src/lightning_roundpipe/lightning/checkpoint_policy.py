@@ -34,7 +34,7 @@ def load_checkpoint_state(module: nn.Module, state: dict, strict: bool) -> None:
     itself copies the matching tensors first), with the error PyTorch would raise."""
     current = module.state_dict()
     missing = [k for k in current if k not in state]
-    unexpected = _unexpected_keys(module, state)
+    unexpected = _unexpected_keys(module, state, current)
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
     if strict and missing and set(missing) <= frozen and not unexpected:
         missing = []  # the documented case: a trainable-only checkpoint keeps the frozen base as built
@@ -52,13 +52,13 @@ def load_checkpoint_state(module: nn.Module, state: dict, strict: bool) -> None:
     module.load_state_dict(state, strict=strict)
 
 
-def _unexpected_keys(module: nn.Module, state: dict) -> list[str]:
+def _unexpected_keys(module: nn.Module, state: dict, current: dict) -> list[str]:
     """The keys ``load_state_dict`` reports as unexpected, in its order (module by module, from the root)."""
     found = []
 
     def visit(m: nn.Module, prefix: str) -> None:
-        local = {n for n, _ in m.named_parameters(recurse=False)}
-        local |= {n for n, _ in m.named_buffers(recurse=False) if n not in m._non_persistent_buffers_set}
+        own = [n for n, _ in m.named_parameters(recurse=False)] + [n for n, _ in m.named_buffers(recurse=False)]
+        local = {n for n in own if prefix + n in current}  # persistent ones: those the module's state_dict holds
         children = dict(m.named_children())
         for key in state:
             if key.startswith(prefix):
