@@ -1,7 +1,7 @@
 """Issue-2/3 figures: parity against Lightning's single-device run, peak resident weights,
 causal-LM loss/gradient parity per architecture, last-stage memory with the chunked loss.
 
-    python benchmarks/correctness_figures.py [--json out.json]
+    python -m benchmarks.correctness_figures [--json out.json]
 
 Run from the repository root (it reuses the test suite's small modules in ``tests/``).
 """
@@ -16,10 +16,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 warnings.filterwarnings("ignore")
 
-from _models import SeqModule, fit, grad_error, weight_error, weights  # noqa: E402
+from tests._models import SeqModule, fit, grad_error, weight_error, weights  # noqa: E402
 from lightning_roundpipe import RoundPipeRuntime, RoundPipeStrategy, RuntimeOptions  # noqa: E402
 
 CASES = [

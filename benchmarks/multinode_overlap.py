@@ -1,20 +1,17 @@
 """Issue-6 figures: bytes all-reduced per step against trainable bytes, and the share of all-reduce
 time overlapped with backward, from two "nodes" (two processes, 2 CPU workers each, gloo on localhost).
 
-    python benchmarks/multinode_overlap.py [--mode big|seq|lora]
+    python -m benchmarks.multinode_overlap [--mode big|seq|lora]
 
 The share is read from the timeline: all-reduce intervals (launch to completion, recorded by the
 watcher thread) overlapped by any worker's compute, over total all-reduce time.
 """
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from test_multinode import run_two_nodes  # noqa: E402
+from tests.test_multinode import run_two_nodes  # noqa: E402
 
 
 def main(argv=None):
@@ -23,7 +20,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as d:
         info = run_two_nodes(args.mode, Path(d), timeout=600)
-    print(f"# python benchmarks/multinode_overlap.py --mode {args.mode}")
+    print(f"# python -m benchmarks.multinode_overlap --mode {args.mode}")
     print("| rank | trainable bytes | total bytes | bytes all-reduced per step | all-reduces | share overlapped with compute |")
     print("|---:|---:|---:|---|---:|---:|")
     for i in info:

@@ -5,16 +5,12 @@ They run no timed benchmark: only the pieces the numbers rest on, on tiny inputs
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from lightning_roundpipe.planning.partition import TIE_TOLERANCE
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root holds benchmarks/
 
 from benchmarks import cost_model, cpu_peers, cpu_runners, gpu_bench  # noqa: E402
 from benchmarks.models import (  # noqa: E402

@@ -1,12 +1,5 @@
 """Chunked LM-head cross-entropy: parity with the plain reference and the O(chunk x vocab) bound."""
 
-import sys
-from pathlib import Path
-
-try:
-    import lightning_roundpipe  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import pytest
 import torch

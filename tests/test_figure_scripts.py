@@ -8,12 +8,8 @@ hand-computed numbers.
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root holds benchmarks/
 
 from benchmarks import partition_transfer, sim_validation  # noqa: E402
 from lightning_roundpipe.schedule.plan import Plan  # noqa: E402

@@ -5,14 +5,7 @@ sliding-window layer and tied embeddings, Mistral with a short sliding window, s
 and a shared parameter are exercised.
 """
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
-
-try:
-    import lightning_roundpipe  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import pytest
 import torch

@@ -12,7 +12,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from _models import SeqModule, fit, make_data, weight_error, weights
+from tests._models import SeqModule, fit, make_data, weight_error, weights  # also imported by benchmarks/
 
 HERE = Path(__file__).resolve().parent
 
@@ -114,14 +114,15 @@ def test_unreachable_node_gives_a_clear_error(tmp_path):
     port = free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="1", WORLD_SIZE="2", LOCAL_RANK="0")
     code = (
-        "import lightning as L, torch, sys; sys.path.insert(0, %r)\n"
+        "import lightning as L, torch\n"
         "from _models import SeqModule, make_data\n"
         "from torch.utils.data import DataLoader\n"
         "from lightning_roundpipe import RoundPipeStrategy\n"
         "t = L.Trainer(strategy=RoundPipeStrategy(timeout=3), accelerator='cpu', devices=2, num_nodes=2, max_steps=1,"
         " logger=False, enable_checkpointing=False, enable_progress_bar=False)\n"
-        "t.fit(SeqModule(), DataLoader(make_data(), batch_size=4))\n" % str(HERE)
+        "t.fit(SeqModule(), DataLoader(make_data(), batch_size=4))\n"
     )
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), *filter(None, [env.get("PYTHONPATH")])])  # for _models
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=90)
     assert p.returncode != 0
     assert "rank 1 of 2 could not join the other nodes" in p.stderr and "within 3s" in p.stderr

@@ -110,7 +110,7 @@ def _plain_training(overlap: bool, staleness: int = 0, delay: float = 0.0, steps
 
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(5)], nn.Linear(16, 4))
-    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=3, step_metrics=False,
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=3, step_metrics=False, staleness=staleness,
                                                                     trace_steps=steps, cpu_compute_delay_s=0.002))
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     if overlap:

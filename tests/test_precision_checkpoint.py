@@ -121,12 +121,13 @@ def test_atomic_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
 
 def test_lora_checkpoint_holds_only_trainable_weights(tmp_path):
+    """The small checkpoint, asked for with checkpoint_weights="trainable" (the default saves everything)."""
     from test_hf_pipeline import LoraFineTune, batch
 
     ids, mask, labels = batch(padded=False)
     data = DataLoader([{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(5)], batch_size=5)
     m = LoraFineTune()
-    t = _trainer(tmp_path, 2)
+    t = _trainer(tmp_path, 2, strategy=RoundPipeStrategy(microbatches=2, checkpoint_weights="trainable"))
     t.fit(m, data)
     ckpt = tmp_path / "lora.ckpt"
     t.save_checkpoint(ckpt)

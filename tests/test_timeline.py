@@ -8,11 +8,6 @@ import json
 import sys
 from pathlib import Path
 
-try:
-    import lightning_roundpipe  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
 import pytest
 
 from lightning_roundpipe.tracing.timeline import (

@@ -72,7 +72,7 @@ def test_fit_logs_step_metrics_and_writes_the_timeline(tmp_path):
 
     m = SeqModule(depth=6)
     strategy = RoundPipeStrategy(microbatches=4, trace_steps=2, trace_dir=str(tmp_path), partition="auto")
-    fit(m, strategy, devices=2, max_steps=3, logger=CSVLogger(str(tmp_path), name="csv"))
+    fit(m, strategy, devices=2, max_steps=3, logger=CSVLogger(str(tmp_path), name="csv"), log_every_n_steps=1)
     trace = json.loads((tmp_path / "roundpipe_trace.json").read_text())
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     steps = {e["args"]["step"] for e in events}

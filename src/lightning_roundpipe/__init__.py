@@ -1,12 +1,16 @@
 """lightning-roundpipe: the RoundPipe schedule as a PyTorch Lightning strategy (engine usable alone)."""
 
-from .engine import EngineOptions, PipelineEngine
+from .options import (EngineOptions, OptionError, PartitionConfig, RuntimeOptions, StrategyOptions, TransferConfig,
+                      register_configs)
+from .engine import PipelineEngine
 from .schedule.plan import Plan, PlanError, dispatch, simple_plan
 from .workers import CpuWorkerPool, PipelineError, PipelineTimeout, WorkerError, make_pool
 
 __all__ = [
     "CpuWorkerPool",
     "EngineOptions",
+    "OptionError",
+    "PartitionConfig",
     "PipelineEngine",
     "PipelineError",
     "PipelineTimeout",
@@ -16,10 +20,13 @@ __all__ = [
     "dispatch",
     "make_pool",
     "simple_plan",
+    "StrategyOptions",
+    "TransferConfig",
 ]
 
 from .lightning.strategy import RoundPipeStrategy, register as _register  # noqa: E402
-from .runtime import RoundPipeRuntime, RuntimeOptions  # noqa: E402
+from .runtime import RoundPipeRuntime  # noqa: E402
 
 _register()
+register_configs()
 __all__ += ["RoundPipeRuntime", "RoundPipeStrategy", "RuntimeOptions"]

@@ -1,63 +1,108 @@
-"""Configuration dataclasses of the strategy; Hydra groups ``conf/partition`` and ``conf/transfer`` map onto them."""
+"""Every option of RoundPipe, defined once.
+
+The dataclasses here are the only definition of the options: ``RoundPipeStrategy``'s keyword
+arguments are the fields of :class:`StrategyOptions`, ``RoundPipeRuntime`` takes
+:class:`RuntimeOptions`, the engine :class:`EngineOptions`, and the Hydra groups ``strategy``,
+``partition`` and ``transfer`` under ``conf/`` extend the structured configs that
+:func:`register_configs` stores in Hydra's ``ConfigStore``. Validation lives here too, and its
+errors name the option as the caller spelled it: ``RoundPipeStrategy(timeout=nan)`` for a
+strategy user, ``RuntimeOptions(timeout=nan)`` for a user of the Lightning-free runtime.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import math
+import numbers
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
+
+from omegaconf import OmegaConf
+
+PARTITION_POLICIES = ("params", "uniform", "auto", "manual")
+TRANSFER_KINDS = ("activation", "weights", "gradients")
+PINNED_POLICIES = ("alloc", "register", "off")
 
 
-def _from_mapping(cls, value: Any, option: str):
-    if value is None:
-        return cls()
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, str) and cls is PartitionConfig:
-        return cls(policy=value)
-    if isinstance(value, Mapping):
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"RoundPipeStrategy({option}=...): unknown key(s) {unknown}; known keys are {sorted(known)}")
-        return cls(**{k: (dict(v) if isinstance(v, Mapping) else (list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig" else v)) for k, v in value.items()})
-    raise ValueError(f"RoundPipeStrategy({option}=...) takes a {cls.__name__}, a dict or None, got {type(value).__name__}")
+class OptionError(ValueError):
+    """An option has a value RoundPipe cannot run with; the message names it and says what to use."""
+
+
+def _fail(owner: str, name: str, value: Any, rule: str):
+    raise OptionError(f"{owner}({name}={value!r}): {rule}")
+
+
+def _integer(owner: str, name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        _fail(owner, name, value, f"must be a whole number >= {minimum}" + (" or None" if allow_none else ""))
+
+
+def _seconds(owner: str, name: str, value: Any, positive: bool = False, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+          and (value > 0 if positive else value >= 0))
+    if not ok:
+        _fail(owner, name, value, f"must be a finite number {'> 0' if positive else '>= 0'}" + (" or None" if allow_none else ""))
+
+
+def _choice(owner: str, name: str, value: Any, choices) -> None:
+    if value not in choices:
+        _fail(owner, name, value, "use one of " + ", ".join(repr(c) for c in choices))
+
+
+def _flag(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        _fail(owner, name, value, "must be True or False")
+
+
+def plain(value: Any) -> Any:
+    """A Hydra/OmegaConf container as plain dicts and lists (anything else unchanged)."""
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 @dataclass
 class PartitionConfig:
-    """How layers are cut into stages.
+    """How layers are cut into stages (Hydra group ``partition``).
 
     policy: "params" (equal weight bytes, default), "uniform" (equal layer counts), "auto"
         (profiled costs, asymmetric forward/backward stages, memory budget) or "manual".
     forward_stages / backward_stages: stage counts for "uniform" and "params" (None: one forward
         stage per worker, two backward stages per worker).
-    manual_forward / manual_backward: lists of [start, end) layer ranges for "manual".
+    manual_forward / manual_backward: lists of [start, end) layer ranges for "manual"
+        (manual_backward None: the forward ranges).
     replan_threshold: "auto" re-plans when measured costs move by more than this fraction.
-    memory_budget_bytes: per-worker budget for "auto" (None: the device's memory, or unlimited on CPU).
+    memory_budget_bytes: per-worker budget for "auto" (None: 90% of the device's memory, or
+        unlimited on CPU).
     """
 
     policy: str = "params"
-    forward_stages: int | None = None
-    backward_stages: int | None = None
-    manual_forward: list | None = None
-    manual_backward: list | None = None
+    forward_stages: Optional[int] = None
+    backward_stages: Optional[int] = None
+    manual_forward: Optional[list] = None
+    manual_backward: Optional[list] = None
     replan_threshold: float = 0.2
-    memory_budget_bytes: int | None = None
+    memory_budget_bytes: Optional[int] = None
 
-    def validate(self) -> "PartitionConfig":
-        if self.policy not in ("auto", "uniform", "params", "manual"):
-            raise ValueError(f"partition policy must be 'auto', 'uniform', 'params' or 'manual', got {self.policy!r}")
+    def validate(self, owner: str = "PartitionConfig", prefix: str = "") -> "PartitionConfig":
+        if self.policy not in PARTITION_POLICIES:
+            _fail(owner, prefix + "policy", self.policy, "partition policy must be " + ", ".join(map(repr, PARTITION_POLICIES)))
         if self.policy == "manual" and not self.manual_forward:
-            raise ValueError("partition policy 'manual' needs manual_forward (and manual_backward) layer ranges")
+            _fail(owner, prefix + "manual_forward", self.manual_forward,
+                  "partition policy 'manual' needs manual_forward (and manual_backward) layer ranges")
         for name in ("forward_stages", "backward_stages"):
-            v = getattr(self, name)
-            if v is not None and int(v) < 1:
-                raise ValueError(f"partition {name} must be >= 1, got {v}")
+            _integer(owner, prefix + name, getattr(self, name), 1, allow_none=True)
+        _seconds(owner, prefix + "replan_threshold", self.replan_threshold)
+        _integer(owner, prefix + "memory_budget_bytes", self.memory_budget_bytes, 1, allow_none=True)
         return self
 
 
 @dataclass
 class TransferConfig:
-    """Transfer priorities and the optional link model of the CPU backend.
+    """Transfer priorities and the optional link model of the CPU backend (Hydra group ``transfer``).
 
     priorities: rank of each kind (lower first). Uploads are ordered by stage first, then by
         this rank: the running stage's inputs, then its weights, then the next stage's prefetch
@@ -74,24 +119,235 @@ class TransferConfig:
     priorities: dict = field(default_factory=lambda: {"activation": 0, "weights": 1, "gradients": 2})
     chunk_bytes: int = 32 << 20
     prefetch_depth: int = 1
-    bandwidth_bytes_per_s: float | None = None
+    bandwidth_bytes_per_s: Optional[float] = None
     latency_s: float = 0.0
     queue: str = "priority"
 
-    def validate(self) -> "TransferConfig":
+    def validate(self, owner: str = "TransferConfig", prefix: str = "") -> "TransferConfig":
         if self.queue not in ("priority", "fifo"):
-            raise ValueError(f"transfer queue must be 'priority' or 'fifo', got {self.queue!r}")
-        missing = {"activation", "weights", "gradients"} - set(self.priorities or {})
-        if missing:
-            raise ValueError(f"transfer priorities must give a number for {sorted(missing)}")
-        if int(self.chunk_bytes) < 1 or int(self.prefetch_depth) < 0:
-            raise ValueError("transfer chunk_bytes must be >= 1 and prefetch_depth >= 0")
+            _fail(owner, prefix + "queue", self.queue, "transfer queue must be 'priority' or 'fifo'")
+        check_priorities(owner, prefix + "priorities", self.priorities)
+        _integer(owner, prefix + "chunk_bytes", self.chunk_bytes, 1)
+        _integer(owner, prefix + "prefetch_depth", self.prefetch_depth, 0)
+        _seconds(owner, prefix + "bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, positive=True, allow_none=True)
+        _seconds(owner, prefix + "latency_s", self.latency_s)
         return self
 
 
-def partition_config(value: Any) -> PartitionConfig:
-    return _from_mapping(PartitionConfig, value, "partition").validate()
+def check_priorities(owner: str, name: str, priorities: Any) -> None:
+    if not isinstance(priorities, Mapping):
+        _fail(owner, name, priorities, f"must map each of {list(TRANSFER_KINDS)} to a number")
+    missing = sorted(set(TRANSFER_KINDS) - set(priorities))
+    if missing:
+        _fail(owner, name, priorities, f"priorities must give a number for {missing}")
+    unknown = sorted(set(priorities) - set(TRANSFER_KINDS))
+    if unknown:
+        _fail(owner, name, priorities, f"unknown transfer kind(s) {unknown}; the kinds are {list(TRANSFER_KINDS)}")
+    for kind, rank in priorities.items():
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Real) or not math.isfinite(rank):
+            _fail(owner, name, priorities, f"the priority of {kind!r} must be a number (lower is served first), got {rank!r}")
 
 
-def transfer_config(value: Any) -> TransferConfig:
-    return _from_mapping(TransferConfig, value, "transfer").validate()
+@dataclass
+class EngineOptions:
+    """How the engine runs a plan (what :class:`RuntimeOptions` hands to ``PipelineEngine``).
+
+    microbatches: number of microbatches a batch is split into (dim 0).
+    recompute: True keeps only stage inputs in forward and recomputes in backward (bounded
+        memory); False keeps each forward graph until backward (CPU backend only: its workers
+        share memory) and needs backward stages cut like forward ones.
+    compute_dtype: dtype floating parameters are cast to on upload (None: as stored on host).
+    priorities, chunk_bytes, prefetch_depth: as in :class:`TransferConfig`.
+    measure_tasks: keep every compute task's trace record until the step's measurements are
+        read (``StepRun.measurements``, what the cost profile and the re-planner learn from),
+        even when no timeline is recorded.
+    """
+
+    microbatches: int = 2
+    recompute: bool = True
+    compute_dtype: Any = None
+    priorities: dict = field(default_factory=lambda: {"activation": 0, "weights": 1, "gradients": 2})
+    chunk_bytes: int = 32 << 20
+    prefetch_depth: int = 1
+    measure_tasks: bool = True
+
+    def validate(self, owner: str = "EngineOptions") -> "EngineOptions":
+        _integer(owner, "microbatches", self.microbatches, 1)
+        _flag(owner, "recompute", self.recompute)
+        _flag(owner, "measure_tasks", self.measure_tasks)
+        check_priorities(owner, "priorities", self.priorities)
+        _integer(owner, "chunk_bytes", self.chunk_bytes, 1)
+        _integer(owner, "prefetch_depth", self.prefetch_depth, 0)
+        return self
+
+
+@dataclass
+class RuntimeOptions:
+    """Everything that decides how a module is pipelined, with or without Lightning.
+
+    microbatches: microbatches per batch (None: number of workers + 1).
+    recompute: "always" (keep stage inputs, recompute in backward) or "never" (keep forward
+        graphs; CPU backend only).
+    timeout: seconds any wait may take before it fails with an error naming what it waited for.
+    partition: how layers are cut into stages (:class:`PartitionConfig`).
+    transfer: transfer priorities, chunking, prefetch and CPU link model (:class:`TransferConfig`).
+    compute_dtype: a ``torch.dtype`` weights are uploaded in (None: as stored). The strategy sets
+        it from the precision plugin; no Hydra entry.
+    cpu_compute_delay_s, cpu_jitter_s: CPU backend only: injected delay / random jitter per task.
+    cpu_threads_per_worker: CPU backend only: torch threads per worker's compute queue.
+    seed: seed of the CPU backend's jitter.
+    trace_steps: keep the timeline of the first N training steps (for export).
+    step_metrics: time every step's tasks for bubble fraction, exposed transfer and tokens per second.
+    overlap_optimizer: step the optimizer layer by layer on a host thread, hidden behind backward
+        and the next forward (exact). False: the plain synchronous ``optimizer.step()``.
+    staleness: 0 (exact) or 1: RoundPipe's one-step-delayed update (the gradient of step t is
+        taken at the weights from before update t-1): more overlap, NOT exact.
+    pinned: pinned host memory policy for the CUDA backend: "alloc", "register" or "off" (see
+        ``params/shadows.py`` for the trade-off); no effect on the CPU backend.
+    optimizer_delay_s: testing knob: sleep this long before each layer's optimizer step.
+    """
+
+    microbatches: Optional[int] = None
+    recompute: str = "always"
+    timeout: float = 300.0
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    compute_dtype: Any = None
+    cpu_compute_delay_s: float = 0.0
+    cpu_jitter_s: float = 0.0
+    cpu_threads_per_worker: int = 1
+    seed: int = 0
+    trace_steps: int = 0
+    step_metrics: bool = True
+    overlap_optimizer: bool = True
+    staleness: int = 0
+    pinned: str = "alloc"
+    optimizer_delay_s: float = 0.0
+
+    def validate(self, owner: str | None = None) -> "RuntimeOptions":
+        """Check every field; ``owner`` is how the caller spelled the options (default: the class name)."""
+        owner = owner or type(self).__name__
+        self.partition = _nested(PartitionConfig, self.partition, owner, "partition").validate(owner, "partition.")
+        self.transfer = _nested(TransferConfig, self.transfer, owner, "transfer").validate(owner, "transfer.")
+        _integer(owner, "microbatches", self.microbatches, 1, allow_none=True)
+        _choice(owner, "recompute", self.recompute, ("always", "never"))
+        _seconds(owner, "timeout", self.timeout, positive=True)
+        for name in ("cpu_compute_delay_s", "cpu_jitter_s", "optimizer_delay_s"):
+            _seconds(owner, name, getattr(self, name))
+        _integer(owner, "cpu_threads_per_worker", self.cpu_threads_per_worker, 1)
+        _integer(owner, "seed", self.seed, 0)
+        _integer(owner, "trace_steps", self.trace_steps, 0)
+        _flag(owner, "step_metrics", self.step_metrics)
+        _flag(owner, "overlap_optimizer", self.overlap_optimizer)
+        if self.staleness not in (0, 1) or isinstance(self.staleness, bool):
+            _fail(owner, "staleness", self.staleness, "use 0 (exact) or 1 (one-step-delayed update)")
+        if self.staleness and not self.overlap_optimizer:
+            _fail(owner, "staleness", self.staleness,
+                  "staleness=1 is a mode of the overlapped optimizer: keep overlap_optimizer=True")
+        _choice(owner, "pinned", self.pinned, PINNED_POLICIES)
+        return self
+
+    def engine_options(self, num_workers: int) -> EngineOptions:
+        """The engine's share of these options (microbatches None: one more than the workers)."""
+        t = self.transfer
+        return EngineOptions(microbatches=self.microbatches or num_workers + 1, recompute=self.recompute == "always",
+                             compute_dtype=self.compute_dtype, priorities=dict(t.priorities),
+                             chunk_bytes=t.chunk_bytes, prefetch_depth=t.prefetch_depth)
+
+
+@dataclass
+class StrategyOptions(RuntimeOptions):
+    """The keyword arguments of ``RoundPipeStrategy``: the runtime's options plus three about Lightning.
+
+    module: dotted attribute path of the module to pipeline (None: found automatically).
+    workers: expected number of workers; must equal the Trainer's ``devices`` when given.
+    trace_dir: where the timeline of ``trace_steps`` goes (None: the trainer's ``default_root_dir``);
+        checked writable before training starts.
+    checkpoint_weights: "full" (the whole ``state_dict``, as Lightning's default strategy saves:
+        resumable under any strategy) or "trainable" (only trainable weights and buffers: the
+        small LoRA checkpoint, whose frozen base comes from the model path).
+    """
+
+    module: Optional[str] = None
+    workers: Optional[int] = None
+    trace_dir: Optional[str] = None
+    checkpoint_weights: str = "full"
+
+    def validate(self, owner: str | None = None) -> "StrategyOptions":
+        owner = owner or "RoundPipeStrategy"
+        super().validate(owner)
+        _integer(owner, "workers", self.workers, 1, allow_none=True)
+        _choice(owner, "checkpoint_weights", self.checkpoint_weights, ("full", "trainable"))
+        if self.module is not None and not isinstance(self.module, str):
+            _fail(owner, "module", self.module, "give the dotted attribute path of the module to pipeline, e.g. 'model.net'")
+        return self
+
+    def runtime_options(self) -> RuntimeOptions:
+        return RuntimeOptions(**{f.name: getattr(self, f.name) for f in fields(RuntimeOptions)})
+
+
+def _nested(cls, value: Any, owner: str, option: str):
+    """A nested option group given as the dataclass, a dict, a Hydra config or None (a policy name for partition)."""
+    value = plain(value)
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str) and cls is PartitionConfig:
+        return cls(policy=value)
+    if isinstance(value, Mapping):
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise OptionError(f"{owner}({option}=...): unknown key(s) {unknown}; known keys are {sorted(known)}")
+        return cls(**value)
+    raise OptionError(f"{owner}({option}=...) takes a {cls.__name__}, a dict or None, got {type(value).__name__}")
+
+
+def strategy_options(owner: str = "RoundPipeStrategy", **values: Any) -> StrategyOptions:
+    """Validated :class:`StrategyOptions` from keyword arguments; an unknown keyword names the known ones."""
+    known = {f.name for f in fields(StrategyOptions)} - {"compute_dtype"}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise TypeError(f"{owner}() got unknown option(s) {unknown}; the options are {sorted(known)}")
+    return StrategyOptions(**{k: plain(v) for k, v in values.items()}).validate(owner)
+
+
+def option_keywords_signature(init) -> inspect.Signature:
+    """``init``'s signature with its ``**options`` replaced by one keyword per :class:`StrategyOptions`
+    field (with its default), so IDEs, ``help``, ``inspect`` and Hydra see the real arguments."""
+    own = inspect.signature(init)
+    params = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    defaults = StrategyOptions()
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=getattr(defaults, f.name))
+               for f in fields(StrategyOptions) if f.name != "compute_dtype"]
+    return own.replace(parameters=params)
+
+
+# ---------------------------------------------------------------------- Hydra structured configs
+def strategy_config_class():
+    """The Hydra node of ``conf/strategy/roundpipe.yaml``: the strategy's options minus the groups
+    ``partition`` and ``transfer`` (top-level Hydra groups of their own) and ``compute_dtype``
+    (set from the Trainer's precision), plus ``_target_``."""
+    skipped = {"partition", "transfer", "compute_dtype"}
+    own = [(f.name, f.type, field(default=f.default)) for f in fields(StrategyOptions) if f.name not in skipped]
+    target = ("_target_", str, field(default="lightning_roundpipe.RoundPipeStrategy"))
+    return dataclasses.make_dataclass("RoundPipeStrategyConfig", [target, *own], namespace={"__module__": __name__})
+
+
+def register_configs() -> None:
+    """Store the structured configs the YAML files under ``conf/`` extend (``defaults: [<name>, _self_]``).
+
+    ``strategy/roundpipe_schema``, ``partition/partition_schema`` (``manual_partition_schema`` for
+    ``policy: manual``, whose ranges are required) and ``transfer/transfer_schema``:
+    Hydra then checks types and rejects unknown keys when it composes the job's config.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(group="strategy", name="roundpipe_schema", node=strategy_config_class())
+    store.store(group="partition", name="partition_schema", node=PartitionConfig)
+    # policy=manual: the layer ranges are required (Hydra's "???"), which a merge onto None would drop
+    store.store(group="partition", name="manual_partition_schema",
+                node=OmegaConf.structured(PartitionConfig(policy="manual", manual_forward="???")))
+    store.store(group="transfer", name="transfer_schema", node=TransferConfig)

@@ -13,14 +13,15 @@ Free of Lightning, so the same set-up serves the strategy and plain PyTorch user
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import os
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from .options import PartitionConfig, TransferConfig
-from .engine import EngineOptions, PipelineEngine
+from .options import OptionError, RuntimeOptions
+from .engine import PipelineEngine
+from .engine.microbatch import register_batch_types
 from .schedule.plan import PlanError
 from .planning.keeper import PlanKeeper
 from .adapters.target import patch_forward, unpatch
@@ -29,127 +30,111 @@ from .workers import make_pool
 
 log = logging.getLogger("lightning_roundpipe")
 
-
-@dataclass
-class RuntimeOptions:
-    """Everything that decides how a module is pipelined (the strategy's options, minus Lightning)."""
-
-    microbatches: int | None = None  # None: workers + 1
-    recompute: str = "always"  # "always" or "never"
-    timeout_s: float = 300.0
-    partition: PartitionConfig = field(default_factory=PartitionConfig)
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-    compute_dtype: torch.dtype | None = None
-    cpu_compute_delay_s: float = 0.0
-    cpu_jitter_s: float = 0.0
-    cpu_threads_per_worker: int = 1
-    seed: int = 0
-    trace_steps: int = 0  # keep the timeline of this many training steps (for export)
-    step_metrics: bool = True  # time every step's tasks for bubble / exposed transfer / tokens per second
-
-    def validate(self) -> "RuntimeOptions":
-        if self.microbatches is not None and int(self.microbatches) < 1:
-            raise ValueError(f"RoundPipeStrategy(microbatches={self.microbatches}): microbatches must be >= 1")
-        if self.recompute not in ("always", "never"):
-            raise ValueError(f"RoundPipeStrategy(recompute={self.recompute!r}): use 'always' or 'never'")
-        if float(self.timeout_s) <= 0:
-            raise ValueError(f"RoundPipeStrategy(timeout={self.timeout_s}): the timeout must be > 0 seconds")
-        self.partition.validate()
-        return self
+__all__ = ["RoundPipeRuntime", "RuntimeOptions", "run_all"]
 
 
 class RoundPipeRuntime:
-    """A module pipelined over a worker pool; ``detach`` restores it."""
+    """A module pipelined over a worker pool, with the host state that serves it; ``detach`` restores it.
+
+    The runtime owns everything the pipeline adds around the module: the pool, the engine, the
+    compute-dtype shadows and pinned memory (per ``options.pinned``), the overlapped optimizers,
+    and, with ``sync_gradients``, the all-reduce of gradients across processes.
+    """
 
     def __init__(self, module: nn.Module, layers: list[nn.Module], forward: Callable[["RoundPipeRuntime"], Callable],
                  backend: str, num_workers: int, options: RuntimeOptions, fused_last: bool = False,
-                 device_indices=None, trace: TraceRecorder | None = None):
+                 device_indices=None, trace: TraceRecorder | None = None, sync_gradients: bool = False,
+                 root_module: nn.Module | None = None, options_owner: str | None = None):
         self.module = module
         self.layers = layers
-        self.options = options.validate()
+        self.options = options.validate(options_owner)
         self.num_workers = num_workers
         self.trace = trace or TraceRecorder()
         self.trace.enabled = bool(options.step_metrics or options.trace_steps)
         self.kept_steps: list[int] = []
         self.last_metrics: dict = {}
         self.last_tokens: int | None = None
-        t = options.transfer
-        pool_opts: dict[str, Any] = dict(timeout_s=options.timeout_s, trace=self.trace, fifo_transfers=t.queue == "fifo")
-        if backend == "cpu":
-            pool_opts.update(
-                compute_delay_s=options.cpu_compute_delay_s,
-                jitter_s=options.cpu_jitter_s,
-                bandwidth_bytes_per_s=t.bandwidth_bytes_per_s,
-                latency_s=t.latency_s,
-                threads_per_worker=options.cpu_threads_per_worker,
-                seed=options.seed,
-            )
-        if backend == "fake_cuda":  # the CUDA protocol on CPU streams; the jitter delays stream work
-            pool_opts.update(stream_jitter_s=options.cpu_jitter_s, seed=options.seed)
+        self.overlapped: list = []  # OverlappedOptimizer per optimizer handed to overlap_optimizer
+        self.shadows = None
+        self.grad_sync = None
         if backend == "cuda" and options.recompute == "never":
-            raise ValueError("recompute='never' keeps forward graphs across workers and is only supported on the CPU backend")
-        microbatches = int(options.microbatches or num_workers + 1)
+            raise OptionError("recompute='never' keeps forward graphs across workers and is only supported on the CPU backend")
+        t = options.transfer
+        cuda = backend == "cuda"
+        pool_opts: dict[str, Any] = dict(timeout_s=options.timeout, trace=self.trace, fifo_transfers=t.queue == "fifo")
+        if cuda:
+            pool_opts["pin_memory"] = options.pinned != "off"
+        else:
+            pool_opts.update(compute_delay_s=options.cpu_compute_delay_s, jitter_s=options.cpu_jitter_s,
+                             bandwidth_bytes_per_s=t.bandwidth_bytes_per_s, latency_s=t.latency_s,
+                             threads_per_worker=options.cpu_threads_per_worker, seed=options.seed)
+        if backend == "fake_cuda":  # the CUDA protocol on CPU streams; the jitter delays stream work
+            pool_opts.update(stream_jitter_s=options.cpu_jitter_s)
+        engine_opts = options.engine_options(num_workers)
         self.planner = PlanKeeper(
-            layers, num_workers, microbatches, options.partition, recompute=options.recompute == "always",
+            layers, num_workers, engine_opts.microbatches, options.partition, recompute=engine_opts.recompute,
             fused_last=fused_last, compute_dtype=options.compute_dtype,
             link_bytes_per_second=t.bandwidth_bytes_per_s or (None if backend == "cpu" else 25e9),
             flops_per_second=5e10 if backend == "cpu" else 1e14,
             memory_budget_bytes=options.partition.memory_budget_bytes or _device_budget(backend, device_indices),
         )
-        plan = self.planner.plan
-        self.pool = make_pool(backend, num_workers, device_indices=device_indices, **pool_opts)
-        engine_opts = EngineOptions(
-            microbatches=microbatches,
-            recompute=options.recompute == "always",
-            compute_dtype=options.compute_dtype,
-            priorities=dict(t.priorities),
-            chunk_bytes=int(t.chunk_bytes),
-            prefetch_depth=int(t.prefetch_depth),
-        )
-        try:
-            self.engine = PipelineEngine(layers, self.pool, plan, engine_opts)
-        except BaseException:
-            self.pool.shutdown()
-            raise
-        self.engine.step_end_hooks.append(self._after_step)
-        self.overlapped: list = []  # OverlappedOptimizer per optimizer handed to overlap_optimizer
-        patch_forward(module, forward(self))
+        masters = _unique_parameters(layers)
+        if options.compute_dtype is not None or options.staleness:
+            from .params.shadows import ShadowStore  # uploads read compute-dtype / previous-version copies
 
-    def overlap_optimizer(self, optimizer: torch.optim.Optimizer, *, staleness: int = 0, shadows=None,
-                          delay_per_layer_s: float = 0.0):
+            self.shadows = ShadowStore(masters, options.compute_dtype)
+        self.pool = make_pool(backend, num_workers, device_indices=device_indices, **pool_opts)
+        try:
+            self.engine = PipelineEngine(layers, self.pool, self.planner.plan, engine_opts, shadows=self.shadows,
+                                         weight_gates=[self._weight_gates])
+            if backend != "cpu":  # pin exactly what the uploads read, once; the pool unpins at shutdown
+                self.pool.pin_uploads(options.pinned, self.shadows.buffers() if self.shadows is not None else masters)
+            if sync_gradients:
+                from .distributed.gradient_sync import GradientSync
+
+                self.grad_sync = GradientSync(self.engine.tables, self.trace, options.timeout)
+                self.engine.grad_hooks.append(self.grad_sync.on_layer_grads)
+            inside = {id(p) for p in masters}
+            self.params_outside = [p for p in (root_module or module).parameters() if p.requires_grad and id(p) not in inside]
+            self.engine.step_end_hooks.append(self._after_step)
+            patch_forward(module, forward(self))
+        except BaseException:
+            run_all([self.grad_sync.close if self.grad_sync is not None else (lambda: None), self.pool.shutdown])
+            raise
+
+    def _weight_gates(self, layer_ids) -> list:
+        return [c for ov in self.overlapped for c in ov.weight_gates(layer_ids)]
+
+    def overlap_optimizer(self, optimizer: torch.optim.Optimizer, *, staleness: int | None = None,
+                          delay_per_layer_s: float | None = None, early_steps: bool = True):
         """Step ``optimizer`` layer by layer on a host thread, hidden behind the pipeline.
 
         Patches ``optimizer.step`` and ``optimizer.zero_grad`` in place and returns the
         :class:`~.optim.overlap.OverlappedOptimizer` driving them. ``optimizer.step()`` then
         submits every layer's update (in layer order) and returns at once; the next forward
         uploads a layer only once its update is done, so results equal the synchronous step bit
-        for bit (``staleness=0``). ``staleness=1`` is RoundPipe's one-step-delayed update: the
-        pipeline reads host shadows refreshed once per step (``shadows``, a
-        :class:`~.shadows.ShadowStore`; one is made when not given, also with a
-        ``compute_dtype``, whose shadows hold the weights already cast and are refreshed after each
-        layer's update; pinned on CUDA). Call :meth:`join` before
-        reading weights or optimizer state directly; :meth:`detach` joins and restores the
-        optimizer. ``delay_per_layer_s`` slows every layer step (tests and benchmarks).
+        for bit (``staleness=0``). ``staleness=1`` (set in :class:`RuntimeOptions`, since the
+        pipeline then reads host shadows made at construction) is RoundPipe's one-step-delayed
+        update. ``early_steps``: a layer may step during backward, as soon as its gradients are
+        complete (only when nothing between backward and the step changes gradients). Call
+        :meth:`join` before reading weights or optimizer state directly; :meth:`detach` joins and
+        restores the optimizer. ``delay_per_layer_s`` (default ``options.optimizer_delay_s``)
+        slows every layer step (tests and benchmarks).
         """
         from .optim.overlap import OverlappedOptimizer
-        from .params.shadows import ShadowStore
 
-        engine = self.engine
-        if (staleness or self.options.compute_dtype is not None) and shadows is None:
-            shadows = engine.shadows
-            if shadows is None:  # uploads read compute-dtype copies, refreshed per layer step
-                shadows = ShadowStore(engine.master_parameters(), self.options.compute_dtype)
-                engine.shadows = shadows
-                if self.pool.backend != "cpu":  # pinned once, exactly; unpinned at the pool's shutdown
-                    self.pool.pin_uploads("alloc", shadows.buffers())
-        ov = OverlappedOptimizer(optimizer, engine.tables, self.trace, notifier=self.pool, staleness=staleness,
-                                 delay_per_layer_s=delay_per_layer_s,
-                                 after_layer_step=shadows.refresh if shadows is not None else None)
-        if shadows is not None:
-            ov.refresh_shadows = shadows.refresh
-        engine.grad_hooks.append(ov.on_layer_grads)
+        staleness = self.options.staleness if staleness is None else staleness
+        if staleness != self.options.staleness:
+            raise OptionError(f"overlap_optimizer(staleness={staleness}): the pipeline reads weights as "
+                              f"RuntimeOptions(staleness={self.options.staleness}) set them up; pass the staleness there")
+        delay = self.options.optimizer_delay_s if delay_per_layer_s is None else delay_per_layer_s
+        refresh = self.shadows.refresh if self.shadows is not None else None
+        sync = self.grad_sync.finalize_params if self.grad_sync is not None else None
+        ov = OverlappedOptimizer(optimizer, self.engine.tables, self.trace, notifier=self.pool, staleness=staleness,
+                                 delay_per_layer_s=delay, after_layer_step=refresh, refresh_shadows=refresh,
+                                 early_steps=early_steps, before_layer_step=sync)
+        self.engine.grad_hooks.append(ov.on_layer_grads)
         self.overlapped.append(ov)
-        engine.add_weight_gate(ov.weight_gates)
         return ov
 
     def join(self) -> None:
@@ -160,6 +145,7 @@ class RoundPipeRuntime:
     def run(self, inputs, loss_scale: float | None = None, tokens: int | None = None):
         """One pipelined call (what the patched forward does); keeps the step's bookkeeping."""
         self.last_tokens = tokens
+        register_batch_types(inputs)
         out = self.engine(inputs, loss_scale=loss_scale)
         run = self.engine.last_run
         if run is not None and not run.training:
@@ -183,8 +169,6 @@ class RoundPipeRuntime:
 
     def export_timeline(self, directory) -> list[str]:
         """Write the kept steps as a Chrome/Perfetto trace and, with matplotlib, a PNG Gantt chart."""
-        import os
-
         from .tracing.timeline import save_gantt_png, to_chrome_trace
 
         records = [r for r in self.trace.records() if r.step in self.kept_steps]
@@ -204,7 +188,12 @@ class RoundPipeRuntime:
     @classmethod
     def attach(cls, module: nn.Module, backend: str = "cpu", num_workers: int = 2, options: RuntimeOptions | None = None,
                kind: str | None = None, **kwargs) -> "RoundPipeRuntime":
-        """Pipeline ``module`` (an nn.Sequential or a supported Hugging Face causal LM) in place."""
+        """Pipeline ``module`` (an nn.Sequential or a supported Hugging Face causal LM) in place.
+
+        ``kwargs`` go to the constructor: ``device_indices``, ``trace``, ``sync_gradients`` (all-reduce
+        gradients over the initialised ``torch.distributed`` group), ``root_module`` (whose other
+        trainable parameters are reduced whole after backward) and ``options_owner`` (how errors
+        name the options, e.g. "RoundPipeStrategy")."""
         options = options or RuntimeOptions()
         kind = kind or ("sequential" if isinstance(module, nn.Sequential) else "causal_lm")
         if kind == "sequential":
@@ -223,15 +212,80 @@ class RoundPipeRuntime:
     def peak_weight_bytes(self) -> list[int]:
         return self.pool.peak_weight_bytes()
 
+    # ------------------------------------------------------------------ gradients across processes
+    def begin_backward(self, accumulating: bool) -> None:
+        """Before a backward: an accumulation-only one communicates nothing, a synced one starts afresh."""
+        if self.grad_sync is not None:
+            self.grad_sync.blocked = accumulating
+            if not accumulating:
+                self.grad_sync.new_step()
+
+    def end_backward(self) -> int:
+        """After a synced backward: wait for every all-reduce (and reduce what is outside the pipeline).
+
+        Returns the bytes this backward sent (0 without gradient sync or when accumulating)."""
+        sync = self.grad_sync
+        if sync is None or sync.blocked:
+            return 0
+        sync.finish_backward(self.params_outside)
+        return sync.bytes_reduced
+
+    def after_optimizer_step(self) -> None:
+        """Call after a synchronous (not overlapped) ``optimizer.step()``: it wrote the masters, and
+        the uploads read the compute-dtype shadows, so these are refreshed here."""
+        if self.shadows is not None and not self.overlapped:
+            self.shadows.refresh()
+
+    # ------------------------------------------------------------------ teardown
     def detach(self) -> None:
-        """Join and restore overlapped optimizers, restore the module's forward, stop the workers."""
+        """Join and restore overlapped optimizers, restore the module's forward, stop every thread.
+
+        Every step runs even when an earlier one raises (a failed layer step re-raises on join);
+        the first error is raised at the end."""
+        steps = [ov.close for ov in self.overlapped]
+        if self.grad_sync is not None:
+            steps.append(self.grad_sync.close)
+        steps += [lambda: unpatch(self.module), self.engine.close]
         try:
-            for ov in self.overlapped:
-                ov.close()
+            run_all(steps)
         finally:
-            self.overlapped = []
-            unpatch(self.module)
-            self.engine.close()
+            self.overlapped, self.grad_sync, self.shadows = [], None, None
+
+
+def check_writable_dir(directory, option: str) -> str:
+    """Create ``directory`` if needed and prove it writable now, before any training starts."""
+    import tempfile
+
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as err:
+        raise OptionError(f"{option}={os.fspath(directory)!r}: cannot write there ({err}); pass a writable folder") from err
+    return os.fspath(directory)
+
+
+def run_all(steps) -> None:
+    """Call every step in order; if any raised, raise the first error once all have run."""
+    first: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the remaining steps
+            if first is None:
+                first = exc
+            else:
+                log.warning("also failed during teardown: %r", exc)
+    if first is not None:
+        raise first
+
+
+def _unique_parameters(layers) -> list:
+    seen: dict[int, torch.Tensor] = {}
+    for layer in layers:
+        for p in layer.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())
 
 
 def _device_budget(backend: str, device_indices) -> int | None:

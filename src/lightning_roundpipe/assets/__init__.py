@@ -6,9 +6,10 @@ this directory for where each file comes from and how to regenerate the models.
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
-ASSETS_DIR = Path(__file__).resolve().parent
+ASSETS_DIR = Path(str(resources.files(__name__)))  # a real folder: Hugging Face loaders need paths
 
 # Public names -> location relative to this directory.
 _NAMES = {

@@ -141,13 +141,11 @@ class GradientSync:
                 dist.all_reduce(p.grad, group=self.group)
                 p.grad.div_(self.world)
 
-    def new_step(self) -> int:
-        """Forget the previous step's reductions; return the bytes it reduced."""
-        sent = self.bytes_reduced
+    def new_step(self) -> None:
+        """Forget the previous step's reductions."""
         self._done_layers = set()
         self._pending = {}
         self.bytes_reduced = 0
-        return sent
 
     def close(self) -> None:
         self._watch.put(None)

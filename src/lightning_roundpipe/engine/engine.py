@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -23,6 +22,7 @@ from ..schedule.lowering import LoweringOptions, TaskGraph, lower
 from ..schedule.plan import Plan, PlanError
 from ..workers.completions import Completion, WorkerError
 from ..workers.pool import WorkerPool
+from ..options import EngineOptions
 from .microbatch import merge_microbatches, split_microbatches
 from .rng import uses_randomness
 from .step import HostCarry, StepRun, TableSizes
@@ -32,50 +32,11 @@ from ..params.weights import HostGradBuffers, LayerTable
 UNREAD_CALLS_KEPT = 16  # calls whose task times may still be read (several calls per step before backward)
 
 
-@dataclass
-class EngineOptions:
-    """How the engine runs a plan.
-
-    microbatches: number of microbatches a batch is split into (dim 0).
-    recompute: True keeps only stage inputs in forward and recomputes in backward (bounded
-        memory); False keeps each forward graph until backward (CPU backend only: its workers
-        share memory) and needs backward stages cut like forward ones.
-    compute_dtype: dtype floating parameters are cast to on upload (None: as stored on host).
-    priorities: transfer priorities (lower first) for "activation", "weights", "gradients".
-    chunk_bytes: weight uploads are split into chunks of about this size, so higher-priority
-        transfers can get in between chunks.
-    prefetch_depth: stages a worker may upload ahead of the one it runs (1: at most two resident).
-    measure_tasks: keep every compute task's trace record until the step's measurements are
-        read (:attr:`StepRun.measurements`, what the cost profile and the re-planner learn
-        from), even when no timeline is recorded.
-    """
-
-    microbatches: int = 2
-    recompute: bool = True
-    compute_dtype: torch.dtype | None = None
-    priorities: dict = field(default_factory=lambda: {"activation": 0, "weights": 1, "gradients": 2})
-    chunk_bytes: int = 32 << 20
-    prefetch_depth: int = 1
-    measure_tasks: bool = True
-
-    def validate(self) -> "EngineOptions":
-        if int(self.microbatches) < 1:
-            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
-        if int(self.prefetch_depth) < 0:
-            raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
-        if int(self.chunk_bytes) < 1:
-            raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
-        missing = {"activation", "weights", "gradients"} - set(self.priorities)
-        if missing:
-            raise ValueError(f"priorities must give a number for {sorted(missing)}")
-        return self
-
-
 class PipelineEngine:
     """Runs ``layers`` as a RoundPipe pipeline over ``pool`` according to ``plan``."""
 
     def __init__(self, layers: Sequence[nn.Module], pool: WorkerPool, plan: Plan, options: EngineOptions | None = None,
-                 weight_gates: Sequence[Callable[[range], list[Completion]]] = ()):
+                 *, shadows=None, weight_gates: Sequence[Callable[[range], list[Completion]]] = ()):
         self.layers = list(layers)
         self.options = (options or EngineOptions()).validate()
         self.tables = [LayerTable(layer) for layer in self.layers]
@@ -92,7 +53,7 @@ class PipelineEngine:
         self.measurements: list = []  # (stage, kind, seconds) of the last finished call, for the cost profile
         self.grad_hooks: list = []  # called with a layer range once its gradients are on the host
         self.step_end_hooks: list = []  # called with the StepRun after each training backward
-        self.shadows = None  # a ShadowStore: uploads read compute-dtype copies of the masters
+        self.shadows = shadows  # a ShadowStore: uploads read compute-dtype copies of the masters
         self.grad_buffers = HostGradBuffers()  # .grad tensors reused across steps (no fresh pages per step)
 
     # ------------------------------------------------------------------ plan

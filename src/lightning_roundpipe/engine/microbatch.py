@@ -1,5 +1,8 @@
 """Split a batch pytree into microbatches along dim 0, and merge per-microbatch outputs back.
 
+Dataclass batches are split like dicts: :func:`register_batch_types` registers each dataclass
+type found in a batch as a pytree node (its fields are the children), once per type.
+
 Tensor leaves with a batch dimension are split with ``torch.tensor_split`` (sizes differ by at
 most one when the batch does not divide). 0-dim tensors and non-tensor leaves are handed to
 every microbatch unchanged. Leaves whose dim 0 disagree are an error: we cannot tell which of
@@ -8,6 +11,7 @@ them is the batch.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -17,6 +21,23 @@ from torch.utils import _pytree as pytree
 
 class MicrobatchError(ValueError):
     """The batch cannot be split as asked; the message says why and what to change."""
+
+
+def register_batch_types(tree: Any) -> None:
+    """Make every dataclass type in ``tree`` (at any depth under dicts, lists and tuples) a pytree node."""
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        cls = type(tree)
+        if cls not in pytree.SUPPORTED_NODES:
+            pytree.register_dataclass(cls)
+        children = [getattr(tree, f.name) for f in dataclasses.fields(tree)]
+    elif isinstance(tree, dict):
+        children = list(tree.values())
+    elif isinstance(tree, (list, tuple)):
+        children = list(tree)
+    else:
+        return
+    for child in children:
+        register_batch_types(child)
 
 
 def batch_size_of(tree: Any) -> int:
@@ -57,6 +78,7 @@ def effective_microbatches(batch_size: int, requested: int) -> int:
 
 
 def split_microbatches(tree: Any, num_microbatches: int) -> list[Any]:
+    register_batch_types(tree)
     leaves, spec = pytree.tree_flatten(tree)
     n = batch_size_of(tree)
     m = effective_microbatches(n, num_microbatches)

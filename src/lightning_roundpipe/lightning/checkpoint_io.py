@@ -3,11 +3,14 @@
 The file is written next to its destination under a temporary name, flushed to disk, and
 renamed over the destination (``os.replace`` is atomic on POSIX and Windows). The format is
 Lightning's own (``torch.save`` of the checkpoint dict), so it loads with plain ``torch.load``
-and into a model trained under any strategy.
+and into a model trained under any strategy. A save interrupted hard enough to skip its own
+clean-up (a killed process, a power cut) leaves a ``.tmp-<name>-<random>`` file; the next save
+into that folder removes every such file before it writes.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import tempfile
 
@@ -26,6 +29,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path)  # remote filesystems: their own semantics
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
+        remove_interrupted_saves(directory)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=directory)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -39,3 +43,18 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             except FileNotFoundError:
                 pass
             raise
+
+
+TEMPORARY_PATTERN = ".tmp-*.ckpt-*"
+
+
+def remove_interrupted_saves(directory: str) -> list[str]:
+    """Delete the temporary files earlier interrupted saves left in ``directory``; return their paths."""
+    removed = []
+    for leftover in glob.glob(os.path.join(glob.escape(directory), TEMPORARY_PATTERN)):
+        try:
+            os.unlink(leftover)
+            removed.append(leftover)
+        except FileNotFoundError:
+            pass
+    return removed

@@ -42,7 +42,9 @@ from .host_lane import HostLane
 class OverlappedOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, layer_tables, trace, *, notifier=None,
                  staleness: int = 0, delay_per_layer_s: float = 0.0,
-                 after_layer_step: Callable[[list[torch.Tensor]], None] | None = None):
+                 after_layer_step: Callable[[list[torch.Tensor]], None] | None = None,
+                 before_layer_step: Callable[[list[torch.Tensor]], None] | None = None,
+                 refresh_shadows: Callable[[], None] | None = None, early_steps: bool = True):
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError("the overlapped optimizer steps layer by layer; LBFGS couples all parameters: "
                              "use RoundPipeStrategy(overlap_optimizer=False)")
@@ -52,8 +54,9 @@ class OverlappedOptimizer:
         self.staleness = staleness
         self.delay_per_layer_s = float(delay_per_layer_s)
         self.after_layer_step = after_layer_step
-        self.before_layer_step: Callable[[list[torch.Tensor]], None] | None = None  # e.g. wait for the node all-reduce
-        self.early_steps = True
+        self.before_layer_step = before_layer_step  # e.g. wait for the node all-reduce
+        self._refresh_shadows = refresh_shadows
+        self.early_steps = early_steps
         self.in_step = False
         self._view = copy.copy(optimizer)
         vars(self._view).pop("step", None)
@@ -151,7 +154,9 @@ class OverlappedOptimizer:
                     p.grad.zero_()
 
     def refresh_shadows(self) -> None:
-        """staleness=1: set by the strategy to copy the masters into the upload shadows."""
+        """staleness=1: copy the masters into the upload shadows (the ``refresh_shadows`` argument)."""
+        if self._refresh_shadows is not None:
+            self._refresh_shadows()
 
     # ------------------------------------------------------------------ internals
     def _snapshot(self) -> list[dict]:

@@ -1,6 +1,7 @@
 """Hardware profiles: the few numbers of a machine that decide how fast a pipeline step runs.
 
-A profile is a plain dataclass, loaded from ``conf/hardware/<name>.yaml``. The YAML keys are the
+A profile is a plain dataclass, loaded from ``<name>.yaml`` shipped in the package
+(``lightning_roundpipe/sim/profiles/``, read with ``importlib.resources`` so it works from a wheel). The YAML keys are the
 field names; sizes may be written with units (``24 GiB``, ``25 GB/s``) so the files stay
 readable, and every file says where its numbers come from.
 
@@ -8,7 +9,7 @@ The simulator reads compute speed from ``tflops`` (only when costs are estimated
 shape; measured :class:`~lightning_roundpipe.cost.profile.CostProfile` times are used as they are), the
 host link from ``host_device_bytes_per_s`` and ``latency_s``, and the host optimizer from
 ``cpu_optimizer_params_per_s``. The same fields describe the CPU backend's virtual workers
-(``conf/hardware/cpu2.yaml``), whose injected bandwidth limit and latency play the role of the
+(``profiles/cpu2.yaml``), whose injected bandwidth limit and latency play the role of the
 PCIe link, so a simulated step can be checked against a measured CPU run.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from importlib import resources
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -126,19 +128,21 @@ class HardwareProfile:
         return cls(**values)
 
 
-def hardware_dir() -> Path:
-    """Folder of the shipped profiles: ``$LIGHTNING_ROUNDPIPE_HARDWARE_DIR`` or the repository's ``conf/hardware``."""
+def hardware_dir():
+    """Folder of the profiles: ``$LIGHTNING_ROUNDPIPE_HARDWARE_DIR``, or the package's ``sim/profiles``
+    (an ``importlib.resources`` Traversable: a real folder or inside an archive)."""
     env = os.environ.get("LIGHTNING_ROUNDPIPE_HARDWARE_DIR")
     if env:
         return Path(env)
-    # src/lightning_roundpipe/sim/hardware.py -> repository root is three folders up from the package.
-    return Path(__file__).resolve().parents[3] / "conf" / "hardware"
+    return resources.files("lightning_roundpipe.sim.profiles")
 
 
 def available_hardware() -> list[str]:
-    """Names of the shipped profiles (file names without ``.yaml``)."""
+    """Names of the available profiles (file names without ``.yaml``)."""
     folder = hardware_dir()
-    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
 def load_hardware(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareProfile:
@@ -146,15 +150,16 @@ def load_hardware(name_or_path: str | os.PathLike | HardwareProfile) -> Hardware
     if isinstance(name_or_path, HardwareProfile):
         return name_or_path
     path = Path(name_or_path)
+    name = path.stem
     if path.suffix not in (".yaml", ".yml"):
         path = hardware_dir() / f"{name_or_path}.yaml"
+        name = str(name_or_path)
     if not path.is_file():
         raise FileNotFoundError(
             f"no hardware profile {str(name_or_path)!r} (looked for {path}); "
             f"shipped profiles: {available_hardware() or 'none found'}; or pass a path to a YAML file"
         )
-    with open(path) as fh:
-        data = yaml.safe_load(fh) or {}
+    data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a mapping of profile fields, got {type(data).__name__}")
-    return HardwareProfile.from_dict(data, name=path.stem)
+    return HardwareProfile.from_dict(data, name=name)
