@@ -214,17 +214,15 @@ def run_roundpipe(size: str, cfg: GpuBenchConfig) -> tuple[GpuRow, dict]:
     ids = make_tokens(cfg, model.config.vocab_size, "cpu")
     options = RuntimeOptions(microbatches=cfg.microbatches, recompute="always",
                              compute_dtype=torch.bfloat16 if device == "cuda" else None,
-                             partition=PartitionConfig(policy=cfg.rp_policy))
+                             partition=PartitionConfig(policy=cfg.rp_policy),
+                             pinned="alloc" if cfg.pin_host else "off")
     _reset_gpu(device)
     runtime = RoundPipeRuntime.attach(model, device, 1, options)
     try:
         # Fused AdamW on the host, stepped layer by layer behind the pipeline (exact): each layer's
         # update starts once its gradient is complete; uploads read bf16 shadows it refreshes.
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
-        runtime.overlap_optimizer(opt)  # pins the bf16 shadows the uploads read, once, exactly sized
-        if device == "cuda" and not cfg.pin_host:
-            runtime.pool.unpin()
-            runtime.pool.pin_uploads("off", [])
+        runtime.overlap_optimizer(opt)  # the runtime pinned the bf16 shadows the uploads read, once, exactly sized
 
         def step():
             marks = []

@@ -138,11 +138,11 @@ def _race_train(ctx: Ctx, staleness: int, jitter: float, steps: int) -> list[tor
     width = 256 if ctx.cuda else 16
     net = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(0.1)) for _ in range(6)],
                         nn.Linear(width, 8))
-    runtime = ctx.runtime(net, 3, microbatches=4, seed=5)
+    runtime = ctx.runtime(net, 3, microbatches=4, seed=5, staleness=staleness)
     if jitter:
         ctx.jitter(runtime, jitter)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    runtime.overlap_optimizer(opt, staleness=staleness)
+    runtime.overlap_optimizer(opt)
     g = torch.Generator().manual_seed(1)
     try:
         torch.manual_seed(3)
@@ -338,16 +338,13 @@ def check_throughput(ctx: Ctx, args) -> tuple[str, str, dict]:
 
 
 def check_pinned_policies(ctx: Ctx, args) -> tuple[str, str, dict]:
-    from lightning_roundpipe.params.shadows import ShadowStore
-
     results, details = [], {}
     for policy in ("alloc", "register", "off"):
         torch.manual_seed(0)
         net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)], nn.Linear(64, 8))
-        runtime = ctx.runtime(net, 2, microbatches=2, compute_dtype=torch.bfloat16)
-        shadows = ShadowStore(runtime.engine.master_parameters(), torch.bfloat16)
-        runtime.engine.shadows = shadows
-        pinned = runtime.pool.pin_uploads(policy, shadows.buffers())
+        runtime = ctx.runtime(net, 2, microbatches=2, compute_dtype=torch.bfloat16, pinned=policy)
+        shadows = runtime.shadows  # bf16 copies the uploads read, pinned per the policy at construction
+        pinned = runtime.pool.pinned_bytes
         opt = torch.optim.SGD(net.parameters(), lr=0.05)
         g = torch.Generator().manual_seed(1)
         try:
@@ -358,7 +355,7 @@ def check_pinned_policies(ctx: Ctx, args) -> tuple[str, str, dict]:
                     out = net(x)
                 nn.functional.mse_loss(out.float(), y).backward()
                 opt.step()
-                shadows.refresh()
+                runtime.after_optimizer_step()  # refreshes the shadows after a synchronous step
             results.append([p.detach().clone() for p in net.parameters()])
             details[policy] = dict(pinned_bytes=pinned, pageable_weight_upload_bytes=runtime.pool.pageable_upload_bytes,
                                    pinned_bytes_per_parameter=pinned / sum(p.numel() for p in net.parameters()))

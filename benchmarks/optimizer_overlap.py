@@ -177,7 +177,7 @@ def bytes_per_param() -> dict:
                 grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
                 state = sum(v.numel() * v.element_size() for s in trainer.optimizers[0].state.values()
                             for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-                shadows = trainer.strategy.shadows.nbytes() if trainer.strategy.shadows is not None else 0
+                shadows = trainer.strategy.runtime.shadows.nbytes() if trainer.strategy.runtime.shadows is not None else 0
                 counted.update(masters=masters / n, grads=grads / n, optimizer_state=state / n, shadows=shadows / n,
                                total=(masters + grads + state + shadows) / n)
 

@@ -185,17 +185,19 @@ def _train(backend, staleness, pinned, compute_dtype, opt_name, steps=4, jitter=
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Dropout(0.1)) for _ in range(5)],
                         nn.Linear(16, 4))
-    options = RuntimeOptions(microbatches=3, compute_dtype=compute_dtype, cpu_jitter_s=jitter, seed=7)
+    # The runtime pins what the uploads read (shadows or masters) per ``pinned`` on stream backends.
+    options = RuntimeOptions(microbatches=3, compute_dtype=compute_dtype, cpu_jitter_s=jitter, seed=7,
+                             staleness=staleness, pinned=pinned)
     runtime = RoundPipeRuntime.attach(net, backend, 2, options)
     if opt_name == "adamw":
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     else:
         opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    ov = runtime.overlap_optimizer(opt, staleness=staleness)
-    if backend == "fake_cuda":
+    ov = runtime.overlap_optimizer(opt)
+    if backend == "fake_cuda" and pinned != "off":
         shadows = runtime.engine.shadows
         uploaded = shadows.buffers() if shadows is not None else runtime.engine.master_parameters()
-        runtime.pool.pin_uploads(pinned, uploaded)
+        assert runtime.pool.pinned_bytes == sum(t.numel() * t.element_size() for t in uploaded)
     g = torch.Generator().manual_seed(1)
     try:
         torch.manual_seed(3)
@@ -238,18 +240,17 @@ def test_pinned_policies_pin_exactly_what_is_uploaded(pinned, compute_dtype):
     policy pins exactly those, once, and no upload then reads pageable memory (before: "register"
     pinned the masters while uploads read unpinned shadows, and with "alloc" and no shadows every
     upload made a pinned staging copy)."""
-    from lightning_roundpipe.params.shadows import ShadowStore
-
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
-    runtime = RoundPipeRuntime.attach(net, "fake_cuda", 2, RuntimeOptions(microbatches=2, compute_dtype=compute_dtype))
+    runtime = RoundPipeRuntime.attach(net, "fake_cuda", 2, RuntimeOptions(microbatches=2, compute_dtype=compute_dtype,
+                                                                          pinned=pinned))
     try:
         masters = runtime.engine.master_parameters()
         n_params = sum(p.numel() for p in masters)
-        shadows = ShadowStore(masters, compute_dtype) if compute_dtype is not None else None
-        runtime.engine.shadows = shadows
-        uploaded = shadows.buffers() if shadows is not None else masters
-        pinned_bytes = runtime.pool.pin_uploads(pinned, uploaded)
+        shadows = runtime.shadows  # made by the runtime exactly when a compute dtype is set
+        assert (shadows is not None) == (compute_dtype is not None)
+        assert runtime.engine.shadows is shadows
+        pinned_bytes = runtime.pool.pinned_bytes
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute_dtype is not None):
             out = net(torch.randn(4, 16))
         out.float().sum().backward()

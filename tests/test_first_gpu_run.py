@@ -19,7 +19,7 @@ class ShadowProbe(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         strategy = trainer.strategy
         strategy.join()
-        store = strategy.shadows
+        store = strategy.runtime.shadows
         self.gaps.append(max((store.get(p).float() - p.detach().to(store.dtype).float()).abs().max().item()
                              for p in pl_module.net.parameters()))
 

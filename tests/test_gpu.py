@@ -57,10 +57,6 @@ def train_plain_bf16(backend: str, overlap: bool):
     device_type = "cuda" if backend == "cuda" else "cpu"
     if overlap:
         runtime.overlap_optimizer(opt)
-    else:  # the same bf16 uploads, refreshed by hand after the synchronous step
-        from lightning_roundpipe.params.shadows import ShadowStore
-
-        runtime.engine.shadows = ShadowStore(runtime.engine.master_parameters(), torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     try:
         for _ in range(3):
@@ -71,7 +67,7 @@ def train_plain_bf16(backend: str, overlap: bool):
             torch.nn.functional.mse_loss(out.float(), y).backward()
             opt.step()
             if not overlap:
-                runtime.engine.shadows.refresh()
+                runtime.after_optimizer_step()  # the synchronous step wrote the masters: refresh the shadows
         runtime.join()
         assert all(p.device.type == "cpu" for p in net.parameters())
         return [p.detach().clone() for p in net.parameters()]
