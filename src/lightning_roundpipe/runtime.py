@@ -141,7 +141,8 @@ class RoundPipeRuntime:
                 engine.shadows = shadows
         ov = OverlappedOptimizer(optimizer, engine.tables, self.trace, notifier=self.pool, staleness=staleness,
                                  delay_per_layer_s=delay_per_layer_s,
-                                 after_layer_step=shadows.refresh if shadows is not None else None)
+                                 after_layer_step=shadows.refresh if shadows is not None else None,
+                                 timeout_s=self.options.timeout_s, calls=engine.calls, shadows=shadows)
         if shadows is not None:
             ov.refresh_shadows = shadows.refresh
         engine.grad_hooks.append(ov.on_layer_grads)

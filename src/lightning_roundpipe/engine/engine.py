@@ -22,6 +22,7 @@ from ..schedule.plan import Plan, PlanError
 from ..workers.completions import Completion, WorkerError
 from ..workers.pool import WorkerPool
 from .microbatch import merge_microbatches, split_microbatches
+from .calls import PipelineCalls
 from .rng import uses_randomness
 from .step import HostCarry, StepRun
 from ..params.weights import LayerTable
@@ -77,6 +78,7 @@ class PipelineEngine:
         self._releases: dict[int, collections.deque] = {w.index: collections.deque(maxlen=8) for w in pool.workers}
         self._computes: dict[int, collections.deque] = {w.index: collections.deque(maxlen=4) for w in pool.workers}
         self._anchor = torch.zeros((), requires_grad=True)
+        self.calls = PipelineCalls(self._anchor, self.master_parameters)  # calls still owing weight gradients
         self.step_count = 0
         self.last_run: StepRun | None = None
         self.measurements: list = []  # (stage, kind, seconds) of the last step, for the cost profile
@@ -181,6 +183,7 @@ class PipelineEngine:
                 outs = self._guarded(run.forward)
             self.measurements = run.measurements
             return self._finish_outputs(outs, loss_scale)
+        self.calls.started(run)
         out = _PipelineFunction.apply(self, run, self._anchor, *tensor_inputs)
         self.measurements = run.measurements
         if loss_scale is not None:
@@ -274,12 +277,13 @@ class _PipelineFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         engine, run = ctx.engine, ctx.run
-        if run.fused:
-            g = grads[0]
-            input_grads = engine._guarded(run.backward, None, None if g is None else float(g))
-        else:
-            per_mb = _split_output_grads(run, grads)
-            input_grads = engine._guarded(run.backward, per_mb)
+        with engine.calls.backward(run, run.keep_graph) as weights_wanted:
+            if run.fused:
+                g = grads[0]
+                input_grads = engine._guarded(run.backward, None, None if g is None else float(g), weights_wanted)
+            else:
+                per_mb = _split_output_grads(run, grads)
+                input_grads = engine._guarded(run.backward, per_mb, None, weights_wanted)
         for hook in engine.step_end_hooks:
             hook(run)
         n_inputs = len(ctx.needs_input_grad) - 3

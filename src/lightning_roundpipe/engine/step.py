@@ -291,8 +291,11 @@ class StepRun:
         return total * self.loss_scale
 
     # ------------------------------------------------------------------ backward
-    def backward(self, output_grads: list[HostCarry | None], incoming_scale: float | None = None) -> list[list | None]:
+    def backward(self, output_grads: list[HostCarry | None], incoming_scale: float | None = None,
+                 accumulate: bool = True) -> list[list | None]:
         """Add every stage's weight gradients to the host ``.grad`` (dispatch order); return input grads.
+
+        ``accumulate=False`` (``torch.autograd.grad`` for the inputs only): leave ``.grad`` alone.
 
         Ordinary runs dispatch the backward stages now. A fused run dispatched them already, right
         after its last stage (backward is linear in the loss's gradient, so it ran for a gradient
@@ -311,8 +314,9 @@ class StepRun:
         # Host side: gradients into .grad in dispatch order (deterministic whatever the timing).
         for weights, wg in host_work:
             grads = self._wait(wg)
-            accumulate_host_grads(weights, grads, scale)
-            eng._on_grads_accumulated(weights.layer_ids)
+            if accumulate:
+                accumulate_host_grads(weights, grads, scale)
+                eng._on_grads_accumulated(weights.layer_ids)
         if not self.input_requires_grad:
             return [None] * self.M
         trees = [self._wait(self.grads[(0, i)]) for i in range(self.M)]

@@ -8,7 +8,7 @@ gradient clipping, accumulation and logging as they are: they act on host parame
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -259,7 +259,7 @@ class RoundPipeStrategy(ParallelStrategy):
             return False
         if not module.automatic_optimization:
             return False
-        for hook in ("on_before_optimizer_step", "configure_gradient_clipping"):
+        for hook in ("on_before_optimizer_step", "on_after_backward", "configure_gradient_clipping"):
             if getattr(type(module), hook) is not getattr(pl.LightningModule, hook):
                 return False
         return all(type(cb).on_before_optimizer_step is pl.Callback.on_before_optimizer_step for cb in trainer.callbacks)
@@ -338,6 +338,14 @@ class RoundPipeStrategy(ParallelStrategy):
         self.join()
         if self.is_global_zero:  # every node holds the same weights
             super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        # Lightning runs this after training_step returned: no pipelined call of the step follows.
+        with ExitStack() as stack:
+            for ov in self.overlaps:
+                stack.enter_context(ov.last_backward())
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):

@@ -5,12 +5,23 @@ next forward's upload of a layer waits only for that layer's new version (``weig
 so results equal the synchronous ``optimizer.step()`` bit for bit while the step's time hides
 behind the rest of backward and the next forward.
 
-When a layer may step early: once all backward stages holding its parameters have added their
-gradients, if we are inside ``optimizer.step(closure)`` and nothing between backward and the
-step can change gradients (no clipping, no loss scaler, no ``on_before_optimizer_step`` or
-``configure_gradient_clipping`` override: the strategy decides and sets ``early_steps``).
-Otherwise every layer is submitted right after the closure returns (after clipping), in layer
-order, so the next forward's first layers are ready first.
+When a layer may step early: during the closure's last backward (the caller says so with
+:meth:`OverlappedOptimizer.last_backward`; Lightning's strategy does, around the backward it
+runs after ``training_step`` returned, so no further pipelined call can come), once the
+backward stages holding the layer's parameters have added their gradients, no other
+pipelined call of the step still owes its backward, the same backward reaches none of the
+layer's parameters outside the pipeline (``engine.calls``), and nothing between backward and
+the step can change gradients (no clipping, no loss scaler, no ``on_before_optimizer_step``,
+``on_after_backward`` or ``configure_gradient_clipping`` override: the strategy decides and
+sets ``early_steps``). Otherwise every layer is submitted right after the closure returns
+(after clipping), in layer order, so the next forward's first layers are ready first.
+
+A failed step leaves the host weights and the optimizer state as they were (``step_undo.py``):
+each layer's before-image is taken on the lane just before it steps and dropped once the step's
+last layer has stepped; a failure anywhere in the step (the closure raising, a layer step
+raising, a timeout) puts every stepped layer back before the error reaches the caller.
+
+Every wait honours ``timeout_s`` (the runtime's ``timeout``) and names the layer step it waited for.
 
 A layer's step runs on a shallow view of the optimizer (same ``state``, its own
 ``param_groups`` holding only that layer's parameters and the hyper-parameters snapshotted at
@@ -21,12 +32,14 @@ parameter's gradient and state: every ``torch.optim`` optimizer except LBFGS.
 ``staleness=1`` (RoundPipe's one-step-delayed update, inexact by design): the pipeline reads
 weights from host shadows that are refreshed to the previous version only at the end of each
 backward, so step t's gradient is taken at the weights from before update t-1 while update
-t-1 runs on the masters behind step t's forward and backward.
+t-1 runs on the masters behind step t's forward and backward. Those shadows are state a resume
+needs: :meth:`OverlappedOptimizer.state_dict` holds them (save it beside the optimizer's own).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import threading
 import time
@@ -35,14 +48,24 @@ from typing import Callable
 import torch
 
 from ..params.weights import group_by_lowest_layer
-from ..workers.completions import Completion, TaskLabel
+from ..workers.completions import Completion, PipelineError, PipelineTimeout, TaskLabel
 from .host_lane import HostLane
+from .step_undo import StepUndo
+
+
+class StepFailed(PipelineError):
+    """An optimizer step failed; every layer it had stepped was put back (weights and optimizer state)."""
 
 
 class OverlappedOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, layer_tables, trace, *, notifier=None,
                  staleness: int = 0, delay_per_layer_s: float = 0.0,
-                 after_layer_step: Callable[[list[torch.Tensor]], None] | None = None):
+                 after_layer_step: Callable[[list[torch.Tensor]], None] | None = None,
+                 timeout_s: float = 300.0, calls=None, shadows=None):
+        """``timeout_s``: the longest any wait here may take (the runtime's ``timeout``).
+        ``calls``: the engine's :class:`~..engine.calls.PipelineCalls` (None: no early steps).
+        ``shadows``: the :class:`~..params.shadows.ShadowStore` uploads read (``staleness=1``
+        keeps the previous weights there; :meth:`state_dict` saves them)."""
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError("the overlapped optimizer steps layer by layer; LBFGS couples all parameters: "
                              "use RoundPipeStrategy(overlap_optimizer=False)")
@@ -55,6 +78,12 @@ class OverlappedOptimizer:
         self.before_layer_step: Callable[[list[torch.Tensor]], None] | None = None  # e.g. wait for the node all-reduce
         self.early_steps = True
         self.in_step = False
+        self.timeout_s = float(timeout_s)
+        self.calls = calls
+        self.shadows = shadows
+        self._in_last_backward = False
+        self._undo: StepUndo | None = None  # before-images of the step in flight
+        self._commit: Completion | None = None
         self._view = copy.copy(optimizer)
         vars(self._view).pop("step", None)
         vars(self._view).pop("zero_grad", None)
@@ -83,7 +112,14 @@ class OverlappedOptimizer:
         # accumulate the real .grad meanwhile; optimizer state stays keyed by the real parameter.
         self._ghosts: dict[int, torch.Tensor] = {}
         self._saved_attrs = {k: vars(optimizer)[k] for k in ("step", "zero_grad") if k in vars(optimizer)}
-        optimizer.step = self.step
+
+        def step(closure=None):
+            return self.step(closure)
+
+        # An LR scheduler checks this marker to know that ``step`` still sets ``_opt_called``
+        # (the counter it installed); ours sets it itself, so the scheduler's order check holds.
+        step._wrapped_by_lr_sched = True
+        optimizer.step = step
         optimizer.zero_grad = self.zero_grad
         self._closed = False
 
@@ -102,11 +138,27 @@ class OverlappedOptimizer:
     def on_layer_grads(self, layer_ids) -> None:
         """Called by the engine (host thread) once a backward stage's gradients are in ``.grad``."""
         self._done_layers.update(layer_ids)
-        if not (self.in_step and self.early_steps and not self.staleness):
+        if not (self.in_step and self._in_last_backward and self.early_steps and not self.staleness):
             return
+        calls = self.calls
+        if calls is None or calls.others_pending():
+            return  # another pipelined call of this step still adds to these gradients
         for unit, layers in self.unit_layers.items():
-            if unit not in self._submitted and layers <= self._done_layers:
-                self._submit(unit, self._snapshot())
+            if unit in self._submitted or not layers <= self._done_layers:
+                continue
+            if any(id(p) in calls.reached_outside for _, p in self.unit_params[unit]):
+                continue  # autograd adds a contribution from outside the pipeline: step after the closure
+            self._submit(unit, self._snapshot())
+
+    @contextlib.contextmanager
+    def last_backward(self):
+        """Around the closure's last backward: no pipelined call of this step will follow it, so a
+        layer whose gradient is complete may step while backward goes on."""
+        self._in_last_backward = True
+        try:
+            yield
+        finally:
+            self._in_last_backward = False
 
     # ------------------------------------------------------------------ optimizer API
     def step(self, closure=None):
@@ -114,27 +166,55 @@ class OverlappedOptimizer:
             self.join()  # exact: the previous step's updates are in (the forward waited for them anyway)
         self._done_layers = set()
         self._submitted = set()
+        self._undo = StepUndo(self.optimizer)
         loss = None
-        if closure is not None:
-            self.in_step = True
-            try:
-                with torch.enable_grad():
-                    loss = closure()
-            finally:
-                self.in_step = False
-        if self.staleness:
-            # The previous update ran behind this step's forward and backward, which read the
-            # shadows; now publish it to the shadows, then start this step's update.
-            self.join()
-            self.refresh_shadows()
-        hp = self._snapshot()
-        for unit in sorted(self.unit_params):  # layer order: the next forward needs layer 0 first
-            if unit not in self._submitted:
-                self._submit(unit, hp)
-        if self.rest:
-            self._run_view(self.rest, hp, self._grads_of(self.rest))  # parameters outside the pipeline
+        try:
+            if closure is not None:
+                self.in_step = True
+                try:
+                    with torch.enable_grad():
+                        loss = closure()
+                finally:
+                    self.in_step = False
+            if self.staleness:
+                # The previous update ran behind this step's forward and backward, which read the
+                # shadows; now publish it to the shadows, then start this step's update.
+                self.join()
+                self.refresh_shadows()
+            hp = self._snapshot()
+            for unit in sorted(self.unit_params):  # layer order: the next forward needs layer 0 first
+                if unit not in self._submitted:
+                    self._submit(unit, hp)
+            if self.rest:  # parameters outside the pipeline: the caller's next code uses them, step them now
+                self._undo.save([p for _, p in self.rest], "parameters outside the pipeline")
+                self._run_view(self.rest, hp, self._grads_of(self.rest))
+        except BaseException as exc:
+            self._abandon(exc)
+            raise
+        undo = self._undo
+        self._commit = self.lane.submit(lambda: undo.failure is None and undo.commit(), TaskLabel("undo", "commit"))
         self.optimizer._opt_called = True  # what LRScheduler checks to know a step happened
         return loss
+
+    def _abandon(self, exc: BaseException) -> None:
+        """The step failed on the host side: let the lane finish, then put back what it stepped."""
+        undo = self._undo
+        if undo is None:
+            return
+        if undo.failure is None:
+            undo.failure = exc  # queued layer steps of this step skip
+        restore = self.lane.submit(lambda: self._restore(undo), TaskLabel("undo", "restore"))
+        self.versions = {}
+        self._commit = None
+        try:
+            restore.wait(self.timeout_s, waiter="restoring the failed step")
+        except PipelineError as err:
+            exc.add_note(f"the layers this step updated ({', '.join(undo.stepped) or 'none'}) could not be put back: "
+                         f"{err}; restore the weights and optimizer state from a checkpoint before training on")
+            return
+        if undo.stepped:
+            exc.add_note(f"the failed step had updated {', '.join(undo.stepped)}; they are back as before the step "
+                         "(weights and optimizer state)")
 
     def zero_grad(self, set_to_none: bool = True):
         # Submitted layer steps hold their own references to the gradients they read, so dropping
@@ -169,18 +249,39 @@ class OverlappedOptimizer:
         params = self.unit_params[unit]
         grads = self._grads_of(params)
         layers = sorted(self.unit_layers[unit])
+        name = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
+        undo = self._undo
 
         def run():
-            if self.delay_per_layer_s:
-                time.sleep(self.delay_per_layer_s)
-            if self.before_layer_step is not None:
-                self.before_layer_step([p for _, p in params])
-            self._run_view(params, hp, grads)
-            if self.after_layer_step is not None and not self.staleness:
-                self.after_layer_step([p for _, p in params])
+            if undo.failure is not None:
+                raise StepFailed(f"the optimizer step of {name} was skipped: the step failed "
+                                 f"({type(undo.failure).__name__}: {undo.failure})")
+            try:
+                if self.delay_per_layer_s:
+                    time.sleep(self.delay_per_layer_s)
+                if self.before_layer_step is not None:
+                    self.before_layer_step([p for _, p in params])
+                undo.save([p for _, p in params], name)
+                self._run_view(params, hp, grads)
+                if self.after_layer_step is not None and not self.staleness:
+                    self.after_layer_step([p for _, p in params])
+            except BaseException as exc:
+                undo.failure = exc
+                self._restore(undo)
+                exc.add_note(f"the optimizer step failed in {name}; every layer it had stepped is back as before "
+                             "the step (weights and optimizer state)")
+                raise
 
-        self.versions[unit] = self.lane.submit(run, TaskLabel("optim", f"L{layers[0]}-{layers[-1]}"))
+        self.versions[unit] = self.lane.submit(run, TaskLabel("optim", f"L{layers[0]}-{layers[-1]}", queue="optimizer"))
         self.version_count += 1
+
+    def _restore(self, undo: StepUndo) -> None:
+        """On the lane (nothing else writes the weights now): put back every layer the step changed."""
+        if undo.restored:
+            return
+        restored = undo.restore()
+        if self.after_layer_step is not None and restored:
+            self.after_layer_step(restored)  # compute-dtype shadows follow the masters back
 
     def _ghost(self, p: torch.Tensor) -> torch.Tensor:
         g = self._ghosts.get(id(p))
@@ -199,20 +300,38 @@ class OverlappedOptimizer:
             if p in state:
                 view_state[ghost] = state[p]
             groups.setdefault(gi, []).append((p, ghost))
-        self._view.param_groups = [dict(hp[gi], params=[g for _, g in pairs]) for gi, pairs in groups.items()]
-        self._view.state = view_state
+        view = copy.copy(self._view)  # per call: the host thread steps the parameters outside the pipeline meanwhile
+        view.param_groups = [dict(hp[gi], params=[g for _, g in pairs]) for gi, pairs in groups.items()]
+        view.state = view_state
         with torch.no_grad():
-            type(self.optimizer).step(self._view)
+            type(self.optimizer).step(view)
         for pairs in groups.values():
             for p, ghost in pairs:
                 if ghost in view_state and p not in state:
                     state[p] = view_state[ghost]  # first step: adopt the state the optimizer created
                 ghost.grad = None
 
-    def join(self, timeout: float = 600.0) -> None:
-        """Wait until every submitted layer step has finished (raises a failed step's error)."""
-        for c in list(self.versions.values()):
-            c.wait(timeout, waiter="the optimizer join")
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until every submitted layer step has finished, within ``timeout`` seconds in all
+        (default: ``timeout_s``). A failed step raises its error once; by then every layer it had
+        stepped is back as before the step."""
+        limit = self.timeout_s if timeout is None else float(timeout)
+        deadline = time.monotonic() + limit
+        pending = list(self.versions.values()) + ([self._commit] if self._commit is not None else [])
+        first_error = None
+        for c in pending:
+            try:
+                c.wait(max(0.0, deadline - time.monotonic()), waiter="the optimizer join")
+            except PipelineError as err:
+                if not c.is_set():
+                    raise PipelineTimeout(
+                        f"the optimizer join timed out after {limit:g}s waiting for the optimizer step of "
+                        f"{_layers_of(c.label)} [{c.label}] (still running on the optimizer lane)") from None
+                first_error = first_error or err
+        self.versions = {}
+        self._commit = None
+        if first_error is not None:
+            raise first_error
 
     def close(self) -> None:
         """Join, stop the host thread and restore the optimizer's own methods (idempotent)."""
@@ -222,7 +341,42 @@ class OverlappedOptimizer:
         try:
             self.join()
         finally:
-            self.lane.close()
+            self.lane.close(self.timeout_s)
             for key in ("step", "zero_grad"):
                 vars(self.optimizer).pop(key, None)
             vars(self.optimizer).update(self._saved_attrs)
+
+    # ------------------------------------------------------------------ checkpoint (staleness=1)
+    def state_dict(self) -> dict:
+        """What a resume needs beyond the optimizer's own state: with ``staleness=1`` the weights
+        the next step's gradient is taken at (the shadows, one update behind the masters), in
+        the order of the optimizer's parameters. Joins first."""
+        self.join()
+        if not self.staleness or self.shadows is None:
+            return {"staleness": self.staleness}
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return {"staleness": self.staleness,
+                "previous_weights": {i: self.shadows.get(p).clone() for i, p in enumerate(params)
+                                     if self.shadows.get(p) is not p}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved (after the model's weights are loaded)."""
+        self.join()
+        if int(state.get("staleness", 0)) != self.staleness:
+            raise ValueError(f"the checkpoint was saved with staleness={state.get('staleness', 0)}, "
+                             f"this run has staleness={self.staleness}: resume with the same staleness")
+        saved = state.get("previous_weights")
+        if not saved:
+            return
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        with torch.no_grad():
+            for i, value in saved.items():
+                self.shadows.get(params[int(i)]).copy_(value)
+
+
+def _layers_of(label: TaskLabel) -> str:
+    stage = label.stage
+    if stage.startswith("L") and "-" in stage:
+        lo, hi = stage[1:].split("-")
+        return f"layer {lo}" if lo == hi else f"layers {lo}-{hi}"
+    return stage or label.kind
