@@ -105,6 +105,7 @@ class OverlappedOptimizer:
         self.version_count = 0
         self.lane = HostLane(trace, notifier)
         self._done_layers: set[int] = set()
+        self._done_call = None  # the pipelined call whose backward filled _done_layers
         self._submitted: set[int] = set()
         self._lock = threading.Lock()
         # Ghosts: tensors sharing each parameter's storage, with their own .grad. A layer step runs
@@ -137,6 +138,12 @@ class OverlappedOptimizer:
 
     def on_layer_grads(self, layer_ids) -> None:
         """Called by the engine (host thread) once a backward stage's gradients are in ``.grad``."""
+        current = self.calls.current if self.calls is not None else None
+        if current is not self._done_call:
+            # Each call's backward covers every layer: a layer is complete once the backward that
+            # runs while no other call is pending has reached it, whatever earlier backwards did.
+            self._done_call = current
+            self._done_layers = set()
         self._done_layers.update(layer_ids)
         if not (self.in_step and self._in_last_backward and self.early_steps and not self.staleness):
             return
@@ -165,6 +172,7 @@ class OverlappedOptimizer:
         if not self.staleness:
             self.join()  # exact: the previous step's updates are in (the forward waited for them anyway)
         self._done_layers = set()
+        self._done_call = None
         self._submitted = set()
         self._undo = StepUndo(self.optimizer)
         loss = None
