@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 from ..schedule.plan import Stage
 from ..workers.completions import Completion, TaskLabel
 from .rng import layer_seed, seeded
+from .stage_inputs import differentiable_inputs, kept_copy
 from ..params.weights import StageWeights, accumulate_host_grads
 
 if TYPE_CHECKING:
@@ -127,7 +128,7 @@ class StepRun:
             with lock, seeded(device, seed):
                 carry = functional_call(layers[l], weights.params_for(l), (carry,))
             if l + 1 in save_at:
-                saved[l + 1] = carry
+                saved[l + 1] = kept_copy(carry)  # the next layer may write it in place
         saved[end] = carry
         return saved
 
@@ -400,11 +401,8 @@ class StepRun:
 
 
 def _leaves_requiring_grad(tree, need: bool):
-    """Return (leaves, tree) where floating tensor leaves are fresh leaves requiring grad (if ``need``)."""
-    leaves, spec = pytree.tree_flatten(tree)
-    if need:
-        leaves = [x.detach().requires_grad_(True) if _is_float_tensor(x) else x for x in leaves]
-    return leaves, pytree.tree_unflatten(leaves, spec)
+    """(leaves requiring grad, the tree the layers get: copies, safe to write in place); see stage_inputs.py."""
+    return differentiable_inputs(tree, need)
 
 
 def _carry_bytes(host: HostCarry) -> int:
