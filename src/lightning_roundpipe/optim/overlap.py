@@ -84,6 +84,7 @@ class OverlappedOptimizer:
         self._in_last_backward = False
         self._undo: StepUndo | None = None  # before-images of the step in flight
         self._commit: Completion | None = None
+        self._submitted_undo: StepUndo | None = None  # the step whose layer steps ``versions`` holds
         self._view = copy.copy(optimizer)
         vars(self._view).pop("step", None)
         vars(self._view).pop("zero_grad", None)
@@ -273,13 +274,17 @@ class OverlappedOptimizer:
                 self._run_view(params, hp, grads)
                 if self.after_layer_step is not None and not self.staleness:
                     self.after_layer_step([p for _, p in params])
+                if undo.failure is not None:  # the caller gave up on this step meanwhile (a timeout)
+                    self._restore(undo)
             except BaseException as exc:
                 undo.failure = exc
+                done = [n for n in undo.stepped if n != name]
                 self._restore(undo)
-                exc.add_note(f"the optimizer step failed in {name}; every layer it had stepped is back as before "
-                             "the step (weights and optimizer state)")
+                exc.add_note(f"the optimizer step failed in {name}; the step had updated {', '.join(done) or 'nothing'}"
+                             " before: they are back as before the step (weights and optimizer state)")
                 raise
 
+        self._submitted_undo = undo
         self.versions[unit] = self.lane.submit(run, TaskLabel("optim", f"L{layers[0]}-{layers[-1]}", queue="optimizer"))
         self.version_count += 1
 
@@ -332,6 +337,11 @@ class OverlappedOptimizer:
                 c.wait(max(0.0, deadline - time.monotonic()), waiter="the optimizer join")
             except PipelineError as err:
                 if not c.is_set():
+                    undo = self._submitted_undo
+                    if undo is not None and undo.failure is None:
+                        undo.failure = err  # what is still queued skips; a stuck step puts all back when it returns
+                    self.versions = {}
+                    self._commit = None
                     raise PipelineTimeout(
                         f"the optimizer join timed out after {limit:g}s waiting for the optimizer step of "
                         f"{_layers_of(c.label)} [{c.label}] (still running on the optimizer lane)") from None
