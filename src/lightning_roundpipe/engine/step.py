@@ -25,7 +25,8 @@ from torch.utils import _pytree as pytree
 
 from ..schedule.plan import Stage
 from ..workers.completions import Completion, TaskLabel
-from .rng import layer_seed, seeded
+from .buffers import buffer_writes
+from .rng import CallRng
 from .stage_inputs import differentiable_inputs, kept_copy
 from ..params.weights import StageWeights, accumulate_host_grads
 
@@ -70,9 +71,7 @@ class StepRun:
         self.loss_scale = loss_scale
         self.input_requires_grad = input_requires_grad
         self.autocast = engine._autocast_state()
-        rng_layers = [engine.layer_uses_rng(i) for i in range(len(engine.layers))]
-        self.rng_layers = rng_layers
-        self.base_seed = int(torch.randint(0, 2**62, ()).item()) if any(rng_layers) else None
+        self.rng = CallRng()  # a seed per (layer, microbatch): recompute draws what forward drew
         self.step = engine.step_count
         # (layer boundary, microbatch) -> Completion whose value is a HostCarry
         self.acts: dict[tuple[int, int], Completion] = {}
@@ -119,13 +118,13 @@ class StepRun:
             else:
                 yield
 
-    def _run_layers(self, device, weights: StageWeights, start: int, end: int, carry, mb: int, save_at=()):
+    def _run_layers(self, device, weights: StageWeights, start: int, end: int, carry, mb: int, save_at=(),
+                    recompute: bool = False):
         layers = self.engine.layers
         saved = {}
         for l in range(start, end):
-            seed = layer_seed(self.base_seed, l, mb) if self.rng_layers[l] else None
             lock = self.engine.layer_locks[l] or contextlib.nullcontext()
-            with lock, seeded(device, seed):
+            with lock, self.rng.layer(device, l, mb), buffer_writes(weights, l, layers[l], self.M, keep=not recompute):
                 carry = functional_call(layers[l], weights.params_for(l), (carry,))
             if l + 1 in save_at:
                 saved[l + 1] = kept_copy(carry)  # the next layer may write it in place
@@ -247,7 +246,9 @@ class StepRun:
             self.eager_work = self._dispatch_backward()
             return []
         L = self.plan.num_layers
-        return [self._wait(self.acts[(L, i)]) for i in range(self.M)]
+        outs = [self._wait(self.acts[(L, i)]) for i in range(self.M)]
+        self.rng.finish_forward()
+        return outs
 
     def _forward_fn(self, worker, weights, stage, i, act_in, save_at):
         def fn():
@@ -289,6 +290,7 @@ class StepRun:
         total = torch.zeros((), dtype=torch.float32)
         for c in self.loss_parts:  # fixed order: microbatch 0..M-1
             total = total + self._wait(c)[0]
+        self.rng.finish_forward()
         return total * self.loss_scale
 
     # ------------------------------------------------------------------ backward
@@ -386,7 +388,8 @@ class StepRun:
                 in_leaves, tree = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad)
                 t0 = time.perf_counter()
                 with self._compute_context(worker.device, grad=True):
-                    out = self._run_layers(worker.device, weights, stage.start, stage.end, tree, i)[stage.end]
+                    out = self._run_layers(worker.device, weights, stage.start, stage.end, tree, i,
+                                           recompute=True)[stage.end]
                 self.measurements.append((stage, "recompute", time.perf_counter() - t0))
                 out_leaves = pytree.tree_leaves(out)
             t0 = time.perf_counter()
