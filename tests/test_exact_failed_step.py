@@ -89,7 +89,7 @@ def assert_same(before, after):
     assert g0 == g1
 
 
-def _train(mode, *, fail_group=0, early=True, timeout=30.0, steps=FAIL_STEP + 1, delay=0.0):
+def _train(mode, *, fail_group=0, early=True, timeout=30.0, steps=FAIL_STEP + 1, delay=0.0, undo=True, then=None):
     """Train until the failing step; returns (error, seconds to it, state before it, state after, stepped)."""
     switch = Switch()
     net = _net(switch, mode)
@@ -100,7 +100,7 @@ def _train(mode, *, fail_group=0, early=True, timeout=30.0, steps=FAIL_STEP + 1,
     opt = GroupFailingAdamW(groups, lr=1e-2)
     runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False,
                                                                     timeout_s=timeout))
-    ov = runtime.overlap_optimizer(opt, delay_per_layer_s=delay)
+    ov = runtime.overlap_optimizer(opt, delay_per_layer_s=delay, undo=undo)
     g = torch.Generator().manual_seed(1)
     error = before = None
     elapsed = 0.0
@@ -131,10 +131,33 @@ def _train(mode, *, fail_group=0, early=True, timeout=30.0, steps=FAIL_STEP + 1,
                 error, elapsed = exc, time.monotonic() - t0
                 break
         after = snapshot(net, opt)
+        if then is not None:
+            then(ov, opt, net)
     finally:
         switch.armed = False
         runtime.detach()
     return error, elapsed, before, after
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode,early,fail_group", [("raise", True, 0), ("optimizer", True, 0)])
+def test_without_undo_a_failed_step_names_the_updated_layers_and_refuses_to_go_on(mode, early, fail_group):
+    checks = {}
+
+    def refuses(ov, opt, net):
+        for call in (ov.join, ov.state_dict, opt.step):
+            with pytest.raises(PipelineError, match="mark_restored") as info:
+                call()
+            checks.setdefault("message", str(info.value))
+        ov.mark_restored()
+        ov.join()
+        checks["after_restore"] = True
+
+    error, _, before, after = _train(mode, early=early, fail_group=fail_group, undo=False, then=refuses)
+    text = str(error) + "".join(getattr(error, "__notes__", []))
+    assert "had updated layer" in text and "not put back" in text
+    assert any(not torch.equal(before[0][n], after[0][n]) for n in before[0])  # partial, and said so
+    assert "layer 5" in checks["message"] and checks["after_restore"]
 
 
 @pytest.mark.timeout(60)
@@ -213,3 +236,50 @@ def test_stalled_layer_step_times_out_naming_it_and_is_put_back():
         release.set()
         ov.before_layer_step = original
         runtime.detach()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.filterwarnings("ignore:.*upgrade.*", "ignore:.*does not have many workers.*")
+@pytest.mark.parametrize("mode", ["raise", "optimizer"])
+def test_failed_lightning_step_leaves_state_as_before(mode):
+    """Through the strategy: layers step during Lightning's backward, then the step fails."""
+    import lightning as L
+
+    from _models import SeqModule, fit
+    from lightning_roundpipe import RoundPipeStrategy
+
+    switch = Switch()
+
+    class Failing(SeqModule):
+        def __init__(self):
+            super().__init__(opt="adamw")
+            self.net = _net(switch, mode)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return ((self.net(x) - y[:, :1].expand(-1, 2)) ** 2).mean()
+
+        def configure_optimizers(self):
+            params = list(self.net.parameters())
+            GroupFailingAdamW.switch = switch
+            return GroupFailingAdamW([{"params": params[:4], "fail": mode == "optimizer"}, {"params": params[4:]}],
+                                     lr=1e-2)
+
+    seen = {}
+
+    class Arm(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == FAIL_STEP:
+                trainer.strategy.join()
+                seen["before"] = snapshot(pl_module.net, trainer.optimizers[0])
+                seen["opt"] = trainer.optimizers[0]
+                switch.armed = True
+
+    m = Failing()
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="injected"):
+        fit(m, RoundPipeStrategy(microbatches=2), devices=2, max_steps=FAIL_STEP + 2, record_grads=False,
+            callbacks=[Arm()])
+    assert time.monotonic() - t0 < 30
+    switch.armed = False
+    assert_same(seen["before"], snapshot(m.net, seen["opt"]))

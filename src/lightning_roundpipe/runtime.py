@@ -114,7 +114,7 @@ class RoundPipeRuntime:
         patch_forward(module, forward(self))
 
     def overlap_optimizer(self, optimizer: torch.optim.Optimizer, *, staleness: int = 0, shadows=None,
-                          delay_per_layer_s: float = 0.0):
+                          delay_per_layer_s: float = 0.0, undo: bool = True):
         """Step ``optimizer`` layer by layer on a host thread, hidden behind the pipeline.
 
         Patches ``optimizer.step`` and ``optimizer.zero_grad`` in place and returns the
@@ -127,7 +127,10 @@ class RoundPipeRuntime:
         ``compute_dtype``, whose shadows hold the weights already cast and are refreshed after each
         layer's update; pinned on CUDA). Call :meth:`join` before
         reading weights or optimizer state directly; :meth:`detach` joins and restores the
-        optimizer. ``delay_per_layer_s`` slows every layer step (tests and benchmarks).
+        optimizer. ``delay_per_layer_s`` slows every layer step (tests and benchmarks). ``undo``:
+        a failed step puts back every layer it stepped (default; costs one host copy of the
+        weights and optimizer state stepped, for one step); False refuses to go on instead (see
+        :class:`~.optim.overlap.OverlappedOptimizer`).
         """
         from .optim.overlap import OverlappedOptimizer
         from .params.shadows import ShadowStore
@@ -142,7 +145,7 @@ class RoundPipeRuntime:
         ov = OverlappedOptimizer(optimizer, engine.tables, self.trace, notifier=self.pool, staleness=staleness,
                                  delay_per_layer_s=delay_per_layer_s,
                                  after_layer_step=shadows.refresh if shadows is not None else None,
-                                 timeout_s=self.options.timeout_s, calls=engine.calls, shadows=shadows)
+                                 timeout_s=self.options.timeout_s, calls=engine.calls, shadows=shadows, undo=undo)
         if shadows is not None:
             ov.refresh_shadows = shadows.refresh
         engine.grad_hooks.append(ov.on_layer_grads)

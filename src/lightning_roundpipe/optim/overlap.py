@@ -61,8 +61,12 @@ class OverlappedOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, layer_tables, trace, *, notifier=None,
                  staleness: int = 0, delay_per_layer_s: float = 0.0,
                  after_layer_step: Callable[[list[torch.Tensor]], None] | None = None,
-                 timeout_s: float = 300.0, calls=None, shadows=None):
+                 timeout_s: float = 300.0, calls=None, shadows=None, undo: bool = True):
         """``timeout_s``: the longest any wait here may take (the runtime's ``timeout``).
+        ``undo``: keep each step's before-images so a failed step is put back (default). False
+        (for models whose host memory cannot hold one more copy of the weights and optimizer
+        state): a failed step raises naming the layers it updated, and every later ``step``,
+        ``join`` and ``state_dict`` refuses until :meth:`mark_restored` (after loading a checkpoint).
         ``calls``: the engine's :class:`~..engine.calls.PipelineCalls` (None: no early steps).
         ``shadows``: the :class:`~..params.shadows.ShadowStore` uploads read (``staleness=1``
         keeps the previous weights there; :meth:`state_dict` saves them)."""
@@ -85,6 +89,8 @@ class OverlappedOptimizer:
         self._undo: StepUndo | None = None  # before-images of the step in flight
         self._commit: Completion | None = None
         self._submitted_undo: StepUndo | None = None  # the step whose layer steps ``versions`` holds
+        self.keep_undo = bool(undo)
+        self.unrestored: list[str] = []  # undo=False: layers a failed step updated, until mark_restored()
         self._view = copy.copy(optimizer)
         vars(self._view).pop("step", None)
         vars(self._view).pop("zero_grad", None)
@@ -175,7 +181,8 @@ class OverlappedOptimizer:
         self._done_layers = set()
         self._done_call = None
         self._submitted = set()
-        self._undo = StepUndo(self.optimizer)
+        self._refuse_if_unrestored()
+        self._undo = StepUndo(self.optimizer, keep=self.keep_undo)
         loss = None
         try:
             if closure is not None:
@@ -201,7 +208,8 @@ class OverlappedOptimizer:
             self._abandon(exc)
             raise
         undo = self._undo
-        self._commit = self.lane.submit(lambda: undo.failure is None and undo.commit(), TaskLabel("undo", "commit"))
+        self._commit = self.lane.submit(lambda: undo.failure is None and undo.commit(), TaskLabel("undo", "commit"),
+                                        traced=False)
         self.optimizer._opt_called = True  # what LRScheduler checks to know a step happened
         return loss
 
@@ -212,7 +220,7 @@ class OverlappedOptimizer:
             return
         if undo.failure is None:
             undo.failure = exc  # queued layer steps of this step skip
-        restore = self.lane.submit(lambda: self._restore(undo), TaskLabel("undo", "restore"))
+        restore = self.lane.submit(lambda: self._restore(undo), TaskLabel("undo", "restore"), traced=False)
         self.versions = {}
         self._commit = None
         try:
@@ -222,8 +230,7 @@ class OverlappedOptimizer:
                          f"{err}; restore the weights and optimizer state from a checkpoint before training on")
             return
         if undo.stepped:
-            exc.add_note(f"the failed step had updated {', '.join(undo.stepped)}; they are back as before the step "
-                         "(weights and optimizer state)")
+            exc.add_note(_failure_note(undo.stepped, undo.keep))
 
     def zero_grad(self, set_to_none: bool = True):
         # Submitted layer steps hold their own references to the gradients they read, so dropping
@@ -280,8 +287,7 @@ class OverlappedOptimizer:
                 undo.failure = exc
                 done = [n for n in undo.stepped if n != name]
                 self._restore(undo)
-                exc.add_note(f"the optimizer step failed in {name}; the step had updated {', '.join(done) or 'nothing'}"
-                             " before: they are back as before the step (weights and optimizer state)")
+                exc.add_note(f"the optimizer step failed in {name}; " + _failure_note(done, undo.keep))
                 raise
 
         self._submitted_undo = undo
@@ -291,6 +297,9 @@ class OverlappedOptimizer:
     def _restore(self, undo: StepUndo) -> None:
         """On the lane (nothing else writes the weights now): put back every layer the step changed."""
         if undo.restored:
+            return
+        if not undo.keep:
+            self.unrestored = list(undo.stepped)
             return
         restored = undo.restore()
         if self.after_layer_step is not None and restored:
@@ -350,6 +359,18 @@ class OverlappedOptimizer:
         self._commit = None
         if first_error is not None:
             raise first_error
+        self._refuse_if_unrestored()
+
+    def _refuse_if_unrestored(self) -> None:
+        if self.unrestored:
+            raise StepFailed(
+                f"a failed optimizer step left {', '.join(self.unrestored)} updated and the others not (undo=False "
+                "keeps no copy to put them back): load the weights and optimizer state from a checkpoint, then "
+                "call mark_restored(), before training or saving")
+
+    def mark_restored(self) -> None:
+        """undo=False: the weights and optimizer state were restored (from a checkpoint) after a failed step."""
+        self.unrestored = []
 
     def close(self) -> None:
         """Join, stop the host thread and restore the optimizer's own methods (idempotent)."""
@@ -357,7 +378,11 @@ class OverlappedOptimizer:
             return
         self._closed = True
         try:
-            self.join()
+            try:
+                self.join()
+            except StepFailed:
+                if not self.unrestored:  # the refusal to go on is for training and saving, not for closing
+                    raise
         finally:
             self.lane.close(self.timeout_s)
             for key in ("step", "zero_grad"):
@@ -390,6 +415,14 @@ class OverlappedOptimizer:
         with torch.no_grad():
             for i, value in saved.items():
                 self.shadows.get(params[int(i)]).copy_(value)
+
+
+def _failure_note(stepped: list[str], kept: bool) -> str:
+    if not kept:
+        return (f"the step had updated {', '.join(stepped) or 'nothing'} (undo=False: not put back; restore from a "
+                "checkpoint and call mark_restored() before training or saving)")
+    return (f"the step had updated {', '.join(stepped) or 'nothing'}: they are back as before the step "
+            "(weights and optimizer state)")
 
 
 def _layers_of(label: TaskLabel) -> str:
