@@ -190,3 +190,32 @@ def test_second_backward_refused_without_recompute():
         assert all(p.grad is None for p in net.parameters())
     finally:
         runtime.detach()
+
+
+@pytest.mark.timeout(60)
+def test_last_call_of_a_step_still_steps_layers_during_backward():
+    """Two calls in one loss: the second backward to run steps layers as they complete (overlap kept)."""
+    net = _net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, trace_steps=4,
+                                                                    cpu_compute_delay_s=0.003))
+    ov = runtime.overlap_optimizer(opt, delay_per_layer_s=0.002)
+    x, y = torch.randn(6, 8), torch.randn(6, 2)
+    try:
+        def closure():
+            opt.zero_grad()
+            loss = ((net(x) - y) ** 2).mean() + ((net(0.5 * x) - y) ** 2).mean()
+            with ov.last_backward():
+                loss.backward()
+            return loss
+
+        opt.step(closure)
+        runtime.join()
+        records = runtime.trace.records()
+    finally:
+        runtime.detach()
+    last_step = max(r.step for r in records)  # the second call's forward and both backwards
+    optim = [r for r in records if r.kind == "optim"]
+    backward = [r for r in records if r.kind == "backward" and r.step == last_step]
+    assert len(optim) == 5 and backward
+    assert min(r.start for r in optim) < max(r.end for r in backward)
