@@ -1,5 +1,7 @@
 """The host optimizer overlapped with the pipeline: exactly the synchronous result, whatever the timing."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -113,8 +115,10 @@ def _plain_training(overlap: bool, staleness: int = 0, delay: float = 0.0, steps
     runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=3, step_metrics=False, staleness=staleness,
                                                                     trace_steps=steps, cpu_compute_delay_s=0.002))
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    ov = None
     if overlap:
-        assert runtime.overlap_optimizer(opt, staleness=staleness, delay_per_layer_s=delay).optimizer is opt
+        ov = runtime.overlap_optimizer(opt, staleness=staleness, delay_per_layer_s=delay)
+        assert ov.optimizer is opt
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(6, 16, generator=g), torch.randn(6, 4, generator=g)) for _ in range(steps)]
     try:
@@ -122,7 +126,9 @@ def _plain_training(overlap: bool, staleness: int = 0, delay: float = 0.0, steps
             def step_closure(x=x, y=y):
                 opt.zero_grad(set_to_none=True)
                 loss = torch.nn.functional.mse_loss(net(x), y)
-                loss.backward()
+                # the closure's last backward: layers may step as soon as their gradients are complete
+                with ov.last_backward() if ov is not None else contextlib.nullcontext():
+                    loss.backward()
                 return loss
 
             if closure:

@@ -106,7 +106,8 @@ class RoundPipeRuntime:
         return [c for ov in self.overlapped for c in ov.weight_gates(layer_ids)]
 
     def overlap_optimizer(self, optimizer: torch.optim.Optimizer, *, staleness: int | None = None,
-                          delay_per_layer_s: float | None = None, early_steps: bool = True):
+                          delay_per_layer_s: float | None = None, early_steps: bool = True,
+                          undo: bool = True):
         """Step ``optimizer`` layer by layer on a host thread, hidden behind the pipeline.
 
         Patches ``optimizer.step`` and ``optimizer.zero_grad`` in place and returns the
@@ -119,7 +120,10 @@ class RoundPipeRuntime:
         complete (only when nothing between backward and the step changes gradients). Call
         :meth:`join` before reading weights or optimizer state directly; :meth:`detach` joins and
         restores the optimizer. ``delay_per_layer_s`` (default ``options.optimizer_delay_s``)
-        slows every layer step (tests and benchmarks).
+        slows every layer step (tests and benchmarks). ``undo``:
+        a failed step puts back every layer it stepped (default; costs one host copy of the
+        weights and optimizer state stepped, for one step); False refuses to go on instead (see
+        :class:`~.optim.overlap.OverlappedOptimizer`).
         """
         from .optim.overlap import OverlappedOptimizer
 
@@ -132,7 +136,8 @@ class RoundPipeRuntime:
         sync = self.grad_sync.finalize_params if self.grad_sync is not None else None
         ov = OverlappedOptimizer(optimizer, self.engine.tables, self.trace, notifier=self.pool, staleness=staleness,
                                  delay_per_layer_s=delay, after_layer_step=refresh, refresh_shadows=refresh,
-                                 early_steps=early_steps, before_layer_step=sync)
+                                 early_steps=early_steps, before_layer_step=sync, timeout_s=self.options.timeout,
+                                 calls=self.engine.calls, shadows=self.shadows, undo=undo)
         self.engine.grad_hooks.append(ov.on_layer_grads)
         self.overlapped.append(ov)
         return ov

@@ -24,6 +24,7 @@ from ..workers.completions import Completion, WorkerError
 from ..workers.pool import WorkerPool
 from ..options import EngineOptions
 from .microbatch import merge_microbatches, split_microbatches
+from .calls import PipelineCalls
 from .rng import uses_randomness
 from .step import HostCarry, StepRun, TableSizes
 from ..params.weights import HostGradBuffers, LayerTable
@@ -48,6 +49,7 @@ class PipelineEngine:
         self.history: WorkerHistory[Completion] = WorkerHistory(len(pool))  # cursor and slots, across steps
         self._weight_gates = list(weight_gates)
         self._anchor = torch.zeros((), requires_grad=True)
+        self.calls = PipelineCalls(self._anchor, self.master_parameters)  # calls still owing weight gradients
         self.step_count = 0
         self.last_run: StepRun | None = None
         self.measurements: list = []  # (stage, kind, seconds) of the last finished call, for the cost profile
@@ -144,6 +146,7 @@ class PipelineEngine:
                 outs = self._guarded(run.forward)
             self.measurements = run.measurements
             return self._finish_outputs(outs, loss_scale)
+        self.calls.started(run)
         out = _PipelineFunction.apply(self, run, self._anchor, *tensor_inputs)
         if loss_scale is not None:
             return out[0]
@@ -236,12 +239,13 @@ class _PipelineFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         engine, run = ctx.engine, ctx.run
-        if run.fused:
-            g = grads[0]
-            input_grads = engine._guarded(run.backward, None, None if g is None else float(g))
-        else:
-            per_mb = _split_output_grads(run, grads)
-            input_grads = engine._guarded(run.backward, per_mb)
+        with engine.calls.backward(run, run.keep_graph) as weights_wanted:
+            if run.fused:
+                g = grads[0]
+                input_grads = engine._guarded(run.backward, None, None if g is None else float(g), weights_wanted)
+            else:
+                per_mb = _split_output_grads(run, grads)
+                input_grads = engine._guarded(run.backward, per_mb, None, weights_wanted)
         engine.measurements = run.measurements
         for hook in engine.step_end_hooks:
             hook(run)

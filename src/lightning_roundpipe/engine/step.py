@@ -20,7 +20,9 @@ from torch.utils import _pytree as pytree
 from ..schedule.lowering import GraphTask, TaskGraph
 from ..schedule.plan import Stage
 from ..workers.completions import Completion, TaskLabel
-from .rng import layer_seed, seeded
+from .buffers import buffer_writes
+from .rng import CallRng
+from .stage_inputs import differentiable_inputs, kept_copy
 from ..params.weights import StageWeights, accumulate_host_grads
 
 if TYPE_CHECKING:
@@ -91,9 +93,7 @@ class StepRun:
         self.loss_scale = loss_scale
         self.input_requires_grad = input_requires_grad
         self.autocast = engine.autocast_state()
-        rng_layers = [engine.layer_uses_rng(i) for i in range(len(engine.layers))]
-        self.rng_layers = rng_layers
-        self.base_seed = int(torch.randint(0, 2**62, ()).item()) if any(rng_layers) else None
+        self.rng = CallRng()  # a seed per (layer, microbatch): recompute draws what forward drew
         self.step = engine.step_count
         self.graph: TaskGraph = engine.lower_step(len(microbatches), training=training, fused=self.fused,
                                                   input_gradient=input_requires_grad)
@@ -128,16 +128,16 @@ class StepRun:
             else:
                 yield
 
-    def _run_layers(self, device, weights: StageWeights, start: int, end: int, carry, mb: int, save_at=()):
+    def _run_layers(self, device, weights: StageWeights, start: int, end: int, carry, mb: int, save_at=(),
+                    recompute: bool = False):
         layers = self.engine.layers
         saved = {}
         for l in range(start, end):
-            seed = layer_seed(self.base_seed, l, mb) if self.rng_layers[l] else None
             lock = self.engine.layer_locks[l] or contextlib.nullcontext()
-            with lock, seeded(device, seed):
+            with lock, self.rng.layer(device, l, mb), buffer_writes(weights, l, layers[l], self.M, keep=not recompute):
                 carry = functional_call(layers[l], weights.params_for(l), (carry,))
             if l + 1 in save_at:
-                saved[l + 1] = carry
+                saved[l + 1] = kept_copy(carry)  # the next layer may write it in place
         saved[end] = carry
         return saved
 
@@ -311,7 +311,8 @@ class StepRun:
                 in_leaves, tree = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad,
                                                keys=self._grad_keys(stage))
                 with self._compute_context(worker.device, grad=True):
-                    out = self._run_layers(worker.device, weights, stage.start, stage.end, tree, i)[stage.end]
+                    out = self._run_layers(worker.device, weights, stage.start, stage.end, tree, i,
+                                           recompute=True)[stage.end]
                 out_leaves = pytree.tree_leaves(out)
             pairs = [(o, g) for o, g in zip(out_leaves, g_leaves)
                      if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
@@ -338,18 +339,24 @@ class StepRun:
             return []
         L = self.plan.num_layers
         outs = [t for t in tasks if t.kind == "act_out" and t.boundary == L]
-        return [self._wait(self.done[t.id]) for t in sorted(outs, key=lambda t: t.microbatch)]
+        outs = [self._wait(self.done[t.id]) for t in sorted(outs, key=lambda t: t.microbatch)]
+        self.rng.finish_forward()
+        return outs
 
     def fused_loss(self) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32)
         for t in self.graph.tasks:  # fixed order: microbatch 0..M-1
             if t.kind == "loss":
                 total = total + self._wait(self.done[t.id])[0]
+        self.rng.finish_forward()
         return total * self.loss_scale
 
     # ------------------------------------------------------------------ backward
-    def backward(self, output_grads: list[HostCarry | None], incoming_scale: float | None = None) -> list[list | None]:
+    def backward(self, output_grads: list[HostCarry | None], incoming_scale: float | None = None,
+                 accumulate: bool = True) -> list[list | None]:
         """Add every stage's weight gradients to the host ``.grad`` (dispatch order); return input grads.
+
+        ``accumulate=False`` (``torch.autograd.grad`` for the inputs only): leave ``.grad`` alone.
 
         Ordinary runs submit the backward phase now. A fused run submitted it already: here its
         results are only multiplied by ``incoming_scale``.
@@ -366,8 +373,9 @@ class StepRun:
         # Host side: gradients into .grad in dispatch order (deterministic whatever the timing).
         for weights, wg in self.host_work:
             grads = self._wait(wg)
-            accumulate_host_grads(weights, grads, scale, eng.grad_buffers)
-            eng.notify_grads_accumulated(weights.layer_ids)
+            if accumulate:
+                accumulate_host_grads(weights, grads, scale, eng.grad_buffers)
+                eng.notify_grads_accumulated(weights.layer_ids)
         if not self.input_requires_grad:
             self.pool.finish_step()  # device timings of the step into the trace, read once
             return [None] * self.M
@@ -407,20 +415,8 @@ class StepRun:
 
 
 def _leaves_requiring_grad(tree, need: bool, keys=None):
-    """Return (leaves, tree) where floating tensor leaves are fresh leaves requiring grad (if ``need``).
-
-    ``keys``: for a dict carry, only the values under these keys get a gradient (the stage's
-    first layer's ``differentiable_carry_keys``); rotary tables and masks are then neither
-    differentiated nor shipped back.
-    """
-    if need and keys is not None and isinstance(tree, dict):
-        fresh = lambda x: x.detach().requires_grad_(True) if _is_float_tensor(x) else x  # noqa: E731
-        tree = {k: pytree.tree_map(fresh, v) if k in keys else v for k, v in tree.items()}
-        return pytree.tree_leaves(tree), tree
-    leaves, spec = pytree.tree_flatten(tree)
-    if need:
-        leaves = [x.detach().requires_grad_(True) if _is_float_tensor(x) else x for x in leaves]
-    return leaves, pytree.tree_unflatten(leaves, spec)
+    """(leaves requiring grad, the tree the layers get: copies, safe to write in place); see stage_inputs.py."""
+    return differentiable_inputs(tree, need, keys)
 
 
 def _carry_bytes(host: HostCarry) -> int:

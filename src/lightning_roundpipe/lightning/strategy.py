@@ -9,7 +9,7 @@ parameters whose ``.grad`` the pipeline filled.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 
 import lightning.pytorch as pl
@@ -159,7 +159,7 @@ class RoundPipeStrategy(ParallelStrategy):
         if not module.automatic_optimization:
             return False
         if any(is_overridden(hook, module, parent=pl.LightningModule)
-               for hook in ("on_before_optimizer_step", "configure_gradient_clipping")):
+               for hook in ("on_before_optimizer_step", "on_after_backward", "configure_gradient_clipping")):
             return False
         return not any(is_overridden("on_before_optimizer_step", cb, parent=pl.Callback) for cb in trainer.callbacks)
 
@@ -212,6 +212,14 @@ class RoundPipeStrategy(ParallelStrategy):
         self.join()
         if self.is_global_zero:  # every node holds the same weights
             super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        # Lightning runs this after training_step returned: no pipelined call of the step follows.
+        with ExitStack() as stack:
+            for ov in self.runtime.overlapped if self.runtime is not None else ():
+                stack.enter_context(ov.last_backward())
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):

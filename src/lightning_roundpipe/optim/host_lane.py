@@ -20,9 +20,10 @@ class HostLane:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], object], label: TaskLabel) -> Completion:
+    def submit(self, fn: Callable[[], object], label: TaskLabel, traced: bool = True) -> Completion:
+        """Run ``fn`` after everything submitted before; ``traced=False``: bookkeeping kept off the timeline."""
         done = Completion(label, self._notifier)
-        self._queue.put((fn, done))
+        self._queue.put((fn, done, traced))
         return done
 
     def _loop(self) -> None:
@@ -30,14 +31,14 @@ class HostLane:
             item = self._queue.get()
             if item is None:
                 return
-            fn, done = item
+            fn, done, traced = item
             start = self.trace.now()
             try:
                 value = fn()
             except BaseException as exc:  # reaches whoever waits on the version
                 done.fail_from_exception(exc)
                 continue
-            if self.trace.enabled:
+            if traced and self.trace.enabled:
                 lab = done.label
                 self.trace.add(TraceRecord(-1, "host", lab.kind, lab.stage, -1, 0, start, self.trace.now(), self.trace.step))
             done.set(value)

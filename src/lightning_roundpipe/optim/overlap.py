@@ -5,12 +5,23 @@ next forward's upload of a layer waits only for that layer's new version (``weig
 so results equal the synchronous ``optimizer.step()`` bit for bit while the step's time hides
 behind the rest of backward and the next forward.
 
-When a layer may step early: once all backward stages holding its parameters have added their
-gradients, if we are inside ``optimizer.step(closure)`` and nothing between backward and the
-step can change gradients (no clipping, no loss scaler, no ``on_before_optimizer_step`` or
-``configure_gradient_clipping`` override: the strategy decides and sets ``early_steps``).
-Otherwise every layer is submitted right after the closure returns (after clipping), in layer
-order, so the next forward's first layers are ready first.
+When a layer may step early: during the closure's last backward (the caller says so with
+:meth:`OverlappedOptimizer.last_backward`; Lightning's strategy does, around the backward it
+runs after ``training_step`` returned, so no further pipelined call can come), once the
+backward stages holding the layer's parameters have added their gradients, no other
+pipelined call of the step still owes its backward, the same backward reaches none of the
+layer's parameters outside the pipeline (``engine.calls``), and nothing between backward and
+the step can change gradients (no clipping, no loss scaler, no ``on_before_optimizer_step``,
+``on_after_backward`` or ``configure_gradient_clipping`` override: the strategy decides and
+sets ``early_steps``). Otherwise every layer is submitted right after the closure returns
+(after clipping), in layer order, so the next forward's first layers are ready first.
+
+A failed step leaves the host weights and the optimizer state as they were (``step_undo.py``):
+each layer's before-image is taken on the lane just before it steps and dropped once the step's
+last layer has stepped; a failure anywhere in the step (the closure raising, a layer step
+raising, a timeout) puts every stepped layer back before the error reaches the caller.
+
+Every wait honours ``timeout_s`` (the runtime's ``timeout``) and names the layer step it waited for.
 
 A layer's step runs on a shallow view of the optimizer (same ``state``, its own
 ``param_groups`` holding only that layer's parameters and the hyper-parameters snapshotted at
@@ -21,12 +32,14 @@ parameter's gradient and state: every ``torch.optim`` optimizer except LBFGS.
 ``staleness=1`` (RoundPipe's one-step-delayed update, inexact by design): the pipeline reads
 weights from host shadows that are refreshed to the previous version only at the end of each
 backward, so step t's gradient is taken at the weights from before update t-1 while update
-t-1 runs on the masters behind step t's forward and backward.
+t-1 runs on the masters behind step t's forward and backward. Those shadows are state a resume
+needs: :meth:`OverlappedOptimizer.state_dict` holds them (save it beside the optimizer's own).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import threading
 import time
@@ -35,8 +48,13 @@ from typing import Callable
 import torch
 
 from ..params.weights import group_by_lowest_layer
-from ..workers.completions import Completion, TaskLabel
+from ..workers.completions import Completion, PipelineError, PipelineTimeout, TaskLabel
 from .host_lane import HostLane
+from .step_undo import StepUndo
+
+
+class StepFailed(PipelineError):
+    """An optimizer step failed; every layer it had stepped was put back (weights and optimizer state)."""
 
 
 class OverlappedOptimizer:
@@ -44,7 +62,19 @@ class OverlappedOptimizer:
                  staleness: int = 0, delay_per_layer_s: float = 0.0,
                  after_layer_step: Callable[[list[torch.Tensor]], None] | None = None,
                  before_layer_step: Callable[[list[torch.Tensor]], None] | None = None,
-                 refresh_shadows: Callable[[], None] | None = None, early_steps: bool = True):
+                 refresh_shadows: Callable[[], None] | None = None, early_steps: bool = True,
+                 timeout_s: float = 300.0, calls=None, shadows=None, undo: bool = True):
+        """``before_layer_step``: called with a layer's parameters just before it steps (e.g. to wait
+        for the node all-reduce). ``refresh_shadows``: copies the masters into the upload shadows
+        (``staleness=1``). ``early_steps``: layers may step during the step's last backward.
+``timeout_s``: the longest any wait here may take (the runtime's ``timeout``).
+        ``undo``: keep each step's before-images so a failed step is put back (default). False
+        (for models whose host memory cannot hold one more copy of the weights and optimizer
+        state): a failed step raises naming the layers it updated, and every later ``step``,
+        ``join`` and ``state_dict`` refuses until :meth:`mark_restored` (after loading a checkpoint).
+        ``calls``: the engine's :class:`~..engine.calls.PipelineCalls` (None: no early steps).
+        ``shadows``: the :class:`~..params.shadows.ShadowStore` uploads read (``staleness=1``
+        keeps the previous weights there; :meth:`state_dict` saves them)."""
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError("the overlapped optimizer steps layer by layer; LBFGS couples all parameters: "
                              "use RoundPipeStrategy(overlap_optimizer=False)")
@@ -58,6 +88,15 @@ class OverlappedOptimizer:
         self._refresh_shadows = refresh_shadows
         self.early_steps = early_steps
         self.in_step = False
+        self.timeout_s = float(timeout_s)
+        self.calls = calls
+        self.shadows = shadows
+        self._in_last_backward = False
+        self._undo: StepUndo | None = None  # before-images of the step in flight
+        self._commit: Completion | None = None
+        self._submitted_undo: StepUndo | None = None  # the step whose layer steps ``versions`` holds
+        self.keep_undo = bool(undo)
+        self.unrestored: list[str] = []  # undo=False: layers a failed step updated, until mark_restored()
         self._view = copy.copy(optimizer)
         vars(self._view).pop("step", None)
         vars(self._view).pop("zero_grad", None)
@@ -79,6 +118,7 @@ class OverlappedOptimizer:
         self.version_count = 0
         self.lane = HostLane(trace, notifier)
         self._done_layers: set[int] = set()
+        self._done_call = None  # the pipelined call whose backward filled _done_layers
         self._submitted: set[int] = set()
         self._lock = threading.Lock()
         # Ghosts: tensors sharing each parameter's storage, with their own .grad. A layer step runs
@@ -86,7 +126,14 @@ class OverlappedOptimizer:
         # accumulate the real .grad meanwhile; optimizer state stays keyed by the real parameter.
         self._ghosts: dict[int, torch.Tensor] = {}
         self._saved_attrs = {k: vars(optimizer)[k] for k in ("step", "zero_grad") if k in vars(optimizer)}
-        optimizer.step = self.step
+
+        def step(closure=None):
+            return self.step(closure)
+
+        # An LR scheduler checks this marker to know that ``step`` still sets ``_opt_called``
+        # (the counter it installed); ours sets it itself, so the scheduler's order check holds.
+        step._wrapped_by_lr_sched = True
+        optimizer.step = step
         optimizer.zero_grad = self.zero_grad
         self._closed = False
 
@@ -104,40 +151,92 @@ class OverlappedOptimizer:
 
     def on_layer_grads(self, layer_ids) -> None:
         """Called by the engine (host thread) once a backward stage's gradients are in ``.grad``."""
+        current = self.calls.current if self.calls is not None else None
+        if current is not self._done_call:
+            # Each call's backward covers every layer: a layer is complete once the backward that
+            # runs while no other call is pending has reached it, whatever earlier backwards did.
+            self._done_call = current
+            self._done_layers = set()
         self._done_layers.update(layer_ids)
-        if not (self.in_step and self.early_steps and not self.staleness):
+        if not (self.in_step and self._in_last_backward and self.early_steps and not self.staleness):
             return
+        calls = self.calls
+        if calls is None or calls.others_pending():
+            return  # another pipelined call of this step still adds to these gradients
         for unit, layers in self.unit_layers.items():
-            if unit not in self._submitted and layers <= self._done_layers:
-                self._submit(unit, self._snapshot())
+            if unit in self._submitted or not layers <= self._done_layers:
+                continue
+            if any(id(p) in calls.reached_outside for _, p in self.unit_params[unit]):
+                continue  # autograd adds a contribution from outside the pipeline: step after the closure
+            self._submit(unit, self._snapshot())
+
+    @contextlib.contextmanager
+    def last_backward(self):
+        """Around the closure's last backward: no pipelined call of this step will follow it, so a
+        layer whose gradient is complete may step while backward goes on."""
+        self._in_last_backward = True
+        try:
+            yield
+        finally:
+            self._in_last_backward = False
 
     # ------------------------------------------------------------------ optimizer API
     def step(self, closure=None):
         if not self.staleness:
             self.join()  # exact: the previous step's updates are in (the forward waited for them anyway)
         self._done_layers = set()
+        self._done_call = None
         self._submitted = set()
+        self._refuse_if_unrestored()
+        self._undo = StepUndo(self.optimizer, keep=self.keep_undo)
         loss = None
-        if closure is not None:
-            self.in_step = True
-            try:
-                with torch.enable_grad():
-                    loss = closure()
-            finally:
-                self.in_step = False
-        if self.staleness:
-            # The previous update ran behind this step's forward and backward, which read the
-            # shadows; now publish it to the shadows, then start this step's update.
-            self.join()
-            self.refresh_shadows()
-        hp = self._snapshot()
-        for unit in sorted(self.unit_params):  # layer order: the next forward needs layer 0 first
-            if unit not in self._submitted:
-                self._submit(unit, hp)
-        if self.rest:
-            self._run_view(self.rest, hp, self._grads_of(self.rest))  # parameters outside the pipeline
+        try:
+            if closure is not None:
+                self.in_step = True
+                try:
+                    with torch.enable_grad():
+                        loss = closure()
+                finally:
+                    self.in_step = False
+            if self.staleness:
+                # The previous update ran behind this step's forward and backward, which read the
+                # shadows; now publish it to the shadows, then start this step's update.
+                self.join()
+                self.refresh_shadows()
+            hp = self._snapshot()
+            for unit in sorted(self.unit_params):  # layer order: the next forward needs layer 0 first
+                if unit not in self._submitted:
+                    self._submit(unit, hp)
+            if self.rest:  # parameters outside the pipeline: the caller's next code uses them, step them now
+                self._undo.save([p for _, p in self.rest], "parameters outside the pipeline")
+                self._run_view(self.rest, hp, self._grads_of(self.rest))
+        except BaseException as exc:
+            self._abandon(exc)
+            raise
+        undo = self._undo
+        self._commit = self.lane.submit(lambda: undo.failure is None and undo.commit(), TaskLabel("undo", "commit"),
+                                        traced=False)
         self.optimizer._opt_called = True  # what LRScheduler checks to know a step happened
         return loss
+
+    def _abandon(self, exc: BaseException) -> None:
+        """The step failed on the host side: let the lane finish, then put back what it stepped."""
+        undo = self._undo
+        if undo is None:
+            return
+        if undo.failure is None:
+            undo.failure = exc  # queued layer steps of this step skip
+        restore = self.lane.submit(lambda: self._restore(undo), TaskLabel("undo", "restore"), traced=False)
+        self.versions = {}
+        self._commit = None
+        try:
+            restore.wait(self.timeout_s, waiter="restoring the failed step")
+        except PipelineError as err:
+            exc.add_note(f"the layers this step updated ({', '.join(undo.stepped) or 'none'}) could not be put back: "
+                         f"{err}; restore the weights and optimizer state from a checkpoint before training on")
+            return
+        if undo.stepped:
+            exc.add_note(_failure_note(undo.stepped, undo.keep))
 
     def zero_grad(self, set_to_none: bool = True):
         # Submitted layer steps hold their own references to the gradients they read, so dropping
@@ -174,18 +273,45 @@ class OverlappedOptimizer:
         params = self.unit_params[unit]
         grads = self._grads_of(params)
         layers = sorted(self.unit_layers[unit])
+        name = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
+        undo = self._undo
 
         def run():
-            if self.delay_per_layer_s:
-                time.sleep(self.delay_per_layer_s)
-            if self.before_layer_step is not None:
-                self.before_layer_step([p for _, p in params])
-            self._run_view(params, hp, grads)
-            if self.after_layer_step is not None and not self.staleness:
-                self.after_layer_step([p for _, p in params])
+            if undo.failure is not None:
+                raise StepFailed(f"the optimizer step of {name} was skipped: the step failed "
+                                 f"({type(undo.failure).__name__}: {undo.failure})")
+            try:
+                if self.delay_per_layer_s:
+                    time.sleep(self.delay_per_layer_s)
+                if self.before_layer_step is not None:
+                    self.before_layer_step([p for _, p in params])
+                undo.save([p for _, p in params], name)
+                self._run_view(params, hp, grads)
+                if self.after_layer_step is not None and not self.staleness:
+                    self.after_layer_step([p for _, p in params])
+                if undo.failure is not None:  # the caller gave up on this step meanwhile (a timeout)
+                    self._restore(undo)
+            except BaseException as exc:
+                undo.failure = exc
+                done = [n for n in undo.stepped if n != name]
+                self._restore(undo)
+                exc.add_note(f"the optimizer step failed in {name}; " + _failure_note(done, undo.keep))
+                raise
 
-        self.versions[unit] = self.lane.submit(run, TaskLabel("optim", f"L{layers[0]}-{layers[-1]}"))
+        self._submitted_undo = undo
+        self.versions[unit] = self.lane.submit(run, TaskLabel("optim", f"L{layers[0]}-{layers[-1]}", queue="optimizer"))
         self.version_count += 1
+
+    def _restore(self, undo: StepUndo) -> None:
+        """On the lane (nothing else writes the weights now): put back every layer the step changed."""
+        if undo.restored:
+            return
+        if not undo.keep:
+            self.unrestored = list(undo.stepped)
+            return
+        restored = undo.restore()
+        if self.after_layer_step is not None and restored:
+            self.after_layer_step(restored)  # compute-dtype shadows follow the masters back
 
     def _ghost(self, p: torch.Tensor) -> torch.Tensor:
         g = self._ghosts.get(id(p))
@@ -204,20 +330,55 @@ class OverlappedOptimizer:
             if p in state:
                 view_state[ghost] = state[p]
             groups.setdefault(gi, []).append((p, ghost))
-        self._view.param_groups = [dict(hp[gi], params=[g for _, g in pairs]) for gi, pairs in groups.items()]
-        self._view.state = view_state
+        view = copy.copy(self._view)  # per call: the host thread steps the parameters outside the pipeline meanwhile
+        view.param_groups = [dict(hp[gi], params=[g for _, g in pairs]) for gi, pairs in groups.items()]
+        view.state = view_state
         with torch.no_grad():
-            type(self.optimizer).step(self._view)
+            type(self.optimizer).step(view)
         for pairs in groups.values():
             for p, ghost in pairs:
                 if ghost in view_state and p not in state:
                     state[p] = view_state[ghost]  # first step: adopt the state the optimizer created
                 ghost.grad = None
 
-    def join(self, timeout: float = 600.0) -> None:
-        """Wait until every submitted layer step has finished (raises a failed step's error)."""
-        for c in list(self.versions.values()):
-            c.wait(timeout, waiter="the optimizer join")
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until every submitted layer step has finished, within ``timeout`` seconds in all
+        (default: ``timeout_s``). A failed step raises its error once; by then every layer it had
+        stepped is back as before the step."""
+        limit = self.timeout_s if timeout is None else float(timeout)
+        deadline = time.monotonic() + limit
+        pending = list(self.versions.values()) + ([self._commit] if self._commit is not None else [])
+        first_error = None
+        for c in pending:
+            try:
+                c.wait(max(0.0, deadline - time.monotonic()), waiter="the optimizer join")
+            except PipelineError as err:
+                if not c.is_set():
+                    undo = self._submitted_undo
+                    if undo is not None and undo.failure is None:
+                        undo.failure = err  # what is still queued skips; a stuck step puts all back when it returns
+                    self.versions = {}
+                    self._commit = None
+                    raise PipelineTimeout(
+                        f"the optimizer join timed out after {limit:g}s waiting for the optimizer step of "
+                        f"{_layers_of(c.label)} [{c.label}] (still running on the optimizer lane)") from None
+                first_error = first_error or err
+        self.versions = {}
+        self._commit = None
+        if first_error is not None:
+            raise first_error
+        self._refuse_if_unrestored()
+
+    def _refuse_if_unrestored(self) -> None:
+        if self.unrestored:
+            raise StepFailed(
+                f"a failed optimizer step left {', '.join(self.unrestored)} updated and the others not (undo=False "
+                "keeps no copy to put them back): load the weights and optimizer state from a checkpoint, then "
+                "call mark_restored(), before training or saving")
+
+    def mark_restored(self) -> None:
+        """undo=False: the weights and optimizer state were restored (from a checkpoint) after a failed step."""
+        self.unrestored = []
 
     def close(self) -> None:
         """Join, stop the host thread and restore the optimizer's own methods (idempotent)."""
@@ -225,9 +386,56 @@ class OverlappedOptimizer:
             return
         self._closed = True
         try:
-            self.join()
+            try:
+                self.join()
+            except StepFailed:
+                if not self.unrestored:  # the refusal to go on is for training and saving, not for closing
+                    raise
         finally:
-            self.lane.close()
+            self.lane.close(self.timeout_s)
             for key in ("step", "zero_grad"):
                 vars(self.optimizer).pop(key, None)
             vars(self.optimizer).update(self._saved_attrs)
+
+    # ------------------------------------------------------------------ checkpoint (staleness=1)
+    def state_dict(self) -> dict:
+        """What a resume needs beyond the optimizer's own state: with ``staleness=1`` the weights
+        the next step's gradient is taken at (the shadows, one update behind the masters), in
+        the order of the optimizer's parameters. Joins first."""
+        self.join()
+        if not self.staleness or self.shadows is None:
+            return {"staleness": self.staleness}
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return {"staleness": self.staleness,
+                "previous_weights": {i: self.shadows.get(p).clone() for i, p in enumerate(params)
+                                     if self.shadows.get(p) is not p}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved (after the model's weights are loaded)."""
+        self.join()
+        if int(state.get("staleness", 0)) != self.staleness:
+            raise ValueError(f"the checkpoint was saved with staleness={state.get('staleness', 0)}, "
+                             f"this run has staleness={self.staleness}: resume with the same staleness")
+        saved = state.get("previous_weights")
+        if not saved:
+            return
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        with torch.no_grad():
+            for i, value in saved.items():
+                self.shadows.get(params[int(i)]).copy_(value)
+
+
+def _failure_note(stepped: list[str], kept: bool) -> str:
+    if not kept:
+        return (f"the step had updated {', '.join(stepped) or 'nothing'} (undo=False: not put back; restore from a "
+                "checkpoint and call mark_restored() before training or saving)")
+    return (f"the step had updated {', '.join(stepped) or 'nothing'}: they are back as before the step "
+            "(weights and optimizer state)")
+
+
+def _layers_of(label: TaskLabel) -> str:
+    stage = label.stage
+    if stage.startswith("L") and "-" in stage:
+        lo, hi = stage[1:].split("-")
+        return f"layer {lo}" if lo == hi else f"layers {lo}-{hi}"
+    return stage or label.kind

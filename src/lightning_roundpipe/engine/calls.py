@@ -1,0 +1,79 @@
+"""Which pipelined calls still owe the weights a gradient, and what the running backward asks for.
+
+A step may call the pipelined module more than once (``f(net(x)) + f(net(x2))``, DPO's chosen
+and rejected halves) and may run backward more than once (``torch.autograd.grad(loss, x)`` for a
+gradient penalty, then ``loss.backward()``). The overlapped optimizer may step a layer early only
+once every contribution to that layer's gradient has arrived; this file is what tells it.
+
+- A training call is *pending* from its forward until a backward has added its weight gradients
+  (or until its graph is freed: the call is held weakly, so a call whose output was dropped
+  never blocks anything).
+- A backward adds weight gradients only if autograd will run the accumulator of the engine's
+  anchor leaf (an input of every pipelined call): ``loss.backward()`` does,
+  ``torch.autograd.grad(loss, x)`` and ``backward(inputs=[x])`` do not, exactly as they would
+  leave a plain module's ``.grad`` alone.
+- Parameters of the pipeline that the same backward also reaches outside the pipeline (a
+  regulariser on a pipelined weight, a weight tied to a module outside it) get a gradient
+  from autograd too; their layers never step early.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+from ..workers.completions import PipelineError
+
+
+def grad_accumulator(leaf: torch.Tensor):
+    """The AccumulateGrad node of a leaf that requires grad (created if no graph holds one yet)."""
+    with torch.enable_grad():
+        return leaf.view_as(leaf).grad_fn.next_functions[0][0]
+
+
+class PipelineCalls:
+    """The training calls of an engine whose weight backward has not run yet."""
+
+    def __init__(self, anchor: torch.Tensor, parameters):
+        self._anchor_node = grad_accumulator(anchor)  # kept: autograd holds its nodes only weakly
+        self._parameters = parameters  # callable: the pipelined host parameters
+        self._pending: weakref.WeakSet = weakref.WeakSet()
+        self._backwards_run: weakref.WeakSet = weakref.WeakSet()
+        self.current = None  # the call whose weight backward is running
+        self.reached_outside: set[int] = set()  # ids of parameters this backward reaches outside the pipeline
+
+    def started(self, run) -> None:
+        self._pending.add(run)
+
+    def others_pending(self) -> bool:
+        """True while a call other than the one in backward has not added its weight gradients."""
+        return any(r is not self.current for r in list(self._pending))
+
+    @contextlib.contextmanager
+    def backward(self, run, keep_graph: bool):
+        """Around one backward of ``run``: yields whether this backward adds weight gradients."""
+        if torch.is_grad_enabled():
+            raise PipelineError(
+                "backward through the pipelined module with create_graph=True (double backward, e.g. a gradient "
+                "penalty differentiated again) is not supported: the pipeline's backward is not differentiable. "
+                "Compute the penalty outside the pipelined module, or train with the default strategy")
+        if keep_graph and run in self._backwards_run:
+            raise PipelineError(
+                "recompute='never' frees each stage's graph after its first backward, so a pipelined call can be "
+                "differentiated once: use recompute='always' to call torch.autograd.grad before loss.backward()")
+        self._backwards_run.add(run)
+        wants_weights = bool(torch._C._will_engine_execute_node(self._anchor_node))
+        if not wants_weights:
+            yield False
+            return
+        self.reached_outside = {id(p) for p in self._parameters() if p.requires_grad
+                                and torch._C._will_engine_execute_node(grad_accumulator(p))}
+        self.current = run
+        try:
+            yield True
+        finally:
+            self._pending.discard(run)
+            self.current = None
+            self.reached_outside = set()

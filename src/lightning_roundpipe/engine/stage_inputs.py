@@ -1,0 +1,47 @@
+"""The inputs a stage differentiates through: leaves for autograd, copies for the layers.
+
+A backward stage (and a fused or graph-keeping forward stage) makes each floating input a fresh
+leaf that requires grad, so that its ``.grad`` is the gradient to pass on. A layer that writes
+its input in place (``nn.ReLU(inplace=True)``, ``x.add_(...)``) may not write such a leaf, and
+must not write the host copy that recompute reads either. So the layers get a copy of each
+leaf (one activation copy per stage input; autograd routes its gradient to the leaf). In
+forward without grad the stage input is already the worker's own copy of the host tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+def _is_float_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def differentiable_inputs(tree: Any, need: bool, keys=None) -> tuple[list, Any]:
+    """``(leaves, tree)``: the flattened leaves (floating ones fresh leaves requiring grad when
+    ``need``) and the tree to feed the layers (copies of those leaves, safe to write).
+
+    ``keys``: for a dict carry, only the values under these keys get a gradient (the stage's first
+    layer's ``differentiable_carry_keys``); rotary tables and masks are then neither
+    differentiated nor shipped back.
+    """
+    leaves, spec = pytree.tree_flatten(tree)
+    if not need:
+        return leaves, pytree.tree_unflatten(leaves, spec)
+    if keys is not None and isinstance(tree, dict):
+        wanted = pytree.tree_leaves({k: pytree.tree_map(lambda _, k=k: k in keys, v) for k, v in tree.items()})
+    else:
+        wanted = [True] * len(leaves)
+    leaves = [x.detach().requires_grad_(True) if w and _is_float_tensor(x) else x for x, w in zip(leaves, wanted)]
+    with torch.enable_grad():
+        fed = [x.clone() if w and _is_float_tensor(x) else x for x, w in zip(leaves, wanted)]
+    return leaves, pytree.tree_unflatten(fed, spec)
+
+
+def kept_copy(tree: Any) -> Any:
+    """A stage boundary kept for a backward stage's recompute while the forward goes on: a copy,
+    since the next layer may write its input in place."""
+    return pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)

@@ -1,0 +1,39 @@
+"""Shared by the tests/test_exact_*.py files: parity runs against Lightning's default strategy."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from _models import SeqModule, fit, grad_error, weight_error, weights
+from lightning_roundpipe import RoundPipeStrategy
+
+GRAD_TOL = 1e-5
+WEIGHT_TOL = 1e-4
+
+
+def parity(make_module, devices=2, max_steps=5, strategy_kwargs=None, **trainer_kwargs):
+    """(gradient error of step 1, weight error after ``max_steps``) against the default strategy.
+
+    The weights come from runs without the gradient-recording callback: a callback overriding
+    ``on_before_optimizer_step`` keeps every layer step after the closure, and the early steps
+    during backward are what these runs must check."""
+    strategy = lambda: RoundPipeStrategy(**(strategy_kwargs or {"microbatches": 2}))  # noqa: E731
+    _, g_ref = fit(make_module(), "auto", max_steps=1, **trainer_kwargs)
+    _, g = fit(make_module(), strategy(), devices=devices, max_steps=1, **trainer_kwargs)
+    ref = make_module()
+    w0 = weights(ref)
+    fit(ref, "auto", max_steps=max_steps, record_grads=False, **trainer_kwargs)
+    m = make_module()
+    assert all(torch.equal(a, b) for a, b in zip(weights(m).values(), w0.values()))
+    fit(m, strategy(), devices=devices, max_steps=max_steps, record_grads=False, **trainer_kwargs)
+    return grad_error(g, g_ref), weight_error(weights(m), weights(ref), w0)
+
+
+def our_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("roundpipe"))
+
+
+__all__ = ["GRAD_TOL", "WEIGHT_TOL", "SeqModule", "fit", "grad_error", "our_threads", "parity", "weight_error",
+           "weights"]
