@@ -45,9 +45,6 @@ class HostCarry:
         return pytree.tree_unflatten(self.leaves, self.spec)
 
 
-def _is_float_tensor(x) -> bool:
-    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
-
 
 class TableSizes:
     """The engine's :class:`~lightning_roundpipe.schedule.lowering.Sizes`: weight chunks from the layer tables.
@@ -95,6 +92,7 @@ class StepRun:
         self.autocast = engine.autocast_state()
         self.rng = CallRng()  # a seed per (layer, microbatch): recompute draws what forward drew
         self.step = engine.step_count
+        self.backward_submitted = False
         self.graph: TaskGraph = engine.lower_step(len(microbatches), training=training, fused=self.fused,
                                                   input_gradient=input_requires_grad)
         self.stages = {s.name: s for s in self.plan.forward_stages() + self.plan.backward_stages()}
@@ -366,8 +364,11 @@ class StepRun:
             scale = incoming_scale
         else:
             self.output_grads = list(output_grads)
+            if self.backward_submitted:  # a second backward of this call (retain_graph=True)
+                self._relower_backward()
             tasks = self.graph.phase("backward")
             self._submit(tasks)
+            self.backward_submitted = True
             self.host_work = self._wgrad_work(tasks)
             scale = None
         # Host side: gradients into .grad in dispatch order (deterministic whatever the timing).
@@ -386,6 +387,20 @@ class StepRun:
         if scale is not None and scale != 1.0:
             trees = [HostCarry([x * scale if isinstance(x, torch.Tensor) else x for x in t.leaves], t.spec) for t in trees]
         return [t.tree() for t in trees]
+
+    def _relower_backward(self) -> None:
+        """Lower this call again so its backward phase can be submitted once more, dispatched from
+        where the last stage left off. The lowering orders a call's tasks the same way whatever the
+        first worker, so the new graph's forward tasks carry the ids of the tasks that already ran:
+        the backward's inputs on the host resolve to their completions."""
+        graph = self.engine.lower_step(self.M, training=self.training, fused=self.fused,
+                                       input_gradient=self.input_requires_grad)
+        old = self.graph.phase("forward")
+        new = graph.phase("forward")
+        assert [(a.id, a.kind, a.stage, a.microbatch) for a in old] == [(b.id, b.kind, b.stage, b.microbatch) for b in new]
+        for stage in self.plan.backward_stages():
+            self.weights.pop(stage.name, None)  # backward stages upload their weights again
+        self.graph = graph
 
     # ------------------------------------------------------------------ measurements
     @property
