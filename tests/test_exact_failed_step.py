@@ -99,7 +99,7 @@ def _train(mode, *, fail_group=0, early=True, timeout=30.0, steps=FAIL_STEP + 1,
     GroupFailingAdamW.switch = switch
     opt = GroupFailingAdamW(groups, lr=1e-2)
     runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False,
-                                                                    timeout_s=timeout))
+                                                                    timeout=timeout))
     ov = runtime.overlap_optimizer(opt, delay_per_layer_s=delay, undo=undo)
     g = torch.Generator().manual_seed(1)
     error = before = None
@@ -201,7 +201,7 @@ def test_stalled_layer_step_times_out_naming_it_and_is_put_back():
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False, timeout_s=2.0))
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False, timeout=2.0))
     ov = runtime.overlap_optimizer(opt)
     stall_layer = 2
     original = ov.before_layer_step

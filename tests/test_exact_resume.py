@@ -19,8 +19,8 @@ def _train(net, opt_state=None, extra=None, steps=range(STEPS), opt_name="sgd"):
            else torch.optim.AdamW(net.parameters(), lr=1e-2))
     if opt_state is not None:
         opt.load_state_dict(opt_state)
-    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False))
-    ov = runtime.overlap_optimizer(opt, staleness=1)
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False, staleness=1))
+    ov = runtime.overlap_optimizer(opt)
     if extra is not None:
         ov.load_state_dict(extra)
     data = _data()
