@@ -46,6 +46,8 @@ class RuntimeOptions:
     seed: int = 0
     trace_steps: int = 0  # keep the timeline of this many training steps (for export)
     step_metrics: bool = True  # time every step's tasks for bubble / exposed transfer / tokens per second
+    allow_unverified: bool = False  # pipeline an unverified HF family after a parity check on the first microbatch
+    logits_with_loss: bool = False  # HF causal LM called with labels also returns .logits (full logits, not fused)
 
     def validate(self) -> "RuntimeOptions":
         if self.microbatches is not None and int(self.microbatches) < 1:
@@ -210,7 +212,7 @@ class RoundPipeRuntime:
             return cls(module, list(module), _sequential_forward, backend, num_workers, options, **kwargs)
         from .adapters.hf_runtime import causal_lm_runtime_parts
 
-        patched, layers, forward = causal_lm_runtime_parts(module)
+        patched, layers, forward = causal_lm_runtime_parts(module, options)
         return cls(patched, layers, forward, backend, num_workers, options, fused_last=True, **kwargs)
 
     def describe(self) -> str:

@@ -69,6 +69,10 @@ class RoundPipeStrategy(ParallelStrategy):
         pinned: pinned host memory policy for the CUDA backend: "alloc", "register" or "off"
             (see ``shadows.py`` for the trade-off); no effect on the CPU backend.
         optimizer_delay_s: testing knob: sleep this long before each layer's optimizer step.
+        allow_unverified: pipeline a Hugging Face family that is not verified (docs/models.md) after
+            checking the pipelined against the unpipelined forward on the first microbatch.
+        logits_with_loss: a Hugging Face causal LM called with ``labels`` also returns ``.logits``
+            (costs the full logits; without it, reading them raises an error saying so).
     """
 
     strategy_name = "roundpipe"
@@ -93,6 +97,8 @@ class RoundPipeStrategy(ParallelStrategy):
         staleness: int = 0,
         pinned: str = "alloc",
         optimizer_delay_s: float = 0.0,
+        allow_unverified: bool = False,
+        logits_with_loss: bool = False,
         accelerator=None,
         parallel_devices=None,
         cluster_environment=None,
@@ -118,6 +124,8 @@ class RoundPipeStrategy(ParallelStrategy):
             seed=seed,
             trace_steps=int(trace_steps),
             step_metrics=bool(step_metrics),
+            allow_unverified=bool(allow_unverified),
+            logits_with_loss=bool(logits_with_loss),
         ).validate()
         self.trace_dir = trace_dir
         if int(staleness) not in (0, 1):
