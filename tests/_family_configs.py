@@ -44,7 +44,7 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "smollm3": dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=WINDOW),
     "helium": {},
     "ministral": dict(sliding_window=WINDOW, layer_types=_ALTERNATING),
-    "seed_oss": dict(attention_bias=True),
+    "seed_oss": dict(attention_bias=True, residual_dropout=0.0),
     "exaone4": dict(sliding_window=WINDOW, sliding_window_pattern="LLG", layer_types=_ALTERNATING),
     "mixtral": dict(num_local_experts=4, sliding_window=WINDOW, router_jitter_noise=0.0, **_MOE),
     "qwen2_moe": dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24,
@@ -64,6 +64,14 @@ FAMILY_CONFIGS: dict[str, dict] = {
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "gpt_oss", "deepseek_v3")
 AUX_LOSS_FAMILIES = tuple(f for f in MOE_FAMILIES if f != "deepseek_v3")  # deepseek_v3's loss has no aux term
+
+LORA_TARGETS = {"phi3": ["qkv_proj"], "deepseek_v3": ["q_b_proj", "kv_b_proj"]}
+"""peft target modules where the attention projections are not q_proj / v_proj."""
+
+
+def lora_targets(family: str) -> list[str]:
+    return LORA_TARGETS.get(family, ["q_proj", "v_proj"])
+
 
 TRAIN_MODE_RANDOM = {"phimoe"}
 """Families whose routing samples in training mode; parity against the unpipelined model is checked
