@@ -152,19 +152,21 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
 def check_parity_on_first_microbatch(runtime, model: nn.Module, adapter: CausalLMLayers, batch: dict) -> float:
     """Compare the pipelined logits of the batch's first microbatch with the model's own forward.
 
-    Runs both in eval mode (restored after) under no_grad, before any weight changes. Returns the
+    The pipelined side runs the pipeline's own layers one after another on the host (a family
+    can only differ in how the model is cut into layers; the engine runs any layers exactly).
+    Both run in eval mode (restored after) under no_grad, before any weight changes. Returns the
     relative difference; raises :class:`UnsupportedModelError` with it when above ``PARITY_TOLERANCE``.
     """
     from ..engine.microbatch import split_microbatches
 
     microbatches = int(runtime.options.microbatches or runtime.num_workers + 1)
-    first = split_microbatches(batch, microbatches)[0]
+    first = split_microbatches(batch, min(microbatches, int(batch["input_ids"].shape[0])))[0]
     modes = {m: m.training for m in model.modules()}
     try:
         model.eval()
         with torch.no_grad():
             reference = type(model).forward(model, use_cache=False, **first).logits.float()
-            pipelined = runtime.run({**first, "outputs": "logits"})["logits"].float()
+            pipelined = adapter.run({**first, "outputs": "logits"})["logits"].float()
     finally:
         for m, training in modes.items():
             m.training = training
