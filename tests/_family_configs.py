@@ -59,13 +59,27 @@ FAMILY_CONFIGS: dict[str, dict] = {
                         n_group=2, topk_group=1, num_experts_per_tok=2, kv_lora_rank=8, q_lora_rank=8,
                         qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, routed_scaling_factor=2.0,
                         num_key_value_heads=2),
+    # other layouts (their configs name sizes differently; see _OWN_NAMES)
+    "phi": dict(partial_rotary_factor=0.5, embd_pdrop=0.0, resid_pdrop=0.0),
+    "gpt_neox": dict(rotary_pct=0.5, use_parallel_residual=True, hidden_dropout=0.0, classifier_dropout=0.0),
+    "gpt2": dict(n_embd=16, n_layer=3, n_head=2, n_positions=64, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0,
+                 tie_word_embeddings=True, initializer_range=0.2),
+    "falcon": dict(alibi=False, new_decoder_architecture=True, num_kv_heads=1, parallel_attn=True, bias=True,
+                   hidden_dropout=0.0),
 }
 """Per family, the config values on top of the common tiny sizes."""
+
+_OWN_NAMES = {"gpt2": ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "max_position_embeddings", "attention_dropout"),
+              "falcon": ("intermediate_size", "num_key_value_heads", "head_dim"),
+              "gpt_neox": ("num_key_value_heads", "head_dim")}
+"""Common keys a family's config does not take (it has its own names for them)."""
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "gpt_oss", "deepseek_v3")
 AUX_LOSS_FAMILIES = tuple(f for f in MOE_FAMILIES if f != "deepseek_v3")  # deepseek_v3's loss has no aux term
 
-LORA_TARGETS = {"phi3": ["qkv_proj"], "deepseek_v3": ["q_b_proj", "kv_b_proj"]}
+LORA_TARGETS = {"phi3": ["qkv_proj"], "deepseek_v3": ["q_b_proj", "kv_b_proj"], "gpt2": ["c_attn"],
+                "gpt_neox": ["query_key_value"], "falcon": ["query_key_value"]}
 """peft target modules where the attention projections are not q_proj / v_proj."""
 
 
@@ -84,6 +98,8 @@ def tiny_model(family: str, seed: int = 0, attn: str = "eager"):
     values.update(FAMILY_CONFIGS[family])
     if family == "deepseek_v3":
         values.pop("head_dim")
+    for key in _OWN_NAMES.get(family, ()):
+        values.pop(key, None)
     config = AutoConfig.for_model(family, **values)
     config._attn_implementation = attn
     torch.manual_seed(seed)

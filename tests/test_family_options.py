@@ -57,9 +57,14 @@ def test_unverified_family_that_differs_is_refused_with_the_measured_difference(
 
 
 def test_known_misfit_family_says_why():
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", vocab_size=64, n_embd=16, n_layer=2, n_head=2))
-    with pytest.raises(UnsupportedModelError, match=r"model_type='gpt2'.*learned absolute positions"):
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("bloom", vocab_size=64, hidden_size=16, n_layer=2,
+                                                                  n_head=2))
+    with pytest.raises(UnsupportedModelError, match=r"model_type='bloom'.*ALiBi"):
         RoundPipeRuntime.attach(model, "cpu", 2)
+    falcon = AutoModelForCausalLM.from_config(AutoConfig.for_model("falcon", vocab_size=64, hidden_size=16,
+                                                                   num_hidden_layers=2, num_attention_heads=2, alibi=True))
+    with pytest.raises(UnsupportedModelError, match=r"config.alibi=True: ALiBi"):
+        RoundPipeRuntime.attach(falcon, "cpu", 2)
 
 
 def test_logits_with_labels_raise_on_access_or_come_back_with_the_option():

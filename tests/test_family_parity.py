@@ -5,7 +5,9 @@ and per worker count {2, 3}: loss with labels (fused chunked last stage; MoE wit
 logits without labels, and peft LoRA, each against the model's own forward: loss within 1e-5
 relative, every gradient within 1e-5 per tensor; then 3 SGD steps against the plain single-device
 loop (what Lightning's default strategy runs), weights within 1e-4 of the update (plain with 3
-workers, LoRA with 2, so each family and variant is stepped once). The Lightning
+workers, LoRA with 2, so each family and variant is stepped once). A tensor whose 3-step update is
+below 1e-3 of its own norm (RMSNorm scales of QK norms) is at fp32 resolution, where the
+update-relative metric measures rounding; those are bounded by 1e-6 of the weight's norm instead. The Lightning
 Trainer itself (RoundPipe against the default strategy) runs for a representative subset in
 ``test_family_lightning.py``. Padding is on the right with 2 workers and on the left with 3.
 """
@@ -23,7 +25,11 @@ from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.adapters.hf_causal_lm import VERIFIED_MODEL_TYPES
 
 LOSS_TOL, GRAD_TOL, WEIGHT_TOL = 1e-5, 1e-5, 1e-4
-LR = 0.1  # moves every weight measurably in 3 steps without making the dynamics chaotic
+GRAD_FLOOR = 1e-3  # gradients below this fraction of the largest are at the fp32 floor of backward sums
+RESOLVED_UPDATE = 1e-3  # updates below this fraction of the weight's norm are at fp32 resolution after 3 steps
+ULP_BOUND = 1e-6  # for those: ||w - w_ref|| <= 1e-6 ||w_init|| (about 8 fp32 ulps)
+LORA_LR = 2.0  # LoRA tensors get small gradients from a tiny model; a larger rate resolves their update
+LR = 0.2  # moves every weight (norm scales too) well above fp32 resolution in 3 steps, without chaotic dynamics
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -35,8 +41,11 @@ def grads(model) -> dict[str, torch.Tensor]:
 
 
 def worst_grad_error(got: dict, ref: dict) -> float:
+    """Per tensor ||g - g_ref|| / ||g_ref||; a gradient that is structurally almost zero (below
+    GRAD_FLOOR of the largest one, e.g. a query bias before a softmax) is measured against that floor."""
     assert got.keys() == ref.keys(), f"gradients differ in which tensors have one: {sorted(got.keys() ^ ref.keys())}"
-    return max(rel(got[k], ref[k]) for k in ref)
+    floor = GRAD_FLOOR * max(float(g.norm()) for g in ref.values())
+    return max(float((got[k] - ref[k]).norm()) / max(float(ref[k].norm()), floor) for k in ref)
 
 
 def with_lora(model, family):
@@ -44,7 +53,7 @@ def with_lora(model, family):
     with torch.no_grad():  # LoRA B starts at zero; make every LoRA tensor see a real gradient
         for name, param in lora.named_parameters():
             if "lora_B" in name:
-                param.normal_(0.0, 0.05)
+                param.normal_(0.0, 0.3)
     return lora
 
 
@@ -59,9 +68,9 @@ def call(model, ids, mask, labels, family):
     return model(input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
 
 
-def sgd_steps(model, ids, mask, labels, family, steps=3):
+def sgd_steps(model, ids, mask, labels, family, steps=3, lr=LR):
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=LR)
+    optimizer = torch.optim.SGD(params, lr=lr)
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
         call(model, ids, mask, labels, family).loss.backward()
@@ -102,17 +111,25 @@ def check_cells(family: str, workers: int) -> dict[str, float]:
                 with torch.no_grad():
                     logits = model(input_ids=ids, attention_mask=mask).logits
                 worst["loss"] = max(worst["loss"], rel(logits, ref_logits))
-            w_pipe = sgd_steps(model, ids, mask, labels, family) if steps else None
+            w_pipe = sgd_steps(model, ids, mask, labels, family, lr=LORA_LR if lora else LR) if steps else None
         finally:
             runtime.detach()
         if not steps:
             continue
         start = {n: p.detach().clone() for n, p in init.named_parameters() if p.requires_grad}
-        w_ref = sgd_steps(init, ids, mask, labels, family)
+        w_ref = sgd_steps(init, ids, mask, labels, family, lr=LORA_LR if lora else LR)
         for name, ref_w in w_ref.items():
             update = (ref_w - start[name]).norm()
-            if update > 0:
-                worst["weight"] = max(worst["weight"], float((w_pipe[name] - ref_w).norm() / update))
+            if 0 < update < RESOLVED_UPDATE * start[name].norm():
+                # An update this small relative to the weight (norm scales) sits at fp32 resolution:
+                # the update-relative metric is ill-conditioned there, so bound the difference in ulps.
+                assert (w_pipe[name] - ref_w).norm() <= ULP_BOUND * start[name].norm(), name
+                worst["ulp_bounded"] = worst.get("ulp_bounded", 0) + 1
+            elif update > 0:
+                worst["measured"] = worst.get("measured", 0) + 1
+                error = float((w_pipe[name] - ref_w).norm() / update)
+                if error > worst["weight"]:
+                    worst["weight"], worst["weight_tensor"], worst["update"] = error, name, float(update)
             else:
                 assert torch.equal(w_pipe[name], ref_w), name
     return worst
@@ -134,11 +151,11 @@ def test_family_matches_unpipelined_model(family, workers):
 if __name__ == "__main__":  # the matrix as a table: python tests/test_family_parity.py
     import time
 
-    print("| family | workers | loss | gradient | weight | wall s |")
-    print("|---|---|---|---|---|---|")
+    print("| family | workers | loss | gradient | weight | tensors measured / ulp-bounded | wall s |")
+    print("|---|---|---|---|---|---|---|")
     for name in sorted(FAMILY_CONFIGS):
         for count in (2, 3):
             began = time.perf_counter()
             errors = check_cells(name, count)
             print(f"| {name} | {count} | {errors['loss']:.1e} | {errors['grad']:.1e} | {errors['weight']:.1e} | "
-                  f"{time.perf_counter() - began:.1f} |", flush=True)
+                  f"{errors.get('measured', 0)} / {errors.get('ulp_bounded', 0)} | {time.perf_counter() - began:.1f} |", flush=True)

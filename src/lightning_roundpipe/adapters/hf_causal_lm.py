@@ -157,10 +157,13 @@ class CausalLMPrefix(nn.Module):
 
     def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module, config: Any, mask_kinds: list[str],
                  embedding_multiplier: float = 1.0, embedding_dropout: float = 0.0,
-                 rotary_layer_types: list[str] | None = None, num_experts: int | None = None):
+                 rotary_layer_types: list[str] | None = None, num_experts: int | None = None,
+                 positions: nn.Module | None = None, dropout_module: nn.Module | None = None):
         super().__init__()
         self.embed_tokens = embed_tokens
-        self.rotary_emb = rotary_emb
+        self.rotary_emb = rotary_emb  # None: the family has no rotary embedding
+        self.positions = positions  # learned absolute positions (GPT-2), or None
+        self.dropout_module = dropout_module  # the model's own embedding dropout module, or None
         # Plain attribute (not a module): read-only, shared with the model.
         self.config = config
         self.mask_kinds = sorted(set(mask_kinds))
@@ -200,10 +203,17 @@ class CausalLMPrefix(nn.Module):
                 cache=None,
                 position_ids=position_ids,
             )
+        if self.positions is not None:
+            hidden = hidden + self.positions(position_ids).to(hidden.device)
         if self.embedding_dropout:
-            hidden = F.dropout(hidden, p=self.embedding_dropout, training=self.training)
+            # The model's train/eval mode, which the embedding module follows (this wrapper is not its child).
+            hidden = F.dropout(hidden, p=self.embedding_dropout, training=self.embed_tokens.training)
+        if self.dropout_module is not None:
+            hidden = self.dropout_module(hidden)
         out["hidden"] = hidden
-        if self.rotary_layer_types is None:
+        if self.rotary_emb is None:
+            pass
+        elif self.rotary_layer_types is None:
             out["cos"], out["sin"] = self.rotary_emb(hidden, position_ids)
         else:
             for layer_type in self.rotary_layer_types:
@@ -248,11 +258,14 @@ class DecoderStep(nn.Module):
     """
 
     def __init__(self, decoder_layer: nn.Module, attention_kind: str, rotary_layer_type: str | None = None,
-                 router: Router | None = None):
+                 router: Router | None = None, with_rotary: bool = True, extra_kwargs: dict | None = None):
         super().__init__()
         self.decoder_layer = decoder_layer
         self.mask_key = MASK_KEY_BY_ATTENTION[attention_kind]
-        self.rotary_key = rotary_keys(rotary_layer_type)
+        self.rotary_key = rotary_keys(rotary_layer_type) if with_rotary else None
+        self.extra_kwargs = dict(extra_kwargs or {})
+        # Only layers that name position_ids get them (GPT-2's blocks would pass them on to attention).
+        self.takes_position_ids = "position_ids" in inspect.signature(decoder_layer.forward).parameters
         self.router = router
         # Plain list, not submodules: the routers are already inside decoder_layer.
         self.routers = routers_in(decoder_layer, router) if router is not None else []
@@ -260,14 +273,13 @@ class DecoderStep(nn.Module):
     def forward(self, carry: Carry) -> Carry:
         want_stats = bool(self.routers) and STAT_KEYS[0] in carry
         tap = RouterTap(self.routers if want_stats else [], self.router.index if want_stats else 0)
+        kwargs = dict(self.extra_kwargs, attention_mask=carry.get(self.mask_key), use_cache=False)
+        if self.rotary_key is not None:
+            kwargs["position_embeddings"] = (carry[self.rotary_key[0]], carry[self.rotary_key[1]])
+        if self.takes_position_ids:
+            kwargs["position_ids"] = carry["position_ids"]
         with own_checkpointing_off(self.decoder_layer), tap:
-            hidden = self.decoder_layer(
-                carry["hidden"],
-                attention_mask=carry.get(self.mask_key),
-                position_embeddings=(carry[self.rotary_key[0]], carry[self.rotary_key[1]]),
-                position_ids=carry["position_ids"],
-                use_cache=False,
-            )
+            hidden = self.decoder_layer(carry["hidden"], **kwargs)
         if isinstance(hidden, tuple):  # older transformers returned (hidden, ...)
             hidden = hidden[0]
         out = dict(carry)
@@ -380,10 +392,9 @@ def _require(obj: Any, path: str, model_class: str) -> Any:
         if not hasattr(current, part):
             raise UnsupportedModelError(
                 f"{model_class} has no attribute '{walked}', which the Hugging Face causal-LM "
-                "adapter needs (it expects model.model.embed_tokens, model.model.layers, "
-                "model.model.norm, model.model.rotary_emb, model.lm_head, model.config). Use a "
-                "supported architecture (e.g. Llama, Qwen2, Qwen3, Mistral) or pass the module to "
-                "pipeline by name / as an nn.Sequential."
+                "adapter needs (for its model_type: see lightning_roundpipe/adapters/hf_families.py; "
+                "Llama's layout is model.model.embed_tokens, .layers, .norm, .rotary_emb, model.lm_head). "
+                "Use a supported family (docs/models.md) or pipeline an nn.Sequential of its layers."
             )
         current = getattr(current, part)
     return current
@@ -440,17 +451,25 @@ class CausalLMLayers:
                 f"{UNSUPPORTED_FAMILIES[model_type]}. Train it with another strategy, or wrap its blocks in an "
                 "nn.Sequential and pipeline that."
             )
-        embed_tokens = _require(hf_model, "model.model.embed_tokens", model_class)
-        decoder_layers = _require(hf_model, "model.model.layers", model_class)
-        norm = _require(hf_model, "model.model.norm", model_class)
-        rotary_emb = _require(hf_model, "model.model.rotary_emb", model_class)
-        lm_head = _require(hf_model, "model.lm_head", model_class)
+        family = family_of(model_type)
+        reason = refusal_reason(family, config) if family is not None else None
+        if reason is not None:
+            raise UnsupportedModelError(f"{model_class} cannot be pipelined as a causal LM: {reason}")
+        spec = family or FAMILIES["llama"]
+        layout = spec.layout
+        embed_tokens = _require(hf_model, f"model.{layout.embed}", model_class)
+        decoder_layers = _require(hf_model, f"model.{layout.layers}", model_class)
+        norm = _require(hf_model, f"model.{layout.norm}", model_class)
+        rotary_emb = _require(hf_model, f"model.{layout.rotary}", model_class) if layout.rotary else None
+        lm_head = _require(hf_model, f"model.{layout.head}", model_class)
+        positions = _require(hf_model, f"model.{layout.positions}", model_class) if layout.positions else None
+        dropout = (_require(hf_model, f"model.{layout.embedding_dropout}", model_class)
+                   if layout.embedding_dropout else None)
         if not isinstance(decoder_layers, nn.ModuleList):
             raise UnsupportedModelError(
-                f"{model_class}.model.layers is a {type(decoder_layers).__name__}, not an "
+                f"{model_class}.{layout.layers} is a {type(decoder_layers).__name__}, not an "
                 "nn.ModuleList; pass the module to pipeline by name instead."
             )
-        family = family_of(model_type)
         if family is None and not allow_unverified:
             raise UnsupportedModelError(
                 f"{model_class} (model_type={model_type!r}) has the expected attributes, but its forward is not "
@@ -459,13 +478,9 @@ class CausalLMLayers:
                 "RoundPipeRuntime.attach(..., options=RuntimeOptions(allow_unverified=True))) to run it after a "
                 "parity check of the pipelined against the unpipelined forward on the first microbatch."
             )
-        reason = refusal_reason(family, config) if family is not None else None
-        if reason is not None:
-            raise UnsupportedModelError(f"{model_class} cannot be pipelined as a causal LM: {reason}")
-        spec = family or FAMILIES["llama"]
         num_layers = min(len(decoder_layers), getattr(config, "num_hidden_layers", len(decoder_layers)))
         kinds = attention_kinds(config, num_layers)
-        per_type_rotary = rotary_takes_layer_type(rotary_emb)
+        per_type_rotary = rotary_emb is not None and rotary_takes_layer_type(rotary_emb)
         router = find_router(hf_model)
         prefix = CausalLMPrefix(
             embed_tokens, rotary_emb, config, kinds,
@@ -473,6 +488,7 @@ class CausalLMLayers:
             embedding_dropout=float(config_value(config, spec.embedding_dropout, 0.0)),
             rotary_layer_types=sorted(set(kinds)) if per_type_rotary else None,
             num_experts=router.num_experts if router is not None else None,
+            positions=positions, dropout_module=dropout,
         )
         transform = LogitTransform(
             multiplier=float(config_value(config, spec.logit_multiplier, 1.0)),
@@ -480,7 +496,8 @@ class CausalLMLayers:
             softcap=None if spec.logit_softcap is None else config_value(config, spec.logit_softcap, None),
         )
         layers: list[nn.Module] = [prefix]
-        layers += [DecoderStep(decoder_layers[i], kinds[i], kinds[i] if per_type_rotary else None, router)
+        layers += [DecoderStep(decoder_layers[i], kinds[i], kinds[i] if per_type_rotary else None, router,
+                               with_rotary=rotary_emb is not None, extra_kwargs=dict(spec.layer_kwargs))
                    for i in range(num_layers)]
         layers.append(CausalLMPostfix(norm, lm_head, mode=postfix_mode, loss_chunk_size=loss_chunk_size,
                                       transform=transform))

@@ -19,6 +19,27 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class Layout:
+    """Where a family keeps its modules (dotted paths from the ``...ForCausalLM``).
+
+    positions: a learned absolute position embedding added to the token embeddings (GPT-2);
+    rotary: the rotary module (None: the family has none, its layers get no position embeddings);
+    embedding_dropout: a dropout module ``Model.forward`` applies to the embeddings.
+    """
+
+    embed: str = "model.embed_tokens"
+    layers: str = "model.layers"
+    norm: str = "model.norm"
+    rotary: str | None = "model.rotary_emb"
+    head: str = "lm_head"
+    positions: str | None = None
+    embedding_dropout: str | None = None
+
+
+LLAMA_LAYOUT = Layout()
+
+
+@dataclass(frozen=True)
 class Family:
     """The config-driven arithmetic of one family's ``forward`` (attribute names on its config).
 
@@ -28,6 +49,8 @@ class Family:
     logit_divisor: logits are divided by this (Granite's ``logits_scaling``).
     logit_softcap: ``cap * tanh(logits / cap)`` when the value is not None (Gemma2, Gemma3).
     refused_when: (config attribute, reason) pairs: a truthy value makes the model unsupported.
+    layout: where the modules are (Llama's layout by default).
+    layer_kwargs: extra keyword arguments every decoder layer call gets (Falcon's ``alibi=None``).
     """
 
     embedding_multiplier: str | None = None
@@ -36,6 +59,8 @@ class Family:
     logit_divisor: str | None = None
     logit_softcap: str | None = None
     refused_when: tuple[tuple[str, str], ...] = ()
+    layout: Layout = LLAMA_LAYOUT
+    layer_kwargs: tuple[tuple[str, Any], ...] = ()
 
 
 _BIDIRECTIONAL = (("use_bidirectional_attention", "bidirectional attention is an encoder set-up, not a causal LM"),)
@@ -72,16 +97,25 @@ FAMILIES: dict[str, Family] = {
     "phimoe": PLAIN,
     "gpt_oss": PLAIN,
     "deepseek_v3": PLAIN,
+    # other layouts
+    "phi": Family(layout=Layout(norm="model.final_layernorm", embedding_dropout="model.embed_dropout")),
+    "gpt_neox": Family(layout=Layout(embed="gpt_neox.embed_in", layers="gpt_neox.layers", norm="gpt_neox.final_layer_norm",
+                                     rotary="gpt_neox.rotary_emb",
+                                     embedding_dropout="gpt_neox.emb_dropout")),
+    "gpt2": Family(layout=Layout(embed="transformer.wte", positions="transformer.wpe", layers="transformer.h",
+                                 norm="transformer.ln_f", rotary=None, embedding_dropout="transformer.drop"),
+                   refused_when=(("add_cross_attention", "cross-attention needs encoder states, not a causal LM"),)),
+    "falcon": Family(layout=Layout(embed="transformer.word_embeddings", layers="transformer.h", norm="transformer.ln_f",
+                                   rotary="transformer.rotary_emb"),
+                     layer_kwargs=(("alibi", None),),
+                     refused_when=(("alibi", "ALiBi builds its bias from the attention mask inside Model.forward and "
+                                             "adds it to the mask; use a rotary Falcon"),)),
 }
 """Verified families by ``config.model_type``."""
 
 UNSUPPORTED_FAMILIES: dict[str, str] = {
-    "gpt2": "learned absolute positions and blocks under model.transformer.h that take no position embeddings; "
-            "its forward is not the embed -> rotary -> layers -> norm -> head shape this adapter reproduces",
-    "gpt_neox": "modules live under model.gpt_neox (embed_in, final_layer_norm) and the head is embed_out",
-    "falcon": "modules live under model.transformer (word_embeddings, h, ln_f) and ALiBi builds its bias from "
-              "the attention mask inside Model.forward",
-    "phi": "the final norm is model.model.final_layernorm and the embeddings go through embed_dropout",
+    "bloom": "ALiBi built from the attention mask inside Model.forward and passed to every block",
+    "mpt": "ALiBi built inside Model.forward and passed to every block",
 }
 """Families present in transformers that the adapter does not pipeline, with the reason."""
 
