@@ -71,3 +71,32 @@ def test_router_is_found_from_the_models_own_recorders():
         router = find_router(tiny_model(family))
         assert router is not None and router.num_experts == 4 and router.top_k == 2 and router.coefficient == 0.7
     assert find_router(tiny_model("llama")) is None
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_lora_on_expert_tensors_and_attention_with_the_aux_loss(family):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model(family), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
+                                                          target_parameters=["mlp.experts.gate_up_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.3)
+    ids, mask, labels = family_batch("left")
+    ref = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+    ref.loss.backward()
+    g_ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert any("experts.lora_A" in n for n in g_ref) and any("q_proj.lora_A" in n for n in g_ref)
+    model.zero_grad(set_to_none=True)
+    runtime = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(microbatches=3))
+    try:
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        assert abs(out.loss.item() / ref.loss.item() - 1) <= 1e-6
+        out.loss.backward()
+        got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert got.keys() == g_ref.keys()
+        for name in g_ref:
+            assert (got[name] - g_ref[name]).norm() / g_ref[name].norm() <= 1e-5, name
+    finally:
+        runtime.detach()

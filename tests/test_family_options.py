@@ -26,7 +26,8 @@ def test_unverified_family_is_refused_naming_the_real_option():
     with pytest.raises(UnsupportedModelError, match=r"RoundPipeStrategy\(allow_unverified=True\)") as err:
         RoundPipeRuntime.attach(unverified("arcee"), "cpu", 2)
     assert "RuntimeOptions(allow_unverified=True)" in str(err.value)
-    RoundPipeStrategy(allow_unverified=True)  # the option exists on the strategy
+    assert RoundPipeStrategy(allow_unverified=True).options.allow_unverified  # the option exists on the strategy
+    assert RoundPipeStrategy(logits_with_loss=True).options.logits_with_loss
 
 
 def test_unverified_family_runs_after_a_passing_parity_check():

@@ -28,7 +28,7 @@ LOSS_TOL, GRAD_TOL, WEIGHT_TOL = 1e-5, 1e-5, 1e-4
 GRAD_FLOOR = 1e-3  # gradients below this fraction of the largest are at the fp32 floor of backward sums
 RESOLVED_UPDATE = 1e-3  # updates below this fraction of the weight's norm are at fp32 resolution after 3 steps
 ULP_BOUND = 1e-6  # for those: ||w - w_ref|| <= 1e-6 ||w_init|| (about 8 fp32 ulps)
-LORA_LR = 2.0  # LoRA tensors get small gradients from a tiny model; a larger rate resolves their update
+LORA_LR = 0.5  # LoRA tensors get small gradients from a tiny model; a larger rate resolves their update
 LR = 0.2  # moves every weight (norm scales too) well above fp32 resolution in 3 steps, without chaotic dynamics
 
 

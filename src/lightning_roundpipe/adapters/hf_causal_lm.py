@@ -21,11 +21,16 @@ between layers:
     ``DIFFERENTIABLE_CARRY_KEYS``), ``cos``/``sin`` (rotary position embeddings),
     ``position_ids``, ``mask`` (the full-attention mask from HF's own ``create_causal_mask``;
     None when the attention implementation needs no dense mask, e.g. sdpa without padding),
-    ``sliding_mask`` (only for models with sliding-window layers, from
-    ``create_sliding_window_causal_mask``), ``labels`` (passed through when given).
+    ``sliding_mask`` / ``chunked_mask`` (only for models with such layers, from HF's
+    ``create_sliding_window_causal_mask`` / ``create_chunked_causal_mask``), ``cos.<type>`` /
+    ``sin.<type>`` instead of ``cos``/``sin`` when the rotary embedding is per layer type (Gemma3),
+    ``labels`` and ``outputs`` (passed through when given), and for MoE models asked for router
+    statistics ``moe_counts`` / ``moe_probs`` / ``moe_rows`` plus ``token_mask`` (see :mod:`.hf_moe`).
 output of the last layer:
-    ``{"logits": [b, s, vocab]}`` in logits mode, or ``{"loss_sum": 0-dim fp32}`` in loss mode
-    (see ``CausalLMPostfix.mode``).
+    ``{"logits": [b, s, vocab]}`` in logits mode, ``{"loss_sum": 0-dim fp32}`` in loss mode, or
+    ``{"loss_sum": [1], ...}`` when the host combines the outputs (see ``CausalLMPostfix``).
+
+Where each family keeps its modules and what its forward adds is in :mod:`.hf_families`.
 
 Loss bookkeeping: HF's loss is the mean over the shifted, non-ignored tokens of the whole batch,
 so ``loss = sum(loss_sum over microbatches) / count_loss_tokens(labels of the whole batch)``.
