@@ -17,7 +17,7 @@ WINDOW = 4  # shorter than SEQ: sliding layers really slide
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
                num_key_value_heads=1, head_dim=8, max_position_embeddings=64, attention_dropout=0.0,
-               tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+               tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.1)
 _ALTERNATING = ["sliding_attention", "full_attention", "sliding_attention"]
 _MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.7, output_router_logits=False)
 
@@ -65,7 +65,7 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "gpt2": dict(n_embd=16, n_layer=3, n_head=2, n_positions=64, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0,
                  tie_word_embeddings=True, initializer_range=0.2),
     "falcon": dict(alibi=False, new_decoder_architecture=True, num_kv_heads=1, parallel_attn=True, bias=True,
-                   hidden_dropout=0.0),
+                   hidden_dropout=0.0, initializer_range=0.2),
 }
 """Per family, the config values on top of the common tiny sizes."""
 
