@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_roundpipe.adapters.chunked_loss import chunked_lm_head_loss, plain_lm_head_loss
+from lightning_roundpipe.adapters.chunked_loss import LogitTransform, chunked_lm_head_loss, plain_lm_head_loss
 
 
 def make_inputs(rows=37, hidden=16, vocab=50, with_bias=False, dtype=torch.float32, seed=0):
@@ -133,3 +133,25 @@ def test_shape_errors_are_clear():
         chunked_lm_head_loss(h.unsqueeze(0), w, labels)
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_lm_head_loss(h, w, labels, chunk_size=0)
+
+
+@pytest.mark.parametrize("transform", [
+    LogitTransform(softcap=2.0),
+    LogitTransform(multiplier=0.3),
+    LogitTransform(divisor=5.0, softcap=1.5),
+])
+def test_logit_transform_inside_the_chunks_matches_full_logits(transform):
+    torch.manual_seed(0)
+    hidden = torch.randn(13, 8, requires_grad=True)
+    weight = torch.randn(20, 8, requires_grad=True)
+    labels = torch.randint(0, 20, (13,))
+    labels[2] = -100
+    ref = plain_lm_head_loss(hidden, weight, labels, transform=transform)
+    g_ref = torch.autograd.grad(ref * 1.7, (hidden, weight))
+    got = chunked_lm_head_loss(hidden, weight, labels, chunk_size=4, transform=transform)
+    g = torch.autograd.grad(got * 1.7, (hidden, weight))
+    assert abs(got.item() / ref.item() - 1) <= 1e-6
+    for a, b in zip(g, g_ref):
+        assert (a - b).norm() / b.norm() <= 1e-6
+    identity = plain_lm_head_loss(hidden, weight, labels)
+    assert abs(identity.item() - ref.item()) > 1e-3  # the transform really changes the loss

@@ -233,7 +233,7 @@ def test_postfix_modes_and_errors():
     layers.set_postfix_mode("auto")
     assert set(layers.run(without_labels)) == {"logits"}
     assert set(layers.run(batch)) == {"loss_sum"}
-    with pytest.raises(ValueError, match="'auto', 'logits' or 'loss'"):
+    with pytest.raises(ValueError, match="'auto', 'logits', 'loss', 'loss_and_logits' or 'loss_and_stats'"):
         layers.set_postfix_mode("both")
     with pytest.raises(ValueError, match=r"unsupported input keys \['token_type_ids'\]"):
         layers.run({**batch, "token_type_ids": torch.zeros_like(batch["input_ids"])})
@@ -288,11 +288,11 @@ def test_model_is_unchanged_by_building_and_running_layers():
 
 
 def test_unsupported_model_names_missing_attribute():
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB))
-    with pytest.raises(UnsupportedModelError, match=r"GPT2LMHeadModel has no attribute 'model\.model'") as info:
-        CausalLMLayers.from_model(gpt2)
+    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=VOCAB))
+    with pytest.raises(UnsupportedModelError, match=r"BloomForCausalLM \(model_type='bloom'\) cannot be pipelined") as info:
+        CausalLMLayers.from_model(bloom)
     assert isinstance(info.value, ValueError)
-    assert "pass the module to pipeline by name" in str(info.value)
+    assert "ALiBi" in str(info.value) and "nn.Sequential" in str(info.value)
 
 
 class _FakeCausalLM(nn.Module):
@@ -316,10 +316,11 @@ def test_missing_nested_attribute_is_named():
 
 
 def test_unverified_model_type_needs_opt_in():
-    with pytest.raises(UnsupportedModelError, match=r"model_type='gemma'.*allow_unverified=True"):
-        CausalLMLayers.from_model(_FakeCausalLM(model_type="gemma"))
-    layers = CausalLMLayers.from_model(_FakeCausalLM(model_type="gemma"), allow_unverified=True)
-    assert len(layers.layers) == 3
+    with pytest.raises(UnsupportedModelError, match=r"model_type='arcee'.*RoundPipeStrategy\(allow_unverified=True\)"):
+        CausalLMLayers.from_model(_FakeCausalLM(model_type="arcee"))
+    layers = CausalLMLayers.from_model(_FakeCausalLM(model_type="arcee"), allow_unverified=True)
+    assert len(layers.layers) == 3 and not layers.verified
+    assert CausalLMLayers.from_model(_FakeCausalLM(model_type="gemma")).verified
 
 
 def test_layers_run_concurrently_on_threads():

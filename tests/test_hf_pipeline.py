@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from lightning_roundpipe import RoundPipeRuntime, RoundPipeStrategy, RuntimeOptions
+from lightning_roundpipe.adapters.hf_runtime import LogitsNotComputedError
 
 VOCAB = 96
 
@@ -59,7 +60,8 @@ def test_loss_and_gradients_match_unpipelined(arch, padded, lora):
         rt = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(microbatches=m))
         try:
             out = model(input_ids=ids, attention_mask=mask, labels=labels)
-            assert out.logits is None
+            with pytest.raises(LogitsNotComputedError, match="logits_with_loss=True"):
+                out.logits  # never silently None
             assert abs(out.loss.item() / ref.loss.item() - 1) <= 1e-6
             out.loss.backward()
             g = grads(model)

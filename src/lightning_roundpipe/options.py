@@ -205,6 +205,10 @@ class RuntimeOptions:
     pinned: pinned host memory policy for the CUDA backend: "alloc", "register" or "off" (see
         ``params/shadows.py`` for the trade-off); no effect on the CPU backend.
     optimizer_delay_s: testing knob: sleep this long before each layer's optimizer step.
+    allow_unverified: pipeline a Hugging Face family that is not verified (docs/models.md) after
+        checking the pipelined against the unpipelined forward on the first microbatch.
+    logits_with_loss: a Hugging Face causal LM called with ``labels`` also returns ``.logits``
+        (costs the full logits; without it, reading them raises an error saying so).
     """
 
     microbatches: Optional[int] = None
@@ -223,6 +227,8 @@ class RuntimeOptions:
     staleness: int = 0
     pinned: str = "alloc"
     optimizer_delay_s: float = 0.0
+    allow_unverified: bool = False
+    logits_with_loss: bool = False
 
     def validate(self, owner: str | None = None) -> "RuntimeOptions":
         """Check every field; ``owner`` is how the caller spelled the options (default: the class name)."""
@@ -239,6 +245,8 @@ class RuntimeOptions:
         _integer(owner, "trace_steps", self.trace_steps, 0)
         _flag(owner, "step_metrics", self.step_metrics)
         _flag(owner, "overlap_optimizer", self.overlap_optimizer)
+        _flag(owner, "allow_unverified", self.allow_unverified)
+        _flag(owner, "logits_with_loss", self.logits_with_loss)
         if self.staleness not in (0, 1) or isinstance(self.staleness, bool):
             _fail(owner, "staleness", self.staleness, "use 0 (exact) or 1 (one-step-delayed update)")
         if self.staleness and not self.overlap_optimizer:

@@ -207,7 +207,7 @@ class RoundPipeRuntime:
             return cls(module, list(module), _sequential_forward, backend, num_workers, options, **kwargs)
         from .adapters.hf_runtime import causal_lm_runtime_parts
 
-        patched, layers, forward = causal_lm_runtime_parts(module)
+        patched, layers, forward = causal_lm_runtime_parts(module, options)
         return cls(patched, layers, forward, backend, num_workers, options, fused_last=True, **kwargs)
 
     def describe(self) -> str:

@@ -10,10 +10,16 @@ just scales the stored gradients by the incoming gradient (exact for any use of 
 Numerics follow Hugging Face's ``ForCausalLMLoss``: the head runs in the input dtype, the logits
 are upcast to fp32 for the loss, and the logits gradient is cast back to the input dtype before
 the two matmuls of the head's backward.
+
+Some families transform the logits before the loss (Cohere multiplies them, Granite divides
+them, Gemma2/3 soft-cap them with ``cap * tanh(logits / cap)``): :class:`LogitTransform` applies
+the same arithmetic in the same order, in the head's dtype, inside each chunk, and its derivative
+in the chunk's backward, so the transform never needs the full logits either.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -25,14 +31,60 @@ LogitsObserver = Callable[[torch.Tensor], None]
 prove the O(chunk x vocab) memory bound)."""
 
 
+@dataclass(frozen=True)
+class LogitTransform:
+    """``logits * multiplier / divisor``, then ``softcap * tanh(logits / softcap)`` when set.
+
+    The identity by default. Applied in the dtype of the head's output, as the models do.
+    """
+
+    multiplier: float = 1.0
+    divisor: float = 1.0
+    softcap: float | None = None
+
+    @property
+    def is_identity(self) -> bool:
+        return self.multiplier == 1.0 and self.divisor == 1.0 and self.softcap is None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.multiplier != 1.0:
+            logits = logits * self.multiplier
+        if self.divisor != 1.0:
+            logits = logits / self.divisor
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def softcap_slope(self, transformed: torch.Tensor) -> torch.Tensor | None:
+        """d(softcapped)/d(input) = 1 - tanh^2 as fp32, from the transform's output; None without a cap."""
+        if self.softcap is None:
+            return None
+        tanh = transformed.float() / self.softcap
+        return 1.0 - tanh * tanh
+
+    def backward_(self, grad: torch.Tensor, slope: torch.Tensor | None) -> torch.Tensor:
+        """Chain rule through the transform, in place on ``grad`` (fp32); ``slope`` from :meth:`softcap_slope`."""
+        if slope is not None:
+            grad.mul_(slope)
+        if self.multiplier != 1.0:
+            grad.mul_(self.multiplier)
+        if self.divisor != 1.0:
+            grad.div_(self.divisor)
+        return grad
+
+
+IDENTITY = LogitTransform()
+
+
 def plain_lm_head_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
     ignore_index: int = -100,
     bias: torch.Tensor | None = None,
+    transform: LogitTransform = IDENTITY,
 ) -> torch.Tensor:
-    """Reference: full logits, fp32 upcast, summed cross-entropy (0-dim fp32).
+    """Reference: full logits, ``transform``, fp32 upcast, summed cross-entropy (0-dim fp32).
 
     Args:
         hidden: [n, h] rows fed to the LM head.
@@ -40,8 +92,9 @@ def plain_lm_head_loss(
         labels: [n] target ids; rows equal to ``ignore_index`` contribute nothing.
         ignore_index: label value to skip.
         bias: optional [vocab] LM head bias.
+        transform: what the model does to its logits before the loss.
     """
-    logits = F.linear(hidden, weight, bias).float()
+    logits = transform(F.linear(hidden, weight, bias)).float()
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
 
 
@@ -53,6 +106,7 @@ def chunked_lm_head_loss(
     ignore_index: int = -100,
     bias: torch.Tensor | None = None,
     on_logits_chunk: LogitsObserver | None = None,
+    transform: LogitTransform = IDENTITY,
 ) -> torch.Tensor:
     """Summed cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels``, chunked.
 
@@ -72,6 +126,7 @@ def chunked_lm_head_loss(
         ignore_index: label value to skip.
         bias: optional [vocab] LM head bias.
         on_logits_chunk: debug callback receiving every logits chunk (see ``LogitsObserver``).
+        transform: what the model does to its logits before the loss (scaling, soft-capping).
 
     Returns:
         0-dim fp32 tensor: the sum (not the mean) of the per-token losses.
@@ -91,7 +146,7 @@ def chunked_lm_head_loss(
     differentiable = [hidden, weight] + ([bias] if bias is not None else [])
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
     return _ChunkedLMHeadLoss.apply(
-        hidden, weight, bias, labels, chunk_size, ignore_index, wants_grad, on_logits_chunk
+        hidden, weight, bias, labels, chunk_size, ignore_index, wants_grad, on_logits_chunk, transform
     )
 
 
@@ -99,7 +154,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
     """Forward computes loss and (optionally) gradients; backward rescales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk_size, ignore_index, wants_grad, observer):
+    def forward(ctx, hidden, weight, bias, labels, chunk_size, ignore_index, wants_grad, observer, transform):
         rows = hidden.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if wants_grad else None
@@ -113,8 +168,10 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             stop = min(start + chunk_size, rows)
             h = hidden[start:stop]
             target = labels[start:stop]
-            # Head in the input dtype, then upcast: what HF's lm_head + ForCausalLMLoss do.
-            logits = F.linear(h, weight, bias).float()
+            # Head and transform in the input dtype, then upcast: what HF's forward + ForCausalLMLoss do.
+            transformed = transform(F.linear(h, weight, bias))
+            slope = transform.softcap_slope(transformed)  # before the in-place softmax below reuses the buffer
+            logits = transformed.float()
             if observer is not None:
                 observer(logits)
             valid = target != ignore_index
@@ -129,6 +186,8 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             grad_logits = logits.sub_(log_norm.unsqueeze(1)).exp_()
             grad_logits.scatter_add_(1, safe_target, torch.full_like(safe_target, -1, dtype=grad_logits.dtype))
             grad_logits.mul_(valid.unsqueeze(1).to(grad_logits.dtype))
+            if not transform.is_identity:
+                grad_logits = transform.backward_(grad_logits, slope)
             grad_low = grad_logits.to(hidden.dtype)  # no copy in fp32
             grad_hidden[start:stop] = grad_low @ weight
             if hidden.dtype == torch.float32:
@@ -137,7 +196,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
                 grad_weight += grad_low.t() @ h
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0)
-            del logits, grad_logits, grad_low
+            del logits, grad_logits, grad_low, transformed, slope
         ctx.grad_hidden = grad_hidden
         ctx.grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         ctx.grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
@@ -160,4 +219,4 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             if ctx.grad_bias is not None and ctx.needs_input_grad[2]
             else None,
         ]
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)

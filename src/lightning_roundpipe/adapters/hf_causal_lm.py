@@ -21,11 +21,16 @@ between layers:
     ``DIFFERENTIABLE_CARRY_KEYS``), ``cos``/``sin`` (rotary position embeddings),
     ``position_ids``, ``mask`` (the full-attention mask from HF's own ``create_causal_mask``;
     None when the attention implementation needs no dense mask, e.g. sdpa without padding),
-    ``sliding_mask`` (only for models with sliding-window layers, from
-    ``create_sliding_window_causal_mask``), ``labels`` (passed through when given).
+    ``sliding_mask`` / ``chunked_mask`` (only for models with such layers, from HF's
+    ``create_sliding_window_causal_mask`` / ``create_chunked_causal_mask``), ``cos.<type>`` /
+    ``sin.<type>`` instead of ``cos``/``sin`` when the rotary embedding is per layer type (Gemma3),
+    ``labels`` and ``outputs`` (passed through when given), and for MoE models asked for router
+    statistics ``moe_counts`` / ``moe_probs`` / ``moe_rows`` plus ``token_mask`` (see :mod:`.hf_moe`).
 output of the last layer:
-    ``{"logits": [b, s, vocab]}`` in logits mode, or ``{"loss_sum": 0-dim fp32}`` in loss mode
-    (see ``CausalLMPostfix.mode``).
+    ``{"logits": [b, s, vocab]}`` in logits mode, ``{"loss_sum": 0-dim fp32}`` in loss mode, or
+    ``{"loss_sum": [1], ...}`` when the host combines the outputs (see ``CausalLMPostfix``).
+
+Where each family keeps its modules and what its forward adds is in :mod:`.hf_families`.
 
 Loss bookkeeping: HF's loss is the mean over the shifted, non-ignored tokens of the whole batch,
 so ``loss = sum(loss_sum over microbatches) / count_loss_tokens(labels of the whole batch)``.
@@ -33,6 +38,8 @@ so ``loss = sum(loss_sum over microbatches) / count_loss_tokens(labels of the wh
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -40,24 +47,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .chunked_loss import chunked_lm_head_loss
+from .chunked_loss import IDENTITY, LogitTransform, chunked_lm_head_loss
+from .hf_families import FAMILIES, UNSUPPORTED_FAMILIES, config_value, family_of, refusal_reason
+from .hf_moe import STAT_KEYS, Router, RouterTap, add_layer_stats, empty_stats, find_router, routers_in
 
 Carry = dict[str, Any]
-PostfixMode = Literal["auto", "logits", "loss"]
+PostfixMode = Literal["auto", "logits", "loss", "loss_and_logits", "loss_and_stats"]
 
-VERIFIED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-"""``config.model_type`` values whose HF forward was checked to be exactly
-embed -> rotary/mask -> decoder layers -> norm -> lm_head (tests/test_hf_adapter.py). Others with
-the same attributes may still scale embeddings or logits inside ``forward`` (Gemma, Cohere...)."""
+VERIFIED_MODEL_TYPES = frozenset(FAMILIES)
+"""``config.model_type`` values whose HF forward each has a parity test (tests/test_family_parity.py);
+see :mod:`.hf_families` for what each family's forward adds."""
 
-INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
-"""Keys the prefix accepts in a microbatch."""
+INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "labels", "router_stats", "outputs")
+"""Keys the prefix accepts in a microbatch. ``router_stats`` (bool) asks MoE layers for the
+aux-loss statistics; ``outputs`` (a :data:`PostfixMode`) tells the last layer what to return and
+travels with the carry, so a recompute in backward does what its forward did."""
 
-DIFFERENTIABLE_CARRY_KEYS = ("hidden",)
-"""Carry keys between layers that carry a gradient; all others (cos, sin, masks, ids, labels)
-depend on no parameter, so the engine need not request gradients for them."""
+DIFFERENTIABLE_CARRY_KEYS = ("hidden", "moe_probs")
+"""Carry keys between layers that carry a gradient; all others (cos, sin, masks, ids, labels,
+expert counts) depend on no parameter, so the engine need not request gradients for them."""
 
-MASK_KEY_BY_ATTENTION = {"full_attention": "mask", "sliding_attention": "sliding_mask"}
+MASK_KEY_BY_ATTENTION = {"full_attention": "mask", "sliding_attention": "sliding_mask",
+                         "chunked_attention": "chunked_mask"}
 """Carry key holding the mask for each kind of attention layer."""
 
 IGNORE_INDEX = -100
@@ -92,10 +103,11 @@ def count_loss_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) ->
 
 
 def attention_kinds(config: Any, num_layers: int) -> list[str]:
-    """Per decoder layer, which mask it uses: ``"full_attention"`` or ``"sliding_attention"``.
+    """Per decoder layer, which mask it uses: ``"full_attention"``, ``"sliding_attention"`` or ``"chunked_attention"``.
 
-    Mirrors the models: ``config.layer_types`` when the config has it (Qwen2/Qwen3), otherwise
-    sliding for every layer when ``config.sliding_window`` is set (Mistral), else full (Llama).
+    Mirrors the models: ``config.layer_types`` when the config has it (Qwen2/Qwen3, Gemma2/3...),
+    otherwise sliding for every layer when ``config.sliding_window`` is set (Mistral, Phi3,
+    Starcoder2, Mixtral), else full (Llama).
     """
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
@@ -108,7 +120,7 @@ def attention_kinds(config: Any, num_layers: int) -> list[str]:
     if unknown:
         raise UnsupportedModelError(
             f"config.layer_types contains {unknown}; this adapter supports only "
-            f"{sorted(MASK_KEY_BY_ATTENTION)}. Pass the module to pipeline by name instead."
+            f"{sorted(MASK_KEY_BY_ATTENTION)}."
         )
     return kinds
 
@@ -122,24 +134,48 @@ def _mask_builders() -> dict[str, Any]:
             f"the causal-LM adapter needs transformers>=5 (mask helpers take `cache=`); "
             f"found {transformers.__version__}"
         )
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from transformers.masking_utils import (create_causal_mask, create_chunked_causal_mask,
+                                            create_sliding_window_causal_mask)
 
-    return {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    return {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask,
+            "chunked_attention": create_chunked_causal_mask}
+
+
+def rotary_takes_layer_type(rotary_emb: nn.Module) -> bool:
+    """True when the rotary module computes one embedding per layer type (Gemma3: ``forward(x, pos, layer_type)``)."""
+    return "layer_type" in inspect.signature(rotary_emb.forward).parameters
+
+
+def rotary_keys(layer_type: str | None) -> tuple[str, str]:
+    """Carry keys of the rotary (cos, sin) for a layer type (None: one rotary for every layer)."""
+    return ("cos", "sin") if layer_type is None else (f"cos.{layer_type}", f"sin.{layer_type}")
 
 
 class CausalLMPrefix(nn.Module):
     """Token embedding + rotary position embedding + attention masks, once per microbatch.
 
     Parameters: ``embed_tokens.*``; buffers: ``rotary_emb.*`` (both the model's own modules).
+    ``embedding_multiplier`` / ``embedding_dropout``: what the family's ``Model.forward`` does to
+    the embeddings (1.0 / 0.0 for most). ``rotary_layer_types``: the layer types to compute a
+    rotary embedding for (Gemma3), or None for one shared rotary embedding.
     """
 
-    def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module, config: Any, mask_kinds: list[str]):
+    def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module, config: Any, mask_kinds: list[str],
+                 embedding_multiplier: float = 1.0, embedding_dropout: float = 0.0,
+                 rotary_layer_types: list[str] | None = None, num_experts: int | None = None,
+                 positions: nn.Module | None = None, dropout_module: nn.Module | None = None):
         super().__init__()
         self.embed_tokens = embed_tokens
-        self.rotary_emb = rotary_emb
+        self.rotary_emb = rotary_emb  # None: the family has no rotary embedding
+        self.positions = positions  # learned absolute positions (GPT-2), or None
+        self.dropout_module = dropout_module  # the model's own embedding dropout module, or None
         # Plain attribute (not a module): read-only, shared with the model.
         self.config = config
         self.mask_kinds = sorted(set(mask_kinds))
+        self.embedding_multiplier = float(embedding_multiplier)
+        self.embedding_dropout = float(embedding_dropout)
+        self.rotary_layer_types = rotary_layer_types
+        self.num_experts = num_experts
 
     def forward(self, carry: Carry) -> Carry:
         unknown = sorted(set(carry) - set(INPUT_KEYS))
@@ -157,11 +193,13 @@ class CausalLMPrefix(nn.Module):
         attention_mask = carry.get("attention_mask")
         position_ids = carry.get("position_ids")
         hidden = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
         if position_ids is None:
             # As the model does without a cache: plain arange, NOT derived from attention_mask.
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         builders = _mask_builders()
-        out: Carry = {"hidden": hidden}
+        out: Carry = {}
         for kind in self.mask_kinds:
             out[MASK_KEY_BY_ATTENTION[kind]] = builders[kind](
                 config=self.config,
@@ -170,49 +208,111 @@ class CausalLMPrefix(nn.Module):
                 cache=None,
                 position_ids=position_ids,
             )
-        out["cos"], out["sin"] = self.rotary_emb(hidden, position_ids)
+        if self.positions is not None:
+            hidden = hidden + self.positions(position_ids).to(hidden.device)
+        if self.embedding_dropout:
+            # The model's train/eval mode, which the embedding module follows (this wrapper is not its child).
+            hidden = F.dropout(hidden, p=self.embedding_dropout, training=self.embed_tokens.training)
+        if self.dropout_module is not None:
+            hidden = self.dropout_module(hidden)
+        out["hidden"] = hidden
+        if self.rotary_emb is None:
+            pass
+        elif self.rotary_layer_types is None:
+            out["cos"], out["sin"] = self.rotary_emb(hidden, position_ids)
+        else:
+            for layer_type in self.rotary_layer_types:
+                cos_key, sin_key = rotary_keys(layer_type)
+                out[cos_key], out[sin_key] = self.rotary_emb(hidden, position_ids, layer_type)
         out["position_ids"] = position_ids
         if carry.get("labels") is not None:
             out["labels"] = carry["labels"]
+        if carry.get("outputs") is not None:
+            out["outputs"] = carry["outputs"]
+        if carry.get("router_stats"):
+            if self.num_experts is None:
+                raise ValueError("router statistics were asked for, but the model has no MoE router")
+            out.update(empty_stats(hidden, self.num_experts))
+            if attention_mask is not None:
+                out["token_mask"] = attention_mask
         return out
 
 
+@contextlib.contextmanager
+def own_checkpointing_off(layer: nn.Module):
+    """Run ``layer`` without Hugging Face's gradient checkpointing: the pipeline already
+    recomputes every stage from its input in backward, and HF's reentrant checkpoint inside a
+    stage would drop the gradients of parameters whose stage input needs none. Subsumed, not
+    stacked: exact whatever ``use_reentrant`` the user chose."""
+    enabled = getattr(layer, "gradient_checkpointing", False)
+    if enabled:
+        layer.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        if enabled:
+            layer.gradient_checkpointing = True
+
+
 class DecoderStep(nn.Module):
-    """One original decoder layer; replaces ``hidden`` and passes every other key through."""
+    """One original decoder layer; replaces ``hidden`` and passes every other key through.
+
+    ``rotary_layer_type``: which per-type rotary embedding the layer reads (None: the shared one).
+    ``router``: the model's MoE router description; when the carry holds router statistics, the
+    layer's router logits are added to them (see :mod:`.hf_moe`).
+    """
 
     differentiable_carry_keys = DIFFERENTIABLE_CARRY_KEYS  # read by the engine: what gets a gradient
 
-    def __init__(self, decoder_layer: nn.Module, attention_kind: str):
+    def __init__(self, decoder_layer: nn.Module, attention_kind: str, rotary_layer_type: str | None = None,
+                 router: Router | None = None, with_rotary: bool = True, extra_kwargs: dict | None = None):
         super().__init__()
         self.decoder_layer = decoder_layer
         self.mask_key = MASK_KEY_BY_ATTENTION[attention_kind]
+        self.rotary_key = rotary_keys(rotary_layer_type) if with_rotary else None
+        self.extra_kwargs = dict(extra_kwargs or {})
+        # Only layers that name position_ids get them (GPT-2's blocks would pass them on to attention).
+        self.takes_position_ids = "position_ids" in inspect.signature(decoder_layer.forward).parameters
+        self.router = router
+        # Plain list, not submodules: the routers are already inside decoder_layer.
+        self.routers = routers_in(decoder_layer, router) if router is not None else []
 
     def forward(self, carry: Carry) -> Carry:
-        hidden = self.decoder_layer(
-            carry["hidden"],
-            attention_mask=carry.get(self.mask_key),
-            position_embeddings=(carry["cos"], carry["sin"]),
-            position_ids=carry["position_ids"],
-            use_cache=False,
-        )
+        want_stats = bool(self.routers) and STAT_KEYS[0] in carry
+        tap = RouterTap(self.routers if want_stats else [], self.router.index if want_stats else 0)
+        kwargs = dict(self.extra_kwargs, attention_mask=carry.get(self.mask_key), use_cache=False)
+        if self.rotary_key is not None:
+            kwargs["position_embeddings"] = (carry[self.rotary_key[0]], carry[self.rotary_key[1]])
+        if self.takes_position_ids:
+            kwargs["position_ids"] = carry["position_ids"]
+        with own_checkpointing_off(self.decoder_layer), tap:
+            hidden = self.decoder_layer(carry["hidden"], **kwargs)
         if isinstance(hidden, tuple):  # older transformers returned (hidden, ...)
             hidden = hidden[0]
         out = dict(carry)
         out["hidden"] = hidden
+        for logits in tap.logits:
+            out.update(add_layer_stats(out, logits, carry.get("token_mask"), self.router))
         return out
 
 
 class CausalLMPostfix(nn.Module):
     """Final norm + LM head, returning logits or the summed loss of the microbatch.
 
-    ``mode`` (attribute, may be changed between calls by the engine):
-        ``"logits"``: ``{"logits": lm_head(norm(hidden))}`` in the dtype HF returns.
+    What it returns is the carry's ``outputs`` key when present, else ``mode`` (attribute):
+        ``"logits"``: ``{"logits": transform(lm_head(norm(hidden)))}`` in the dtype HF returns.
         ``"loss"``: ``{"loss_sum": 0-dim fp32}``, the SUM of token cross-entropies with HF's
         shift (position t predicts label t+1, -100 ignored), via ``chunked_lm_head_loss`` so the
         full [b, s, vocab] logits never exist (memory O(loss_chunk_size x vocab)). Requires
         ``labels`` in the carry. When grad is enabled the head's gradients are computed in the
         same pass (fused last stage).
+        ``"loss_and_stats"``: ``{"loss_sum": [1]}`` (chunked) plus the carry's router statistics,
+        shaped [1, ...] so microbatches concatenate: an ordinary (not fused) last stage whose
+        outputs the host combines (MoE aux loss over the whole batch).
+        ``"loss_and_logits"``: as ``"loss_and_stats"`` plus the full logits (the user asked for them).
         ``"auto"`` (default): ``"loss"`` when the carry holds labels, else ``"logits"``.
+    Router statistics in the carry are returned with the logits as well (``[1, E]``, ``[1]``).
+    ``transform``: the family's logit scaling / soft-capping (identity for most).
     ``loss_chunk_size``: rows of logits computed at a time in loss mode.
 
     A non-``nn.Linear`` lm_head (e.g. peft-wrapped) falls back to full logits + plain
@@ -228,6 +328,7 @@ class CausalLMPostfix(nn.Module):
         mode: PostfixMode = "auto",
         loss_chunk_size: int = 1024,
         ignore_index: int = IGNORE_INDEX,
+        transform: LogitTransform = IDENTITY,
     ):
         super().__init__()
         self.norm = norm
@@ -235,6 +336,7 @@ class CausalLMPostfix(nn.Module):
         self.mode = mode
         self.loss_chunk_size = loss_chunk_size
         self.ignore_index = ignore_index
+        self.transform = transform
 
     @property
     def uses_chunked_loss(self) -> bool:
@@ -242,34 +344,52 @@ class CausalLMPostfix(nn.Module):
         return type(self.lm_head) is nn.Linear
 
     def forward(self, carry: Carry) -> Carry:
-        mode = self.mode
+        mode = carry.get("outputs") or self.mode
         if mode == "auto":
             mode = "loss" if carry.get("labels") is not None else "logits"
+        if mode not in ("logits", "loss", "loss_and_logits", "loss_and_stats"):
+            raise ValueError(f"CausalLMPostfix.mode must be 'auto', 'logits', 'loss', 'loss_and_logits' or "
+                             f"'loss_and_stats', got {mode!r}")
         hidden = self.norm(carry["hidden"])
+        stats = {k: carry[k].reshape(1, *carry[k].shape) for k in STAT_KEYS if k in carry}
         if mode == "logits":
-            return {"logits": self.lm_head(hidden)}
-        if mode != "loss":
-            raise ValueError(f"CausalLMPostfix.mode must be 'auto', 'logits' or 'loss', got {mode!r}")
+            return {"logits": self.transform(self.lm_head(hidden)), **stats}
         labels = carry.get("labels")
         if labels is None:
             raise ValueError("CausalLMPostfix in loss mode needs 'labels' in the microbatch")
+        if mode == "loss_and_logits":
+            logits = self.transform(self.lm_head(hidden))
+            loss_sum = self._loss_from_logits(logits, labels)
+            return {"loss_sum": loss_sum.reshape(1), "logits": logits, **stats}
+        loss_sum = self._loss(hidden, labels)
+        if mode == "loss":
+            return {"loss_sum": loss_sum}
+        return {"loss_sum": loss_sum.reshape(1), **stats}
+
+    def _shifted(self, labels: torch.Tensor, device) -> torch.Tensor:
         # HF's shift: pad one ignored label at the end, drop the first (keeps hidden a view).
-        shifted = F.pad(labels.to(hidden.device), (0, 1), value=self.ignore_index)[..., 1:]
+        return F.pad(labels.to(device), (0, 1), value=self.ignore_index)[..., 1:].reshape(-1)
+
+    def _loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        targets = self._shifted(labels, logits.device)
+        flat = logits.reshape(-1, logits.shape[-1]).float()
+        return F.cross_entropy(flat, targets, ignore_index=self.ignore_index, reduction="sum")
+
+    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, hidden.shape[-1])
-        targets = shifted.reshape(-1)
+        targets = self._shifted(labels, hidden.device)
         if self.uses_chunked_loss:
-            loss_sum = chunked_lm_head_loss(
+            return chunked_lm_head_loss(
                 rows,
                 self.lm_head.weight,
                 targets,
                 chunk_size=self.loss_chunk_size,
                 ignore_index=self.ignore_index,
                 bias=self.lm_head.bias,
+                transform=self.transform,
             )
-        else:
-            logits = self.lm_head(rows).float()
-            loss_sum = F.cross_entropy(logits, targets, ignore_index=self.ignore_index, reduction="sum")
-        return {"loss_sum": loss_sum}
+        logits = self.transform(self.lm_head(rows)).float()
+        return F.cross_entropy(logits, targets, ignore_index=self.ignore_index, reduction="sum")
 
 
 def _require(obj: Any, path: str, model_class: str) -> Any:
@@ -281,10 +401,9 @@ def _require(obj: Any, path: str, model_class: str) -> Any:
         if not hasattr(current, part):
             raise UnsupportedModelError(
                 f"{model_class} has no attribute '{walked}', which the Hugging Face causal-LM "
-                "adapter needs (it expects model.model.embed_tokens, model.model.layers, "
-                "model.model.norm, model.model.rotary_emb, model.lm_head, model.config). Use a "
-                "supported architecture (e.g. Llama, Qwen2, Qwen3, Mistral) or pass the module to "
-                "pipeline by name / as an nn.Sequential."
+                "adapter needs (for its model_type: see lightning_roundpipe/adapters/hf_families.py; "
+                "Llama's layout is model.model.embed_tokens, .layers, .norm, .rotary_emb, model.lm_head). "
+                "Use a supported family (docs/models.md) or pipeline an nn.Sequential of its layers."
             )
         current = getattr(current, part)
     return current
@@ -304,6 +423,9 @@ class CausalLMLayers:
     model: nn.Module
     model_type: str
 
+    router: Router | None = None
+    verified: bool = True
+
     @classmethod
     def from_model(
         cls,
@@ -320,39 +442,76 @@ class CausalLMLayers:
             postfix_mode: initial ``CausalLMPostfix.mode``.
             loss_chunk_size: initial ``CausalLMPostfix.loss_chunk_size``.
             allow_unverified: accept a model whose structure matches but whose ``model_type`` is
-                not in ``VERIFIED_MODEL_TYPES`` (check loss parity yourself first).
+                not in ``VERIFIED_MODEL_TYPES``; ``verified`` is then False and the caller must
+                check parity before training (the runtime does, on the first microbatch).
 
         Raises:
             UnsupportedModelError: a required attribute is missing (named in the message), the
-                layers container is not an ``nn.ModuleList``, or the model type is unverified.
+                layers container is not an ``nn.ModuleList``, the family is known not to fit, or
+                the model type is unverified.
         """
         hf_model = unwrap_peft(model)
         model_class = type(hf_model).__name__
         config = _require(hf_model, "model.config", model_class)
-        embed_tokens = _require(hf_model, "model.model.embed_tokens", model_class)
-        decoder_layers = _require(hf_model, "model.model.layers", model_class)
-        norm = _require(hf_model, "model.model.norm", model_class)
-        rotary_emb = _require(hf_model, "model.model.rotary_emb", model_class)
-        lm_head = _require(hf_model, "model.lm_head", model_class)
+        model_type = getattr(config, "model_type", None)
+        if model_type in UNSUPPORTED_FAMILIES:
+            raise UnsupportedModelError(
+                f"{model_class} (model_type={model_type!r}) cannot be pipelined by the causal-LM adapter: "
+                f"{UNSUPPORTED_FAMILIES[model_type]}. Train it with another strategy, or wrap its blocks in an "
+                "nn.Sequential and pipeline that."
+            )
+        family = family_of(model_type)
+        reason = refusal_reason(family, config) if family is not None else None
+        if reason is not None:
+            raise UnsupportedModelError(f"{model_class} cannot be pipelined as a causal LM: {reason}")
+        spec = family or FAMILIES["llama"]
+        layout = spec.layout
+        embed_tokens = _require(hf_model, f"model.{layout.embed}", model_class)
+        decoder_layers = _require(hf_model, f"model.{layout.layers}", model_class)
+        norm = _require(hf_model, f"model.{layout.norm}", model_class)
+        rotary_emb = _require(hf_model, f"model.{layout.rotary}", model_class) if layout.rotary else None
+        lm_head = _require(hf_model, f"model.{layout.head}", model_class)
+        positions = _require(hf_model, f"model.{layout.positions}", model_class) if layout.positions else None
+        dropout = (_require(hf_model, f"model.{layout.embedding_dropout}", model_class)
+                   if layout.embedding_dropout else None)
         if not isinstance(decoder_layers, nn.ModuleList):
             raise UnsupportedModelError(
-                f"{model_class}.model.layers is a {type(decoder_layers).__name__}, not an "
+                f"{model_class}.{layout.layers} is a {type(decoder_layers).__name__}, not an "
                 "nn.ModuleList; pass the module to pipeline by name instead."
             )
-        model_type = getattr(config, "model_type", None)
-        if model_type not in VERIFIED_MODEL_TYPES and not allow_unverified:
+        if family is None and not allow_unverified:
             raise UnsupportedModelError(
-                f"{model_class} (model_type={model_type!r}) has the expected attributes, but its "
-                f"forward is only verified for model types {sorted(VERIFIED_MODEL_TYPES)} (others "
-                "may scale embeddings or logits inside forward). Pass allow_unverified=True after "
-                "checking loss parity, or pass the module to pipeline by name."
+                f"{model_class} (model_type={model_type!r}) has the expected attributes, but its forward is not "
+                f"among the verified families {sorted(VERIFIED_MODEL_TYPES)} (it may scale embeddings or logits "
+                "inside forward). Pass RoundPipeStrategy(allow_unverified=True) (plain PyTorch: "
+                "RoundPipeRuntime.attach(..., options=RuntimeOptions(allow_unverified=True))) to run it after a "
+                "parity check of the pipelined against the unpipelined forward on the first microbatch."
             )
         num_layers = min(len(decoder_layers), getattr(config, "num_hidden_layers", len(decoder_layers)))
         kinds = attention_kinds(config, num_layers)
-        layers: list[nn.Module] = [CausalLMPrefix(embed_tokens, rotary_emb, config, kinds)]
-        layers += [DecoderStep(decoder_layers[i], kinds[i]) for i in range(num_layers)]
-        layers.append(CausalLMPostfix(norm, lm_head, mode=postfix_mode, loss_chunk_size=loss_chunk_size))
-        return cls(layers=layers, model=hf_model, model_type=str(model_type))
+        per_type_rotary = rotary_emb is not None and rotary_takes_layer_type(rotary_emb)
+        router = find_router(hf_model)
+        prefix = CausalLMPrefix(
+            embed_tokens, rotary_emb, config, kinds,
+            embedding_multiplier=float(config_value(config, spec.embedding_multiplier, 1.0)),
+            embedding_dropout=float(config_value(config, spec.embedding_dropout, 0.0)),
+            rotary_layer_types=sorted(set(kinds)) if per_type_rotary else None,
+            num_experts=router.num_experts if router is not None else None,
+            positions=positions, dropout_module=dropout,
+        )
+        transform = LogitTransform(
+            multiplier=float(config_value(config, spec.logit_multiplier, 1.0)),
+            divisor=float(config_value(config, spec.logit_divisor, 1.0)),
+            softcap=None if spec.logit_softcap is None else config_value(config, spec.logit_softcap, None),
+        )
+        layers: list[nn.Module] = [prefix]
+        layers += [DecoderStep(decoder_layers[i], kinds[i], kinds[i] if per_type_rotary else None, router,
+                               with_rotary=rotary_emb is not None, extra_kwargs=dict(spec.layer_kwargs))
+                   for i in range(num_layers)]
+        layers.append(CausalLMPostfix(norm, lm_head, mode=postfix_mode, loss_chunk_size=loss_chunk_size,
+                                      transform=transform))
+        return cls(layers=layers, model=hf_model, model_type=str(model_type), router=router,
+                   verified=family is not None)
 
     @property
     def prefix(self) -> CausalLMPrefix:
@@ -366,14 +525,20 @@ class CausalLMLayers:
 
     def set_postfix_mode(self, mode: PostfixMode) -> None:
         """Choose what the last layer returns: ``"logits"``, ``"loss"`` or ``"auto"``."""
-        if mode not in ("auto", "logits", "loss"):
-            raise ValueError(f"postfix mode must be 'auto', 'logits' or 'loss', got {mode!r}")
+        if mode not in ("auto", "logits", "loss", "loss_and_logits", "loss_and_stats"):
+            raise ValueError(f"postfix mode must be 'auto', 'logits', 'loss', 'loss_and_logits' or 'loss_and_stats', "
+                             f"got {mode!r}")
         self.postfix.mode = mode
 
     @staticmethod
     def count_loss_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
         """See module-level :func:`count_loss_tokens`."""
         return count_loss_tokens(labels, ignore_index)
+
+    @property
+    def is_moe(self) -> bool:
+        """True when the model has an MoE router the adapter found."""
+        return self.router is not None
 
     def run(self, carry: Carry) -> Carry:
         """Run all layers in order on one microbatch (reference / debugging path)."""

@@ -1,40 +1,101 @@
 """The pipelined ``forward`` of a Hugging Face causal LM (plain or peft-wrapped).
 
 Takes the arguments users pass in a training step (``input_ids``, ``attention_mask``,
-``position_ids``, ``labels``) and returns the same ``CausalLMOutputWithPast`` the model would.
-With labels, the loss is computed inside the pipeline's last stage, per microbatch, and only
-scalars come home: ``loss = sum(loss_sum_i) / (non-ignored tokens of the whole batch)``, which is
-exactly HF's mean; ``logits`` is then ``None`` (full logits are never materialised). Without
-labels, logits come back as usual.
+``position_ids``, ``labels``, ``output_router_logits``) and returns the output class the model
+would (``CausalLMOutputWithPast``, or ``MoeCausalLMOutputWithPast`` for MoE models).
+
+- With labels, the loss is computed inside the pipeline's last stage, per microbatch, and only
+  scalars come home: ``loss = sum(loss_sum_i) / (non-ignored tokens of the whole batch)``, which
+  is exactly HF's mean. Full logits are never materialised, so reading ``.logits`` raises an
+  error that says how to get them (``logits_with_loss=True`` returns them with the loss).
+- MoE with ``output_router_logits`` (argument or config): the last stage is an ordinary one that
+  returns the loss sum and the router statistics of its microbatch; the host adds the
+  statistics over microbatches and forms HF's load-balancing loss from the batch totals (see
+  :mod:`.hf_moe`), so loss and router gradients are exact. ``aux_loss`` is returned as HF does;
+  ``router_logits`` are not (they would be every layer's [tokens, experts] logits).
+- Without labels, logits come back as usual.
+- Generation (``use_cache=True`` or a cache, as ``model.generate()`` calls it) runs the model's
+  own forward on the host, on the real weights, after the pending optimizer steps: exact, but on
+  the CPU; it is meant for a few samples in ``validation_step``.
+- An unverified family (``allow_unverified=True``) is checked on the first call: the pipelined
+  logits of the first microbatch against the model's own forward, refused above ``PARITY_TOLERANCE``.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
-from .hf_causal_lm import CausalLMLayers, count_loss_tokens, unwrap_peft
+from .hf_causal_lm import CausalLMLayers, UnsupportedModelError, count_loss_tokens, unwrap_peft
+from .hf_moe import aux_loss
 
-_IGNORED_KWARGS = {"use_cache", "return_dict", "output_attentions", "output_hidden_states", "cache_position",
+_IGNORED_KWARGS = {"return_dict", "output_attentions", "output_hidden_states", "cache_position",
                    "logits_to_keep", "num_items_in_batch"}
 
+PARITY_TOLERANCE = 1e-5
+"""Largest relative difference ||pipelined - model|| / ||model|| of the first microbatch's logits
+(fp32, eval mode) accepted for an unverified family."""
 
-def causal_lm_runtime_parts(module: nn.Module) -> tuple[nn.Module, list[nn.Module], Callable]:
-    """(module whose forward is patched, layers, forward factory) for a causal LM."""
-    adapter = CausalLMLayers.from_model(module)
+WITHHELD_LOGITS = (
+    "the RoundPipe pipeline computed this loss inside its last stage, chunk by chunk, and never built the full "
+    "logits. To get them with the loss, pass RoundPipeStrategy(logits_with_loss=True) (plain PyTorch: "
+    "RuntimeOptions(logits_with_loss=True)); it costs one full [batch, seq, vocab] logits tensor. Or call the model "
+    "again without labels under torch.no_grad() for the logits alone."
+)
+
+
+class LogitsNotComputedError(AttributeError):
+    """``.logits`` was read from a pipelined output that has none; the message says how to get them."""
+
+
+def _withheld_class(output_class: type) -> type:
+    """``output_class`` whose ``.logits`` raises :class:`LogitsNotComputedError` instead of returning None."""
+    cached = _WITHHELD.get(output_class)
+    if cached is None:
+        def __getattribute__(self, name):
+            if name == "logits":
+                raise LogitsNotComputedError(WITHHELD_LOGITS)
+            return output_class.__getattribute__(self, name)
+
+        cached = type(f"{output_class.__name__}WithoutLogits", (output_class,), {"__getattribute__": __getattribute__})
+        _WITHHELD[output_class] = cached
+    return cached
+
+
+_WITHHELD: dict[type, type] = {}
+
+
+def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.Module, list[nn.Module], Callable]:
+    """(module whose forward is patched, layers, forward factory) for a causal LM.
+
+    ``options``: the runtime's options; reads ``allow_unverified`` and ``logits_with_loss`` when present.
+    """
+    allow_unverified = bool(getattr(options, "allow_unverified", False))
+    logits_with_loss = bool(getattr(options, "logits_with_loss", False))
+    adapter = CausalLMLayers.from_model(module, allow_unverified=allow_unverified)
     inner = unwrap_peft(module)
+    unpipelined_forward = type(inner).forward
+    router = adapter.router
 
     def make_forward(runtime) -> Callable:
-        from transformers.modeling_outputs import CausalLMOutputWithPast
+        from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+        output_class = MoeCausalLMOutputWithPast if router is not None else CausalLMOutputWithPast
+        pending_check = [not adapter.verified]
 
         def forward(input_ids=None, attention_mask=None, position_ids=None, labels=None, past_key_values=None,
-                    inputs_embeds=None, **kwargs: Any):
+                    inputs_embeds=None, cache=None, use_cache=None, output_router_logits=None, **kwargs: Any):
+            if use_cache or cache is not None or past_key_values is not None:
+                # model.generate(): the model's own forward on the host, with the real (current) weights.
+                runtime.join()
+                return unpipelined_forward(inner, input_ids=input_ids, attention_mask=attention_mask,
+                                           position_ids=position_ids, labels=labels, inputs_embeds=inputs_embeds,
+                                           cache=cache if cache is not None else past_key_values,
+                                           use_cache=use_cache, **kwargs)
             if inputs_embeds is not None or input_ids is None:
                 raise ValueError("the RoundPipe pipeline of a causal LM takes input_ids (inputs_embeds is not supported)")
-            if past_key_values is not None or kwargs.get("use_cache"):
-                raise ValueError("the RoundPipe pipeline trains and evaluates without a KV cache: pass use_cache=False "
-                                 "and no past_key_values (use the plain model for generation)")
             unknown = sorted(set(kwargs) - _IGNORED_KWARGS)
             if unknown:
                 raise ValueError(f"the RoundPipe pipeline of a causal LM does not take {unknown}")
@@ -43,19 +104,78 @@ def causal_lm_runtime_parts(module: nn.Module) -> tuple[nn.Module, list[nn.Modul
                 batch["attention_mask"] = attention_mask
             if position_ids is not None:
                 batch["position_ids"] = position_ids.expand(input_ids.shape[0], -1) if position_ids.shape[0] == 1 else position_ids
+            if pending_check[0]:
+                check_parity_on_first_microbatch(runtime, inner, adapter, batch)
+                pending_check[0] = False
+            if output_router_logits is None:
+                output_router_logits = bool(getattr(inner.config, "output_router_logits", False))
+            with_stats = router is not None and bool(output_router_logits)
+            if with_stats:
+                batch["router_stats"] = True
+            tokens = int(input_ids.numel())
             if labels is None:
-                adapter.set_postfix_mode("logits")
-                out = runtime.run(batch, tokens=int(input_ids.numel()))
-                return CausalLMOutputWithPast(loss=None, logits=out["logits"])
+                batch["outputs"] = "logits"
+                out = runtime.run(batch, tokens=tokens)
+                aux = _aux(out) if with_stats else None
+                return output_class(loss=None, logits=out["logits"], **({"aux_loss": aux} if router is not None else {}))
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
             batch["labels"] = labels
-            adapter.set_postfix_mode("loss")
             count = count_loss_tokens(labels)
             scale = 1.0 / count if count > 0 else float("nan")
-            loss = runtime.run(batch, loss_scale=scale, tokens=int(input_ids.numel()))
-            return CausalLMOutputWithPast(loss=loss, logits=None)
+            moe = {"aux_loss": None} if router is not None else {}
+            if not with_stats and not logits_with_loss:
+                batch["outputs"] = "loss"
+                loss = runtime.run(batch, loss_scale=scale, tokens=tokens)
+                result = _withheld_class(output_class)(loss=loss, logits=None, **moe)
+                return result
+            # An ordinary last stage: its outputs are combined on the host, then backward runs through them.
+            batch["outputs"] = "loss_and_logits" if logits_with_loss else "loss_and_stats"
+            out = runtime.run(batch, tokens=tokens)
+            loss = out["loss_sum"].sum() * scale
+            if with_stats:
+                moe["aux_loss"] = _aux(out)
+                if router.coefficient is not None:
+                    loss = loss + router.coefficient * moe["aux_loss"]
+            if logits_with_loss:
+                return output_class(loss=loss, logits=out["logits"], **moe)
+            return _withheld_class(output_class)(loss=loss, logits=None, **moe)
+
+        def _aux(out) -> torch.Tensor:
+            return aux_loss(out["moe_counts"].sum(0), out["moe_probs"].sum(0), out["moe_rows"].sum(), router.num_experts)
 
         return forward
 
     return inner, adapter.layers, make_forward
+
+
+def check_parity_on_first_microbatch(runtime, model: nn.Module, adapter: CausalLMLayers, batch: dict) -> float:
+    """Compare the pipelined logits of the batch's first microbatch with the model's own forward.
+
+    The pipelined side runs the pipeline's own layers one after another on the host (a family
+    can only differ in how the model is cut into layers; the engine runs any layers exactly).
+    Both run in eval mode (restored after) under no_grad, before any weight changes. Returns the
+    relative difference; raises :class:`UnsupportedModelError` with it when above ``PARITY_TOLERANCE``.
+    """
+    from ..engine.microbatch import split_microbatches
+
+    microbatches = int(runtime.options.microbatches or runtime.num_workers + 1)
+    first = split_microbatches(batch, min(microbatches, int(batch["input_ids"].shape[0])))[0]
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        with torch.no_grad():
+            reference = type(model).forward(model, use_cache=False, **first).logits.float()
+            pipelined = adapter.run({**first, "outputs": "logits"})["logits"].float()
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    difference = float((pipelined - reference).norm() / reference.norm().clamp_min(1e-30))
+    if not difference <= PARITY_TOLERANCE:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} (model_type={adapter.model_type!r}) is not a verified family, and the parity check "
+            f"of allow_unverified=True failed: the pipelined logits of the first microbatch differ from the model's "
+            f"own forward by {difference:.3g} (relative; at most {PARITY_TOLERANCE:g} is accepted). Its forward does "
+            "something the causal-LM adapter does not reproduce; train it with another strategy. No weight was changed."
+        )
+    return difference
