@@ -199,10 +199,11 @@ class OverlappedOptimizer:
             if p in state:
                 view_state[ghost] = state[p]
             groups.setdefault(gi, []).append((p, ghost))
-        self._view.param_groups = [dict(hp[gi], params=[g for _, g in pairs]) for gi, pairs in groups.items()]
-        self._view.state = view_state
+        view = copy.copy(self._view)  # per call: the host thread steps the parameters outside the pipeline meanwhile
+        view.param_groups = [dict(hp[gi], params=[g for _, g in pairs]) for gi, pairs in groups.items()]
+        view.state = view_state
         with torch.no_grad():
-            type(self.optimizer).step(self._view)
+            type(self.optimizer).step(view)
         for pairs in groups.values():
             for p, ghost in pairs:
                 if ghost in view_state and p not in state:
