@@ -56,13 +56,22 @@ def test_transformer_encoder_model_is_found_and_matches():
     assert g_err <= GRAD_TOL and w_err <= WEIGHT_TOL, (g_err, w_err)
 
 
-class AdamWTransformer(LightningTransformer):
+class OfflineTransformer(LightningTransformer):
+    def prepare_data(self):
+        pass  # the demo downloads WikiText-2 here; the tests feed their own tokens
+
+
+class AdamWTransformer(OfflineTransformer):
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        # The key part of nn.MultiheadAttention's in_proj_bias has a zero gradient (softmax ignores a constant per
+        # query), so its gradient is rounding noise, which Adam with eps=1e-8 turns into full-size steps: summing over
+        # microbatches instead of the whole batch put that slice 0.58 of its update apart (the decoder's, which runs
+        # unpipelined on the host, 0.13). eps=1e-4 keeps noise from moving weights; the tolerance is unchanged.
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-3, eps=1e-4)
 
 
 @pytest.mark.parametrize("cls,module", [
-    (LightningTransformer, "model.transformer.decoder"),  # the model holding the block list
+    (OfflineTransformer, "model.transformer.decoder"),  # the model holding the block list
     (AdamWTransformer, "model.transformer.encoder.layers"),  # the block list itself
 ])
 def test_lightning_demo_transformer_matches(cls, module):

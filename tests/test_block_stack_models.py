@@ -128,7 +128,7 @@ class EncoderLM(nn.Module):
     def __init__(self, layers=3, dim=32, heads=4):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
-        layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True)
+        layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True, bias=False)
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(dim, VOCAB)
 
