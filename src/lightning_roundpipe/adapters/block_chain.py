@@ -187,8 +187,9 @@ def _same(a, b) -> bool:
 class BlockChain:
     """Follows one pass of the model's ``forward`` through the blocks of one stack (host thread)."""
 
-    def __init__(self, path: str, num_blocks: int, run: Callable[..., Any]):
+    def __init__(self, path: str, num_blocks: int, run: Callable[..., Any], block_class: str = "blocks"):
         self.path = path
+        self.block_class = block_class
         self.n = num_blocks
         self.run = run  # runtime.run: one pipelined call
         self._reset()
@@ -200,7 +201,7 @@ class BlockChain:
         self.others: tuple[list, Any] | None = None
 
     def _name(self, i: int) -> str:
-        return f"block {i} ({self.path}.{i})" if self.path else f"block {i} of the stack"
+        return f"block {i} ({self.path}.{i})" if self.path else f"block {i} of the stack of {self.n} {self.block_class}"
 
     def call(self, i: int, args: tuple, kwargs: dict):
         if i == 0:
