@@ -267,3 +267,23 @@ def test_compiled_hugging_face_model_is_refused_with_what_to_do():
     holder.lm = torch.compile(LlamaForCausalLM(cfg), backend="eager")
     with pytest.raises(PipelineTargetError, match=r"lm is a torch.compile'd Hugging Face model.*Pass the model itself"):
         find_target(holder)
+
+
+def test_declared_chain_that_differs_from_forward_is_refused_before_any_weight_changes():
+    class Scaled(DeclaredGPT):
+        def forward(self, idx):
+            return self.head(2.0 * self.second(self.first(self.embed(idx))))  # code the declared chain leaves out
+
+    torch.manual_seed(0)
+    model = Scaled()
+    before = weights(model)
+    runtime = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False))
+    try:
+        with pytest.raises(StackSetupError, match=r"Scaled.roundpipe_layers\(\) does not compute what Scaled.forward "
+                                                  r"computes: on the first sample of the first batch the outputs "
+                                                  r"differ by [0-9.e+-]+ .*code between them belongs in a layer"):
+            model(token_data()[:4][0]).sum().backward()
+    finally:
+        runtime.detach()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert all(p.grad is None for p in model.parameters())

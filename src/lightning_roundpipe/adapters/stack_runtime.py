@@ -111,6 +111,8 @@ def declared_chain_parts(module: nn.Module) -> tuple[nn.Module, list[nn.Module],
     layers = [uncompiled(layer) for layer in layers]
 
     def make_forward(runtime) -> Callable:
+        unchecked = [True]
+
         @torch.compiler.disable
         def forward(*args, **kwargs):
             if kwargs or not args:
@@ -119,8 +121,54 @@ def declared_chain_parts(module: nn.Module) -> tuple[nn.Module, list[nn.Module],
                     f"{DECLARED_CHAIN_METHOD}() receives one argument, or the tuple of several); got "
                     f"{len(args)} positional and keyword arguments {sorted(kwargs)}")
             carry = args[0] if len(args) == 1 else tuple(args)
+            if unchecked[0]:
+                check_declared_chain(inner, layers, args)
+                unchecked[0] = False
             return runtime.run(carry, tokens=_tokens(carry))
 
         return forward
 
     return inner, layers, make_forward
+
+
+def check_declared_chain(module: nn.Module, layers: list[nn.Module], args: tuple, rtol: float = 1e-4) -> None:
+    """Refuse a ``roundpipe_layers()`` that does not compute what ``forward`` computes (first call, first sample).
+
+    Both run on the host without grad, from the same random state, with the module's buffers restored
+    afterwards, so the check changes nothing (BatchNorm statistics, the caller's random stream).
+    """
+    name = type(module).__name__
+    sample = pytree.tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) and t.dim() else t, args)
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    seed = 0  # any fixed seed: both runs draw the same dropout masks when the chain is right
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            expected = type(module).forward(module, *sample)
+            for b, saved in buffers:
+                b.copy_(saved)
+            torch.manual_seed(seed)
+            got = sample[0] if len(sample) == 1 else tuple(sample)
+            for layer in layers:
+                got = layer(got)
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    e_leaves, e_spec = pytree.tree_flatten(expected)
+    g_leaves, g_spec = pytree.tree_flatten(got)
+    if e_spec != g_spec:
+        raise StackSetupError(
+            f"{name}.{DECLARED_CHAIN_METHOD}() does not compute what {name}.forward computes: forward returns "
+            f"{e_spec}, the chain of layers {g_spec}. List the layers forward runs, in order, each taking the previous "
+            "one's output")
+    for e, g in zip(e_leaves, g_leaves):
+        if not isinstance(e, torch.Tensor):
+            continue
+        scale = float(e.detach().abs().max()) if e.numel() and e.is_floating_point() else 1.0
+        diff = float((e.detach().double() - g.detach().double()).abs().max()) if e.shape == g.shape else float("inf")
+        if diff > rtol * max(scale, 1e-6):
+            raise StackSetupError(
+                f"{name}.{DECLARED_CHAIN_METHOD}() does not compute what {name}.forward computes: on the first sample "
+                f"of the first batch the outputs differ by {diff:.3g} (largest output {scale:.3g}). List the layers "
+                "forward runs, in order, each taking the previous one's output (code between them belongs in a layer)")
