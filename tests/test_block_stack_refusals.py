@@ -287,3 +287,16 @@ def test_declared_chain_that_differs_from_forward_is_refused_before_any_weight_c
         runtime.detach()
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_block_search_leaves_hugging_face_models_to_their_adapter():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2)
+    holder = nn.Module()
+    holder.wrapper = nn.Module()
+    holder.wrapper.lm = LlamaForCausalLM(cfg)
+    with pytest.raises(PipelineTargetError, match="found no module to pipeline"):
+        find_target(holder)  # not its decoder layers as a block stack
+    assert find_target(holder, "wrapper.lm").kind == "causal_lm"

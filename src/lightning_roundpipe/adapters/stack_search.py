@@ -76,11 +76,16 @@ def looks_like_block_stack(module: nn.Module) -> bool:
     return all(any(True for _ in b.children()) for b in blocks)
 
 
-def find_stacks(root: nn.Module, prefix: str = "") -> list[StackCandidate]:
-    """Every block stack and declared chain under ``root`` (``root`` itself excluded), outermost first."""
+def find_stacks(root: nn.Module, prefix: str = "", skip=lambda module: False) -> list[StackCandidate]:
+    """Every block stack and declared chain under ``root`` (``root`` itself excluded), outermost first.
+
+    ``skip(module)``: modules not to look into (Hugging Face models, which have their own adapter).
+    """
     found: list[StackCandidate] = []
     for name, child in root.named_children():
         path = f"{prefix}{name}"
+        if skip(uncompiled(child)):
+            continue
         if declares_chain(child):
             found.append(StackCandidate(path, child, "declared_chain"))
             continue
@@ -88,5 +93,6 @@ def find_stacks(root: nn.Module, prefix: str = "") -> list[StackCandidate]:
             found.append(StackCandidate(path, child, "block_stack"))
             continue
         inner = compiled_inner(child)
-        found.extend(find_stacks(child if inner is None else inner, f"{path}." if inner is None else f"{path}._orig_mod."))
+        found.extend(find_stacks(child if inner is None else inner,
+                                 f"{path}." if inner is None else f"{path}._orig_mod.", skip))
     return found

@@ -106,7 +106,7 @@ def _named(module: nn.Module, path: str, where: str) -> Target:
         return Target(path, module, "block_stack")
     inner = compiled_inner(module)
     prefix = f"{path}." if path else ""
-    stacks = find_stacks(uncompiled(module), prefix + ("_orig_mod." if inner is not None else ""))
+    stacks = find_stacks(uncompiled(module), prefix + ("_orig_mod." if inner is not None else ""), _is_hf_model)
     if len(stacks) == 1:
         s = stacks[0]
         return Target(s.path, s.module, s.kind)
@@ -144,7 +144,7 @@ def find_target(lightning_module: nn.Module, path: str | None = None) -> Target:
         )
     for name, child in lightning_module.named_children():
         _refuse_compiled_hf(child, f"{cls}.{name}")
-    stacks = find_stacks(lightning_module)
+    stacks = find_stacks(lightning_module, skip=_is_hf_model)
     if len(stacks) == 1:
         s = stacks[0]
         return Target(s.path, s.module, s.kind)
