@@ -169,3 +169,20 @@ def test_extra_argument_that_needs_a_gradient_gets_it():
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert ((p.grad - q.grad).norm() / q.grad.norm()).item() <= GRAD_TOL, name
     assert model.memory.weight.grad.norm() > 0
+
+
+def test_forward_stage_computes_bit_for_bit_what_the_model_computes():
+    # nn.MultiheadAttention (batch_first) runs F.linear on a transposed input, whose kernel depends on whether the
+    # weight requires grad: forward stages must upload weights with the host's flag (the output was 2.5e-5 off).
+    torch.manual_seed(0)
+    model = no_dropout(OfflineTransformer(vocab_size=VOCAB))
+    ref = copy.deepcopy(model)
+    idx, targets = token_data()[:6]
+    expected = ref(idx, targets)
+    runtime = RoundPipeRuntime.attach(model.model.transformer.encoder.layers, "cpu", 2,
+                                      RuntimeOptions(microbatches=1, step_metrics=False))
+    try:
+        got = model(idx, targets)
+    finally:
+        runtime.detach()
+    assert torch.equal(got, expected)
