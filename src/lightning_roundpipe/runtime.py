@@ -24,7 +24,7 @@ from .engine import PipelineEngine
 from .engine.microbatch import register_batch_types
 from .schedule.plan import PlanError
 from .planning.keeper import PlanKeeper
-from .adapters.target import patch_forward, unpatch
+from .adapters.target import STACK_KINDS, locate, patch_forward, unpatch
 from .tracing.records import TraceRecorder
 from .workers import make_pool
 
@@ -193,14 +193,22 @@ class RoundPipeRuntime:
     @classmethod
     def attach(cls, module: nn.Module, backend: str = "cpu", num_workers: int = 2, options: RuntimeOptions | None = None,
                kind: str | None = None, **kwargs) -> "RoundPipeRuntime":
-        """Pipeline ``module`` (an nn.Sequential or a supported Hugging Face causal LM) in place.
+        """Pipeline ``module`` in place: an nn.Sequential, a supported Hugging Face causal LM, a model built from a
+        stack of blocks (or the block list itself), or a module declaring its chain (see adapters/target.py).
 
         ``kwargs`` go to the constructor: ``device_indices``, ``trace``, ``sync_gradients`` (all-reduce
         gradients over the initialised ``torch.distributed`` group), ``root_module`` (whose other
         trainable parameters are reduced whole after backward) and ``options_owner`` (how errors
         name the options, e.g. "RoundPipeStrategy")."""
         options = options or RuntimeOptions()
-        kind = kind or ("sequential" if isinstance(module, nn.Sequential) else "causal_lm")
+        if kind is None:
+            target = locate(module)
+            module, kind = target.module, target.kind
+        if kind in STACK_KINDS:
+            from .adapters.stack_runtime import stack_runtime_parts
+
+            patched, layers, forward = stack_runtime_parts(module, kind)
+            return cls(patched, layers, forward, backend, num_workers, options, **kwargs)
         if kind == "sequential":
             if len(module) == 0:
                 raise PlanError("the nn.Sequential to pipeline is empty")

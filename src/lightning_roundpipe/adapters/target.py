@@ -1,12 +1,22 @@
 """Which module of a LightningModule is pipelined, and how it becomes a list of layers.
 
-Found automatically when unambiguous: exactly one top-level ``nn.Sequential`` attribute, or
-exactly one Hugging Face causal LM (plain or peft-wrapped) that the adapter recognises.
-Otherwise the user names it with a dotted attribute path (``RoundPipeStrategy(module="net")``).
+Found automatically when unambiguous, in this order:
 
-The module is pipelined by giving its *instance* a ``forward`` that runs the engine; the class,
-the parameters and the ``state_dict`` are untouched, and :func:`unpatch` removes the instance
-attribute at teardown, so the module is exactly as it was after ``fit``.
+1. exactly one top-level ``nn.Sequential`` attribute (compiled or not), or exactly one Hugging
+   Face causal LM (plain or peft-wrapped) that the adapter recognises;
+2. otherwise exactly one *block stack* anywhere in the model (an ``nn.ModuleList`` or nested
+   ``nn.Sequential`` of blocks, see :mod:`.stack_search`) or one module that declares its chain
+   with ``roundpipe_layers()``.
+
+Otherwise the user names it with a dotted attribute path (``RoundPipeStrategy(module="net")``):
+an ``nn.Sequential``, a causal LM, a block list, a module declaring its chain, or a model
+holding exactly one block stack. :func:`locate` does the same for a module given directly
+(``RoundPipeRuntime.attach``).
+
+The module is pipelined by giving its *instance* a ``forward`` that runs the engine (for a
+block stack: every block gets a relay, see :mod:`.block_chain`); the class, the parameters and
+the ``state_dict`` are untouched, and :func:`unpatch` removes the instance attributes at
+teardown, so the module is exactly as it was after ``fit``.
 """
 
 from __future__ import annotations
@@ -16,16 +26,27 @@ from typing import Any, Callable
 
 from torch import nn
 
+from .block_chain import BlockRelay
+from .stack_search import (DECLARED_CHAIN_METHOD, compiled_inner, declares_chain, find_stacks, is_block_container,
+                           uncompiled)
+
 
 class PipelineTargetError(ValueError):
     """No module (or several) could be chosen for pipelining; the message says what to do."""
 
 
+STACK_KINDS = ("block_stack", "declared_chain")
+"""Target kinds built by :func:`.stack_runtime.stack_runtime_parts`."""
+
+_DECLARE = (f"For a model whose forward is not such a loop, give the module a {DECLARED_CHAIN_METHOD}() method that "
+            "returns its layers in order (see docs/custom_models.md)")
+
+
 @dataclass
 class Target:
     path: str  # dotted attribute path from the LightningModule
-    module: nn.Module  # the module whose forward is replaced
-    kind: str  # "sequential" or "causal_lm"
+    module: nn.Module  # the module whose forward is replaced (a stack's container for "block_stack")
+    kind: str  # "sequential", "causal_lm", "block_stack" or "declared_chain"
 
 
 def _resolve(root: nn.Module, path: str) -> Any:
@@ -43,6 +64,9 @@ def _resolve(root: nn.Module, path: str) -> Any:
 def _kind_of(module: Any) -> str | None:
     if isinstance(module, nn.Sequential):
         return "sequential"
+    inner = compiled_inner(module) if isinstance(module, nn.Module) else None
+    if inner is not None and isinstance(uncompiled(inner), nn.Sequential):
+        return "block_stack"  # a compiled nn.Sequential: pipelined through its original module
     if _is_hf_model(module):
         return "causal_lm"  # the adapter says precisely what it does not recognise, if anything
     return None
@@ -62,33 +86,78 @@ def _is_hf_model(module: Any) -> bool:
     return isinstance(module, PeftModel)
 
 
+def _refuse_compiled_hf(module: Any, where: str) -> None:
+    if isinstance(module, nn.Module) and compiled_inner(module) is not None and _is_hf_model(uncompiled(module)):
+        raise PipelineTargetError(
+            f"{where} is a torch.compile'd Hugging Face model: RoundPipe runs its layers eagerly on the workers and "
+            "cannot pipeline it through the compiled wrapper. Pass the model itself (compile nothing, or compile "
+            "parts of your own code outside the model)")
+
+
+def _named(module: nn.Module, path: str, where: str) -> Target:
+    """The target for a module the user named (or handed to ``attach``)."""
+    kind = _kind_of(module)
+    if kind is not None:
+        return Target(path, module, kind)
+    _refuse_compiled_hf(module, where)
+    if declares_chain(module):
+        return Target(path, module, "declared_chain")
+    if is_block_container(module):
+        return Target(path, module, "block_stack")
+    inner = compiled_inner(module)
+    prefix = f"{path}." if path else ""
+    stacks = find_stacks(uncompiled(module), prefix + ("_orig_mod." if inner is not None else ""), _is_hf_model)
+    if len(stacks) == 1:
+        s = stacks[0]
+        return Target(s.path, s.module, s.kind)
+    if stacks:
+        raise PipelineTargetError(
+            f"{where} holds several block stacks: {', '.join(s.describe() for s in stacks)}. Name one of them "
+            "(the others run unpipelined on the host)")
+    raise PipelineTargetError(
+        f"{where} names a {type(module).__name__}, which RoundPipe cannot split into layers: use an nn.Sequential of "
+        "layers, a model whose forward applies an nn.ModuleList of blocks one after another (or the list itself), "
+        "or a supported Hugging Face causal LM (Llama, Qwen2, Qwen3, Mistral, or a peft model wrapping one). "
+        + _DECLARE
+    )
+
+
+def locate(module: nn.Module) -> Target:
+    """The target for a module handed to ``RoundPipeRuntime.attach`` (its path is relative to ``module``)."""
+    return _named(module, "", f"RoundPipeRuntime.attach({type(module).__name__})")
+
+
 def find_target(lightning_module: nn.Module, path: str | None = None) -> Target:
     if path:
-        module = _resolve(lightning_module, path)
-        kind = _kind_of(module)
-        if kind is None:
-            raise PipelineTargetError(
-                f"RoundPipeStrategy(module={path!r}) names a {type(module).__name__}, which RoundPipe cannot split into "
-                "layers: use an nn.Sequential of layers or a supported Hugging Face causal LM "
-                "(Llama, Qwen2, Qwen3, Mistral, or a peft model wrapping one)"
-            )
-        return Target(path, module, kind)
+        return _named(_resolve(lightning_module, path), path, f"RoundPipeStrategy(module={path!r})")
     found = [(name, child, _kind_of(child)) for name, child in lightning_module.named_children()]
     found = [(n, c, k) for n, c, k in found if k is not None]
     if len(found) == 1:
         name, child, kind = found[0]
         return Target(name, child, kind)
     cls = type(lightning_module).__name__
-    if not found:
+    if found:
+        names = ", ".join(f"{n} ({type(c).__name__})" for n, c, _ in found)
         raise PipelineTargetError(
-            f"RoundPipe found no module to pipeline in {cls}: it looks for one top-level nn.Sequential attribute or "
-            "one supported Hugging Face causal LM. Put the layers in an nn.Sequential attribute, or pass "
-            "RoundPipeStrategy(module='dotted.path.to.module')"
+            f"RoundPipe found several modules it could pipeline in {cls}: {names}. Name one with "
+            "RoundPipeStrategy(module='...')"
         )
-    names = ", ".join(f"{n} ({type(c).__name__})" for n, c, _ in found)
+    for name, child in lightning_module.named_children():
+        _refuse_compiled_hf(child, f"{cls}.{name}")
+    stacks = find_stacks(lightning_module, skip=_is_hf_model)
+    if len(stacks) == 1:
+        s = stacks[0]
+        return Target(s.path, s.module, s.kind)
+    if stacks:
+        raise PipelineTargetError(
+            f"RoundPipe found several block stacks in {cls}: {', '.join(s.describe() for s in stacks)}. Name the one "
+            f"to pipeline with RoundPipeStrategy(module='{stacks[-1].path}') (the others run unpipelined on the host)"
+        )
     raise PipelineTargetError(
-        f"RoundPipe found several modules it could pipeline in {cls}: {names}. Name one with "
-        "RoundPipeStrategy(module='...')"
+        f"RoundPipe found no module to pipeline in {cls}: it looks for one top-level nn.Sequential attribute, one "
+        "supported Hugging Face causal LM, or one stack of blocks (an nn.ModuleList of blocks applied one after another "
+        "in forward). Put the layers in an nn.Sequential attribute, or pass "
+        f"RoundPipeStrategy(module='dotted.path.to.module'). {_DECLARE}"
     )
 
 
@@ -100,3 +169,7 @@ def patch_forward(module: nn.Module, forward: Callable) -> None:
 
 def unpatch(module: nn.Module) -> None:
     vars(module).pop("forward", None)
+    for m in module.modules():  # the relays a block stack's blocks got (see block_chain)
+        relay = vars(m).get("forward")
+        if isinstance(relay, BlockRelay):
+            relay.remove()

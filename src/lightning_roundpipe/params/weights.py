@@ -74,6 +74,10 @@ class StageWeights:
             for t, p in zip(self.host, self.is_param)
         ]
         self.trainable = [need_grads and p and t.requires_grad for t, p in zip(self.host, self.is_param)]
+        # Forward stages too upload a parameter that requires grad as requiring grad (no graph is built without
+        # grad): some kernels choose their algorithm by it (F.linear on a transposed input, as in
+        # nn.MultiheadAttention), so the forward stage computes bit for bit what recompute and the model compute.
+        self.grad_flags = [p and t.requires_grad for t, p in zip(self.host, self.is_param)]
         self.nbytes = sum(tensor_bytes(t, d) for t, d in zip(self.host, self.dtypes))
         self.grad_bytes = sum(tensor_bytes(t, d) for t, d, tr in zip(self.host, self.dtypes, self.trainable) if tr)
         # chunking: consecutive tensors until chunk_bytes is reached
@@ -95,7 +99,7 @@ class StageWeights:
 
     def store_chunk(self, chunk: list[int], device_tensors: list[torch.Tensor]) -> None:
         for i, t in zip(chunk, device_tensors):
-            if self.trainable[i]:
+            if self.grad_flags[i] and not t.requires_grad:
                 t.requires_grad_(True)
             self.device[i] = t
 

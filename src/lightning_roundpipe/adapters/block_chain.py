@@ -1,0 +1,296 @@
+"""A stack of blocks pipelined from inside the model's own ``forward``.
+
+The model's ``forward`` runs on the host unchanged: its embedding, norm, head, loss and any
+other code outside the stack run there, in the host dtype, under ordinary autograd. Each block
+gets a *relay* as its instance ``forward``:
+
+- block 0's relay takes its arguments (the hidden state first, then masks, rotary tables and
+  the like), runs every block through the pipeline at once and keeps the final output;
+- block i's relay checks that it was called with block i-1's output as its first argument and
+  with the very same other arguments, and hands on the output; the last block's relay returns
+  the real final output.
+
+What block i < n-1 "returns" is a stand-in (:class:`PendingOutput`) with the output's shape
+and dtype: passing it to the next block is all a chain does with it, and any other use (adding
+to it, storing it and reading it later) raises :class:`BlockChainError` instead of computing
+with a wrong value. So a ``forward`` that is not a plain chain is refused, never run wrongly.
+
+On a worker, a block runs through :class:`BlockLayer`, which calls the block with the carried
+arguments; the relay sees that it runs on a worker and calls the block's own ``forward``.
+
+The carry between layers is ``(output, per_sample, arguments)``: ``per_sample`` holds the other
+arguments that have a batch dimension (split into microbatches with the hidden state; a gradient
+flows into them, e.g. an encoder's output fed to every decoder block), ``arguments`` an opaque
+:class:`ChainArguments` that rebuilds the rest (masks without a batch dimension, flags, None) on
+the worker's device. The last layer returns the output alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+_worker_calls = threading.local()  # >0 while a BlockLayer runs a block (on a worker thread)
+
+METADATA_READS = frozenset({
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__, torch.Tensor.ndim.__get__,
+    torch.Tensor.requires_grad.__get__, torch.Tensor.size, torch.Tensor.dim,
+})
+"""What code between two blocks may ask of a block's output (the stand-in answers these)."""
+
+DECLARE_HINT = ("declare the chain instead: give the module that runs the layers a roundpipe_layers() method "
+                "returning them in order (see docs/custom_models.md) and pass RoundPipeStrategy(module='...')")
+
+
+class BlockChainError(ValueError):
+    """The blocks were not used as a chain; the message says what was seen and what to do."""
+
+
+class PendingOutput(torch.Tensor):
+    """Stands for the output of block ``index`` until the next block takes it; any other use raises."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, where: str):
+        t = torch.Tensor._make_subclass(cls, torch.empty(like.shape, dtype=like.dtype, device="meta"), False)
+        t.where = where
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in METADATA_READS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        where = next((a.where for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, PendingOutput)), "a block")
+        raise BlockChainError(
+            f"the output of {where} was used outside the chain of blocks ({getattr(func, '__name__', func)}): RoundPipe "
+            "pipelines a stack only when each block's output is used just as the next block's first argument. "
+            f"Stop using intermediate outputs, or {DECLARE_HINT}"
+        )
+
+    def __repr__(self):
+        return f"PendingOutput({self.where})"
+
+
+class PendingValue:
+    """Stand-in for a block output that is not a single tensor (a tuple or dict of them)."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def __repr__(self):
+        return f"PendingValue({self.where})"
+
+
+class ChainArguments:
+    """The blocks' arguments after the first, the same for every block; rebuilt per worker device.
+
+    Opaque to the engine (not a pytree), so it reaches every microbatch unchanged. Tensors without
+    a batch dimension are kept here on the host and copied once per device and call.
+    """
+
+    def __init__(self, spec, slots: list[tuple[str, Any]], constants: list[torch.Tensor]):
+        self.spec = spec
+        self.slots = slots  # per leaf: ("sample", k), ("const", k) or ("value", v)
+        self.constants = constants
+        self._on_device: dict[torch.device, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def constants_on(self, device: torch.device) -> list[torch.Tensor]:
+        if all(c.device == device for c in self.constants):
+            return self.constants
+        with self._lock:
+            if device not in self._on_device:
+                self._on_device[device] = [c.to(device) for c in self.constants]
+            return self._on_device[device]
+
+    def rebuild(self, per_sample, device: torch.device) -> tuple[tuple, dict]:
+        constants = self.constants_on(device) if self.constants else []
+        leaves = []
+        for kind, v in self.slots:
+            leaves.append(per_sample[v] if kind == "sample" else constants[v] if kind == "const" else v)
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return tuple(args), dict(kwargs)
+
+
+def _device_of(tree) -> torch.device:
+    for leaf in pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
+class BlockLayer(nn.Module):
+    """One block as a pipeline layer: takes the carry, calls the block, returns the next carry."""
+
+    def __init__(self, block: nn.Module, last: bool):
+        super().__init__()
+        self.block = block
+        self.last = last
+
+    def forward(self, carry):
+        x, per_sample, arguments = carry
+        args, kwargs = arguments.rebuild(per_sample, _device_of(x))
+        _worker_calls.depth = getattr(_worker_calls, "depth", 0) + 1
+        try:
+            out = self.block(x, *args, **kwargs)
+        finally:
+            _worker_calls.depth -= 1
+        return out if self.last else (out, per_sample, arguments)
+
+
+class BlockRelay:
+    """A block's instance ``forward`` while its stack is pipelined."""
+
+    def __init__(self, chain: "BlockChain", index: int, block: nn.Module):
+        self.chain = chain
+        self.index = index
+        self.block = block
+        self.replaced = vars(block).get("forward")  # an instance forward the user had set, restored on detach
+        self.own_forward = self.replaced if self.replaced is not None else type(block).forward.__get__(block)
+
+    @torch.compiler.disable  # a compiled model calls the pipeline as plain Python (a graph break)
+    def __call__(self, *args, **kwargs):
+        if getattr(_worker_calls, "depth", 0):
+            return self.own_forward(*args, **kwargs)
+        return self.chain.call(self.index, args, kwargs)
+
+    def install(self) -> None:
+        self.block.forward = self
+
+    def remove(self) -> None:
+        if vars(self.block).get("forward") is self:
+            if self.replaced is not None:
+                self.block.forward = self.replaced
+            else:
+                del self.block.forward
+
+
+def _same(a, b) -> bool:
+    """The same argument again: the same object, or a tensor view of the same memory (``self.cos[:t]`` per block)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                and a.dtype == b.dtype and a.device == b.device and a.requires_grad == b.requires_grad)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
+
+
+class BlockChain:
+    """Follows one pass of the model's ``forward`` through the blocks of one stack (host thread)."""
+
+    def __init__(self, path: str, num_blocks: int, run: Callable[..., Any], block_class: str = "blocks"):
+        self.path = path
+        self.block_class = block_class
+        self.n = num_blocks
+        self.run = run  # runtime.run: one pipelined call
+        self._reset()
+
+    def _reset(self) -> None:
+        self.expected = 0
+        self.pending: Any = None
+        self.result: Any = None
+        self.others: tuple[list, Any] | None = None
+
+    def _name(self, i: int) -> str:
+        return f"block {i} ({self.path}.{i})" if self.path else f"block {i} of the stack of {self.n} {self.block_class}"
+
+    def call(self, i: int, args: tuple, kwargs: dict):
+        if i == 0:
+            return self._start(args, kwargs)
+        if self.expected != i:
+            seen = "before block 0" if self.expected == 0 else f"after block {self.expected - 1}"
+            self._reset()
+            raise BlockChainError(
+                f"{self._name(i)} was called {seen}: RoundPipe pipelines a stack only when its blocks are called in "
+                f"order 0..{self.n - 1}, each once per pass; {DECLARE_HINT}")
+        if not args or args[0] is not self.pending:
+            self._reset()
+            raise BlockChainError(
+                f"{self._name(i)} was not called with the output of block {i - 1} as its first argument: RoundPipe "
+                "pipelines a stack only when each block's output goes unchanged into the next block (code between "
+                f"two blocks, such as x = x + y, is not a chain); {DECLARE_HINT}")
+        leaves, spec = pytree.tree_flatten((args[1:], kwargs))
+        ref_leaves, ref_spec = self.others
+        if spec != ref_spec or len(leaves) != len(ref_leaves) or not all(map(_same, leaves, ref_leaves)):
+            self._reset()
+            raise BlockChainError(
+                f"{self._name(i)} was called with other arguments than block 0 (beyond the first): RoundPipe pipelines "
+                "a stack only when every block gets the same masks, flags and other arguments (the same objects); "
+                f"{DECLARE_HINT}")
+        self.expected = i + 1
+        if i == self.n - 1:
+            out = self.result
+            self._reset()
+            return out
+        self.pending = self._stand_in(i)
+        return self.pending
+
+    def _stand_in(self, i: int):
+        if isinstance(self.result, torch.Tensor):
+            return PendingOutput(self.result, self._name(i))
+        return PendingValue(self._name(i))
+
+    def _start(self, args: tuple, kwargs: dict):
+        self._reset()
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            raise BlockChainError(
+                f"{self._name(0)} was called without a tensor with a batch dimension as its first positional argument "
+                f"(got {type(x).__name__}): RoundPipe splits that tensor into microbatches; {DECLARE_HINT}")
+        carry = (x, *split_arguments(x, args[1:], kwargs, self._name(0)))
+        out = self.run(carry, tokens=int(x.shape[:-1].numel()) if x.dim() >= 2 else int(x.shape[0]))
+        self.result = out
+        self.others = tuple(pytree.tree_flatten((args[1:], kwargs)))
+        if self.n == 1:
+            out = self.result
+            self._reset()
+            return out
+        self.expected = 1
+        self.pending = self._stand_in(0)
+        return self.pending
+
+
+def split_arguments(x: torch.Tensor, args: tuple, kwargs: dict, where: str) -> tuple[tuple, ChainArguments]:
+    """(per-sample tensors, ChainArguments) for the arguments after the hidden state ``x``.
+
+    A tensor is per-sample when its dim 0 is the batch size of ``x``. When the batch size is also
+    one of ``x``'s other dimensions (batch 8 and sequence 8), a tensor that needs no gradient
+    could be either a per-sample mask or a per-position table: refused rather than guessed.
+    """
+    batch = int(x.shape[0])
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    slots: list[tuple[str, Any]] = []
+    per_sample: list[torch.Tensor] = []
+    constants: list[torch.Tensor] = []
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            slots.append(("value", leaf))
+            continue
+        if leaf.dim() >= 1 and int(leaf.shape[0]) == batch:
+            if not leaf.requires_grad and batch in tuple(int(s) for s in x.shape[1:]):
+                raise BlockChainError(
+                    f"{where} gets a tensor argument of shape {tuple(leaf.shape)} whose dim 0 equals the batch size "
+                    f"{batch}, which is also a dimension of the hidden state {tuple(x.shape)}: RoundPipe cannot tell "
+                    "whether to split it into microbatches. Use a batch size that differs from the other dimensions "
+                    "(e.g. the sequence length)")
+            slots.append(("sample", len(per_sample)))
+            per_sample.append(leaf)
+            continue
+        if leaf.requires_grad:
+            raise BlockChainError(
+                f"{where} gets a tensor argument of shape {tuple(leaf.shape)} that requires grad but has no batch "
+                f"dimension (dim 0 is not the batch size {batch}): its gradient would be the sum over microbatches, "
+                "which RoundPipe does not form. Compute it inside the blocks, or pass it detached if it needs no "
+                "gradient")
+        slots.append(("const", len(constants)))
+        constants.append(leaf)
+    return tuple(per_sample), ChainArguments(spec, slots, constants)

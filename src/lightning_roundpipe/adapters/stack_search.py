@@ -1,0 +1,98 @@
+"""Where a model keeps its stack of blocks, and which modules declare their own chain of layers.
+
+A *block stack* is an ``nn.ModuleList`` (or an ``nn.Sequential`` that is not a top-level
+attribute) whose children are blocks: modules of one class that have submodules of their own
+(a transformer block, ``nn.TransformerEncoderLayer``, ``nn.Sequential(Linear, GELU)``). Bare
+layers (``nn.Linear``, activations) do not count, so lists of heads or the layers of a small MLP
+are not taken for the model's backbone; name such a list with ``module=`` to pipeline it anyway.
+
+A *declared chain* is any module with a ``roundpipe_layers()`` method (see
+:mod:`.stack_runtime`). The search does not look inside a stack or a declared chain, so the
+expert lists of a Mixture-of-Experts block are never candidates.
+
+``torch.compile`` wraps a module in an ``OptimizedModule`` holding the original as
+``_orig_mod``; the search looks through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+DECLARED_CHAIN_METHOD = "roundpipe_layers"
+"""Name of the method a module defines to declare its chain of layers."""
+
+
+@dataclass(frozen=True)
+class StackCandidate:
+    path: str  # dotted attribute path from the module searched
+    module: nn.Module  # the container (or the declaring module), possibly compiled
+    kind: str  # "block_stack" or "declared_chain"
+
+    def describe(self) -> str:
+        inner = uncompiled(self.module)
+        if self.kind == "declared_chain":
+            return f"{self.path} ({type(inner).__name__}.{DECLARED_CHAIN_METHOD})"
+        names = sorted({type(uncompiled(b)).__name__ for b in inner.children()})
+        return f"{self.path} ({len(inner)} x {'/'.join(names)})"
+
+
+def compiled_inner(module: nn.Module) -> nn.Module | None:
+    """The module ``torch.compile`` wrapped, or None when ``module`` is not compiled."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return None
+    if isinstance(module, OptimizedModule):
+        return module._orig_mod
+    return None
+
+
+def uncompiled(module: nn.Module) -> nn.Module:
+    inner = compiled_inner(module)
+    while inner is not None:
+        module, inner = inner, compiled_inner(inner)
+    return module
+
+
+def declares_chain(module: nn.Module) -> bool:
+    return callable(getattr(type(uncompiled(module)), DECLARED_CHAIN_METHOD, None))
+
+
+def is_block_container(module: nn.Module) -> bool:
+    """An nn.ModuleList or nn.Sequential (compiled or not): what ``module=`` may name as a stack."""
+    return isinstance(uncompiled(module), (nn.ModuleList, nn.Sequential))
+
+
+def looks_like_block_stack(module: nn.Module) -> bool:
+    """A container of at least one block, all of one class, each with submodules of its own."""
+    inner = uncompiled(module)
+    if not isinstance(inner, (nn.ModuleList, nn.Sequential)) or len(inner) == 0:
+        return False
+    blocks = [uncompiled(b) for b in inner.children()]
+    if len({type(b) for b in blocks}) != 1:
+        return False
+    return all(any(True for _ in b.children()) for b in blocks)
+
+
+def find_stacks(root: nn.Module, prefix: str = "", skip=lambda module: False) -> list[StackCandidate]:
+    """Every block stack and declared chain under ``root`` (``root`` itself excluded), outermost first.
+
+    ``skip(module)``: modules not to look into (Hugging Face models, which have their own adapter).
+    """
+    found: list[StackCandidate] = []
+    for name, child in root.named_children():
+        path = f"{prefix}{name}"
+        if skip(uncompiled(child)):
+            continue
+        if declares_chain(child):
+            found.append(StackCandidate(path, child, "declared_chain"))
+            continue
+        if looks_like_block_stack(child):
+            found.append(StackCandidate(path, child, "block_stack"))
+            continue
+        inner = compiled_inner(child)
+        found.extend(find_stacks(child if inner is None else inner,
+                                 f"{path}." if inner is None else f"{path}._orig_mod.", skip))
+    return found
