@@ -3,12 +3,15 @@
     python examples/finetune.py                        # tiny Qwen3 on Shakespeare, 2 CPU workers
     python examples/finetune.py model=tiny_llama strategy.microbatches=4 trainer.max_steps=20 lora=on
     python examples/finetune.py strategy=default       # Lightning's single-device strategy, to compare
-    python examples/finetune.py model=qwen3_8b model.path=/models/Qwen3-8B trainer=gpu8 lora=on
+    python examples/finetune.py experiment=qwen3_8b_lora_8gpu model.path=/models/Qwen3-8B
+    python examples/finetune.py --multirun experiment=tiny strategy.microbatches=2,4
+    python examples/finetune.py --cfg job experiment=tiny    # print the composed config, run nothing
 
-Configs live in ``conf/`` (see docs/finetune.md). The job prints the resolved config, measures
+Configs live in ``conf/``, presets in ``conf/experiment/`` (see docs/finetune.md); everything the
+job writes goes to Hydra's run directory (``outputs/<date>/<time>/``). The job prints the resolved config, measures
 validation perplexity before training, fine-tunes, measures it again, prints training loss,
 tokens/s and wall time, and writes a checkpoint (and the LoRA adapter when ``lora=on``) to
-``out_dir``. The LightningModule and DataModule are the plain ones of
+``out_dir`` (by default that run directory). The LightningModule and DataModule are the plain ones of
 ``lightning_roundpipe.finetune``: only the Trainer's strategy changes.
 """
 

@@ -15,8 +15,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from lightning_roundpipe import RoundPipeStrategy
-from lightning_roundpipe.finetune.config import register_resolvers
+from lightning_roundpipe import RoundPipeStrategy, assets
+from lightning_roundpipe.finetune.config import RUN_DIR_NOT_YET, register_resolvers, run_dir
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
@@ -72,6 +72,11 @@ def test_presets_set_what_their_names_say():
     assert llama.model.dtype is None and llama.optim.lr == 1e-5 and llama.partition.policy == "auto"
 
 
+def test_run_dir_outside_a_hydra_run_is_the_fallback():
+    assert run_dir("outputs/finetune") == "outputs/finetune"
+    assert compose_job("experiment=tiny").out_dir == "outputs/finetune"
+
+
 def test_command_line_overrides_win_over_the_preset():
     cfg = compose_job("experiment=tiny", "trainer.max_steps=7", "lora=on")
     assert cfg.trainer.max_steps == 7 and cfg.lora.enabled is True and cfg.trainer.val_check_interval == 5
@@ -85,6 +90,15 @@ def test_cfg_job_prints_the_composed_config_and_trains_nothing(tmp_path):
     assert OmegaConf.is_missing(printed.model, "path")
     assert "hydra" not in printed  # `--cfg job` leaves Hydra's own settings out
     assert list(tmp_path.iterdir()) == []  # no run directory, no checkpoint
+
+
+def test_cfg_job_resolve_shows_the_asset_paths_and_trains_nothing(tmp_path):
+    resolved = job(tmp_path, "--cfg", "job", "--resolve", "experiment=tiny")
+    assert resolved.returncode == 0, resolved.stderr[-2000:]
+    printed = OmegaConf.create(resolved.stdout)
+    assert printed.model.path == str(assets.path("tiny-qwen3"))  # ${asset:...} resolved
+    assert printed.out_dir == RUN_DIR_NOT_YET and printed.trainer.max_steps == 5
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_two_point_multirun_on_cpu_writes_one_run_directory_per_job_with_equal_results(tmp_path):

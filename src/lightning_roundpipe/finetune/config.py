@@ -14,11 +14,16 @@ from .. import assets
 from .checks import FineTuneInputError
 
 
+RUN_DIR_NOT_YET = "<Hydra's run directory>"
+"""What ``${run_dir:...}`` shows when Hydra has not made the directory yet (``--cfg job --resolve``)."""
+
+
 def run_dir(fallback: str) -> str:
     """Hydra's output directory of the running job; ``fallback`` outside a Hydra run (compose API)."""
-    if HydraConfig.initialized():
-        return HydraConfig.get().runtime.output_dir
-    return fallback
+    if not HydraConfig.initialized():
+        return fallback
+    directory = OmegaConf.select(HydraConfig.get(), "runtime.output_dir", default=None)
+    return RUN_DIR_NOT_YET if directory is None else directory
 
 
 def register_resolvers() -> None:
