@@ -3,20 +3,25 @@
     python examples/finetune.py                        # tiny Qwen3 on Shakespeare, 2 CPU workers
     python examples/finetune.py model=tiny_llama strategy.microbatches=4 trainer.max_steps=20 lora=on
     python examples/finetune.py strategy=default       # Lightning's single-device strategy, to compare
-    python examples/finetune.py model=qwen3_8b model.path=/models/Qwen3-8B trainer=gpu8 lora=on
+    python examples/finetune.py experiment=qwen3_8b_lora_8gpu model.path=/models/Qwen3-8B
+    python examples/finetune.py --multirun experiment=tiny strategy.microbatches=2,4
+    python examples/finetune.py --cfg job experiment=tiny    # print the composed config, run nothing
 
-Configs live in ``conf/`` (see docs/finetune.md). The job prints the resolved config, measures
+Configs live in ``conf/``, presets in ``conf/experiment/`` (see docs/finetune.md); everything the
+job writes goes to Hydra's run directory (``outputs/<date>/<time>/``). The job prints the resolved config, measures
 validation perplexity before training, fine-tunes, measures it again, prints training loss,
 tokens/s and wall time, and writes a checkpoint (and the LoRA adapter when ``lora=on``) to
-``out_dir``. The LightningModule and DataModule are the plain ones of
+``out_dir`` (by default that run directory). The LightningModule and DataModule are the plain ones of
 ``lightning_roundpipe.finetune``: only the Trainer's strategy changes.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import hydra
@@ -36,6 +41,21 @@ from lightning_roundpipe.finetune import CausalLMFineTune, FineTuneInputError, T
 from lightning_roundpipe.finetune.config import check_no_missing, register_resolvers
 
 register_resolvers()
+
+# Deprecation warnings raised inside third-party code on every run, which a user of this job
+# can do nothing about (each library calls an API another one deprecated); shown once here.
+THIRD_PARTY_DEPRECATIONS = [
+    # lightning 2.6's pytree helper calls torch 2.13's deprecated LeafSpec check.
+    (r".*isinstance\(treespec, LeafSpec\)", FutureWarning, r"lightning\.pytorch\.utilities\._pytree"),
+    # peft 0.21 reads transformers 5's deprecated alias `is_gradient_checkpointing` (lora=on).
+    (r".*`is_gradient_checkpointing` is deprecated", FutureWarning, r"transformers\.modeling_utils"),
+]
+
+
+def hide_third_party_deprecations() -> None:
+    """Silence exactly the warnings in ``THIRD_PARTY_DEPRECATIONS``; every other warning still shows."""
+    for message, category, module in THIRD_PARTY_DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
 
 
 def strategy_options(cfg: DictConfig, accepted: set[str]) -> dict:
@@ -68,7 +88,19 @@ def build_strategy(cfg: DictConfig) -> tuple[object, int | str]:
     return cfg.strategy.name, cfg.strategy.get("devices", cfg.trainer.devices)
 
 
-def build_trainer(cfg: DictConfig, callbacks: list[pl.Callback]) -> pl.Trainer:
+def epochs_for(max_steps: int, accumulate_grad_batches: int, batches_per_epoch: int) -> int | None:
+    """Epochs that ``max_steps`` optimizer steps span (``None`` when ``max_steps`` is unbounded).
+
+    Given as the Trainer's ``max_epochs`` so the progress bar reads ``Epoch 0/0`` rather than
+    Lightning's ``Epoch 0/-2`` for "no epoch limit"; ``max_steps`` is still reached first, so the
+    run and its learning-rate schedule are unchanged.
+    """
+    if max_steps < 0:
+        return None
+    return max(1, math.ceil(max_steps * accumulate_grad_batches / max(1, batches_per_epoch)))
+
+
+def build_trainer(cfg: DictConfig, callbacks: list[pl.Callback], batches_per_epoch: int) -> pl.Trainer:
     """A Trainer from ``cfg.trainer`` and the chosen strategy, logging CSV metrics to ``out_dir``."""
     strategy, devices = build_strategy(cfg)
     t = cfg.trainer
@@ -77,6 +109,7 @@ def build_trainer(cfg: DictConfig, callbacks: list[pl.Callback]) -> pl.Trainer:
         devices=devices,
         strategy=strategy,
         max_steps=t.max_steps,
+        max_epochs=epochs_for(t.max_steps, t.accumulate_grad_batches, batches_per_epoch),
         precision=t.precision,
         log_every_n_steps=t.log_every_n_steps,
         val_check_interval=t.val_check_interval,
@@ -93,6 +126,7 @@ def build_trainer(cfg: DictConfig, callbacks: list[pl.Callback]) -> pl.Trainer:
 def run(cfg: DictConfig) -> dict:
     """Run the job; returns the numbers it prints (and the paths it wrote)."""
     check_no_missing(cfg)
+    hide_third_party_deprecations()
     pl.seed_everything(cfg.seed, workers=True)
     out_dir = Path(cfg.out_dir)
     print(OmegaConf.to_yaml(cfg, resolve=True))
@@ -115,7 +149,7 @@ def run(cfg: DictConfig) -> dict:
         dtype=cfg.model.dtype,
     )
     throughput = TokenThroughput()
-    trainer = build_trainer(cfg, [throughput])
+    trainer = build_trainer(cfg, [throughput], batches_per_epoch=len(data.train_dataloader()))
 
     started = time.perf_counter()
     before = trainer.validate(module, datamodule=data, verbose=False)[0]

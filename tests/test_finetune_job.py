@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -75,7 +78,9 @@ def test_default_config_composes_to_documented_values():
     assert (cfg.trainer.accelerator, cfg.trainer.devices, cfg.trainer.precision) == ("cpu", 2, "32-true")
     assert cfg.trainer.max_steps == 40
     assert cfg.lora.enabled is False
+    # Outputs go to Hydra's run directory in a Hydra run, to outputs/finetune when composed by hand.
     assert (cfg.seed, cfg.out_dir, cfg.trace, cfg.trace_steps) == (0, "outputs/finetune", False, 2)
+    assert OmegaConf.to_container(cfg)["out_dir"] == "${run_dir:outputs/finetune}"
     assert OmegaConf.missing_keys(cfg) == set()
 
 
@@ -163,6 +168,52 @@ def test_example_runs_three_steps_with_roundpipe_like_the_default_strategy(tmp_p
     assert piped["val_ppl_before"] == pytest.approx(reference["val_ppl_before"], rel=1e-5)
     assert piped["val_ppl_after"] == pytest.approx(reference["val_ppl_after"], rel=1e-4)
     assert piped["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "max_steps, accumulate, batches, expected",
+    [(40, 1, 52, 1), (52, 1, 52, 1), (53, 1, 52, 2), (40, 4, 52, 4), (1000, 1, 52, 20), (-1, 1, 52, None)],
+)
+def test_max_epochs_covers_max_steps(max_steps, accumulate, batches, expected):
+    assert load_example().epochs_for(max_steps, accumulate, batches) == expected
+
+
+# Warning lines the default job may still print, each from third-party code, with why.
+ALLOWED_JOB_WARNINGS = {
+    # Lightning's scheduler-order check, tripped by how the strategy wraps the optimizer; helper
+    # "exact" (issue 14) removes its cause: delete this entry when that change is merged.
+    "lightning/pytorch/core/module.py": "Seems like `optimizer.step()` has been overridden after learning rate scheduler",
+}
+WARNING_LINE = re.compile(r"^(?P<file>\S+\.py):\d+: (?P<message>.*)$")
+
+
+def job_env() -> dict[str, str]:
+    src = str(REPO / "src")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+
+
+def test_default_job_prints_no_warning_of_ours_and_a_sensible_epoch(tmp_path):
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-W", "default", str(REPO / "examples" / "finetune.py"), f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = (done.stdout + "\n" + done.stderr).replace("\r", "\n")
+    shown = []
+    for line in output.splitlines():
+        match = WARNING_LINE.match(line.strip())
+        if match or "Warning" in line:
+            shown.append(line.strip())
+    unexpected = [
+        line for line in shown
+        if not any(line.split(":")[0].endswith(file) and message in line for file, message in ALLOWED_JOB_WARNINGS.items())
+    ]
+    assert unexpected == []
+    assert re.search(r"Epoch 0/0\b", done.stdout) and "Epoch 0/-" not in output
+    assert "steps:                40" in done.stdout
+    # Outputs land in Hydra's run directory.
+    assert (run_dir / "last.ckpt").is_file() and (run_dir / ".hydra" / "config.yaml").is_file()
 
 
 # ----------------------------------------------------------------------------- shipped models
