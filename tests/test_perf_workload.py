@@ -90,3 +90,25 @@ def test_dispatch_cost_hides_behind_long_computes_but_for_the_first_ones():
     # 10 s per microbatch: the first compute starts after 3 submissions (weights, input, compute);
     # the rest are submitted while it runs. Step = 3 * 1 + 2 * 10 = 23 s.
     assert dispatch_period(2.5, 7.5, 2, 1.0) == pytest.approx(23.0)
+
+
+# ----------------------------------------------------------------------------- physical rates
+
+
+def test_physical_rates_time_matmuls_attention_and_traffic_separately():
+    from lightning_roundpipe.sim.physical import LayerWork, layer_seconds
+
+    hw = one_worker(1.0).replace(tensor_tflops_fp32_acc=100.0, tensor_tflops_fp16_acc=200.0, memory_bytes_per_s=1e12)
+    work = LayerWork(matmul_flops=2e12, attention_flops=1e12, memory_bytes=3e12)
+    # fp16 accumulate: 2e12 / 200e12 + 1e12 / 100e12 (attention stays fp32-accumulate) + 3e12 / 1e12.
+    assert layer_seconds(work, 1, hw, fp16_accumulation=True) == pytest.approx(0.01 + 0.01 + 3.0)
+    assert layer_seconds(work, 2, hw, fp16_accumulation=False) == pytest.approx(2 * (0.02 + 0.01 + 3.0))
+    # A profile without them: everything compute-bound at ``tflops`` (1 TFLOP/s), traffic free.
+    assert layer_seconds(work, 1, one_worker(1.0)) == pytest.approx(3.0)
+
+
+def test_rtx4090_profile_gives_the_whitepaper_rates():
+    from lightning_roundpipe.sim import load_hardware
+
+    hw = load_hardware("rtx4090")
+    assert (hw.tensor_tflops_fp32_acc, hw.tensor_tflops_fp16_acc, hw.memory_bytes_per_s) == (165.2, 330.3, 1008e9)
