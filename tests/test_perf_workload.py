@@ -112,3 +112,10 @@ def test_rtx4090_profile_gives_the_whitepaper_rates():
 
     hw = load_hardware("rtx4090")
     assert (hw.tensor_tflops_fp32_acc, hw.tensor_tflops_fp16_acc, hw.memory_bytes_per_s) == (165.2, 330.3, 1008e9)
+
+
+def test_profile_rejects_negative_dispatch_and_non_positive_rates():
+    with pytest.raises(ValueError, match="dispatch_s must not be negative, got -1"):
+        one_worker(1.0, dispatch_s=-1.0)
+    with pytest.raises(ValueError, match="memory_bytes_per_s must be positive when given, got 0"):
+        one_worker(1.0).replace(memory_bytes_per_s=0)

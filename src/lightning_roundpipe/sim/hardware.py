@@ -92,6 +92,11 @@ class HardwareProfile:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
         if self.latency_s < 0:
             problems.append(f"latency_s must not be negative, got {self.latency_s}")
+        if self.dispatch_s < 0:
+            problems.append(f"dispatch_s must not be negative, got {self.dispatch_s}")
+        for name in ("tensor_tflops_fp32_acc", "tensor_tflops_fp16_acc", "memory_bytes_per_s"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                problems.append(f"{name} must be positive when given, got {getattr(self, name)}")
         if problems:
             raise ValueError(f"hardware profile {self.name!r}: " + "; ".join(problems))
 
