@@ -17,6 +17,19 @@ With LoRA (``lora_rank``) the base weights are frozen, so the base projections a
 only need input gradients (once the forward); the adapters on all seven projections add their
 own small FLOPs, and only their gradients travel home.
 
+Mixture-of-Experts layers (``num_experts > 0``) replace the MLP by ``num_experts`` experts of
+``expert_intermediate`` (gate, up, down each) and a router (``hidden x num_experts``): every
+expert's parameters are held, uploaded and (full fine-tuning) updated, but a token runs only
+the router and its ``experts_per_token`` routed experts, so FLOPs per token count those alone.
+With LoRA the adapters go on the attention projections and on every expert's three projections
+(all linear layers but the router); only the routed experts' adapters compute.
+
+When the hardware profile gives physical rates (``tensor_tflops_*`` and ``memory_bytes_per_s``,
+see :mod:`lightning_roundpipe.sim.physical`), a layer's time is its projection and LM-head FLOPs
+at the tensor rate of the accumulation used, its attention FLOPs at the fp32-accumulate rate
+(flash attention accumulates in fp32 whatever cuBLAS does), plus its element-wise traffic
+(norms, residual adds, rotary, activation, cross-entropy) at the memory bandwidth.
+
 Besides times and bytes, every layer gives what the memory planner needs: the activations
 autograd keeps for its backward and its (trainable) parameter counts; the profile gives
 ``unique_params`` (tied embeddings counted once), ``dtype_bytes`` and ``input_bytes_per_token``
@@ -29,6 +42,7 @@ from dataclasses import dataclass
 
 from .profile import CostProfile, LayerCost
 from ..sim.hardware import HardwareProfile
+from ..sim.physical import LayerWork, has_physical_rates, layer_seconds
 
 # Logits kept for the loss's backward, per token and vocabulary entry, on top of the compute-dtype
 # logits: Hugging Face upcasts them to fp32 and cross-entropy saves its fp32 log-softmax.
@@ -50,6 +64,13 @@ class ModelShape:
     num_layers: int
     tie_embeddings: bool = False  # LM head shares the embedding matrix
     qk_norm: bool = False  # per-head RMSNorm on queries and keys (Qwen3)
+    num_experts: int = 0  # MoE: experts per layer (0: a dense MLP of ``intermediate``)
+    experts_per_token: int = 0  # MoE: routed experts each token runs
+    expert_intermediate: int = 0  # MoE: intermediate size of one expert
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def q_dim(self) -> int:
@@ -59,18 +80,43 @@ class ModelShape:
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def attention_shapes(self) -> list[tuple[int, int]]:
+        """(in, out) of the four attention projections: q, k, v, o."""
+        h = self.hidden
+        return [(h, self.q_dim), (h, self.kv_dim), (h, self.kv_dim), (self.q_dim, h)]
+
+    def mlp_shapes(self) -> list[tuple[int, int]]:
+        """(in, out) of one MLP (dense) or one expert (MoE): gate, up, down."""
+        h, i = self.hidden, self.expert_intermediate if self.is_moe else self.intermediate
+        return [(h, i), (h, i), (i, h)]
+
     def projection_shapes(self) -> list[tuple[int, int]]:
-        """(in, out) of the seven linear maps of one decoder layer: q, k, v, o, gate, up, down."""
-        h, i = self.hidden, self.intermediate
-        return [(h, self.q_dim), (h, self.kv_dim), (h, self.kv_dim), (self.q_dim, h), (h, i), (h, i), (i, h)]
+        """(in, out) of the linear maps a token runs in one decoder layer (MoE: its routed experts)."""
+        routed = self.experts_per_token if self.is_moe else 1
+        return self.attention_shapes() + self.mlp_shapes() * routed
+
+    def router_params(self) -> int:
+        return self.hidden * self.num_experts
+
+    def active_linear_params(self) -> int:
+        """Projection weights one token multiplies with in one decoder layer (router included)."""
+        return sum(a * b for a, b in self.projection_shapes()) + self.router_params()
 
     def decoder_layer_params(self) -> int:
-        linear = sum(a * b for a, b in self.projection_shapes())
+        experts = self.num_experts if self.is_moe else 1
+        linear = (sum(a * b for a, b in self.attention_shapes()) + experts * sum(a * b for a, b in self.mlp_shapes())
+                  + self.router_params())
         norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
         return linear + norms
 
     def lora_params_per_layer(self, rank: int) -> int:
-        """Adapter parameters of one decoder layer with LoRA of ``rank`` on all seven projections."""
+        """Adapter parameters of one decoder layer with LoRA of ``rank`` on all linear maps but the router."""
+        experts = self.num_experts if self.is_moe else 1
+        return (sum(rank * (a + b) for a, b in self.attention_shapes())
+                + experts * sum(rank * (a + b) for a, b in self.mlp_shapes()))
+
+    def active_lora_params_per_layer(self, rank: int) -> int:
+        """Adapter parameters one token computes with in one decoder layer (MoE: routed experts only)."""
         return sum(rank * (a + b) for a, b in self.projection_shapes())
 
     def embedding_params(self) -> int:
@@ -93,6 +139,15 @@ MODEL_PRESETS: dict[str, ModelShape] = {
     "qwen3-8b": ModelShape("Qwen3-8B", 4096, 12288, 32, 8, 128, 151936, 36, qk_norm=True),
     "qwen3-32b": ModelShape("Qwen3-32B", 5120, 25600, 64, 8, 128, 151936, 64, qk_norm=True),
     "llama-3.1-8b": ModelShape("Llama-3.1-8B", 4096, 14336, 32, 8, 128, 128256, 32),
+    # Mixture-of-Experts (config.json of Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, openai/gpt-oss-20b).
+    # GPT-OSS's alternating 128-token sliding-window attention, attention sinks and projection
+    # biases are not modelled: attention is costed as full causal on every layer (an over-estimate).
+    "qwen3-30b-a3b": ModelShape("Qwen3-30B-A3B", 2048, 6144, 32, 4, 128, 151936, 48, qk_norm=True,
+                                num_experts=128, experts_per_token=8, expert_intermediate=768),
+    "qwen3-235b-a22b": ModelShape("Qwen3-235B-A22B", 4096, 12288, 64, 4, 128, 151936, 94, qk_norm=True,
+                                  num_experts=128, experts_per_token=8, expert_intermediate=1536),
+    "gpt-oss-20b": ModelShape("GPT-OSS-20B", 2880, 2880, 64, 8, 64, 201088, 24,
+                              num_experts=32, experts_per_token=4, expert_intermediate=2880),
 }
 
 
@@ -133,37 +188,74 @@ def transformer_layer_costs(
     """
     shape = ModelShape(name or "custom", hidden, intermediate, num_heads, num_kv_heads, head_dim, vocab, num_layers,
                        tie_embeddings=tie_embeddings, qk_norm=qk_norm)
-    if min(seq_len, microbatch_size, dtype_bytes, num_layers) < 1:
+    return shape_layer_costs(shape, hardware, seq_len, microbatch_size, dtype_bytes, lora_rank,
+                             loss_chunk_tokens=loss_chunk_tokens)
+
+
+def shape_layer_costs(
+    shape: ModelShape,
+    hardware: HardwareProfile,
+    seq_len: int,
+    microbatch_size: float = 1,
+    dtype_bytes: int = 2,
+    lora_rank: int | None = None,
+    *,
+    loss_chunk_tokens: int | None = None,
+    fp16_accumulation: bool = False,
+) -> CostProfile:
+    """:func:`transformer_layer_costs` of a :class:`ModelShape` (dense or MoE).
+
+    ``microbatch_size`` may be fractional (a step of 128 sequences in 10 microbatches holds
+    12.8 sequences per microbatch on average); the microbatch then holds the nearest whole
+    number of tokens. ``fp16_accumulation``: projections and the LM head run at the profile's
+    fp16-accumulate tensor rate (``torch.backends.cuda.matmul.allow_fp16_accumulation``).
+    """
+    hidden, intermediate, vocab, num_layers = shape.hidden, shape.intermediate, shape.vocab, shape.num_layers
+    qk_norm = shape.qk_norm
+    if min(seq_len, dtype_bytes, num_layers) < 1 or not microbatch_size > 0:
         raise ValueError(f"seq_len, microbatch_size, dtype_bytes and num_layers must be >= 1, got "
                          f"{seq_len}, {microbatch_size}, {dtype_bytes}, {num_layers}")
     if lora_rank is not None and lora_rank < 1:
         raise ValueError(f"lora_rank must be a positive integer or None, got {lora_rank}")
-    tokens = seq_len * microbatch_size
-    rate = hardware.flops_per_s
+    tokens = max(1, round(seq_len * microbatch_size))
     lora = lora_rank is not None
 
-    def layer(fwd_flops: float, bwd_flops: float, params: int, trainable: int, act: int) -> LayerCost:
-        fwd = tokens * fwd_flops / rate
-        return LayerCost(fwd, fwd, tokens * bwd_flops / rate, params * dtype_bytes, trainable * dtype_bytes, act)
+    def seconds(work: LayerWork) -> float:
+        return layer_seconds(work, tokens, hardware, fp16_accumulation)
+
+    def layer(fwd: LayerWork, bwd: LayerWork, params: int, trainable: int, act: int) -> LayerCost:
+        f = seconds(fwd)
+        return LayerCost(f, f, seconds(bwd), params * dtype_bytes, trainable * dtype_bytes, act)
 
     layers, params, trainable, graph = [], [], [], []
 
     # Prefix: the embedding gather. Frozen under LoRA (adapters go on the projections only).
     emb = shape.embedding_params()
-    layers.append(layer(hidden, 2 * hidden, emb, 0 if lora else emb, hidden * dtype_bytes))
+    layers.append(layer(LayerWork(hidden, 0, 2 * hidden * dtype_bytes), LayerWork(2 * hidden, 0, 2 * hidden * dtype_bytes),
+                        emb, 0 if lora else emb, hidden * dtype_bytes))
     params.append(emb)
     trainable.append(0 if lora else emb)
     graph.append(0)  # token ids are all the backward needs
 
     # Decoder layers.
     base = shape.decoder_layer_params()
-    linear = sum(a * b for a, b in shape.projection_shapes())
+    linear = shape.active_linear_params()
     attn = 2 * seq_len * shape.q_dim  # causal attention scores + weighted sum, per token
     adapters = shape.lora_params_per_layer(lora_rank) if lora else 0
-    fwd = 2 * linear + attn + 2 * adapters
-    # Full: dX and dW of the projections (2x) and of attention (2x). LoRA: dX only for the frozen base.
-    bwd = (4 * linear if not lora else 2 * linear) + 2 * attn + 4 * adapters
-    saved = (4 * hidden + 2 * shape.q_dim + 2 * shape.kv_dim + 4 * intermediate
+    active_adapters = shape.active_lora_params_per_layer(lora_rank) if lora else 0
+    mlp_width = shape.experts_per_token * shape.expert_intermediate if shape.is_moe else intermediate
+    # Element-wise traffic per token, in elements of the compute dtype, read plus written: two
+    # RMSNorms (2h each) and two residual adds (3h each), rotary on q and k, the optional q/k
+    # norms, and the gated activation (read gate and up, write their product). Backward moves
+    # about twice as much (gradients of inputs and saved tensors).
+    elementwise = (10 * hidden + 2 * (shape.q_dim + shape.kv_dim) * (2 if qk_norm else 1) + 3 * mlp_width) * dtype_bytes
+    fwd = LayerWork(2 * linear + 2 * active_adapters, attn, elementwise)
+    # Full: dX and dW of the projections (2x). LoRA: dX only for the frozen base.
+    # Attention backward: flash attention recomputes the scores, 2.5x the forward's FLOPs.
+    bwd = LayerWork((4 * linear if not lora else 2 * linear) + 4 * active_adapters, 2.5 * attn, 2 * elementwise)
+    if not has_physical_rates(hardware):
+        bwd = LayerWork(bwd.matmul_flops, 2 * attn, bwd.memory_bytes)  # the estimate's FLOP count
+    saved = (4 * hidden + 2 * shape.q_dim + 2 * shape.kv_dim + 4 * mlp_width + shape.num_experts
              + (shape.q_dim + shape.kv_dim if qk_norm else 0)) * dtype_bytes
     for _ in range(num_layers):
         layers.append(layer(fwd, bwd, base + adapters, adapters if lora else base, hidden * dtype_bytes))
@@ -173,13 +265,18 @@ def transformer_layer_costs(
 
     # Postfix: final norm + LM head + loss. Its output is the logits (or only a scalar when fused).
     head = shape.head_params()
-    head_fwd = 2 * hidden * vocab
-    head_bwd = head_fwd if lora else 2 * head_fwd
-    layers.append(layer(head_fwd, head_bwd, head, 0 if lora else head, vocab * dtype_bytes))
+    head_flops = 2 * hidden * vocab
+    # Cross-entropy traffic per token: logits written, read and upcast to fp32, log-softmax
+    # written and read (forward); the logits' gradient written and read (backward).
+    loss_fwd_bytes = vocab * (2 * dtype_bytes + 2 * 4)
+    loss_bwd_bytes = vocab * (2 * dtype_bytes + 4)
+    layers.append(layer(LayerWork(head_flops, 0, loss_fwd_bytes),
+                        LayerWork(head_flops if lora else 2 * head_flops, 0, loss_bwd_bytes),
+                        head, 0 if lora else head, vocab * dtype_bytes))
     params.append(head)
     # A tied head's gradient travels home and adds into the embedding's; the optimizer updates
     # that matrix once, with the prefix, so only the final norm is the postfix's own.
-    trainable.append(0 if lora else (hidden if tie_embeddings else head))
+    trainable.append(0 if lora else (hidden if shape.tie_embeddings else head))
     chunk_share = 1.0 if loss_chunk_tokens is None else min(1.0, loss_chunk_tokens / tokens)
     graph.append(int(2 * hidden * dtype_bytes + vocab * (dtype_bytes + _LOSS_FP32_COPIES * 4) * chunk_share))
 
@@ -201,9 +298,5 @@ def preset_costs(
     loss_chunk_tokens: int | None = None,
 ) -> CostProfile:
     """:func:`transformer_layer_costs` for a preset name such as ``"qwen3-8b"`` (or a :class:`ModelShape`)."""
-    s = get_model_shape(model)
-    return transformer_layer_costs(
-        s.hidden, s.intermediate, s.num_heads, s.num_kv_heads, s.head_dim, s.vocab, s.num_layers,
-        seq_len, microbatch_size, dtype_bytes, hardware, lora_rank,
-        tie_embeddings=s.tie_embeddings, qk_norm=s.qk_norm, loss_chunk_tokens=loss_chunk_tokens, name=s.name,
-    )
+    return shape_layer_costs(get_model_shape(model), hardware, seq_len, microbatch_size, dtype_bytes, lora_rank,
+                             loss_chunk_tokens=loss_chunk_tokens)

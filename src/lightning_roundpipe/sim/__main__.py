@@ -3,7 +3,10 @@
 - ``plan``: does training fit, and with which microbatches, plan and sequence length
   (exit status 0 when it fits, 1 when it does not);
 - ``compare``: RoundPipe against GPipe, 1F1B and interleaved 1F1B with offload, as a table;
-- ``paper``: the paper's 8x RTX 4090 comparison for Qwen3-1.7B/8B/32B-sized models.
+- ``paper``: the paper's 8x RTX 4090 comparison for Qwen3-1.7B/8B/32B-sized models;
+- ``scaling``: predicted tokens/s of the reference workload on 1..N GPUs.
+
+``--num-gpus`` (every command) replaces the profile's GPU count: any count, any profile.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import sys
 from typing import Sequence
 
 from .compare import PAPER_MODELS, compare_schedules, paper_table
-from .hardware import available_hardware
+from .hardware import available_hardware, load_hardware
+from .scaling import scaling_markdown, scaling_rows
 from ..cost.transformer import MODEL_PRESETS
 from ..planning.fit import DEFAULT_MEMORY_FRACTION, plan_training
 
@@ -44,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
                    help=f"usable share of each GPU's memory (default {DEFAULT_MEMORY_FRACTION})")
     p.add_argument("--no-max-seq", action="store_true", help="skip the longest-sequence search")
+    p.add_argument("--num-gpus", type=_positive, default=None, help="GPU count (default: the profile's)")
 
     c = sub.add_parser("compare", help="RoundPipe vs bound schedules with offload for one model")
     c.add_argument("--model", required=True, help=model_help)
@@ -51,12 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seq-len", type=_positive, default=4096)
     c.add_argument("--microbatches", type=_positive, default=None, help="per step (default: 4 per GPU)")
     c.add_argument("--lora-rank", type=_positive, default=None)
+    c.add_argument("--num-gpus", type=_positive, default=None, help="GPU count (default: the profile's)")
 
     r = sub.add_parser("paper", help="the paper's 8x RTX 4090 comparison (Qwen3-1.7B/8B/32B, 4K tokens)")
     r.add_argument("--hardware", default="rtx4090", help=hw_help)
     r.add_argument("--seq-len", type=_positive, default=4096)
     r.add_argument("--microbatches", type=_positive, default=None, help="per step (default: 4 per GPU)")
     r.add_argument("--models", nargs="+", default=list(PAPER_MODELS), help="model presets")
+    r.add_argument("--num-gpus", type=_positive, default=None, help="GPU count (default: the profile's)")
+
+    s = sub.add_parser("scaling", help="predicted tokens/s of the reference workload on 1..N GPUs")
+    s.add_argument("--hardware", default="rtx4090", help=hw_help)
+    s.add_argument("--models", nargs="+", default=["qwen3-1.7b", "llama-3.1-8b", "qwen3-32b"], help="model presets")
+    s.add_argument("--gpus", nargs="+", type=_positive, default=[1, 2, 4, 8], help="GPU counts (default 1 2 4 8)")
     return parser
 
 
@@ -64,19 +76,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
+        hardware = load_hardware(args.hardware)
+        if getattr(args, "num_gpus", None):
+            hardware = hardware.replace(num_gpus=args.num_gpus)
+        if args.command == "scaling":
+            print(scaling_markdown(scaling_rows(tuple(args.models), hardware, tuple(args.gpus)), hardware))
+            return 0
         if args.command == "plan":
-            report = plan_training(args.model, args.hardware, args.seq_len, microbatch_size=args.microbatch_size,
+            report = plan_training(args.model, hardware, args.seq_len, microbatch_size=args.microbatch_size,
                                    lora_rank=args.lora_rank, microbatches=args.microbatches,
                                    loss_chunk_tokens=args.loss_chunk, memory_fraction=args.memory_fraction,
                                    find_max_seq_len=not args.no_max_seq)
             print(report.to_text())
             return 0 if report.fits else 1
         if args.command == "compare":
-            table = compare_schedules(args.model, args.hardware, args.seq_len, microbatches=args.microbatches,
+            table = compare_schedules(args.model, hardware, args.seq_len, microbatches=args.microbatches,
                                       lora_rank=args.lora_rank)
             print(table.to_markdown())
             return 0
-        print(paper_table(args.hardware, tuple(args.models), args.seq_len, args.microbatches))
+        print(paper_table(hardware, tuple(args.models), args.seq_len, args.microbatches))
         return 0
     except (KeyError, FileNotFoundError, ValueError) as err:
         print(f"error: {err.args[0] if isinstance(err, KeyError) else err}", file=sys.stderr)

@@ -76,6 +76,13 @@ class HardwareProfile:
     cpu_optimizer_params_per_s: float  # parameters per second the host optimizer updates (Adam, fp32)
     duplex: bool = True  # uploads and downloads run at full speed at the same time (PCIe is full duplex)
     latency_s: float = 0.0  # fixed cost of every transfer (launch, synchronisation)
+    # Optional physical rates (sim/physical.py): when a profile gives them, estimated layer times
+    # are matmul FLOPs at the tensor rate of the accumulation used, attention at the fp32-accumulate
+    # rate and element-wise traffic at the memory bandwidth, instead of everything at ``tflops``.
+    tensor_tflops_fp32_acc: float | None = None  # dense fp16/bf16 tensor rate, fp32 accumulate
+    tensor_tflops_fp16_acc: float | None = None  # dense fp16 tensor rate, fp16 accumulate
+    memory_bytes_per_s: float | None = None  # one worker's memory bandwidth
+    dispatch_s: float = 0.0  # host time to submit one task (one Python process drives all workers)
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -87,6 +94,11 @@ class HardwareProfile:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
         if self.latency_s < 0:
             problems.append(f"latency_s must not be negative, got {self.latency_s}")
+        if self.dispatch_s < 0:
+            problems.append(f"dispatch_s must not be negative, got {self.dispatch_s}")
+        for name in ("tensor_tflops_fp32_acc", "tensor_tflops_fp16_acc", "memory_bytes_per_s"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                problems.append(f"{name} must be positive when given, got {getattr(self, name)}")
         if problems:
             raise ValueError(f"hardware profile {self.name!r}: " + "; ".join(problems))
 
@@ -119,7 +131,8 @@ class HardwareProfile:
             raise ValueError(f"hardware profile {values.get('name', '?')!r} lacks key(s) {missing}")
         for key in ("gpu_memory_bytes", "host_memory_bytes"):
             values[key] = int(parse_quantity(values[key]))
-        for key in ("host_device_bytes_per_s", "cpu_optimizer_params_per_s", "tflops", "latency_s"):
+        for key in ("host_device_bytes_per_s", "cpu_optimizer_params_per_s", "tflops", "latency_s",
+                    "tensor_tflops_fp32_acc", "tensor_tflops_fp16_acc", "memory_bytes_per_s", "dispatch_s"):
             if key in values:
                 values[key] = parse_quantity(values[key])
         values["num_gpus"] = int(values["num_gpus"])

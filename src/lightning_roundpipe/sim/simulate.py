@@ -45,6 +45,7 @@ from ..schedule.lowering import DEFAULT_PRIORITIES, PRIORITY_CLASS, GraphTask, L
 from ..schedule.plan import Plan, PlanError
 from ..tracing.records import TraceRecord
 from ..cost.view import CostView
+from .accumulation import CallAccumulator, submission
 from .event_queue import HOST, EventSimulator, LinkSpec, Op
 from .hardware import HardwareProfile
 
@@ -91,8 +92,16 @@ class SimConfig:
     # inputs go before anything of a later stage, as the engine orders them) or "kind"
     # (activations of any stage before any weights, whatever their stage: for comparison).
     upload_order: str = "stage"
+    # Forward-backward calls per optimizer step (gradient accumulation): each simulated step is one
+    # call; the host optimizer runs once per ``accumulation`` calls, on all of their gradients.
+    accumulation: int = 1
+    # One-step-stale optimizer (the reference RoundPipe's default): the uploads of optimizer step
+    # k + 1 use the weights of step k - 1, so they wait for the update two steps back, not one.
+    stale_optimizer: bool = False
 
     def __post_init__(self) -> None:
+        if self.accumulation < 1:
+            raise ValueError(f"accumulation must be at least 1, got {self.accumulation}")
         if self.steps < 1:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
         if self.chunk_bytes < 1:
@@ -185,9 +194,11 @@ class _RoundPipeBuilder:
         self.m, self.nw, self.cfg = microbatches, num_workers, config
         self.sizes = CostSizes(view)
         self.history: WorkerHistory[list[Op]] = WorkerHistory(num_workers)
-        self.optim_prev: dict[int, list[Op]] = {}  # layer -> optimizer updates its next upload waits for
         # Host barriers: the op after which the last step's backward returned.
         self.step_done: Op | None = None
+        self.calls = CallAccumulator(lambda wgrads, step: add_optimizer(sim, wgrads, view, hardware, config, step),
+                                     config.accumulation, config.stale_optimizer)
+        self.submitted: Op | None = None  # the host's last task submission (dispatch cost)
 
     def add(self, op: Op) -> Op:
         return self.sim.add(op)
@@ -223,6 +234,9 @@ class _RoundPipeBuilder:
                     gate = [self.add(Op(HOST, MAIN_QUEUE, "loss", "", -1, step, deps=outs))]
             deps = [op for d in t.deps for op in done[d]]
             deps += [op for ops in self.history.resolve(t) for op in ops]
+            if self.hw.dispatch_s > 0 and t.kind not in ("release", "free_kept"):
+                self.submitted = submission(self.sim, self.submitted, gate, self.hw.dispatch_s, t, step)
+                deps.append(self.submitted)
             w, name = t.worker, t.stage
             if t.kind in ("release", "free_kept"):
                 done[t.id] = deps
@@ -234,7 +248,7 @@ class _RoundPipeBuilder:
                 if t.kind == "grad_in" and not t.deps and t.boundary == plan.num_layers:
                     deps += done[host_output[t.microbatch]]  # the host computes the loss and its gradient
                 if t.kind == "weights":
-                    deps += [op for layer in range(*t.layers) for op in self.optim_prev.get(layer, [])]
+                    deps += [op for layer in range(*t.layers) for op in self.calls.gate.get(layer, [])]
                 priority = t.priority if cfg.upload_order == "stage" else DEFAULT_PRIORITIES[PRIORITY_CLASS[t.kind]]
                 op = Op(w, "upload", t.kind, name, t.microbatch, step, bytes=t.bytes, priority=priority,
                         deps=deps + gate, alloc=[(w, t.bytes)])
@@ -256,10 +270,7 @@ class _RoundPipeBuilder:
             # home; the next step's forward is submitted after that (the optimizer's per-layer
             # updates still overlap it).
             self.step_done = self.add(Op(HOST, MAIN_QUEUE, "step", "", -1, step, deps=backward_done + losses))
-        by_layer: dict[int, list[Op]] = {}
-        for layer, op in wgrads:
-            by_layer.setdefault(layer, []).append(op)
-        self.optim_prev = add_optimizer(self.sim, by_layer, view, self.hw, cfg, step)
+        self.calls.add_call(wgrads, step)
 
     def _compute(self, t: GraphTask, step: int, deps: list[Op], inputs: list[GraphTask],
                  outputs: list[GraphTask]) -> Op:

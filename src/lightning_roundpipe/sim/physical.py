@@ -1,0 +1,45 @@
+"""Layer time from physical rates: tensor FLOPs, attention FLOPs and memory traffic.
+
+A hardware profile may give, besides its single ``tflops``, the rates a datasheet states
+(:class:`~lightning_roundpipe.sim.hardware.HardwareProfile` fields ``tensor_tflops_fp32_acc``,
+``tensor_tflops_fp16_acc``, ``memory_bytes_per_s``). Then the time of a layer's work is
+
+    matmul FLOPs / tensor rate (fp16 accumulate when the run enables it, else fp32 accumulate)
+  + attention FLOPs / fp32-accumulate tensor rate (flash attention accumulates in fp32)
+  + element-wise bytes / memory bandwidth
+
+i.e. the three kinds of kernels run one after another on one stream, each at its own limit.
+Without those fields everything compute-bound runs at ``tflops`` and element-wise traffic is
+free, as the estimate always did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import HardwareProfile
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """Work of one layer pass per token: projection/LM-head FLOPs, attention FLOPs, element-wise bytes."""
+
+    matmul_flops: float
+    attention_flops: float = 0.0
+    memory_bytes: float = 0.0
+
+
+def has_physical_rates(hardware: HardwareProfile) -> bool:
+    """Whether the profile gives the datasheet rates this module needs."""
+    return (hardware.tensor_tflops_fp32_acc is not None and hardware.tensor_tflops_fp16_acc is not None
+            and hardware.memory_bytes_per_s is not None)
+
+
+def layer_seconds(work: LayerWork, tokens: float, hardware: HardwareProfile, fp16_accumulation: bool = False) -> float:
+    """Seconds of ``work`` over ``tokens`` tokens on one worker of ``hardware`` (see the module doc)."""
+    if not has_physical_rates(hardware):
+        return tokens * (work.matmul_flops + work.attention_flops) / hardware.flops_per_s
+    matmul_rate = (hardware.tensor_tflops_fp16_acc if fp16_accumulation else hardware.tensor_tflops_fp32_acc) * 1e12
+    attention_rate = hardware.tensor_tflops_fp32_acc * 1e12
+    return tokens * (work.matmul_flops / matmul_rate + work.attention_flops / attention_rate
+                     + work.memory_bytes / hardware.memory_bytes_per_s)
