@@ -12,14 +12,11 @@ from __future__ import annotations
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 
-import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
-from lightning.fabric.utilities.types import ReduceOp
+from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
@@ -28,6 +25,8 @@ from ..options import StrategyOptions, option_keywords_signature, strategy_optio
 from ..runtime import RoundPipeRuntime, check_writable_dir, run_all
 from . import weight_reads
 from .checkpoint_io import AtomicCheckpointIO
+from .early_steps import early_steps_allowed
+from .node_collectives import NodeCollectives
 from .checkpoint_policy import checkpoint_state, load_checkpoint_state
 from .precision import compute_dtype_of, translate
 from .step_metrics import RoundPipeStepMetrics
@@ -35,7 +34,7 @@ from .step_metrics import RoundPipeStepMetrics
 DESCRIPTION = "RoundPipe: weights in host RAM, layer stages dispatched round-robin to stateless workers"
 
 
-class RoundPipeStrategy(ParallelStrategy):
+class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
     """Train with RoundPipe: host-resident weights, stateless workers, round-robin stage dispatch.
 
     ``Trainer(strategy="roundpipe", accelerator="cpu", devices=N)`` gives N virtual CPU workers;
@@ -143,25 +142,13 @@ class RoundPipeStrategy(ParallelStrategy):
             kind=target.kind, device_indices=indices, sync_gradients=self.world_size > 1,
             root_module=self.lightning_module, options_owner="RoundPipeStrategy")
         if fitting and self.options.overlap_optimizer and self.optimizers:
-            early = self._early_steps_allowed(trainer)
+            early = early_steps_allowed(trainer, self.lightning_module, self.precision_plugin)
             for opt in self.optimizers:
                 self.runtime.overlap_optimizer(opt, early_steps=early)
             weight_reads.join_before_reads(self.lightning_module, self.join)
         if self.options.step_metrics and not any(isinstance(cb, RoundPipeStepMetrics) for cb in trainer.callbacks):
             trainer.callbacks.append(RoundPipeStepMetrics())
         rank_zero_info(f"RoundPipe pipelines `{target.path}` ({type(target.module).__name__})\n{self.runtime.describe()}")
-
-    def _early_steps_allowed(self, trainer) -> bool:
-        """Layers may step during backward only if nothing after backward can change gradients."""
-        module = self.lightning_module
-        if trainer.gradient_clip_val or getattr(self.precision_plugin, "scaler", None) is not None:
-            return False
-        if not module.automatic_optimization:
-            return False
-        if any(is_overridden(hook, module, parent=pl.LightningModule)
-               for hook in ("on_before_optimizer_step", "on_after_backward", "configure_gradient_clipping")):
-            return False
-        return not any(is_overridden("on_before_optimizer_step", cb, parent=pl.Callback) for cb in trainer.callbacks)
 
     def join(self) -> None:
         """Wait for every submitted layer optimizer step (call before reading weights directly)."""
@@ -267,34 +254,6 @@ class RoundPipeStrategy(ParallelStrategy):
     def post_backward(self, closure_loss) -> None:
         if self.runtime is not None:
             self.last_bytes_reduced = self.runtime.end_backward()
-
-    # ------------------------------------------------------------------ collectives (one process per node)
-    def _dist(self) -> bool:
-        return self.world_size > 1 and torch.distributed.is_initialized()
-
-    @override
-    def reduce(self, tensor, group=None, reduce_op: ReduceOp | str | None = "mean"):
-        if isinstance(tensor, torch.Tensor) and self._dist():
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if self._dist():
-            torch.distributed.barrier()
-
-    @override
-    def broadcast(self, obj, src: int = 0):
-        if not self._dist():
-            return obj
-        holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src)
-        return holder[0]
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}  # one replica per node, not per worker
 
     @classmethod
     @override
