@@ -211,3 +211,20 @@ def test_partitioner_cuts_moe_layers_by_their_active_compute_and_full_memory():
     capped = partition("auto", costs, 2, 4, fused_last=True, memory_budget_bytes=1_000_000)
     assert capped.to_text() == "F 0:5 5:8 | B 0:2 2:5 5:8 | fused"
     assert max(capped.facts.stage_memory_bytes.values()) <= 500_000
+
+
+def test_shape_presets_report_the_parameters_a_token_runs():
+    from lightning_roundpipe.sim import get_model_shape, load_hardware, preset_costs
+
+    hw = load_hardware("rtx4090")
+    shape = get_model_shape("qwen3-30b-a3b")  # 128 experts of 3 x 2048 x 768, top-8
+    costs = preset_costs("qwen3-30b-a3b", hw, 1024)
+    idle = (128 - 8) * 3 * 2048 * 768
+    assert [(c.params, c.active_params) for c in costs.layers[1:-1]] == [
+        (shape.decoder_layer_params(), shape.decoder_layer_params() - idle)] * 48
+    assert costs.layers[0].active_params == costs.layers[0].params
+    lora = preset_costs("qwen3-30b-a3b", hw, 1024, lora_rank=16)
+    idle_adapters = (128 - 8) * 16 * (3 * 2048 + 3 * 768)  # gate, up (2048 -> 768) and down (768 -> 2048)
+    assert lora.layers[1].params - lora.layers[1].active_params == idle + idle_adapters
+    dense = preset_costs("qwen3-8b", hw, 1024)
+    assert all(c.active_params == c.params for c in dense.layers)
