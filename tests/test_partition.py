@@ -295,6 +295,7 @@ def test_estimate_costs_from_module_sizes():
     assert mid.weight_bytes == 272 * 2 + 16 * 4  # buffer in its own dtype
     assert head.grad_bytes == 0 and mid.grad_bytes == 272 * 2
     assert [c.act_bytes_per_token for c in costs.layers] == [32, 32, 200]
+    assert [c.active_params for c in costs.layers] == [c.params for c in costs.layers] == [1600, 272, 1600]
     assert costs.tokens_per_microbatch == 8 and not costs.measured
     fixed = estimate_costs([embedding, frozen], 8, 4096, torch.float32, link_bytes_per_second=1e9)
     assert [c.act_bytes_per_token for c in fixed.layers] == [4096, 4096]

@@ -44,7 +44,8 @@ def test_table_lists_every_stage_and_the_bubble():
     table = report.to_table()
     lines = table.splitlines()
     assert lines[0] == f"RoundPipe plan {plan.to_text()} on 2 worker(s), 4 microbatch(es)"
-    assert lines[1].split() == ["stage", "direction", "layers", "worker", "predicted", "weights", "activations"]
+    assert lines[1].split() == ["stage", "direction", "layers", "worker", "predicted", "compute", "weights", "params",
+                                "active", "activations"]
     stage_lines = lines[3:-1]
     assert [line.split()[0] for line in stage_lines] == [r.stage for r in report.rows]
     assert set(plan.facts.stage_seconds) == {r.stage for r in report.rows}
@@ -75,6 +76,11 @@ def test_as_dict_is_plain_json_data():
         "predicted_s": pytest.approx(0.06),
         "weight_bytes": 3 * MiB,
         "activation_bytes": 65536,
+        "compute_s": pytest.approx(0.06),
+        "params": 3 * MiB // 2,  # the profile gives no counts: weight bytes over 2-byte parameters
+        "active_params": 3 * MiB // 2,
         "layers": "0:3",
     }
-    assert set(data) == {"plan_text", "num_workers", "microbatches", "rows", "predicted_step_s", "predicted_bubble"}
+    assert set(data) == {"plan_text", "num_workers", "microbatches", "rows", "predicted_step_s", "predicted_bubble",
+                         "moe_layers"}
+    assert data["moe_layers"] == []

@@ -2,7 +2,10 @@
 
 Before the first step nothing has been measured, so :func:`estimate_costs` prices every layer
 from its size: matmul-dominated layers cost ``2 * params * tokens`` FLOPs forward, backward
-twice that, and the recompute inside backward as much as the forward. During training the
+twice that, and the recompute inside backward as much as the forward. ``params`` there are the
+parameters a token runs through: a Mixture-of-Experts layer holds all its experts (their bytes
+are uploaded and their gradients downloaded in full) but routes each token through ``top_k`` of
+them (:mod:`.experts`). During training the
 engine measures stages, and :class:`MovingCostProfile` turns those measurements into per-layer
 moving averages; :func:`cost_change` says how far the numbers moved, so the planner re-plans
 only when it matters.
@@ -18,6 +21,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
+from .experts import inactive_parameters
 from .profile import CostProfile, LayerCost
 from ..schedule.plan import Plan
 
@@ -65,8 +69,11 @@ def estimate_costs(
     """Estimate every layer's costs for microbatches of ``example_tokens`` tokens.
 
     * forward time: ``2 * params * tokens`` FLOPs at ``flops_per_second``, counting only
-      matmul parameters (embedding tables are lookups); every layer also pays one FLOP per
-      output element, so parameter-free layers and embeddings are cheap but not free;
+      matmul parameters (embedding tables are lookups) and of routed experts only the
+      ``top_k / num_experts`` share a token runs (:func:`.experts.routed_experts`); every layer
+      also pays one FLOP per output element, so parameter-free layers and embeddings are cheap
+      but not free;
+    * ``active_params``: the parameters one token runs through (all of them in a dense layer);
     * recompute time equals the forward, backward time is twice the forward;
     * ``weight_bytes``: parameters in the compute dtype (the worker uploads them cast), buffers
       and non-floating parameters in their own dtype;
@@ -89,7 +96,9 @@ def estimate_costs(
         params = _unique_tensors(layer.parameters())
         buffers = _unique_tensors(layer.buffers())
         lookups = _embedding_param_ids(layer)
-        matmul_params = sum(p.numel() for p in params if id(p) not in lookups)
+        inactive = inactive_parameters(layer)
+        idle = sum(p.numel() * inactive[id(p)] for p in params if id(p) in inactive)
+        matmul_params = sum(p.numel() for p in params if id(p) not in lookups) - idle
         weight_bytes = sum(p.numel() * (dtype_bytes if p.is_floating_point() else p.element_size()) for p in params)
         weight_bytes += sum(b.numel() * b.element_size() for b in buffers)
         grad_bytes = sum(p.numel() * dtype_bytes for p in params if p.requires_grad)
@@ -101,7 +110,8 @@ def estimate_costs(
         forward_s = (2.0 * matmul_params * example_tokens + output_elements * example_tokens) / flops_per_second
         out.append(LayerCost(forward_s, forward_s, 2.0 * forward_s, int(weight_bytes), int(grad_bytes), act_bytes,
                              params=sum(p.numel() for p in params),
-                             trainable_params=sum(p.numel() for p in params if p.requires_grad)))
+                             trainable_params=sum(p.numel() for p in params if p.requires_grad),
+                             active_params=round(sum(p.numel() for p in params) - idle)))
     return CostProfile(out, tokens_per_microbatch=int(example_tokens), measured=False, source="estimate",
                        dtype_bytes=dtype_bytes, link_bytes_per_second=link_bytes_per_second)
 

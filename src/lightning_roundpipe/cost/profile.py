@@ -15,7 +15,7 @@ from dataclasses import dataclass
 class LayerCost:
     """One layer's costs for one microbatch.
 
-    The last three fields are optional; where a layer leaves them out, readers derive them
+    The last four fields are optional; where a layer leaves them out, readers derive them
     from the bytes above (``CostProfile.dtype_bytes`` per parameter, the output activation as
     the kept graph).
     """
@@ -29,6 +29,7 @@ class LayerCost:
     params: int | None = None  # parameter count (weights the host keeps a compute-dtype copy of)
     trainable_params: int | None = None  # parameters the host optimizer updates
     graph_bytes_per_token: int | None = None  # activations autograd keeps for the layer's backward
+    active_params: int | None = None  # parameters one token runs through (MoE: top_k of E experts); None: all
 
     def scaled(self, factor: float) -> "LayerCost":
         return dataclasses.replace(self, forward_s=self.forward_s * factor, recompute_s=self.recompute_s * factor,
@@ -66,6 +67,10 @@ class CostProfile:
     def layer_trainable_params(self) -> list[int]:
         return [c.trainable_params if c.trainable_params is not None else c.grad_bytes // self.dtype_bytes
                 for c in self.layers]
+
+    def layer_active_params(self) -> list[int]:
+        """Parameters one token runs through, per layer (``layer_params`` where a layer does not say)."""
+        return [c.active_params if c.active_params is not None else p for c, p in zip(self.layers, self.layer_params())]
 
     def layer_graph_bytes_per_token(self) -> list[int]:
         return [c.graph_bytes_per_token if c.graph_bytes_per_token is not None else c.act_bytes_per_token
@@ -220,6 +225,19 @@ def format_bytes(num_bytes: float) -> str:
         if abs(value) < 1024 or unit == "TiB":
             return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_count(count: float) -> str:
+    """Human-readable count with decimal units, e.g. ``950``, ``12.3K``, ``1.45G``."""
+    value = float(count)
+    if abs(value) < 1000:
+        return f"{int(value)}"
+    for unit in ("K", "M", "G"):
+        value /= 1000
+        if abs(value) < 999.5 or unit == "G":
+            decimals = 0 if abs(value) >= 99.95 else 1 if abs(value) >= 9.995 else 2
+            return f"{value:.{decimals}f}{unit}"
     raise AssertionError("unreachable")
 
 

@@ -281,8 +281,12 @@ def shape_layer_costs(
     graph.append(int(2 * hidden * dtype_bytes + vocab * (dtype_bytes + _LOSS_FP32_COPIES * 4) * chunk_share))
 
     unique = shape.num_params() + (num_layers * adapters if lora else 0)
-    for cost, p, t, g in zip(layers, params, trainable, graph):
-        cost.params, cost.trainable_params, cost.graph_bytes_per_token = p, t, g
+    # A token runs the routed experts of an MoE layer only (the report shows held versus run).
+    idle_experts = (shape.num_experts - shape.experts_per_token) * sum(a * b for a, b in shape.mlp_shapes())
+    active = [p - (adapters - active_adapters + idle_experts if 0 < i <= num_layers and shape.is_moe else 0)
+              for i, p in enumerate(params)]
+    for cost, p, t, g, a in zip(layers, params, trainable, graph, active):
+        cost.params, cost.trainable_params, cost.graph_bytes_per_token, cost.active_params = p, t, g, a
     return CostProfile(layers, tokens_per_microbatch=tokens, measured=False, source=f"{shape.name} on {hardware.name}",
                        dtype_bytes=dtype_bytes, input_bytes_per_token=_TOKEN_ID_BYTES, unique_params=unique,
                        unique_trainable_params=(num_layers * adapters) if lora else unique)

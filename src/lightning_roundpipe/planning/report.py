@@ -3,13 +3,18 @@
 ``build_report(plan, costs, num_workers, microbatches).to_table()`` prints what the
 partitioner expects before anything runs, so a user can see why the plan looks as it does
 (and compare with the measured trace later). Predictions come from :func:`.partition.predict`.
+
+Each stage shows its compute time next to its weight bytes and parameter counts (all held, and
+the ones a token runs through): a Mixture-of-Experts stage carries the bytes of every expert but
+computes only with the ``top_k`` routed ones, so it has many bytes for little compute; a line
+under the table gives that cost shape per MoE layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ..cost.profile import CostProfile, StageCostModel, format_bytes, format_seconds
+from ..cost.profile import CostProfile, StageCostModel, format_bytes, format_count, format_seconds
 from .predictor import DEFAULT_STAGE_OVERHEAD_S, dispatched_stage_costs, link_speed, predict
 from ..schedule.plan import Plan, dispatch
 
@@ -26,10 +31,22 @@ class ReportRow:
     predicted_s: float  # max(compute, upload, download) for all microbatches
     weight_bytes: int
     activation_bytes: int  # one microbatch's activations held on the worker
+    compute_s: float = 0.0  # compute alone for all microbatches (the rest of predicted_s is transfers)
+    params: int = 0  # parameters the stage holds (their weights are uploaded)
+    active_params: int = 0  # of those, the ones a token runs through (MoE: top_k of E experts)
 
     @property
     def layers(self) -> str:
         return f"{self.start}:{self.end}"
+
+
+@dataclass(frozen=True)
+class MoeLayerShape:
+    """A layer with routed experts: parameters it holds versus those one token runs through."""
+
+    layer: int
+    params: int
+    active_params: int
 
 
 @dataclass
@@ -42,13 +59,17 @@ class PlanReport:
     rows: list[ReportRow] = field(default_factory=list)
     predicted_step_s: float = 0.0
     predicted_bubble: float = 0.0
+    moe_layers: list[MoeLayerShape] = field(default_factory=list)
 
     def to_table(self) -> str:
-        """Fixed-width text table, one line per stage in dispatch order, then the step summary."""
-        header = ("stage", "direction", "layers", "worker", "predicted", "weights", "activations")
+        """Fixed-width text table, one line per stage in dispatch order, then the MoE cost shape
+        (when the model has routed experts) and the step summary."""
+        header = ("stage", "direction", "layers", "worker", "predicted", "compute", "weights", "params", "active",
+                  "activations")
         lines = [
-            (r.stage, r.direction, r.layers, str(r.worker), format_seconds(r.predicted_s),
-             format_bytes(r.weight_bytes), format_bytes(r.activation_bytes))
+            (r.stage, r.direction, r.layers, str(r.worker), format_seconds(r.predicted_s), format_seconds(r.compute_s),
+             format_bytes(r.weight_bytes), format_count(r.params), format_count(r.active_params),
+             format_bytes(r.activation_bytes))
             for r in self.rows
         ]
         widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
@@ -61,11 +82,23 @@ class PlanReport:
         out.append(fmt(header))
         out.append("  ".join("-" * w for w in widths))
         out.extend(fmt(line) for line in lines)
+        out.extend(self.moe_lines())
         out.append(
             f"predicted step {format_seconds(self.predicted_step_s)}, "
             f"predicted bubble fraction {self.predicted_bubble:.1%}"
         )
         return "\n".join(out)
+
+    def moe_lines(self) -> list[str]:
+        """One line per distinct MoE layer shape: parameters held versus run per token."""
+        shapes: dict[tuple[int, int], list[int]] = {}
+        for m in self.moe_layers:
+            shapes.setdefault((m.params, m.active_params), []).append(m.layer)
+        return [
+            f"MoE layers {', '.join(map(str, layers))}: {format_count(params)} parameters each, "
+            f"{format_count(active)} run per token ({params / active:.1f}x the bytes per FLOP of a dense layer)"
+            for (params, active), layers in shapes.items()
+        ]
 
     def as_dict(self) -> dict:
         """Plain data (JSON-ready)."""
@@ -102,6 +135,7 @@ def build_report(
     )
     model = StageCostModel(costs, microbatches, link, recompute)
     workers = {task.stage.name: task.worker for task in dispatch(plan, num_workers)}
+    params, active = costs.layer_params(), costs.layer_active_params()
     rows = [
         ReportRow(
             stage=stage.name,
@@ -112,7 +146,11 @@ def build_report(
             predicted_s=sc.seconds,
             weight_bytes=sc.weight_bytes,
             activation_bytes=sc.activation_bytes,
+            compute_s=sc.compute_s,
+            params=sum(params[stage.start:stage.end]),
+            active_params=sum(active[stage.start:stage.end]),
         )
         for stage, sc in dispatched_stage_costs(plan, model)
     ]
-    return PlanReport(plan.to_text(), num_workers, microbatches, rows, prediction.step_s, prediction.bubble)
+    moe = [MoeLayerShape(i, p, a) for i, (p, a) in enumerate(zip(params, active)) if 0 < a < p]
+    return PlanReport(plan.to_text(), num_workers, microbatches, rows, prediction.step_s, prediction.bubble, moe)
