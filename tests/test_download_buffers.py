@@ -2,6 +2,8 @@
 
 import gc
 
+import pytest
+
 import torch
 
 from lightning_roundpipe import EngineOptions, PipelineEngine, Plan
@@ -72,3 +74,14 @@ def test_reused_buffers_give_the_cpu_backends_results_bit_for_bit_with_a_second_
     got, seen = _steps(pool, 3, retain=True)
     assert pool.host_buffers.reuses > 0 and seen[-1][3] > 0  # buffers were reused while a call held some
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_download_buffers_are_pinned_at_their_exact_size_and_results_match():
+    ref, _ = _steps(make_pool("cpu", 2), 3)
+    pool = make_pool("cuda", 2, device_indices=[0, 0])  # two workers on one GPU
+    got, seen = _steps(pool, 3)
+    hb = pool.host_buffers
+    assert hb.reuses > 0 and all(t.is_pinned() for q in hb._free.values() for t in q)
+    assert pool.download_pinned_bytes == hb.allocated_bytes  # registered in place: no rounding
+    assert all(torch.allclose(a, b.cpu(), rtol=1e-5, atol=1e-6) for a, b in zip(ref, got))
