@@ -215,6 +215,8 @@ def _train(backend, staleness, pinned, compute_dtype, opt_name, steps=4, jitter=
             opt.step(closure)  # inside step(closure): layers step early, during backward
         runtime.join()
         assert ov.early_steps
+        if backend == "fake_cuda":  # downloads landed in reused host buffers (issue 15 item 5)
+            assert runtime.pool.host_buffers.reuses > 0
         return [p.detach().clone() for p in net.parameters()]
     finally:
         runtime.detach()

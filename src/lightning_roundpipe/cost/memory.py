@@ -9,8 +9,15 @@ never exceeds this bound (tested).
 
 Host: fp32 master weights, fp32 gradients and two fp32 Adam moments (16 bytes) per trainable
 parameter, the compute-dtype copy of every parameter that uploads read from (frozen LoRA bases
-live only in that copy), and the stage-boundary activations the forward saves for recompute
-(every microbatch, every backward stage start).
+live only in that copy), the host buffers the weight gradients are downloaded into (compute
+dtype, every trainable parameter: a fused last stage keeps a step's gradient downloads until its
+call is gone), and the stage-boundary activations the forward saves for recompute (every
+microbatch, every backward stage start).
+
+Pinned: under a pinned policy ("alloc", "register") the upload copy, the gradient download
+buffers and the saved activations are page-locked (the stream pools pin exactly those, at their
+exact size). Page-locked memory cannot be swapped out, so it is reported as its own figure: the
+host must hold it in RAM, whatever else it pages.
 """
 
 from __future__ import annotations
@@ -81,10 +88,22 @@ class HostMemory:
     optimizer_state: int  # fp32 masters, gradients and Adam moments of trainable parameters
     compute_copy: int  # compute-dtype copy of every parameter (uploads read it)
     saved_activations: int  # stage inputs kept for recompute, all microbatches
+    gradient_downloads: int = 0  # host buffers the weight gradients land in (compute dtype)
+    params: int = 0  # distinct parameters, for the per-parameter figures
 
     @property
     def total(self) -> int:
-        return self.optimizer_state + self.compute_copy + self.saved_activations
+        return self.optimizer_state + self.compute_copy + self.saved_activations + self.gradient_downloads
+
+    @property
+    def pinned(self) -> int:
+        """Bytes page-locked under a pinned policy: what uploads read and downloads land in."""
+        return self.compute_copy + self.gradient_downloads + self.saved_activations
+
+    @property
+    def pinned_upload_bytes_per_param(self) -> float:
+        """Pinned bytes of the upload copy per parameter (2.0 with bf16 shadows, 4.0 in fp32)."""
+        return self.compute_copy / self.params if self.params else 0.0
 
 
 def host_bytes(costs: CostProfile, plan: Plan | None = None, microbatches: int = 1) -> HostMemory:
@@ -93,5 +112,6 @@ def host_bytes(costs: CostProfile, plan: Plan | None = None, microbatches: int =
     acts = 0
     if plan is not None:
         acts = microbatches * sum(view.in_bytes(b) for b in plan.saved_boundaries() if b > 0)
-    return HostMemory(view.unique_trainable_params() * FP32_STATE_BYTES_PER_TRAINABLE,
-                      view.unique_params() * view.dtype_bytes, acts)
+    trainable = view.unique_trainable_params()
+    return HostMemory(trainable * FP32_STATE_BYTES_PER_TRAINABLE, view.unique_params() * view.dtype_bytes, acts,
+                      gradient_downloads=trainable * view.dtype_bytes, params=view.unique_params())

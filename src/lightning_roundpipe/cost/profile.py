@@ -45,7 +45,9 @@ class CostProfile:
     ``link_bytes_per_second``: the host <-> worker link the estimate assumed (None: free).
     ``input_bytes_per_token``: the model input (token ids) per token. ``unique_params`` and
     ``unique_trainable_params``: totals with parameters shared between layers counted once
-    (default: the per-layer sums).
+    (default: the per-layer sums). ``decoder_layers``: the ``(start, end)`` range of layers that
+    are transformer decoder layers (the simulator charges their kernel launches on the host,
+    ``HardwareProfile.launch_s``); None when unknown.
     """
 
     layers: list[LayerCost]
@@ -57,6 +59,7 @@ class CostProfile:
     input_bytes_per_token: int = 0
     unique_params: int | None = None
     unique_trainable_params: int | None = None
+    decoder_layers: tuple[int, int] | None = None
 
     def __len__(self) -> int:
         return len(self.layers)

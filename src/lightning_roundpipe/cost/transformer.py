@@ -289,7 +289,8 @@ def shape_layer_costs(
         cost.params, cost.trainable_params, cost.graph_bytes_per_token, cost.active_params = p, t, g, a
     return CostProfile(layers, tokens_per_microbatch=tokens, measured=False, source=f"{shape.name} on {hardware.name}",
                        dtype_bytes=dtype_bytes, input_bytes_per_token=_TOKEN_ID_BYTES, unique_params=unique,
-                       unique_trainable_params=(num_layers * adapters) if lora else unique)
+                       unique_trainable_params=(num_layers * adapters) if lora else unique,
+                       decoder_layers=(1, 1 + num_layers))  # after the embedding prefix
 
 
 def preset_costs(

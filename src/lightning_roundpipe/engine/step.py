@@ -10,6 +10,7 @@ adds stage gradients in dispatch order.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +108,11 @@ class StepRun:
         self.graphs: dict[tuple[int, int], tuple[list, Any, list]] = {}  # kept forward graphs (no recompute)
         self.host_work: list[tuple[StageWeights, Completion]] = []  # weight-gradient downloads, dispatch order
         self._measurements: list | None = None
+        # Downloads in reused host buffers that this call may read again (activations, for the
+        # recompute of every backward, a second one included; a fused call's weight gradients):
+        # they go back to the pool when the call is gone.
+        self.lent_buffers: list = []
+        weakref.finalize(self, self.pool.release_host, self.lent_buffers)
 
     # ------------------------------------------------------------------ helpers
     def _grad_keys(self, stage: Stage):
@@ -210,10 +216,17 @@ class StepRun:
     _grad_in = _upload_carry
 
     def _download_carry(self, t: GraphTask, worker, get_tree):
+        # The caller's outputs and input gradients are theirs to keep; every other carry is only
+        # read by uploads of this call, so it may land in a reused host buffer.
+        to_caller = (t.kind == "act_out" and t.boundary == self.plan.num_layers) or (t.kind == "grad_out" and t.boundary == 0)
+        lent = self.lent_buffers
+
         def fn():
             host = get_tree()
             idx = [i for i, x in enumerate(host.leaves) if isinstance(x, torch.Tensor)]
-            out = self.pool.copy_to_host(worker, [host.leaves[i] for i in idx])
+            out = self.pool.copy_to_host(worker, [host.leaves[i] for i in idx], reusable=not to_caller)
+            if not to_caller:
+                lent.extend(out)
             leaves = list(host.leaves)
             for i, h in zip(idx, out):
                 leaves[i] = h
@@ -238,7 +251,15 @@ class StepRun:
 
     def _wgrad(self, t: GraphTask, worker):
         weights = self._stage_weights(t)
-        return (lambda: self.pool.copy_to_host(worker, weights.device_grads())), t.bytes, []
+        lent = self.lent_buffers if self.fused else None
+
+        def fn():
+            out = self.pool.copy_to_host(worker, weights.device_grads(), reusable=True)
+            if lent is not None:
+                lent.extend(out)  # a fused call's gradients may be read by more than one backward
+            return out
+
+        return fn, t.bytes, []
 
     def _release(self, t: GraphTask, worker):
         weights = self._stage_weights(t)
@@ -377,6 +398,9 @@ class StepRun:
             if accumulate:
                 accumulate_host_grads(weights, grads, scale, eng.grad_buffers)
                 eng.notify_grads_accumulated(weights.layer_ids)
+            if not self.fused:  # each backward downloads afresh: these are read once, here
+                kept = {id(p.grad) for p in weights.host if p.grad is not None}
+                self.pool.release_host([g for g in grads if g is not None and id(g) not in kept])
         if not self.input_requires_grad:
             self.pool.finish_step()  # device timings of the step into the trace, read once
             return [None] * self.M

@@ -136,7 +136,12 @@ class TrainingPlan:
         lines.append(
             f"Host memory: {h.total / GiB:.1f} GiB needed of {hw.host_memory_bytes / GiB:.1f} GiB "
             f"(fp32 optimizer state {h.optimizer_state / GiB:.1f}, compute-dtype copy {h.compute_copy / GiB:.1f}, "
-            f"saved activations {h.saved_activations / GiB:.1f})"
+            f"gradient download buffers {h.gradient_downloads / GiB:.1f}, saved activations {h.saved_activations / GiB:.1f})"
+        )
+        lines.append(
+            f"Pinned host memory: {h.pinned / GiB:.1f} GiB of that is page-locked under a pinned policy and cannot be "
+            f"swapped (upload copy {h.pinned_upload_bytes_per_param:.1f} B/param, gradient download buffers, "
+            f"saved activations)"
         )
         need = self.choice.gpu_bytes if self.choice else self.min_gpu_bytes
         lines.append(

@@ -83,6 +83,13 @@ class HardwareProfile:
     tensor_tflops_fp16_acc: float | None = None  # dense fp16 tensor rate, fp16 accumulate
     memory_bytes_per_s: float | None = None  # one worker's memory bandwidth
     dispatch_s: float = 0.0  # host time to submit one task (one Python process drives all workers)
+    # Kernel launches of decoder-layer compute tasks, issued by the host (one process, one GIL):
+    # per decoder layer per microbatch, a forward task launches ``forward_launches_per_layer``
+    # kernels and a backward or fused task (forward with grad + backward) ``backward_launches_per_layer``;
+    # each costs the host ``launch_s``. Charged with ``dispatch_s`` on the task's submission.
+    launch_s: float = 0.0
+    forward_launches_per_layer: int = 0
+    backward_launches_per_layer: int = 0
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -94,8 +101,9 @@ class HardwareProfile:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
         if self.latency_s < 0:
             problems.append(f"latency_s must not be negative, got {self.latency_s}")
-        if self.dispatch_s < 0:
-            problems.append(f"dispatch_s must not be negative, got {self.dispatch_s}")
+        for name in ("dispatch_s", "launch_s", "forward_launches_per_layer", "backward_launches_per_layer"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must not be negative, got {getattr(self, name)}")
         for name in ("tensor_tflops_fp32_acc", "tensor_tflops_fp16_acc", "memory_bytes_per_s"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 problems.append(f"{name} must be positive when given, got {getattr(self, name)}")
@@ -110,6 +118,12 @@ class HardwareProfile:
     def transfer_seconds(self, num_bytes: float) -> float:
         """Time of one transfer of ``num_bytes`` on an idle link: latency plus bytes over bandwidth."""
         return self.latency_s + num_bytes / self.host_device_bytes_per_s
+
+    def launch_seconds(self, kind: str, decoder_layers: int) -> float:
+        """Host time to issue the kernels of a compute task of ``kind`` ("forward", "backward",
+        "fused") over ``decoder_layers`` decoder layers, one microbatch."""
+        per_layer = self.forward_launches_per_layer if kind == "forward" else self.backward_launches_per_layer
+        return decoder_layers * per_layer * self.launch_s
 
     def replace(self, **changes: Any) -> "HardwareProfile":
         """A copy with some fields changed, e.g. ``profile.replace(num_gpus=4)``."""
@@ -132,10 +146,13 @@ class HardwareProfile:
         for key in ("gpu_memory_bytes", "host_memory_bytes"):
             values[key] = int(parse_quantity(values[key]))
         for key in ("host_device_bytes_per_s", "cpu_optimizer_params_per_s", "tflops", "latency_s",
-                    "tensor_tflops_fp32_acc", "tensor_tflops_fp16_acc", "memory_bytes_per_s", "dispatch_s"):
+                    "tensor_tflops_fp32_acc", "tensor_tflops_fp16_acc", "memory_bytes_per_s", "dispatch_s", "launch_s"):
             if key in values:
                 values[key] = parse_quantity(values[key])
         values["num_gpus"] = int(values["num_gpus"])
+        for key in ("forward_launches_per_layer", "backward_launches_per_layer"):
+            if key in values:
+                values[key] = int(values[key])
         if "duplex" in values:
             values["duplex"] = bool(values["duplex"])
         return cls(**values)

@@ -234,8 +234,9 @@ class _RoundPipeBuilder:
                     gate = [self.add(Op(HOST, MAIN_QUEUE, "loss", "", -1, step, deps=outs))]
             deps = [op for d in t.deps for op in done[d]]
             deps += [op for ops in self.history.resolve(t) for op in ops]
-            if self.hw.dispatch_s > 0 and t.kind not in ("release", "free_kept"):
-                self.submitted = submission(self.sim, self.submitted, gate, self.hw.dispatch_s, t, step)
+            host_s = self._host_submit_s(t)
+            if host_s > 0:
+                self.submitted = submission(self.sim, self.submitted, gate, host_s, t, step)
                 deps.append(self.submitted)
             w, name = t.worker, t.stage
             if t.kind in ("release", "free_kept"):
@@ -271,6 +272,19 @@ class _RoundPipeBuilder:
             # updates still overlap it).
             self.step_done = self.add(Op(HOST, MAIN_QUEUE, "step", "", -1, step, deps=backward_done + losses))
         self.calls.add_call(wgrads, step)
+
+    def _host_submit_s(self, t: GraphTask) -> float:
+        """Host time to submit ``t``: ``dispatch_s``, plus for a compute task the launches of its
+        decoder layers. The issue is charged before the task starts (no overlap of issuing with
+        the device running what was issued): an upper bound on the launch cost."""
+        if t.kind in ("release", "free_kept"):
+            return 0.0
+        seconds = self.hw.dispatch_s
+        span = self.view.costs.decoder_layers
+        if t.lane == "compute" and span is not None and self.hw.launch_s > 0:
+            n = max(0, min(t.end, span[1]) - max(t.start, span[0]))
+            seconds += self.hw.launch_seconds(t.kind, n)
+        return seconds
 
     def _compute(self, t: GraphTask, step: int, deps: list[Op], inputs: list[GraphTask],
                  outputs: list[GraphTask]) -> Op:

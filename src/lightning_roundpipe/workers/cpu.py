@@ -102,7 +102,7 @@ class CpuWorkerPool(WorkerPool):
                 out.append(t.detach().to(dtype=dt or t.dtype, copy=True))
         return out
 
-    def copy_to_host(self, worker: Worker, tensors):
+    def copy_to_host(self, worker: Worker, tensors, reusable: bool = False):
         # The device side is done with these tensors: the host takes them as they are.
         return [None if t is None else t.detach() for t in tensors]
 

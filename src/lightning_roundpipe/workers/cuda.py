@@ -19,7 +19,9 @@ Timing: with tracing on, a task gets a start and an end event; they are read onc
 
 Pinned memory: nothing is pinned per copy. :meth:`pin_uploads` pins, once and in place, exactly
 the host tensors the uploads read; an upload from pageable memory is a plain (staged) copy and
-of weights is counted in ``pageable_upload_bytes``.
+of weights is counted in ``pageable_upload_bytes``. Downloads the engine marks ``reusable`` land
+in right-sized buffers from :class:`~.host_buffers.HostBufferPool` (pinned in place when
+``pin_memory``), which the engine hands back with :meth:`release_host` once the host has read them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Iterable
 import torch
 
 from .completions import Completion, PipelineTimeout
+from .host_buffers import HostBufferPool
 from .pool import Lane, Task, Worker, WorkerPool
 from .streams import CudaStreams, FakeStreams
 from ..tracing.records import TraceRecord
@@ -55,6 +58,9 @@ class StreamWorkerPool(WorkerPool):
         self._pinned: list[torch.Tensor] = []
         self.pinned_bytes = 0
         self.pageable_upload_bytes = 0
+        self.host_buffers = HostBufferPool(self._new_host_buffer)
+        self._buffer_pins: list[torch.Tensor] = []
+        self.download_pinned_bytes = 0
         for w in self.workers:
             for lane in w.lanes.values():
                 lane.stream = self._new_stream(w, lane.queue)
@@ -148,6 +154,11 @@ class StreamWorkerPool(WorkerPool):
     def on_shutdown(self, timeout: float) -> None:
         self.driver.close(timeout)
         self.unpin()
+        for t in self._buffer_pins:
+            self.driver.unregister(t)
+        self._buffer_pins = []
+        self.download_pinned_bytes = 0
+        self.host_buffers.clear()
 
     def threads_alive(self) -> list[str]:
         fake = self.driver.threads_alive() if self.driver.fake else []
@@ -171,7 +182,7 @@ class StreamWorkerPool(WorkerPool):
             out.append(dev)
         return out
 
-    def copy_to_host(self, worker: Worker, tensors):
+    def copy_to_host(self, worker: Worker, tensors, reusable: bool = False):
         drv = self.driver
         stream = drv.current_stream(worker.device)
         out = []
@@ -181,10 +192,25 @@ class StreamWorkerPool(WorkerPool):
                 continue
             t = t.detach()
             drv.record_stream(t, stream)
-            host = drv.empty_host(t.shape, t.dtype, pinned=self.pin_memory)
+            if reusable:
+                host = self.host_buffers.take(t.shape, t.dtype)
+            else:
+                host = drv.empty_host(t.shape, t.dtype, pinned=self.pin_memory)
             drv.to_host(host, t)
             out.append(host)
         return out
+
+    def release_host(self, tensors) -> None:
+        self.host_buffers.give_back(tensors)
+
+    def _new_host_buffer(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A download buffer of exactly its size: pageable memory, pinned in place when ``pin_memory``
+        (never the caching host allocator, which rounds up and keeps what it rounded)."""
+        buf = torch.empty(shape, dtype=dtype)
+        if self.pin_memory and self.driver.register(buf):
+            self._buffer_pins.append(buf)
+            self.download_pinned_bytes += buf.numel() * buf.element_size()
+        return buf
 
     # ------------------------------------------------------------------ pinned memory
     def pin_uploads(self, policy: str, tensors: Iterable[torch.Tensor]) -> int:

@@ -399,8 +399,13 @@ class WorkerPool:
         whose device memory is host memory may share it."""
         raise NotImplementedError  # each backend defines its copies
 
-    def copy_to_host(self, worker: Worker, tensors):
+    def copy_to_host(self, worker: Worker, tensors, reusable: bool = False):
+        """Host copies of device ``tensors``. ``reusable``: the engine will hand them back with
+        :meth:`release_host` once nothing reads them, so a backend may lend reused buffers."""
         raise NotImplementedError  # each backend defines its copies
+
+    def release_host(self, tensors) -> None:
+        """Take back host tensors from ``copy_to_host(..., reusable=True)``; others are ignored."""
 
     def synchronize(self, timeout: float | None = None) -> None:
         pass
