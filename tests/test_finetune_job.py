@@ -70,6 +70,7 @@ def test_default_config_composes_to_documented_values():
         # the rest of lightning_roundpipe.options.StrategyOptions, which the YAML extends (defaults)
         "cpu_compute_delay_s": 0.0, "cpu_jitter_s": 0.0, "cpu_threads_per_worker": 1, "seed": 0, "trace_steps": 0,
         "step_metrics": True, "optimizer_delay_s": 0.0, "workers": None, "trace_dir": None, "checkpoint_weights": "full",
+        "allow_unverified": False, "logits_with_loss": False,
     }
     assert cfg.partition.policy == "params"
     assert set(cfg.partition) >= {"policy", "forward_stages", "backward_stages", "manual_forward", "manual_backward", "replan_threshold"}
@@ -179,11 +180,7 @@ def test_max_epochs_covers_max_steps(max_steps, accumulate, batches, expected):
 
 
 # Warning lines the default job may still print, each from third-party code, with why.
-ALLOWED_JOB_WARNINGS = {
-    # Lightning's scheduler-order check, tripped by how the strategy wraps the optimizer; helper
-    # "exact" (issue 14) removes its cause: delete this entry when that change is merged.
-    "lightning/pytorch/core/module.py": "Seems like `optimizer.step()` has been overridden after learning rate scheduler",
-}
+ALLOWED_JOB_WARNINGS: dict[str, str] = {}  # file suffix -> message part of third-party warnings we cannot avoid
 WARNING_LINE = re.compile(r"^(?P<file>\S+\.py):\d+: (?P<message>.*)$")
 
 
