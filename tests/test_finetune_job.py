@@ -207,6 +207,8 @@ def test_default_job_prints_no_warning_of_ours_and_a_sensible_epoch(tmp_path):
         if not any(line.split(":")[0].endswith(file) and message in line for file, message in ALLOWED_JOB_WARNINGS.items())
     ]
     assert unexpected == []
+    assert output.count("RoundPipe pipelines `") == 1  # validate, fit, validate: one plan table
+    assert "RoundPipe: " not in output  # no set-up progress bar when the output is not a terminal
     assert re.search(r"Epoch 0/0\b", done.stdout) and "Epoch 0/-" not in output
     assert "steps:                40" in done.stdout
     # Outputs land in Hydra's run directory.
