@@ -57,7 +57,9 @@ def test_guide_builds_offline_with_warnings_as_errors(tmp_path):
         built = site / "api" / Path(*name.split(".")) / "index.html"
         assert built.is_file(), name
     strategy = (site / "api/lightning_roundpipe/lightning/strategy/index.html").read_text()
-    assert "RoundPipeStrategy" in strategy and "microbatches per batch" in strategy  # rendered docstring
+    assert "RoundPipeStrategy" in strategy and "StrategyOptions" in strategy  # its docstring points to the options
+    options = (site / "api/lightning_roundpipe/options/index.html").read_text()
+    assert "microbatches per batch" in options  # rendered docstring of the option fields
     overview = (site / "api/index.html").read_text()
     assert "Read a trace written by" in overview or "timeline" in overview
     assert (site / "img" / "timeline.png").is_file()

@@ -116,7 +116,8 @@ def test_hf_gradient_checkpointing_is_subsumed_exactly(reentrant):
     from torch.utils.data import DataLoader, TensorDataset
 
     base = tiny_model("llama")
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    # transformers 5's name for gradient_checkpointing_enable (deprecated); it sets the same layer flags
+    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     data = DataLoader(TensorDataset(*family_batch("right")), batch_size=6)
     start = {n: p.detach().clone() for n, p in base.named_parameters()}
     updates = []

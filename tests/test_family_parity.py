@@ -49,7 +49,9 @@ def worst_grad_error(got: dict, ref: dict) -> float:
 
 
 def with_lora(model, family):
-    lora = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=lora_targets(family), lora_dropout=0.0))
+    conv1d = family == "gpt2"  # GPT-2's Conv1D stores weights transposed: peft needs fan_in_fan_out
+    lora = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=lora_targets(family), lora_dropout=0.0,
+                                            fan_in_fan_out=conv1d))
     with torch.no_grad():  # LoRA B starts at zero; make every LoRA tensor see a real gradient
         for name, param in lora.named_parameters():
             if "lora_B" in name:

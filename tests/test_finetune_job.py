@@ -180,11 +180,7 @@ def test_max_epochs_covers_max_steps(max_steps, accumulate, batches, expected):
 
 
 # Warning lines the default job may still print, each from third-party code, with why.
-ALLOWED_JOB_WARNINGS = {
-    # Lightning's scheduler-order check, tripped by how the strategy wraps the optimizer; helper
-    # "exact" (issue 14) removes its cause: delete this entry when that change is merged.
-    "lightning/pytorch/core/module.py": "Seems like `optimizer.step()` has been overridden after learning rate scheduler",
-}
+ALLOWED_JOB_WARNINGS: dict[str, str] = {}  # file suffix -> message part of third-party warnings we cannot avoid
 WARNING_LINE = re.compile(r"^(?P<file>\S+\.py):\d+: (?P<message>.*)$")
 
 
@@ -211,6 +207,8 @@ def test_default_job_prints_no_warning_of_ours_and_a_sensible_epoch(tmp_path):
         if not any(line.split(":")[0].endswith(file) and message in line for file, message in ALLOWED_JOB_WARNINGS.items())
     ]
     assert unexpected == []
+    assert output.count("RoundPipe pipelines `") == 1  # validate, fit, validate: one plan table
+    assert "RoundPipe: " not in output  # no set-up progress bar when the output is not a terminal
     assert re.search(r"Epoch 0/0\b", done.stdout) and "Epoch 0/-" not in output
     assert "steps:                40" in done.stdout
     # Outputs land in Hydra's run directory.

@@ -16,9 +16,13 @@ from lightning_roundpipe.lightning.step_metrics import RoundPipeStepMetrics
 KEYS = ("roundpipe/bubble_fraction", "roundpipe/exposed_transfer_s", "roundpipe/step_s", "roundpipe/tokens_per_s")
 
 
+FLOPS_PER_BATCH = 1000
+
+
 def _fit(tmp_path, strategy, callbacks=(), steps=3, **kw):
     loggers = [CSVLogger(str(tmp_path), name="csv"), TensorBoardLogger(str(tmp_path), name="tb")]
     m = SeqModule(scheduler=True)
+    m.flops_per_batch = FLOPS_PER_BATCH  # what ThroughputMonitor asks a module for
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, logger=loggers,
                         log_every_n_steps=1, enable_checkpointing=False, enable_model_summary=False,
                         callbacks=list(callbacks), default_root_dir=str(tmp_path), **kw)
@@ -62,6 +66,7 @@ def test_step_metrics_work_beside_lr_monitor_and_throughput_monitor(tmp_path):
     assert {"lr-SGD", "roundpipe/bubble_fraction"} <= header
     assert {"train/device/samples_per_sec", "train/samples"} <= header, sorted(header)  # as under the default strategy
     assert all(float(r["train/device/samples_per_sec"]) > 0 for r in rows if r.get("train/device/samples_per_sec"))
+    assert any(float(r["train/device/flops_per_sec"]) > 0 for r in rows if r.get("train/device/flops_per_sec"))
     lrs = [float(r["lr-SGD"]) for r in rows if r.get("lr-SGD")]
     assert lrs[:4] == pytest.approx([0.1, 0.1, 0.1, 0.1])  # StepLR by epoch: unchanged within the first epoch
 

@@ -1,5 +1,7 @@
 """Parity with Lightning's default single-device strategy on the same LightningModule and data."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -47,7 +49,11 @@ def test_parity_with_single_device(opt, workers, microbatches, recompute, mkw, t
     m = SeqModule(**mkw)
     assert all(torch.equal(a, b) for a, b in zip(weights(m).values(), w0.values()))
     strategy = RoundPipeStrategy(microbatches=microbatches, recompute=recompute)
-    _, g = fit(m, strategy, devices=workers, **tkw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, g = fit(m, strategy, devices=workers, **tkw)
+    ours = [str(w.message) for w in caught if "lightning_roundpipe" in w.filename]
+    assert [w.startswith("RoundPipe has one worker") for w in ours] == ([True] if workers == 1 else [])
     assert grad_error(g, g_ref) <= GRAD_TOL
     assert weight_error(weights(m), w_ref, w0) <= WEIGHT_TOL
     if mkw.get("frozen"):

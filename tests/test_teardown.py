@@ -147,7 +147,8 @@ def test_timeout_tears_everything_down():
             Sleepy.delay = 2.0 if trainer.global_step == 1 else 0.0
 
     m = Module()
-    gone = _run_failure(m, RoundPipeStrategy(microbatches=2, timeout=0.5), PipelineTimeout, "", callbacks=[Stall()])
+    gone = _run_failure(m, RoundPipeStrategy(microbatches=2, timeout=0.5), PipelineTimeout, r"timed out after 0\.5s",
+                        callbacks=[Stall()])
     print(f"timeout: threads gone after {gone:.2f}s")
     Sleepy.delay = 0.0
     _second_fit_trains_correctly(m)

@@ -25,6 +25,7 @@ from .engine.microbatch import register_batch_types
 from .schedule.plan import PlanError
 from .planning.keeper import PlanKeeper
 from .adapters.target import STACK_KINDS, locate, patch_forward, unpatch
+from .setup_progress import ProgressCallback
 from .tracing.records import TraceRecorder
 from .workers import make_pool
 
@@ -44,7 +45,8 @@ class RoundPipeRuntime:
     def __init__(self, module: nn.Module, layers: list[nn.Module], forward: Callable[["RoundPipeRuntime"], Callable],
                  backend: str, num_workers: int, options: RuntimeOptions, fused_last: bool = False,
                  device_indices=None, trace: TraceRecorder | None = None, sync_gradients: bool = False,
-                 root_module: nn.Module | None = None, options_owner: str | None = None):
+                 root_module: nn.Module | None = None, options_owner: str | None = None,
+                 progress: ProgressCallback | None = None):
         self.module = module
         self.layers = layers
         self.options = options.validate(options_owner)
@@ -77,6 +79,7 @@ class RoundPipeRuntime:
             link_bytes_per_second=t.bandwidth_bytes_per_s or (None if backend == "cpu" else 25e9),
             flops_per_second=5e10 if backend == "cpu" else 1e14,
             memory_budget_bytes=options.partition.memory_budget_bytes or _device_budget(backend, device_indices),
+            progress=progress,
         )
         masters = _unique_parameters(layers)
         if options.compute_dtype is not None or options.staleness:
@@ -199,7 +202,9 @@ class RoundPipeRuntime:
         ``kwargs`` go to the constructor: ``device_indices``, ``trace``, ``sync_gradients`` (all-reduce
         gradients over the initialised ``torch.distributed`` group), ``root_module`` (whose other
         trainable parameters are reduced whole after backward) and ``options_owner`` (how errors
-        name the options, e.g. "RoundPipeStrategy")."""
+        name the options, e.g. "RoundPipeStrategy") and ``progress`` (``progress(phase, done, total)``
+        for the set-up: cost estimate and plan search; e.g. a
+        :class:`~lightning_roundpipe.setup_progress.RichSetupProgress`)."""
         options = options or RuntimeOptions()
         if kind is None:
             target = locate(module)

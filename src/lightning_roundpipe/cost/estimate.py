@@ -24,8 +24,10 @@ from torch import nn
 from .experts import inactive_parameters
 from .profile import CostProfile, LayerCost
 from ..schedule.plan import Plan
+from ..setup_progress import ProgressCallback, report
 
 TIME_KINDS = ("forward", "recompute", "backward")
+ESTIMATE_PHASE = "RoundPipe: estimating layer costs"
 
 
 # --------------------------------------------------------------------- estimates from sizes
@@ -65,6 +67,7 @@ def estimate_costs(
     compute_dtype: torch.dtype,
     flops_per_second: float = 5e10,
     link_bytes_per_second: float | None = None,
+    progress: ProgressCallback | None = None,
 ) -> CostProfile:
     """Estimate every layer's costs for microbatches of ``example_tokens`` tokens.
 
@@ -83,6 +86,7 @@ def estimate_costs(
       the width of the layer's last Linear/Embedding/Norm times the compute dtype size.
 
     ``link_bytes_per_second`` (host <-> worker) is kept with the profile for the partitioner.
+    ``progress(phase, done, total)`` hears of each layer done (phase ``ESTIMATE_PHASE``).
     """
     if example_tokens < 1:
         raise ValueError(f"example_tokens must be at least 1, got {example_tokens}")
@@ -92,7 +96,8 @@ def estimate_costs(
         raise ValueError(f"compute_dtype must be a floating dtype, got {compute_dtype}")
     dtype_bytes = torch.empty((), dtype=compute_dtype).element_size()
     out = []
-    for layer in layers:
+    for index, layer in enumerate(layers):
+        report(progress, ESTIMATE_PHASE, index, len(layers))
         params = _unique_tensors(layer.parameters())
         buffers = _unique_tensors(layer.buffers())
         lookups = _embedding_param_ids(layer)
@@ -112,6 +117,7 @@ def estimate_costs(
                              params=sum(p.numel() for p in params),
                              trainable_params=sum(p.numel() for p in params if p.requires_grad),
                              active_params=round(sum(p.numel() for p in params) - idle)))
+    report(progress, ESTIMATE_PHASE, len(layers), len(layers))
     return CostProfile(out, tokens_per_microbatch=int(example_tokens), measured=False, source="estimate",
                        dtype_bytes=dtype_bytes, link_bytes_per_second=link_bytes_per_second)
 

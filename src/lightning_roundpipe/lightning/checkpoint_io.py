@@ -3,7 +3,8 @@
 The file is written next to its destination under a temporary name, flushed to disk, and
 renamed over the destination (``os.replace`` is atomic on POSIX and Windows). The format is
 Lightning's own (``torch.save`` of the checkpoint dict), so it loads with plain ``torch.load``
-and into a model trained under any strategy. A save interrupted hard enough to skip its own
+and into a model trained under any strategy. Loading a local file reports its bytes read to
+``progress`` (a set-up progress bar, shown for large files only). A save interrupted hard enough to skip its own
 clean-up (a killed process, a power cut) leaves a ``.tmp-<name>-<random>`` file; the next save
 into that folder removes every such file before it writes.
 """
@@ -14,12 +15,40 @@ import glob
 import os
 import tempfile
 
+from typing import Callable
+
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from ..setup_progress import FileProgress, ProgressCallback
+
+LOAD_PHASE = "RoundPipe: loading checkpoint"
+
 
 class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO`` with atomic saves and load progress.
+
+    Args:
+        progress: called at each load for the ``progress(phase, done, total)`` callback to use
+            (``None``: none), so that only rank zero draws.
+    """
+
+    def __init__(self, progress: Callable[[], ProgressCallback | None] | None = None):
+        super().__init__()
+        self.progress = progress
+
+    def load_checkpoint(self, path, map_location=lambda storage, loc: storage, weights_only=None) -> dict:
+        progress = self.progress() if self.progress is not None else None
+        if progress is None or not os.path.isfile(os.fspath(path)):
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        with open(path, "rb") as f:  # what Lightning's loader does for a local file, with reads counted
+            size = os.fstat(f.fileno()).st_size
+            loaded = torch.load(FileProgress(f, size, LOAD_PHASE, progress), map_location=map_location,
+                                weights_only=weights_only)
+        progress(LOAD_PHASE, size, size)
+        return loaded
+
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO takes no storage_options, got {storage_options}")

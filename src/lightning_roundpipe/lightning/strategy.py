@@ -23,6 +23,7 @@ from typing_extensions import override
 from ..adapters.target import find_target
 from ..options import StrategyOptions, option_keywords_signature, strategy_options
 from ..runtime import RoundPipeRuntime, check_writable_dir, run_all
+from ..setup_progress import RichSetupProgress
 from . import weight_reads
 from .checkpoint_io import AtomicCheckpointIO
 from .early_steps import early_steps_allowed
@@ -49,7 +50,8 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
     def __init__(self, options: StrategyOptions | None = None, *, accelerator=None, parallel_devices=None,
                  cluster_environment=None, checkpoint_io=None, precision_plugin=None, **option_values):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io or AtomicCheckpointIO(),
+                         cluster_environment=cluster_environment,
+                         checkpoint_io=checkpoint_io or AtomicCheckpointIO(progress=lambda: self.setup_progress()),
                          precision_plugin=precision_plugin)
         if options is not None and option_values:
             raise TypeError("RoundPipeStrategy takes either options=StrategyOptions(...) or keyword options, not both")
@@ -59,6 +61,7 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
         self.last_bytes_reduced = 0
         self._accumulating = False
         self._trace_dir: str | None = None
+        self._announced: str | None = None  # the plan table last printed
 
     # ------------------------------------------------------------------ devices and nodes
     @property
@@ -140,7 +143,7 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
         self.runtime = RoundPipeRuntime.attach(
             target.module, backend=backend, num_workers=self.num_workers, options=self.options.runtime_options(),
             kind=target.kind, device_indices=indices, sync_gradients=self.world_size > 1,
-            root_module=self.lightning_module, options_owner="RoundPipeStrategy")
+            root_module=self.lightning_module, options_owner="RoundPipeStrategy", progress=self.setup_progress())
         if fitting and self.options.overlap_optimizer and self.optimizers:
             early = early_steps_allowed(trainer, self.lightning_module, self.precision_plugin)
             for opt in self.optimizers:
@@ -148,7 +151,19 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             weight_reads.join_before_reads(self.lightning_module, self.join)
         if self.options.step_metrics and not any(isinstance(cb, RoundPipeStepMetrics) for cb in trainer.callbacks):
             trainer.callbacks.append(RoundPipeStepMetrics())
-        rank_zero_info(f"RoundPipe pipelines `{target.path}` ({type(target.module).__name__})\n{self.runtime.describe()}")
+        self._announce_plan(target)
+
+    def setup_progress(self) -> RichSetupProgress | None:
+        """Progress bars for long set-up work, on rank zero only (the other nodes do the same work)."""
+        return RichSetupProgress() if self.is_global_zero else None
+
+    def _announce_plan(self, target) -> None:
+        """Print the plan table on rank zero once, and again only for another module or plan: the
+        runtime is rebuilt for every Trainer call (validate, fit, validate) but mostly to the same plan."""
+        announced = f"RoundPipe pipelines `{target.path}` ({type(target.module).__name__})\n{self.runtime.describe()}"
+        if announced != self._announced:
+            self._announced = announced
+            rank_zero_info(announced)
 
     def join(self) -> None:
         """Wait for every submitted layer optimizer step (call before reading weights directly)."""

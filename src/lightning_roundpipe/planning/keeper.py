@@ -18,6 +18,7 @@ from .partition import partition
 from .replan import Replanner
 from ..schedule.plan import Plan, PlanFacts, simple_plan
 from .report import PlanReport, build_report
+from ..setup_progress import ProgressCallback
 
 log = logging.getLogger("lightning_roundpipe")
 
@@ -27,16 +28,19 @@ CHECK_EVERY = 25
 
 
 class PlanKeeper:
+    """The running plan; ``progress`` hears how far the first estimate and plan search are."""
+
     def __init__(self, layers: list[nn.Module], num_workers: int, microbatches: int, partition_cfg, *,
                  recompute: bool, fused_last: bool, compute_dtype: torch.dtype | None,
-                 link_bytes_per_second: float | None, flops_per_second: float, memory_budget_bytes: int | None):
+                 link_bytes_per_second: float | None, flops_per_second: float, memory_budget_bytes: int | None,
+                 progress: ProgressCallback | None = None):
         self.num_workers = num_workers
         self.microbatches = microbatches
         self.cfg = partition_cfg
         self.recompute = recompute
         dtype = compute_dtype or next((p.dtype for l in layers for p in l.parameters()), torch.float32)
         costs = estimate_costs(layers, ASSUMED_TOKENS_PER_MICROBATCH, None, dtype, flops_per_second=flops_per_second,
-                               link_bytes_per_second=link_bytes_per_second)
+                               link_bytes_per_second=link_bytes_per_second, progress=progress)
         self.moving = MovingCostProfile(costs)
         n = len(layers)
         p = partition_cfg
@@ -48,7 +52,7 @@ class PlanKeeper:
         else:
             plan = partition(p.policy, costs, num_workers, microbatches, memory_budget_bytes=memory_budget_bytes,
                              link_bytes_per_second=link_bytes_per_second, fused_last=fused_last, recompute=recompute,
-                             manual_forward=p.manual_forward, manual_backward=p.manual_backward)
+                             manual_forward=p.manual_forward, manual_backward=p.manual_backward, progress=progress)
         self.plan = plan
         self.replanner = Replanner(plan, costs, num_workers, microbatches, threshold=p.replan_threshold,
                                    policy=p.policy) if p.policy == "auto" else None

@@ -17,6 +17,7 @@ from ..cost.profile import CostProfile, StageCostModel
 from ..schedule.plan import LayerRange, Plan, PlanError, PlanFacts, simple_plan
 from .budget import check_layers_fit, check_plan_fits, stage_cap
 from .predictor import DEFAULT_STAGE_OVERHEAD_S, check_inputs, link_speed, predict
+from ..setup_progress import ProgressCallback
 from .search import TIE_TOLERANCE, auto_plan
 
 POLICIES = ("auto", "uniform", "params", "manual")
@@ -49,6 +50,7 @@ def partition(
     manual_backward: Sequence[Sequence[int]] | None = None,
     stage_overhead_s: float = DEFAULT_STAGE_OVERHEAD_S,
     max_stages: int | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Plan:
     """Build and validate a plan with ``policy`` ("auto", "uniform", "params" or "manual").
 
@@ -70,6 +72,8 @@ def partition(
         max_stages: auto only: most stages per direction of the balanced starting points
             (default ``4 * num_workers``, at least 8; more when the memory budget needs it); the
             local search may split further when that is predicted faster.
+        progress: auto only: ``progress(phase, done, total)`` hears how far the plan search is
+            (see :class:`~lightning_roundpipe.setup_progress.RichSetupProgress`).
 
     Returns:
         The validated plan; ``plan.facts`` holds the policy and the predictions.
@@ -103,6 +107,7 @@ def partition(
             recompute=recompute,
             overhead_s=stage_overhead_s,
             max_stages=max_stages,
+            progress=progress,
         ).validate()
     check_plan_fits(plan, model, memory_budget_bytes)
 

@@ -18,6 +18,7 @@ from typing import Sequence
 from ..cost.profile import StageCost, StageCostModel
 from ..schedule.cuts import MinMaxCuts
 from ..schedule.plan import LayerRange, Plan, PlanError, dispatch
+from ..setup_progress import ProgressCallback, report
 from .predictor import dispatched_stage_costs, list_schedule
 
 INF = float("inf")
@@ -28,6 +29,8 @@ EXHAUSTIVE_PLANS = 6000  # plan spaces up to this size are searched exhaustively
 # hand-overs between workers that the timing model does not price (on the 2-core CPU benchmark a
 # plan with 4 more stages, predicted 0.2% faster, ran 5% slower).
 TIE_TOLERANCE = 0.02
+SEARCH_PHASE = "RoundPipe: searching plans"
+PROGRESS_EVERY = 100  # plans priced between two progress reports
 
 
 class Search:
@@ -37,13 +40,19 @@ class Search:
     stages (sorted tuples). With a fused last stage the last forward cut ``h`` is where the fused
     stage starts; the backward stages are ``bcuts`` (all below ``h``) plus ``h``. Without
     recompute the backward cuts are the forward cuts.
+
+    ``progress(SEARCH_PHASE, priced, budget)`` hears every ``PROGRESS_EVERY`` plans priced;
+    ``budget`` is the whole space when it is searched exhaustively, else ``MAX_EVALUATIONS``.
     """
 
     def __init__(self, model: StageCostModel, num_workers: int, cap: float, fused_last: bool, recompute: bool,
-                 overhead_s: float) -> None:
+                 overhead_s: float, progress: ProgressCallback | None = None) -> None:
         self.model, self.num_workers, self.cap = model, num_workers, cap
         self.fused_last, self.recompute, self.overhead_s = fused_last, recompute, overhead_s
         self.n = len(model.costs)
+        self.exhaustive = self.space_size() <= EXHAUSTIVE_PLANS
+        self.budget = self.space_size() if self.exhaustive else MAX_EVALUATIONS
+        self.progress = progress
         self.seen: dict[tuple, float] = {}
         self._stages: dict[tuple, StageCost] = {}
 
@@ -92,7 +101,13 @@ class Search:
             value = list_schedule(staged, workers, len(plan.forward), self.num_workers, self.overhead_s,
                                   barrier=not self.fused_last)[0]
         self.seen[key] = value
+        if len(self.seen) % PROGRESS_EVERY == 0:
+            report(self.progress, SEARCH_PHASE, min(len(self.seen), self.budget - 1), self.budget)
         return value
+
+    def finished(self) -> None:
+        """Tell ``progress`` the search is done (it may end before the budget is spent)."""
+        report(self.progress, SEARCH_PHASE, self.budget, self.budget)
 
     def _moves(self, cuts: tuple[int, ...]):
         """Cut sets one move from ``cuts``: shift a cut by one layer, drop one (merge), add one (split)."""
@@ -238,22 +253,27 @@ def auto_plan(
     overhead_s: float,
     max_stages: int | None,
     starts: int = 8,
+    progress: ProgressCallback | None = None,
 ) -> Plan:
     """Every plan when there are at most ``EXHAUSTIVE_PLANS``; otherwise balanced seeds, all
     priced, the ``starts`` fastest improved by local search. Of every plan priced, the fewest
     stages among those within ``TIE_TOLERANCE`` of the fastest wins (then the fastest).
     """
-    search = Search(model, num_workers, cap, fused_last, recompute, overhead_s)
-    if search.space_size() <= EXHAUSTIVE_PLANS:  # few layers: try every plan
+    search = Search(model, num_workers, cap, fused_last, recompute, overhead_s, progress)
+    if search.exhaustive:  # few layers: try every plan
         every = list(search.every_plan())
-        return search.plan(*_pick(search, every))
+        best = _pick(search, every)
+        search.finished()
+        return search.plan(*best)
     seeds = _seed_plans(model, search, max_stages or max(4 * num_workers, 8))
     seeds = [s for s in dict.fromkeys(search.normalise(*seed) for seed in seeds) if s is not None]
     priced = sorted(seeds, key=lambda s: (search.step_s(*s), _num_stages(s)))
     for start in priced[:starts]:
         search.improve(*start)
     # Every plan priced on the way is a candidate, so near-ties with fewer stages are not lost.
-    return search.plan(*_pick(search, list(search.seen)))
+    best = _pick(search, list(search.seen))
+    search.finished()
+    return search.plan(*best)
 
 
 def _pick(search: Search, plans) -> tuple[tuple[int, ...], tuple[int, ...]]:
