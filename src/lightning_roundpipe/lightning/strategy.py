@@ -26,9 +26,10 @@ from typing_extensions import override
 from ..adapters.target import find_target
 from ..options import StrategyOptions, option_keywords_signature, strategy_options
 from ..runtime import RoundPipeRuntime, check_writable_dir, run_all
+from ..workers.completions import PipelineError
 from . import weight_reads
 from .checkpoint_io import AtomicCheckpointIO
-from .checkpoint_policy import checkpoint_state, load_checkpoint_state
+from .checkpoint_policy import checkpoint_state, load_checkpoint_state, load_overlap_state, overlap_state
 from .precision import compute_dtype_of, translate
 from .step_metrics import RoundPipeStepMetrics
 
@@ -60,6 +61,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self.last_bytes_reduced = 0
         self._accumulating = False
         self._trace_dir: str | None = None
+        self._overlap_after_fit: dict | None = None  # staleness=1: what a save after fit still needs
 
     # ------------------------------------------------------------------ devices and nodes
     @property
@@ -204,12 +206,18 @@ class RoundPipeStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
+        """Lightning calls this when resuming a fit, after the weights and before the first step."""
         self.join()
         super().load_optimizer_state_dict(checkpoint)
+        if self.runtime is not None and self.runtime.overlapped:
+            load_overlap_state(self.runtime.overlapped, checkpoint)
 
     @override
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         self.join()
+        extra = overlap_state(self.runtime.overlapped) if self.runtime is not None else self._overlap_after_fit
+        if extra is not None and "optimizer_states" in checkpoint:  # a weights-only save resumes nothing
+            checkpoint["roundpipe"] = extra
         if self.is_global_zero:  # every node holds the same weights
             super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -236,12 +244,22 @@ class RoundPipeStrategy(ParallelStrategy):
         if module is not None:
             steps.append(lambda: weight_reads.restore(module))
         if runtime is not None:
+            steps.append(lambda: self._keep_overlap_state(runtime))
             if self.options.trace_steps and self._trace_dir:
                 steps.append(lambda: self._export_timeline(runtime))
             steps.append(runtime.detach)
         steps.append(super().teardown)
         self.runtime = None
         run_all(steps)
+
+    def _keep_overlap_state(self, runtime: RoundPipeRuntime) -> None:
+        # ``trainer.save_checkpoint`` after fit still saves the optimizer; the delayed update's
+        # previous weights must travel with it, but the runtime is gone by then.
+        self._overlap_after_fit = None
+        try:
+            self._overlap_after_fit = overlap_state(runtime.overlapped)
+        except PipelineError:
+            pass  # a failed run: nothing to resume from; detach raises what went wrong
 
     def _export_timeline(self, runtime: RoundPipeRuntime) -> None:
         written = runtime.export_timeline(self._trace_dir)
