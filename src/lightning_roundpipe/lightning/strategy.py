@@ -190,14 +190,19 @@ class RoundPipeStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict:
         self.join()
+        RoundPipeRuntime.refuse_if_partly_updated(self.lightning_module, "save a checkpoint")
         return checkpoint_state(self.lightning_module, self.options.checkpoint_weights)
 
     @override
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         self.join()
         load_checkpoint_state(self.lightning_module, checkpoint["state_dict"], strict)
-        if self.runtime is not None and self.runtime.shadows is not None:
-            self.runtime.shadows.refresh()
+        RoundPipeRuntime.mark_restored(self.lightning_module)  # optimizer_undo=False: no longer partly updated
+        if self.runtime is not None:
+            for ov in self.runtime.overlapped:
+                ov.mark_restored()
+            if self.runtime.shadows is not None:
+                self.runtime.shadows.refresh()
 
     @override
     def optimizer_state(self, optimizer) -> dict:
