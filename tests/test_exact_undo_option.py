@@ -18,13 +18,19 @@ FAIL_STEP = 2
 
 
 class FailingSGD(torch.optim.SGD):
-    """Raises for the parameter group marked ``fail`` while ``armed``."""
+    """Raises for the parameter group marked ``fail`` on its ``fail_on``-th step (counting from 0).
 
-    armed = False
+    Counted here, not armed from a hook: the layer steps run on the optimizer lane, behind the
+    next batch's hooks."""
+
+    fail_on = None
+    calls = 0
 
     def step(self, closure=None):
-        if FailingSGD.armed and any(g.get("fail") for g in self.param_groups):
-            raise RuntimeError("injected optimizer failure for one parameter group")
+        if any(g.get("fail") for g in self.param_groups):
+            call, FailingSGD.calls = FailingSGD.calls, FailingSGD.calls + 1
+            if call == FailingSGD.fail_on:
+                raise RuntimeError("injected optimizer failure for one parameter group")
         return super().step(closure)
 
 
@@ -34,12 +40,10 @@ class FailingModule(SeqModule):
         self.fail = fail
 
     def configure_optimizers(self):
+        FailingSGD.calls, FailingSGD.fail_on = 0, FAIL_STEP if self.fail else None
         params = list(self.parameters())
         # the lowest layers fail: with early steps the upper layers have stepped during backward by then
         return FailingSGD([{"params": params[:2], "fail": True}, {"params": params[2:]}], lr=0.05, momentum=0.9)
-
-    def on_train_batch_start(self, batch, batch_idx):
-        FailingSGD.armed = self.fail and self.global_step == FAIL_STEP
 
 
 def _trainer(root, strategy, max_steps=4, callbacks=()):
@@ -63,12 +67,9 @@ def test_optimizer_undo_is_a_validated_strategy_option():
 def test_without_undo_the_module_is_refused_until_a_checkpoint_restores_it(tmp_path):
     saver = ModelCheckpoint(dirpath=tmp_path, filename="good", every_n_train_steps=FAIL_STEP)
     module = FailingModule()
-    try:
-        with pytest.raises(RuntimeError, match="injected optimizer failure") as failed:
-            _trainer(tmp_path, RoundPipeStrategy(microbatches=2, optimizer_undo=False), callbacks=[saver]).fit(
-                module, _data())
-    finally:
-        FailingSGD.armed = False
+    with pytest.raises(RuntimeError, match="injected optimizer failure") as failed:
+        _trainer(tmp_path, RoundPipeStrategy(microbatches=2, optimizer_undo=False), callbacks=[saver]).fit(
+            module, _data())
     text = str(failed.value)
     assert "step failed in layer 0" in text and "not put back" in text and "layer 5" in text
     good = torch.load(tmp_path / "good.ckpt", weights_only=True)["state_dict"]
@@ -102,11 +103,8 @@ def test_without_undo_the_module_is_refused_until_a_checkpoint_restores_it(tmp_p
 @pytest.mark.timeout(120)
 def test_with_undo_the_same_failure_leaves_the_module_trainable(tmp_path):
     module = FailingModule()
-    try:
-        with pytest.raises(RuntimeError, match="injected optimizer failure"):
-            _trainer(tmp_path, RoundPipeStrategy(microbatches=2)).fit(module, _data())
-    finally:
-        FailingSGD.armed = False
+    with pytest.raises(RuntimeError, match="injected optimizer failure"):
+        _trainer(tmp_path, RoundPipeStrategy(microbatches=2)).fit(module, _data())
     RoundPipeRuntime.refuse_if_partly_updated(module, "train")  # nothing recorded: the step was put back
     module.fail = False
     _trainer(tmp_path, RoundPipeStrategy(microbatches=2), max_steps=1).fit(module, _data())
@@ -118,21 +116,21 @@ def test_plain_pytorch_attach_is_refused_until_mark_restored():
 
     module = FailingModule()
     net = module.net
+    module.fail = False
     opt = module.configure_optimizers()
+    FailingSGD.fail_on = 0
     options = RuntimeOptions(microbatches=2, step_metrics=False, optimizer_undo=False)
     runtime = RoundPipeRuntime.attach(net, "cpu", 2, options)
     ov = runtime.overlap_optimizer(opt)  # undo comes from the options
     assert ov.keep_undo is False
     x, y = make_data(n=8).tensors
     try:
-        FailingSGD.armed = True
         opt.zero_grad()
         ((net(x) - y) ** 2).mean().backward()
         with pytest.raises(PipelineError, match="not put back"):
             opt.step()
             runtime.join()
     finally:
-        FailingSGD.armed = False
         runtime.detach()
     with pytest.raises(PipelineError, match="cannot train: Sequential is partly updated"):
         RoundPipeRuntime.attach(net, "cpu", 2, options)
