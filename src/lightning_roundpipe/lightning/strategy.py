@@ -198,6 +198,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self.join()
         load_checkpoint_state(self.lightning_module, checkpoint["state_dict"], strict)
         RoundPipeRuntime.mark_restored(self.lightning_module)  # optimizer_undo=False: no longer partly updated
+        self._overlap_after_fit = None  # the previous weights of the last fit belong to other weights now
         if self.runtime is not None:
             for ov in self.runtime.overlapped:
                 ov.mark_restored()
@@ -220,7 +221,8 @@ class RoundPipeStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         self.join()
-        extra = overlap_state(self.runtime.overlapped) if self.runtime is not None else self._overlap_after_fit
+        fitting = self.runtime is not None and self.runtime.overlapped
+        extra = overlap_state(self.runtime.overlapped) if fitting else self._overlap_after_fit
         if extra is not None and "optimizer_states" in checkpoint:  # a weights-only save resumes nothing
             checkpoint["roundpipe"] = extra
         if self.is_global_zero:  # every node holds the same weights
@@ -260,6 +262,8 @@ class RoundPipeStrategy(ParallelStrategy):
     def _keep_overlap_state(self, runtime: RoundPipeRuntime) -> None:
         # ``trainer.save_checkpoint`` after fit still saves the optimizer; the delayed update's
         # previous weights must travel with it, but the runtime is gone by then.
+        if not runtime.overlapped:
+            return  # validate / test / predict: they change no weights
         self._overlap_after_fit = None
         try:
             self._overlap_after_fit = overlap_state(runtime.overlapped)
