@@ -209,6 +209,10 @@ class RuntimeOptions:
         checking the pipelined against the unpipelined forward on the first microbatch.
     logits_with_loss: a Hugging Face causal LM called with ``labels`` also returns ``.logits``
         (costs the full logits; without it, reading them raises an error saying so).
+    optimizer_undo: a failed overlapped step puts back every layer it stepped (weights and
+        optimizer state; costs one host copy of what a step changes). False (host memory too
+        small for that copy): a failed step raises naming the layers it updated, and training or
+        saving the module is refused until a checkpoint is loaded (``fit(ckpt_path=...)``).
     """
 
     microbatches: Optional[int] = None
@@ -229,6 +233,7 @@ class RuntimeOptions:
     optimizer_delay_s: float = 0.0
     allow_unverified: bool = False
     logits_with_loss: bool = False
+    optimizer_undo: bool = True
 
     def validate(self, owner: str | None = None) -> "RuntimeOptions":
         """Check every field; ``owner`` is how the caller spelled the options (default: the class name)."""
@@ -247,6 +252,7 @@ class RuntimeOptions:
         _flag(owner, "overlap_optimizer", self.overlap_optimizer)
         _flag(owner, "allow_unverified", self.allow_unverified)
         _flag(owner, "logits_with_loss", self.logits_with_loss)
+        _flag(owner, "optimizer_undo", self.optimizer_undo)
         if self.staleness not in (0, 1) or isinstance(self.staleness, bool):
             _fail(owner, "staleness", self.staleness, "use 0 (exact) or 1 (one-step-delayed update)")
         if self.staleness and not self.overlap_optimizer:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -33,6 +34,10 @@ log = logging.getLogger("lightning_roundpipe")
 
 __all__ = ["RoundPipeRuntime", "RuntimeOptions", "run_all"]
 
+# Modules a failed step left partly updated (optimizer_undo=False), until their weights are
+# restored: the refusal outlives the runtime, so a new attach cannot train on from that state.
+_partly_updated: "weakref.WeakKeyDictionary[nn.Module, list[str]]" = weakref.WeakKeyDictionary()
+
 
 class RoundPipeRuntime:
     """A module pipelined over a worker pool, with the host state that serves it; ``detach`` restores it.
@@ -48,8 +53,10 @@ class RoundPipeRuntime:
                  root_module: nn.Module | None = None, options_owner: str | None = None,
                  progress: ProgressCallback | None = None):
         self.module = module
+        self.root = root_module or module
         self.layers = layers
         self.options = options.validate(options_owner)
+        self.refuse_if_partly_updated(self.root, "train")
         self.num_workers = num_workers
         self.trace = trace or TraceRecorder()
         self.trace.enabled = bool(options.step_metrics or options.trace_steps)
@@ -110,7 +117,7 @@ class RoundPipeRuntime:
 
     def overlap_optimizer(self, optimizer: torch.optim.Optimizer, *, staleness: int | None = None,
                           delay_per_layer_s: float | None = None, early_steps: bool = True,
-                          undo: bool = True):
+                          undo: bool | None = None):
         """Step ``optimizer`` layer by layer on a host thread, hidden behind the pipeline.
 
         Patches ``optimizer.step`` and ``optimizer.zero_grad`` in place and returns the
@@ -123,10 +130,11 @@ class RoundPipeRuntime:
         complete (only when nothing between backward and the step changes gradients). Call
         :meth:`join` before reading weights or optimizer state directly; :meth:`detach` joins and
         restores the optimizer. ``delay_per_layer_s`` (default ``options.optimizer_delay_s``)
-        slows every layer step (tests and benchmarks). ``undo``:
-        a failed step puts back every layer it stepped (default; costs one host copy of the
-        weights and optimizer state stepped, for one step); False refuses to go on instead (see
-        :class:`~.optim.overlap.OverlappedOptimizer`).
+        slows every layer step (tests and benchmarks). ``undo`` (default ``options.optimizer_undo``):
+        a failed step puts back every layer it stepped (costs one host copy of the weights and
+        optimizer state stepped, for one step); False refuses to go on instead (see
+        :class:`~.optim.overlap.OverlappedOptimizer`), also after :meth:`detach`, until
+        :meth:`mark_restored`.
         """
         from .optim.overlap import OverlappedOptimizer
 
@@ -135,6 +143,7 @@ class RoundPipeRuntime:
             raise OptionError(f"overlap_optimizer(staleness={staleness}): the pipeline reads weights as "
                               f"RuntimeOptions(staleness={self.options.staleness}) set them up; pass the staleness there")
         delay = self.options.optimizer_delay_s if delay_per_layer_s is None else delay_per_layer_s
+        undo = self.options.optimizer_undo if undo is None else undo
         refresh = self.shadows.refresh if self.shadows is not None else None
         sync = self.grad_sync.finalize_params if self.grad_sync is not None else None
         ov = OverlappedOptimizer(optimizer, self.engine.tables, self.trace, notifier=self.pool, staleness=staleness,
@@ -248,6 +257,14 @@ class RoundPipeRuntime:
         sync.finish_backward(self.params_outside)
         return sync.bytes_reduced
 
+    def weights_loaded(self) -> None:
+        """The host weights were replaced (a checkpoint was loaded): the upload shadows follow them,
+        and an ``optimizer_undo=False`` refusal to go on after a failed step is lifted."""
+        for ov in self.overlapped:
+            ov.mark_restored()
+        if self.shadows is not None:
+            self.shadows.refresh()
+
     def after_optimizer_step(self) -> None:
         """Call after a synchronous (not overlapped) ``optimizer.step()``: it wrote the masters, and
         the uploads read the compute-dtype shadows, so these are refreshed here."""
@@ -267,7 +284,29 @@ class RoundPipeRuntime:
         try:
             run_all(steps)
         finally:
+            updated = [name for ov in self.overlapped for name in ov.unrestored]
+            if updated:
+                _partly_updated[self.root] = updated
             self.overlapped, self.grad_sync, self.shadows = [], None, None
+
+    # ------------------------------------------------------------------ partly updated modules (undo=False)
+    @staticmethod
+    def refuse_if_partly_updated(module: nn.Module, action: str) -> None:
+        """Raise if a failed step with ``optimizer_undo=False`` left ``module`` partly updated."""
+        updated = _partly_updated.get(module)
+        if updated:
+            from .optim.overlap import StepFailed
+
+            raise StepFailed(
+                f"cannot {action}: {type(module).__name__} is partly updated: a failed optimizer step reached "
+                f"{', '.join(updated)} and not the other layers, and optimizer_undo=False kept no copy to put them "
+                "back: load its weights from a checkpoint (Trainer.fit(..., ckpt_path=...)), or load them yourself "
+                "and call RoundPipeRuntime.mark_restored(module)")
+
+    @staticmethod
+    def mark_restored(module: nn.Module) -> None:
+        """``module``'s weights were restored (from a checkpoint) after a failed step with ``optimizer_undo=False``."""
+        _partly_updated.pop(module, None)
 
 
 def check_writable_dir(directory, option: str) -> str:

@@ -9,10 +9,18 @@ Loading is as strict as the default strategy's ``load_state_dict(strict=strict)`
 key, a missing trainable weight or a shape mismatch fails with PyTorch's own message. The one
 exception is the documented case of a trainable-only checkpoint: frozen parameters may be absent
 (they keep the values the module was built with) when nothing else is missing or unexpected.
+
+A ``staleness=1`` run's checkpoint also carries, under the key ``"roundpipe"``, what the
+one-step-delayed update needs to resume exactly (the weights the next gradient is taken at,
+one update behind the saved ones): Lightning's default strategy ignores the key, and
+``staleness=0`` checkpoints do not have it.
 """
 
 from __future__ import annotations
 
+from ..workers.completions import PipelineError
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 CHECKPOINT_WEIGHTS = ("full", "trainable")
@@ -70,3 +78,42 @@ def _unexpected_keys(module: nn.Module, state: dict, current: dict) -> list[str]
 
     visit(module, "")
     return found
+
+
+OVERLAP_KEY = "roundpipe"
+
+
+def overlap_state(overlapped) -> dict | None:
+    """The checkpoint entry of the overlapped optimizers (one per optimizer, in order); None
+    when none has ``staleness=1`` (an exact run needs nothing beyond the optimizer's state)."""
+    if not any(ov.staleness for ov in overlapped):
+        return None
+    return {"overlapped_optimizers": [ov.state_dict() for ov in overlapped]}
+
+
+def overlap_state_of_finished(overlapped) -> dict | None:
+    """:func:`overlap_state` of a fit that has ended; None when its last step failed (nothing to
+    resume from: the runtime's ``detach`` raises what went wrong)."""
+    try:
+        return overlap_state(overlapped)
+    except PipelineError:
+        return None
+
+
+def load_overlap_state(overlapped, checkpoint: dict) -> None:
+    """Give each overlapped optimizer what :func:`overlap_state` saved; call after the weights are loaded."""
+    saved = (checkpoint.get(OVERLAP_KEY) or {}).get("overlapped_optimizers")
+    stale = any(ov.staleness for ov in overlapped)
+    if saved is None:
+        if stale:
+            rank_zero_warn("this checkpoint holds no previous weights for staleness=1 (it was saved by a "
+                           "staleness=0 run or another strategy): the delayed update restarts from the loaded "
+                           "weights, so the run does not continue the one that saved it exactly")
+        return
+    if not stale:
+        return  # exact steps need only the optimizer's own state: the delayed update's weights are moot
+    if len(saved) != len(overlapped):
+        raise ValueError(f"the checkpoint holds the state of {len(saved)} overlapped optimizer(s), this run has "
+                         f"{len(overlapped)}: resume with the same optimizers")
+    for ov, state in zip(overlapped, saved):
+        ov.load_state_dict(state)

@@ -1,8 +1,11 @@
-"""Collectives of a strategy with one process per node (RoundPipe drives all of a node's workers
-from one process): reductions, barriers and broadcasts over the gloo group, and a sampler with
-one replica per node. Without a process group they are the identity, as on one device."""
+"""What a strategy with one process per node does across nodes (RoundPipe drives all of a node's
+workers from one process): the gradient all-reduce around backward (the runtime's, skipped on
+accumulation-only steps), reductions, barriers and broadcasts over the gloo group, and a sampler
+with one replica per node. Without a process group they are the identity, as on one device."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
@@ -10,7 +13,28 @@ from lightning.fabric.utilities.types import ReduceOp
 
 
 class NodeCollectives:
-    """Mixin for a ``ParallelStrategy`` whose ranks are nodes, not devices."""
+    """Mixin for a ``ParallelStrategy`` whose ranks are nodes, not devices, and whose ``runtime``
+    (a :class:`~lightning_roundpipe.runtime.RoundPipeRuntime` or None) syncs gradients."""
+
+    _accumulating = False  # inside Lightning's block_backward_sync (an accumulation-only step)
+    last_bytes_reduced = 0  # gradient bytes all-reduced in the last backward
+
+    @contextmanager
+    def block_backward_sync(self):
+        """Lightning enters this on accumulation-only steps: nothing is communicated then."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    def pre_backward(self, closure_loss) -> None:
+        if self.runtime is not None:
+            self.runtime.begin_backward(self._accumulating)
+
+    def post_backward(self, closure_loss) -> None:
+        if self.runtime is not None:
+            self.last_bytes_reduced = self.runtime.end_backward()
 
     def _dist(self) -> bool:
         return self.world_size > 1 and torch.distributed.is_initialized()

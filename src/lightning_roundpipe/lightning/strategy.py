@@ -9,7 +9,7 @@ parameters whose ``.grad`` the pipeline filled.
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from datetime import timedelta
 
 import torch
@@ -26,9 +26,10 @@ from ..runtime import RoundPipeRuntime, check_writable_dir, run_all
 from ..setup_progress import RichSetupProgress
 from . import weight_reads
 from .checkpoint_io import AtomicCheckpointIO
+from .checkpoint_policy import (checkpoint_state, load_checkpoint_state, load_overlap_state, overlap_state,
+                                overlap_state_of_finished)
 from .early_steps import early_steps_allowed
 from .node_collectives import NodeCollectives
-from .checkpoint_policy import checkpoint_state, load_checkpoint_state
 from .precision import compute_dtype_of, translate
 from .step_metrics import RoundPipeStepMetrics
 
@@ -58,10 +59,9 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
         self.options = options.validate() if options is not None else strategy_options(**option_values)
         self.runtime: RoundPipeRuntime | None = None
         self.num_nodes = 1
-        self.last_bytes_reduced = 0
-        self._accumulating = False
         self._trace_dir: str | None = None
         self._announced: str | None = None  # the plan table last printed
+        self._overlap_after_fit: dict | None = None  # staleness=1: what a save after fit still needs
 
     # ------------------------------------------------------------------ devices and nodes
     @property
@@ -190,14 +190,17 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict:
         self.join()
+        RoundPipeRuntime.refuse_if_partly_updated(self.lightning_module, "save a checkpoint")
         return checkpoint_state(self.lightning_module, self.options.checkpoint_weights)
 
     @override
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         self.join()
         load_checkpoint_state(self.lightning_module, checkpoint["state_dict"], strict)
-        if self.runtime is not None and self.runtime.shadows is not None:
-            self.runtime.shadows.refresh()
+        RoundPipeRuntime.mark_restored(self.lightning_module)  # optimizer_undo=False: no longer partly updated
+        self._overlap_after_fit = None  # the previous weights of the last fit belong to other weights now
+        if self.runtime is not None:
+            self.runtime.weights_loaded()
 
     @override
     def optimizer_state(self, optimizer) -> dict:
@@ -206,12 +209,19 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
+        """Lightning calls this when resuming a fit, after the weights and before the first step."""
         self.join()
         super().load_optimizer_state_dict(checkpoint)
+        if self.runtime is not None and self.runtime.overlapped:
+            load_overlap_state(self.runtime.overlapped, checkpoint)
 
     @override
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         self.join()
+        fitting = self.runtime is not None and self.runtime.overlapped
+        extra = overlap_state(self.runtime.overlapped) if fitting else self._overlap_after_fit
+        if extra is not None and "optimizer_states" in checkpoint:  # a weights-only save resumes nothing
+            checkpoint["roundpipe"] = extra
         if self.is_global_zero:  # every node holds the same weights
             super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -238,6 +248,7 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
         if module is not None:
             steps.append(lambda: weight_reads.restore(module))
         if runtime is not None:
+            steps.append(lambda: self._keep_overlap_state(runtime))
             if self.options.trace_steps and self._trace_dir:
                 steps.append(lambda: self._export_timeline(runtime))
             steps.append(runtime.detach)
@@ -245,30 +256,16 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
         self.runtime = None
         run_all(steps)
 
+    def _keep_overlap_state(self, runtime: RoundPipeRuntime) -> None:
+        # ``trainer.save_checkpoint`` after fit still saves the optimizer; the delayed update's
+        # previous weights must travel with it, but the runtime is gone by then.
+        if runtime.overlapped:  # a fit: validate / test / predict change no weights
+            self._overlap_after_fit = overlap_state_of_finished(runtime.overlapped)
+
     def _export_timeline(self, runtime: RoundPipeRuntime) -> None:
         written = runtime.export_timeline(self._trace_dir)
         if written:
             rank_zero_info(f"RoundPipe timeline written: {', '.join(written)}")
-
-    # ------------------------------------------------------------------ gradients across nodes
-    @contextmanager
-    def block_backward_sync(self):
-        """Lightning enters this on accumulation-only steps: nothing is communicated then."""
-        self._accumulating = True
-        try:
-            yield
-        finally:
-            self._accumulating = False
-
-    @override
-    def pre_backward(self, closure_loss) -> None:
-        if self.runtime is not None:
-            self.runtime.begin_backward(self._accumulating)
-
-    @override
-    def post_backward(self, closure_loss) -> None:
-        if self.runtime is not None:
-            self.last_bytes_reduced = self.runtime.end_backward()
 
     @classmethod
     @override
