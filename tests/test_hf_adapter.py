@@ -242,7 +242,7 @@ def test_postfix_modes_and_errors():
 def test_count_loss_tokens_is_hf_denominator():
     labels = torch.tensor([[5, 6, -100, 7], [-100, -100, 8, 9]])
     assert count_loss_tokens(labels) == 4  # shifted: [6, -100, 7], [-100, 8, 9]
-    assert CausalLMLayers.count_loss_tokens(labels) == 4
+    assert count_loss_tokens(labels, ignore_index=7) == 5  # a different ignore index counts the -100s
 
 
 def test_peft_lora_model_only_lora_params_get_grads():

@@ -530,11 +530,6 @@ class CausalLMLayers:
                              f"got {mode!r}")
         self.postfix.mode = mode
 
-    @staticmethod
-    def count_loss_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
-        """See module-level :func:`count_loss_tokens`."""
-        return count_loss_tokens(labels, ignore_index)
-
     @property
     def is_moe(self) -> bool:
         """True when the model has an MoE router the adapter found."""

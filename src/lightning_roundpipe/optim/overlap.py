@@ -115,7 +115,6 @@ class OverlappedOptimizer:
         inside = {id(p) for ps in params_of.values() for p in ps}
         self.rest = [where[pid] for pid in where if pid not in inside]  # not in the pipelined module
         self.versions: dict[int, Completion] = {}
-        self.version_count = 0
         self.lane = HostLane(trace, notifier)
         self._done_layers: set[int] = set()
         self._done_call = None  # the pipelined call whose backward filled _done_layers
@@ -300,7 +299,6 @@ class OverlappedOptimizer:
 
         self._submitted_undo = undo
         self.versions[unit] = self.lane.submit(run, TaskLabel("optim", f"L{layers[0]}-{layers[-1]}", queue="optimizer"))
-        self.version_count += 1
 
     def _restore(self, undo: StepUndo) -> None:
         """On the lane (nothing else writes the weights now): put back every layer the step changed."""

@@ -82,7 +82,7 @@ def _run(model: str, sequences: int, calls: int, sync_calls: int, stale_tps: flo
                                                                          optimizer="sync"), stale_tps, sync_tps)
 
 
-# The reference implementation's benchmark on 8x RTX 4090 (issue 16): tokens/s, 10 steps after 5 warm-up.
+# The reference implementation's published benchmark on 8x RTX 4090: tokens/s, 10 steps after 5 warm-up.
 PUBLISHED_RUNS = (
     _run("qwen3-1.7b", 512, 4, 7, 65_417, 56_489),
     _run("llama-3.1-8b", 256, 2, 5, 24_275, 18_888),
