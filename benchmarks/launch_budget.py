@@ -19,7 +19,7 @@ driver's ``cudaLaunchKernel`` (``--launch-overhead-us``, default 4 us) on top.
 Launch-bound point: a worker keeps its GPU busy only while the GPU time of a stage exceeds the
 host time to issue it. Per layer and microbatch of T tokens the GPU does about
 ``4 x 2 x P_layer x T`` FLOPs (forward, recompute, backward = 2x forward), at ``--tflops``
-(conf/hardware: RTX 4090 99, H100 ~ 400 effective). All workers of one process share one GIL,
+(the hardware profiles in src/lightning_roundpipe/sim/profiles). All workers of one process share one GIL,
 so with W workers the host must issue W stages in the time of one:
 ``T_bound = W x launches x t_issue x tflops / (8 x P_layer)``.
 
@@ -113,7 +113,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=16, help="tokens per microbatch in the host-time run")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--workers", type=int, default=8, help="workers sharing one host process")
-    ap.add_argument("--tflops", type=float, default=99.0, help="effective device TFLOP/s (conf/hardware)")
+    ap.add_argument("--tflops", type=float, default=99.0, help="effective device TFLOP/s (see the hardware profiles)")
     ap.add_argument("--launch-overhead-us", type=float, default=4.0, help="driver cost of one CUDA launch")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -45,7 +45,7 @@ def to_markdown(table: list[dict], hardware: str) -> str:
                      f"{r['simulated']:,.0f} | {r['measured']:,} | {r['error']:+.1%}{flag} | {r['bubble']:.0%} |")
     lines += ["", f"Constants: tensor {hw.tensor_tflops_fp16_acc} TFLOP/s fp16-acc, {hw.tensor_tflops_fp32_acc} "
               f"fp32-acc, memory {hw.memory_bytes_per_s / 1e9:.0f} GB/s, PCIe {hw.host_device_bytes_per_s / 1e9:.0f} GB/s, "
-              f"host Adam {hw.cpu_optimizer_params_per_s:.2g} params/s (conf/hardware/{hw.name}.yaml)."]
+              f"host Adam {hw.cpu_optimizer_params_per_s:.2g} params/s (src/lightning_roundpipe/sim/profiles/{hw.name}.yaml)."]
     return "\n".join(lines)
 
 

@@ -30,7 +30,7 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    hw_help = f"hardware profile name ({', '.join(available_hardware()) or 'see conf/hardware'}) or a YAML path"
+    hw_help = f"hardware profile name ({', '.join(available_hardware()) or 'see src/lightning_roundpipe/sim/profiles'}) or a YAML path"
     model_help = f"model preset ({', '.join(MODEL_PRESETS)})"
     parser = argparse.ArgumentParser(prog="python -m lightning_roundpipe.sim",
                                      description="Simulate RoundPipe training steps, plan runs, compare schedules.")

@@ -156,6 +156,6 @@ def paper_table(
     barriers = ("with the engine's host barriers (fused last stage: the next step waits for backward() to "
                 "return)" if cfg.host_barriers else "without host barriers")
     lines += ["", "Simulated with the assumptions in docs/simulator.md (hardware numbers from "
-              f"conf/hardware/{hw.name}.yaml); the paper column is the range it reports for 1.7B-32B models. "
+              f"src/lightning_roundpipe/sim/profiles/{hw.name}.yaml); the paper column is the range it reports for 1.7B-32B models. "
               f"RoundPipe {barriers}; bound schedules never wait for the host."]
     return "\n".join(lines)
