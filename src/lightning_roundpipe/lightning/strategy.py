@@ -170,22 +170,8 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
         if self.runtime is not None:
             self.runtime.join()
 
-    # Every place Lightning reads weights or optimizer state joins first.
-    @override
-    def on_validation_start(self) -> None:
-        self.join()
-
-    @override
-    def on_test_start(self) -> None:
-        self.join()
-
-    @override
-    def on_predict_start(self) -> None:
-        self.join()
-
-    @override
-    def on_train_end(self) -> None:
-        self.join()
+    # Every place Lightning reads weights or optimizer state joins first (Strategy hooks of the same signature).
+    on_validation_start = on_test_start = on_predict_start = on_train_end = join
 
     @override
     def lightning_module_state_dict(self) -> dict:
