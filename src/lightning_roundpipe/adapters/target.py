@@ -94,6 +94,13 @@ def _refuse_compiled_hf(module: Any, where: str) -> None:
             "parts of your own code outside the model)")
 
 
+def _the_one_stack(stacks: list, several: str) -> Target:
+    """The target for the only block stack found; ``several`` (a message with ``{}`` for the list) if more."""
+    if len(stacks) > 1:
+        raise PipelineTargetError(several.format(", ".join(s.describe() for s in stacks)))
+    return Target(stacks[0].path, stacks[0].module, stacks[0].kind)
+
+
 def _named(module: nn.Module, path: str, where: str) -> Target:
     """The target for a module the user named (or handed to ``attach``)."""
     kind = _kind_of(module)
@@ -107,13 +114,9 @@ def _named(module: nn.Module, path: str, where: str) -> Target:
     inner = compiled_inner(module)
     prefix = f"{path}." if path else ""
     stacks = find_stacks(uncompiled(module), prefix + ("_orig_mod." if inner is not None else ""), _is_hf_model)
-    if len(stacks) == 1:
-        s = stacks[0]
-        return Target(s.path, s.module, s.kind)
     if stacks:
-        raise PipelineTargetError(
-            f"{where} holds several block stacks: {', '.join(s.describe() for s in stacks)}. Name one of them "
-            "(the others run unpipelined on the host)")
+        return _the_one_stack(stacks, f"{where} holds several block stacks: {{}}. Name one of them "
+                              "(the others run unpipelined on the host)")
     raise PipelineTargetError(
         f"{where} names a {type(module).__name__}, which RoundPipe cannot split into layers: use an nn.Sequential of "
         "layers, a model whose forward applies an nn.ModuleList of blocks one after another (or the list itself), "
@@ -145,14 +148,9 @@ def find_target(lightning_module: nn.Module, path: str | None = None) -> Target:
     for name, child in lightning_module.named_children():
         _refuse_compiled_hf(child, f"{cls}.{name}")
     stacks = find_stacks(lightning_module, skip=_is_hf_model)
-    if len(stacks) == 1:
-        s = stacks[0]
-        return Target(s.path, s.module, s.kind)
     if stacks:
-        raise PipelineTargetError(
-            f"RoundPipe found several block stacks in {cls}: {', '.join(s.describe() for s in stacks)}. Name the one "
-            f"to pipeline with RoundPipeStrategy(module='{stacks[-1].path}') (the others run unpipelined on the host)"
-        )
+        return _the_one_stack(stacks, f"RoundPipe found several block stacks in {cls}: {{}}. Name the one to pipeline "
+                              f"with RoundPipeStrategy(module='{stacks[-1].path}') (the others run unpipelined on the host)")
     raise PipelineTargetError(
         f"RoundPipe found no module to pipeline in {cls}: it looks for one top-level nn.Sequential attribute, one "
         "supported Hugging Face causal LM, or one stack of blocks (an nn.ModuleList of blocks applied one after another "
