@@ -61,8 +61,12 @@ class Workload:
 
     def sim_config(self, optimizer_steps: int = 3) -> SimConfig:
         """Simulator options of this workload over ``optimizer_steps`` optimizer steps."""
+        # The reference dispatches each call's stages as their inputs become ready and the next
+        # call without waiting for this one's backward to return (event-based synchronisation):
+        # no host barriers.
         return SimConfig(steps=self.calls * optimizer_steps, accumulation=self.calls,
-                         stale_optimizer=self.optimizer == "stale", optimizer_barrier=self.optimizer == "sync")
+                         stale_optimizer=self.optimizer == "stale", optimizer_barrier=self.optimizer == "sync",
+                         host_barriers=False)
 
 
 @dataclass(frozen=True)
@@ -77,12 +81,15 @@ class PublishedRun:
 
 
 def _run(model: str, sequences: int, calls: int, sync_calls: int, stale_tps: float, sync_tps: float) -> PublishedRun:
-    per_call = sequences // calls  # RoundPipe-sync keeps the calls' size and accumulates over more of them
-    return PublishedRun(model, Workload(sequences, 10, calls), Workload(per_call * sync_calls, 10, sync_calls,
-                                                                         optimizer="sync"), stale_tps, sync_tps)
+    # RoundPipe-sync keeps the step's sequences and splits them over more, smaller calls
+    # (``train-sync.py <model> <batch> 2048 10 <accumulation>`` in the artifact's run.sh).
+    return PublishedRun(model, Workload(sequences, 10, calls), Workload(sequences, 10, sync_calls, optimizer="sync"),
+                        stale_tps, sync_tps)
 
 
-# The reference implementation's published benchmark on 8x RTX 4090: tokens/s, 10 steps after 5 warm-up.
+# The reference implementation's published benchmark on 8x RTX 4090: tokens/s, 10 steps after 5
+# warm-up (github.com/ITcarrot/RoundPipe-artifact: roundpipe/run.sh for the workloads,
+# exp/raw-data.csv for the figures).
 PUBLISHED_RUNS = (
     _run("qwen3-1.7b", 512, 4, 7, 65_417, 56_489),
     _run("llama-3.1-8b", 256, 2, 5, 24_275, 18_888),
