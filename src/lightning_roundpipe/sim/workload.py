@@ -97,6 +97,45 @@ PUBLISHED_RUNS = (
 )
 
 
+# The reference's own stage partitions of these models (decoder layers per forward stage | per
+# backward stage, the first backward stage holding the LM head alone), from the artifact's
+# pp-simulate/run.sh ("roundpipe|<model>" STAGE_PARTITION).
+REFERENCE_PARTITIONS = {
+    "qwen3-1.7b": ((7, 7, 7, 7), (0,) + (3,) * 8 + (2, 2)),
+    "llama-3.1-8b": ((5, 5, 5, 5, 6, 6), (0,) + (2,) * 16),
+    "qwen3-32b": ((2, 2) + (3,) * 20, (0,) + (1,) * 64),
+}
+
+
+def reference_plan(model: str) -> Plan:
+    """The reference's partition of ``model`` as a :class:`Plan` of this project's layers.
+
+    The pipelined model has the embedding first and the norm + LM head + loss last: the first
+    forward and the last backward stage take the embedding with their decoder layers, and the
+    head is the fused last stage (forward and backward of the loss in one task), as the
+    reference runs it.
+    """
+    forward_counts, backward_counts = REFERENCE_PARTITIONS[model]
+    decoders = sum(forward_counts)
+    if sum(backward_counts) != decoders or backward_counts[0] != 0:
+        raise ValueError(f"inconsistent reference partition for {model}")
+    head = decoders + 1
+    forward, start = [], 0
+    for i, n in enumerate(forward_counts):
+        end = start + n + (1 if i == 0 else 0)  # the embedding rides with the first stage
+        forward.append((start, end))
+        start = end
+    forward.append((head, head + 1))
+    backward, end = [], head
+    for n in backward_counts[1:]:
+        backward.append((end - n, end))
+        end -= n
+    a, b = backward[-1]
+    backward[-1] = (0, b)  # the embedding's backward with the last backward stage
+    backward = sorted(backward) + [(head, head + 1)]
+    return Plan(head + 1, tuple(forward), tuple(backward), fused_last=True).validate()
+
+
 @dataclass
 class WorkloadResult:
     """Simulated optimizer steps of a workload."""
