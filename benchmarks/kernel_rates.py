@@ -35,16 +35,25 @@ MEASURED_MS = {
     "llama-3.1-8b": dict(layer_fwd=18.50370313, layer_bwd=41.20659375, head_fwd=37.2255, head_bwd=74.501),
     "qwen3-32b": dict(layer_fwd=40.5610625, layer_bwd=91.17429688, head_fwd=54.928, head_bwd=108.294),
 }
+# The same measurement for the two MoE models (not fitted: a check of the MoE cost model). The
+# 235B run is LoRA rank 32 on all linear layers (roundpipe-timing/train_lora.py).
+MEASURED_MOE_MS = {
+    ("gpt-oss-20b", None): dict(layer_fwd=21.6445625, layer_bwd=81.780875, head_fwd=44.2925, head_bwd=86.264),
+    ("qwen3-235b-a22b", 32): dict(layer_fwd=43.016, layer_bwd=58.376, head_fwd=42.444, head_bwd=43.294),
+}
 DATASHEET_BANDWIDTH = 1008e9  # RTX 4090: 384-bit GDDR6X at 21 Gbps (Ada whitepaper v1.01)
 
 
-def rows(seq_len: int = 2048):
-    """(model, kind, matmul FLOPs, attention FLOPs, bytes, measured seconds) per published time."""
+def rows(seq_len: int = 2048, measured: dict | None = None):
+    """(model, kind, matmul FLOPs, attention FLOPs, bytes, measured seconds) per published time.
+
+    ``measured``: ``{(model, lora_rank): times}`` (default: the dense models, full fine-tuning).
+    """
     out = []
-    for model, times in MEASURED_MS.items():
+    for (model, rank), times in (measured or {(m, None): t for m, t in MEASURED_MS.items()}).items():
         shape = get_model_shape(model)
-        layer_fwd, layer_bwd = decoder_layer_work(shape, seq_len)
-        head_fwd, head_bwd = head_work(shape, chunked_loss=True)
+        layer_fwd, layer_bwd = decoder_layer_work(shape, seq_len, rank)
+        head_fwd, head_bwd = head_work(shape, rank, chunked_loss=True)
         for kind, work in (("layer_fwd", layer_fwd), ("layer_bwd", layer_bwd), ("head_fwd", head_fwd),
                            ("head_bwd", head_bwd)):
             out.append((model, kind, work.matmul_flops * TOKENS, work.attention_flops * TOKENS,
@@ -66,6 +75,12 @@ def fit(bandwidth: float = DATASHEET_BANDWIDTH):
     return rate_mm, rate_attn, residuals
 
 
+def check(rate_mm: float, rate_attn: float, measured: dict, bandwidth: float = DATASHEET_BANDWIDTH):
+    """(model, kind, measured, modelled) seconds of ``measured`` times at the given rates."""
+    return [(model, kind, t, mm / (rate_mm * 1e12) + at / (rate_attn * 1e12) + nbytes / bandwidth)
+            for model, kind, mm, at, nbytes, t in rows(measured=measured)]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bandwidth", type=float, default=DATASHEET_BANDWIDTH, help="GPU memory bytes/s")
@@ -76,6 +91,11 @@ def main(argv: list[str] | None = None) -> None:
     print("| model | time | measured (ms) | modelled (ms) | error |")
     print("|---|---|---:|---:|---:|")
     for model, kind, t, p in residuals:
+        print(f"| {model} | {kind} | {t * 1e3:.2f} | {p * 1e3:.2f} | {p / t - 1:+.1%} |")
+    print("\nMoE layers at the same rates (not fitted):\n")
+    print("| model | time | measured (ms) | modelled (ms) | error |")
+    print("|---|---|---:|---:|---:|")
+    for model, kind, t, p in check(rate_mm, rate_attn, MEASURED_MOE_MS, args.bandwidth):
         print(f"| {model} | {kind} | {t * 1e3:.2f} | {p * 1e3:.2f} | {p / t - 1:+.1%} |")
 
 

@@ -44,6 +44,7 @@ class Workload:
     # logits at Qwen3's vocabulary, so the published runs (24 GB GPUs) cannot have materialised
     # them whole; one sequence at a time is assumed.
     loss_chunk_tokens: int | None = 2048
+    lora_rank: int | None = None  # LoRA of this rank on every linear layer but the router (None: full)
 
     def __post_init__(self) -> None:
         if min(self.sequences_per_step, self.microbatches, self.calls, self.seq_len) < 1:
@@ -104,6 +105,8 @@ REFERENCE_PARTITIONS = {
     "qwen3-1.7b": ((7, 7, 7, 7), (0,) + (3,) * 8 + (2, 2)),
     "llama-3.1-8b": ((5, 5, 5, 5, 6, 6), (0,) + (2,) * 16),
     "qwen3-32b": ((2, 2) + (3,) * 20, (0,) + (1,) * 64),
+    "gpt-oss-20b": ((4, 5, 5, 5, 5), (0,) + (1,) * 24),
+    "qwen3-235b-a22b": ((2,) * 47, (0,) + (1,) * 94),
 }
 
 
@@ -167,7 +170,8 @@ def simulate_workload(model: str, hardware: str | HardwareProfile, workload: Wor
     """Simulate ``workload`` for a model preset; the plan defaults to the planner's best for one call."""
     hw = load_hardware(hardware)
     costs = shape_layer_costs(get_model_shape(model), hw, workload.seq_len, workload.sequences_per_microbatch,
-                              loss_chunk_tokens=workload.loss_chunk_tokens, fp16_accumulation=workload.fp16_accumulation)
+                              lora_rank=workload.lora_rank, loss_chunk_tokens=workload.loss_chunk_tokens,
+                              fp16_accumulation=workload.fp16_accumulation)
     if plan is None:
         choice = best_plan(costs, hw, [workload.microbatches], fused_last=True)
         if choice is None:
