@@ -61,8 +61,11 @@ def test_workload_sizes_and_published_rows():
     w = Workload(512, 10, 4)
     assert w.sequences_per_microbatch == pytest.approx(12.8) and w.tokens_per_step == 512 * 2048
     assert w.sim_config(3).steps == 12 and w.sim_config().accumulation == 4 and w.sim_config().stale_optimizer
+    assert not w.sim_config().host_barriers  # the reference dispatches the next call without waiting
     qwen = PUBLISHED_RUNS[0]
-    assert (qwen.sync.calls, qwen.sync.sequences_per_step, qwen.sync.optimizer) == (7, 896, "sync")
+    # RoundPipe-sync keeps the step's 512 sequences and splits them over 7 calls (the artifact's run.sh).
+    assert (qwen.sync.calls, qwen.sync.sequences_per_step, qwen.sync.optimizer) == (7, 512, "sync")
+    assert qwen.sync.sequences_per_microbatch == pytest.approx(512 / 70)
     with pytest.raises(ValueError, match="optimizer must be 'stale' or 'sync'"):
         Workload(8, 2, 2, optimizer="lazy")
     with pytest.raises(ValueError, match="accumulation must be at least 1"):

@@ -161,6 +161,72 @@ def get_model_shape(name: str | ModelShape) -> ModelShape:
     return MODEL_PRESETS[key]
 
 
+# Element-wise traffic of one decoder layer per token, forward, in bytes per element of the
+# compute dtype (2-byte fp16/bf16 activations), as Hugging Face's eager Llama/Qwen3 layers run it
+# (no kernel fusion; the reference benchmark runs these layers as they are):
+# - RMSNorm upcasts to fp32 and back: to(fp32) r2 w4, pow r4 w4, mean r4, x * rsqrt r4 w4,
+#   to(fp16) r4 w2, * weight r2 w2 = 36 bytes per normalised element (two per layer on
+#   ``hidden``; Qwen3's q/k norms on ``q_dim + kv_dim``);
+# - rotary embedding on q and k: q * cos r2 w2, rotate_half (neg on half, cat) r3 w3, * sin r2 w2,
+#   the sum r4 w2 = 20 bytes per element;
+# - two residual adds (r4 w2 = 6 per ``hidden`` element each);
+# - the gated MLP: act(gate) r2 w2, * up r4 w2 = 10 per intermediate element.
+# Backward moves about twice as much (the gradient of each input, reading what was saved).
+_RMSNORM_BYTES = 36
+_ROTARY_BYTES = 20
+_RESIDUAL_BYTES = 6
+_GATED_MLP_BYTES = 10
+
+
+def elementwise_bytes_per_token(shape: ModelShape, dtype_bytes: int = 2) -> float:
+    """Forward element-wise traffic of one decoder layer per token (see the constants above)."""
+    scale = dtype_bytes / 2  # the counts are for 2-byte activations
+    mlp_width = shape.experts_per_token * shape.expert_intermediate if shape.is_moe else shape.intermediate
+    qk = shape.q_dim + shape.kv_dim
+    per_token = (2 * _RMSNORM_BYTES * shape.hidden + 2 * _RESIDUAL_BYTES * shape.hidden + _ROTARY_BYTES * qk
+                 + (_RMSNORM_BYTES * qk if shape.qk_norm else 0) + _GATED_MLP_BYTES * mlp_width)
+    return per_token * scale
+
+
+def decoder_layer_work(shape: ModelShape, seq_len: int, lora_rank: int | None = None,
+                       dtype_bytes: int = 2) -> tuple[LayerWork, LayerWork]:
+    """Forward and backward (recompute excluded) work of one decoder layer per token.
+
+    Projections: ``2 x`` the parameters a token runs (MoE: router and routed experts only)
+    forward; backward ``4 x`` (input and weight gradients) or ``2 x`` with LoRA (frozen base:
+    input gradients only), plus the adapters' own. Attention (causal, flash attention skipping
+    the masked half): ``2 * seq_len * q_dim`` forward, 2.5x that backward (flash attention's
+    backward recomputes the scores: five matmuls to the forward's two). Element-wise traffic:
+    :func:`elementwise_bytes_per_token`, twice that backward.
+    """
+    linear = shape.active_linear_params()
+    adapters = shape.active_lora_params_per_layer(lora_rank) if lora_rank else 0
+    attn = 2 * seq_len * shape.q_dim
+    elementwise = elementwise_bytes_per_token(shape, dtype_bytes)
+    fwd = LayerWork(2 * linear + 2 * adapters, attn, elementwise)
+    bwd = LayerWork((2 * linear if lora_rank else 4 * linear) + 4 * adapters, 2.5 * attn, 2 * elementwise)
+    return fwd, bwd
+
+
+def head_work(shape: ModelShape, lora_rank: int | None = None, dtype_bytes: int = 2,
+              chunked_loss: bool = False) -> tuple[LayerWork, LayerWork]:
+    """Forward and backward work of the final norm, LM head and loss per token.
+
+    The head's matmul is ``2 * hidden * vocab`` FLOPs forward, twice that backward (once with
+    LoRA: the frozen head needs only its input gradient). The cross-entropy's traffic: Hugging
+    Face's loss writes the logits, reads and upcasts them to fp32 and writes and reads the fp32
+    log-softmax (``2 * dtype + 8`` bytes per vocabulary entry forward, ``2 * dtype + 4``
+    backward); a chunked compiled loss (``chunked_loss``: one fused kernel per chunk) writes and
+    reads the logits once each way (``2 * dtype`` per entry forward and backward).
+    """
+    flops = 2 * shape.hidden * shape.vocab
+    if chunked_loss:
+        fwd_bytes = bwd_bytes = shape.vocab * 2 * dtype_bytes
+    else:
+        fwd_bytes, bwd_bytes = shape.vocab * (2 * dtype_bytes + 2 * 4), shape.vocab * (2 * dtype_bytes + 4)
+    return LayerWork(flops, 0, fwd_bytes), LayerWork(flops if lora_rank else 2 * flops, 0, bwd_bytes)
+
+
 def transformer_layer_costs(
     hidden: int,
     intermediate: int,
@@ -239,20 +305,11 @@ def shape_layer_costs(
 
     # Decoder layers.
     base = shape.decoder_layer_params()
-    linear = shape.active_linear_params()
     attn = 2 * seq_len * shape.q_dim  # causal attention scores + weighted sum, per token
     adapters = shape.lora_params_per_layer(lora_rank) if lora else 0
     active_adapters = shape.active_lora_params_per_layer(lora_rank) if lora else 0
     mlp_width = shape.experts_per_token * shape.expert_intermediate if shape.is_moe else intermediate
-    # Element-wise traffic per token, in elements of the compute dtype, read plus written: two
-    # RMSNorms (2h each) and two residual adds (3h each), rotary on q and k, the optional q/k
-    # norms, and the gated activation (read gate and up, write their product). Backward moves
-    # about twice as much (gradients of inputs and saved tensors).
-    elementwise = (10 * hidden + 2 * (shape.q_dim + shape.kv_dim) * (2 if qk_norm else 1) + 3 * mlp_width) * dtype_bytes
-    fwd = LayerWork(2 * linear + 2 * active_adapters, attn, elementwise)
-    # Full: dX and dW of the projections (2x). LoRA: dX only for the frozen base.
-    # Attention backward: flash attention recomputes the scores, 2.5x the forward's FLOPs.
-    bwd = LayerWork((4 * linear if not lora else 2 * linear) + 4 * active_adapters, 2.5 * attn, 2 * elementwise)
+    fwd, bwd = decoder_layer_work(shape, seq_len, lora_rank, dtype_bytes)
     if not has_physical_rates(hardware):
         bwd = LayerWork(bwd.matmul_flops, 2 * attn, bwd.memory_bytes)  # the estimate's FLOP count
     saved = (4 * hidden + 2 * shape.q_dim + 2 * shape.kv_dim + 4 * mlp_width + shape.num_experts
@@ -265,13 +322,8 @@ def shape_layer_costs(
 
     # Postfix: final norm + LM head + loss. Its output is the logits (or only a scalar when fused).
     head = shape.head_params()
-    head_flops = 2 * hidden * vocab
-    # Cross-entropy traffic per token: logits written, read and upcast to fp32, log-softmax
-    # written and read (forward); the logits' gradient written and read (backward).
-    loss_fwd_bytes = vocab * (2 * dtype_bytes + 2 * 4)
-    loss_bwd_bytes = vocab * (2 * dtype_bytes + 4)
-    layers.append(layer(LayerWork(head_flops, 0, loss_fwd_bytes),
-                        LayerWork(head_flops if lora else 2 * head_flops, 0, loss_bwd_bytes),
+    head_fwd, head_bwd = head_work(shape, lora_rank, dtype_bytes, chunked_loss=loss_chunk_tokens is not None)
+    layers.append(layer(head_fwd, head_bwd,
                         head, 0 if lora else head, vocab * dtype_bytes))
     params.append(head)
     # A tied head's gradient travels home and adds into the embedding's; the optimizer updates

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hardware", default="rtx4090", help=hw_help)
     s.add_argument("--models", nargs="+", default=["qwen3-1.7b", "llama-3.1-8b", "qwen3-32b"], help="model presets")
     s.add_argument("--gpus", nargs="+", type=_positive, default=[1, 2, 4, 8], help="GPU counts (default 1 2 4 8)")
+    s.add_argument("--planner", action="store_true",
+                   help="the planner's best plan at each count (default: the reference's partition where published)")
     return parser
 
 
@@ -80,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "num_gpus", None):
             hardware = hardware.replace(num_gpus=args.num_gpus)
         if args.command == "scaling":
-            print(scaling_markdown(scaling_rows(tuple(args.models), hardware, tuple(args.gpus)), hardware))
+            rows = scaling_rows(tuple(args.models), hardware, tuple(args.gpus), planner=args.planner)
+            print(scaling_markdown(rows, hardware))
             return 0
         if args.command == "plan":
             report = plan_training(args.model, hardware, args.seq_len, microbatch_size=args.microbatch_size,

@@ -8,7 +8,10 @@ readable, and every file says where its numbers come from.
 The simulator reads compute speed from ``tflops`` (only when costs are estimated from a model
 shape; measured :class:`~lightning_roundpipe.cost.profile.CostProfile` times are used as they are), the
 host link from ``host_device_bytes_per_s`` and ``latency_s``, and the host optimizer from
-``cpu_optimizer_params_per_s``. The same fields describe the CPU backend's virtual workers
+``cpu_optimizer_params_per_s``, or the host memory bandwidth over the bytes an update moves when
+the profile gives ``host_memory_bytes_per_s`` and that is lower (:attr:`HardwareProfile.optimizer_params_per_s`).
+Profiles with datasheet rates (``tensor_tflops_*``, ``memory_bytes_per_s``) and achievable ones
+(``matmul_tflops_*``, ``attention_tflops``) are timed by :mod:`lightning_roundpipe.sim.physical`. The same fields describe the CPU backend's virtual workers
 (``profiles/cpu2.yaml``), whose injected bandwidth limit and latency play the role of the
 PCIe link, so a simulated step can be checked against a measured CPU run.
 """
@@ -82,6 +85,20 @@ class HardwareProfile:
     tensor_tflops_fp32_acc: float | None = None  # dense fp16/bf16 tensor rate, fp32 accumulate
     tensor_tflops_fp16_acc: float | None = None  # dense fp16 tensor rate, fp16 accumulate
     memory_bytes_per_s: float | None = None  # one worker's memory bandwidth
+    # Achievable (sustained) rates, measured on whole layers rather than read off a datasheet:
+    # when given, projections run at ``matmul_tflops_fp16_acc`` / ``matmul_tflops_fp32_acc`` and
+    # flash attention at ``attention_tflops`` instead of the tensor peaks above.
+    matmul_tflops_fp16_acc: float | None = None
+    matmul_tflops_fp32_acc: float | None = None
+    attention_tflops: float | None = None
+    # Host memory bandwidth the host optimizer gets, and the host traffic of one parameter's update:
+    # with it, the optimizer updates ``min(cpu_optimizer_params_per_s, host_memory_bytes_per_s /
+    # optimizer_bytes_per_param)`` parameters per second (a multithreaded CPU Adam is memory bound).
+    # 40 bytes: fp32 Adam reads param, grad, m, v and writes param, m, v (28), the fp16 gradient
+    # read into the fp32 one (2 + 4) and the updated fp32 weight written back as the fp16 copy the
+    # workers upload (4 + 2).
+    host_memory_bytes_per_s: float | None = None
+    optimizer_bytes_per_param: float = 40.0
     dispatch_s: float = 0.0  # host time to submit one task (one Python process drives all workers)
     # Kernel launches of decoder-layer compute tasks, issued by the host (one process, one GIL):
     # per decoder layer per microbatch, a forward task launches ``forward_launches_per_layer``
@@ -104,7 +121,10 @@ class HardwareProfile:
         for name in ("dispatch_s", "launch_s", "forward_launches_per_layer", "backward_launches_per_layer"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("tensor_tflops_fp32_acc", "tensor_tflops_fp16_acc", "memory_bytes_per_s"):
+        if not self.optimizer_bytes_per_param > 0:
+            problems.append(f"optimizer_bytes_per_param must be positive, got {self.optimizer_bytes_per_param}")
+        for name in ("tensor_tflops_fp32_acc", "tensor_tflops_fp16_acc", "memory_bytes_per_s", "matmul_tflops_fp16_acc",
+                     "matmul_tflops_fp32_acc", "attention_tflops", "host_memory_bytes_per_s"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 problems.append(f"{name} must be positive when given, got {getattr(self, name)}")
         if problems:
@@ -114,6 +134,14 @@ class HardwareProfile:
     def flops_per_s(self) -> float:
         """Achievable FLOP/s of one worker."""
         return self.tflops * 1e12
+
+    @property
+    def optimizer_params_per_s(self) -> float:
+        """Parameters per second the host optimizer updates: its compute rate, or the host memory
+        bandwidth over the bytes one update moves when that is lower."""
+        if self.host_memory_bytes_per_s is None:
+            return self.cpu_optimizer_params_per_s
+        return min(self.cpu_optimizer_params_per_s, self.host_memory_bytes_per_s / self.optimizer_bytes_per_param)
 
     def transfer_seconds(self, num_bytes: float) -> float:
         """Time of one transfer of ``num_bytes`` on an idle link: latency plus bytes over bandwidth."""
@@ -146,7 +174,9 @@ class HardwareProfile:
         for key in ("gpu_memory_bytes", "host_memory_bytes"):
             values[key] = int(parse_quantity(values[key]))
         for key in ("host_device_bytes_per_s", "cpu_optimizer_params_per_s", "tflops", "latency_s",
-                    "tensor_tflops_fp32_acc", "tensor_tflops_fp16_acc", "memory_bytes_per_s", "dispatch_s", "launch_s"):
+                    "tensor_tflops_fp32_acc", "tensor_tflops_fp16_acc", "memory_bytes_per_s", "dispatch_s", "launch_s",
+                    "matmul_tflops_fp16_acc", "matmul_tflops_fp32_acc", "attention_tflops", "host_memory_bytes_per_s",
+                    "optimizer_bytes_per_param"):
             if key in values:
                 values[key] = parse_quantity(values[key])
         values["num_gpus"] = int(values["num_gpus"])

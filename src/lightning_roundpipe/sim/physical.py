@@ -9,6 +9,10 @@ A hardware profile may give, besides its single ``tflops``, the rates a datashee
   + element-wise bytes / memory bandwidth
 
 i.e. the three kinds of kernels run one after another on one stream, each at its own limit.
+A profile may also give achievable rates measured on whole layers (``matmul_tflops_fp16_acc``,
+``matmul_tflops_fp32_acc``, ``attention_tflops``): they replace the datasheet peaks, since a
+GPU under its power limit sustains less than its boost-clock peak and flash attention does not
+reach the tensor peak (softmax and rescaling between its matmuls).
 Without those fields everything compute-bound runs at ``tflops`` and element-wise traffic is
 free, as the estimate always did.
 """
@@ -39,7 +43,14 @@ def layer_seconds(work: LayerWork, tokens: float, hardware: HardwareProfile, fp1
     """Seconds of ``work`` over ``tokens`` tokens on one worker of ``hardware`` (see the module doc)."""
     if not has_physical_rates(hardware):
         return tokens * (work.matmul_flops + work.attention_flops) / hardware.flops_per_s
-    matmul_rate = (hardware.tensor_tflops_fp16_acc if fp16_accumulation else hardware.tensor_tflops_fp32_acc) * 1e12
-    attention_rate = hardware.tensor_tflops_fp32_acc * 1e12
+    matmul_rate = matmul_tflops(hardware, fp16_accumulation) * 1e12
+    attention_rate = (hardware.attention_tflops or hardware.tensor_tflops_fp32_acc) * 1e12
     return tokens * (work.matmul_flops / matmul_rate + work.attention_flops / attention_rate
                      + work.memory_bytes / hardware.memory_bytes_per_s)
+
+
+def matmul_tflops(hardware: HardwareProfile, fp16_accumulation: bool = False) -> float:
+    """The projection rate used: the achievable one when the profile gives it, else the peak."""
+    if fp16_accumulation:
+        return hardware.matmul_tflops_fp16_acc or hardware.tensor_tflops_fp16_acc
+    return hardware.matmul_tflops_fp32_acc or hardware.tensor_tflops_fp32_acc

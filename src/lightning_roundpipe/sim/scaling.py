@@ -2,8 +2,12 @@
 
 For each model, the published run's RoundPipe workload (same sequences per optimizer step,
 microbatches and calls, one-step-stale optimizer) is simulated on the profile with
-``num_gpus`` replaced, each count with the planner's best plan for it. Speedup is over one GPU
-and efficiency is speedup over the count. Every number is simulated.
+``num_gpus`` replaced. The plan is the reference's own partition for the models it published
+one for (:func:`~lightning_roundpipe.sim.workload.reference_plan`; RoundPipe's stages are not
+bound to GPUs, so one partition serves every count) and the planner's best plan for the count
+otherwise, or always with ``planner=True``. Speedup is over the smallest count and efficiency
+is speedup over the count ratio. Every number is simulated; :data:`MEASURED_SCALING` holds the
+reference's measured curve on 1-8 RTX 4090 for comparison.
 """
 
 from __future__ import annotations
@@ -11,7 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hardware import HardwareProfile, load_hardware
-from .workload import PUBLISHED_RUNS, Workload, simulate_workload
+from .workload import PUBLISHED_RUNS, REFERENCE_PARTITIONS, Workload, reference_plan, simulate_workload
+
+MEASURED_HARDWARE = "rtx4090"  # the profile the measured curve belongs to
+# Measured tokens/s of the reference on 1..8 RTX 4090 (same workloads as the 8-GPU table; the
+# artifact's exp/raw-data.csv, "4090s" rows).
+MEASURED_SCALING = {
+    "qwen3-1.7b": (8880.99, 17025.55, 25702.44, 33178.39, 42026.2, 48829.86, 57598.61, 65416.83),
+    "llama-3.1-8b": (3142.17, 6259.09, 9221.6, 12277.77, 15342.93, 18363.22, 21296.67, 24274.54),
+    "qwen3-32b": (740.46, 1476.11, 2203.82, 2897.08, 3599.81, 4290.25, 4913.34, 5516.22),
+}
 
 
 @dataclass
@@ -21,6 +34,7 @@ class ScalingRow:
     tokens_per_s: float
     speedup: float  # over the smallest count simulated
     bubble: float
+    measured: float | None = None  # the reference's measured tokens/s at this count, when published
 
 
 def reference_workload(model: str) -> Workload:
@@ -32,7 +46,7 @@ def reference_workload(model: str) -> Workload:
 
 
 def scaling_rows(models: tuple[str, ...], hardware: str | HardwareProfile, gpu_counts: tuple[int, ...],
-                 workload: Workload | None = None) -> list[ScalingRow]:
+                 workload: Workload | None = None, planner: bool = False) -> list[ScalingRow]:
     """Simulated tokens/s of each model at each GPU count (see the module doc)."""
     if not gpu_counts or min(gpu_counts) < 1:
         raise ValueError(f"GPU counts must be positive, got {gpu_counts}")
@@ -41,20 +55,27 @@ def scaling_rows(models: tuple[str, ...], hardware: str | HardwareProfile, gpu_c
     for model in models:
         w = workload or reference_workload(model)
         base = None
+        plan = reference_plan(model) if model in REFERENCE_PARTITIONS and not planner else None
+        same_machine = workload is None and hw.name == MEASURED_HARDWARE
+        measured = MEASURED_SCALING.get(model, ()) if same_machine else ()
         for n in sorted(gpu_counts):
-            r = simulate_workload(model, hw.replace(num_gpus=n), w)
+            r = simulate_workload(model, hw.replace(num_gpus=n), w, plan=plan)
             base = base or r.tokens_per_s
-            rows.append(ScalingRow(model, n, r.tokens_per_s, r.tokens_per_s / base, r.call.bubble_fraction))
+            rows.append(ScalingRow(model, n, r.tokens_per_s, r.tokens_per_s / base, r.call.bubble_fraction,
+                                   measured[n - 1] if n <= len(measured) else None))
     return rows
 
 
 def scaling_markdown(rows: list[ScalingRow], hardware: str | HardwareProfile) -> str:
     hw = load_hardware(hardware)
     lines = [f"Simulated tokens/s on 1..N x {hw.name} (reference workload, one-step-stale optimizer)", "",
-             "| model | GPUs | tokens/s (simulated) | speedup | efficiency | bubble |", "|---|---:|---:|---:|---:|---:|"]
+             "| model | GPUs | tokens/s (simulated) | speedup | efficiency | bubble | measured (reference) | error |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     first = {}
     for r in rows:
         first.setdefault(r.model, r.num_gpus)
         eff = r.speedup * first[r.model] / r.num_gpus
-        lines.append(f"| {r.model} | {r.num_gpus} | {r.tokens_per_s:,.0f} | {r.speedup:.2f}x | {eff:.0%} | {r.bubble:.0%} |")
+        measured = f"{r.measured:,.0f} | {r.tokens_per_s / r.measured - 1:+.1%}" if r.measured else "- | -"
+        lines.append(f"| {r.model} | {r.num_gpus} | {r.tokens_per_s:,.0f} | {r.speedup:.2f}x | {eff:.0%} | {r.bubble:.0%} | "
+                     f"{measured} |")
     return "\n".join(lines)

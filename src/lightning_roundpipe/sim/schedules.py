@@ -16,6 +16,16 @@ RoundPipe, so the comparison isolates the schedule:
   weights are streamed: every forward or backward of a microbatch uploads its layers one at a
   time (two layers resident) and every backward sends that layer's gradients home.
 - The host optimizer overlaps layer by layer, exactly as for RoundPipe (no step barrier).
+
+``mobius`` (Mobius-like, Feng et al. ASPLOS '23): ``chunks`` x ``P`` stages mapped round-robin
+onto the GPUs, each GPU running its stages breadth-first (all microbatches of one stage, then its
+next stage; backward in reverse), and every stage's weights streamed from host memory once per
+direction: uploaded before the stage's first microbatch (at most two stages' weights on a GPU, so
+the next one prefetches while one runs), its gradients accumulated on the GPU over the
+microbatches and sent home after the last one.
+
+On-GPU optimizer state (``optimizer_state_bytes_per_param``, for Megatron-like runs whose
+optimizer lives on the GPUs) only adds to the memory check.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from .hardware import HardwareProfile
 from .simulate import PRIO_ACTIVATIONS, PRIO_GRADS, PRIO_WEIGHTS, SimConfig, SimResult, add_optimizer, link_of, summarize
 
 BOUND_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+STREAMED_SCHEDULES = ("mobius",)
 Action = tuple[str, int, int]  # ("F" or "B", virtual stage, microbatch)
 
 
@@ -67,7 +78,11 @@ def bound_order(schedule: str, gpu: int, num_gpus: int, microbatches: int, chunk
         for k in range(total - warm):
             order += [unit(warm + k, False), unit(k, True)]
         return order + [unit(k, True) for k in range(total - warm, total)]
-    raise ValueError(f"unknown bound schedule {schedule!r}; choose from {BOUND_SCHEDULES}")
+    if schedule == "mobius":
+        mine = list(range(p, chunks * P, P))
+        return ([("F", s, i) for s in mine for i in range(M)]
+                + [("B", s, i) for s in reversed(mine) for i in range(M)])
+    raise ValueError(f"unknown bound schedule {schedule!r}; choose from {BOUND_SCHEDULES + STREAMED_SCHEDULES}")
 
 
 def max_in_flight(order: list[Action]) -> int:
@@ -90,9 +105,14 @@ class BoundLayout:
 
 
 def bound_layout(schedule: str, view: CostView, num_gpus: int, microbatches: int, memory_bytes: float,
-                 chunks: int = 2, offload: str = "auto") -> BoundLayout:
-    """Balanced split, and per GPU the offload policy that fits (``offload``: auto, resident, stream)."""
-    v = chunks if schedule == "interleaved" else 1
+                 chunks: int = 2, offload: str = "auto", optimizer_state_bytes_per_param: float = 0.0) -> BoundLayout:
+    """Balanced split, and per GPU the offload policy that fits (``offload``: auto, resident, stream).
+
+    ``mobius`` always streams whole stages (two stages' weights and gradients resident).
+    ``optimizer_state_bytes_per_param``: optimizer state each GPU keeps for its trainable
+    parameters (0 when the optimizer runs on the host).
+    """
+    v = chunks if schedule in ("interleaved", "mobius") else 1
     num_stages = num_gpus * v
     if num_stages > len(view):
         raise ValueError(f"{schedule} over {num_gpus} GPUs needs {num_stages} stages but the model has {len(view)} layers")
@@ -106,14 +126,27 @@ def bound_layout(schedule: str, view: CostView, num_gpus: int, microbatches: int
         buffers = 2 * max(max(view.in_bytes(a), view.out_bytes(b - 1)) for a, b in mine)
         state = sum(view.weights(a, b) + view.grads(a, b) for a, b in mine)
         layer_state = max(view.layers[l].weight_bytes + view.layers[l].grad_bytes for a, b in mine for l in range(a, b))
-        resident_need = state + checkpoints + working + buffers
+        optimizer = optimizer_state_bytes_per_param * sum(view.trainable[l] for a, b in mine for l in range(a, b))
+        resident_need = state + checkpoints + working + buffers + optimizer
         stream_need = 2 * layer_state + checkpoints + working + buffers
+        if schedule == "mobius":
+            # Breadth-first: every microbatch's checkpoints of every stage of this GPU are live at
+            # the forward/backward turn; two whole stages' weights and gradients resident.
+            checkpoints = microbatches * sum(view.in_bytes(l) for a, b in mine for l in range(a, b))
+            stage_state = max(view.weights(a, b) + view.grads(a, b) for a, b in mine)
+            need.append(2 * stage_state + checkpoints + working + buffers)
+            resident.append(False)
+            continue
         keep = offload == "resident" or (offload == "auto" and resident_need <= memory_bytes)
         if offload not in ("auto", "resident", "stream"):
             raise ValueError(f"unknown offload policy {offload!r}; use 'auto', 'resident' or 'stream'")
         resident.append(keep)
         need.append(resident_need if keep else stream_need)
     return BoundLayout(tuple(ranges), resident, need, all(n <= memory_bytes for n in need))
+
+
+def stage_streamed(schedule: str) -> bool:
+    return schedule in STREAMED_SCHEDULES
 
 
 class _BoundBuilder:
@@ -125,6 +158,7 @@ class _BoundBuilder:
         self.optim_prev: dict[int, list[Op]] = {}
         self.stream_computes: list[list[Op]] = [[] for _ in range(num_gpus)]  # per-layer compute sequence
         self.allocated_state: set[int] = set()  # layers whose resident weights/grads are already counted
+        self.stage_passes: list[list[Op]] = [[] for _ in range(num_gpus)]  # mobius: last compute of each stage pass
 
     def gpu_of(self, stage: int) -> int:
         return stage % self.P
@@ -157,7 +191,10 @@ class _BoundBuilder:
             for direction, s, i in bound_order(self.schedule, p, P, m, self.chunks):
                 a, b = self.layout.ranges[s]
                 name = f"{direction}{s}"
-                if self.layout.resident[p]:
+                if stage_streamed(self.schedule):
+                    op = self._stage_pass(p, direction, s, i, step, a, b, wgrads)
+                    first[(direction, s, i)] = last[(direction, s, i)] = op
+                elif self.layout.resident[p]:
                     if direction == "F":
                         op = Op(p, "compute", "forward", name, i, step, seconds=view.forward_s(a, b),
                                 deps=list(weight_ops[s]),
@@ -220,6 +257,44 @@ class _BoundBuilder:
             by_layer.setdefault(layer, []).append(op)
         self.optim_prev = add_optimizer(sim, by_layer, view, self.hw, self.cfg, step)
 
+    def _stage_pass(self, p: int, direction: str, s: int, i: int, step: int, a: int, b: int,
+                    wgrads: list[tuple[int, Op]]) -> Op:
+        """Microbatch ``i`` of a stage whose weights are streamed once per direction (mobius)."""
+        view, sim = self.view, self.sim
+        weights, grads = view.weights(a, b), view.grads(a, b)
+        checkpoint = sum(view.in_bytes(l) for l in range(a, b))
+        graph = view.max_layer_graph(a, b)
+        deps, alloc, free = [], [(p, graph)], [(p, graph)]
+        if i == 0:  # the stage's weights arrive once the pass two back on this GPU is done
+            passes = self.stage_passes[p]
+            slot = [passes[-2]] if len(passes) >= 2 else []
+            updated = [op for layer in range(a, b) for op in self.optim_prev.get(layer, [])]
+            up = sim.add(Op(p, "upload", "weights", f"{direction}{s}", -1, step, bytes=weights, priority=PRIO_WEIGHTS,
+                            deps=slot + (updated if direction == "F" else []), alloc=[(p, weights)]))
+            deps.append(up)
+            if direction == "B":
+                alloc.append((p, grads))
+        if direction == "F":
+            alloc.append((p, checkpoint))
+            seconds = view.forward_s(a, b)
+        else:
+            free.append((p, checkpoint))
+            seconds = view.backward_with_recompute_s(a, b)
+        last = i == self.m - 1
+        if last:
+            free.append((p, weights))
+        op = sim.add(Op(p, "compute", "forward" if direction == "F" else "backward", f"{direction}{s}", i, step,
+                        seconds=seconds, deps=deps, alloc=alloc, free=free))
+        if last:
+            self.stage_passes[p].append(op)
+            if direction == "B":
+                for layer in reversed(range(a, b)):
+                    nbytes = view.layers[layer].grad_bytes
+                    if nbytes > 0:
+                        wgrads.append((layer, sim.add(Op(p, "download", "wgrad", f"B{s}", -1, step, bytes=nbytes,
+                                                         priority=PRIO_GRADS, deps=[op], free=[(p, nbytes)]))))
+        return op
+
     def _streamed(self, p: int, direction: str, s: int, i: int, step: int, a: int, b: int,
                   wgrads: list[tuple[int, Op]]) -> list[Op]:
         """One forward or backward of a microbatch with weights streamed layer by layer."""
@@ -261,8 +336,9 @@ def simulate_bound(
     offload: str = "auto",
     memory_fraction: float = 0.9,
     config: SimConfig | None = None,
+    optimizer_state_bytes_per_param: float = 0.0,
 ) -> SimResult:
-    """Simulate ``gpipe``, ``1f1b`` or ``interleaved`` with stages bound to GPUs and CPU offload.
+    """Simulate ``gpipe``, ``1f1b``, ``interleaved`` or ``mobius`` with stages bound to GPUs and CPU offload.
 
     ``memory_fraction`` of each GPU's memory is usable (the rest is CUDA context and allocator
     slack); when even streamed weights do not fit, the result has ``fits=False`` and an infinite
@@ -272,7 +348,8 @@ def simulate_bound(
     cfg = config or SimConfig()
     view = CostView(costs)
     budget = hardware.gpu_memory_bytes * memory_fraction
-    layout = bound_layout(schedule, view, P, microbatches, budget, chunks_per_gpu, offload)
+    layout = bound_layout(schedule, view, P, microbatches, budget, chunks_per_gpu, offload,
+                          optimizer_state_bytes_per_param)
     notes = {"ranges": layout.ranges, "resident": layout.resident, "estimated_gpu_bytes": layout.need_bytes}
     if not layout.fits:
         return SimResult(schedule, math.inf, 0.0, list(layout.need_bytes), [], P, microbatches,

@@ -315,7 +315,7 @@ def add_optimizer(sim: EventSimulator, wgrads: dict[int, list[Op]], view: CostVi
     wait_for_all = config.clip_grad_norm or config.optimizer_barrier
     updates: dict[int, Op] = {}
     for layer, ops in wgrads.items():
-        seconds = view.trainable[layer] / hardware.cpu_optimizer_params_per_s
+        seconds = view.trainable[layer] / hardware.optimizer_params_per_s
         updates[layer] = sim.add(Op(HOST, "host", "optim", f"L{layer}", -1, step, seconds=seconds,
                                     priority=config.optimizer_priority(layer),
                                     deps=list(everything if wait_for_all else ops)))

@@ -44,6 +44,7 @@ class Workload:
     # logits at Qwen3's vocabulary, so the published runs (24 GB GPUs) cannot have materialised
     # them whole; one sequence at a time is assumed.
     loss_chunk_tokens: int | None = 2048
+    lora_rank: int | None = None  # LoRA of this rank on every linear layer but the router (None: full)
 
     def __post_init__(self) -> None:
         if min(self.sequences_per_step, self.microbatches, self.calls, self.seq_len) < 1:
@@ -61,8 +62,12 @@ class Workload:
 
     def sim_config(self, optimizer_steps: int = 3) -> SimConfig:
         """Simulator options of this workload over ``optimizer_steps`` optimizer steps."""
+        # The reference dispatches each call's stages as their inputs become ready and the next
+        # call without waiting for this one's backward to return (event-based synchronisation):
+        # no host barriers.
         return SimConfig(steps=self.calls * optimizer_steps, accumulation=self.calls,
-                         stale_optimizer=self.optimizer == "stale", optimizer_barrier=self.optimizer == "sync")
+                         stale_optimizer=self.optimizer == "stale", optimizer_barrier=self.optimizer == "sync",
+                         host_barriers=False)
 
 
 @dataclass(frozen=True)
@@ -77,17 +82,61 @@ class PublishedRun:
 
 
 def _run(model: str, sequences: int, calls: int, sync_calls: int, stale_tps: float, sync_tps: float) -> PublishedRun:
-    per_call = sequences // calls  # RoundPipe-sync keeps the calls' size and accumulates over more of them
-    return PublishedRun(model, Workload(sequences, 10, calls), Workload(per_call * sync_calls, 10, sync_calls,
-                                                                         optimizer="sync"), stale_tps, sync_tps)
+    # RoundPipe-sync keeps the step's sequences and splits them over more, smaller calls
+    # (``train-sync.py <model> <batch> 2048 10 <accumulation>`` in the artifact's run.sh).
+    return PublishedRun(model, Workload(sequences, 10, calls), Workload(sequences, 10, sync_calls, optimizer="sync"),
+                        stale_tps, sync_tps)
 
 
-# The reference implementation's published benchmark on 8x RTX 4090: tokens/s, 10 steps after 5 warm-up.
+# The reference implementation's published benchmark on 8x RTX 4090: tokens/s, 10 steps after 5
+# warm-up (github.com/ITcarrot/RoundPipe-artifact: roundpipe/run.sh for the workloads,
+# exp/raw-data.csv for the figures).
 PUBLISHED_RUNS = (
     _run("qwen3-1.7b", 512, 4, 7, 65_417, 56_489),
     _run("llama-3.1-8b", 256, 2, 5, 24_275, 18_888),
     _run("qwen3-32b", 128, 2, 2, 5_516, 4_164),
 )
+
+
+# The reference's own stage partitions of these models (decoder layers per forward stage | per
+# backward stage, the first backward stage holding the LM head alone), from the artifact's
+# pp-simulate/run.sh ("roundpipe|<model>" STAGE_PARTITION).
+REFERENCE_PARTITIONS = {
+    "qwen3-1.7b": ((7, 7, 7, 7), (0,) + (3,) * 8 + (2, 2)),
+    "llama-3.1-8b": ((5, 5, 5, 5, 6, 6), (0,) + (2,) * 16),
+    "qwen3-32b": ((2, 2) + (3,) * 20, (0,) + (1,) * 64),
+    "gpt-oss-20b": ((4, 5, 5, 5, 5), (0,) + (1,) * 24),
+    "qwen3-235b-a22b": ((2,) * 47, (0,) + (1,) * 94),
+}
+
+
+def reference_plan(model: str) -> Plan:
+    """The reference's partition of ``model`` as a :class:`Plan` of this project's layers.
+
+    The pipelined model has the embedding first and the norm + LM head + loss last: the first
+    forward and the last backward stage take the embedding with their decoder layers, and the
+    head is the fused last stage (forward and backward of the loss in one task), as the
+    reference runs it.
+    """
+    forward_counts, backward_counts = REFERENCE_PARTITIONS[model]
+    decoders = sum(forward_counts)
+    if sum(backward_counts) != decoders or backward_counts[0] != 0:
+        raise ValueError(f"inconsistent reference partition for {model}")
+    head = decoders + 1
+    forward, start = [], 0
+    for i, n in enumerate(forward_counts):
+        end = start + n + (1 if i == 0 else 0)  # the embedding rides with the first stage
+        forward.append((start, end))
+        start = end
+    forward.append((head, head + 1))
+    backward, end = [], head
+    for n in backward_counts[1:]:
+        backward.append((end - n, end))
+        end -= n
+    a, b = backward[-1]
+    backward[-1] = (0, b)  # the embedding's backward with the last backward stage
+    backward = sorted(backward) + [(head, head + 1)]
+    return Plan(head + 1, tuple(forward), tuple(backward), fused_last=True).validate()
 
 
 @dataclass
@@ -121,7 +170,8 @@ def simulate_workload(model: str, hardware: str | HardwareProfile, workload: Wor
     """Simulate ``workload`` for a model preset; the plan defaults to the planner's best for one call."""
     hw = load_hardware(hardware)
     costs = shape_layer_costs(get_model_shape(model), hw, workload.seq_len, workload.sequences_per_microbatch,
-                              loss_chunk_tokens=workload.loss_chunk_tokens, fp16_accumulation=workload.fp16_accumulation)
+                              lora_rank=workload.lora_rank, loss_chunk_tokens=workload.loss_chunk_tokens,
+                              fp16_accumulation=workload.fp16_accumulation)
     if plan is None:
         choice = best_plan(costs, hw, [workload.microbatches], fused_last=True)
         if choice is None:
