@@ -98,6 +98,25 @@ class SimConfig:
     # One-step-stale optimizer (the reference RoundPipe's default): the uploads of optimizer step
     # k + 1 use the weights of step k - 1, so they wait for the update two steps back, not one.
     stale_optimizer: bool = False
+    # Host time per submitted task, instead of the hardware profile's ``dispatch_s`` (None: the
+    # profile's). One Python process submits every task of every worker, one after another.
+    dispatch_s: float | None = None
+    # Host time per kernel launch, instead of the profile's ``launch_s`` (None: the profile's; 0:
+    # launches cost the host nothing).
+    launch_s: float | None = None
+    # With ``host_barriers``: the next call is dispatched only once this call's ``backward()`` has
+    # returned (True, the engine under autograd). False keeps the forward/backward barrier but lets
+    # the next call's tasks be submitted right after this call's: an asynchronous ``backward()``.
+    call_barrier: bool = True
+    # With ``host_barriers``: seconds the host's main thread spends on the loss of a call. Without a
+    # fused last stage, computing it from the outputs (between the last output home and the
+    # backward dispatch); with one, summing the loss scalars (before ``backward()`` returns).
+    host_loss_s: float = 0.0
+    # With ``host_barriers``: downloaded gradient bytes per second the main thread adds into the
+    # fp32 ``.grad`` (the engine's ``backward()`` does it stage by stage, in dispatch order). A
+    # layer's optimizer update waits for its accumulation, and ``backward()`` returns after the
+    # last one. None: free.
+    host_accumulate_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.accumulation < 1:
@@ -110,6 +129,14 @@ class SimConfig:
             raise ValueError(f"optimizer_order must be 'arrival' or 'layer', got {self.optimizer_order!r}")
         if self.upload_order not in ("stage", "kind"):
             raise ValueError(f"upload_order must be 'stage' or 'kind', got {self.upload_order!r}")
+        for name in ("dispatch_s", "launch_s"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} must be None or at least 0, got {value}")
+        if not self.host_loss_s >= 0:
+            raise ValueError(f"host_loss_s must be at least 0, got {self.host_loss_s}")
+        if self.host_accumulate_bytes_per_s is not None and not self.host_accumulate_bytes_per_s > 0:
+            raise ValueError(f"host_accumulate_bytes_per_s must be None or positive, got {self.host_accumulate_bytes_per_s}")
 
     def optimizer_priority(self, layer: int) -> int:
         """Host-queue priority of a layer's optimizer update (lower runs first among ready ones)."""
@@ -190,7 +217,8 @@ class _RoundPipeBuilder:
 
     def __init__(self, sim: EventSimulator, plan: Plan, view: CostView, hardware: HardwareProfile,
                  microbatches: int, num_workers: int, config: SimConfig) -> None:
-        self.sim, self.plan, self.view, self.hw = sim, plan, view, hardware
+        overrides = {name: getattr(config, name) for name in ("dispatch_s", "launch_s") if getattr(config, name) is not None}
+        self.sim, self.plan, self.view, self.hw = sim, plan, view, hardware.replace(**overrides)
         self.m, self.nw, self.cfg = microbatches, num_workers, config
         self.sizes = CostSizes(view)
         self.history: WorkerHistory[list[Op]] = WorkerHistory(num_workers)
@@ -219,7 +247,7 @@ class _RoundPipeBuilder:
         backward_stages = {t.stage for t in tasks if t.kind in ("fused", "backward")}
         host_output = {t.microbatch: t.id for t in tasks if t.kind == "act_out" and t.boundary == plan.num_layers}
         barriers = cfg.host_barriers
-        gate = [self.step_done] if barriers and self.step_done is not None else []
+        gate = [self.step_done] if barriers and cfg.call_barrier and self.step_done is not None else []
         wgrads: list[tuple[int, Op]] = []
         losses: list[Op] = []
         backward_done: list[Op] = []
@@ -231,7 +259,8 @@ class _RoundPipeBuilder:
                     # The host has the loss once every microbatch's output is home; loss.backward()
                     # then submits the backward phase.
                     outs = [op for i in sorted(host_output) for op in done[host_output[i]]]
-                    gate = [self.add(Op(HOST, MAIN_QUEUE, "loss", "", -1, step, deps=outs))]
+                    gate = [self.add(Op(HOST, MAIN_QUEUE, "loss", "", -1, step, seconds=cfg.host_loss_s,
+                                        deps=outs + self._main_last()))]
             deps = [op for d in t.deps for op in done[d]]
             deps += [op for ops in self.history.resolve(t) for op in ops]
             host_s = self._host_submit_s(t)
@@ -267,11 +296,34 @@ class _RoundPipeBuilder:
             elif t.kind == "wgrad":
                 wgrads.append((t.layers[0], op))
         if barriers:
+            main = self._main_last()
+            if plan.fused_last and (cfg.host_loss_s > 0 or cfg.host_accumulate_bytes_per_s):
+                # fused: the host sums the loss scalars, in microbatch order, before backward() runs
+                main = [self.add(Op(HOST, MAIN_QUEUE, "loss", "", -1, step, seconds=cfg.host_loss_s,
+                                    deps=losses + main))]
+            if cfg.host_accumulate_bytes_per_s:
+                wgrads = self._accumulate(wgrads, main, step)
+                main = [wgrads[-1][1]] if wgrads else main
             # backward() returns once the host has the loss and every stage's weight gradients are
-            # home; the next step's forward is submitted after that (the optimizer's per-layer
-            # updates still overlap it).
-            self.step_done = self.add(Op(HOST, MAIN_QUEUE, "step", "", -1, step, deps=backward_done + losses))
+            # home (and, when priced, added into .grad); the next step's forward is submitted after
+            # that (the optimizer's per-layer updates still overlap it).
+            self.step_done = self.add(Op(HOST, MAIN_QUEUE, "step", "", -1, step, deps=backward_done + losses + main))
         self.calls.add_call(wgrads, step)
+
+    def _main_last(self) -> list[Op]:
+        """The host main thread's last operation so far (its work runs one after another)."""
+        return [self.submitted] if self.submitted is not None else []
+
+    def _accumulate(self, wgrads: list[tuple[int, Op]], after: list[Op], step: int) -> list[tuple[int, Op]]:
+        """The main thread adding each downloaded gradient into ``.grad``, in dispatch order, after
+        ``after``; returns (layer, accumulation) pairs, what each layer's optimizer update waits for."""
+        rate, out = self.cfg.host_accumulate_bytes_per_s, []
+        for layer, download in wgrads:
+            acc = self.add(Op(HOST, MAIN_QUEUE, "accumulate", f"L{layer}", -1, step, seconds=download.bytes / rate,
+                              deps=[download] + after))
+            out.append((layer, acc))
+            after = [acc]
+        return out
 
     def _host_submit_s(self, t: GraphTask) -> float:
         """Host time to submit ``t``: ``dispatch_s``, plus for a compute task the launches of its
