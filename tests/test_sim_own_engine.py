@@ -132,3 +132,29 @@ def test_host_limit_tokens_by_hand():
     plan = Plan(3, ((0, 2), (2, 3)), ((0, 2), (2, 3)), fused_last=True)
     hw = one_worker().replace(num_gpus=2, launch_s=0.25, forward_launches_per_layer=3, backward_launches_per_layer=5)
     assert host_limit_tokens(plan, costs, hw, 0.5, 4.0) == pytest.approx(2 * 10.0 / 1.1)
+
+
+@pytest.mark.timeout(120)
+def test_waterfall_switches_one_cause_at_a_time_to_our_default():
+    from lightning_roundpipe.cost.transformer import ModelShape
+    from lightning_roundpipe.sim import load_hardware
+    from lightning_roundpipe.sim.own_engine import Setup, causes, our_default, waterfall
+    from lightning_roundpipe.sim.workload import PublishedRun, Workload
+
+    hw = load_hardware("rtx4090")
+    tiny = ModelShape("tiny", 256, 768, 4, 2, 64, 4096, 4)
+    work = Workload(32, 4, 2, seq_len=256)
+    run = PublishedRun(tiny, work, replace(work, optimizer="sync"), 1.0, 1.0)
+    rows = waterfall(run, hw, optimizer_steps=2)
+    switches = causes(hw, work.microbatches)
+    assert [r.cause for r in rows[1:]] == [name for name, _ in switches]
+    setup = Setup()
+    for row, (_, change) in zip(rows[1:], switches):
+        setup = replace(setup, **change)
+        assert row.result.setup == setup
+    assert setup == our_default(hw)
+    for before, row in zip(rows, rows[1:]):
+        assert row.delta == pytest.approx(row.result.tokens_per_s - before.result.tokens_per_s)
+    # Tasks this small (one 256-token sequence per microbatch) wait for one host's dispatch.
+    dispatch = next(r for r in rows if r.cause.startswith("host dispatch"))
+    assert dispatch.delta < 0 and dispatch.result.tokens_per_s > 0

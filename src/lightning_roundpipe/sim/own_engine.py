@@ -186,17 +186,16 @@ class Step:
     delta: float  # tokens/s change from the row before
 
 
-def causes(hardware: HardwareProfile, reference: Setup | None = None) -> list[tuple[str, dict]]:
+def causes(hardware: HardwareProfile, reference_microbatches: int = 10) -> list[tuple[str, dict]]:
     """The switches from the reference's setup to this engine's default, in waterfall order.
 
     The partition policy goes last: a policy that cannot meet the memory budget refuses the run,
     and every cause before it still gets its share."""
-    ours = our_default(hardware)
-    ref = reference or Setup()
+    ours, ref = our_default(hardware), Setup()
     return [
         ("precision: bf16-mixed (fp32-accumulate matmuls) for fp16 with fp16 accumulation", dict(precision=ours.precision)),
         ("optimizer: exact (staleness 0) for one step stale", dict(staleness=ours.staleness)),
-        (f"microbatches: {ours.microbatches} (workers + 1) for {ref.microbatches or 10}", dict(microbatches=ours.microbatches)),
+        (f"microbatches: {ours.microbatches} (the default) for {reference_microbatches}", dict(microbatches=ours.microbatches)),
         (f"loss chunk: {ours.loss_chunk_tokens} tokens for {ref.loss_chunk_tokens}", dict(loss_chunk_tokens=ours.loss_chunk_tokens)),
         (f"host dispatch: {ours.dispatch_s * 1e6:.0f} us per task (CPU backend, measured)", dict(dispatch_s=ours.dispatch_s)),
         (f"host gradient accumulation on the main thread ({ours.host_accumulate_bytes_per_s / 1e9:.1f} GB/s)",
@@ -211,7 +210,7 @@ def waterfall(run: PublishedRun, hardware: str | HardwareProfile, *, optimizer_s
     setup = Setup()
     rows = [Step("reference setup (as benchmarks.published_gpu)", simulate_setup(run, hw, setup,
                                                                                optimizer_steps=optimizer_steps), 0.0)]
-    for cause, change in causes(hw):
+    for cause, change in causes(hw, run.stale.microbatches):
         setup = replace(setup, **change)
         result = simulate_setup(run, hw, setup, optimizer_steps=optimizer_steps)
         rows.append(Step(cause, result, result.tokens_per_s - rows[-1].result.tokens_per_s))
@@ -229,16 +228,17 @@ def shared_costs(run: PublishedRun, hardware: str | HardwareProfile, base: Setup
     return out
 
 
-def best_setup(run: PublishedRun, hardware: str | HardwareProfile, *, exact: bool = True,
-               microbatch_factors: tuple[float, ...] = (1, 2, 3), call_factors: tuple[float, ...] = (0.5, 1, 2),
+def best_setup(run: PublishedRun, hardware: str | HardwareProfile, *,
+               microbatch_factors: tuple[float, ...] = (2, 3, 4), call_factors: tuple[float, ...] = (0.5, 1, 2),
                partitions: tuple[str, ...] | None = None, optimizer_steps: int = 3) -> list[SetupResult]:
-    """The options a user can set, searched: partition policy, microbatches, calls per step; with
-    ``exact=False`` also staleness 1 and fp16 with fp16 accumulation. Returns every fitting
-    result, fastest first (the engine's per-call host work as in :func:`our_default`)."""
+    """The exact setups a user can choose, searched: partition policy (the default and ``auto``),
+    microbatches (the default and ``microbatch_factors`` x workers) and calls per optimizer step
+    (``call_factors`` x the workload's, same sequences per step), with the engine's per-call host
+    work as in :func:`our_default`. Returns every fitting result, fastest first."""
     hw = load_hardware(hardware)
     base = our_default(hw)
     nw = hw.num_gpus
-    policies = partitions or tuple(dict.fromkeys((base.partition, "auto", PLANNER)))
+    policies = partitions or tuple(dict.fromkeys((base.partition, "auto")))
     calls0 = run.stale.calls
     results = []
     for calls in sorted({max(1, round(calls0 * f)) for f in call_factors}):
@@ -246,14 +246,17 @@ def best_setup(run: PublishedRun, hardware: str | HardwareProfile, *, exact: boo
             for policy in policies:
                 setup = replace(base, partition=policy, microbatches=m, calls=calls)
                 results.append(simulate_setup(run, hw, setup, optimizer_steps=optimizer_steps))
-    fitting = sorted((r for r in results if r.tokens_per_s > 0), key=lambda r: -r.tokens_per_s)
-    if exact or not fitting:
-        return fitting
-    top = fitting[0].setup
-    extra = [simulate_setup(run, hw, replace(top, staleness=1), optimizer_steps=optimizer_steps),
-             simulate_setup(run, hw, replace(top, staleness=1, precision="fp16-acc", wait_all_grads=True),
-                            optimizer_steps=optimizer_steps)]
-    return sorted(fitting + [r for r in extra if r.tokens_per_s > 0], key=lambda r: -r.tokens_per_s)
+    return sorted((r for r in results if r.tokens_per_s > 0), key=lambda r: -r.tokens_per_s)
+
+
+def inexact_variants(run: PublishedRun, hardware: str | HardwareProfile, setup: Setup, *,
+                     optimizer_steps: int = 3) -> list[SetupResult]:
+    """``setup`` with the inexact options a user may add: staleness 1; and fp16 with fp16
+    accumulation (the host loss scaler then makes the optimizer wait for every gradient)."""
+    hw = load_hardware(hardware)
+    return [simulate_setup(run, hw, replace(setup, staleness=1), optimizer_steps=optimizer_steps),
+            simulate_setup(run, hw, replace(setup, staleness=1, precision="fp16-acc", wait_all_grads=True),
+                           optimizer_steps=optimizer_steps)]
 
 
 def published_run(model: str) -> PublishedRun:
