@@ -158,3 +158,22 @@ def test_waterfall_switches_one_cause_at_a_time_to_our_default():
     # Tasks this small (one 256-token sequence per microbatch) wait for one host's dispatch.
     dispatch = next(r for r in rows if r.cause.startswith("host dispatch"))
     assert dispatch.delta < 0 and dispatch.result.tokens_per_s > 0
+
+
+def test_fused_stage_spread_over_two_workers_runs_its_microbatches_side_by_side():
+    # One fused stage, 3 s per microbatch, free transfers. On one worker 2 microbatches take 6 s;
+    # spread over 2 workers, microbatch 0 on worker 0 and 1 on worker 1 run at once: 3 s, each
+    # worker uploading the weights and sending its own gradient home. 3 microbatches: worker 0
+    # runs 0 and 2 (6 s), worker 1 runs 1. The host adds both gradients (100 B at 50 B/s, 2 s
+    # each, one after the other): backward() returns at 3 + 2 + 2 = 7 s.
+    hw = one_worker().replace(num_gpus=2)
+    assert run(FUSED, 2, hw=hw).step_s == pytest.approx(6.0)
+    spread = run(FUSED, 2, hw=hw, fused_spread=2)
+    assert spread.step_s == pytest.approx(3.0)
+    assert sorted(r.worker for r in spread.timeline if r.kind == "wgrad") == [0, 1]
+    assert sorted(r.worker for r in spread.timeline if r.kind == "weights") == [0, 1]
+    assert [(r.worker, r.microbatch) for r in spread.timeline if r.kind == "fused"] == [(0, 0), (1, 1)]
+    assert run(FUSED, 3, hw=hw, fused_spread=2).step_s == pytest.approx(6.0)
+    assert run(FUSED, 2, hw=hw, fused_spread=2, host_accumulate_bytes_per_s=50.0).step_s == pytest.approx(7.0)
+    with pytest.raises(ValueError, match="fused_spread must be a positive integer"):
+        SimConfig(fused_spread=0)

@@ -36,6 +36,7 @@ Several steps are simulated; the step time is the steady-state period between st
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -117,6 +118,12 @@ class SimConfig:
     # layer's optimizer update waits for its accumulation, and ``backward()`` returns after the
     # last one. None: free.
     host_accumulate_bytes_per_s: float | None = None
+    # Workers the fused last stage's microbatches go to, round-robin (microbatch i to the
+    # stage's worker + i mod ``fused_spread``): each such worker uploads the stage's weights and
+    # sends its own gradient of them home, which the host adds. 1: one worker, as the engine
+    # runs it. A design the engine does not have, for pricing; the extra copies of the weights
+    # are not held to the two-stage slots.
+    fused_spread: int = 1
 
     def __post_init__(self) -> None:
         if self.accumulation < 1:
@@ -135,6 +142,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be None or at least 0, got {value}")
         if not self.host_loss_s >= 0:
             raise ValueError(f"host_loss_s must be at least 0, got {self.host_loss_s}")
+        if isinstance(self.fused_spread, bool) or not isinstance(self.fused_spread, int) or self.fused_spread < 1:
+            raise ValueError(f"fused_spread must be a positive integer, got {self.fused_spread!r}")
         if self.host_accumulate_bytes_per_s is not None and not self.host_accumulate_bytes_per_s > 0:
             raise ValueError(f"host_accumulate_bytes_per_s must be None or positive, got {self.host_accumulate_bytes_per_s}")
 
@@ -252,7 +261,9 @@ class _RoundPipeBuilder:
         losses: list[Op] = []
         backward_done: list[Op] = []
         in_backward = False
-        for t in tasks:
+        spread = _FusedSpread(plan, tasks, self.nw, cfg.fused_spread, m)
+        for original in tasks:
+            t = spread.task(original)
             if t.phase == "backward" and not in_backward:
                 in_backward = True
                 if barriers:
@@ -271,8 +282,8 @@ class _RoundPipeBuilder:
             if t.kind in ("release", "free_kept"):
                 done[t.id] = deps
                 if t.stage in backward_stages:
-                    backward_done.extend(deps)
-                self.history.record(t, deps)
+                    backward_done.extend(deps + spread.extra_wgrads)
+                self.history.record(original, deps)
                 continue
             if t.lane == "upload":
                 if t.kind == "grad_in" and not t.deps and t.boundary == plan.num_layers:
@@ -282,15 +293,21 @@ class _RoundPipeBuilder:
                 priority = t.priority if cfg.upload_order == "stage" else DEFAULT_PRIORITIES[PRIORITY_CLASS[t.kind]]
                 op = Op(w, "upload", t.kind, name, t.microbatch, step, bytes=t.bytes, priority=priority,
                         deps=deps + gate, alloc=[(w, t.bytes)])
+                if t.kind == "weights":
+                    spread.copy_weights(op, self.add)
             elif t.lane == "compute":
-                op = self._compute(t, step, deps, [tasks[d] for d in t.deps], outputs_of.get(t.id, []))
+                op = self._compute(t, step, spread.compute_deps(t, deps), [tasks[d] for d in t.deps],
+                                   outputs_of.get(t.id, []), *spread.first_last(t))
+                spread.computed(t, op)
+            elif t.kind == "wgrad" and spread.spreads(t):
+                op = spread.wgrads(t, deps, step, self.add, wgrads)
             else:
                 free = [(w, t.bytes)] if t.kind != "loss" else []
                 op = Op(w, "download", t.kind, name, t.microbatch, step, bytes=t.bytes, priority=t.priority, deps=deps,
                         free=free)
             self.add(op)
             done[t.id] = [op]
-            self.history.record(t, [op])
+            self.history.record(original, [op])
             if t.kind == "loss":
                 losses.append(op)
             elif t.kind == "wgrad":
@@ -339,7 +356,7 @@ class _RoundPipeBuilder:
         return seconds
 
     def _compute(self, t: GraphTask, step: int, deps: list[Op], inputs: list[GraphTask],
-                 outputs: list[GraphTask]) -> Op:
+                 outputs: list[GraphTask], first: bool, last: bool) -> Op:
         view, a, b, w = self.view, t.start, t.end, t.worker
         transient = view.stage_graph(t.kind, a, b)
         if t.kind == "forward":
@@ -351,10 +368,74 @@ class _RoundPipeBuilder:
         grads_total = view.grads(a, b) if t.kind != "forward" else 0
         out_total = sum(o.bytes for o in outputs)
         in_total = sum(i.bytes for i in inputs if i.kind in ("act_in", "grad_in"))
-        first, last = t.microbatch == 0, t.microbatch == self.m - 1
         alloc = [(w, transient + out_total)] + ([(w, grads_total)] if first and grads_total else [])
         free = [(w, transient + in_total)] + ([(w, view.weights(a, b))] if last else [])
         return Op(w, "compute", t.kind, t.stage, t.microbatch, step, seconds=seconds, deps=deps, alloc=alloc, free=free)
+
+
+class _FusedSpread:
+    """``SimConfig.fused_spread``: the fused stage's microbatches on several workers (see there).
+
+    Rewrites the fused stage's per-microbatch tasks onto their workers, copies its weight
+    uploads to the extra workers, points each compute at its worker's copy, and gives every
+    extra worker its own gradient download after its last microbatch.
+    """
+
+    def __init__(self, plan: Plan, tasks: list[GraphTask], num_workers: int, k: int, microbatches: int) -> None:
+        self.stage = plan.fused_stage if k > 1 else None
+        self.k, self.m = min(k, num_workers), microbatches
+        home = next((t.worker for t in tasks if t.stage == self.stage), 0)
+        self.workers = [(home + j) % num_workers for j in range(self.k)]
+        self.copies: dict[int, list[Op]] = {}  # id of a weights op on the home worker -> its copies
+        self.last: dict[int, Op] = {}  # worker -> its last fused compute
+        self.extra_wgrads: list[Op] = []
+
+    def spreads(self, t: GraphTask) -> bool:
+        return self.stage is not None and t.stage == self.stage
+
+    def task(self, t: GraphTask) -> GraphTask:
+        if self.spreads(t) and t.microbatch >= 0:
+            return dataclasses.replace(t, worker=self.workers[t.microbatch % self.k])
+        return t
+
+    def copy_weights(self, op: Op, add) -> None:
+        if not self.spreads_op(op):
+            return
+        self.copies[id(op)] = [add(Op(w, "upload", op.kind, op.stage, -1, op.step, bytes=op.bytes, priority=op.priority,
+                                      deps=list(op.deps), alloc=[(w, op.bytes)])) for w in self.workers[1:]]
+
+    def spreads_op(self, op: Op) -> bool:
+        return self.stage is not None and op.stage == self.stage
+
+    def compute_deps(self, t: GraphTask, deps: list[Op]) -> list[Op]:
+        if not self.spreads(t) or t.worker == self.workers[0]:
+            return deps
+        j = self.workers.index(t.worker) - 1
+        return [self.copies[id(d)][j] if id(d) in self.copies else d for d in deps]
+
+    def first_last(self, t: GraphTask) -> tuple[bool, bool]:
+        """Whether ``t`` is the first / last microbatch its worker runs of its stage."""
+        if not self.spreads(t):
+            return t.microbatch == 0, t.microbatch == self.m - 1
+        return t.microbatch < self.k, t.microbatch + self.k >= self.m
+
+    def computed(self, t: GraphTask, op: Op) -> None:
+        if self.spreads(t):
+            self.last[t.worker] = op
+
+    def wgrads(self, t: GraphTask, deps: list[Op], step: int, add, out: list[tuple[int, Op]]) -> Op:
+        """The home worker's gradient download (returned) and one per extra worker (added to ``out``)."""
+        lasts = set(map(id, self.last.values()))
+        others = [d for d in deps if id(d) not in lasts]
+        home = Op(t.worker, "download", t.kind, t.stage, -1, step, bytes=t.bytes, priority=t.priority,
+                  deps=others + [self.last[self.workers[0]]], free=[(t.worker, t.bytes)])
+        for w in self.workers[1:]:
+            if w in self.last:
+                extra = add(Op(w, "download", t.kind, t.stage, -1, step, bytes=t.bytes, priority=t.priority,
+                               deps=others + [self.last[w]], free=[(w, t.bytes)]))
+                self.extra_wgrads.append(extra)
+                out.append((t.layers[0], extra))
+        return home
 
 
 def add_optimizer(sim: EventSimulator, wgrads: dict[int, list[Op]], view: CostView, hardware: HardwareProfile,
