@@ -110,7 +110,12 @@ def default_microbatches(num_workers: int) -> int:
     from ..options import RuntimeOptions
 
     value = RuntimeOptions().microbatches
-    return int(value) if value is not None else num_workers + 1
+    if value is None:
+        return num_workers + 1
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"RuntimeOptions().microbatches defaults to {value!r}: teach sim/own_engine.default_microbatches "
+                     f"how the engine turns that into a count")
 
 
 def default_partition() -> str:

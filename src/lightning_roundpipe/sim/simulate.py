@@ -119,7 +119,8 @@ class SimConfig:
     # last one. None: free.
     host_accumulate_bytes_per_s: float | None = None
     # Workers the fused last stage's microbatches go to, round-robin (microbatch i to the
-    # stage's worker + i mod ``fused_spread``): each such worker uploads the stage's weights and
+    # stage's worker - i mod ``fused_spread``, i.e. the workers of the stages just before it, in
+    # their compute order): each such worker uploads the stage's weights and
     # sends its own gradient of them home, which the host adds. 1: one worker, as the engine
     # runs it. A design the engine does not have, for pricing; the extra copies of the weights
     # are not held to the two-stage slots.
@@ -385,7 +386,7 @@ class _FusedSpread:
         self.stage = plan.fused_stage if k > 1 else None
         self.k, self.m = min(k, num_workers), microbatches
         home = next((t.worker for t in tasks if t.stage == self.stage), 0)
-        self.workers = [(home + j) % num_workers for j in range(self.k)]
+        self.workers = [(home - j) % num_workers for j in range(self.k)]
         self.copies: dict[int, list[Op]] = {}  # id of a weights op on the home worker -> its copies
         self.last: dict[int, Op] = {}  # worker -> its last fused compute
         self.extra_wgrads: list[Op] = []
