@@ -274,7 +274,7 @@ class _RoundPipeBuilder:
                     gate = [self.add(Op(HOST, MAIN_QUEUE, "loss", "", -1, step, seconds=cfg.host_loss_s,
                                         deps=outs + self._main_last()))]
             deps = [op for d in t.deps for op in done[d]]
-            deps += [op for ops in self.history.resolve(t) for op in ops]
+            deps += [op for ops in self.history.resolve(original) for op in ops]
             host_s = self._host_submit_s(t)
             if host_s > 0:
                 self.submitted = submission(self.sim, self.submitted, gate, host_s, t, step)
