@@ -39,9 +39,10 @@ from .workload import PUBLISHED_RUNS, PublishedRun, Workload, optimizer_step_per
 
 # Measured ratio of one host Adam step to the engine's gradient accumulation (cast to fp32,
 # multiply by the loss scale, add into .grad), per parameter, side by side on one CPU:
-# `python -m benchmarks.host_accumulate_cost` printed adam / cast-scale-add = 1.25 (16M
-# parameters, 2 torch threads, best of 7). Both are memory-bound, so the ratio carries over to a
-# server whose host Adam rate the profile gives.
+# `python -m benchmarks.host_accumulate_cost` printed adam / cast-scale-add = 1.25, 1.99 and 2.35
+# in three runs (16M parameters, 2 torch threads, best of 7, load average ~7); the lowest is taken,
+# so the accumulation's simulated cost is an upper bound. Both are memory-bound, so the ratio
+# carries over to a server whose host Adam rate the profile gives.
 ADAM_PER_ACCUMULATE = 1.25
 GRAD_BYTES = 2  # bf16 / fp16 gradients come home in the compute dtype
 PLANNER = "planner"  # plan from the planner's candidates, timed by the simulator (fit.best_plan)
