@@ -36,6 +36,7 @@ Several steps are simulated; the step time is the steady-state period between st
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -98,6 +99,32 @@ class SimConfig:
     # One-step-stale optimizer (the reference RoundPipe's default): the uploads of optimizer step
     # k + 1 use the weights of step k - 1, so they wait for the update two steps back, not one.
     stale_optimizer: bool = False
+    # Host time per submitted task, instead of the hardware profile's ``dispatch_s`` (None: the
+    # profile's). One Python process submits every task of every worker, one after another.
+    dispatch_s: float | None = None
+    # Host time per kernel launch, instead of the profile's ``launch_s`` (None: the profile's; 0:
+    # launches cost the host nothing).
+    launch_s: float | None = None
+    # With ``host_barriers``: the next call is dispatched only once this call's ``backward()`` has
+    # returned (True, the engine under autograd). False keeps the forward/backward barrier but lets
+    # the next call's tasks be submitted right after this call's: an asynchronous ``backward()``.
+    call_barrier: bool = True
+    # With ``host_barriers``: seconds the host's main thread spends on the loss of a call. Without a
+    # fused last stage, computing it from the outputs (between the last output home and the
+    # backward dispatch); with one, summing the loss scalars (before ``backward()`` returns).
+    host_loss_s: float = 0.0
+    # With ``host_barriers``: downloaded gradient bytes per second the main thread adds into the
+    # fp32 ``.grad`` (the engine's ``backward()`` does it stage by stage, in dispatch order). A
+    # layer's optimizer update waits for its accumulation, and ``backward()`` returns after the
+    # last one. None: free.
+    host_accumulate_bytes_per_s: float | None = None
+    # Workers the fused last stage's microbatches go to, round-robin (microbatch i to the
+    # stage's worker - i mod ``fused_spread``, i.e. the workers of the stages just before it, in
+    # their compute order): each such worker uploads the stage's weights and
+    # sends its own gradient of them home, which the host adds. 1: one worker, as the engine
+    # runs it. A design the engine does not have, for pricing; the extra copies of the weights
+    # are not held to the two-stage slots.
+    fused_spread: int = 1
 
     def __post_init__(self) -> None:
         if self.accumulation < 1:
@@ -110,6 +137,16 @@ class SimConfig:
             raise ValueError(f"optimizer_order must be 'arrival' or 'layer', got {self.optimizer_order!r}")
         if self.upload_order not in ("stage", "kind"):
             raise ValueError(f"upload_order must be 'stage' or 'kind', got {self.upload_order!r}")
+        for name in ("dispatch_s", "launch_s"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} must be None or at least 0, got {value}")
+        if not self.host_loss_s >= 0:
+            raise ValueError(f"host_loss_s must be at least 0, got {self.host_loss_s}")
+        if isinstance(self.fused_spread, bool) or not isinstance(self.fused_spread, int) or self.fused_spread < 1:
+            raise ValueError(f"fused_spread must be a positive integer, got {self.fused_spread!r}")
+        if self.host_accumulate_bytes_per_s is not None and not self.host_accumulate_bytes_per_s > 0:
+            raise ValueError(f"host_accumulate_bytes_per_s must be None or positive, got {self.host_accumulate_bytes_per_s}")
 
     def optimizer_priority(self, layer: int) -> int:
         """Host-queue priority of a layer's optimizer update (lower runs first among ready ones)."""
@@ -190,7 +227,8 @@ class _RoundPipeBuilder:
 
     def __init__(self, sim: EventSimulator, plan: Plan, view: CostView, hardware: HardwareProfile,
                  microbatches: int, num_workers: int, config: SimConfig) -> None:
-        self.sim, self.plan, self.view, self.hw = sim, plan, view, hardware
+        overrides = {name: getattr(config, name) for name in ("dispatch_s", "launch_s") if getattr(config, name) is not None}
+        self.sim, self.plan, self.view, self.hw = sim, plan, view, hardware.replace(**overrides)
         self.m, self.nw, self.cfg = microbatches, num_workers, config
         self.sizes = CostSizes(view)
         self.history: WorkerHistory[list[Op]] = WorkerHistory(num_workers)
@@ -219,21 +257,24 @@ class _RoundPipeBuilder:
         backward_stages = {t.stage for t in tasks if t.kind in ("fused", "backward")}
         host_output = {t.microbatch: t.id for t in tasks if t.kind == "act_out" and t.boundary == plan.num_layers}
         barriers = cfg.host_barriers
-        gate = [self.step_done] if barriers and self.step_done is not None else []
+        gate = [self.step_done] if barriers and cfg.call_barrier and self.step_done is not None else []
         wgrads: list[tuple[int, Op]] = []
         losses: list[Op] = []
         backward_done: list[Op] = []
         in_backward = False
-        for t in tasks:
+        spread = _FusedSpread(plan, tasks, self.nw, cfg.fused_spread, m)
+        for original in tasks:
+            t = spread.task(original)
             if t.phase == "backward" and not in_backward:
                 in_backward = True
                 if barriers:
                     # The host has the loss once every microbatch's output is home; loss.backward()
                     # then submits the backward phase.
                     outs = [op for i in sorted(host_output) for op in done[host_output[i]]]
-                    gate = [self.add(Op(HOST, MAIN_QUEUE, "loss", "", -1, step, deps=outs))]
+                    gate = [self.add(Op(HOST, MAIN_QUEUE, "loss", "", -1, step, seconds=cfg.host_loss_s,
+                                        deps=outs + self._main_last()))]
             deps = [op for d in t.deps for op in done[d]]
-            deps += [op for ops in self.history.resolve(t) for op in ops]
+            deps += [op for ops in self.history.resolve(original) for op in ops]
             host_s = self._host_submit_s(t)
             if host_s > 0:
                 self.submitted = submission(self.sim, self.submitted, gate, host_s, t, step)
@@ -242,8 +283,8 @@ class _RoundPipeBuilder:
             if t.kind in ("release", "free_kept"):
                 done[t.id] = deps
                 if t.stage in backward_stages:
-                    backward_done.extend(deps)
-                self.history.record(t, deps)
+                    backward_done.extend(deps + spread.extra_wgrads)
+                self.history.record(original, deps)
                 continue
             if t.lane == "upload":
                 if t.kind == "grad_in" and not t.deps and t.boundary == plan.num_layers:
@@ -253,25 +294,54 @@ class _RoundPipeBuilder:
                 priority = t.priority if cfg.upload_order == "stage" else DEFAULT_PRIORITIES[PRIORITY_CLASS[t.kind]]
                 op = Op(w, "upload", t.kind, name, t.microbatch, step, bytes=t.bytes, priority=priority,
                         deps=deps + gate, alloc=[(w, t.bytes)])
+                if t.kind == "weights":
+                    spread.copy_weights(op, self.add)
             elif t.lane == "compute":
-                op = self._compute(t, step, deps, [tasks[d] for d in t.deps], outputs_of.get(t.id, []))
+                op = self._compute(t, step, spread.compute_deps(t, deps), [tasks[d] for d in t.deps],
+                                   outputs_of.get(t.id, []), *spread.first_last(t))
+                spread.computed(t, op)
+            elif t.kind == "wgrad" and spread.spreads(t):
+                op = spread.wgrads(t, deps, step, self.add, wgrads)
             else:
                 free = [(w, t.bytes)] if t.kind != "loss" else []
                 op = Op(w, "download", t.kind, name, t.microbatch, step, bytes=t.bytes, priority=t.priority, deps=deps,
                         free=free)
             self.add(op)
             done[t.id] = [op]
-            self.history.record(t, [op])
+            self.history.record(original, [op])
             if t.kind == "loss":
                 losses.append(op)
             elif t.kind == "wgrad":
                 wgrads.append((t.layers[0], op))
         if barriers:
+            main = self._main_last()
+            if plan.fused_last and (cfg.host_loss_s > 0 or cfg.host_accumulate_bytes_per_s):
+                # fused: the host sums the loss scalars, in microbatch order, before backward() runs
+                main = [self.add(Op(HOST, MAIN_QUEUE, "loss", "", -1, step, seconds=cfg.host_loss_s,
+                                    deps=losses + main))]
+            if cfg.host_accumulate_bytes_per_s:
+                wgrads = self._accumulate(wgrads, main, step)
+                main = [wgrads[-1][1]] if wgrads else main
             # backward() returns once the host has the loss and every stage's weight gradients are
-            # home; the next step's forward is submitted after that (the optimizer's per-layer
-            # updates still overlap it).
-            self.step_done = self.add(Op(HOST, MAIN_QUEUE, "step", "", -1, step, deps=backward_done + losses))
+            # home (and, when priced, added into .grad); the next step's forward is submitted after
+            # that (the optimizer's per-layer updates still overlap it).
+            self.step_done = self.add(Op(HOST, MAIN_QUEUE, "step", "", -1, step, deps=backward_done + losses + main))
         self.calls.add_call(wgrads, step)
+
+    def _main_last(self) -> list[Op]:
+        """The host main thread's last operation so far (its work runs one after another)."""
+        return [self.submitted] if self.submitted is not None else []
+
+    def _accumulate(self, wgrads: list[tuple[int, Op]], after: list[Op], step: int) -> list[tuple[int, Op]]:
+        """The main thread adding each downloaded gradient into ``.grad``, in dispatch order, after
+        ``after``; returns (layer, accumulation) pairs, what each layer's optimizer update waits for."""
+        rate, out = self.cfg.host_accumulate_bytes_per_s, []
+        for layer, download in wgrads:
+            acc = self.add(Op(HOST, MAIN_QUEUE, "accumulate", f"L{layer}", -1, step, seconds=download.bytes / rate,
+                              deps=[download] + after))
+            out.append((layer, acc))
+            after = [acc]
+        return out
 
     def _host_submit_s(self, t: GraphTask) -> float:
         """Host time to submit ``t``: ``dispatch_s``, plus for a compute task the launches of its
@@ -287,7 +357,7 @@ class _RoundPipeBuilder:
         return seconds
 
     def _compute(self, t: GraphTask, step: int, deps: list[Op], inputs: list[GraphTask],
-                 outputs: list[GraphTask]) -> Op:
+                 outputs: list[GraphTask], first: bool, last: bool) -> Op:
         view, a, b, w = self.view, t.start, t.end, t.worker
         transient = view.stage_graph(t.kind, a, b)
         if t.kind == "forward":
@@ -299,10 +369,74 @@ class _RoundPipeBuilder:
         grads_total = view.grads(a, b) if t.kind != "forward" else 0
         out_total = sum(o.bytes for o in outputs)
         in_total = sum(i.bytes for i in inputs if i.kind in ("act_in", "grad_in"))
-        first, last = t.microbatch == 0, t.microbatch == self.m - 1
         alloc = [(w, transient + out_total)] + ([(w, grads_total)] if first and grads_total else [])
         free = [(w, transient + in_total)] + ([(w, view.weights(a, b))] if last else [])
         return Op(w, "compute", t.kind, t.stage, t.microbatch, step, seconds=seconds, deps=deps, alloc=alloc, free=free)
+
+
+class _FusedSpread:
+    """``SimConfig.fused_spread``: the fused stage's microbatches on several workers (see there).
+
+    Rewrites the fused stage's per-microbatch tasks onto their workers, copies its weight
+    uploads to the extra workers, points each compute at its worker's copy, and gives every
+    extra worker its own gradient download after its last microbatch.
+    """
+
+    def __init__(self, plan: Plan, tasks: list[GraphTask], num_workers: int, k: int, microbatches: int) -> None:
+        self.stage = plan.fused_stage if k > 1 else None
+        self.k, self.m = min(k, num_workers), microbatches
+        home = next((t.worker for t in tasks if t.stage == self.stage), 0)
+        self.workers = [(home - j) % num_workers for j in range(self.k)]
+        self.copies: dict[int, list[Op]] = {}  # id of a weights op on the home worker -> its copies
+        self.last: dict[int, Op] = {}  # worker -> its last fused compute
+        self.extra_wgrads: list[Op] = []
+
+    def spreads(self, t: GraphTask) -> bool:
+        return self.stage is not None and t.stage == self.stage
+
+    def task(self, t: GraphTask) -> GraphTask:
+        if self.spreads(t) and t.microbatch >= 0:
+            return dataclasses.replace(t, worker=self.workers[t.microbatch % self.k])
+        return t
+
+    def copy_weights(self, op: Op, add) -> None:
+        if not self.spreads_op(op):
+            return
+        self.copies[id(op)] = [add(Op(w, "upload", op.kind, op.stage, -1, op.step, bytes=op.bytes, priority=op.priority,
+                                      deps=list(op.deps), alloc=[(w, op.bytes)])) for w in self.workers[1:]]
+
+    def spreads_op(self, op: Op) -> bool:
+        return self.stage is not None and op.stage == self.stage
+
+    def compute_deps(self, t: GraphTask, deps: list[Op]) -> list[Op]:
+        if not self.spreads(t) or t.worker == self.workers[0]:
+            return deps
+        j = self.workers.index(t.worker) - 1
+        return [self.copies[id(d)][j] if id(d) in self.copies else d for d in deps]
+
+    def first_last(self, t: GraphTask) -> tuple[bool, bool]:
+        """Whether ``t`` is the first / last microbatch its worker runs of its stage."""
+        if not self.spreads(t):
+            return t.microbatch == 0, t.microbatch == self.m - 1
+        return t.microbatch < self.k, t.microbatch + self.k >= self.m
+
+    def computed(self, t: GraphTask, op: Op) -> None:
+        if self.spreads(t):
+            self.last[t.worker] = op
+
+    def wgrads(self, t: GraphTask, deps: list[Op], step: int, add, out: list[tuple[int, Op]]) -> Op:
+        """The home worker's gradient download (returned) and one per extra worker (added to ``out``)."""
+        lasts = set(map(id, self.last.values()))
+        others = [d for d in deps if id(d) not in lasts]
+        home = Op(t.worker, "download", t.kind, t.stage, -1, step, bytes=t.bytes, priority=t.priority,
+                  deps=others + [self.last[self.workers[0]]], free=[(t.worker, t.bytes)])
+        for w in self.workers[1:]:
+            if w in self.last:
+                extra = add(Op(w, "download", t.kind, t.stage, -1, step, bytes=t.bytes, priority=t.priority,
+                               deps=others + [self.last[w]], free=[(w, t.bytes)]))
+                self.extra_wgrads.append(extra)
+                out.append((t.layers[0], extra))
+        return home
 
 
 def add_optimizer(sim: EventSimulator, wgrads: dict[int, list[Op]], view: CostView, hardware: HardwareProfile,

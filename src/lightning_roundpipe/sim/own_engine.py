@@ -1,0 +1,317 @@
+"""This project's engine on the reference benchmark's workload, and where it differs from the reference.
+
+The published RoundPipe measurements (:data:`~lightning_roundpipe.sim.workload.PUBLISHED_RUNS`)
+ran the reference implementation with its own choices: fp16 with fp16 accumulation in matmuls,
+a one-step-stale optimizer, its partitioner, 10 microbatches per call. This engine, on the same
+sequences per optimizer step and the same calls, runs by default:
+
+- bf16-mixed: matmuls at the fp32-accumulate tensor rate;
+- the exact overlapped optimizer (staleness 0): each layer steps on the host as soon as its
+  gradients of the step's last call are added, and the next forward's upload of a layer waits
+  for that layer's update;
+- its own partition policy and microbatch count (:class:`~lightning_roundpipe.options.RuntimeOptions`
+  defaults, read when this runs);
+- what one Python process does per call: it submits every task of every worker
+  (``dispatch_s``, the CPU backend's measured figure), issues the kernels (the profile's
+  ``launch_s``), sums the fused stage's loss scalars, adds every downloaded gradient into the
+  fp32 ``.grad`` on its main thread (``host_accumulate_bytes_per_s``), and dispatches the next
+  call only once ``backward()`` has returned.
+
+A :class:`Setup` holds one such way to run; :func:`waterfall` changes one cause at a time from
+the reference's setup to this engine's default, simulating each, so every difference in tokens/s
+has a name and a share; :func:`best_setup` searches the options a user can set. All numbers are
+simulated, with whatever hardware profile is present (``benchmarks/own_engine_reference.py``
+prints them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..cost.memory import roundpipe_gpu_bytes
+from ..cost.transformer import get_model_shape, shape_layer_costs
+from ..planning.fit import DEFAULT_MEMORY_FRACTION, best_plan
+from ..planning.partition import partition
+from ..schedule.plan import Plan, PlanError
+from .hardware import HardwareProfile, load_hardware
+from .simulate import SimConfig, SimResult, simulate_roundpipe
+from .workload import PUBLISHED_RUNS, PublishedRun, Workload, optimizer_step_period
+
+# Measured ratio of one host Adam step to the engine's gradient accumulation (cast to fp32,
+# multiply by the loss scale, add into .grad), per parameter, side by side on one CPU:
+# `python -m benchmarks.host_accumulate_cost` printed adam / cast-scale-add = 1.25, 1.99 and 2.35
+# in three runs (16M parameters, 2 torch threads, best of 7, load average ~7); the lowest is taken,
+# so the accumulation's simulated cost is an upper bound. Both are memory-bound, so the ratio
+# carries over to a server whose host Adam rate the profile gives.
+ADAM_PER_ACCUMULATE = 1.25
+GRAD_BYTES = 2  # bf16 / fp16 gradients come home in the compute dtype
+PLANNER = "planner"  # plan from the planner's candidates, timed by the simulator (fit.best_plan)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One way to run a workload: the options a user sets and the host work the engine does per call.
+
+    ``microbatches`` / ``calls`` None: the workload's (the reference's) counts. ``partition``: a
+    policy of :func:`~lightning_roundpipe.planning.partition.partition` or ``"planner"``.
+    ``precision``: ``"fp16-acc"`` (fp16 with ``allow_fp16_accumulation``: matmuls at the
+    fp16-accumulate rate) or ``"bf16-mixed"`` (fp32-accumulate rate). ``staleness``: 0 exact, 1
+    one step stale. ``wait_all_grads``: the optimizer starts only when every gradient of the step
+    is home (this engine's host loss scaler under fp16 checks them all for overflow first).
+    ``dispatch_s`` / ``launch_s``: host seconds per task / kernel launch (None: the profile's).
+    ``host_accumulate_bytes_per_s``, ``host_loss_s``, ``call_barrier``, ``fused_spread``: see
+    :class:`~lightning_roundpipe.sim.simulate.SimConfig`.
+    """
+
+    precision: str = "fp16-acc"
+    staleness: int = 1
+    partition: str = PLANNER
+    microbatches: int | None = None
+    calls: int | None = None
+    loss_chunk_tokens: int = 2048
+    wait_all_grads: bool = False
+    dispatch_s: float | None = None
+    launch_s: float | None = None
+    host_accumulate_bytes_per_s: float | None = None
+    host_loss_s: float = 0.0
+    call_barrier: bool = True
+    fused_spread: int = 1
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("fp16-acc", "bf16-mixed"):
+            raise ValueError(f"precision must be 'fp16-acc' or 'bf16-mixed', got {self.precision!r}")
+        if self.staleness not in (0, 1):
+            raise ValueError(f"staleness must be 0 or 1, got {self.staleness!r}")
+
+    def sim_config(self, workload: Workload, optimizer_steps: int) -> SimConfig:
+        """The workload's simulator options (as the reference rows get them), with this setup's."""
+        return replace(workload.sim_config(optimizer_steps), stale_optimizer=self.staleness == 1,
+                       optimizer_barrier=False, clip_grad_norm=self.wait_all_grads, dispatch_s=self.dispatch_s,
+                       launch_s=self.launch_s, host_accumulate_bytes_per_s=self.host_accumulate_bytes_per_s,
+                       host_loss_s=self.host_loss_s, call_barrier=self.call_barrier, fused_spread=self.fused_spread)
+
+
+@dataclass
+class SetupResult:
+    """A simulated setup: tokens/s over optimizer steps, or why it does not run."""
+
+    setup: Setup
+    microbatches: int
+    calls: int
+    tokens_per_s: float  # 0 when it does not fit
+    bubble: float = 0.0
+    plan: Plan | None = None
+    gpu_bytes: int = 0  # the planner's per-worker bound of the busiest worker
+    refused: str = ""  # why it does not run (memory), else ""
+    call: SimResult | None = None
+
+
+def default_microbatches(num_workers: int) -> int:
+    """This engine's default microbatch count (``RuntimeOptions().microbatches``; None: workers + 1)."""
+    from ..options import RuntimeOptions
+
+    value = RuntimeOptions().microbatches
+    if value is None:
+        return num_workers + 1
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"RuntimeOptions().microbatches defaults to {value!r}: teach sim/own_engine.default_microbatches "
+                     f"how the engine turns that into a count")
+
+
+def default_partition() -> str:
+    """This engine's default partition policy (``PartitionConfig().policy``)."""
+    from ..options import PartitionConfig
+
+    return PartitionConfig().policy
+
+
+def host_accumulate_rate(hardware: HardwareProfile) -> float:
+    """Gradient bytes per second the main thread adds into ``.grad`` on ``hardware``'s host:
+    the profile's Adam rate times the measured :data:`ADAM_PER_ACCUMULATE`, in bf16 bytes."""
+    return hardware.cpu_optimizer_params_per_s * ADAM_PER_ACCUMULATE * GRAD_BYTES
+
+
+def dispatch_figure() -> float:
+    """Host seconds per submitted task measured on the CPU backend (``sim/profiles/cpu2.yaml``)."""
+    return load_hardware("cpu2").dispatch_s
+
+
+def our_default(hardware: HardwareProfile) -> Setup:
+    """This engine's default configuration and per-call host work on ``hardware``."""
+    nw = hardware.num_gpus
+    return Setup(precision="bf16-mixed", staleness=0, partition=default_partition(),
+                 microbatches=default_microbatches(nw), loss_chunk_tokens=1024, dispatch_s=dispatch_figure(),
+                 host_accumulate_bytes_per_s=host_accumulate_rate(hardware))
+
+
+def choose_plan(setup: Setup, costs, hardware: HardwareProfile, microbatches: int) -> Plan:
+    """The plan ``setup.partition`` gives (raises PlanError when it does not fit the GPU)."""
+    budget = int(hardware.gpu_memory_bytes * DEFAULT_MEMORY_FRACTION)
+    if setup.partition == PLANNER:
+        choice = best_plan(costs, hardware, [microbatches], fused_last=True)
+        if choice is None:
+            raise PlanError("no candidate plan fits the GPU memory")
+        return choice.plan
+    return partition(setup.partition, costs, hardware.num_gpus, microbatches, memory_budget_bytes=budget,
+                     link_bytes_per_second=hardware.host_device_bytes_per_s, fused_last=True)
+
+
+def simulate_setup(run: PublishedRun, hardware: str | HardwareProfile, setup: Setup, *,
+                   optimizer_steps: int = 3, seq_len: int | None = None) -> SetupResult:
+    """Simulate ``setup`` on the stale-optimizer workload of ``run`` (its sequences per step)."""
+    hw = load_hardware(hardware)
+    work = run.stale
+    m = setup.microbatches or work.microbatches
+    calls = setup.calls or work.calls
+    seq_len = seq_len or work.seq_len
+    per_microbatch = work.sequences_per_step / (calls * m)
+    costs = shape_layer_costs(get_model_shape(run.model), hw, seq_len, per_microbatch,
+                              loss_chunk_tokens=setup.loss_chunk_tokens,
+                              fp16_accumulation=setup.precision == "fp16-acc")
+    try:
+        plan = choose_plan(setup, costs, hw, m)
+    except (PlanError, ValueError) as err:
+        return SetupResult(setup, m, calls, 0.0, refused=str(err).splitlines()[0])
+    need = max(roundpipe_gpu_bytes(plan, costs, hw.num_gpus))
+    if need > hw.gpu_memory_bytes * DEFAULT_MEMORY_FRACTION:
+        return SetupResult(setup, m, calls, 0.0, plan=plan, gpu_bytes=need,
+                           refused=f"needs {need / 2**30:.1f} GiB per GPU")
+    workload = replace(work, microbatches=m, calls=calls, optimizer="stale")
+    result = simulate_roundpipe(plan, costs, hw, m, config=setup.sim_config(workload, optimizer_steps))
+    period = optimizer_step_period(result, calls)
+    return SetupResult(setup, m, calls, work.sequences_per_step * seq_len / period, result.bubble_fraction, plan,
+                       need, call=result)
+
+
+@dataclass
+class Step:
+    """One row of a waterfall: the cause switched, and the tokens/s after it."""
+
+    cause: str
+    result: SetupResult
+    delta: float  # tokens/s change from the row before
+
+
+def causes(hardware: HardwareProfile, reference_microbatches: int = 10) -> list[tuple[str, dict]]:
+    """The switches from the reference's setup to this engine's default, in waterfall order.
+
+    The partition policy goes last: a policy that cannot meet the memory budget refuses the run,
+    and every cause before it still gets its share."""
+    ours, ref = our_default(hardware), Setup()
+    return [
+        ("precision: bf16-mixed (fp32-accumulate matmuls) for fp16 with fp16 accumulation", dict(precision=ours.precision)),
+        ("optimizer: exact (staleness 0) for one step stale", dict(staleness=ours.staleness)),
+        (f"microbatches: {ours.microbatches} (the default) for {reference_microbatches}", dict(microbatches=ours.microbatches)),
+        (f"loss chunk: {ours.loss_chunk_tokens} tokens for {ref.loss_chunk_tokens}", dict(loss_chunk_tokens=ours.loss_chunk_tokens)),
+        (f"host dispatch: {ours.dispatch_s * 1e6:.0f} us per task (CPU backend, measured)", dict(dispatch_s=ours.dispatch_s)),
+        (f"host gradient accumulation on the main thread ({ours.host_accumulate_bytes_per_s / 1e9:.1f} GB/s)",
+         dict(host_accumulate_bytes_per_s=ours.host_accumulate_bytes_per_s)),
+        (f"partition: '{ours.partition}' policy for the planner's plan", dict(partition=ours.partition)),
+    ]
+
+
+def waterfall(run: PublishedRun, hardware: str | HardwareProfile, *, optimizer_steps: int = 3) -> list[Step]:
+    """From the reference's setup to this engine's default, one cause at a time (all simulated)."""
+    hw = load_hardware(hardware)
+    setup = Setup()
+    rows = [Step("reference setup (as benchmarks.published_gpu)", simulate_setup(run, hw, setup,
+                                                                               optimizer_steps=optimizer_steps), 0.0)]
+    for cause, change in causes(hw, run.stale.microbatches):
+        setup = replace(setup, **change)
+        result = simulate_setup(run, hw, setup, optimizer_steps=optimizer_steps)
+        rows.append(Step(cause, result, result.tokens_per_s - rows[-1].result.tokens_per_s))
+    return rows
+
+
+def shared_costs(run: PublishedRun, hardware: str | HardwareProfile, base: Setup, *,
+                 optimizer_steps: int = 3) -> list[tuple[str, SetupResult]]:
+    """What ``base`` would reach without mechanisms both designs pay in the simulation, one at a time,
+    and with the two engine changes that would remove the largest of them."""
+    hw = load_hardware(hardware)
+    out = []
+    for name, change in (("without kernel launch cost", dict(launch_s=0.0)),
+                         ("next call dispatched before backward() returns", dict(call_barrier=False)),
+                         ("fused last stage spread over 2 workers", dict(fused_spread=2)),
+                         ("both changes", dict(call_barrier=False, fused_spread=2))):
+        out.append((name, simulate_setup(run, hw, replace(base, **change), optimizer_steps=optimizer_steps)))
+    return out
+
+
+def best_setup(run: PublishedRun, hardware: str | HardwareProfile, *,
+               microbatch_factors: tuple[float, ...] = (2, 3, 4), call_factors: tuple[float, ...] = (0.5, 1, 2),
+               partitions: tuple[str, ...] | None = None, optimizer_steps: int = 3) -> list[SetupResult]:
+    """The exact setups a user can choose, searched: partition policy (the default and ``auto``),
+    microbatches (the default and ``microbatch_factors`` x workers) and calls per optimizer step
+    (``call_factors`` x the workload's, same sequences per step), with the engine's per-call host
+    work as in :func:`our_default`. Returns every fitting result, fastest first."""
+    hw = load_hardware(hardware)
+    base = our_default(hw)
+    nw = hw.num_gpus
+    policies = partitions or tuple(dict.fromkeys((base.partition, "auto")))
+    calls0 = run.stale.calls
+    results = []
+    for calls in sorted({max(1, round(calls0 * f)) for f in call_factors}):
+        for m in sorted({max(1, round(nw * f)) for f in microbatch_factors} | {base.microbatches}):
+            for policy in policies:
+                setup = replace(base, partition=policy, microbatches=m, calls=calls)
+                results.append(simulate_setup(run, hw, setup, optimizer_steps=optimizer_steps))
+    return sorted((r for r in results if r.tokens_per_s > 0), key=lambda r: -r.tokens_per_s)
+
+
+def inexact_variants(run: PublishedRun, hardware: str | HardwareProfile, setup: Setup, *,
+                     optimizer_steps: int = 3) -> list[SetupResult]:
+    """``setup`` with the inexact options a user may add: staleness 1; and fp16 with fp16
+    accumulation (the host loss scaler then makes the optimizer wait for every gradient)."""
+    hw = load_hardware(hardware)
+    return [simulate_setup(run, hw, replace(setup, staleness=1), optimizer_steps=optimizer_steps),
+            simulate_setup(run, hw, replace(setup, staleness=1, precision="fp16-acc", wait_all_grads=True),
+                           optimizer_steps=optimizer_steps)]
+
+
+def published_run(model: str) -> PublishedRun:
+    for run in PUBLISHED_RUNS:
+        if run.model == model:
+            return run
+    raise KeyError(f"no published run for {model!r}; runs: {[r.model for r in PUBLISHED_RUNS]}")
+
+
+def tasks_per_compute(plan: Plan, costs, num_workers: int, microbatches: int) -> float:
+    """Tasks the engine submits per compute task for one call of ``plan`` (from the lowering)."""
+    from ..cost.view import CostView
+    from ..schedule.lowering import LoweringOptions, lower
+    from .simulate import CostSizes
+
+    graph = lower(plan, num_workers, 0, CostSizes(CostView(costs)),
+                  LoweringOptions(microbatches=microbatches, fused=plan.fused_last))
+    return len(graph) / sum(1 for t in graph if t.lane == "compute")
+
+
+def host_limit_tokens(plan: Plan, costs, hardware: HardwareProfile, dispatch_s: float, tasks_per_compute: float,
+                      num_workers: int | None = None) -> float:
+    """Tokens per microbatch below which one host process cannot keep the workers busy.
+
+    Per microbatch the host submits ``tasks_per_compute`` tasks for each of the plan's compute
+    tasks (``dispatch_s`` each) and issues each compute task's kernels
+    (:meth:`~lightning_roundpipe.sim.hardware.HardwareProfile.launch_seconds` of its decoder
+    layers); the workers together compute the microbatch's stages in their total time over
+    ``num_workers``. The host is the limit when its time exceeds theirs:
+    ``tokens < num_workers * host_s / device_s_per_token``, with ``costs`` timed for
+    ``costs.tokens_per_microbatch`` tokens (compute is taken as linear in tokens).
+    """
+    from ..cost.view import CostView
+
+    view = CostView(costs)
+    nw = num_workers or hardware.num_gpus
+    span = costs.decoder_layers
+    stages = [(s, "forward") for s in plan.forward_stages()]
+    stages += [(s, "backward") for s in plan.dispatched_backward_stages()]
+    if plan.fused_last:
+        stages[len(plan.forward) - 1] = (stages[len(plan.forward) - 1][0], "fused")
+    device_s = host_s = 0.0
+    for stage, kind in stages:
+        a, b = stage.start, stage.end
+        device_s += {"forward": view.forward_s, "fused": view.fused_s, "backward": view.backward_with_recompute_s}[kind](a, b)
+        layers = max(0, min(b, span[1]) - max(a, span[0])) if span is not None else 0
+        host_s += tasks_per_compute * dispatch_s + hardware.launch_seconds(kind, layers)
+    return nw * host_s / (device_s / costs.tokens_per_microbatch)

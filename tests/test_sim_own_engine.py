@@ -1,0 +1,179 @@
+"""The engine's per-call host work in the simulator (hand-computed), and the own-engine comparison."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from lightning_roundpipe.cost.profile import CostProfile, LayerCost
+from lightning_roundpipe.schedule.plan import Plan
+from lightning_roundpipe.sim import HardwareProfile, SimConfig, simulate_roundpipe
+from lightning_roundpipe.sim.workload import optimizer_step_period
+
+INF = float("inf")
+FUSED = Plan(1, ((0, 1),), ((0, 1),), fused_last=True)
+UNFUSED = Plan(1, ((0, 1),), ((0, 1),))
+
+
+def one_worker(optimizer_params_per_s: float = INF) -> HardwareProfile:
+    """Free transfers: only compute, the host optimizer and the host's own work take time."""
+    return HardwareProfile(name="ideal", num_gpus=1, tflops=1.0, gpu_memory_bytes=10**12, host_device_bytes_per_s=INF,
+                           host_memory_bytes=10**12, cpu_optimizer_params_per_s=optimizer_params_per_s)
+
+
+def one_layer(forward_s=1.0, backward_s=2.0, grad_bytes=100, trainable=300) -> CostProfile:
+    # recompute = forward: an unfused backward takes 1 + 2 = 3 s, a fused microbatch 1 + 2 = 3 s
+    layer = LayerCost(forward_s, forward_s, backward_s, 100, grad_bytes, 10, params=trainable, trainable_params=trainable)
+    return CostProfile([layer], tokens_per_microbatch=1)
+
+
+def run(plan, microbatches, hw=None, **config):
+    config.setdefault("steps", 1)
+    return simulate_roundpipe(plan, one_layer(), hw or one_worker(), microbatches, config=SimConfig(**config))
+
+
+def main_records(result, kind):
+    return [(r.start, r.end) for r in result.timeline if r.queue == "main" and r.kind == kind]
+
+
+def test_host_loss_sits_between_forward_and_backward_without_a_fused_stage():
+    # forward [0, 1], output home at once, the host's loss [1, 3], backward (recompute + backward) [3, 6].
+    result = run(UNFUSED, 1, host_loss_s=2.0)
+    assert main_records(result, "loss") == [(1.0, 3.0)]
+    backward = next(r for r in result.timeline if r.kind == "backward")
+    assert (backward.start, backward.end) == (3.0, 6.0)
+    assert result.step_s == pytest.approx(6.0)
+    assert run(UNFUSED, 1).step_s == pytest.approx(4.0)
+
+
+def test_fused_loss_sum_delays_the_next_call():
+    # Two fused microbatches [0, 3] and [3, 6]; the host sums the loss scalars [6, 8]; backward()
+    # returns at 8 and the next call starts there: 8 s per call (6 s without the host's loss).
+    two = dict(steps=2, accumulation=2)
+    assert run(FUSED, 2, host_loss_s=2.0, **two).step_s == pytest.approx(8.0)
+    assert main_records(run(FUSED, 2, host_loss_s=2.0, **two), "loss") == [(6.0, 8.0), (14.0, 16.0)]
+    assert run(FUSED, 2, **two).step_s == pytest.approx(6.0)
+
+
+def test_asynchronous_backward_lets_the_next_call_start_on_the_device():
+    # As above, but the next call's tasks are submitted before backward() returns: its first
+    # microbatch starts when the worker is free (6 s), not after the host's loss (8 s).
+    two = dict(steps=2, accumulation=2, host_loss_s=2.0)
+    result = run(FUSED, 2, call_barrier=False, **two)
+    assert result.step_s == pytest.approx(6.0)
+    second = min(r.start for r in result.timeline if r.step == 1 and r.kind == "fused")
+    assert second == 6.0
+
+
+def test_gradient_accumulation_on_the_host_gates_the_optimizer_and_the_next_call():
+    # Fused microbatches [0, 3], [3, 6]; the 100-byte gradient home at 6; the main thread adds it
+    # into .grad at 50 B/s: [6, 8]; the exact optimizer (300 params at 100/s) [8, 11]; the next
+    # call's weights wait for that update: 11 s per call. Without the accumulation: 6 + 3 = 9 s.
+    hw = one_worker(100.0)
+    result = run(FUSED, 2, hw=hw, steps=3, host_accumulate_bytes_per_s=50.0)
+    assert optimizer_step_period(result, 1) == pytest.approx(11.0)
+    assert main_records(result, "accumulate")[0] == (6.0, 8.0)
+    update = next(r for r in result.timeline if r.kind == "optim")
+    assert (update.start, update.end) == (8.0, 11.0)
+    assert optimizer_step_period(run(FUSED, 2, hw=hw, steps=3), 1) == pytest.approx(9.0)
+
+
+def test_host_knobs_are_checked():
+    with pytest.raises(ValueError, match="host_loss_s must be at least 0"):
+        SimConfig(host_loss_s=-1.0)
+    with pytest.raises(ValueError, match="host_accumulate_bytes_per_s must be None or positive"):
+        SimConfig(host_accumulate_bytes_per_s=0.0)
+    with pytest.raises(ValueError, match="launch_s must be None or at least 0"):
+        SimConfig(launch_s=-1e-6)
+
+
+# ----------------------------------------------------------------------------- the comparison
+
+
+def test_our_default_reads_the_options_and_the_measured_figures():
+    from lightning_roundpipe.options import PartitionConfig, RuntimeOptions
+    from lightning_roundpipe.sim import load_hardware
+    from lightning_roundpipe.sim.own_engine import ADAM_PER_ACCUMULATE, our_default
+
+    hw = load_hardware("rtx4090")
+    ours = our_default(hw)
+    assert (ours.precision, ours.staleness) == ("bf16-mixed", 0)
+    assert ours.partition == PartitionConfig().policy
+    assert ours.microbatches == (RuntimeOptions().microbatches or hw.num_gpus + 1)
+    assert ours.dispatch_s == load_hardware("cpu2").dispatch_s
+    assert ours.host_accumulate_bytes_per_s == pytest.approx(hw.cpu_optimizer_params_per_s * ADAM_PER_ACCUMULATE * 2)
+
+
+def test_setup_simulates_the_reference_rows_sim_config():
+    from lightning_roundpipe.sim.own_engine import Setup
+    from lightning_roundpipe.sim.workload import Workload
+
+    w = Workload(64, 4, 2)
+    cfg = Setup().sim_config(w, 3)
+    assert (cfg.steps, cfg.accumulation, cfg.stale_optimizer, cfg.optimizer_barrier) == (6, 2, True, False)
+    exact = replace(Setup(), staleness=0, wait_all_grads=True, dispatch_s=1e-4).sim_config(w, 3)
+    assert (exact.stale_optimizer, exact.clip_grad_norm, exact.dispatch_s) == (False, True, 1e-4)
+    with pytest.raises(ValueError, match="precision must be 'fp16-acc' or 'bf16-mixed'"):
+        Setup(precision="fp8")
+
+
+def test_host_limit_tokens_by_hand():
+    from lightning_roundpipe.sim.own_engine import host_limit_tokens
+
+    # Two decoder layers (layers 0-1 of a 3-layer profile; layer 2 the head), 10 tokens per
+    # microbatch. Plan F 0:2 2:3 (fused) | B 0:2: per microbatch forward of F0 2 x 1 s, the fused
+    # head 1 + 2 s, backward of B0 2 x (1 + 2) s: 11 s of device time, 1.1 s per token.
+    # Host per microbatch: 3 compute tasks x 4 tasks x 0.5 s, plus launches of the decoder
+    # layers: F0 2 layers x 3 launches x 0.25 s, B0 2 x 5 x 0.25 s: 6 + 1.5 + 2.5 = 10 s.
+    # With 2 workers: tokens below 2 x 10 / 1.1 = 18.18 leave the workers waiting for the host.
+    layer = LayerCost(1.0, 1.0, 2.0, 100, 100, 10)
+    costs = CostProfile([layer] * 3, tokens_per_microbatch=10, decoder_layers=(0, 2))
+    plan = Plan(3, ((0, 2), (2, 3)), ((0, 2), (2, 3)), fused_last=True)
+    hw = one_worker().replace(num_gpus=2, launch_s=0.25, forward_launches_per_layer=3, backward_launches_per_layer=5)
+    assert host_limit_tokens(plan, costs, hw, 0.5, 4.0) == pytest.approx(2 * 10.0 / 1.1)
+
+
+@pytest.mark.timeout(120)
+def test_waterfall_switches_one_cause_at_a_time_to_our_default():
+    from lightning_roundpipe.cost.transformer import ModelShape
+    from lightning_roundpipe.sim import load_hardware
+    from lightning_roundpipe.sim.own_engine import Setup, causes, our_default, waterfall
+    from lightning_roundpipe.sim.workload import PublishedRun, Workload
+
+    hw = load_hardware("rtx4090")
+    tiny = ModelShape("tiny", 256, 768, 4, 2, 64, 4096, 4)
+    work = Workload(32, 4, 2, seq_len=256)
+    run = PublishedRun(tiny, work, replace(work, optimizer="sync"), 1.0, 1.0)
+    rows = waterfall(run, hw, optimizer_steps=2)
+    switches = causes(hw, work.microbatches)
+    assert [r.cause for r in rows[1:]] == [name for name, _ in switches]
+    setup = Setup()
+    for row, (_, change) in zip(rows[1:], switches):
+        setup = replace(setup, **change)
+        assert row.result.setup == setup
+    assert setup == our_default(hw)
+    for before, row in zip(rows, rows[1:]):
+        assert row.delta == pytest.approx(row.result.tokens_per_s - before.result.tokens_per_s)
+    # Tasks this small (one 256-token sequence per microbatch) wait for one host's dispatch.
+    dispatch = next(r for r in rows if r.cause.startswith("host dispatch"))
+    assert dispatch.delta < 0 and dispatch.result.tokens_per_s > 0
+
+
+def test_fused_stage_spread_over_two_workers_runs_its_microbatches_side_by_side():
+    # One fused stage, 3 s per microbatch, free transfers. On one worker 2 microbatches take 6 s;
+    # spread over 2 workers, microbatch 0 on worker 0 and 1 on worker 1 run at once: 3 s, each
+    # worker uploading the weights and sending its own gradient home. 3 microbatches: worker 0
+    # runs 0 and 2 (6 s), worker 1 runs 1. The host adds both gradients (100 B at 50 B/s, 2 s
+    # each, one after the other): backward() returns at 3 + 2 + 2 = 7 s.
+    hw = one_worker().replace(num_gpus=2)
+    assert run(FUSED, 2, hw=hw).step_s == pytest.approx(6.0)
+    spread = run(FUSED, 2, hw=hw, fused_spread=2)
+    assert spread.step_s == pytest.approx(3.0)
+    assert sorted(r.worker for r in spread.timeline if r.kind == "wgrad") == [0, 1]
+    assert sorted(r.worker for r in spread.timeline if r.kind == "weights") == [0, 1]
+    assert [(r.worker, r.microbatch) for r in spread.timeline if r.kind == "fused"] == [(0, 0), (1, 1)]
+    assert run(FUSED, 3, hw=hw, fused_spread=2).step_s == pytest.approx(6.0)
+    assert run(FUSED, 2, hw=hw, fused_spread=2, host_accumulate_bytes_per_s=50.0).step_s == pytest.approx(7.0)
+    with pytest.raises(ValueError, match="fused_spread must be a positive integer"):
+        SimConfig(fused_spread=0)
