@@ -50,35 +50,91 @@ def stage_activation_bytes(plan: Plan, view: CostView, stage: Stage) -> tuple[in
         inputs = view.in_bytes(a)
         outputs = view.out_bytes(b - 1) + sum(view.in_bytes(c) for c in plan.saved_boundaries() if a < c < b)
     else:
-        inputs = view.in_bytes(a) + (view.out_bytes(b - 1) if stage.direction == "B" else 0)
-        outputs = view.in_bytes(a) if a > 0 else 0
+        inputs = view.in_bytes(a) + (view.out_grad_bytes(b - 1) if stage.direction == "B" else 0)
+        outputs = view.out_grad_bytes(a - 1) if a > 0 else 0
+        # The layers get a copy of each input they differentiate (engine/stage_inputs.py: they may
+        # write it in place; the leaf keeps the gradient), and the first layer keeps that copy.
+        graph += outputs
     return graph, inputs, outputs
 
 
-def roundpipe_gpu_bytes(plan: Plan, costs: CostProfile, num_workers: int, continue_round_robin: bool = True) -> list[int]:
-    """Upper bound of each worker's memory while running ``plan`` (see the module docstring)."""
-    view = CostView(costs)
+def worker_stages(plan: Plan, num_workers: int, continue_round_robin: bool = True) -> list[list[Stage]]:
+    """Each worker's stages in the order it runs them (over enough steps for the round-robin
+    offset to come back to where it started, unless ``continue_round_robin`` is False)."""
     per_worker: list[list[Stage]] = [[] for _ in range(num_workers)]
     first, n_tasks = 0, len(plan.forward) + len(plan.dispatched_backward_stages())
-    # Enough steps for the round-robin offset to come back to where it started.
     for _ in range(num_workers if continue_round_robin else 1):
         for task in dispatch(plan, num_workers, first):
             per_worker[task.worker].append(task.stage)
         if continue_round_robin:
             first = (first + n_tasks) % num_workers
-    out = []
-    for stages in per_worker:
-        if not stages:
-            out.append(0)
-            continue
-        states = [stage_state_bytes(plan, view, s) for s in stages]
-        cyc = states + states[:1]  # the last task of the cycle is followed by the first of the next
-        pair = max(cyc[i] + cyc[i + 1] for i in range(len(cyc) - 1)) if len(states) > 1 else 2 * states[0]
-        acts = [stage_activation_bytes(plan, view, s) for s in stages]
-        graph = max(g for g, _, _ in acts)
-        buffers = 2 * max(i for _, i, _ in acts) + 2 * max(o for _, _, o in acts)
-        out.append(pair + graph + buffers)
-    return out
+    return per_worker
+
+
+def _host_inputs(plan: Plan, view: CostView, stage: Stage) -> int:
+    """Bytes of a microbatch's inputs that wait on the host before the stage runs (uploaded ahead):
+    the caller's input of layer 0, the boundaries a backward recomputes from, the caller's output
+    gradient of the last layer. Inputs another stage of the same pass computes arrive in step."""
+    a, b = stage.start, stage.end
+    if stage.direction == "F":
+        return view.in_bytes(a) if a == 0 else 0
+    return view.in_bytes(a) + (view.out_grad_bytes(b - 1) if b == plan.num_layers else 0)
+
+
+def _seconds_to_peak(plan: Plan, view: CostView, stage: Stage) -> float:
+    """Time from a microbatch's compute start to its memory peak: the end of the forward part
+    (a backward's recompute, a fused stage's forward and loss; all of a forward stage)."""
+    return view.forward_s(stage.start, stage.end)
+
+
+def stage_peak_bytes(plan: Plan, view: CostView, stages: list[Stage], k: int,
+                     link_bytes_per_second: float | None) -> int:
+    """A worker's bytes at the peak of a microbatch of ``stages[k]`` (its tasks run cyclically).
+
+    Always there: the stage's weights (and its gradients, which accumulate over its
+    microbatches), its working set (:meth:`CostView.stage_graph`), this microbatch's inputs, the
+    next microbatch's inputs that wait on the host (uploaded ahead; after the last microbatch, the
+    next stage's; ``_host_inputs``) and, for a forward stage, its outputs.
+
+    What may still be in flight depends on the link: the previous stage's weight gradients
+    (then its weights are not released yet, and the next stage's prefetch, which waits for that
+    release, has not started) and the previous microbatch's outputs. Each is counted when moving
+    it takes longer than the compute reaches its peak (``_seconds_to_peak``). With
+    ``link_bytes_per_second`` None (unknown) both always are, and so are the next microbatch's
+    inputs from other stages, which bounds every timing.
+    """
+    n = len(stages)
+    prev, stage, nxt = stages[(k - 1) % n], stages[k], stages[(k + 1) % n]
+
+    def pending(nbytes: int) -> bool:
+        if link_bytes_per_second is None:
+            return True
+        return nbytes / link_bytes_per_second > _seconds_to_peak(plan, view, stage)
+
+    prev_grads = view.grads(prev.start, prev.end) if _is_backward(plan, prev) else 0
+    prefetched = view.weights(nxt.start, nxt.end)
+    going_home = stage_state_bytes(plan, view, prev) if pending(prev_grads) and n > 1 else 0
+    weights = stage_state_bytes(plan, view, stage) + max(going_home, prefetched)
+    graph, inputs, outputs = stage_activation_bytes(plan, view, stage)
+    if link_bytes_per_second is None:
+        ahead = max(inputs, stage_activation_bytes(plan, view, nxt)[1])
+    else:  # what another worker computes for the next microbatch arrives as this one computes
+        ahead = max(_host_inputs(plan, view, stage), _host_inputs(plan, view, nxt))
+    forward = stage.direction == "F" and not _is_backward(plan, stage)
+    behind = max(outputs, stage_activation_bytes(plan, view, prev)[2])
+    return (weights + graph + inputs + ahead + (outputs if forward else 0)
+            + (behind if pending(behind) else 0))
+
+
+def roundpipe_gpu_bytes(plan: Plan, costs: CostProfile, num_workers: int, continue_round_robin: bool = True,
+                        link_bytes_per_second: float | None = None) -> list[int]:
+    """Peak bytes of each worker while running ``plan``: the largest :func:`stage_peak_bytes` of its
+    stages. ``link_bytes_per_second`` (default: the profile's; ``math.inf`` for the CPU backend,
+    whose transfers are memory copies) decides which transfers may still be pending at a peak."""
+    view = CostView(costs)
+    link = costs.link_bytes_per_second if link_bytes_per_second is None else link_bytes_per_second
+    return [max((stage_peak_bytes(plan, view, stages, k, link) for k in range(len(stages))), default=0)
+            for stages in worker_stages(plan, num_workers, continue_round_robin)]
 
 
 @dataclass

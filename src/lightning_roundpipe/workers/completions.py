@@ -144,6 +144,11 @@ class Completion:
         if self._notifier is not None:
             self._notifier.on_completion(self)
 
+    def drop_value(self) -> None:
+        """Forget the task's value once every reader has read it: device tensors a completion
+        keeps would otherwise stay allocated as long as the step's bookkeeping lives."""
+        self._value = None
+
     def set(self, value: Any = None) -> None:
         self._value = value
         self._flag.set()
