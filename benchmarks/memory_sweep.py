@@ -9,7 +9,11 @@ the cost profile the planner uses for that shape (``cost.transformer.shape_layer
     PYTHONPATH=src python -m benchmarks.memory_sweep            # the full sweep (256 to 16K tokens)
     PYTHONPATH=src python -m benchmarks.memory_sweep --quick    # the test's subset
 
-Prints one line per case and the worst relative error of the busiest worker's peak.
+Prints one line per case: the plan's peak (the busiest worker, what a per-worker cap must hold)
+measured and predicted, and the largest error over the workers. The worst error of the plan's
+peak is the bound the test holds to 10%; a lighter worker's peak also depends on whether the next
+microbatch's input, computed by another worker, has arrived when its compute peaks (a race the
+model decides from the stages' compute times), so its error is reported beside it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import gc
 import json
 import math
 import tempfile
+import time
 from dataclasses import dataclass
 
 import torch
@@ -106,10 +111,11 @@ def predicted_bytes(case: MemoryCase, cap_bytes: int | None = None) -> list[int]
                               loss_chunk_tokens=LOSS_CHUNK_TOKENS, loss_in_pipeline=case.fused)
     # The CPU backend's transfers are memory copies: nothing is still on its way at a peak.
     return roundpipe_gpu_bytes(plan_of(case), costs, case.workers, continue_round_robin=False,
-                               link_bytes_per_second=math.inf)
+                               link_bytes_per_second=math.inf, microbatches=case.microbatches)
 
 
-def run_case(case: MemoryCase, cap_bytes: int | None = None, steps: int = 1) -> list[int]:
+def run_case(case: MemoryCase, cap_bytes: int | None = None, steps: int = 1, measure: bool = True,
+             seconds: list | None = None) -> list[int]:
     """Train ``steps`` steps of ``case`` on the CPU backend; return each worker's measured peak bytes.
 
     With ``cap_bytes`` each worker is a virtual GPU of that size (``cpu_memory_cap_bytes``): a step
@@ -126,11 +132,12 @@ def run_case(case: MemoryCase, cap_bytes: int | None = None, steps: int = 1) -> 
                                                         manual_backward=_ranges(case.backward)))
         rt = RoundPipeRuntime.attach(model, "cpu", case.workers, opts)
         try:
-            if cap_bytes is None:
+            if cap_bytes is None and measure:
                 rt.pool.start_measuring_memory()
             gen = torch.Generator().manual_seed(1)
             ids = torch.randint(3, case.vocab, (case.batch, case.seq_len), generator=gen)
             for _ in range(steps):
+                start = time.perf_counter()
                 if case.fused:
                     loss = model(input_ids=ids, labels=ids).loss
                 else:
@@ -139,6 +146,8 @@ def run_case(case: MemoryCase, cap_bytes: int | None = None, steps: int = 1) -> 
                                                              ids[:, 1:].reshape(-1))
                 loss.backward()
                 model.zero_grad(set_to_none=True)
+                if seconds is not None:
+                    seconds.append(time.perf_counter() - start)
             return rt.pool.peak_device_bytes()
         finally:
             rt.detach()
@@ -159,6 +168,18 @@ def compare(case: MemoryCase) -> dict:
             "worst_error": errors[worst], "max_error": (max(predicted) - max(measured)) / max(measured)}
 
 
+def tally_overhead(case: MemoryCase, steps: int = 6, rounds: int = 3) -> float:
+    """Step time with memory measuring over step time without, same case, rounds interleaved in one
+    process (the median step of each run, the first step left out: it warms up)."""
+    ratios = []
+    for _ in range(rounds):
+        plain, measured = [], []
+        run_case(case, steps=steps, measure=False, seconds=plain)
+        run_case(case, steps=steps, measure=True, seconds=measured)
+        ratios.append(sorted(measured[1:])[len(measured[1:]) // 2] / sorted(plain[1:])[len(plain[1:]) // 2])
+    return sorted(ratios)[len(ratios) // 2]
+
+
 def sweep_cases(quick: bool = False) -> list[MemoryCase]:
     """The sweep: sequence lengths 256 to 16K, three plans, fused or not, LoRA or full, Qwen3 and Llama."""
     base = MemoryCase()
@@ -175,10 +196,8 @@ def sweep_cases(quick: bool = False) -> list[MemoryCase]:
             for fused in (True, False):
                 for lora in (False, True):
                     family = "qwen3" if (k + lora) % 2 == 0 else "llama"
-                    batch = 2 if seq <= 4096 else 1
                     out.append(dataclasses.replace(base, family=family, seq_len=seq, forward=fwd, backward=bwd,
-                                                   fused=fused, lora=lora, batch=batch, microbatches=batch,
-                                                   hidden=64 if seq >= 4096 else 32))
+                                                   fused=fused, lora=lora, hidden=64 if seq >= 4096 else 32))
     return out
 
 
@@ -186,16 +205,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the test's subset")
     parser.add_argument("--json", default=None, help="write every case's figures to this file")
+    parser.add_argument("--overhead", action="store_true", help="only time measuring against not measuring")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.overhead:
+        for case in (MemoryCase(seq_len=256), MemoryCase(seq_len=2048, hidden=64)):
+            print(f"{case.label}: step time measuring / not measuring = {tally_overhead(case):.2f}x", flush=True)
+        return
     rows = []
     for case in sweep_cases(args.quick):
         row = compare(case)
         rows.append(row)
         print(f"{row['case']:<80} measured {max(row['measured']) / 2**20:8.2f} MiB  predicted "
-              f"{max(row['predicted']) / 2**20:8.2f} MiB  worst worker error {row['worst_error']:+.1%}", flush=True)
-    worst = max(rows, key=lambda r: abs(r["worst_error"]))
-    print(f"worst error over {len(rows)} cases: {worst['worst_error']:+.1%} ({worst['case']}); bound {ERROR_BOUND:.0%}")
+              f"{max(row['predicted']) / 2**20:8.2f} MiB  error {row['max_error']:+.1%}  "
+              f"(largest over the workers {row['worst_error']:+.1%})", flush=True)
+    worst = max(rows, key=lambda r: abs(r["max_error"]))
+    worker = max(rows, key=lambda r: abs(r["worst_error"]))
+    print(f"worst error of the plan's peak over {len(rows)} cases: {worst['max_error']:+.1%} ({worst['case']}); "
+          f"bound {ERROR_BOUND:.0%}")
+    print(f"worst error of any worker's peak: {worker['worst_error']:+.1%} ({worker['case']})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

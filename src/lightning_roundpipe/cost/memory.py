@@ -71,14 +71,28 @@ def worker_stages(plan: Plan, num_workers: int, continue_round_robin: bool = Tru
     return per_worker
 
 
-def _host_inputs(plan: Plan, view: CostView, stage: Stage) -> int:
-    """Bytes of a microbatch's inputs that wait on the host before the stage runs (uploaded ahead):
-    the caller's input of layer 0, the boundaries a backward recomputes from, the caller's output
-    gradient of the last layer. Inputs another stage of the same pass computes arrive in step."""
+def _phase(plan: Plan, stage: Stage) -> str:
+    """The call that submits ``stage``'s tasks: the forward, or the backward (which a fused last stage
+    runs inside the forward)."""
+    return "forward" if stage.direction == "F" or plan.fused_last else "backward"
+
+
+def _inputs_ahead(plan: Plan, view: CostView, stage: Stage) -> int:
+    """Bytes of a microbatch's inputs uploaded while the microbatch before it computes.
+
+    Its activation input, when it waits on the host (layer 0's, or a backward stage's saved
+    boundary) or comes from a forward stage that computes a microbatch no slower than this stage
+    reaches its peak; the gradient of the last layer's output, when the caller computed it. A
+    gradient another backward stage computes arrives in step with this stage.
+    """
     a, b = stage.start, stage.end
-    if stage.direction == "F":
-        return view.in_bytes(a) if a == 0 else 0
-    return view.in_bytes(a) + (view.out_grad_bytes(b - 1) if b == plan.num_layers else 0)
+    if stage.direction == "B":
+        return view.in_bytes(a) + (view.out_grad_bytes(b - 1) if b == plan.num_layers else 0)
+    if stage.index == 0:
+        return view.in_bytes(a)
+    source = plan.forward_stages()[stage.index - 1]
+    faster = view.forward_s(source.start, source.end) <= _seconds_to_peak(plan, view, stage)
+    return view.in_bytes(a) if faster else 0
 
 
 def _seconds_to_peak(plan: Plan, view: CostView, stage: Stage) -> float:
@@ -88,13 +102,13 @@ def _seconds_to_peak(plan: Plan, view: CostView, stage: Stage) -> float:
 
 
 def stage_peak_bytes(plan: Plan, view: CostView, stages: list[Stage], k: int,
-                     link_bytes_per_second: float | None) -> int:
+                     link_bytes_per_second: float | None, microbatches: int | None = None) -> int:
     """A worker's bytes at the peak of a microbatch of ``stages[k]`` (its tasks run cyclically).
 
     Always there: the stage's weights (and its gradients, which accumulate over its
     microbatches), its working set (:meth:`CostView.stage_graph`), this microbatch's inputs, the
-    next microbatch's inputs that wait on the host (uploaded ahead; after the last microbatch, the
-    next stage's; ``_host_inputs``) and, for a forward stage, its outputs.
+    next microbatch's inputs uploaded ahead (after the last microbatch, the next stage's;
+    ``_inputs_ahead``) and, for a forward stage, its outputs.
 
     What may still be in flight depends on the link: the previous stage's weight gradients
     (then its weights are not released yet, and the next stage's prefetch, which waits for that
@@ -105,6 +119,9 @@ def stage_peak_bytes(plan: Plan, view: CostView, stages: list[Stage], k: int,
     """
     n = len(stages)
     prev, stage, nxt = stages[(k - 1) % n], stages[k], stages[(k + 1) % n]
+    # The next stage's uploads run during this one only when both are submitted by the same call
+    # (a forward and the backward after it are two calls unless the last stage is fused).
+    overlaps_next = n > 1 and _phase(plan, nxt) == _phase(plan, stage)
 
     def pending(nbytes: int) -> bool:
         if link_bytes_per_second is None:
@@ -112,14 +129,15 @@ def stage_peak_bytes(plan: Plan, view: CostView, stages: list[Stage], k: int,
         return nbytes / link_bytes_per_second > _seconds_to_peak(plan, view, stage)
 
     prev_grads = view.grads(prev.start, prev.end) if _is_backward(plan, prev) else 0
-    prefetched = view.weights(nxt.start, nxt.end)
+    prefetched = view.weights(nxt.start, nxt.end) if overlaps_next else 0
     going_home = stage_state_bytes(plan, view, prev) if pending(prev_grads) and n > 1 else 0
     weights = stage_state_bytes(plan, view, stage) + max(going_home, prefetched)
     graph, inputs, outputs = stage_activation_bytes(plan, view, stage)
     if link_bytes_per_second is None:
         ahead = max(inputs, stage_activation_bytes(plan, view, nxt)[1])
     else:  # what another worker computes for the next microbatch arrives as this one computes
-        ahead = max(_host_inputs(plan, view, stage), _host_inputs(plan, view, nxt))
+        ahead = max(_inputs_ahead(plan, view, stage) if microbatches != 1 else 0,
+                    _inputs_ahead(plan, view, nxt) if overlaps_next else 0)
     forward = stage.direction == "F" and not _is_backward(plan, stage)
     behind = max(outputs, stage_activation_bytes(plan, view, prev)[2])
     return (weights + graph + inputs + ahead + (outputs if forward else 0)
@@ -127,13 +145,14 @@ def stage_peak_bytes(plan: Plan, view: CostView, stages: list[Stage], k: int,
 
 
 def roundpipe_gpu_bytes(plan: Plan, costs: CostProfile, num_workers: int, continue_round_robin: bool = True,
-                        link_bytes_per_second: float | None = None) -> list[int]:
+                        link_bytes_per_second: float | None = None, microbatches: int | None = None) -> list[int]:
     """Peak bytes of each worker while running ``plan``: the largest :func:`stage_peak_bytes` of its
     stages. ``link_bytes_per_second`` (default: the profile's; ``math.inf`` for the CPU backend,
-    whose transfers are memory copies) decides which transfers may still be pending at a peak."""
+    whose transfers are memory copies) decides which transfers may still be pending at a peak;
+    ``microbatches`` 1 means no next microbatch is uploaded ahead (None: at least two)."""
     view = CostView(costs)
     link = costs.link_bytes_per_second if link_bytes_per_second is None else link_bytes_per_second
-    return [max((stage_peak_bytes(plan, view, stages, k, link) for k in range(len(stages))), default=0)
+    return [max((stage_peak_bytes(plan, view, stages, k, link, microbatches) for k in range(len(stages))), default=0)
             for stages in worker_stages(plan, num_workers, continue_round_robin)]
 
 
