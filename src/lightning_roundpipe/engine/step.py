@@ -182,6 +182,14 @@ class StepRun:
 
         return run
 
+    def drop_device_values(self) -> None:
+        """After a failed call: forget every device value and kept graph (their readers will not run)."""
+        with self._readers_lock:
+            for d in self._readers:
+                if d in self.done:
+                    self.done[d].drop_value()
+        self.graphs.clear()
+
     def _dep(self, t: GraphTask, kind: str) -> Completion | None:
         """The completion of ``t``'s dependency of ``kind`` (its input upload, its compute, ...)."""
         for d in t.deps:

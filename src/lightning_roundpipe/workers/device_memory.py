@@ -31,7 +31,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .completions import PipelineError, TaskLabel
+from .completions import PipelineError, TaskLabel, WorkerError
 
 CAP_ADVICE = ("fit it by splitting each batch into more microbatches (fewer tokens each), keeping "
               "recompute='always', setting partition.memory_budget_bytes so the partitioner cuts "
@@ -42,19 +42,21 @@ def _mb(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-class WorkerOutOfMemoryError(PipelineError, MemoryError):
+class WorkerOutOfMemoryError(WorkerError, MemoryError):
     """A task would take its worker over the per-worker memory cap (``cpu_memory_cap_bytes``).
 
-    Attributes: ``worker``, ``stage``, ``microbatch``, ``kind`` (the task), ``requested_bytes``
-    (the allocation that did not fit), ``held_bytes`` (what the worker held before it, weights
-    included), ``weight_bytes`` and ``cap_bytes``.
+    A :class:`WorkerError` (a task failed on a worker; ``label`` is the task, ``original`` the
+    error itself). Attributes: ``worker``, ``stage``, ``microbatch``, ``kind`` (the task),
+    ``requested_bytes`` (the allocation that did not fit), ``held_bytes`` (what the worker held
+    before it, weights included), ``weight_bytes`` and ``cap_bytes``.
     """
 
     def __init__(self, label: TaskLabel, requested: int, held: int, weights: int, cap: int):
+        self.label, self.original, self.worker_traceback = label, self, ""
         self.worker, self.stage, self.microbatch, self.kind = label.worker, label.stage, label.microbatch, label.kind
         self.requested_bytes, self.held_bytes, self.weight_bytes, self.cap_bytes = requested, held, weights, cap
         mb = f", microbatch {label.microbatch}" if label.microbatch >= 0 else ""
-        super().__init__(
+        PipelineError.__init__(self, 
             f"worker {label.worker} is out of memory in the {label.kind} task of stage {label.stage or '?'}{mb}: "
             f"it asked for {requested} bytes ({_mb(requested)}) while holding {held} bytes ({_mb(held)}; "
             f"weights {_mb(weights)}), over its cap of {cap} bytes ({_mb(cap)}); {CAP_ADVICE}"
@@ -142,9 +144,13 @@ class AllocationTally(TorchDispatchMode):
         outputs = [s for s in map(_storage, pytree.tree_leaves(out)) if s is not None]
         if outputs:
             inputs = {s.data_ptr() for s in map(_storage, pytree.tree_leaves((args, kwargs))) if s is not None}
-            for s in outputs:
-                if s.data_ptr() not in inputs:  # views and in-place results reuse an input's storage
-                    self.memory.hold(s, self.label)
+            try:
+                for s in outputs:
+                    if s.data_ptr() not in inputs:  # views and in-place results reuse an input's storage
+                        self.memory.hold(s, self.label)
+            except WorkerOutOfMemoryError:
+                del out, outputs, s  # the error's traceback must not keep the allocation alive
+                raise
         return out
 
 
