@@ -54,9 +54,10 @@ def test_weights_are_counted_by_the_ledger_and_the_peak_names_its_task():
     assert (memory.peak_bytes, memory.peak_task) == (0, None)
 
 
-def _step(net, rows):
+def _step(rt, net, rows):
     x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(rows))
     net(x).square().mean().backward()
+    rt.pool.drain()  # backward returns once the gradients are home; the stages' releases may still run
 
 
 def test_pool_reports_per_worker_peaks_and_holds_nothing_after_a_step():
@@ -66,14 +67,14 @@ def test_pool_reports_per_worker_peaks_and_holds_nothing_after_a_step():
                                                                overlap_optimizer=False))
     try:
         rt.pool.start_measuring_memory()
-        _step(net, 64)
+        _step(rt, net, 64)
         small = rt.pool.peak_device_bytes()
         weights = rt.pool.peak_weight_bytes()
         # Every device tensor of the step is gone with it: the completions drop their values once read.
         assert rt.pool.held_device_bytes() == [0, 0]
         assert all(p > w > 0 for p, w in zip(small, weights))
         rt.pool.reset_peak_device_bytes()
-        _step(net, 256)  # 4x the rows: the activations grow, the weights do not
+        _step(rt, net, 256)  # 4x the rows: the activations grow, the weights do not
         big = rt.pool.peak_device_bytes()
         assert all(b - w > 3 * (s - w) for b, s, w in zip(big, small, weights))
         assert rt.pool.held_device_bytes() == [0, 0]

@@ -24,9 +24,9 @@ class CostView:
         self.params = costs.layer_params()
         self.input_bytes_per_token = int(costs.input_bytes_per_token)
         self.transient_per_token = [c.backward_transient_bytes_per_token or 0 for c in costs.layers]
-        self.forward_transient_per_token = [g if c.forward_transient_bytes_per_token is None
-                                            else c.forward_transient_bytes_per_token
-                                            for c, g in zip(costs.layers, self.graph_per_token)]
+        # Per layer: its temporaries without autograd, or None where the profile does not say (then
+        # its graph stands for its whole working set, carries included).
+        self.forward_transient_per_token = [c.forward_transient_bytes_per_token for c in costs.layers]
         self.grad_per_token = [c.act_bytes_per_token if c.act_grad_bytes_per_token is None
                                else c.act_grad_bytes_per_token for c in costs.layers]
         self._graph_prefix = [0]
@@ -67,8 +67,14 @@ class CostView:
         """Largest working set of one layer of the range run without autograd (a forward stage):
         its temporaries, plus its input and output carries where they are not the stage's own
         (those are the stage's input and output buffers)."""
-        return max(self.forward_transient_per_token[i] * self.tokens + (self.in_bytes(i) if i > a else 0)
-                   + (self.out_bytes(i) if i < b - 1 else 0) for i in range(a, b))
+        def layer(i: int) -> int:
+            temporaries = self.forward_transient_per_token[i]
+            if temporaries is None:
+                return self.graph_per_token[i] * self.tokens
+            return (temporaries * self.tokens + (self.in_bytes(i) if i > a else 0)
+                    + (self.out_bytes(i) if i < b - 1 else 0))
+
+        return max(layer(i) for i in range(a, b))
 
     def backward_working_set(self, a: int, b: int) -> int:
         """Peak activation bytes while the range back-propagates (after its recompute, or in a fused stage).
