@@ -291,14 +291,10 @@ def shape_layer_costs(
     # that matrix once, with the prefix, so only the final norm is the postfix's own.
     trainable.append(0 if lora else (hidden if shape.tie_embeddings else head))
     # Without autograd (a forward stage) the norm's normalised and weighted outputs exist beside the
-    # logits (the output). The chunked loss
-    # computed its gradients in the forward: its backward only scales them, after the chunk's
-    # logits (counted in its graph) are gone.
-    chunked = loss_in_pipeline and loss_chunk_tokens is not None
+    # logits (the output).
     layers[-1].forward_transient_bytes_per_token = 2 * hidden * dtype_bytes
-    # Back-propagating the head and the final RMSNorm: the head's input gradient and four hidden-wide
-    # temporaries of the norm's chain rule (through the weight, the reciprocal RMS and the square).
-    layers[-1].backward_transient_bytes_per_token = 0 if chunked else 5 * hidden * dtype_bytes
+    layers[-1].backward_transient_bytes_per_token = activations.postfix_backward_transient_bytes(
+        shape, dtype_bytes, tokens, loss_chunk_tokens, loss_in_pipeline)
     graph.append(activations.postfix_graph_bytes(shape, dtype_bytes, tokens, not lora, loss_chunk_tokens,
                                                  loss_in_pipeline, _LOSS_FP32_COPIES))
 
