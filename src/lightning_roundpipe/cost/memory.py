@@ -1,11 +1,12 @@
 """Memory a RoundPipe plan needs: per worker (GPU) and on the host.
 
-GPU, per worker: the two largest consecutive tasks' weights and gradients (a worker holds the
-stage it runs and the one it prefetches; a stage's gradient buffer lives until its gradients
-are home), plus one microbatch's activation working set: the autograd graph of the running stage
-(stage-level recompute keeps the whole stage's graph; a forward keeps none, only one layer's
-intermediates) and two input and two output buffers (double buffering). The simulator's peak
-never exceeds this bound (tested).
+GPU, per worker (:func:`roundpipe_gpu_bytes`): the largest peak of the stages it runs, each
+stage's peak (:func:`stage_peak_bytes`) being its weights and gradients with the next stage's
+prefetch, one microbatch's activation working set (:func:`stage_activation_bytes`, whose graph
+term is :meth:`CostView.stage_graph`: the one place a recompute grain changes what a stage keeps)
+and the microbatch buffers around it, plus whatever the link may still be moving. The terms were
+checked against the CPU backend's measured per-worker peaks (``docs/memory.md``); with the link
+unknown every in-flight transfer is counted, and the simulator's peak never exceeds that (tested).
 
 Host: fp32 master weights, fp32 gradients and two fp32 Adam moments (16 bytes) per trainable
 parameter, the compute-dtype copy of every parameter that uploads read from (frozen LoRA bases
@@ -42,7 +43,9 @@ def stage_state_bytes(plan: Plan, view: CostView, stage: Stage) -> int:
 
 
 def stage_activation_bytes(plan: Plan, view: CostView, stage: Stage) -> tuple[int, int, int]:
-    """(graph, input buffer, output buffer) bytes of one microbatch of ``stage``."""
+    """(working set, inputs, outputs) bytes of one microbatch of ``stage``: the graph (or a forward's
+    temporaries), the activation and gradient inputs, and the outputs (a forward's output and the
+    boundaries it saves for recompute; a backward's input gradient)."""
     a, b = stage.start, stage.end
     fused = _is_backward(plan, stage) and stage.direction == "F"
     graph = view.stage_graph("forward" if stage.direction == "F" and not fused else "backward", a, b)
