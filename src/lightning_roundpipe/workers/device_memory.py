@@ -81,25 +81,30 @@ class DeviceMemory:
     def held_bytes(self) -> int:
         return self.weight_bytes + self.tensor_bytes
 
-    def _over_cap(self, label: TaskLabel | None, asked: int, before: int, weights_before: int) -> None:
-        if self.cap_bytes is not None and asked > 0 and before + asked > self.cap_bytes:
-            label = label or TaskLabel("unknown", worker=self.worker)
-            raise WorkerOutOfMemoryError(label, asked, before, weights_before, self.cap_bytes)
+    def _over_cap(self, asked: int, before: int) -> bool:
+        return self.cap_bytes is not None and asked > 0 and before + asked > self.cap_bytes
+
+    def _error(self, label: TaskLabel | None, asked: int, before: int, weights_before: int):
+        label = label or TaskLabel("unknown", worker=self.worker)
+        return WorkerOutOfMemoryError(label, asked, before, weights_before, self.cap_bytes)
 
     def track_weights(self, delta: int, label: TaskLabel | None = None) -> None:
-        """Weights uploaded (``delta > 0``) or released; over the cap raises after counting (the
-        stage's release takes the bytes off again)."""
+        """Weights uploaded (``delta > 0``) or released. Over the cap this raises, with the bytes
+        counted (the stage's release takes them off again) but not taken as a peak."""
         with self._lock:
             before, weights_before = self.held_bytes, self.weight_bytes
             self.weight_bytes += delta
-            self.peak_weight_bytes = max(self.peak_weight_bytes, self.weight_bytes)
-            self._new_peak(label)
-        self._over_cap(label, delta, before, weights_before)
+            over = self._over_cap(delta, before)
+            if not over:
+                self.peak_weight_bytes = max(self.peak_weight_bytes, self.weight_bytes)
+                self._new_peak(label)
+        if over:
+            raise self._error(label, delta, before, weights_before)
 
     def hold(self, storage: torch.UntypedStorage, label: TaskLabel | None = None) -> None:
-        """Count a storage a task created until it dies; over the cap raises (the storage is
-        counted until the failed task's tensors are dropped, as on a GPU whose allocation failed
-        the bytes were never taken: the raise comes before anything reads them)."""
+        """Count a storage a task created until it dies. One that would take the worker over the
+        cap raises instead and is never counted: as on a GPU, the allocation did not happen (the
+        tally drops the tensor as the error leaves the operator)."""
         nbytes = storage.nbytes()
         key = id(storage)
         if nbytes == 0:
@@ -108,11 +113,12 @@ class DeviceMemory:
             if key in self._storages:
                 return
             before, weights = self.held_bytes, self.weight_bytes
+            if self._over_cap(nbytes, before):
+                raise self._error(label, nbytes, before, weights)
             self._storages[key] = nbytes
             self.tensor_bytes += nbytes
             self._new_peak(label)
         weakref.finalize(storage, self._free, key)
-        self._over_cap(label, nbytes, before, weights)
 
     def _new_peak(self, label: TaskLabel | None) -> None:
         if self.held_bytes > self.peak_bytes:
@@ -149,7 +155,7 @@ class AllocationTally(TorchDispatchMode):
                     if s.data_ptr() not in inputs:  # views and in-place results reuse an input's storage
                         self.memory.hold(s, self.label)
             except WorkerOutOfMemoryError:
-                del out, outputs, s  # the error's traceback must not keep the allocation alive
+                del out, outputs, s  # the error's traceback must not keep the refused allocation alive
                 raise
         return out
 
