@@ -67,7 +67,6 @@ def test_a_task_over_the_cap_fails_naming_it_and_the_step_changes_nothing():
         # A refused allocation is never held: no worker's peak ever passed the cap.
         assert 0 < max(rt.pool.peak_device_bytes()) <= CAP
     finally:
-        ov.close() if hasattr(ov, "close") else None
         rt.detach()
 
 
