@@ -4,7 +4,7 @@ from .options import (EngineOptions, OptionError, PartitionConfig, RuntimeOption
                       register_configs)
 from .engine import PipelineEngine
 from .schedule.plan import Plan, PlanError, dispatch, simple_plan
-from .workers import CpuWorkerPool, PipelineError, PipelineTimeout, WorkerError, make_pool
+from .workers import CpuWorkerPool, PipelineError, PipelineTimeout, WorkerError, WorkerOutOfMemoryError, make_pool
 
 __all__ = [
     "CpuWorkerPool",
@@ -17,6 +17,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "WorkerError",
+    "WorkerOutOfMemoryError",
     "dispatch",
     "make_pool",
     "simple_plan",

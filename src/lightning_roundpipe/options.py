@@ -195,6 +195,11 @@ class RuntimeOptions:
         it from the precision plugin; no Hydra entry.
     cpu_compute_delay_s, cpu_jitter_s: CPU backend only: injected delay / random jitter per task.
     cpu_threads_per_worker: CPU backend only: torch threads per worker's compute queue.
+    cpu_memory_cap_bytes: CPU backend only: make each worker a virtual GPU of this many bytes.
+        Its device memory is measured (uploaded weights and every tensor its tasks create, see
+        ``workers/device_memory.py``) and a task that would take it over the cap fails with
+        ``WorkerOutOfMemoryError`` naming worker, stage and microbatch; the step leaves weights
+        and optimizer state as they were. None: no cap (and no measuring cost).
     seed: seed of the CPU backend's jitter.
     trace_steps: keep the timeline of the first N training steps (for export).
     step_metrics: time every step's tasks for bubble fraction, exposed transfer and tokens per second.
@@ -224,6 +229,7 @@ class RuntimeOptions:
     cpu_compute_delay_s: float = 0.0
     cpu_jitter_s: float = 0.0
     cpu_threads_per_worker: int = 1
+    cpu_memory_cap_bytes: Optional[int] = None
     seed: int = 0
     trace_steps: int = 0
     step_metrics: bool = True
@@ -246,6 +252,7 @@ class RuntimeOptions:
         for name in ("cpu_compute_delay_s", "cpu_jitter_s", "optimizer_delay_s"):
             _seconds(owner, name, getattr(self, name))
         _integer(owner, "cpu_threads_per_worker", self.cpu_threads_per_worker, 1)
+        _integer(owner, "cpu_memory_cap_bytes", self.cpu_memory_cap_bytes, 1, allow_none=True)
         _integer(owner, "seed", self.seed, 0)
         _integer(owner, "trace_steps", self.trace_steps, 0)
         _flag(owner, "step_metrics", self.step_metrics)

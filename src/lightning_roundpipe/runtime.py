@@ -76,7 +76,8 @@ class RoundPipeRuntime:
         else:
             pool_opts.update(compute_delay_s=options.cpu_compute_delay_s, jitter_s=options.cpu_jitter_s,
                              bandwidth_bytes_per_s=t.bandwidth_bytes_per_s, latency_s=t.latency_s,
-                             threads_per_worker=options.cpu_threads_per_worker, seed=options.seed)
+                             threads_per_worker=options.cpu_threads_per_worker, seed=options.seed,
+                             memory_cap_bytes=options.cpu_memory_cap_bytes)
         if backend == "fake_cuda":  # the CUDA protocol on CPU streams; the jitter delays stream work
             pool_opts.update(stream_jitter_s=options.cpu_jitter_s)
         engine_opts = options.engine_options(num_workers)
@@ -179,6 +180,7 @@ class RoundPipeRuntime:
             records = self.trace.records(run.step)
             if records:
                 self.last_metrics = step_metrics(records, self.last_tokens)
+                self.last_metrics["peak_device_bytes"] = self.pool.peak_device_bytes()
             if len(self.kept_steps) < self.options.trace_steps:
                 self.kept_steps.append(run.step)
             else:

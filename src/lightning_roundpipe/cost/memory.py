@@ -1,11 +1,12 @@
 """Memory a RoundPipe plan needs: per worker (GPU) and on the host.
 
-GPU, per worker: the two largest consecutive tasks' weights and gradients (a worker holds the
-stage it runs and the one it prefetches; a stage's gradient buffer lives until its gradients
-are home), plus one microbatch's activation working set: the autograd graph of the running stage
-(stage-level recompute keeps the whole stage's graph; a forward keeps none, only one layer's
-intermediates) and two input and two output buffers (double buffering). The simulator's peak
-never exceeds this bound (tested).
+GPU, per worker (:func:`roundpipe_gpu_bytes`): the largest peak of the stages it runs, each
+stage's peak (:func:`stage_peak_bytes`) being its weights and gradients with the next stage's
+prefetch, one microbatch's activation working set (:func:`stage_activation_bytes`, whose graph
+term is :meth:`CostView.stage_graph`: the one place a recompute grain changes what a stage keeps)
+and the microbatch buffers around it, plus whatever the link may still be moving. The terms were
+checked against the CPU backend's measured per-worker peaks (``docs/memory.md``); with the link
+unknown every in-flight transfer is counted, and the simulator's peak never exceeds that (tested).
 
 Host: fp32 master weights, fp32 gradients and two fp32 Adam moments (16 bytes) per trainable
 parameter, the compute-dtype copy of every parameter that uploads read from (frozen LoRA bases
@@ -42,7 +43,9 @@ def stage_state_bytes(plan: Plan, view: CostView, stage: Stage) -> int:
 
 
 def stage_activation_bytes(plan: Plan, view: CostView, stage: Stage) -> tuple[int, int, int]:
-    """(graph, input buffer, output buffer) bytes of one microbatch of ``stage``."""
+    """(working set, inputs, outputs) bytes of one microbatch of ``stage``: the graph (or a forward's
+    temporaries), the activation and gradient inputs, and the outputs (a forward's output and the
+    boundaries it saves for recompute; a backward's input gradient)."""
     a, b = stage.start, stage.end
     fused = _is_backward(plan, stage) and stage.direction == "F"
     graph = view.stage_graph("forward" if stage.direction == "F" and not fused else "backward", a, b)
@@ -50,35 +53,110 @@ def stage_activation_bytes(plan: Plan, view: CostView, stage: Stage) -> tuple[in
         inputs = view.in_bytes(a)
         outputs = view.out_bytes(b - 1) + sum(view.in_bytes(c) for c in plan.saved_boundaries() if a < c < b)
     else:
-        inputs = view.in_bytes(a) + (view.out_bytes(b - 1) if stage.direction == "B" else 0)
-        outputs = view.in_bytes(a) if a > 0 else 0
+        inputs = view.in_bytes(a) + (view.out_grad_bytes(b - 1) if stage.direction == "B" else 0)
+        outputs = view.out_grad_bytes(a - 1) if a > 0 else 0
+        # The layers get a copy of each input they differentiate (engine/stage_inputs.py: they may
+        # write it in place; the leaf keeps the gradient), and the first layer keeps that copy.
+        graph += outputs
     return graph, inputs, outputs
 
 
-def roundpipe_gpu_bytes(plan: Plan, costs: CostProfile, num_workers: int, continue_round_robin: bool = True) -> list[int]:
-    """Upper bound of each worker's memory while running ``plan`` (see the module docstring)."""
-    view = CostView(costs)
+def worker_stages(plan: Plan, num_workers: int, continue_round_robin: bool = True) -> list[list[Stage]]:
+    """Each worker's stages in the order it runs them (over enough steps for the round-robin
+    offset to come back to where it started, unless ``continue_round_robin`` is False)."""
     per_worker: list[list[Stage]] = [[] for _ in range(num_workers)]
     first, n_tasks = 0, len(plan.forward) + len(plan.dispatched_backward_stages())
-    # Enough steps for the round-robin offset to come back to where it started.
     for _ in range(num_workers if continue_round_robin else 1):
         for task in dispatch(plan, num_workers, first):
             per_worker[task.worker].append(task.stage)
         if continue_round_robin:
             first = (first + n_tasks) % num_workers
-    out = []
-    for stages in per_worker:
-        if not stages:
-            out.append(0)
-            continue
-        states = [stage_state_bytes(plan, view, s) for s in stages]
-        cyc = states + states[:1]  # the last task of the cycle is followed by the first of the next
-        pair = max(cyc[i] + cyc[i + 1] for i in range(len(cyc) - 1)) if len(states) > 1 else 2 * states[0]
-        acts = [stage_activation_bytes(plan, view, s) for s in stages]
-        graph = max(g for g, _, _ in acts)
-        buffers = 2 * max(i for _, i, _ in acts) + 2 * max(o for _, _, o in acts)
-        out.append(pair + graph + buffers)
-    return out
+    return per_worker
+
+
+def _phase(plan: Plan, stage: Stage) -> str:
+    """The call that submits ``stage``'s tasks: the forward, or the backward (which a fused last stage
+    runs inside the forward)."""
+    return "forward" if stage.direction == "F" or plan.fused_last else "backward"
+
+
+def _inputs_ahead(plan: Plan, view: CostView, stage: Stage) -> int:
+    """Bytes of a microbatch's inputs uploaded while the microbatch before it computes.
+
+    Its activation input, when it waits on the host (layer 0's, or a backward stage's saved
+    boundary) or comes from a forward stage that computes a microbatch no slower than this stage
+    reaches its peak; the gradient of the last layer's output, when the caller computed it. A
+    gradient another backward stage computes arrives in step with this stage.
+    """
+    a, b = stage.start, stage.end
+    if stage.direction == "B":
+        return view.in_bytes(a) + (view.out_grad_bytes(b - 1) if b == plan.num_layers else 0)
+    if stage.index == 0:
+        return view.in_bytes(a)
+    source = plan.forward_stages()[stage.index - 1]
+    faster = view.forward_s(source.start, source.end) <= _seconds_to_peak(plan, view, stage)
+    return view.in_bytes(a) if faster else 0
+
+
+def _seconds_to_peak(plan: Plan, view: CostView, stage: Stage) -> float:
+    """Time from a microbatch's compute start to its memory peak: the end of the forward part
+    (a backward's recompute, a fused stage's forward and loss; all of a forward stage)."""
+    return view.forward_s(stage.start, stage.end)
+
+
+def stage_peak_bytes(plan: Plan, view: CostView, stages: list[Stage], k: int,
+                     link_bytes_per_second: float | None, microbatches: int | None = None) -> int:
+    """A worker's bytes at the peak of a microbatch of ``stages[k]`` (its tasks run cyclically).
+
+    Always there: the stage's weights (and its gradients, which accumulate over its
+    microbatches), its working set (:meth:`CostView.stage_graph`), this microbatch's inputs, the
+    next microbatch's inputs uploaded ahead (after the last microbatch, the next stage's;
+    ``_inputs_ahead``) and, for a forward stage, its outputs.
+
+    What may still be in flight depends on the link: the previous stage's weight gradients
+    (then its weights are not released yet, and the next stage's prefetch, which waits for that
+    release, has not started) and the previous microbatch's outputs. Each is counted when moving
+    it takes longer than the compute reaches its peak (``_seconds_to_peak``). With
+    ``link_bytes_per_second`` None (unknown) both always are, and so are the next microbatch's
+    inputs from other stages, which bounds every timing.
+    """
+    n = len(stages)
+    prev, stage, nxt = stages[(k - 1) % n], stages[k], stages[(k + 1) % n]
+    # The next stage's uploads run during this one only when both are submitted by the same call
+    # (a forward and the backward after it are two calls unless the last stage is fused).
+    overlaps_next = n > 1 and _phase(plan, nxt) == _phase(plan, stage)
+
+    def pending(nbytes: int) -> bool:
+        if link_bytes_per_second is None:
+            return True
+        return nbytes / link_bytes_per_second > _seconds_to_peak(plan, view, stage)
+
+    prev_grads = view.grads(prev.start, prev.end) if _is_backward(plan, prev) else 0
+    prefetched = view.weights(nxt.start, nxt.end) if overlaps_next else 0
+    going_home = stage_state_bytes(plan, view, prev) if pending(prev_grads) and n > 1 else 0
+    weights = stage_state_bytes(plan, view, stage) + max(going_home, prefetched)
+    graph, inputs, outputs = stage_activation_bytes(plan, view, stage)
+    if link_bytes_per_second is None:
+        ahead = max(inputs, stage_activation_bytes(plan, view, nxt)[1])
+    else:  # what another worker computes for the next microbatch arrives as this one computes
+        ahead = max(_inputs_ahead(plan, view, stage) if microbatches != 1 else 0,
+                    _inputs_ahead(plan, view, nxt) if overlaps_next else 0)
+    forward = stage.direction == "F" and not _is_backward(plan, stage)
+    behind = max(outputs, stage_activation_bytes(plan, view, prev)[2])
+    return (weights + graph + inputs + ahead + (outputs if forward else 0)
+            + (behind if pending(behind) else 0))
+
+
+def roundpipe_gpu_bytes(plan: Plan, costs: CostProfile, num_workers: int, continue_round_robin: bool = True,
+                        link_bytes_per_second: float | None = None, microbatches: int | None = None) -> list[int]:
+    """Peak bytes of each worker while running ``plan``: the largest :func:`stage_peak_bytes` of its
+    stages. ``link_bytes_per_second`` (default: the profile's; ``math.inf`` for the CPU backend,
+    whose transfers are memory copies) decides which transfers may still be pending at a peak;
+    ``microbatches`` 1 means no next microbatch is uploaded ahead (None: at least two)."""
+    view = CostView(costs)
+    link = costs.link_bytes_per_second if link_bytes_per_second is None else link_bytes_per_second
+    return [max((stage_peak_bytes(plan, view, stages, k, link, microbatches) for k in range(len(stages))), default=0)
+            for stages in worker_stages(plan, num_workers, continue_round_robin)]
 
 
 @dataclass

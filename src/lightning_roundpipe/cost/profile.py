@@ -30,6 +30,12 @@ class LayerCost:
     trainable_params: int | None = None  # parameters the host optimizer updates
     graph_bytes_per_token: int | None = None  # activations autograd keeps for the layer's backward
     active_params: int | None = None  # parameters one token runs through (MoE: top_k of E experts); None: all
+    # Working sets beyond the graph (see cost/activations.py): temporaries of a forward without
+    # autograd (None: the layer's graph), gradients alive on top of the graph in backward (None: 0),
+    # and the gradient of the layer's output (None: act_bytes_per_token; a carry's side data gets none).
+    forward_transient_bytes_per_token: int | None = None
+    backward_transient_bytes_per_token: int | None = None
+    act_grad_bytes_per_token: int | None = None
 
     def scaled(self, factor: float) -> "LayerCost":
         return dataclasses.replace(self, forward_s=self.forward_s * factor, recompute_s=self.recompute_s * factor,

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import activations
 from .profile import CostProfile, LayerCost
 from ..sim.hardware import HardwareProfile
 from ..sim.physical import LayerWork, has_physical_rates, layer_seconds
@@ -268,6 +269,7 @@ def shape_layer_costs(
     *,
     loss_chunk_tokens: int | None = None,
     fp16_accumulation: bool = False,
+    loss_in_pipeline: bool = True,
 ) -> CostProfile:
     """:func:`transformer_layer_costs` of a :class:`ModelShape` (dense or MoE).
 
@@ -275,6 +277,9 @@ def shape_layer_costs(
     12.8 sequences per microbatch on average); the microbatch then holds the nearest whole
     number of tokens. ``fp16_accumulation``: projections and the LM head run at the profile's
     fp16-accumulate tensor rate (``torch.backends.cuda.matmul.allow_fp16_accumulation``).
+    ``loss_in_pipeline`` False: the last stage returns the logits and the loss is computed
+    outside (no labels travel, the logits are the last stage's output). Activation bytes come
+    from :mod:`.activations`.
     """
     hidden, intermediate, vocab, num_layers = shape.hidden, shape.intermediate, shape.vocab, shape.num_layers
     qk_norm = shape.qk_norm
@@ -294,14 +299,18 @@ def shape_layer_costs(
         return LayerCost(f, f, seconds(bwd), params * dtype_bytes, trainable * dtype_bytes, act)
 
     layers, params, trainable, graph = [], [], [], []
+    carry = activations.carry_bytes(shape, dtype_bytes, labels=loss_in_pipeline)
 
     # Prefix: the embedding gather. Frozen under LoRA (adapters go on the projections only).
     emb = shape.embedding_params()
     layers.append(layer(LayerWork(hidden, 0, 2 * hidden * dtype_bytes), LayerWork(2 * hidden, 0, 2 * hidden * dtype_bytes),
-                        emb, 0 if lora else emb, hidden * dtype_bytes))
+                        emb, 0 if lora else emb, carry))
+    layers[-1].act_grad_bytes_per_token = activations.hidden_grad_bytes(shape, dtype_bytes)
     params.append(emb)
     trainable.append(0 if lora else emb)
-    graph.append(0)  # token ids are all the backward needs
+    # The embedding's backward needs only the token ids; its output carry is kept by the first
+    # decoder layer (hidden state by its norm, cos and sin by the rotary multiplies).
+    graph.append(carry)
 
     # Decoder layers.
     base = shape.decoder_layer_params()
@@ -312,10 +321,14 @@ def shape_layer_costs(
     fwd, bwd = decoder_layer_work(shape, seq_len, lora_rank, dtype_bytes)
     if not has_physical_rates(hardware):
         bwd = LayerWork(bwd.matmul_flops, 2 * attn, bwd.memory_bytes)  # the estimate's FLOP count
-    saved = (4 * hidden + 2 * shape.q_dim + 2 * shape.kv_dim + 4 * mlp_width + shape.num_experts
-             + (shape.q_dim + shape.kv_dim if qk_norm else 0)) * dtype_bytes
+    saved = activations.decoder_graph_bytes(shape, dtype_bytes, lora_rank)
+    transient = activations.decoder_backward_transient_bytes(shape, dtype_bytes)
     for _ in range(num_layers):
-        layers.append(layer(fwd, bwd, base + adapters, adapters if lora else base, hidden * dtype_bytes))
+        layers.append(layer(fwd, bwd, base + adapters, adapters if lora else base, carry))
+        layers[-1].backward_transient_bytes_per_token = transient
+        layers[-1].forward_transient_bytes_per_token = activations.decoder_forward_transient_bytes(
+            shape, dtype_bytes, lora_rank)
+        layers[-1].act_grad_bytes_per_token = activations.hidden_grad_bytes(shape, dtype_bytes)
         params.append(base + adapters)
         trainable.append(adapters if lora else base)
         graph.append(saved)
@@ -329,8 +342,13 @@ def shape_layer_costs(
     # A tied head's gradient travels home and adds into the embedding's; the optimizer updates
     # that matrix once, with the prefix, so only the final norm is the postfix's own.
     trainable.append(0 if lora else (hidden if shape.tie_embeddings else head))
-    chunk_share = 1.0 if loss_chunk_tokens is None else min(1.0, loss_chunk_tokens / tokens)
-    graph.append(int(2 * hidden * dtype_bytes + vocab * (dtype_bytes + _LOSS_FP32_COPIES * 4) * chunk_share))
+    # Without autograd (a forward stage) the norm's normalised and weighted outputs exist beside the
+    # logits (the output).
+    layers[-1].forward_transient_bytes_per_token = 2 * hidden * dtype_bytes
+    layers[-1].backward_transient_bytes_per_token = activations.postfix_backward_transient_bytes(
+        shape, dtype_bytes, tokens, loss_chunk_tokens, loss_in_pipeline)
+    graph.append(activations.postfix_graph_bytes(shape, dtype_bytes, tokens, not lora, loss_chunk_tokens,
+                                                 loss_in_pipeline, _LOSS_FP32_COPIES))
 
     unique = shape.num_params() + (num_layers * adapters if lora else 0)
     # A token runs the routed experts of an MoE layer only (the report shows held versus run).
@@ -340,7 +358,8 @@ def shape_layer_costs(
     for cost, p, t, g, a in zip(layers, params, trainable, graph, active):
         cost.params, cost.trainable_params, cost.graph_bytes_per_token, cost.active_params = p, t, g, a
     return CostProfile(layers, tokens_per_microbatch=tokens, measured=False, source=f"{shape.name} on {hardware.name}",
-                       dtype_bytes=dtype_bytes, input_bytes_per_token=_TOKEN_ID_BYTES, unique_params=unique,
+                       dtype_bytes=dtype_bytes, input_bytes_per_token=_TOKEN_ID_BYTES * (2 if loss_in_pipeline else 1),
+                       unique_params=unique,
                        unique_trainable_params=(num_layers * adapters) if lora else unique,
                        decoder_layers=(1, 1 + num_layers))  # after the embedding prefix
 

@@ -23,6 +23,12 @@ class CostView:
         self.trainable = costs.layer_trainable_params()
         self.params = costs.layer_params()
         self.input_bytes_per_token = int(costs.input_bytes_per_token)
+        self.transient_per_token = [c.backward_transient_bytes_per_token or 0 for c in costs.layers]
+        # Per layer: its temporaries without autograd, or None where the profile does not say (then
+        # its graph stands for its whole working set, carries included).
+        self.forward_transient_per_token = [c.forward_transient_bytes_per_token for c in costs.layers]
+        self.grad_per_token = [c.act_bytes_per_token if c.act_grad_bytes_per_token is None
+                               else c.act_grad_bytes_per_token for c in costs.layers]
         self._graph_prefix = [0]
         for g in self.graph_per_token:
             self._graph_prefix.append(self._graph_prefix[-1] + g)
@@ -39,6 +45,10 @@ class CostView:
     def out_bytes(self, layer: int) -> int:
         return self.layers[layer].act_bytes_per_token * self.tokens
 
+    def out_grad_bytes(self, layer: int) -> int:
+        """The gradient of ``layer``'s output that its backward receives (and the layer after it sends)."""
+        return self.grad_per_token[layer] * self.tokens
+
     def weights(self, a: int, b: int) -> int:
         return sum(self.layers[i].weight_bytes for i in range(a, b))
 
@@ -50,16 +60,42 @@ class CostView:
         return (self._graph_prefix[b] - self._graph_prefix[a]) * self.tokens
 
     def max_layer_graph(self, a: int, b: int) -> int:
-        """Largest single-layer working set in the range (forward without a kept graph)."""
+        """Largest single-layer graph in the range (one layer's graph live, as with per-layer checkpoints)."""
         return max(self.graph_per_token[i] for i in range(a, b)) * self.tokens
+
+    def forward_transient(self, a: int, b: int) -> int:
+        """Largest working set of one layer of the range run without autograd (a forward stage):
+        its temporaries, plus its input and output carries where they are not the stage's own
+        (those are the stage's input and output buffers)."""
+        def layer(i: int) -> int:
+            temporaries = self.forward_transient_per_token[i]
+            if temporaries is None:
+                return self.graph_per_token[i] * self.tokens
+            return (temporaries * self.tokens + (self.in_bytes(i) if i > a else 0)
+                    + (self.out_bytes(i) if i < b - 1 else 0))
+
+        return max(layer(i) for i in range(a, b))
+
+    def backward_working_set(self, a: int, b: int) -> int:
+        """Peak activation bytes while the range back-propagates (after its recompute, or in a fused stage).
+
+        The whole graph is alive when backward starts at the last layer; each layer's backward then
+        frees what it kept, so while layer ``l`` back-propagates only the graphs of layers ``a..l``
+        remain, beside that layer's gradients (``backward_transient_bytes_per_token``).
+        """
+        return max(self.graph(a, b), max(self.graph(a, l + 1) + self.transient_per_token[l] * self.tokens
+                                          for l in range(a, b)))
 
     def stage_graph(self, kind: str, a: int, b: int) -> int:
         """The activation working set of one microbatch of a stage, the one formula every reader uses.
 
-        A forward runs without autograd, so only the largest layer's intermediates are alive; a
-        backward (it recomputes the stage) and a fused stage keep the whole stage's graph.
+        A forward runs without autograd, so only one layer's temporaries are alive; a backward (it
+        recomputes the stage) and a fused stage keep the whole stage's graph, and back-propagating
+        it adds one layer's gradients (:meth:`backward_working_set`).
         """
-        return self.max_layer_graph(a, b) if kind == "forward" else self.graph(a, b)
+        if kind == "forward":
+            return self.forward_transient(a, b)
+        return self.backward_working_set(a, b)
 
     # seconds of one microbatch
     def forward_s(self, a: int, b: int) -> float:

@@ -174,6 +174,9 @@ class PipelineEngine:
                     self.pool.cancel_pending(exc)
             else:  # a timeout or an interrupt: do not wait that long again
                 self.pool.cancel_pending(exc)
+            run = getattr(fn, "__self__", None)
+            if isinstance(run, StepRun):
+                run.drop_device_values()  # what failed readers never read would stay on the device
             raise
 
     def close(self) -> None:

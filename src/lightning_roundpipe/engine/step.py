@@ -10,6 +10,7 @@ adds stage gradients in dispatch order.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -98,6 +99,10 @@ class StepRun:
                                                   input_gradient=input_requires_grad)
         self.stages = {s.name: s for s in self.plan.forward_stages() + self.plan.backward_stages()}
         self.done: dict[int, Completion] = {}  # graph task id -> its completion
+        # Tasks whose value lives on a device (uploads, computes): dependants yet to run. The last
+        # one drops the value, so a worker holds a microbatch's tensors only until they are read.
+        self._readers: dict[int, int] = _device_readers(self.graph)
+        self._readers_lock = threading.Lock()
         self.weights: dict[str, StageWeights] = {}  # stage name -> its weights on its worker
         self.saves: dict[str, set[int]] = {}  # forward stage -> boundaries it sends home besides its output
         for t in self.graph:
@@ -152,12 +157,38 @@ class StepRun:
         for t in tasks:
             worker = self.pool.workers[t.worker]
             fn, nbytes, extra = getattr(self, f"_{t.kind}")(t, worker)
+            fn = self._reading(fn, [d for d in t.deps if d in self._readers])
             deps = [self.done[d] for d in t.deps] + history.resolve(t, usable=lambda c: not c.failed()) + extra
             label = TaskLabel("release" if t.kind == "free_kept" else t.kind, t.stage, t.microbatch, t.worker, t.lane)
             c = worker.submit(t.lane, fn, deps, label, priority=t.priority, nbytes=nbytes,
                               always=t.kind in ("release", "free_kept"))
             self.done[t.id] = c
             history.record(t, c)
+
+    def _reading(self, fn, device_deps: list[int]):
+        """``fn``, then drop the values of ``device_deps`` that no other dependant will read."""
+        if not device_deps:
+            return fn
+
+        def run():
+            try:
+                return fn()
+            finally:
+                with self._readers_lock:
+                    for d in device_deps:
+                        self._readers[d] -= 1
+                        if self._readers[d] == 0:
+                            self.done[d].drop_value()
+
+        return run
+
+    def drop_device_values(self) -> None:
+        """After a failed call: forget every device value and kept graph (their readers will not run)."""
+        with self._readers_lock:
+            for d in self._readers:
+                if d in self.done:
+                    self.done[d].drop_value()
+        self.graphs.clear()
 
     def _dep(self, t: GraphTask, kind: str) -> Completion | None:
         """The completion of ``t``'s dependency of ``kind`` (its input upload, its compute, ...)."""
@@ -425,6 +456,8 @@ class StepRun:
         for stage in self.plan.backward_stages():
             self.weights.pop(stage.name, None)  # backward stages upload their weights again
         self.graph = graph
+        with self._readers_lock:
+            self._readers.update({d: n for d, n in _device_readers(graph).items() if graph.tasks[d].phase == "backward"})
 
     # ------------------------------------------------------------------ measurements
     @property
@@ -456,6 +489,16 @@ class StepRun:
 def _leaves_requiring_grad(tree, need: bool, keys=None):
     """(leaves requiring grad, the tree the layers get: copies, safe to write in place); see stage_inputs.py."""
     return differentiable_inputs(tree, need, keys)
+
+
+def _device_readers(graph: TaskGraph) -> dict[int, int]:
+    """Per upload or compute task of ``graph`` (its value is on the device), how many tasks depend on it."""
+    out: dict[int, int] = {}
+    for t in graph:
+        for d in t.deps:
+            if graph.tasks[d].lane in ("upload", "compute"):
+                out[d] = out.get(d, 0) + 1
+    return out
 
 
 def _carry_bytes(host: HostCarry) -> int:

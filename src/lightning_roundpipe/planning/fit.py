@@ -11,12 +11,14 @@ profile and a sequence length, and answers:
   ``partition("auto")`` when present and balanced plans with 2-6 stages per worker, each timed by
   :func:`~lightning_roundpipe.sim.simulate.simulate_roundpipe`); the smallest microbatch count
   within 5% of the best throughput is recommended, as it keeps the global batch small;
-- the longest sequence length that fits at all (one layer per stage), with its throughput.
+- the longest sequence length that fits at all (one layer per stage), with its throughput;
+  :func:`longest_fitting_seq_len` answers the same for any cost profile, plan and per-worker cap.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from ..cost.profile import CostProfile
 from ..schedule.plan import Plan, PlanFacts
@@ -279,3 +281,46 @@ def longest_seq_len(
         else:
             hi = mid
     return lo * SEQ_QUANTUM if lo else None
+
+
+def longest_fitting_seq_len(
+    costs_for: Callable[[int], CostProfile],
+    plan: Plan,
+    num_workers: int,
+    cap_bytes: float,
+    *,
+    link_bytes_per_second: float | None = None,
+    quantum: int = SEQ_QUANTUM,
+    max_seq_len: int = MAX_SEQ_LEN,
+    continue_round_robin: bool = True,
+    microbatches: int | None = None,
+) -> int | None:
+    """Longest sequence (a multiple of ``quantum``, at most ``max_seq_len``) at which every worker's
+    predicted peak (:func:`~lightning_roundpipe.cost.memory.roundpipe_gpu_bytes` of ``plan`` over
+    ``costs_for(seq_len)``) stays within ``cap_bytes``; None when not even ``quantum`` tokens fit.
+
+    For any model and cost profile: ``costs_for`` builds the profile of one sequence length (for a
+    preset, ``lambda s: preset_costs(name, hardware, s)``), so the same question can be put to the CPU
+    backend with a per-worker cap (``cpu_memory_cap_bytes``, with ``link_bytes_per_second=math.inf``:
+    its transfers are memory copies) and checked end to end.
+    """
+    if quantum < 1 or max_seq_len < quantum:
+        raise ValueError(f"need 1 <= quantum <= max_seq_len, got quantum={quantum}, max_seq_len={max_seq_len}")
+
+    def fits(seq: int) -> bool:
+        peaks = roundpipe_gpu_bytes(plan, costs_for(seq), num_workers, continue_round_robin=continue_round_robin,
+                                    link_bytes_per_second=link_bytes_per_second, microbatches=microbatches)
+        return max(peaks) <= cap_bytes
+
+    top = max_seq_len // quantum
+    lo, hi = 0, 1  # in quanta: lo fits (0 = nothing), hi is the first candidate to test
+    while hi <= top and fits(hi * quantum):
+        lo, hi = hi, hi * 2
+    hi = min(hi, top + 1)
+    while hi - lo > 1:  # invariant: lo fits (or is 0), hi does not (or is past the cap)
+        mid = (lo + hi) // 2
+        if fits(mid * quantum):
+            lo = mid
+        else:
+            hi = mid
+    return lo * quantum if lo else None

@@ -3,6 +3,7 @@ backend's protocol on fake CPU streams ("fake_cuda", for CI)."""
 
 from .cpu import CpuWorkerPool
 from .completions import Completion, PipelineError, PipelineTimeout, TaskLabel, WorkerError
+from .device_memory import WorkerOutOfMemoryError
 from .pool import Worker, WorkerPool
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "TaskLabel",
     "Worker",
     "WorkerError",
+    "WorkerOutOfMemoryError",
     "WorkerPool",
     "BACKENDS",
     "make_pool",

@@ -144,6 +144,11 @@ class Completion:
         if self._notifier is not None:
             self._notifier.on_completion(self)
 
+    def drop_value(self) -> None:
+        """Forget the task's value once every reader has read it: device tensors a completion
+        keeps would otherwise stay allocated as long as the step's bookkeeping lives."""
+        self._value = None
+
     def set(self, value: Any = None) -> None:
         self._value = value
         self._flag.set()
@@ -155,6 +160,11 @@ class Completion:
         self._notify()
 
     def fail_from_exception(self, exc: BaseException) -> None:
+        if isinstance(exc, MemoryError) and isinstance(exc, WorkerError):
+            # Out of (capped) device memory: keep the worker's traceback as text, not its frames,
+            # whose locals would keep the failed task's tensors allocated as long as the error lives.
+            exc.worker_traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            exc.__traceback__ = None
         self.fail(exc if isinstance(exc, PipelineError) else worker_error(self.label, exc))
 
     def wait(self, timeout: float, waiter: str = "the caller", diagnose=None) -> Any:

@@ -10,7 +10,13 @@ measuring the effect of transfer priorities on this machine:
 - ``bandwidth_bytes_per_s`` / ``latency_s``: each transfer sleeps ``latency + bytes / bandwidth``
   (for example 25e9 for PCIe 4.0 x16), so a long weight prefetch really delays what queues
   behind it, unless priorities let it overtake;
-- ``threads_per_worker``: torch intra-op threads in each compute lane (default 1: one core each).
+- ``threads_per_worker``: torch intra-op threads in each compute lane (default 1: one core each);
+- ``measure_memory``: measure each worker's device bytes (``device_memory.py``): a tally of every
+  tensor its compute tasks and activation/gradient uploads create, plus its uploaded weights;
+  read with ``peak_device_bytes()``. It costs a Python call per operator, so it is off unless
+  asked for or a cap is set;
+- ``memory_cap_bytes``: a virtual GPU of that many bytes per worker: a task whose allocation
+  takes its worker over it fails with ``WorkerOutOfMemoryError`` (implies ``measure_memory``).
 
 "Device" memory is host memory here. What a GPU's copy engine would move without using a CPU
 core is not copied by a CPU core here either: a parameter upload in the host dtype shares the
@@ -18,7 +24,9 @@ host tensor (the engine only reads it, and its optimizer gates keep the host fro
 while a stage runs; buffers, which a forward may write, are copied), and a download hands the finished device tensor to the host (nothing on the device
 side writes it afterwards). Activation and gradient inputs are copied, so a stage owns its inputs
 as on a GPU, and a cast to the compute dtype is a real copy. The tasks, lanes, priorities and
-completions are the same as with copies, so the asynchrony is unchanged.
+completions are the same as with copies, so the asynchrony is unchanged. When measuring memory,
+downloads are real copies too: the device tensor and its host copy are then distinct storages,
+and the device one is counted until the worker's side drops it, as on a GPU.
 """
 
 from __future__ import annotations
@@ -29,7 +37,10 @@ import time
 
 import torch
 
+from .device_memory import AllocationTally
 from .pool import Lane, Task, WorkerPool, Worker
+
+TALLIED_UPLOADS = ("act_in", "grad_in")  # weights are counted by the engine's uploads and releases
 
 
 class CpuWorkerPool(WorkerPool):
@@ -47,6 +58,8 @@ class CpuWorkerPool(WorkerPool):
         threads_per_worker: int = 1,
         seed: int = 0,
         fifo_transfers: bool = False,
+        measure_memory: bool = False,
+        memory_cap_bytes: int | None = None,
     ):
         super().__init__([torch.device("cpu")] * num_workers, timeout_s=timeout_s, trace=trace,
                          fifo_transfers=fifo_transfers)
@@ -57,6 +70,19 @@ class CpuWorkerPool(WorkerPool):
         self.threads_per_worker = int(threads_per_worker)
         self._rand = random.Random(seed)
         self._rand_lock = threading.Lock()
+        self.measure_memory = False
+        self._tallies: dict[int, AllocationTally] = {}  # id(lane) -> the tally its tasks run under
+        if measure_memory or memory_cap_bytes is not None:
+            self.start_measuring_memory(memory_cap_bytes)
+
+    def start_measuring_memory(self, cap_bytes: int | None = None) -> None:
+        """Measure each worker's device memory from the next task on (``peak_device_bytes()``), with
+        an optional per-worker cap. Call between steps (a task already running is not tallied)."""
+        for w in self.workers:
+            w.memory.cap_bytes = cap_bytes
+            for lane in (w.lanes["compute"], w.lanes["upload"]):
+                self._tallies.setdefault(id(lane), AllocationTally(w.memory))
+        self.measure_memory = True
 
     def on_lane_start(self, lane: Lane) -> None:
         if lane.queue == "compute" and self.threads_per_worker > 0:
@@ -68,6 +94,14 @@ class CpuWorkerPool(WorkerPool):
         with self._rand_lock:
             return self._rand.uniform(0.0, self.jitter_s)
 
+    def _run(self, lane: Lane, task: Task):
+        tally = self._tallies.get(id(lane))
+        if tally is None or (lane.queue == "upload" and task.done.label.kind not in TALLIED_UPLOADS):
+            return task.fn()
+        tally.label = task.done.label
+        with tally:
+            return task.fn()
+
     def execute(self, lane: Lane, task: Task) -> None:
         start = self.trace.now()
         if task.done.label.kind == "release":
@@ -76,10 +110,10 @@ class CpuWorkerPool(WorkerPool):
             pause = self._jitter() + self.compute_delay_s
             if pause > 0:
                 time.sleep(pause)
-            value = task.fn()
+            value = self._run(lane, task)
         else:
             # A transfer: copy, then pay what the modelled link would charge for these bytes.
-            value = task.fn()
+            value = self._run(lane, task)
             if not task.nbytes:
                 task.nbytes = _bytes_of(value)
             pause = self._jitter() + self.latency_s
@@ -103,6 +137,8 @@ class CpuWorkerPool(WorkerPool):
         return out
 
     def copy_to_host(self, worker: Worker, tensors, reusable: bool = False):
+        if self.measure_memory:  # distinct host storage, so the device one is seen to die (module doc)
+            return [None if t is None else t.detach().clone() for t in tensors]
         # The device side is done with these tensors: the host takes them as they are.
         return [None if t is None else t.detach() for t in tensors]
 

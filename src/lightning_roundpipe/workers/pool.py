@@ -31,6 +31,7 @@ import torch
 
 from ..tracing.records import TraceRecord, TraceRecorder
 from .completions import Completion, PipelineTimeout, TaskLabel
+from .device_memory import DeviceMemory
 
 QUEUES = ("upload", "compute", "download")
 log = logging.getLogger("lightning_roundpipe")
@@ -84,6 +85,9 @@ class Lane:
 
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def is_thread(self, thread: threading.Thread) -> bool:
+        return thread is self._thread
 
     def submit(self, task: Task) -> None:
         key = (0, task.seq) if self.strict_order else task.key()  # a strict lane ignores priorities
@@ -176,9 +180,15 @@ class Worker:
         self.index = index
         self.device = device
         self.lanes = {q: Lane(pool, self, q) for q in QUEUES}
-        self._mem_lock = threading.Lock()
-        self.resident_weight_bytes = 0
-        self.peak_weight_bytes = 0
+        self.memory = DeviceMemory(index)  # what this worker holds on its device (device_memory.py)
+
+    @property
+    def resident_weight_bytes(self) -> int:
+        return self.memory.weight_bytes
+
+    @property
+    def peak_weight_bytes(self) -> int:
+        return self.memory.peak_weight_bytes
 
     def submit(
         self,
@@ -206,9 +216,15 @@ class Worker:
         )
 
     def track_weights(self, delta_bytes: int) -> None:
-        with self._mem_lock:
-            self.resident_weight_bytes += delta_bytes
-            self.peak_weight_bytes = max(self.peak_weight_bytes, self.resident_weight_bytes)
+        """Stage weights uploaded (or released, ``delta_bytes < 0``) by the task running on this
+        thread; over the worker's memory cap this raises :class:`~.device_memory.WorkerOutOfMemoryError`."""
+        self.memory.track_weights(delta_bytes, self.running_label())
+
+    def running_label(self) -> TaskLabel | None:
+        """The label of the task this worker's lane runs on the calling thread (None off its lanes)."""
+        me = threading.current_thread()
+        lane = next((l for l in self.lanes.values() if l.is_thread(me)), None)
+        return lane.running.done.label if lane is not None and lane.running is not None else None
 
 
 class WorkerPool:
@@ -376,6 +392,21 @@ class WorkerPool:
 
     def peak_weight_bytes(self) -> list[int]:
         return [w.peak_weight_bytes for w in self.workers]
+
+    def peak_device_bytes(self) -> list[int]:
+        """Per worker, the most device bytes held at once since the last reset: weights and, where
+        the backend measures them (the CPU backend's ``measure_memory``), every tensor its tasks
+        created (see ``device_memory.py``)."""
+        return [w.memory.peak_bytes for w in self.workers]
+
+    def held_device_bytes(self) -> list[int]:
+        """Per worker, the device bytes held now (0 everywhere once a step's tasks are gone)."""
+        return [w.memory.held_bytes for w in self.workers]
+
+    def reset_peak_device_bytes(self) -> None:
+        """Start the peaks of :meth:`peak_device_bytes` and :meth:`peak_weight_bytes` afresh from what is held now."""
+        for w in self.workers:
+            w.memory.reset_peak()
 
     # ------------------------------------------------------------------ backend hooks
     device_poll_s = 0.5  # how soon a lane looks again at a task waiting only for device work

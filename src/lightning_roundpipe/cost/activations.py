@@ -1,0 +1,144 @@
+"""Activation bytes per token of a decoder-only transformer as this project runs it (the Hugging Face layers).
+
+Three numbers per layer feed the memory model (``cost/memory.py``):
+
+- the carry a layer boundary holds (``carry_bytes``): what an activation upload or download of
+  one token moves and what a stage input buffer holds;
+- the graph (``decoder_graph_bytes``, ``postfix_graph_bytes``): the tensors autograd keeps for a
+  layer's backward, plus the layer's output (inside a stage the next layer keeps it; the last
+  layer's output is alive while the stage's backward runs);
+- the backward transient (``decoder_backward_transient_bytes``): gradients that exist at once on
+  top of the graph while a layer back-propagates.
+
+Every term below was counted tensor by tensor on the CPU backend (fp32) with the device-memory
+tally of ``workers/device_memory.py`` (see ``docs/memory.md`` for the counts) and names the
+operator that keeps it. ``u`` is the fp32 upcast Hugging Face's RMSNorm makes of its input
+(``hidden_states.to(torch.float32)``): a new tensor that the norm keeps when the compute dtype
+is narrower than fp32, the input itself in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .transformer import ModelShape
+
+FP32 = 4
+INDEX_BYTES = 8  # int64 position ids and labels
+
+
+def _upcast(dtype_bytes: int) -> int:
+    """Bytes per element of the fp32 copy an RMSNorm keeps (0 when the input already is fp32)."""
+    return FP32 if dtype_bytes < FP32 else 0
+
+
+def rms_norm_kept(width: int, dtype_bytes: int, trainable: bool) -> int:
+    """Per token: the fp32 upcast (when narrower than fp32), the normalised input (kept by the
+    multiply with a trainable weight) and the fp32 reciprocal RMS (kept by the normalising multiply)."""
+    return width * _upcast(dtype_bytes) + (width * dtype_bytes if trainable else 0) + FP32
+
+
+def carry_bytes(shape: "ModelShape", dtype_bytes: int, labels: bool = True) -> int:
+    """Per token, the carry between two layers: the hidden state, the rotary cos and sin of the
+    prefix (every stage reads them, so they travel with the hidden state), the position ids and,
+    when the loss is computed in the pipeline, the labels."""
+    rotary = 2 * shape.head_dim * dtype_bytes
+    return shape.hidden * dtype_bytes + rotary + INDEX_BYTES + (INDEX_BYTES if labels else 0)
+
+
+def decoder_graph_bytes(shape: "ModelShape", dtype_bytes: int, lora_rank: int | None) -> int:
+    """Per token, what one decoder layer keeps for its backward, its output included."""
+    d, h, q, kv = dtype_bytes, shape.hidden, shape.q_dim, shape.kv_dim
+    heads, kv_heads = shape.num_heads, shape.num_kv_heads
+    full = lora_rank is None  # LoRA freezes the norms' weights: their multiplies keep nothing
+    mlp = shape.experts_per_token * shape.expert_intermediate if shape.is_moe else shape.intermediate
+    # The two RMSNorms; their weighted outputs are kept by the projections after them (as the
+    # input of the weight gradient, or of the LoRA adapter's A).
+    out = 2 * (rms_norm_kept(h, d, full) + h * d)
+    # The residual after attention and the layer output are kept by the next RMSNorm as its input
+    # when that norm does not upcast (fp32); otherwise the upcast copy counted there is kept instead.
+    out += 2 * h * d if not _upcast(d) else 0
+    # v (kept by attention), and q and k after rotary (q * cos + rotate_half(q) * sin; the multiplies
+    # by cos and sin keep only cos and sin, which belong to the carry).
+    out += kv * d + (q + kv) * d
+    if shape.qk_norm:
+        # Qwen3's per-head RMSNorms on q and k keep their inputs (the projections' outputs, fp32
+        # after the upcast) and, when trainable, the normalised q and k.
+        out += (q + kv) * max(d, FP32) + (heads + kv_heads) * FP32 + ((q + kv) * d if full else 0)
+    # Attention (flash / memory-efficient kernels) keeps its output (the o_proj input) and one fp32
+    # log-sum-exp per head; no seq x seq scores.
+    out += q * d + heads * FP32
+    # Gated MLP: gate and up outputs, the activation of the gate and the product (down_proj input).
+    out += 4 * mlp * d
+    # MoE router logits (one per expert).
+    out += shape.num_experts * d
+    if lora_rank is not None:
+        out += 7 * lora_rank * d  # each adapted projection's A output, kept by its B
+    return out
+
+
+def _mlp_width(shape: "ModelShape") -> int:
+    return shape.experts_per_token * shape.expert_intermediate if shape.is_moe else shape.intermediate
+
+
+def decoder_backward_transient_bytes(shape: "ModelShape", dtype_bytes: int) -> int:
+    """Per token, the gradients alive at once on top of the graph while a decoder layer back-propagates:
+    the MLP's gate and up gradients (the output gradient is the stage's gradient input, counted there)."""
+    return 2 * _mlp_width(shape) * dtype_bytes
+
+
+def decoder_forward_transient_bytes(shape: "ModelShape", dtype_bytes: int, lora_rank: int | None) -> int:
+    """Per token, the most a decoder layer holds at once besides its input and output when it runs
+    without autograd (a forward stage): in the MLP the residual, the norm's output, the activated
+    gate, up and their product; a LoRA adapter's B output exists beside the base projection's."""
+    mlp = _mlp_width(shape)
+    return (3 * mlp + 2 * shape.hidden + (mlp if lora_rank is not None else 0)) * dtype_bytes
+
+
+def hidden_grad_bytes(shape: "ModelShape", dtype_bytes: int) -> int:
+    """Per token, the gradient a layer boundary carries back: only the hidden state gets one."""
+    return shape.hidden * dtype_bytes
+
+
+def postfix_graph_bytes(shape: "ModelShape", dtype_bytes: int, tokens: int, trainable_head: bool,
+                        loss_chunk_tokens: int | None, loss_in_pipeline: bool, loss_fp32_copies: int) -> int:
+    """Per token, the final norm + LM head (+ loss) stage's working set for its backward.
+
+    ``loss_in_pipeline`` False: the stage returns the logits (kept as its output) and the loss
+    is computed elsewhere. Otherwise, with ``loss_chunk_tokens`` (the chunked loss of
+    ``adapters/chunked_loss.py``) the gradients are computed chunk by chunk inside the forward:
+    the norm's output and the hidden-state gradient exist for all tokens, the fp32 logits of one
+    chunk (plus their compute-dtype original when narrower) and a ``[chunk, hidden]`` product at a
+    time, and an fp32 ``[vocab, hidden]`` weight-gradient accumulator per microbatch. Without it
+    (Hugging Face's own loss) the compute-dtype logits and ``loss_fp32_copies`` fp32 copies
+    (the upcast and the log-softmax) of every token are kept.
+    """
+    d, h, v = dtype_bytes, shape.hidden, shape.vocab
+    norm = rms_norm_kept(h, d, trainable_head)
+    if loss_in_pipeline and loss_chunk_tokens is not None:
+        return int(norm + 2 * h * d + _chunk_bytes(shape, dtype_bytes, tokens, loss_chunk_tokens))
+    if not loss_in_pipeline:
+        # The norm's weighted output is kept by the head's weight gradient; the logits are the output.
+        return norm + (h * d if trainable_head else 0) + v * d
+    return int(2 * h * d + v * (d + loss_fp32_copies * FP32))
+
+
+def _chunk_bytes(shape: "ModelShape", dtype_bytes: int, tokens: int, loss_chunk_tokens: int) -> float:
+    """Per token: one chunk's logits (fp32, plus the compute-dtype original when narrower) and its
+    ``[chunk, hidden]`` product, spread over the microbatch, and the fp32 weight-gradient accumulator."""
+    d, h, v = dtype_bytes, shape.hidden, shape.vocab
+    chunk = min(loss_chunk_tokens, tokens) / tokens
+    return chunk * (v * FP32 + (v * d if d < FP32 else 0) + h * d) + v * h * FP32 / tokens
+
+
+def postfix_backward_transient_bytes(shape: "ModelShape", dtype_bytes: int, tokens: int,
+                                     loss_chunk_tokens: int | None, loss_in_pipeline: bool) -> int:
+    """Per token, what back-propagating the LM head and the final RMSNorm adds on top of the stage's
+    graph: the head's input gradient and four hidden-wide temporaries of the norm's chain rule
+    (through the weight, the reciprocal RMS, the mean and the square). The chunked loss computed its
+    gradients in the forward, whose chunk logits are gone by then: only what exceeds them is added."""
+    norm_backward = 5 * shape.hidden * dtype_bytes
+    if loss_in_pipeline and loss_chunk_tokens is not None:
+        return max(0, int(norm_backward - _chunk_bytes(shape, dtype_bytes, tokens, loss_chunk_tokens)))
+    return norm_backward
