@@ -5,7 +5,9 @@ stage it runs and the one it prefetches; a stage's gradient buffer lives until i
 are home), plus one microbatch's activation working set: the autograd graph of the running stage
 (stage-level recompute keeps the whole stage's graph; a forward keeps none, only one layer's
 intermediates) and two input and two output buffers (double buffering). The simulator's peak
-never exceeds this bound (tested).
+never exceeds this bound (tested). With layer-grain recompute (``recompute="layer"``) a
+backward or fused stage holds one layer's graph at a time plus the inputs of its layers after
+the first (the first is the input buffer): ``max_l graph(l) + sum_{a < c < b} in(c)``.
 
 Host: fp32 master weights, fp32 gradients and two fp32 Adam moments (16 bytes) per trainable
 parameter, the compute-dtype copy of every parameter that uploads read from (frozen LoRA bases
@@ -41,11 +43,29 @@ def stage_state_bytes(plan: Plan, view: CostView, stage: Stage) -> int:
     return view.weights(stage.start, stage.end) + grads
 
 
-def stage_activation_bytes(plan: Plan, view: CostView, stage: Stage) -> tuple[int, int, int]:
-    """(graph, input buffer, output buffer) bytes of one microbatch of ``stage``."""
+RECOMPUTE_GRAINS = ("stage", "layer")
+
+
+def layer_grain_graph(view: CostView, a: int, b: int) -> int:
+    """Working set of a stage ``[a, b)`` recomputed one layer at a time: the largest layer's graph
+    plus the kept inputs of layers ``a+1 .. b-1`` (an upper bound: while layer l is recomputed
+    only the inputs up to l are still kept)."""
+    return view.max_layer_graph(a, b) + sum(view.in_bytes(c) for c in range(a + 1, b))
+
+
+def stage_activation_bytes(plan: Plan, view: CostView, stage: Stage, recompute: str = "stage") -> tuple[int, int, int]:
+    """(graph, input buffer, output buffer) bytes of one microbatch of ``stage``.
+
+    ``recompute``: "stage" (a backward stage keeps its whole graph) or "layer" (one layer's graph
+    and the stage's layer inputs, :func:`layer_grain_graph`)."""
+    if recompute not in RECOMPUTE_GRAINS:
+        raise ValueError(f"recompute grain must be one of {RECOMPUTE_GRAINS}, got {recompute!r}")
     a, b = stage.start, stage.end
     fused = _is_backward(plan, stage) and stage.direction == "F"
-    graph = view.stage_graph("forward" if stage.direction == "F" and not fused else "backward", a, b)
+    if recompute == "layer" and _is_backward(plan, stage):
+        graph = layer_grain_graph(view, a, b)
+    else:
+        graph = view.stage_graph("forward" if stage.direction == "F" and not fused else "backward", a, b)
     if stage.direction == "F" and not fused:
         inputs = view.in_bytes(a)
         outputs = view.out_bytes(b - 1) + sum(view.in_bytes(c) for c in plan.saved_boundaries() if a < c < b)
@@ -55,8 +75,10 @@ def stage_activation_bytes(plan: Plan, view: CostView, stage: Stage) -> tuple[in
     return graph, inputs, outputs
 
 
-def roundpipe_gpu_bytes(plan: Plan, costs: CostProfile, num_workers: int, continue_round_robin: bool = True) -> list[int]:
-    """Upper bound of each worker's memory while running ``plan`` (see the module docstring)."""
+def roundpipe_gpu_bytes(plan: Plan, costs: CostProfile, num_workers: int, continue_round_robin: bool = True,
+                        recompute: str = "stage") -> list[int]:
+    """Upper bound of each worker's memory while running ``plan`` (see the module docstring);
+    ``recompute``: the grain of backward stages, "stage" or "layer"."""
     view = CostView(costs)
     per_worker: list[list[Stage]] = [[] for _ in range(num_workers)]
     first, n_tasks = 0, len(plan.forward) + len(plan.dispatched_backward_stages())
@@ -74,7 +96,7 @@ def roundpipe_gpu_bytes(plan: Plan, costs: CostProfile, num_workers: int, contin
         states = [stage_state_bytes(plan, view, s) for s in stages]
         cyc = states + states[:1]  # the last task of the cycle is followed by the first of the next
         pair = max(cyc[i] + cyc[i + 1] for i in range(len(cyc) - 1)) if len(states) > 1 else 2 * states[0]
-        acts = [stage_activation_bytes(plan, view, s) for s in stages]
+        acts = [stage_activation_bytes(plan, view, s, recompute) for s in stages]
         graph = max(g for g, _, _ in acts)
         buffers = 2 * max(i for _, i, _ in acts) + 2 * max(o for _, _, o in acts)
         out.append(pair + graph + buffers)
