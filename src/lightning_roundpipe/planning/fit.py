@@ -17,8 +17,8 @@ profile and a sequence length, and answers:
 - the recompute grain: stage grain (a backward stage's whole graph) where it fits, else layer
   grain (``recompute="layer"``: one layer's graph plus the stage's layer inputs), which lets
   larger backward stages (and so fewer saved stage inputs) fit at long sequences. Layer grain
-  runs each backward stage's forward once more; the simulations price that as one more forward
-  in each layer's recompute time.
+  runs each backward stage's layers but its last once more without grad; the simulations price
+  that (:func:`layer_grain_costs`).
 
 The loss is the engine's chunked cross-entropy (``DEFAULT_LOSS_CHUNK_TOKENS`` rows of logits at
 a time, what a Hugging Face model's fused last stage uses) unless ``loss_chunk_tokens`` says
@@ -83,10 +83,20 @@ def least_memory_plans(num_layers: int, fused_last: bool) -> list[Plan]:
     return plans
 
 
-def layer_grain_costs(costs: CostProfile) -> CostProfile:
-    """``costs`` as layer-grain recompute spends them: each layer's recompute time grows by its
-    forward (the stage runs its layers once without grad before recomputing them one by one)."""
-    layers = [dataclasses.replace(c, recompute_s=c.recompute_s + c.forward_s) for c in costs.layers]
+def layer_grain_costs(costs: CostProfile, plan: Plan) -> CostProfile:
+    """``costs`` as layer-grain recompute spends them under ``plan``: a backward stage ``[a, b)``
+    first runs layers ``a .. b-2`` without grad (the last layer's input is all that pass is
+    for), so each of those layers' recompute time grows by its forward; in the fused last stage
+    (timed as forward + backward) its backward time does. One-layer stages cost nothing more."""
+    layers = list(costs.layers)
+    fused = plan.backward[-1] if plan.fused_last else None
+    for a, b in plan.backward:
+        for i in range(a, b - 1):
+            c = layers[i]
+            if (a, b) == fused:
+                layers[i] = dataclasses.replace(c, backward_s=c.backward_s + c.forward_s)
+            else:
+                layers[i] = dataclasses.replace(c, recompute_s=c.recompute_s + c.forward_s)
     return dataclasses.replace(costs, layers=layers)
 
 
@@ -123,16 +133,21 @@ def best_plan(
     time per :func:`layer_grain_costs`).
     """
     nw = num_workers or hardware.num_gpus
-    timed = layer_grain_costs(costs) if recompute == "layer" else costs
     budget = hardware.gpu_memory_bytes * memory_fraction
     best_per_m: dict[int, PlanChoice] = {}
-    for m in microbatch_options:
-        for plan in candidate_plans(costs, nw, m, budget, hardware.host_device_bytes_per_s, fused_last):
+    # When none of the usual candidates fits (long sequences: the host cannot keep one input per
+    # layer and microbatch), the least-memory plans with coarser backward cuts are tried.
+    fallback = least_memory_plans(len(costs.layers), fused_last)[1:]
+    for m, plans in [(m, None) for m in microbatch_options] + [(m, fallback) for m in microbatch_options]:
+        if plans is not None and best_per_m:
+            break
+        for plan in plans or candidate_plans(costs, nw, m, budget, hardware.host_device_bytes_per_s, fused_last):
             need = max(roundpipe_gpu_bytes(plan, costs, nw, recompute=recompute))
             if need > budget:
                 continue
             if host_budget_bytes is not None and host_bytes(costs, plan, m).total > host_budget_bytes:
                 continue
+            timed = layer_grain_costs(costs, plan) if recompute == "layer" else costs
             result = simulate_roundpipe(plan, timed, hardware, m, num_workers=nw, config=config)
             if m not in best_per_m or result.tokens_per_s > best_per_m[m].result.tokens_per_s:
                 best_per_m[m] = PlanChoice(plan, m, result, need)
@@ -210,7 +225,8 @@ class TrainingPlan:
                 f"Plan ({len(c.plan.forward)} forward + {len(c.plan.dispatched_backward_stages())} backward stages, "
                 f"policy {c.plan.facts.policy or '?'}): {c.plan.to_text()}",
                 f"Predicted: {r.step_s:.3f} s per step, {r.tokens_per_s:,.0f} tokens/s, bubble {r.bubble_fraction:.1%}, "
-                f"simulated peak GPU memory {r.max_peak_gpu_bytes / GiB:.1f} GiB",
+                + (f"simulated peak GPU memory {r.max_peak_gpu_bytes / GiB:.1f} GiB" if self.recompute == "stage" else
+                   "memory per the layer-grain bound above (the simulator's peak assumes stage-grain graphs)"),
             ]
         if self.max_seq_len is not None:
             extra = ""
