@@ -282,6 +282,17 @@ def _fit_problems(costs: CostProfile, hardware: HardwareProfile, memory_fraction
     return problems, host, gpu
 
 
+def fitting_recompute(costs: CostProfile, hardware: HardwareProfile, microbatches: int, *,
+                      memory_fraction: float = DEFAULT_MEMORY_FRACTION, fused_last: bool = True) -> str | None:
+    """The recompute grain a run with ``costs`` fits with: "stage" when one of the least-memory
+    plans fits at stage grain (it costs no extra forward), else "layer" when one fits at layer
+    grain, else None."""
+    for grain in ("stage", "layer"):
+        if not _fit_problems(costs, hardware, memory_fraction, microbatches, fused_last, grain)[0]:
+            return grain
+    return None
+
+
 def plan_training(
     model: str | ModelShape,
     hardware: str | HardwareProfile,
