@@ -158,3 +158,34 @@ def test_chunked_loss_keeps_no_weight_gradient_buffer_for_a_frozen_head():
     _, trained = _peak_bytes(lambda: chunked_lm_head_loss(hidden.detach().requires_grad_(True),
                                                            weight.clone().requires_grad_(True), labels, 256))
     assert trained - frozen >= vocab * h * 4  # the fp32 [vocab, h] accumulator only the trainable head needs
+
+
+# ------------------------------------------------------------------ the figure scripts
+@pytest.mark.timeout(60)
+def test_layer_recompute_memory_script_measures_the_saving():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from benchmarks.layer_recompute_memory import graph_bytes_per_layer, measure
+
+    stage = measure("always", tokens=1024, width=32, layers=6)
+    layer = measure("layer", tokens=1024, width=32, layers=6)
+    graph = graph_bytes_per_layer(32, 1024)
+    assert stage >= 6 * graph > layer  # stage grain holds every block's graph, layer grain fewer than all
+    assert stage / layer >= 2.5
+
+
+@pytest.mark.timeout(60)
+def test_longest_sequences_script_names_what_binds():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from benchmarks.longest_sequences import markdown, what_binds
+
+    assert what_binds("qwen3-1.7b", load_hardware("rtx4090"), 262144, None, "stage") == "GPU"
+    assert what_binds("qwen3-32b", load_hardware("a100"), 131072, None, "stage") == "GPU+host"
+    row = {"hardware": "rtx4090", "model": "qwen3-1.7b", "mode": "full", "stage": 512, "stage_binds": "GPU",
+           "layer": None, "layer_binds": "host"}
+    assert markdown([row], False).splitlines()[-1] == "| rtx4090 | qwen3-1.7b | full | 512 | GPU | none | host |"
