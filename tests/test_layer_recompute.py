@@ -310,3 +310,35 @@ class _NoBytes:
 
     def boundary_bytes(self, boundary):
         return 0
+
+
+# ------------------------------------------------------------------ CUDA (skips without a GPU)
+@pytest.mark.timeout(120)
+def test_cuda_layer_grain_equals_stage_grain_and_holds_less():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+    def run(recompute):
+        torch.manual_seed(0)
+        net = nn.Sequential(*[nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256), nn.Dropout(0.1))
+                              for _ in range(8)])
+        x = torch.randn(2 * 8192, 256)
+        whole = [[0, 8]]
+        rt = RoundPipeRuntime.attach(net, "cuda", 1, RuntimeOptions(
+            microbatches=2, step_metrics=False, recompute=recompute,
+            partition={"policy": "manual", "manual_forward": whole, "manual_backward": whole}))
+        try:
+            torch.manual_seed(1)
+            torch.cuda.reset_peak_memory_stats()
+            net(x).pow(2).mean().backward()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+        finally:
+            rt.detach()
+        return {n: p.grad.clone() for n, p in net.named_parameters()}, peak
+
+    stage, stage_peak = run("always")
+    layer, layer_peak = run("layer")
+    assert _worst(layer, stage) <= EXACT
+    # 8 layers' graphs (about 2 x 8192 x 1024 x 4 B each) against one layer's and 8 layer inputs
+    assert stage_peak - layer_peak >= 6 * 8192 * 1024 * 4
