@@ -11,7 +11,7 @@ from lightning_roundpipe.cost.view import CostView
 from lightning_roundpipe.schedule.plan import Plan
 from lightning_roundpipe.sim import load_hardware, plan_training, preset_costs
 from lightning_roundpipe.sim.hardware import HardwareProfile
-from lightning_roundpipe.planning.fit import fitting_recompute, layer_grain_costs, least_memory_plans
+from lightning_roundpipe.planning.fit import fitting_recompute, least_memory_plans
 
 
 def hand_costs(layers=4):
@@ -41,15 +41,25 @@ def test_layer_grain_working_set_by_hand():
         stage_activation_bytes(TWO_LAYER_BACKWARD, view, b02, "layers")
 
 
-def test_layer_grain_costs_price_the_extra_forward_by_hand():
-    costs = layer_grain_costs(hand_costs(), TWO_LAYER_BACKWARD)
-    # the no-grad pass runs layers 0 and 2 (all but each backward stage's last)
-    assert [c.recompute_s for c in costs.layers] == [2e-3, 1e-3, 2e-3, 1e-3]
-    assert [c.backward_s for c in costs.layers] == [2e-3] * 4
-    fused = Plan(4, ((0, 2), (2, 4)), ((0, 2), (2, 4)), fused_last=True)
-    costs = layer_grain_costs(hand_costs(), fused)
-    assert [c.recompute_s for c in costs.layers] == [2e-3, 1e-3, 1e-3, 1e-3]
-    assert [c.backward_s for c in costs.layers] == [2e-3, 2e-3, 3e-3, 2e-3]  # the fused stage is timed forward + backward
+def test_simulator_times_and_holds_layer_grain_by_hand():
+    from lightning_roundpipe.sim import simulate_roundpipe
+    from lightning_roundpipe.sim.simulate import SimConfig
+
+    hw = HardwareProfile("hand", 1, 1.0, 10**6, 1e15, 10**9, 1e15)  # one worker, transfers and optimizer ~free
+    results = {}
+    for grain in (False, True):
+        r = simulate_roundpipe(TWO_LAYER_BACKWARD, hand_costs(), hw, 2, config=SimConfig(steps=2, layer_recompute=grain))
+        computes = {(x.kind, x.stage, round(x.end - x.start, 9)) for x in r.timeline if x.queue == "compute"}
+        results[grain] = (r.step_s, r.max_peak_gpu_bytes, computes)
+    # stage grain: a backward microbatch is recompute + backward of 2 layers (2 x 3 ms); layer grain adds the
+    # forward of the stage's first layer (1 ms), run without grad to keep the second layer's input
+    assert {c for c in results[False][2] if c[0] == "backward"} == {("backward", "B0", 0.006), ("backward", "B1", 0.006)}
+    assert {c for c in results[True][2] if c[0] == "backward"} == {("backward", "B0", 0.007), ("backward", "B1", 0.007)}
+    # one step: 4 forward stages x 2 microbatches x 1 ms, then 2 backward stages x 2 microbatches
+    assert results[False][0] == pytest.approx(8e-3 + 4 * 6e-3, abs=1e-9)
+    assert results[True][0] == pytest.approx(8e-3 + 4 * 7e-3, abs=1e-9)
+    # the backward's working set: 2000 B of graph at stage grain, 1000 + 100 B at layer grain
+    assert results[False][1] - results[True][1] == 2000 - 1100
 
 
 def test_least_memory_plans_keep_a_fused_last_stage():

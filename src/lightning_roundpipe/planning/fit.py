@@ -17,8 +17,8 @@ profile and a sequence length, and answers:
 - the recompute grain: stage grain (a backward stage's whole graph) where it fits, else layer
   grain (``recompute="layer"``: one layer's graph plus the stage's layer inputs), which lets
   larger backward stages (and so fewer saved stage inputs) fit at long sequences. Layer grain
-  runs each backward stage's layers but its last once more without grad; the simulations price
-  that (:func:`layer_grain_costs`).
+  runs each backward stage's layers but its last once more without grad; the simulations time
+  and hold what the lowered layer-grain computes do (``SimConfig.layer_recompute``).
 
 The loss is the engine's chunked cross-entropy (``DEFAULT_LOSS_CHUNK_TOKENS`` rows of logits at
 a time, what a Hugging Face model's fused last stage uses) unless ``loss_chunk_tokens`` says
@@ -83,23 +83,6 @@ def least_memory_plans(num_layers: int, fused_last: bool) -> list[Plan]:
     return plans
 
 
-def layer_grain_costs(costs: CostProfile, plan: Plan) -> CostProfile:
-    """``costs`` as layer-grain recompute spends them under ``plan``: a backward stage ``[a, b)``
-    first runs layers ``a .. b-2`` without grad (the last layer's input is all that pass is
-    for), so each of those layers' recompute time grows by its forward; in the fused last stage
-    (timed as forward + backward) its backward time does. One-layer stages cost nothing more."""
-    layers = list(costs.layers)
-    fused = plan.backward[-1] if plan.fused_last else None
-    for a, b in plan.backward:
-        for i in range(a, b - 1):
-            c = layers[i]
-            if (a, b) == fused:
-                layers[i] = dataclasses.replace(c, backward_s=c.backward_s + c.forward_s)
-            else:
-                layers[i] = dataclasses.replace(c, recompute_s=c.recompute_s + c.forward_s)
-    return dataclasses.replace(costs, layers=layers)
-
-
 def candidate_plans(costs: CostProfile, num_workers: int, microbatches: int, budget: float,
                     link_bytes_per_s: float, fused_last: bool) -> list[Plan]:
     """Plans worth timing: the partitioner's choice and balanced plans of several sizes."""
@@ -129,10 +112,11 @@ def best_plan(
 
     Returns ``None`` when no candidate plan fits the worker memory (or, with
     ``host_budget_bytes``, the host memory). ``recompute``: the grain of backward stages,
-    "stage" or "layer" (memory per :func:`~lightning_roundpipe.cost.memory.roundpipe_gpu_bytes`,
-    time per :func:`layer_grain_costs`).
+    "stage" or "layer" (memory per :func:`~lightning_roundpipe.cost.memory.roundpipe_gpu_bytes`;
+    the simulations lower the plan with layer-grain computes, ``SimConfig.layer_recompute``).
     """
     nw = num_workers or hardware.num_gpus
+    config = dataclasses.replace(config or SimConfig(), layer_recompute=recompute == "layer")
     budget = hardware.gpu_memory_bytes * memory_fraction
     best_per_m: dict[int, PlanChoice] = {}
     # When none of the usual candidates fits (long sequences: the host cannot keep one input per
@@ -147,8 +131,7 @@ def best_plan(
                 continue
             if host_budget_bytes is not None and host_bytes(costs, plan, m).total > host_budget_bytes:
                 continue
-            timed = layer_grain_costs(costs, plan) if recompute == "layer" else costs
-            result = simulate_roundpipe(plan, timed, hardware, m, num_workers=nw, config=config)
+            result = simulate_roundpipe(plan, costs, hardware, m, num_workers=nw, config=config)
             if m not in best_per_m or result.tokens_per_s > best_per_m[m].result.tokens_per_s:
                 best_per_m[m] = PlanChoice(plan, m, result, need)
     if not best_per_m:
@@ -225,8 +208,7 @@ class TrainingPlan:
                 f"Plan ({len(c.plan.forward)} forward + {len(c.plan.dispatched_backward_stages())} backward stages, "
                 f"policy {c.plan.facts.policy or '?'}): {c.plan.to_text()}",
                 f"Predicted: {r.step_s:.3f} s per step, {r.tokens_per_s:,.0f} tokens/s, bubble {r.bubble_fraction:.1%}, "
-                + (f"simulated peak GPU memory {r.max_peak_gpu_bytes / GiB:.1f} GiB" if self.recompute == "stage" else
-                   "memory per the layer-grain bound above (the simulator's peak assumes stage-grain graphs)"),
+                f"simulated peak GPU memory {r.max_peak_gpu_bytes / GiB:.1f} GiB",
             ]
         if self.max_seq_len is not None:
             extra = ""

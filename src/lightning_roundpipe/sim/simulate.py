@@ -45,6 +45,7 @@ from ..schedule.lowering import DEFAULT_PRIORITIES, PRIORITY_CLASS, GraphTask, L
 from ..schedule.plan import Plan, PlanError
 from ..tracing.records import TraceRecord
 from ..cost.view import CostView
+from ..cost.memory import layer_grain_graph
 from .accumulation import CallAccumulator, submission
 from .event_queue import HOST, EventSimulator, LinkSpec, Op
 from .hardware import HardwareProfile
@@ -98,6 +99,10 @@ class SimConfig:
     # One-step-stale optimizer (the reference RoundPipe's default): the uploads of optimizer step
     # k + 1 use the weights of step k - 1, so they wait for the update two steps back, not one.
     stale_optimizer: bool = False
+    # Layer-grain recompute (recompute="layer"): the lowered backward and fused computes say
+    # grain="layer"; each runs its layers but the last once more without grad and holds one
+    # layer's graph plus the stage's layer inputs (cost/memory.py: layer_grain_graph).
+    layer_recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.accumulation < 1:
@@ -208,6 +213,7 @@ class _RoundPipeBuilder:
         first = self.history.next_worker if cfg.continue_round_robin else 0
         graph = lower(plan, self.nw, first, self.sizes,
                       LoweringOptions(microbatches=m, training=True, fused=plan.fused_last, recompute=True,
+                                      layer_recompute=cfg.layer_recompute,
                                       first_serial=self.history.next_serial))
         self.history.advance(graph)
         tasks = graph.tasks
@@ -296,6 +302,9 @@ class _RoundPipeBuilder:
             seconds = view.fused_s(a, b)
         else:
             seconds = view.backward_with_recompute_s(a, b)
+        if t.grain == "layer":
+            transient = layer_grain_graph(view, a, b)
+            seconds += view.forward_s(a, b - 1)  # the pass without grad that keeps the layer inputs
         grads_total = view.grads(a, b) if t.kind != "forward" else 0
         out_total = sum(o.bytes for o in outputs)
         in_total = sum(i.bytes for i in inputs if i.kind in ("act_in", "grad_in"))
