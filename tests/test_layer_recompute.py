@@ -277,6 +277,31 @@ def test_a_layer_writing_a_shared_carry_input_in_place_is_refused_before_weights
         assert torch.equal(p, before[n]), n
 
 
+@pytest.mark.timeout(60)
+def test_auto_partition_learns_from_layer_grain_measurements():
+    """The re-planner reads layer-grain task times (a forward, a recompute and a backward) and replans."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(6)], nn.Linear(8, 1))
+    plain = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(6)], nn.Linear(8, 1))
+    plain.load_state_dict(net.state_dict())
+    rt = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False, recompute="layer",
+                                                               partition="auto"))
+    g = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(3):
+            x = torch.randn(8, 8, generator=g)
+            net.zero_grad(set_to_none=True), plain.zero_grad(set_to_none=True)
+            net(x).pow(2).mean().backward()
+            plain(x).pow(2).mean().backward()
+            for p, q in zip(net.parameters(), plain.parameters()):
+                assert ((p.grad - q.grad).norm() / q.grad.norm()).item() <= GRAD_TOL
+            kinds = {k for _, k, _ in rt.engine.measurements}
+            assert "layer_recompute_backward" in kinds and "recompute_backward" not in kinds
+        assert rt.engine.plan.facts.policy == "auto"
+    finally:
+        rt.detach()
+
+
 # ------------------------------------------------------------------ options and lowering
 def test_option_reaches_the_engine_and_is_checked():
     eng = RuntimeOptions(recompute="layer").validate().engine_options(2)
