@@ -142,6 +142,31 @@ def test_hugging_face_with_dropout_and_fused_last_stage_equals_stage_grain(arch,
     assert _worst(no_dropout, stage) > 1e-3
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_mixture_of_experts_aux_loss_equals_stage_grain(family):
+    """The router statistics ride in the carry (moe_probs) and get their gradient layer by layer."""
+    from _family_configs import family_batch, tiny_model
+
+    ids, mask, labels = family_batch()
+    grads, losses = {}, {}
+    for recompute in ("always", "layer"):
+        model = tiny_model(family)
+        rt = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False,
+                                                                     recompute=recompute, partition=TWO_STAGES))
+        try:
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+            out.loss.backward()
+        finally:
+            rt.detach()
+        losses[recompute] = out.loss.detach()
+        grads[recompute] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert torch.equal(losses["always"], losses["layer"])
+    assert any("gate" in n or "router" in n for n in grads["layer"])
+    assert grads["always"].keys() == grads["layer"].keys()
+    assert _worst(grads["layer"], grads["always"]) <= EXACT
+
+
 # ------------------------------------------------------------------ against Lightning's default strategy
 class DeepSeq(SeqModule):
     def __init__(self, **kwargs):
