@@ -119,21 +119,24 @@ def best_plan(
     config = dataclasses.replace(config or SimConfig(), layer_recompute=recompute == "layer")
     budget = hardware.gpu_memory_bytes * memory_fraction
     best_per_m: dict[int, PlanChoice] = {}
-    # When none of the usual candidates fits (long sequences: the host cannot keep one input per
-    # layer and microbatch), the least-memory plans with coarser backward cuts are tried.
-    fallback = least_memory_plans(len(costs.layers), fused_last)[1:]
-    for m, plans in [(m, None) for m in microbatch_options] + [(m, fallback) for m in microbatch_options]:
-        if plans is not None and best_per_m:
-            break
-        for plan in plans or candidate_plans(costs, nw, m, budget, hardware.host_device_bytes_per_s, fused_last):
-            need = max(roundpipe_gpu_bytes(plan, costs, nw, recompute=recompute))
-            if need > budget:
-                continue
-            if host_budget_bytes is not None and host_bytes(costs, plan, m).total > host_budget_bytes:
-                continue
-            result = simulate_roundpipe(plan, costs, hardware, m, num_workers=nw, config=config)
-            if m not in best_per_m or result.tokens_per_s > best_per_m[m].result.tokens_per_s:
-                best_per_m[m] = PlanChoice(plan, m, result, need)
+
+    def time_fitting(plans_of) -> None:
+        for m in microbatch_options:
+            for plan in plans_of(m):
+                need = max(roundpipe_gpu_bytes(plan, costs, nw, recompute=recompute))
+                if need > budget:
+                    continue
+                if host_budget_bytes is not None and host_bytes(costs, plan, m).total > host_budget_bytes:
+                    continue
+                result = simulate_roundpipe(plan, costs, hardware, m, num_workers=nw, config=config)
+                if m not in best_per_m or result.tokens_per_s > best_per_m[m].result.tokens_per_s:
+                    best_per_m[m] = PlanChoice(plan, m, result, need)
+
+    time_fitting(lambda m: candidate_plans(costs, nw, m, budget, hardware.host_device_bytes_per_s, fused_last))
+    if not best_per_m:
+        # Long sequences: the host may not keep one input per layer and microbatch, so the
+        # least-memory plans with coarser backward cuts are tried too.
+        time_fitting(lambda m: least_memory_plans(len(costs.layers), fused_last)[1:])
     if not best_per_m:
         return None
     top = max(c.result.tokens_per_s for c in best_per_m.values())
