@@ -167,6 +167,45 @@ def test_mixture_of_experts_aux_loss_equals_stage_grain(family):
     assert _worst(grads["layer"], grads["always"]) <= EXACT
 
 
+@pytest.mark.timeout(90)
+def test_bf16_autocast_equals_stage_grain_bitwise(tmp_path):
+    """Under the caller's autocast (bf16-mixed) too: same casts, same kernels, same order."""
+
+    def sequential(recompute):
+        torch.manual_seed(0)
+        net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU(), nn.Dropout(0.1))
+                              for _ in range(6)], nn.Linear(16, 2))
+        rt = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False,
+                                                                   recompute=recompute, partition=TWO_STAGES))
+        try:
+            torch.manual_seed(3)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = net(torch.randn(8, 16, generator=torch.Generator().manual_seed(4)))
+            out.float().pow(2).sum().backward()
+        finally:
+            rt.detach()
+        return [p.grad.clone() for p in net.parameters()]
+
+    def causal_lm(recompute):
+        model = _hf("qwen3", 0.1, tmp_path / recompute)
+        ids = torch.randint(0, 96, (4, 12), generator=torch.Generator().manual_seed(1))
+        rt = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False,
+                                                                     recompute=recompute, partition=TWO_STAGES))
+        try:
+            torch.manual_seed(3)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        finally:
+            rt.detach()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    for run in (sequential, causal_lm):
+        stage, layer = run("always"), run("layer")
+        assert len(stage) == len(layer) > 0
+        assert all(torch.equal(a, b) for a, b in zip(stage, layer))
+
+
 # ------------------------------------------------------------------ against Lightning's default strategy
 class DeepSeq(SeqModule):
     def __init__(self, **kwargs):

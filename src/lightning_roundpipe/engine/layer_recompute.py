@@ -70,6 +70,14 @@ def _check_unwritten(layer: int, shared: list[tuple[torch.Tensor, int]]) -> None
             "exactly: use recompute='always'")
 
 
+def _backward(out: Any, grads: list) -> None:
+    """Back-propagate ``grads`` (aligned with ``out``'s leaves) into the layer that made ``out``."""
+    pairs = [(o, g) for o, g in zip(pytree.tree_leaves(out), grads)
+             if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
+
+
 def layer_inputs(calls: LayerCalls, start: int, end: int, tree: Any, forward: bool) -> list[Any]:
     """The inputs of layers ``start .. end - 1`` (the first is ``tree``), computed without grad.
 
@@ -106,18 +114,19 @@ def backward_by_layer(calls: LayerCalls, start: int, end: int, inputs: list[Any]
         keys = calls.grad_keys(layer)
         in_leaves, fed = differentiable_inputs(tree, need_input_grad or layer > start, keys)
         shared = _shared_versions(tree, _wanted(tree, keys))
-        fused = loss_scale is not None and layer == end - 1
+        last = loss_scale is not None and layer == end - 1
+        # As at stage grain: the fused stage back-propagates inside the compute context (the
+        # caller's autocast), a backward stage after it.
         with calls.context(True):
-            out = calls.run(layer, fed, fused)
-            if fused:
+            out = calls.run(layer, fed, last)
+            if last:
                 loss_sum = out["loss_sum"]
                 (loss_sum.float() * loss_scale).backward()
                 loss = loss_sum.detach().float()
-            else:
-                pairs = [(o, g) for o, g in zip(pytree.tree_leaves(out), grads)
-                         if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
+            elif loss_scale is not None:
+                _backward(out, grads)
+        if loss_scale is None:
+            _backward(out, grads)
         _check_unwritten(layer, shared)
         del out, fed, tree
         grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in in_leaves]
