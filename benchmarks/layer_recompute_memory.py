@@ -21,6 +21,10 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
+from lightning_roundpipe.cost.memory import stage_activation_bytes
+from lightning_roundpipe.cost.profile import CostProfile, LayerCost
+from lightning_roundpipe.cost.view import CostView
+from lightning_roundpipe.schedule.plan import Plan
 
 
 class Block(nn.Module):
@@ -78,6 +82,16 @@ def graph_bytes_per_layer(width: int, tokens: int) -> int:
     return sum(seen.values()) - (inputs if x.untyped_storage().data_ptr() in seen else 0)
 
 
+def modelled(recompute: str, tokens: int, width: int, layers: int, graph_bytes: int) -> int:
+    """``cost/memory.py``'s graph term of the one backward stage (the stage input is its input buffer)."""
+    per_token = width * 4
+    costs = CostProfile([LayerCost(0.0, 0.0, 0.0, 0, 0, per_token, graph_bytes_per_token=graph_bytes // tokens)
+                         for _ in range(layers)], tokens_per_microbatch=tokens, dtype_bytes=4,
+                        input_bytes_per_token=per_token)
+    plan = Plan(layers, ((0, layers),), ((0, layers),))
+    return stage_activation_bytes(plan, CostView(costs), plan.backward_stages()[0], recompute)[0]
+
+
 def measure(recompute: str, tokens: int, width: int, layers: int, microbatches: int = 1) -> int:
     """Peak bytes a backward stage of ``layers`` blocks holds above its start (largest microbatch)."""
     torch.manual_seed(0)
@@ -114,8 +128,9 @@ def main(argv=None) -> None:
     rows = []
     for recompute in ("always", "layer"):
         rows.append((recompute, measure(recompute, a.tokens, a.width, a.layers)))
-    model = {"always": a.layers * graph, "layer": graph + a.layers * act}
-    print(f"{'recompute':<10} {'measured peak':>14} {'model working set':>18}")
+    model = {"always": modelled("stage", a.tokens, a.width, a.layers, graph),
+             "layer": modelled("layer", a.tokens, a.width, a.layers, graph)}
+    print(f"{'recompute':<10} {'measured peak':>14} {'model graph term':>18}")
     for recompute, peak in rows:
         print(f"{recompute:<10} {peak / 2**20:>10.1f} MiB {model[recompute] / 2**20:>14.1f} MiB")
     print(f"saving: {rows[0][1] / rows[1][1]:.2f}x less held by the worker during the backward stage with layer grain")
