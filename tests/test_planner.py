@@ -35,7 +35,7 @@ def test_planner_says_does_not_fit_when_the_host_is_too_small():
 
 
 def test_planner_says_does_not_fit_when_one_layer_exceeds_the_gpu():
-    report = plan_training("qwen3-0.6b", "rtx4090", 262144, find_max_seq_len=False)
+    report = plan_training("qwen3-0.6b", "rtx4090", 524288, find_max_seq_len=False)  # past the chunked loss's longest
     assert not report.fits
     assert any("even with one layer per stage" in r for r in report.reasons)
     assert report.min_gpu_bytes > report.gpu_budget_bytes
@@ -54,8 +54,8 @@ def test_planner_recommends_a_plan_that_fits_and_the_longest_sequence():
     assert longest is not None and longest >= 1024 and longest % SEQ_QUANTUM == 0
     # It is the longest: one quantum more does not fit.
     hw = load_hardware("rtx4090")
-    more = preset_costs("qwen3-0.6b", hw, longest + SEQ_QUANTUM)
-    assert _fit_problems(more, hw, report.memory_fraction, 8, True)[0]
+    more = preset_costs("qwen3-0.6b", hw, longest + SEQ_QUANTUM, loss_chunk_tokens=report.loss_chunk_tokens)
+    assert _fit_problems(more, hw, report.memory_fraction, 8, True, report.max_seq_recompute)[0]
     assert report.max_seq_choice is not None and report.max_seq_choice.result.tokens_per_s > 0
     text = report.to_text()
     assert "Verdict: fits" in text and "Recommended: 8 microbatches" in text and choice.plan.to_text() in text
@@ -63,7 +63,7 @@ def test_planner_recommends_a_plan_that_fits_and_the_longest_sequence():
 
 
 def test_a_chunked_loss_allows_longer_sequences():
-    plain = longest_seq_len("qwen3-0.6b", "rtx4090", microbatches=8)
+    plain = longest_seq_len("qwen3-0.6b", "rtx4090", microbatches=8, loss_chunk_tokens=None)  # full logits
     chunked = longest_seq_len("qwen3-0.6b", "rtx4090", microbatches=8, loss_chunk_tokens=1024)
     assert chunked > plain
 

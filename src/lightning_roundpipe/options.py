@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 PARTITION_POLICIES = ("params", "uniform", "auto", "manual")
 TRANSFER_KINDS = ("activation", "weights", "gradients")
 PINNED_POLICIES = ("alloc", "register", "off")
+RECOMPUTE_CHOICES = ("always", "layer", "never")
 
 
 class OptionError(ValueError):
@@ -156,6 +157,10 @@ class EngineOptions:
     recompute: True keeps only stage inputs in forward and recomputes in backward (bounded
         memory); False keeps each forward graph until backward (CPU backend only: its workers
         share memory) and needs backward stages cut like forward ones.
+    layer_recompute: with ``recompute``, a backward (or fused) stage recomputes and
+        back-propagates one layer at a time: it first runs its layers without grad keeping only
+        each layer's input, then recomputes each layer with grad from the last to the first, so
+        one layer's graph is alive instead of the whole stage's (one more forward of the stage).
     compute_dtype: dtype floating parameters are cast to on upload (None: as stored on host).
     priorities, chunk_bytes, prefetch_depth: as in :class:`TransferConfig`.
     measure_tasks: keep every compute task's trace record until the step's measurements are
@@ -165,6 +170,7 @@ class EngineOptions:
 
     microbatches: int = 2
     recompute: bool = True
+    layer_recompute: bool = False
     compute_dtype: Any = None
     priorities: dict = field(default_factory=lambda: {"activation": 0, "weights": 1, "gradients": 2})
     chunk_bytes: int = 32 << 20
@@ -174,6 +180,10 @@ class EngineOptions:
     def validate(self, owner: str = "EngineOptions") -> "EngineOptions":
         _integer(owner, "microbatches", self.microbatches, 1)
         _flag(owner, "recompute", self.recompute)
+        _flag(owner, "layer_recompute", self.layer_recompute)
+        if self.layer_recompute and not self.recompute:
+            _fail(owner, "layer_recompute", self.layer_recompute,
+                  "layer-grain recompute is a way of recomputing: it needs recompute=True")
         _flag(owner, "measure_tasks", self.measure_tasks)
         check_priorities(owner, "priorities", self.priorities)
         _integer(owner, "chunk_bytes", self.chunk_bytes, 1)
@@ -186,8 +196,10 @@ class RuntimeOptions:
     """Everything that decides how a module is pipelined, with or without Lightning.
 
     microbatches: microbatches per batch (None: number of workers + 1).
-    recompute: "always" (keep stage inputs, recompute in backward) or "never" (keep forward
-        graphs; CPU backend only).
+    recompute: "always" (keep stage inputs, recompute each stage in backward), "layer" (the same
+        inputs kept, but a backward stage recomputes and back-propagates one layer at a time, so
+        only one layer's graph is alive: for long sequences; costs one more forward of each
+        backward stage) or "never" (keep forward graphs; CPU backend only).
     timeout: seconds any wait may take before it fails with an error naming what it waited for.
     partition: how layers are cut into stages (:class:`PartitionConfig`).
     transfer: transfer priorities, chunking, prefetch and CPU link model (:class:`TransferConfig`).
@@ -247,7 +259,7 @@ class RuntimeOptions:
         self.partition = _nested(PartitionConfig, self.partition, owner, "partition").validate(owner, "partition.")
         self.transfer = _nested(TransferConfig, self.transfer, owner, "transfer").validate(owner, "transfer.")
         _integer(owner, "microbatches", self.microbatches, 1, allow_none=True)
-        _choice(owner, "recompute", self.recompute, ("always", "never"))
+        _choice(owner, "recompute", self.recompute, RECOMPUTE_CHOICES)
         _seconds(owner, "timeout", self.timeout, positive=True)
         for name in ("cpu_compute_delay_s", "cpu_jitter_s", "optimizer_delay_s"):
             _seconds(owner, name, getattr(self, name))
@@ -271,7 +283,8 @@ class RuntimeOptions:
     def engine_options(self, num_workers: int) -> EngineOptions:
         """The engine's share of these options (microbatches None: one more than the workers)."""
         t = self.transfer
-        return EngineOptions(microbatches=self.microbatches or num_workers + 1, recompute=self.recompute == "always",
+        return EngineOptions(microbatches=self.microbatches or num_workers + 1, recompute=self.recompute != "never",
+                             layer_recompute=self.recompute == "layer",
                              compute_dtype=self.compute_dtype, priorities=dict(t.priorities),
                              chunk_bytes=t.chunk_bytes, prefetch_depth=t.prefetch_depth)
 

@@ -26,6 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+DEFAULT_LOSS_CHUNK_TOKENS = 1024
+"""Rows of logits the fused last stage of a Hugging Face model computes at a time (its
+``loss_chunk_size`` default); the planner's memory model assumes the same."""
+
 LogitsObserver = Callable[[torch.Tensor], None]
 """Debug callback called with every logits chunk the chunked loss creates (used by tests to
 prove the O(chunk x vocab) memory bound)."""
@@ -102,7 +106,7 @@ def chunked_lm_head_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    chunk_size: int = 1024,
+    chunk_size: int = DEFAULT_LOSS_CHUNK_TOKENS,
     ignore_index: int = -100,
     bias: torch.Tensor | None = None,
     on_logits_chunk: LogitsObserver | None = None,
@@ -115,8 +119,9 @@ def chunked_lm_head_loss(
     input requires grad), they are computed in the same pass, so backward costs one multiply.
 
     Memory: one [chunk_size, vocab] fp32 logits buffer (plus its low-precision copy for
-    non-fp32 inputs), the [n, h] gradient of ``hidden`` and an fp32 [vocab, h] accumulator for the
-    gradient of ``weight`` (fp32 so that summing many chunks loses nothing in bf16).
+    non-fp32 inputs), the [n, h] gradient of ``hidden`` and, when ``weight`` requires grad, an
+    fp32 [vocab, h] accumulator for its gradient (fp32 so that summing many chunks loses nothing
+    in bf16). Only the [n, h] gradient grows with the sequence.
 
     Args:
         hidden: [n, h] rows (already through the final norm).
@@ -158,7 +163,10 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         rows = hidden.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if wants_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_grad else None
+        # A frozen head (LoRA) needs no fp32 [vocab, h] accumulator: at long sequences that is memory the
+        # worker does not have to spare.
+        grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                       if wants_grad and weight.requires_grad else None)
         grad_bias = (
             torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
             if wants_grad and bias is not None
@@ -190,7 +198,9 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
                 grad_logits = transform.backward_(grad_logits, slope)
             grad_low = grad_logits.to(hidden.dtype)  # no copy in fp32
             grad_hidden[start:stop] = grad_low @ weight
-            if hidden.dtype == torch.float32:
+            if grad_weight is None:
+                pass
+            elif hidden.dtype == torch.float32:
                 grad_weight.addmm_(grad_low.t(), h)
             else:
                 grad_weight += grad_low.t() @ h

@@ -177,7 +177,9 @@ def cost_change(previous: CostProfile, current: CostProfile, plan: Plan | None =
 
 
 # --------------------------------------------------------------------- moving averages of measurements
-COMBINED_KINDS = {"fused": ("forward", "backward"), "recompute_backward": ("recompute", "backward")}
+COMBINED_KINDS = {"fused": ("forward", "backward"), "recompute_backward": ("recompute", "backward"),
+                  # layer-grain recompute: a forward without grad keeping layer inputs, then recompute + backward
+                  "layer_recompute_backward": ("forward", "recompute", "backward")}
 
 
 class MovingCostProfile:

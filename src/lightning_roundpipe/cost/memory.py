@@ -7,6 +7,9 @@ term is :meth:`CostView.stage_graph`: the one place a recompute grain changes wh
 and the microbatch buffers around it, plus whatever the link may still be moving. The terms were
 checked against the CPU backend's measured per-worker peaks (``docs/memory.md``); with the link
 unknown every in-flight transfer is counted, and the simulator's peak never exceeds that (tested).
+With layer-grain recompute (``recompute="layer"``) a backward or fused stage holds one layer's
+graph at a time plus the inputs of its layers after the first (the first is the input buffer):
+``max_l graph(l) + sum_{a < c < b} in(c)`` (:func:`layer_grain_graph`).
 
 Host: fp32 master weights, fp32 gradients and two fp32 Adam moments (16 bytes) per trainable
 parameter, the compute-dtype copy of every parameter that uploads read from (frozen LoRA bases
@@ -42,13 +45,33 @@ def stage_state_bytes(plan: Plan, view: CostView, stage: Stage) -> int:
     return view.weights(stage.start, stage.end) + grads
 
 
-def stage_activation_bytes(plan: Plan, view: CostView, stage: Stage) -> tuple[int, int, int]:
+RECOMPUTE_GRAINS = ("stage", "layer")
+
+
+def layer_grain_graph(view: CostView, a: int, b: int) -> int:
+    """Working set of a stage ``[a, b)`` recomputed one layer at a time: the largest one-layer
+    backward working set (its graph, and its gradients while it back-propagates) plus the kept
+    inputs of layers ``a+1 .. b-1`` (an upper bound: while layer l is recomputed only the inputs
+    up to l are still kept)."""
+    return (max(view.backward_working_set(l, l + 1) for l in range(a, b))
+            + sum(view.in_bytes(c) for c in range(a + 1, b)))
+
+
+def stage_activation_bytes(plan: Plan, view: CostView, stage: Stage, recompute: str = "stage") -> tuple[int, int, int]:
     """(working set, inputs, outputs) bytes of one microbatch of ``stage``: the graph (or a forward's
     temporaries), the activation and gradient inputs, and the outputs (a forward's output and the
-    boundaries it saves for recompute; a backward's input gradient)."""
+    boundaries it saves for recompute; a backward's input gradient).
+
+    ``recompute``: "stage" (a backward stage keeps its whole graph) or "layer" (one layer's graph
+    and the stage's layer inputs, :func:`layer_grain_graph`)."""
+    if recompute not in RECOMPUTE_GRAINS:
+        raise ValueError(f"recompute grain must be one of {RECOMPUTE_GRAINS}, got {recompute!r}")
     a, b = stage.start, stage.end
     fused = _is_backward(plan, stage) and stage.direction == "F"
-    graph = view.stage_graph("forward" if stage.direction == "F" and not fused else "backward", a, b)
+    if recompute == "layer" and _is_backward(plan, stage):
+        graph = layer_grain_graph(view, a, b)
+    else:
+        graph = view.stage_graph("forward" if stage.direction == "F" and not fused else "backward", a, b)
     if stage.direction == "F" and not fused:
         inputs = view.in_bytes(a)
         outputs = view.out_bytes(b - 1) + sum(view.in_bytes(c) for c in plan.saved_boundaries() if a < c < b)
@@ -105,7 +128,8 @@ def _seconds_to_peak(plan: Plan, view: CostView, stage: Stage) -> float:
 
 
 def stage_peak_bytes(plan: Plan, view: CostView, stages: list[Stage], k: int,
-                     link_bytes_per_second: float | None, microbatches: int | None = None) -> int:
+                     link_bytes_per_second: float | None, microbatches: int | None = None,
+                     recompute: str = "stage") -> int:
     """A worker's bytes at the peak of a microbatch of ``stages[k]`` (its tasks run cyclically).
 
     Always there: the stage's weights (and its gradients, which accumulate over its
@@ -118,7 +142,8 @@ def stage_peak_bytes(plan: Plan, view: CostView, stages: list[Stage], k: int,
     release, has not started) and the previous microbatch's outputs. Each is counted when moving
     it takes longer than the compute reaches its peak (``_seconds_to_peak``). With
     ``link_bytes_per_second`` None (unknown) both always are, and so are the next microbatch's
-    inputs from other stages, which bounds every timing.
+    inputs from other stages, which bounds every timing. ``recompute``: the grain of backward
+    stages (:func:`stage_activation_bytes`).
     """
     n = len(stages)
     prev, stage, nxt = stages[(k - 1) % n], stages[k], stages[(k + 1) % n]
@@ -135,27 +160,30 @@ def stage_peak_bytes(plan: Plan, view: CostView, stages: list[Stage], k: int,
     prefetched = view.weights(nxt.start, nxt.end) if overlaps_next else 0
     going_home = stage_state_bytes(plan, view, prev) if pending(prev_grads) and n > 1 else 0
     weights = stage_state_bytes(plan, view, stage) + max(going_home, prefetched)
-    graph, inputs, outputs = stage_activation_bytes(plan, view, stage)
+    graph, inputs, outputs = stage_activation_bytes(plan, view, stage, recompute)
     if link_bytes_per_second is None:
-        ahead = max(inputs, stage_activation_bytes(plan, view, nxt)[1])
+        ahead = max(inputs, stage_activation_bytes(plan, view, nxt, recompute)[1])
     else:  # what another worker computes for the next microbatch arrives as this one computes
         ahead = max(_inputs_ahead(plan, view, stage) if microbatches != 1 else 0,
                     _inputs_ahead(plan, view, nxt) if overlaps_next else 0)
     forward = stage.direction == "F" and not _is_backward(plan, stage)
-    behind = max(outputs, stage_activation_bytes(plan, view, prev)[2])
+    behind = max(outputs, stage_activation_bytes(plan, view, prev, recompute)[2])
     return (weights + graph + inputs + ahead + (outputs if forward else 0)
             + (behind if pending(behind) else 0))
 
 
 def roundpipe_gpu_bytes(plan: Plan, costs: CostProfile, num_workers: int, continue_round_robin: bool = True,
-                        link_bytes_per_second: float | None = None, microbatches: int | None = None) -> list[int]:
+                        link_bytes_per_second: float | None = None, microbatches: int | None = None,
+                        recompute: str = "stage") -> list[int]:
     """Peak bytes of each worker while running ``plan``: the largest :func:`stage_peak_bytes` of its
     stages. ``link_bytes_per_second`` (default: the profile's; ``math.inf`` for the CPU backend,
     whose transfers are memory copies) decides which transfers may still be pending at a peak;
-    ``microbatches`` 1 means no next microbatch is uploaded ahead (None: at least two)."""
+    ``microbatches`` 1 means no next microbatch is uploaded ahead (None: at least two);
+    ``recompute``: the grain of backward stages, "stage" or "layer"."""
     view = CostView(costs)
     link = costs.link_bytes_per_second if link_bytes_per_second is None else link_bytes_per_second
-    return [max((stage_peak_bytes(plan, view, stages, k, link, microbatches) for k in range(len(stages))), default=0)
+    return [max((stage_peak_bytes(plan, view, stages, k, link, microbatches, recompute) for k in range(len(stages))),
+                default=0)
             for stages in worker_stages(plan, num_workers, continue_round_robin)]
 
 

@@ -23,6 +23,7 @@ from ..schedule.lowering import GraphTask, TaskGraph
 from ..schedule.plan import Stage
 from ..workers.completions import Completion, TaskLabel
 from .buffers import buffer_writes
+from .layer_recompute import LayerCalls, backward_by_layer, layer_inputs
 from .rng import CallRng
 from .stage_inputs import differentiable_inputs, kept_copy
 from ..params.weights import StageWeights, accumulate_host_grads
@@ -88,6 +89,7 @@ class StepRun:
         self.M = len(microbatches)
         self.training = training
         self.keep_graph = training and not self.opts.recompute
+        self.layer_grain = training and self.opts.recompute and self.opts.layer_recompute
         self.fused = training and loss_scale is not None and self.plan.fused_last
         self.loss_scale = loss_scale
         self.input_requires_grad = input_requires_grad
@@ -159,7 +161,8 @@ class StepRun:
             fn, nbytes, extra = getattr(self, f"_{t.kind}")(t, worker)
             fn = self._reading(fn, [d for d in t.deps if d in self._readers])
             deps = [self.done[d] for d in t.deps] + history.resolve(t, usable=lambda c: not c.failed()) + extra
-            label = TaskLabel("release" if t.kind == "free_kept" else t.kind, t.stage, t.microbatch, t.worker, t.lane)
+            kind = "release" if t.kind == "free_kept" else ("layer_" + t.kind if t.grain == "layer" else t.kind)
+            label = TaskLabel(kind, t.stage, t.microbatch, t.worker, t.lane)
             c = worker.submit(t.lane, fn, deps, label, priority=t.priority, nbytes=nbytes,
                               always=t.kind in ("release", "free_kept"))
             self.done[t.id] = c
@@ -334,6 +337,16 @@ class StepRun:
         stage, i = self.stages[t.stage], t.microbatch
         weights, act_in = self.weights[t.stage], self._dep(t, "act_in")
 
+        if self.layer_grain:
+            def fn():
+                calls = self._layer_calls(worker.device, weights, i)
+                inputs = layer_inputs(calls, stage.start, stage.end, act_in.value.tree(), forward=True)
+                grads, loss = backward_by_layer(calls, stage.start, stage.end, inputs,
+                                                stage.start > 0 or self.input_requires_grad, None, self.loss_scale)
+                return loss, HostCarry(grads, act_in.value.spec)
+
+            return fn, 0, []
+
         def fn():
             tree = act_in.value.tree()
             in_leaves, tree = _leaves_requiring_grad(tree, need=stage.start > 0 or self.input_requires_grad,
@@ -353,6 +366,12 @@ class StepRun:
 
         def fn():
             g_leaves = g_in.value.leaves
+            if self.layer_grain:
+                calls = self._layer_calls(worker.device, weights, i)
+                inputs = layer_inputs(calls, stage.start, stage.end, a_in.value.tree(), forward=False)
+                grads, _ = backward_by_layer(calls, stage.start, stage.end, inputs,
+                                             stage.start > 0 or self.input_requires_grad, g_leaves)
+                return HostCarry(grads, a_in.value.spec)
             if self.keep_graph:
                 in_leaves, spec, out_leaves = self.graphs.pop((stage.index, i))
             else:
@@ -372,6 +391,15 @@ class StepRun:
             return HostCarry(grads, spec)
 
         return fn, 0, []
+
+    def _layer_calls(self, device, weights: StageWeights, mb: int) -> LayerCalls:
+        """One layer at a time, as :meth:`_run_layers` runs it (seed, lock, buffer rule)."""
+
+        def run(layer, carry, forward):
+            return self._run_layers(device, weights, layer, layer + 1, carry, mb, recompute=not forward)[layer + 1]
+
+        return LayerCalls(run, lambda layer: getattr(self.engine.layers[layer], "differentiable_carry_keys", None),
+                          lambda grad: self._compute_context(device, grad))
 
     def _wgrad_work(self, tasks: list[GraphTask]) -> list[tuple[StageWeights, Completion]]:
         return [(self._stage_weights(t), self.done[t.id]) for t in tasks if t.kind == "wgrad"]
@@ -465,7 +493,9 @@ class StepRun:
         """(stage, kind, seconds) of every compute task of this call, read from the pool's trace records.
 
         Kinds are "forward", "fused", and "backward" (with recompute: "recompute_backward", the
-        recompute and the backward proper in one task). Read once every compute has finished
+        recompute and the backward proper in one task; with layer-grain recompute, backward and
+        fused tasks are "layer_recompute_backward": a forward without grad, the recompute and
+        the backward). Read once every compute has finished
         (after backward, or after an evaluation forward); the records are dropped then unless
         the timeline keeps them.
         """
@@ -480,7 +510,10 @@ class StepRun:
                 stage = self.stages.get(r.stage)
                 if stage is None:
                     continue
-                kind = "recompute_backward" if r.kind == "backward" and not self.keep_graph else r.kind
+                if r.kind in ("layer_backward", "layer_fused"):
+                    kind = "layer_recompute_backward"
+                else:
+                    kind = "recompute_backward" if r.kind == "backward" and not self.keep_graph else r.kind
                 out.append((stage, kind, r.duration))
             self._measurements = out
         return self._measurements

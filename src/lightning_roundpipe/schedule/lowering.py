@@ -12,6 +12,9 @@ graph, the simulator times it and the partitioner's test checks its predictor ag
   released;
 - the fused last stage runs forward, loss and backward per microbatch; only the loss scalar
   and the input gradient come down;
+- with layer-grain recompute a backward stage's compute (and the fused stage's) is marked
+  ``grain="layer"``: the same tasks and transfers, but the worker runs the stage's layers
+  without grad first and then recomputes and back-propagates them one at a time;
 - without recompute the forward keeps its graph and weights until the stage's backward, which
   then uploads neither; the backward's worker is the one that ran the forward;
 - memory bounds, as waits on the worker's history (:class:`~.history.WorkerHistory`, which
@@ -74,6 +77,7 @@ class LoweringOptions:
     training: backward stages are lowered too (False: an evaluation forward).
     fused: the plan's fused last stage runs fused (the loss is computed inside the pipeline).
     recompute: False keeps every forward graph until its backward (see the module doc).
+    layer_recompute: backward and fused computes recompute one layer at a time (``grain="layer"``).
     input_gradient: the input gradient of layer 0 comes home (the caller's input needs grad).
     first_serial: serial of the first stage, continuing the previous steps' (transfer priorities).
     """
@@ -82,6 +86,7 @@ class LoweringOptions:
     training: bool = True
     fused: bool = False
     recompute: bool = True
+    layer_recompute: bool = False
     input_gradient: bool = False
     prefetch_depth: int = 1
     priorities: dict = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
@@ -107,14 +112,16 @@ class GraphTask:
     boundary: int = -1  # activation transfers: the layer boundary of the carry
     waits: tuple[tuple[str, int], ...] = ()  # (history, back) entries on this worker's history
     layers: tuple[int, int] | None = None  # weight uploads and gradient downloads: the layers they cover
+    grain: str = ""  # backward and fused computes that recompute: "stage" or "layer"
 
     def to_text(self) -> str:
         mb = f" mb{self.microbatch}" if self.microbatch >= 0 else ""
         at = f" @{self.boundary}" if self.boundary >= 0 else ""
         deps = f" <- {','.join(map(str, self.deps))}" if self.deps else ""
         waits = "".join(f" wait {h}-{back}" for h, back in self.waits)
+        grain = " layer-grain" if self.grain == "layer" else ""
         return (f"{self.id:>4} w{self.worker} {self.lane:<8} {self.kind:<9} {self.stage}[{self.start}:{self.end}]"
-                f"{mb}{at} {self.bytes}B p{self.priority}{deps}{waits}")
+                f"{mb}{at} {self.bytes}B p{self.priority}{deps}{waits}{grain}")
 
 
 @dataclass(frozen=True)
@@ -174,10 +181,10 @@ class _Builder:
         self.forward_worker: dict[int, int] = {}  # kept graphs: forward stage index -> the worker holding it
 
     def add(self, worker, lane, kind, stage: Stage, mb, nbytes, deps, priority, phase, boundary=-1, waits=(),
-            layers=None) -> int:
+            layers=None, grain="") -> int:
         tid = len(self.tasks)
         self.tasks.append(GraphTask(tid, worker, lane, kind, stage.name, mb, int(nbytes), tuple(deps), int(priority),
-                                    phase, stage.start, stage.end, boundary, tuple(waits), layers))
+                                    phase, stage.start, stage.end, boundary, tuple(waits), layers, grain))
         return tid
 
     def upload_priority(self, kind: str, serial: int) -> int:
@@ -200,6 +207,9 @@ class _Builder:
         in_prio = self.upload_priority("act_in", serial)
         saves = ([b for b in plan.saved_boundaries() if stage.start < b < stage.end]
                  if stage.direction == "F" and o.training and o.recompute and kind == "forward" else [])
+        grain = ""
+        if kind in ("backward", "fused") and o.training and o.recompute:
+            grain = "layer" if o.layer_recompute else "stage"
         last = None
         for i in range(m):
             inputs = []
@@ -214,7 +224,8 @@ class _Builder:
                                 () if src is None else (src,), in_prio, phase, stage.end, buffer)
                 inputs.append(g_in)
             deps = weights + inputs
-            last = self.add(worker, "compute", kind, stage, i, 0, deps, 0, phase, waits=(("outputs", INPUT_BUFFERS),))
+            last = self.add(worker, "compute", kind, stage, i, 0, deps, 0, phase, waits=(("outputs", INPUT_BUFFERS),),
+                            grain=grain)
             act_prio = self.download_priority("act_out", serial)
             if kind == "fused":
                 self.add(worker, "download", "loss", stage, i, LOSS_BYTES, (last,), act_prio, phase)
@@ -251,6 +262,8 @@ def lower(plan: Plan, num_workers: int, first_worker: int, sizes: Sizes, options
     """The step's task graph: ``plan`` dispatched round-robin from ``first_worker`` (see the module doc)."""
     if options.microbatches < 1:
         raise PlanError(f"a step needs at least one microbatch, got {options.microbatches}")
+    if options.layer_recompute and not options.recompute:
+        raise PlanError("layer-grain recompute needs recompute=True")
     if options.training and not options.recompute and not plan.same_cuts():
         raise PlanError(f"without recompute backward stages must be cut like forward ones; got {plan.to_text()}")
     fused = options.training and options.fused and plan.fused_last

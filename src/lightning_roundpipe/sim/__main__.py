@@ -19,6 +19,7 @@ from .compare import PAPER_MODELS, compare_schedules, paper_table
 from .hardware import available_hardware, load_hardware
 from .scaling import scaling_markdown, scaling_rows
 from ..cost.transformer import MODEL_PRESETS
+from ..adapters.chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
 from ..planning.fit import DEFAULT_MEMORY_FRACTION, plan_training
 
 
@@ -43,8 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=_positive, default=None, help="LoRA rank on all projections (default: full fine-tuning)")
     p.add_argument("--microbatch-size", type=_positive, default=1, help="sequences per microbatch (default 1)")
     p.add_argument("--microbatches", type=_positive, default=None, help="fix the microbatches per step (default: search)")
-    p.add_argument("--loss-chunk", type=_positive, default=None,
-                   help="tokens per chunk of a chunked cross-entropy (default: whole logits, as Hugging Face)")
+    p.add_argument("--loss-chunk", type=_positive, default=DEFAULT_LOSS_CHUNK_TOKENS,
+                   help=f"rows of logits per chunk of the fused last stage's chunked cross-entropy "
+                        f"(default {DEFAULT_LOSS_CHUNK_TOKENS}, as the engine's Hugging Face adapter)")
+    p.add_argument("--full-logits", action="store_true", help="price the whole logits (a loss outside the pipeline)")
+    p.add_argument("--recompute", choices=("auto", "stage", "layer"), default="auto",
+                   help="recompute grain: auto (stage grain where it fits, else layer grain), stage or layer")
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
                    help=f"usable share of each GPU's memory (default {DEFAULT_MEMORY_FRACTION})")
     p.add_argument("--no-max-seq", action="store_true", help="skip the longest-sequence search")
@@ -88,8 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             report = plan_training(args.model, hardware, args.seq_len, microbatch_size=args.microbatch_size,
                                    lora_rank=args.lora_rank, microbatches=args.microbatches,
-                                   loss_chunk_tokens=args.loss_chunk, memory_fraction=args.memory_fraction,
-                                   find_max_seq_len=not args.no_max_seq)
+                                   loss_chunk_tokens=None if args.full_logits else args.loss_chunk,
+                                   memory_fraction=args.memory_fraction, find_max_seq_len=not args.no_max_seq,
+                                   recompute=args.recompute)
             print(report.to_text())
             return 0 if report.fits else 1
         if args.command == "compare":

@@ -46,6 +46,7 @@ from ..schedule.lowering import DEFAULT_PRIORITIES, PRIORITY_CLASS, GraphTask, L
 from ..schedule.plan import Plan, PlanError
 from ..tracing.records import TraceRecord
 from ..cost.view import CostView
+from ..cost.memory import layer_grain_graph
 from .accumulation import CallAccumulator, submission
 from .event_queue import HOST, EventSimulator, LinkSpec, Op
 from .hardware import HardwareProfile
@@ -125,6 +126,10 @@ class SimConfig:
     # runs it. A design the engine does not have, for pricing; the extra copies of the weights
     # are not held to the two-stage slots.
     fused_spread: int = 1
+    # Layer-grain recompute (recompute="layer"): the lowered backward and fused computes say
+    # grain="layer"; each runs its layers but the last once more without grad and holds one
+    # layer's graph plus the stage's layer inputs (cost/memory.py: layer_grain_graph).
+    layer_recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.accumulation < 1:
@@ -246,6 +251,7 @@ class _RoundPipeBuilder:
         first = self.history.next_worker if cfg.continue_round_robin else 0
         graph = lower(plan, self.nw, first, self.sizes,
                       LoweringOptions(microbatches=m, training=True, fused=plan.fused_last, recompute=True,
+                                      layer_recompute=cfg.layer_recompute,
                                       first_serial=self.history.next_serial))
         self.history.advance(graph)
         tasks = graph.tasks
@@ -366,6 +372,9 @@ class _RoundPipeBuilder:
             seconds = view.fused_s(a, b)
         else:
             seconds = view.backward_with_recompute_s(a, b)
+        if t.grain == "layer":
+            transient = layer_grain_graph(view, a, b)
+            seconds += view.forward_s(a, b - 1)  # the pass without grad that keeps the layer inputs
         grads_total = view.grads(a, b) if t.kind != "forward" else 0
         out_total = sum(o.bytes for o in outputs)
         in_total = sum(i.bytes for i in inputs if i.kind in ("act_in", "grad_in"))

@@ -1,0 +1,134 @@
+"""Layer-grain recompute: a backward stage back-propagated one layer at a time.
+
+Stage-grain recompute runs a backward stage's whole forward with grad and then its backward,
+so every layer's graph is alive at once: at long sequences that graph, not the weights, is
+what a worker cannot hold. Here the stage instead
+
+1. runs its layers without grad from the stage input, keeping only each layer's input, then
+2. for each layer from the last to the first: recomputes it with grad from its kept input,
+   back-propagates the gradient of its output (the loss, for the fused last layer), which adds
+   its weight gradients to the stage's device ``.grad``, and drops its graph and its input.
+
+So one layer's graph plus the layer inputs of the stage are alive, for one more forward of
+the stage. Each layer runs under the caller's ``run`` (the engine's per-(layer, microbatch)
+seed, lock and buffer rule), so the no-grad pass and the recompute draw the same random
+numbers the forward drew, and only a forward writes buffers home.
+
+Kept inputs: the floating values that get a gradient (the hidden states) are handed to the
+next layer as a copy, since a layer may write its input in place. The rest (masks, rotary
+tables, position ids) are shared by the kept inputs of every layer, as they pass unchanged
+through the carry; a layer that writes one of them in place would change the input of a
+layer still to be recomputed, so that is checked (by version counter) and refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..workers.completions import PipelineError
+from .stage_inputs import differentiable_inputs
+
+
+@dataclass
+class LayerCalls:
+    """How to run one layer of the stage, as the engine runs it.
+
+    run(layer, carry, forward): the layer's output; ``forward`` True when this call is the
+        layer's forward (its buffer writes go home), False when it is a recompute.
+    grad_keys(layer): the carry keys that carry a gradient into the layer (None: all floats).
+    context(grad): the compute context (grad mode, the caller's autocast).
+    """
+
+    run: Callable[[int, Any, bool], Any]
+    grad_keys: Callable[[int], Any]
+    context: Callable[[bool], ContextManager]
+
+
+def _wanted(tree: Any, keys) -> list[bool]:
+    """Per flattened leaf: is it a floating tensor that gets a gradient (the rule of ``differentiable_inputs``)."""
+    leaves = pytree.tree_leaves(tree)
+    if keys is not None and isinstance(tree, dict):
+        marks = pytree.tree_leaves({k: pytree.tree_map(lambda _, k=k: k in keys, v) for k, v in tree.items()})
+    else:
+        marks = [True] * len(leaves)
+    return [m and isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) for x, m in zip(leaves, marks)]
+
+
+def _shared_versions(tree: Any, wanted: list[bool]) -> list[tuple[torch.Tensor, int]]:
+    return [(x, x._version) for x, w in zip(pytree.tree_leaves(tree), wanted) if isinstance(x, torch.Tensor) and not w]
+
+
+def _check_unwritten(layer: int, shared: list[tuple[torch.Tensor, int]]) -> None:
+    if any(x._version != v for x, v in shared):
+        raise PipelineError(
+            f"layer {layer} writes a non-differentiable input of its carry (a mask, rotary table or index) in place; "
+            "recompute='layer' shares those inputs between the layers it recomputes, so it cannot run this layer "
+            "exactly: use recompute='always'")
+
+
+def _backward(out: Any, grads: list) -> None:
+    """Back-propagate ``grads`` (aligned with ``out``'s leaves) into the layer that made ``out``."""
+    pairs = [(o, g) for o, g in zip(pytree.tree_leaves(out), grads)
+             if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
+
+
+def layer_inputs(calls: LayerCalls, start: int, end: int, tree: Any, forward: bool) -> list[Any]:
+    """The inputs of layers ``start .. end - 1`` (the first is ``tree``), computed without grad.
+
+    The last layer is not run: its output is only needed with grad. ``forward``: these calls
+    are the layers' forward (the fused last stage), so their buffer writes go home.
+    """
+    inputs = [tree]
+    with calls.context(False):
+        for layer in range(start, end - 1):
+            carry = inputs[-1]
+            wanted = _wanted(carry, calls.grad_keys(layer))
+            leaves, spec = pytree.tree_flatten(carry)
+            fed = pytree.tree_unflatten([x.clone() if w else x for x, w in zip(leaves, wanted)], spec)
+            shared = _shared_versions(carry, wanted)
+            out = calls.run(layer, fed, forward)
+            _check_unwritten(layer, shared)
+            inputs.append(out)
+    return inputs
+
+
+def backward_by_layer(calls: LayerCalls, start: int, end: int, inputs: list[Any], need_input_grad: bool,
+                      output_grads: list | None, loss_scale: float | None = None) -> tuple[list, torch.Tensor | None]:
+    """Recompute and back-propagate layers ``end - 1 .. start`` one at a time; ``inputs`` is emptied.
+
+    ``output_grads``: the gradient leaves of the stage output (a backward stage), or None with
+    ``loss_scale`` (the fused last stage: the last layer returns ``{"loss_sum": ...}`` and
+    ``loss_sum * loss_scale`` is back-propagated). Returns the stage input's flattened leaves'
+    gradients (None where none) and the fused stage's detached fp32 ``loss_sum``.
+    """
+    grads, loss = output_grads, None
+    for layer in reversed(range(start, end)):
+        tree = inputs[layer - start]
+        inputs[layer - start] = None  # this layer's input is not needed after its recompute
+        keys = calls.grad_keys(layer)
+        in_leaves, fed = differentiable_inputs(tree, need_input_grad or layer > start, keys)
+        shared = _shared_versions(tree, _wanted(tree, keys))
+        last = loss_scale is not None and layer == end - 1
+        # As at stage grain: the fused stage back-propagates inside the compute context (the
+        # caller's autocast), a backward stage after it.
+        with calls.context(True):
+            out = calls.run(layer, fed, last)
+            if last:
+                loss_sum = out["loss_sum"]
+                (loss_sum.float() * loss_scale).backward()
+                loss = loss_sum.detach().float()
+            elif loss_scale is not None:
+                _backward(out, grads)
+        if loss_scale is None:
+            _backward(out, grads)
+        _check_unwritten(layer, shared)
+        del out, fed, tree
+        grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in in_leaves]
+        del in_leaves
+    return grads, loss
