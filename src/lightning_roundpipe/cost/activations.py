@@ -117,28 +117,32 @@ def postfix_graph_bytes(shape: "ModelShape", dtype_bytes: int, tokens: int, trai
     d, h, v = dtype_bytes, shape.hidden, shape.vocab
     norm = rms_norm_kept(h, d, trainable_head)
     if loss_in_pipeline and loss_chunk_tokens is not None:
-        return int(norm + 2 * h * d + _chunk_bytes(shape, dtype_bytes, tokens, loss_chunk_tokens))
+        return int(norm + 2 * h * d + _chunk_bytes(shape, dtype_bytes, tokens, loss_chunk_tokens, trainable_head))
     if not loss_in_pipeline:
         # The norm's weighted output is kept by the head's weight gradient; the logits are the output.
         return norm + (h * d if trainable_head else 0) + v * d
     return int(2 * h * d + v * (d + loss_fp32_copies * FP32))
 
 
-def _chunk_bytes(shape: "ModelShape", dtype_bytes: int, tokens: int, loss_chunk_tokens: int) -> float:
+def _chunk_bytes(shape: "ModelShape", dtype_bytes: int, tokens: int, loss_chunk_tokens: int,
+                 trainable_head: bool) -> float:
     """Per token: one chunk's logits (fp32, plus the compute-dtype original when narrower) and its
-    ``[chunk, hidden]`` product, spread over the microbatch, and the fp32 weight-gradient accumulator."""
+    ``[chunk, hidden]`` product, spread over the microbatch, and the fp32 weight-gradient
+    accumulator when the head trains (a frozen head, under LoRA, has none)."""
     d, h, v = dtype_bytes, shape.hidden, shape.vocab
     chunk = min(loss_chunk_tokens, tokens) / tokens
-    return chunk * (v * FP32 + (v * d if d < FP32 else 0) + h * d) + v * h * FP32 / tokens
+    accumulator = v * h * FP32 / tokens if trainable_head else 0
+    return chunk * (v * FP32 + (v * d if d < FP32 else 0) + h * d) + accumulator
 
 
 def postfix_backward_transient_bytes(shape: "ModelShape", dtype_bytes: int, tokens: int,
-                                     loss_chunk_tokens: int | None, loss_in_pipeline: bool) -> int:
+                                     loss_chunk_tokens: int | None, loss_in_pipeline: bool,
+                                     trainable_head: bool = True) -> int:
     """Per token, what back-propagating the LM head and the final RMSNorm adds on top of the stage's
     graph: the head's input gradient and four hidden-wide temporaries of the norm's chain rule
     (through the weight, the reciprocal RMS, the mean and the square). The chunked loss computed its
     gradients in the forward, whose chunk logits are gone by then: only what exceeds them is added."""
     norm_backward = 5 * shape.hidden * dtype_bytes
     if loss_in_pipeline and loss_chunk_tokens is not None:
-        return max(0, int(norm_backward - _chunk_bytes(shape, dtype_bytes, tokens, loss_chunk_tokens)))
+        return max(0, int(norm_backward - _chunk_bytes(shape, dtype_bytes, tokens, loss_chunk_tokens, trainable_head)))
     return norm_backward

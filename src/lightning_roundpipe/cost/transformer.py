@@ -346,7 +346,7 @@ def shape_layer_costs(
     # logits (the output).
     layers[-1].forward_transient_bytes_per_token = 2 * hidden * dtype_bytes
     layers[-1].backward_transient_bytes_per_token = activations.postfix_backward_transient_bytes(
-        shape, dtype_bytes, tokens, loss_chunk_tokens, loss_in_pipeline)
+        shape, dtype_bytes, tokens, loss_chunk_tokens, loss_in_pipeline, trainable_head=not lora)
     graph.append(activations.postfix_graph_bytes(shape, dtype_bytes, tokens, not lora, loss_chunk_tokens,
                                                  loss_in_pipeline, _LOSS_FP32_COPIES))
 
