@@ -20,7 +20,8 @@ from typing import Any, Mapping, Optional
 
 from omegaconf import OmegaConf
 
-PARTITION_POLICIES = ("params", "uniform", "auto", "manual")
+PARTITION_POLICIES = ("compute", "params", "uniform", "auto", "manual")
+RECOMPUTE_CHOICES = ("auto", "always", "never")
 TRANSFER_KINDS = ("activation", "weights", "gradients")
 PINNED_POLICIES = ("alloc", "register", "off")
 
@@ -68,8 +69,11 @@ def plain(value: Any) -> Any:
 class PartitionConfig:
     """How layers are cut into stages (Hydra group ``partition``).
 
-    policy: "params" (equal weight bytes, default), "uniform" (equal layer counts), "auto"
-        (profiled costs, asymmetric forward/backward stages, memory budget) or "manual".
+    policy: "compute" (default: the plan the timing model predicts fastest from the estimated
+        compute and transfer costs, an embedding priced as a gather and an LM head as a matmul,
+        planned once at set-up, never re-planned: deterministic), "auto" (the same search, then
+        re-planned from measured costs), "params" (equal weight bytes), "uniform" (equal layer
+        counts) or "manual".
     forward_stages / backward_stages: stage counts for "uniform" and "params" (None: one forward
         stage per worker, two backward stages per worker).
     manual_forward / manual_backward: lists of [start, end) layer ranges for "manual"
@@ -79,7 +83,7 @@ class PartitionConfig:
         unlimited on CPU).
     """
 
-    policy: str = "params"
+    policy: str = "compute"
     forward_stages: Optional[int] = None
     backward_stages: Optional[int] = None
     manual_forward: Optional[list] = None
@@ -185,9 +189,13 @@ class EngineOptions:
 class RuntimeOptions:
     """Everything that decides how a module is pipelined, with or without Lightning.
 
-    microbatches: microbatches per batch (None: number of workers + 1).
-    recompute: "always" (keep stage inputs, recompute in backward) or "never" (keep forward
-        graphs; CPU backend only).
+    microbatches: microbatches per batch (None: the count the timing model predicts fastest
+        for the plan, among 1, 2 and 4 per worker; the fewest within 2% of the fastest; see
+        ``planning/defaults.py``).
+    recompute: "auto" (default: "never" on the CPU backend when the forward graphs of a whole
+        batch fit ``partition.memory_budget_bytes``, or no budget is set; else "always"),
+        "always" (keep stage inputs, recompute in backward) or "never" (keep forward graphs;
+        CPU backend only; a call can then be differentiated only once).
     timeout: seconds any wait may take before it fails with an error naming what it waited for.
     partition: how layers are cut into stages (:class:`PartitionConfig`).
     transfer: transfer priorities, chunking, prefetch and CPU link model (:class:`TransferConfig`).
@@ -216,7 +224,7 @@ class RuntimeOptions:
     """
 
     microbatches: Optional[int] = None
-    recompute: str = "always"
+    recompute: str = "auto"
     timeout: float = 300.0
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
@@ -241,7 +249,7 @@ class RuntimeOptions:
         self.partition = _nested(PartitionConfig, self.partition, owner, "partition").validate(owner, "partition.")
         self.transfer = _nested(TransferConfig, self.transfer, owner, "transfer").validate(owner, "transfer.")
         _integer(owner, "microbatches", self.microbatches, 1, allow_none=True)
-        _choice(owner, "recompute", self.recompute, ("always", "never"))
+        _choice(owner, "recompute", self.recompute, RECOMPUTE_CHOICES)
         _seconds(owner, "timeout", self.timeout, positive=True)
         for name in ("cpu_compute_delay_s", "cpu_jitter_s", "optimizer_delay_s"):
             _seconds(owner, name, getattr(self, name))
@@ -261,10 +269,15 @@ class RuntimeOptions:
         _choice(owner, "pinned", self.pinned, PINNED_POLICIES)
         return self
 
-    def engine_options(self, num_workers: int) -> EngineOptions:
-        """The engine's share of these options (microbatches None: one more than the workers)."""
+    def engine_options(self, num_workers: int, microbatches: int | None = None,
+                       recompute: bool | None = None) -> EngineOptions:
+        """The engine's share of these options. ``microbatches`` / ``recompute``: the choices made
+        for ``None`` / "auto" (the plan keeper makes them); without them, one more microbatch than
+        workers and recompute unless "never"."""
         t = self.transfer
-        return EngineOptions(microbatches=self.microbatches or num_workers + 1, recompute=self.recompute == "always",
+        microbatches = microbatches or self.microbatches or num_workers + 1
+        recompute = self.recompute != "never" if recompute is None else recompute
+        return EngineOptions(microbatches=microbatches, recompute=recompute,
                              compute_dtype=self.compute_dtype, priorities=dict(t.priorities),
                              chunk_bytes=t.chunk_bytes, prefetch_depth=t.prefetch_depth)
 

@@ -79,15 +79,17 @@ class RoundPipeRuntime:
                              threads_per_worker=options.cpu_threads_per_worker, seed=options.seed)
         if backend == "fake_cuda":  # the CUDA protocol on CPU streams; the jitter delays stream work
             pool_opts.update(stream_jitter_s=options.cpu_jitter_s)
-        engine_opts = options.engine_options(num_workers)
         self.planner = PlanKeeper(
-            layers, num_workers, engine_opts.microbatches, options.partition, recompute=engine_opts.recompute,
+            layers, num_workers, options.microbatches, options.partition, recompute=options.recompute,
             fused_last=fused_last, compute_dtype=options.compute_dtype,
             link_bytes_per_second=t.bandwidth_bytes_per_s or (None if backend == "cpu" else 25e9),
             flops_per_second=5e10 if backend == "cpu" else 1e14,
             memory_budget_bytes=options.partition.memory_budget_bytes or _device_budget(backend, device_indices),
-            progress=progress,
+            backend="cpu" if backend == "cpu" else "cuda", progress=progress,
         )
+        engine_opts = options.engine_options(num_workers, self.planner.microbatches, self.planner.recompute)
+        self.host_clock = HostClock(self.planner)
+        self.host_clock.clock = self.trace.now
         masters = _unique_parameters(layers)
         if options.compute_dtype is not None or options.staleness:
             from .params.shadows import ShadowStore  # uploads read compute-dtype / previous-version copies
@@ -163,13 +165,18 @@ class RoundPipeRuntime:
         """One pipelined call (what the patched forward does); keeps the step's bookkeeping."""
         self.last_tokens = tokens
         register_batch_types(inputs)
+        called = self.trace.now()
         out = self.engine(inputs, loss_scale=loss_scale)
         run = self.engine.last_run
         if run is not None and not run.training:
             self.trace.discard_step(run.step)  # evaluation calls are not part of the training timeline
+            self.host_clock.interrupted()
+        elif run is not None:
+            self.host_clock.forward_returned(run, called, out)
         return out
 
     def _after_step(self, run) -> None:
+        self.host_clock.backward_done(run, self.trace.records(run.step))
         new_plan = self.planner.after_step(run.measurements)
         if new_plan is not None:
             self.engine.set_plan(new_plan)
@@ -307,6 +314,56 @@ class RoundPipeRuntime:
     def mark_restored(module: nn.Module) -> None:
         """``module``'s weights were restored (from a checkpoint) after a failed step with ``optimizer_undo=False``."""
         _partly_updated.pop(module, None)
+
+
+class HostClock:
+    """Measures the host's own work around pipelined training calls for the plan keeper
+    (:meth:`~.planning.keeper.PlanKeeper.observe_host`), on the trace recorder's clock:
+
+    * between forward and backward: from the last forward output on the host (the last forward
+      download in the trace; the call's return when no task was recorded) to the moment the
+      output's gradient reaches the pipeline (a gradient hook on the outputs): merging the
+      microbatch outputs, the caller's loss on them and its backward;
+    * between steps: from the end of one training call's backward to the next training call
+      (the training loop, the optimizer's submission, the next batch); an evaluation call in
+      between voids that interval.
+    """
+
+    def __init__(self, planner: PlanKeeper) -> None:
+        self.planner = planner
+        self.clock = None  # set by the runtime: the trace recorder's ``now``
+        self.last_end: float | None = None
+        self.pending: dict[int, dict] = {}  # engine step -> times of that call
+
+    def interrupted(self) -> None:
+        self.last_end = None
+
+    def forward_returned(self, run, called: float, out) -> None:
+        now = self.clock()
+        entry = {"called": called, "returned": now, "outside": None if self.last_end is None else called - self.last_end}
+        self.pending = {run.step: entry}  # an older call never reached backward: forget it
+        if run.fused:
+            return
+        import torch.utils._pytree as pytree
+
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(lambda grad, entry=entry: self.gradient_arrived(entry))
+
+    def gradient_arrived(self, entry: dict) -> None:
+        """An output's gradient reached the pipeline (the last output's time is kept); the gradient is unchanged."""
+        entry["gradient"] = self.clock()
+
+    def backward_done(self, run, records) -> None:
+        entry = self.pending.pop(run.step, None)
+        self.last_end = self.clock()
+        if entry is None:
+            return
+        between = None
+        if "gradient" in entry:
+            home = [r.end for r in records if r.queue == "download" and r.stage.startswith("F")]
+            between = max(0.0, entry["gradient"] - (max(home) if home else entry["returned"]))
+        self.planner.observe_host(between, entry["outside"])
 
 
 def check_writable_dir(directory, option: str) -> str:

@@ -4,7 +4,10 @@
 * ``params``: equal weight bytes (the same);
 * ``manual``: the user's layer ranges, validated;
 * ``auto``: the RoundPipe partitioner (:mod:`.search`), under a per-worker memory budget
-  (:mod:`.budget`), priced by the timing model (:mod:`.predictor`).
+  (:mod:`.budget`), priced by the timing model (:mod:`.predictor`);
+* ``compute`` (the default): the same search; the keeper runs it once on the cost estimate
+  (compute from FLOPs: an embedding is a gather, an LM head a matmul) and never re-plans, so the
+  plan is a function of the model's shapes and the options.
 
 Every policy returns its predictions with the plan (:class:`~lightning_roundpipe.schedule.plan.PlanFacts`).
 """
@@ -20,7 +23,7 @@ from .predictor import DEFAULT_STAGE_OVERHEAD_S, check_inputs, link_speed, predi
 from ..setup_progress import ProgressCallback
 from .search import TIE_TOLERANCE, auto_plan
 
-POLICIES = ("auto", "uniform", "params", "manual")
+POLICIES = ("compute", "auto", "uniform", "params", "manual")
 
 
 def manual_ranges(name: str, ranges) -> tuple[LayerRange, ...]:
@@ -52,7 +55,8 @@ def partition(
     max_stages: int | None = None,
     progress: ProgressCallback | None = None,
 ) -> Plan:
-    """Build and validate a plan with ``policy`` ("auto", "uniform", "params" or "manual").
+    """Build and validate a plan with ``policy`` ("compute", "auto", "uniform", "params" or "manual";
+    "compute" and "auto" search alike here, they differ in whether the keeper re-plans).
 
     Args:
         costs: per-layer costs (estimated or measured), one :class:`~.cost.LayerCost` per layer.
