@@ -37,6 +37,16 @@ CHECK_EVERY = 25
 HOST_SMOOTHING = 0.3  # weight of a new host measurement (the first one replaces the estimate)
 
 
+def backward_cut_like_forward(cfg) -> bool:
+    """Whether the partition options allow backward stages equal to the forward ones (what keeping
+    the forward graphs needs): not when the user cut them differently by hand or by stage counts."""
+    if cfg.policy == "manual":
+        return cfg.manual_backward is None or [list(r) for r in cfg.manual_backward] == [list(r) for r in cfg.manual_forward]
+    if cfg.policy in ("uniform", "params"):
+        return cfg.backward_stages is None or cfg.backward_stages == cfg.forward_stages
+    return True
+
+
 class PlanKeeper:
     """The running plan; ``progress`` hears how far the first estimate and plan search are."""
 
@@ -68,6 +78,8 @@ class PlanKeeper:
 
         # Open choices are made for an assumed step of two microbatches per worker (the batch is not seen yet).
         step_microbatches = microbatches or MICROBATCHES_PER_WORKER[1] * num_workers
+        if recompute == "auto" and not backward_cut_like_forward(p):
+            recompute = "always"  # the user's backward stages differ from the forward ones: only recompute runs them
         if isinstance(recompute, str):
             recompute = choose_recompute(recompute, backend, costs, step_microbatches, memory_budget_bytes)
         self.recompute = recompute
