@@ -23,7 +23,7 @@ from torch import nn
 from ..cost.estimate import MovingCostProfile, estimate_costs
 from .defaults import MICROBATCHES_PER_WORKER, choose_microbatches, choose_recompute, estimate_host_work
 from .partition import partition
-from .predictor import HostWork
+from .predictor import HostWork, predict
 from .replan import Replanner
 from ..schedule.plan import Plan, PlanFacts, simple_plan
 from .report import PlanReport, build_report
@@ -84,11 +84,12 @@ class PlanKeeper:
             recompute = choose_recompute(recompute, backend, costs, step_microbatches, memory_budget_bytes)
         self.recompute = recompute
         if microbatches is None:
-            predictable = p.policy not in ("uniform", "params")  # those plans carry no prediction
-            microbatches = choose_microbatches(
-                costs, num_workers, ASSUMED_TOKENS_PER_MICROBATCH * step_microbatches,
-                lambda profile, m: plan_for(profile, m, recompute).facts.predicted_step_s) if predictable \
-                else num_workers + 1
+            def predicted_step(profile, m: int) -> float:
+                return predict(plan_for(profile, m, recompute), profile, num_workers, m,
+                               link_bytes_per_second=link_bytes_per_second, recompute=recompute).step_s
+
+            microbatches = choose_microbatches(costs, num_workers, ASSUMED_TOKENS_PER_MICROBATCH * step_microbatches,
+                                               predicted_step)
         self.microbatches = microbatches
         self.plan = plan_for(costs, microbatches, recompute)
         self.replanner = Replanner(self.plan, costs, num_workers, microbatches, threshold=p.replan_threshold,
