@@ -51,10 +51,9 @@ from torch import nn
 
 from benchmarks.cpu_runners import peak_rss_bytes, system_busy_seconds
 from benchmarks.models import Block, LMHead
-from lightning_roundpipe.schedule.plan import balanced_ranges
 
 WORKERS = 2  # virtual workers / ranks / threads: the machine the issue measured on has 2 cores
-SYSTEMS = ("roundpipe", "hand", "1F1B", "plain")
+SYSTEMS = ("roundpipe", "hand", "1F1B", "plain")  # and "before": RoundPipe's defaults from the tree at --before-src
 # The best settings found by hand on this model (``--sweep``): the figure the defaults must come within 10% of.
 HAND = {"microbatches": 4, "partition": "auto", "recompute": "never"}
 
@@ -125,12 +124,14 @@ def lightning_module(shape: LMShape):
 
 
 # ------------------------------------------------------------------ one run per process
-def _lightning_process(shape: LMShape, system: str, options: dict) -> dict:
+def _lightning_process(shape: LMShape, system: str, options: dict, src: str | None = None) -> dict:
+    if src:  # another tree's lightning_roundpipe (nothing of it is imported in this process yet)
+        sys.path.insert(0, src)
     torch.set_num_threads(WORKERS)
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    import lightning_roundpipe  # noqa: F401 - registers strategy="roundpipe"
+    import lightning_roundpipe  # registers strategy="roundpipe"
 
     x, y = make_tokens(shape)
     total = shape.warmup + shape.steps
@@ -176,7 +177,7 @@ def _lightning_process(shape: LMShape, system: str, options: dict) -> dict:
                          callbacks=[Clock()], num_sanity_val_steps=0)
     trainer.fit(lightning_module(shape), data)
     times = [b - a for a, b in zip(marks, marks[1:])]
-    return {"times": times[shape.warmup:], "peak": peak_rss_bytes(), **found}
+    return {"times": times[shape.warmup:], "peak": peak_rss_bytes(), "package": lightning_roundpipe.__file__, **found}
 
 
 def _pipeline_rank(rank: int, port: int, shape: LMShape, ranges: list, microbatches: int) -> dict:
@@ -282,15 +283,16 @@ def layer_seconds(shape: LMShape, reps: int = 3) -> list[float]:
 
 
 # ------------------------------------------------------------------ runs and table
-def run_system(shape: LMShape, system: str, hand: dict, ranges) -> dict:
+def run_system(shape: LMShape, system: str, hand: dict, ranges, before_src: str | None = None) -> dict:
     t0 = time.perf_counter()
     if system == "1F1B":
         port = free_port()
         parts = spawn([("_pipeline_rank", (r, port, shape, ranges, 4)) for r in range(WORKERS)])
         res = {"times": parts[0]["times"], "peak": max(p["peak"] for p in parts), "ranges": ranges}
     else:
-        options = {"roundpipe": {}, "hand": hand, "plain": {}}.get(system, hand)
-        res = spawn([("_lightning_process", (shape, "plain" if system == "plain" else "roundpipe", options))])[0]
+        options = {"roundpipe": {}, "before": {}, "hand": hand, "plain": {}}.get(system, hand)
+        src = before_src if system == "before" else None
+        res = spawn([("_lightning_process", (shape, "plain" if system == "plain" else "roundpipe", options, src))])[0]
     res["wall_s"] = time.perf_counter() - t0
     return res
 
@@ -338,7 +340,7 @@ def print_table(rows: list[dict]) -> None:
 def sweep_settings() -> list[dict]:
     """The hand settings ``--sweep`` tries: microbatches x partition x recompute."""
     out = []
-    for m, part, rec in itertools.product((2, 3, 4, 8), ("params", "auto"), ("always", "never")):
+    for m, part, rec in itertools.product((2, 3, 4, 8), ("params", "auto", "compute"), ("always", "never")):
         out.append({"microbatches": m, "partition": part, "recompute": rec})
     return out
 
@@ -351,12 +353,16 @@ def main(argv=None) -> None:
     p.add_argument("--hand", default=json.dumps(HAND), help="the hand settings, as JSON options of RoundPipeStrategy")
     p.add_argument("--sweep", action="store_true", help="run every hand setting of sweep_settings() once instead")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--before-src", default=None,
+                   help="the src/ folder of another tree (e.g. main's); adds the system 'before': its defaults")
     args = p.parse_args(argv)
     shape = QUICK if args.quick else LMShape()
     rounds = args.rounds or (2 if args.quick else 3)
     print(f"model: Embedding({shape.vocab}, {shape.hidden}), {shape.blocks} MLP blocks, head Linear({shape.hidden}, "
           f"{shape.vocab}) ({shape.head_ratio:g} blocks of FLOPs); batch {shape.batch} x {shape.seq_len} tokens; "
           f"{shape.warmup} warm-up + {shape.steps} timed steps; load average {os.getloadavg()[0]:.2f}", flush=True)
+    from lightning_roundpipe.schedule.plan import balanced_ranges
+
     costs = layer_seconds(shape)
     ranges = [list(r) for r in balanced_ranges(costs, WORKERS)]
     print(f"1F1B split {ranges} from measured per-layer fwd+bwd ms {[round(c * 1e3, 2) for c in costs]}", flush=True)
@@ -370,13 +376,20 @@ def main(argv=None) -> None:
     else:
         hand = json.loads(args.hand)
         systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+        if args.before_src and "before" not in systems:
+            systems.insert(0, "before")
         runs = {s: [] for s in systems}
         for k in range(rounds):
             for s in systems:
-                runs[s].append(run_system(shape, s, hand, ranges))
+                runs[s].append(run_system(shape, s, hand, ranges, args.before_src))
                 print(f"  round {k + 1} {s}: {median(runs[s][-1]['times']) * 1e3:.0f} ms "
                       f"({runs[s][-1]['wall_s']:.0f} s wall)", flush=True)
     rows = summarise(shape, runs)
+    for system in ("roundpipe", "before"):
+        if system in runs and runs[system][-1].get("table"):
+            print(f"\n{system} ({runs[system][-1]['package']}), plan table after training (measured costs):")
+            print(runs[system][-1]["table"])
+    print()
     print_table(rows)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     if args.json:
