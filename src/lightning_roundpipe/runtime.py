@@ -18,6 +18,7 @@ import weakref
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from .options import OptionError, RuntimeOptions
@@ -88,8 +89,7 @@ class RoundPipeRuntime:
             backend="cpu" if backend == "cpu" else "cuda", progress=progress,
         )
         engine_opts = options.engine_options(num_workers, self.planner.microbatches, self.planner.recompute)
-        self.host_clock = HostClock(self.planner)
-        self.host_clock.clock = self.trace.now
+        self.host_clock = HostClock(self.planner, self.trace.now)
         masters = _unique_parameters(layers)
         if options.compute_dtype is not None or options.staleness:
             from .params.shadows import ShadowStore  # uploads read compute-dtype / previous-version copies
@@ -329,13 +329,14 @@ class HostClock:
       between voids that interval.
     """
 
-    def __init__(self, planner: PlanKeeper) -> None:
+    def __init__(self, planner: PlanKeeper, clock: Callable[[], float]) -> None:
         self.planner = planner
-        self.clock = None  # set by the runtime: the trace recorder's ``now``
+        self.clock = clock
         self.last_end: float | None = None
         self.pending: dict[int, dict] = {}  # engine step -> times of that call
 
     def interrupted(self) -> None:
+        """An evaluation call ran: the time since the last backward is not the training loop's."""
         self.last_end = None
 
     def forward_returned(self, run, called: float, out) -> None:
@@ -344,8 +345,6 @@ class HostClock:
         self.pending = {run.step: entry}  # an older call never reached backward: forget it
         if run.fused:
             return
-        import torch.utils._pytree as pytree
-
         for leaf in pytree.tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 leaf.register_hook(lambda grad, entry=entry: self.gradient_arrived(entry))
