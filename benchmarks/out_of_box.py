@@ -9,8 +9,9 @@ that their ratios are side by side under the same machine load:
 - ``roundpipe``: ``Trainer(strategy="roundpipe", accelerator="cpu", devices=2)``, default options;
 - ``hand``: RoundPipe with the hand settings given by ``--hand`` (the best of ``--sweep``);
 - ``1F1B``: ``torch.distributed.pipelining.Schedule1F1B`` on 2 gloo ranks, one thread each, its
-  default settings: 4 microbatches (two per rank), layers split where the measured per-layer
-  forward+backward times balance (``schedule.plan.balanced_ranges``), loss on the last rank;
+  default settings: 4 microbatches (two per rank), layers split where the per-layer FLOPs
+  balance (``cost.estimate``: the embedding a gather, the head a matmul; measured times on a
+  shared machine are too noisy to split by), loss on the last rank;
 - ``plain``: plain Lightning, one device, ``torch.set_num_threads(2)``.
 
 Printed per system: median step, tokens/s and ratios to 1F1B, plain Lightning and the hand
@@ -256,30 +257,13 @@ def free_port() -> int:
 
 
 # ------------------------------------------------------------------ the 1F1B split
-def layer_seconds(shape: LMShape, reps: int = 3) -> list[float]:
-    """Measured forward+backward seconds of each layer on one microbatch of the 1F1B run, one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        layers = list(build_lm(shape))
-        x, y = make_tokens(shape)
-        h = x[: shape.batch // 4]
-        out = []
-        for i, layer in enumerate(layers):
-            inp = h if i == 0 else h.detach().requires_grad_(True)
-            best = float("inf")
-            for _ in range(reps + 1):
-                t0 = time.perf_counter()
-                o = layer(inp)
-                (lm_loss(o, y[: shape.batch // 4]) if i == len(layers) - 1 else o.sum()).backward()
-                best = min(best, time.perf_counter() - t0)
-                layer.zero_grad(set_to_none=True)
-            out.append(best)
-            with torch.no_grad():
-                h = layer(h)
-        return out
-    finally:
-        torch.set_num_threads(threads)
+def flops_split(shape: LMShape) -> list[list[int]]:
+    """Contiguous layer ranges per rank with balanced estimated compute (``balanced_ranges``)."""
+    from lightning_roundpipe.cost.estimate import estimate_costs
+    from lightning_roundpipe.schedule.plan import balanced_ranges
+
+    costs = estimate_costs(list(build_lm(shape)), shape.seq_len, None, torch.float32)
+    return [list(r) for r in balanced_ranges([c.forward_s + c.backward_s for c in costs.layers], WORKERS)]
 
 
 # ------------------------------------------------------------------ runs and table
@@ -361,11 +345,8 @@ def main(argv=None) -> None:
     print(f"model: Embedding({shape.vocab}, {shape.hidden}), {shape.blocks} MLP blocks, head Linear({shape.hidden}, "
           f"{shape.vocab}) ({shape.head_ratio:g} blocks of FLOPs); batch {shape.batch} x {shape.seq_len} tokens; "
           f"{shape.warmup} warm-up + {shape.steps} timed steps; load average {os.getloadavg()[0]:.2f}", flush=True)
-    from lightning_roundpipe.schedule.plan import balanced_ranges
-
-    costs = layer_seconds(shape)
-    ranges = [list(r) for r in balanced_ranges(costs, WORKERS)]
-    print(f"1F1B split {ranges} from measured per-layer fwd+bwd ms {[round(c * 1e3, 2) for c in costs]}", flush=True)
+    ranges = flops_split(shape)
+    print(f"1F1B split {ranges} (balanced estimated FLOPs)", flush=True)
     if args.sweep:
         runs = {}
         for i, opts in enumerate(sweep_settings()):
