@@ -3,6 +3,7 @@ count from the plan, recompute "auto", and the host's work in the predicted step
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.options import OptionError, PartitionConfig, register_configs
 from lightning_roundpipe.planning.defaults import (HOST_COPY_BYTES_PER_SECOND, HOST_LOSS_SECONDS_PER_ELEMENT,
                                                    choose_microbatches, choose_recompute, estimate_host_work,
-                                                   no_recompute_peak_bytes, rescaled)
+                                                   host_memory_budget, no_recompute_peak_bytes, rescaled)
 from lightning_roundpipe.planning.keeper import PlanKeeper
 from lightning_roundpipe.planning.partition import partition, predict
 from lightning_roundpipe.planning.predictor import HostWork
@@ -129,6 +130,8 @@ def test_recompute_auto_keeps_graphs_only_on_cpu_when_they_fit():
     assert choose_recompute("auto", "cuda", costs, 3, None) is True
     assert choose_recompute("always", "cpu", costs, 3, None) is True
     assert choose_recompute("never", "cpu", costs, 3, 1) is False
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert host_memory_budget() == total // 2
 
 
 def test_runtime_resolves_the_open_options():

@@ -193,7 +193,8 @@ class RuntimeOptions:
         for the plan, among 1, 2 and 4 per worker; the fewest within 2% of the fastest; see
         ``planning/defaults.py``).
     recompute: "auto" (default: "never" on the CPU backend when the forward graphs of a whole
-        batch fit ``partition.memory_budget_bytes``, or no budget is set; else "always"),
+        batch fit ``partition.memory_budget_bytes``, or half the host's memory without a budget;
+        else "always"),
         "always" (keep stage inputs, recompute in backward) or "never" (keep forward graphs;
         CPU backend only; a call can then be differentiated only once).
     timeout: seconds any wait may take before it fails with an error naming what it waited for.

@@ -3,10 +3,10 @@
 * ``recompute="auto"``: keep the forward graphs (``never``: no recompute, about a quarter less
   compute) when that is allowed and fits, else recompute (``always``). Keeping graphs is allowed
   only on the CPU backend (its workers share the host's memory; on GPUs the graph would have to
-  stay on the worker that ran the forward). It fits when a memory budget (``memory_budget_bytes``)
-  is unset or at least :func:`no_recompute_peak_bytes`: every layer's graph for the whole batch
-  (a worker may hold all of them until backward) plus the two largest layers' weights and
-  gradients.
+  stay on the worker that ran the forward). It fits when :func:`no_recompute_peak_bytes` (every
+  layer's graph for the whole batch, which a worker may hold until backward, plus the two
+  largest layers' weights and gradients) is at most the memory budget: ``memory_budget_bytes``
+  when set, else half the host's physical memory (:func:`host_memory_budget`).
 * ``microbatches=None``: the count the timing model predicts fastest for the same batch, among
   ``num_workers`` times 1, 2 and 4 (counts that split power-of-two batches evenly when the worker
   count is one), the fewest of those predicted within ``TIE_TOLERANCE`` of the fastest: more
@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable
 
 from ..cost.profile import CostProfile
@@ -43,6 +44,15 @@ def no_recompute_peak_bytes(costs: CostProfile, microbatches: int) -> int:
     view = CostView(costs)
     states = sorted((c.weight_bytes + c.grad_bytes for c in costs.layers), reverse=True)
     return microbatches * view.graph(0, len(costs)) + sum(states[:2])
+
+
+def host_memory_budget() -> int | None:
+    """Half the host's physical memory (what ``recompute="auto"`` lets kept graphs use on the CPU
+    backend when no budget is set); None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def choose_recompute(setting: str, backend: str, costs: CostProfile, microbatches: int,

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from ..cost.estimate import MovingCostProfile, estimate_costs
-from .defaults import MICROBATCHES_PER_WORKER, choose_microbatches, choose_recompute, estimate_host_work
+from .defaults import (MICROBATCHES_PER_WORKER, choose_microbatches, choose_recompute, estimate_host_work,
+                       host_memory_budget)
 from .partition import partition
 from .predictor import HostWork, predict
 from .replan import Replanner
@@ -81,7 +82,8 @@ class PlanKeeper:
         if recompute == "auto" and not backward_cut_like_forward(p):
             recompute = "always"  # the user's backward stages differ from the forward ones: only recompute runs them
         if isinstance(recompute, str):
-            recompute = choose_recompute(recompute, backend, costs, step_microbatches, memory_budget_bytes)
+            budget = memory_budget_bytes if memory_budget_bytes is not None else host_memory_budget()
+            recompute = choose_recompute(recompute, backend, costs, step_microbatches, budget)
         self.recompute = recompute
         if microbatches is None:
             def predicted_step(profile, m: int) -> float:
