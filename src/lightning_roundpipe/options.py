@@ -196,7 +196,7 @@ class RuntimeOptions:
         batch fit ``partition.memory_budget_bytes``, or half the host's memory without a budget;
         else "always"),
         "always" (keep stage inputs, recompute in backward) or "never" (keep forward graphs;
-        CPU backend only; a call can then be differentiated only once).
+        CPU backend only; a second backward of one call recomputes).
     timeout: seconds any wait may take before it fails with an error naming what it waited for.
     partition: how layers are cut into stages (:class:`PartitionConfig`).
     transfer: transfer priorities, chunking, prefetch and CPU link model (:class:`TransferConfig`).

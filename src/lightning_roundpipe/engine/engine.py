@@ -84,7 +84,8 @@ class PipelineEngine:
         graph = lower(self.plan, len(self.pool), self.history.next_worker,
                       TableSizes(self.tables, o.compute_dtype, o.chunk_bytes),
                       LoweringOptions(microbatches=microbatches, training=training, fused=fused, recompute=o.recompute,
-                                      kept_backward=kept_backward, input_gradient=input_gradient, prefetch_depth=int(o.prefetch_depth),
+                                      kept_backward=kept_backward, input_gradient=input_gradient,
+                                      prefetch_depth=int(o.prefetch_depth),
                                       priorities=dict(o.priorities), first_serial=self.history.next_serial + 1))
         self.history.advance(graph)
         return graph
