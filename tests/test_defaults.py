@@ -134,6 +134,19 @@ def test_recompute_auto_keeps_graphs_only_on_cpu_when_they_fit():
     assert host_memory_budget() == total // 2
 
 
+def test_recompute_auto_recomputes_when_the_user_cut_backward_differently():
+    net = sequential_lm()
+    common = dict(fused_last=False, compute_dtype=None, link_bytes_per_second=None, flops_per_second=5e10,
+                  memory_budget_bytes=None)
+    manual = PartitionConfig(policy="manual", manual_forward=[[0, 3], [3, 6]], manual_backward=[[0, 2], [2, 4], [4, 6]])
+    assert PlanKeeper(list(net), 2, 2, manual, recompute="auto", **common).recompute is True
+    same = PartitionConfig(policy="manual", manual_forward=[[0, 3], [3, 6]])
+    assert PlanKeeper(list(net), 2, 2, same, recompute="auto", **common).recompute is False
+    counted = PartitionConfig(policy="params", forward_stages=2, backward_stages=4)
+    assert PlanKeeper(list(net), 2, 2, counted, recompute="auto", **common).recompute is True
+    assert PlanKeeper(list(net), 2, 2, PartitionConfig(policy="params"), recompute="auto", **common).recompute is False
+
+
 def test_runtime_resolves_the_open_options():
     net = sequential_lm()
     runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(step_metrics=False))
