@@ -250,3 +250,24 @@ def test_defaults_give_the_same_plan_and_bit_identical_weights_whatever_the_timi
     plan_b, m_b, w_b = train(seed=2)  # other jitter, other timing
     assert (plan_a, m_a) == (plan_b, m_b)
     assert all(torch.equal(a, b) for a, b in zip(w_a, w_b))
+
+
+def test_open_microbatch_count_is_chosen_again_for_the_first_batch():
+    net = sequential_lm(3072, 128, 4)
+    keeper = PlanKeeper(list(net), 2, None, PartitionConfig(), recompute="auto", fused_last=False, compute_dtype=None,
+                        link_bytes_per_second=None, flops_per_second=5e10, memory_budget_bytes=None)
+    assert keeper.open_microbatches and keeper.microbatches in (2, 4, 8)
+    # 3 samples: of 2, 4 and 8 microbatches only 2 fit
+    plan = keeper.first_batch(batch_size=3, tokens=3 * 16)
+    assert keeper.microbatches == 2 and not keeper.open_microbatches
+    assert plan is None or plan is keeper.plan
+    assert keeper.first_batch(batch_size=64, tokens=64 * 16) is None  # chosen once
+    # a batch smaller than the workers: one sample per microbatch
+    assert choose_microbatches(embedding_block_head(), 4, 8, lambda _, m: 1.0, most=3) == 3
+    runtime = RoundPipeRuntime.attach(sequential_lm(), "cpu", 2, RuntimeOptions(step_metrics=False))
+    try:
+        net = runtime.module
+        net(torch.randint(0, 384, (3, 5))).sum().backward()
+        assert runtime.engine.options.microbatches == runtime.planner.microbatches == 2
+    finally:
+        runtime.detach()

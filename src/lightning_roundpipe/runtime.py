@@ -25,6 +25,7 @@ from .options import OptionError, RuntimeOptions
 from .engine import PipelineEngine
 from .engine.microbatch import register_batch_types
 from .schedule.plan import PlanError
+from .planning.defaults import CPU_MICROBATCH_OVERHEAD_S
 from .planning.keeper import PlanKeeper
 from .adapters.target import STACK_KINDS, locate, patch_forward, unpatch
 from .setup_progress import ProgressCallback
@@ -87,6 +88,7 @@ class RoundPipeRuntime:
             flops_per_second=5e10 if backend == "cpu" else 1e14,
             memory_budget_bytes=options.partition.memory_budget_bytes or _device_budget(backend, device_indices),
             backend="cpu" if backend == "cpu" else "cuda", progress=progress,
+            microbatch_overhead_s=CPU_MICROBATCH_OVERHEAD_S if backend == "cpu" else 0.0,
         )
         engine_opts = options.engine_options(num_workers, self.planner.microbatches, self.planner.recompute)
         self.host_clock = HostClock(self.planner, self.trace.now)
@@ -165,6 +167,7 @@ class RoundPipeRuntime:
         """One pipelined call (what the patched forward does); keeps the step's bookkeeping."""
         self.last_tokens = tokens
         register_batch_types(inputs)
+        self._choose_microbatches(inputs)
         called = self.trace.now()
         out = self.engine(inputs, loss_scale=loss_scale)
         run = self.engine.last_run
@@ -174,6 +177,21 @@ class RoundPipeRuntime:
         elif run is not None:
             self.host_clock.forward_returned(run, called, out)
         return out
+
+    def _choose_microbatches(self, inputs) -> None:
+        """An open microbatch count is chosen again for the first batch seen (its size was unknown at set-up)."""
+        if not self.planner.open_microbatches:
+            return
+        leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim()]
+        if not leaves:
+            return
+        first = leaves[0]
+        # rows of work: every element of token ids, every vector of a floating input
+        tokens = first.numel() if not first.is_floating_point() else first.numel() // max(1, first.shape[-1])
+        plan = self.planner.first_batch(int(first.shape[0]), max(1, tokens))
+        if plan is not None:
+            self.engine.set_plan(plan)
+            self.engine.options.microbatches = self.planner.microbatches
 
     def _after_step(self, run) -> None:
         self.host_clock.backward_done(run, self.trace.records(run.step))

@@ -35,6 +35,12 @@ MICROBATCHES_PER_WORKER = (1, 2, 4)  # the candidate counts, in workers
 # same bytes); a copy moved 24.5 GB/s (read + write). Used only until the host work is measured.
 HOST_LOSS_SECONDS_PER_ELEMENT = 6.1e-9
 HOST_COPY_BYTES_PER_SECOND = 24.5e9
+# What one more microbatch of a stage costs on the CPU backend besides its compute (the host
+# submitting its tasks, lane and worker hand-overs): ``python -m benchmarks.out_of_box --overhead``
+# (8 one-layer stages of Linear(8, 8), no recompute, 2 workers: the step at 8 microbatches minus
+# the step at 2, per extra microbatch-stage) measured 0.96 ms on the 2-core development machine
+# under a load of about 7 from other jobs. GPU workers: not measured here, taken as 0.
+CPU_MICROBATCH_OVERHEAD_S = 1.0e-3
 
 
 def no_recompute_peak_bytes(costs: CostProfile, microbatches: int) -> int:
@@ -75,13 +81,16 @@ def rescaled(costs: CostProfile, tokens_per_microbatch: float) -> CostProfile:
 
 
 def choose_microbatches(costs: CostProfile, num_workers: int, step_tokens: int,
-                        predicted_step: Callable[[CostProfile, int], float]) -> int:
+                        predicted_step: Callable[[CostProfile, int], float], most: int | None = None) -> int:
     """The microbatch count for steps of ``step_tokens`` tokens (see the module doc).
 
     ``predicted_step(costs, microbatches)``: the predicted step of the plan the partition policy
-    makes for those per-microbatch costs (:func:`.partition.partition`'s ``facts``).
+    makes for those per-microbatch costs. ``most``: the batch's samples (no count above it; with
+    fewer samples than workers, one microbatch per sample).
     """
-    candidates = [k * num_workers for k in MICROBATCHES_PER_WORKER]
+    candidates = [k * num_workers for k in MICROBATCHES_PER_WORKER if most is None or k * num_workers <= most]
+    if not candidates:
+        return max(1, most)
     steps = {m: predicted_step(rescaled(costs, step_tokens / m), m) for m in candidates}
     fastest = min(steps.values())
     return min(m for m, s in steps.items() if s <= fastest * (1 + TIE_TOLERANCE))

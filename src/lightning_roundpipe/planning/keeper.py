@@ -54,9 +54,11 @@ class PlanKeeper:
     def __init__(self, layers: list[nn.Module], num_workers: int, microbatches: int | None, partition_cfg, *,
                  recompute: bool | str, fused_last: bool, compute_dtype: torch.dtype | None,
                  link_bytes_per_second: float | None, flops_per_second: float, memory_budget_bytes: int | None,
-                 backend: str = "cpu", progress: ProgressCallback | None = None):
+                 backend: str = "cpu", microbatch_overhead_s: float = 0.0, progress: ProgressCallback | None = None):
         """``microbatches`` None and ``recompute`` "auto" are chosen from the estimate (:mod:`.defaults`);
-        ``recompute`` may also be "always", "never" or a bool (True: recompute)."""
+        ``recompute`` may also be "always", "never" or a bool (True: recompute). ``microbatch_overhead_s``:
+        the timing model's cost per microbatch of a stage besides its compute (:mod:`.predictor`)."""
+        self.microbatch_overhead_s = microbatch_overhead_s
         self.num_workers = num_workers
         self.cfg = partition_cfg
         self.fused_last = fused_last
@@ -75,7 +77,8 @@ class PlanKeeper:
                 return plan.with_facts(PlanFacts(policy=p.policy, recompute=rec))
             return partition(p.policy, profile, num_workers, m, memory_budget_bytes=memory_budget_bytes,
                              link_bytes_per_second=link_bytes_per_second, fused_last=fused_last, recompute=rec,
-                             manual_forward=p.manual_forward, manual_backward=p.manual_backward, progress=progress)
+                             manual_forward=p.manual_forward, manual_backward=p.manual_backward, progress=progress,
+                             microbatch_overhead_s=microbatch_overhead_s)
 
         # Open choices are made for an assumed step of two microbatches per worker (the batch is not seen yet).
         step_microbatches = microbatches or MICROBATCHES_PER_WORKER[1] * num_workers
@@ -85,21 +88,45 @@ class PlanKeeper:
             budget = memory_budget_bytes if memory_budget_bytes is not None else host_memory_budget()
             recompute = choose_recompute(recompute, backend, costs, step_microbatches, budget)
         self.recompute = recompute
-        if microbatches is None:
-            def predicted_step(profile, m: int) -> float:
-                return predict(plan_for(profile, m, recompute), profile, num_workers, m,
-                               link_bytes_per_second=link_bytes_per_second, recompute=recompute).step_s
+        def predicted_step(profile, m: int) -> float:
+            return predict(plan_for(profile, m, recompute), profile, num_workers, m,
+                           link_bytes_per_second=link_bytes_per_second, recompute=recompute,
+                           microbatch_overhead_s=microbatch_overhead_s).step_s
 
+        self.plan_for, self.predicted_step = plan_for, predicted_step
+        self.open_microbatches = microbatches is None  # chosen again for the first batch seen
+        if microbatches is None:
             microbatches = choose_microbatches(costs, num_workers, ASSUMED_TOKENS_PER_MICROBATCH * step_microbatches,
                                                predicted_step)
-        self.microbatches = microbatches
-        self.plan = plan_for(costs, microbatches, recompute)
-        self.replanner = Replanner(self.plan, costs, num_workers, microbatches, threshold=p.replan_threshold,
-                                   policy=p.policy) if p.policy == "auto" else None
+        self.use(costs, microbatches)
         self.steps_seen = 0
-        self.host = estimate_host_work(costs, microbatches, fused_last)
         self.host_source = "estimate"
         self.host_measured: set[str] = set()  # the HostWork fields measured at least once
+
+    def use(self, costs, microbatches: int) -> None:
+        """Plan for ``microbatches`` under ``costs`` (the estimate) and start the re-planner and host estimate afresh."""
+        p = self.cfg
+        self.microbatches = microbatches
+        self.plan = self.plan_for(costs, microbatches, self.recompute)
+        self.replanner = Replanner(self.plan, costs, self.num_workers, microbatches, threshold=p.replan_threshold,
+                                   policy=p.policy, microbatch_overhead_s=self.microbatch_overhead_s) \
+            if p.policy == "auto" else None
+        self.host = estimate_host_work(costs, microbatches, self.fused_last)
+
+    def first_batch(self, batch_size: int, tokens: int) -> Plan | None:
+        """The microbatch count left open, chosen again for the first batch (``batch_size`` samples,
+        ``tokens`` rows of work); returns the new plan when the count changed (once, before any step)."""
+        if not self.open_microbatches or self.steps_seen:
+            return None
+        self.open_microbatches = False
+        costs = self.moving.profile()  # still the estimate: nothing has been measured yet
+        m = choose_microbatches(costs, self.num_workers, tokens, self.predicted_step, most=batch_size)
+        if m == self.microbatches:
+            return None
+        log.info("RoundPipe chose %d microbatches (not %d) for batches of %d samples: plan %s", m, self.microbatches,
+                 batch_size, self.plan_for(costs, m, self.recompute).to_text())
+        self.use(costs, m)
+        return self.plan
 
     def observe_host(self, between_s: float | None, outside_s: float | None) -> None:
         """Record the host's work of one step as measured (None: not measured this step). The first
@@ -119,7 +146,8 @@ class PlanKeeper:
 
     def report(self) -> PlanReport:
         return build_report(self.plan, self.moving.profile(), self.num_workers, self.microbatches,
-                            recompute=self.recompute, host=self.host, host_source=self.host_source)
+                            recompute=self.recompute, host=self.host, host_source=self.host_source,
+                            microbatch_overhead_s=self.microbatch_overhead_s)
 
     def observe(self, measurements) -> None:
         for stage, kind, seconds in measurements:

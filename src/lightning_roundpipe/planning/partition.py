@@ -52,6 +52,7 @@ def partition(
     manual_forward: Sequence[Sequence[int]] | None = None,
     manual_backward: Sequence[Sequence[int]] | None = None,
     stage_overhead_s: float = DEFAULT_STAGE_OVERHEAD_S,
+    microbatch_overhead_s: float = 0.0,
     max_stages: int | None = None,
     progress: ProgressCallback | None = None,
 ) -> Plan:
@@ -73,6 +74,7 @@ def partition(
         manual_forward, manual_backward: ``[[start, end], ...]`` for the manual policy
             (``manual_backward`` defaults to the forward cuts).
         stage_overhead_s: fixed cost per dispatched stage in the timing model.
+        microbatch_overhead_s: fixed cost per microbatch of a dispatched stage (see :mod:`.predictor`).
         max_stages: auto only: most stages per direction of the balanced starting points
             (default ``4 * num_workers``, at least 8; more when the memory budget needs it); the
             local search may split further when that is predicted faster.
@@ -110,13 +112,15 @@ def partition(
             fused_last=fused_last,
             recompute=recompute,
             overhead_s=stage_overhead_s,
+            microbatch_overhead_s=microbatch_overhead_s,
             max_stages=max_stages,
             progress=progress,
         ).validate()
     check_plan_fits(plan, model, memory_budget_bytes)
 
     prediction = predict(
-        plan, costs, num_workers, microbatches, link_bytes_per_second=link, stage_overhead_s=stage_overhead_s, recompute=recompute
+        plan, costs, num_workers, microbatches, link_bytes_per_second=link, stage_overhead_s=stage_overhead_s, recompute=recompute,
+        microbatch_overhead_s=microbatch_overhead_s,
     )
     facts = PlanFacts(
         policy=policy,

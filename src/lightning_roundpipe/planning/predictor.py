@@ -6,7 +6,9 @@ bounds its error against the simulator, which times the lowered graph itself.
 
 * stages run in dispatch order on the worker :func:`~lightning_roundpipe.schedule.plan.dispatch`
   gives them; a worker runs its stages one after another, paying ``stage_overhead_s`` per stage
-  (dispatch, events, launch gaps);
+  (dispatch, events, launch gaps) and ``microbatch_overhead_s`` per microbatch of a stage (the
+  host's submission of its tasks, the hand-overs between lanes and workers: what makes many small
+  microbatches slower than a few large ones);
 * microbatch i of a stage starts when the worker is free, the stage's weights are on the
   worker, and its input is: the previous stage's microbatch i output, downloaded to the host
   and uploaded again (workers are stateless, data goes through the host);
@@ -85,7 +87,8 @@ def dispatched_stage_costs(plan: Plan, model: StageCostModel) -> list[tuple[Stag
 
 
 def list_schedule(stages: Sequence[StageCost], workers: Sequence[int], num_forward: int, num_workers: int,
-              overhead_s: float, barrier: bool = True, host: HostWork = NO_HOST_WORK) -> tuple[float, float, float]:
+              overhead_s: float, barrier: bool = True, host: HostWork = NO_HOST_WORK,
+              microbatch_overhead_s: float = 0.0) -> tuple[float, float, float]:
     """List scheduling of one step, stage ``k`` on ``workers[k]`` (:func:`~..schedule.plan.dispatch`);
     returns (step seconds, busy compute seconds, forward end).
 
@@ -116,7 +119,7 @@ def list_schedule(stages: Sequence[StageCost], workers: Sequence[int], num_forwa
             start = max(free, upload_free)
             if first_start is None:
                 first_start = start
-            free = start + sc.microbatch_compute_s
+            free = start + sc.microbatch_compute_s + microbatch_overhead_s
             download_free[w] = max(download_free[w], free) + sc.microbatch_download_s
             outputs.append(download_free[w])
         download_free[w] += sc.grad_download_s
@@ -141,6 +144,7 @@ def predict(
     stage_overhead_s: float = DEFAULT_STAGE_OVERHEAD_S,
     recompute: bool = True,
     host: HostWork = NO_HOST_WORK,
+    microbatch_overhead_s: float = 0.0,
 ) -> Prediction:
     """Predict step time, bubble fraction and per-stage seconds/memory of ``plan`` (see module doc)."""
     check_inputs(costs, num_workers, microbatches)
@@ -150,7 +154,8 @@ def predict(
     staged = dispatched_stage_costs(plan, model)
     workers = [t.worker for t in dispatch(plan, num_workers)]
     step, busy, forward_end = list_schedule([sc for _, sc in staged], workers, len(plan.forward), num_workers,
-                                        stage_overhead_s, barrier=not plan.fused_last, host=host)
+                                        stage_overhead_s, barrier=not plan.fused_last, host=host,
+                                        microbatch_overhead_s=microbatch_overhead_s)
     bubble = 1.0 - busy / (num_workers * step) if step > 0 else 0.0
     return Prediction(
         step_s=step,

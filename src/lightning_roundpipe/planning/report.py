@@ -136,6 +136,7 @@ def build_report(
     recompute: bool | None = None,
     host: HostWork = NO_HOST_WORK,
     host_source: str = "estimate",
+    microbatch_overhead_s: float = 0.0,
 ) -> PlanReport:
     """Report of ``plan`` under ``costs``; the timing-model options default to those stored in
     ``plan.facts`` by :func:`.partition.partition`, then to the partitioner's defaults. ``host``:
@@ -149,6 +150,7 @@ def build_report(
     prediction = predict(
         plan, costs, num_workers, microbatches,
         link_bytes_per_second=link, stage_overhead_s=stage_overhead_s, recompute=recompute, host=host,
+        microbatch_overhead_s=microbatch_overhead_s,
     )
     model = StageCostModel(costs, microbatches, link, recompute)
     workers = {task.stage.name: task.worker for task in dispatch(plan, num_workers)}
