@@ -21,6 +21,7 @@ and after training (measured costs, with the host work measured), against the me
     python -m benchmarks.out_of_box --quick              # about 2 minutes
     python -m benchmarks.out_of_box --rounds 3           # the full shape
     python -m benchmarks.out_of_box --sweep --quick      # RoundPipe hand settings, each once
+    python -m benchmarks.out_of_box --overhead           # the CPU backend's cost per microbatch of a stage
 
 A script, not a test: numbers depend on the machine and its load (the 1-minute load average is
 printed).
@@ -321,6 +322,38 @@ def print_table(rows: list[dict]) -> None:
               f"| {f(r['vs_plain'], '.2f')} | {f(r['vs_hand'], '.2f')} | {pred} | {f(r['predicted_over_measured'], '.2f')} |")
 
 
+def microbatch_overhead(layers: int = 8, rounds: int = 3, steps: int = 10) -> float:
+    """Seconds one more microbatch of a stage costs on the CPU backend besides its compute:
+    ``layers`` one-layer stages of ``Linear(8, 8)`` (no recompute, 2 workers, one thread), the
+    median step at 8 microbatches minus the one at 2, per extra microbatch-stage (forward and
+    backward), in interleaved rounds."""
+    from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
+    from lightning_roundpipe.options import PartitionConfig
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    times: dict[int, list[float]] = {2: [], 8: []}
+    try:
+        for _ in range(rounds):
+            for m in times:
+                net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
+                part = PartitionConfig(policy="manual", manual_forward=[[i, i + 1] for i in range(layers)])
+                runtime = RoundPipeRuntime.attach(net, "cpu", WORKERS, RuntimeOptions(
+                    microbatches=m, partition=part, recompute="never", step_metrics=False))
+                x = torch.randn(16, 8)
+                try:
+                    for i in range(steps + 2):
+                        t0 = time.perf_counter()
+                        net(x).sum().backward()
+                        if i >= 2:
+                            times[m].append(time.perf_counter() - t0)
+                finally:
+                    runtime.detach()
+    finally:
+        torch.set_num_threads(threads)
+    return (median(times[8]) - median(times[2])) / (6 * 2 * layers)
+
+
 def sweep_settings() -> list[dict]:
     """The hand settings ``--sweep`` tries: microbatches x partition x recompute."""
     out = []
@@ -339,7 +372,12 @@ def main(argv=None) -> None:
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--before-src", default=None,
                    help="the src/ folder of another tree (e.g. main's); adds the system 'before': its defaults")
+    p.add_argument("--overhead", action="store_true", help="only measure the cost per microbatch of a stage")
     args = p.parse_args(argv)
+    if args.overhead:
+        print(f"cost per microbatch of a stage: {microbatch_overhead() * 1e3:.2f} ms "
+              f"(load average {os.getloadavg()[0]:.2f})")
+        return
     shape = QUICK if args.quick else LMShape()
     rounds = args.rounds or (2 if args.quick else 3)
     print(f"model: Embedding({shape.vocab}, {shape.hidden}), {shape.blocks} MLP blocks, head Linear({shape.hidden}, "
