@@ -21,6 +21,7 @@ and after training (measured costs, with the host work measured), against the me
     python -m benchmarks.out_of_box --quick              # about 2 minutes
     python -m benchmarks.out_of_box --rounds 3           # the full shape
     python -m benchmarks.out_of_box --sweep --quick      # RoundPipe hand settings, each once
+    python -m benchmarks.out_of_box --sweep-fast --quick # the same settings in one process, plain PyTorch loop, interleaved
     python -m benchmarks.out_of_box --overhead           # the CPU backend's cost per microbatch of a stage
 
 A script, not a test: numbers depend on the machine and its load (the 1-minute load average is
@@ -354,6 +355,39 @@ def microbatch_overhead(layers: int = 8, rounds: int = 3, steps: int = 10) -> fl
     return (median(times[8]) - median(times[2])) / (6 * 2 * layers)
 
 
+def sweep_in_process(shape: LMShape, settings: list[dict], rounds: int = 3) -> dict[str, float]:
+    """Median step of every setting (and the defaults, key "defaults") with the plain PyTorch loop a
+    ``training_step`` amounts to (overlapped AdamW, loss from the logits on the host), the settings
+    interleaved round by round in one process: ratios stay side by side under a changing load."""
+    from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
+
+    x, y = make_tokens(shape)
+    named = {"defaults": {}, **{f"M={s['microbatches']} {s['partition']} {s['recompute']}": s for s in settings}}
+    times: dict[str, list[float]] = {name: [] for name in named}
+    for _ in range(rounds):
+        for name, opts in named.items():
+            net = build_lm(shape)
+            runtime = RoundPipeRuntime.attach(net, "cpu", WORKERS, RuntimeOptions(**opts))
+            opt = runtime.overlap_optimizer(torch.optim.AdamW(net.parameters(), lr=1e-3))
+            try:
+                for i in range(shape.warmup + shape.steps):
+                    t0 = time.perf_counter()
+
+                    def closure():
+                        opt.zero_grad()
+                        loss = lm_loss(net(x), y)
+                        loss.backward()
+                        return loss
+
+                    opt.step(closure)
+                    if i >= shape.warmup:
+                        times[name].append(time.perf_counter() - t0)
+                runtime.join()
+            finally:
+                runtime.detach()
+    return {name: median(t) for name, t in times.items()}
+
+
 def sweep_settings() -> list[dict]:
     """The hand settings ``--sweep`` tries: microbatches x partition x recompute."""
     out = []
@@ -373,7 +407,16 @@ def main(argv=None) -> None:
     p.add_argument("--before-src", default=None,
                    help="the src/ folder of another tree (e.g. main's); adds the system 'before': its defaults")
     p.add_argument("--overhead", action="store_true", help="only measure the cost per microbatch of a stage")
+    p.add_argument("--sweep-fast", action="store_true", help="the sweep in one process (plain PyTorch loop)")
     args = p.parse_args(argv)
+    if args.sweep_fast:
+        torch.set_num_threads(WORKERS)
+        shape = QUICK if args.quick else LMShape()
+        steps = sweep_in_process(shape, sweep_settings(), rounds=args.rounds or 3)
+        best = min((s for n, s in steps.items() if n != "defaults"))
+        for name, s in sorted(steps.items(), key=lambda kv: kv[1]):
+            print(f"{name:24s} {s * 1e3:7.0f} ms  best/this {best / s:.2f}")
+        return
     if args.overhead:
         print(f"cost per microbatch of a stage: {microbatch_overhead() * 1e3:.2f} ms "
               f"(load average {os.getloadavg()[0]:.2f})")
