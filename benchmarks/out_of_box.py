@@ -303,8 +303,16 @@ def summarise(shape: LMShape, runs: dict[str, list[dict]]) -> list[dict]:
     for r in rows:
         for ref in ("1F1B", "plain", "hand"):
             r[f"vs_{ref}"] = r["tokens_per_s"] / tps[ref] if ref in tps else None
-        p = r.get("predicted_s")
-        r["predicted_over_measured"] = p / r["step_s"] if p else None
+        # each run's own prediction (measured costs of that run) over that run's median step
+        per_run = [res["predicted_s"] / median(res["times"]) for res in runs[r["system"]] if res.get("predicted_s")]
+        r["predicted_over_measured_per_round"] = per_run
+        r["predicted_over_measured"] = median(per_run) if per_run else None
+    # ratios round by round: the systems of one round ran under the same load
+    for r in rows:
+        for ref in ("1F1B", "before"):
+            if ref in runs and len(runs[ref]) == len(runs[r["system"]]):
+                r[f"vs_{ref}_per_round"] = [median(b["times"]) / median(a["times"])
+                                            for a, b in zip(runs[r["system"]], runs[ref])]
     return rows
 
 
@@ -453,6 +461,11 @@ def main(argv=None) -> None:
             print(runs[system][-1]["table"])
     print()
     print_table(rows)
+    for r in rows:
+        extra = {k: [round(v, 2) for v in r[k]] for k in ("vs_1F1B_per_round", "vs_before_per_round",
+                                                          "predicted_over_measured_per_round") if r.get(k)}
+        if extra:
+            print(f"{r['system']}: per round {extra}")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"shape": asdict(shape), "rows": rows}, indent=1, default=str))
