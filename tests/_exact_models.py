@@ -10,6 +10,10 @@ from _models import SeqModule, fit, grad_error, weight_error, weights
 from lightning_roundpipe import RoundPipeStrategy
 
 GRAD_TOL = 1e-5
+# Several backward stages (equal weight bytes, recompute), so that layers complete, and step, one
+# stage at a time: what tests of steps during backward and of failures between layers need (the
+# default plan of a tiny model may be one stage per direction).
+LAYERED = {"partition": "params", "recompute": "always"}
 WEIGHT_TOL = 1e-4
 
 

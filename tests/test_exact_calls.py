@@ -177,17 +177,24 @@ def test_double_backward_is_refused_before_weights_change():
 
 
 @pytest.mark.timeout(60)
-def test_second_backward_refused_without_recompute():
+def test_second_backward_without_recompute_recomputes_exactly():
+    """recompute="never": the first backward frees the kept graphs; a second one recomputes from the stage inputs."""
     net = _net()
+    x = torch.randn(4, 8, requires_grad=True)
+    ref_gx, = torch.autograd.grad(net(x).pow(2).sum(), x)
+    net(x).pow(2).sum().backward()
+    ref = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad(set_to_none=True)
     runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, recompute="never",
                                                                     step_metrics=False))
     try:
-        x = torch.randn(4, 8, requires_grad=True)
-        loss = net(x).sum()
-        torch.autograd.grad(loss, x, retain_graph=True)
-        with pytest.raises(PipelineError, match="recompute='always'"):
-            loss.backward()
+        loss = net(x).pow(2).sum()
+        gx, = torch.autograd.grad(loss, x, retain_graph=True)
+        assert torch.allclose(gx, ref_gx, rtol=1e-5, atol=1e-7)
         assert all(p.grad is None for p in net.parameters())
+        loss.backward()
+        for p, r in zip(net.parameters(), ref):
+            assert torch.allclose(p.grad, r, rtol=1e-5, atol=1e-7)
     finally:
         runtime.detach()
 
@@ -197,8 +204,9 @@ def test_last_call_of_a_step_still_steps_layers_during_backward():
     """Two calls in one loss: the second backward to run steps layers as they complete (overlap kept)."""
     net = _net()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, trace_steps=4,
-                                                                    cpu_compute_delay_s=0.003))
+    # several backward stages, so that layers complete one stage at a time
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, trace_steps=4, partition="params",
+                                                                    recompute="always", cpu_compute_delay_s=0.003))
     ov = runtime.overlap_optimizer(opt, delay_per_layer_s=0.002)
     x, y = torch.randn(6, 8), torch.randn(6, 2)
     try:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from _exact_models import our_threads
+from _exact_models import LAYERED, our_threads
 from lightning_roundpipe import PipelineError, PipelineTimeout, RoundPipeRuntime, RuntimeOptions
 
 FAIL_STEP = 2  # steps 0 and 1 succeed (so Adam has state), step 2 fails
@@ -99,7 +99,7 @@ def _train(mode, *, fail_group=0, early=True, timeout=30.0, steps=FAIL_STEP + 1,
     GroupFailingAdamW.switch = switch
     opt = GroupFailingAdamW(groups, lr=1e-2)
     runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False,
-                                                                    timeout=timeout))
+                                                                    timeout=timeout, **LAYERED))
     ov = runtime.overlap_optimizer(opt, delay_per_layer_s=delay, undo=undo)
     g = torch.Generator().manual_seed(1)
     error = before = None
@@ -201,7 +201,7 @@ def test_stalled_layer_step_times_out_naming_it_and_is_put_back():
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False, timeout=2.0))
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False, timeout=2.0, **LAYERED))
     ov = runtime.overlap_optimizer(opt)
     stall_layer = 2
     original = ov.before_layer_step
@@ -278,7 +278,7 @@ def test_failed_lightning_step_leaves_state_as_before(mode):
     m = Failing()
     t0 = time.monotonic()
     with pytest.raises(Exception, match="injected"):
-        fit(m, RoundPipeStrategy(microbatches=2), devices=2, max_steps=FAIL_STEP + 2, record_grads=False,
+        fit(m, RoundPipeStrategy(microbatches=2, **LAYERED), devices=2, max_steps=FAIL_STEP + 2, record_grads=False,
             callbacks=[Arm()])
     assert time.monotonic() - t0 < 30
     switch.armed = False

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from _exact_models import our_threads
+from _exact_models import LAYERED, our_threads
 from _models import SeqModule, make_data, weights
 from lightning_roundpipe import PipelineError, RoundPipeRuntime, RoundPipeStrategy
 from lightning_roundpipe.options import OptionError
@@ -72,7 +72,7 @@ def test_without_undo_the_module_is_refused_until_a_checkpoint_restores_it(tmp_p
     saver = ModelCheckpoint(dirpath=tmp_path, filename="good", every_n_train_steps=FAIL_STEP)
     module = FailingModule()
     with pytest.raises(RuntimeError, match="injected optimizer failure") as failed:
-        _trainer(tmp_path, RoundPipeStrategy(microbatches=2, optimizer_undo=False), callbacks=[saver]).fit(
+        _trainer(tmp_path, RoundPipeStrategy(microbatches=2, optimizer_undo=False, **LAYERED), callbacks=[saver]).fit(
             module, _data())
     text = str(failed.value)
     assert "step failed in layer 0" in text and "not put back" in text and "layer 5" in text
@@ -87,7 +87,7 @@ def test_without_undo_the_module_is_refused_until_a_checkpoint_restores_it(tmp_p
 
     # training on or saving that state is refused, naming what is updated, without touching a weight
     module.fail = False
-    again = _trainer(tmp_path, RoundPipeStrategy(microbatches=2, optimizer_undo=False))
+    again = _trainer(tmp_path, RoundPipeStrategy(microbatches=2, optimizer_undo=False, **LAYERED))
     with pytest.raises(PipelineError, match=r"cannot train: FailingModule is partly updated: .*layer 5.*ckpt_path"):
         again.fit(module, _data())
     with pytest.raises(PipelineError, match="cannot save a checkpoint"):
@@ -97,10 +97,10 @@ def test_without_undo_the_module_is_refused_until_a_checkpoint_restores_it(tmp_p
     assert "forward" not in vars(module.net)
 
     # fit(ckpt_path=...) restores it and trains on exactly as a run that never failed
-    _trainer(tmp_path, RoundPipeStrategy(microbatches=2, optimizer_undo=False)).fit(
+    _trainer(tmp_path, RoundPipeStrategy(microbatches=2, optimizer_undo=False, **LAYERED)).fit(
         module, _data(), ckpt_path=str(tmp_path / "good.ckpt"))
     reference = FailingModule(fail=False)
-    _trainer(tmp_path, RoundPipeStrategy(microbatches=2)).fit(reference, _data(), ckpt_path=str(tmp_path / "good.ckpt"))
+    _trainer(tmp_path, RoundPipeStrategy(microbatches=2, **LAYERED)).fit(reference, _data(), ckpt_path=str(tmp_path / "good.ckpt"))
     assert all(torch.equal(w, weights(reference)[k]) for k, w in weights(module).items())
 
 
@@ -108,10 +108,10 @@ def test_without_undo_the_module_is_refused_until_a_checkpoint_restores_it(tmp_p
 def test_with_undo_the_same_failure_leaves_the_module_trainable(tmp_path):
     module = FailingModule()
     with pytest.raises(RuntimeError, match="injected optimizer failure"):
-        _trainer(tmp_path, RoundPipeStrategy(microbatches=2)).fit(module, _data())
+        _trainer(tmp_path, RoundPipeStrategy(microbatches=2, **LAYERED)).fit(module, _data())
     RoundPipeRuntime.refuse_if_partly_updated(module, "train")  # nothing recorded: the step was put back
     module.fail = False
-    _trainer(tmp_path, RoundPipeStrategy(microbatches=2), max_steps=1).fit(module, _data())
+    _trainer(tmp_path, RoundPipeStrategy(microbatches=2, **LAYERED), max_steps=1).fit(module, _data())
 
 
 @pytest.mark.timeout(60)
@@ -123,7 +123,7 @@ def test_plain_pytorch_attach_is_refused_until_mark_restored():
     module.fail = False
     opt = module.configure_optimizers()
     FailingSGD.fail_on = 0
-    options = RuntimeOptions(microbatches=2, step_metrics=False, optimizer_undo=False)
+    options = RuntimeOptions(microbatches=2, step_metrics=False, optimizer_undo=False, **LAYERED)
     runtime = RoundPipeRuntime.attach(net, "cpu", 2, options)
     ov = runtime.overlap_optimizer(opt)  # undo comes from the options
     assert ov.keep_undo is False

@@ -65,14 +65,14 @@ def test_default_config_composes_to_documented_values():
     }
     assert cfg.strategy._target_ == "lightning_roundpipe.RoundPipeStrategy"
     assert OmegaConf.to_container(cfg.strategy) == {
-        "_target_": "lightning_roundpipe.RoundPipeStrategy", "microbatches": None, "recompute": "always",
+        "_target_": "lightning_roundpipe.RoundPipeStrategy", "microbatches": None, "recompute": "auto",
         "timeout": 300, "module": None, "staleness": 0, "overlap_optimizer": True, "pinned": "alloc",
         # the rest of lightning_roundpipe.options.StrategyOptions, which the YAML extends (defaults)
         "cpu_compute_delay_s": 0.0, "cpu_jitter_s": 0.0, "cpu_threads_per_worker": 1, "seed": 0, "trace_steps": 0,
         "step_metrics": True, "optimizer_delay_s": 0.0, "workers": None, "trace_dir": None, "checkpoint_weights": "full",
         "allow_unverified": False, "logits_with_loss": False, "optimizer_undo": True,
     }
-    assert cfg.partition.policy == "params"
+    assert cfg.partition.policy == "compute"
     assert set(cfg.partition) >= {"policy", "forward_stages", "backward_stages", "manual_forward", "manual_backward", "replan_threshold"}
     assert OmegaConf.to_container(cfg.transfer.priorities) == {"activation": 0, "weights": 1, "gradients": 2}
     assert cfg.transfer.bandwidth_bytes_per_s is None and cfg.transfer.latency_s == 0.0
@@ -94,7 +94,7 @@ def test_documented_override_line_composes():
         "enabled": True, "r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]
     }
     # Everything not overridden keeps its default.
-    assert cfg.trainer.accelerator == "cpu" and cfg.partition.policy == "params"
+    assert cfg.trainer.accelerator == "cpu" and cfg.partition.policy == "compute"
 
 
 @pytest.mark.parametrize("model", ["qwen3_0_6b", "qwen3_1_7b", "qwen3_8b", "llama3_1_8b"])

@@ -5,6 +5,7 @@ import contextlib
 import pytest
 import torch
 
+from _exact_models import LAYERED
 from _models import SeqModule, fit, weight_error, weights
 from lightning_roundpipe import RoundPipeStrategy
 
@@ -49,7 +50,8 @@ def test_early_layer_steps_overlap_backward():
     from lightning_roundpipe.tracing.timeline import hidden_share
 
     m = SeqModule(opt="adamw", depth=10)
-    strategy = RoundPipeStrategy(microbatches=4, trace_steps=3, optimizer_delay_s=0.002, cpu_compute_delay_s=0.006)
+    strategy = RoundPipeStrategy(microbatches=4, trace_steps=3, optimizer_delay_s=0.002, cpu_compute_delay_s=0.006,
+                                 **LAYERED)
     records = {}
 
     import lightning as L
@@ -113,7 +115,8 @@ def _plain_training(overlap: bool, staleness: int = 0, delay: float = 0.0, steps
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(5)], nn.Linear(16, 4))
     runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=3, step_metrics=False, staleness=staleness,
-                                                                    trace_steps=steps, cpu_compute_delay_s=0.002))
+                                                                    trace_steps=steps, cpu_compute_delay_s=0.002,
+                                                                    **LAYERED))
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     ov = None
     if overlap:

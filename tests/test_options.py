@@ -132,7 +132,8 @@ def test_hydra_groups_extend_the_structured_configs():
     assert OmegaConf.to_container(cfg.transfer) == dataclasses.asdict(TransferConfig())
     assert set(cfg.partition) == {f.name for f in dataclasses.fields(PartitionConfig)}
     built = RoundPipeStrategy(**strategy, partition=cfg.partition, transfer=cfg.transfer)
-    assert built.options.partition == PartitionConfig(policy="params") and built.options.transfer == TransferConfig()
+    assert built.options.partition == PartitionConfig() and built.options.transfer == TransferConfig()
+    assert (built.options.partition.policy, built.options.recompute, built.options.microbatches) == ("compute", "auto", None)
 
 
 @pytest.mark.parametrize("override,key", [("strategy.microbatches=1.5", "microbatches"),

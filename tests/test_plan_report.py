@@ -82,5 +82,6 @@ def test_as_dict_is_plain_json_data():
         "layers": "0:3",
     }
     assert set(data) == {"plan_text", "num_workers", "microbatches", "rows", "predicted_step_s", "predicted_bubble",
-                         "moe_layers"}
+                         "moe_layers", "host_between_s", "host_outside_s", "host_source"}
     assert data["moe_layers"] == []
+    assert (data["host_between_s"], data["host_outside_s"], data["host_source"]) == (0.0, 0.0, "estimate")

@@ -130,7 +130,7 @@ class ProbeModule(SeqModule):
 def test_autocast_is_reentered_on_workers_and_in_recompute():
     AutocastProbe.seen.clear()
     m = ProbeModule()
-    fit(m, RoundPipeStrategy(microbatches=2), devices=2, max_steps=2, precision="bf16-mixed")
+    fit(m, RoundPipeStrategy(microbatches=2, recompute="always"), devices=2, max_steps=2, precision="bf16-mixed")
     # forward and recompute, 2 microbatches, 2 steps
     assert len(AutocastProbe.seen) == 8
     assert all(s == (True, torch.bfloat16) for s in AutocastProbe.seen)

@@ -20,10 +20,10 @@ from typing import Any, Mapping, Optional
 
 from omegaconf import OmegaConf
 
-PARTITION_POLICIES = ("params", "uniform", "auto", "manual")
+PARTITION_POLICIES = ("compute", "params", "uniform", "auto", "manual")
+RECOMPUTE_CHOICES = ("auto", "always", "layer", "never")
 TRANSFER_KINDS = ("activation", "weights", "gradients")
 PINNED_POLICIES = ("alloc", "register", "off")
-RECOMPUTE_CHOICES = ("always", "layer", "never")
 
 
 class OptionError(ValueError):
@@ -69,8 +69,11 @@ def plain(value: Any) -> Any:
 class PartitionConfig:
     """How layers are cut into stages (Hydra group ``partition``).
 
-    policy: "params" (equal weight bytes, default), "uniform" (equal layer counts), "auto"
-        (profiled costs, asymmetric forward/backward stages, memory budget) or "manual".
+    policy: "compute" (default: the plan the timing model predicts fastest from the estimated
+        compute and transfer costs, an embedding priced as a gather and an LM head as a matmul,
+        planned once at set-up, never re-planned: deterministic), "auto" (the same search, then
+        re-planned from measured costs), "params" (equal weight bytes), "uniform" (equal layer
+        counts) or "manual".
     forward_stages / backward_stages: stage counts for "uniform" and "params" (None: one forward
         stage per worker, two backward stages per worker).
     manual_forward / manual_backward: lists of [start, end) layer ranges for "manual"
@@ -80,7 +83,7 @@ class PartitionConfig:
         unlimited on CPU).
     """
 
-    policy: str = "params"
+    policy: str = "compute"
     forward_stages: Optional[int] = None
     backward_stages: Optional[int] = None
     manual_forward: Optional[list] = None
@@ -195,11 +198,16 @@ class EngineOptions:
 class RuntimeOptions:
     """Everything that decides how a module is pipelined, with or without Lightning.
 
-    microbatches: microbatches per batch (None: number of workers + 1).
-    recompute: "always" (keep stage inputs, recompute each stage in backward), "layer" (the same
-        inputs kept, but a backward stage recomputes and back-propagates one layer at a time, so
-        only one layer's graph is alive: for long sequences; costs one more forward of each
-        backward stage) or "never" (keep forward graphs; CPU backend only).
+    microbatches: microbatches per batch (None: the count the timing model predicts fastest
+        for the plan, among 1, 2 and 4 per worker; the fewest within 2% of the fastest; see
+        ``planning/defaults.py``).
+    recompute: "auto" (default: "never" on the CPU backend when the forward graphs of a whole
+        batch fit ``partition.memory_budget_bytes``, or half the host's memory without a budget;
+        else "always"), "always" (keep stage inputs, recompute each stage in backward), "layer"
+        (the same inputs kept, but a backward stage recomputes and back-propagates one layer at a
+        time, so only one layer's graph is alive: for long sequences; costs one more forward of
+        each backward stage) or "never" (keep forward graphs; CPU backend only; a second backward
+        of one call recomputes).
     timeout: seconds any wait may take before it fails with an error naming what it waited for.
     partition: how layers are cut into stages (:class:`PartitionConfig`).
     transfer: transfer priorities, chunking, prefetch and CPU link model (:class:`TransferConfig`).
@@ -233,7 +241,7 @@ class RuntimeOptions:
     """
 
     microbatches: Optional[int] = None
-    recompute: str = "always"
+    recompute: str = "auto"
     timeout: float = 300.0
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
@@ -280,11 +288,16 @@ class RuntimeOptions:
         _choice(owner, "pinned", self.pinned, PINNED_POLICIES)
         return self
 
-    def engine_options(self, num_workers: int) -> EngineOptions:
-        """The engine's share of these options (microbatches None: one more than the workers)."""
+    def engine_options(self, num_workers: int, microbatches: int | None = None,
+                       recompute: bool | None = None) -> EngineOptions:
+        """The engine's share of these options. ``microbatches`` / ``recompute``: the choices made
+        for ``None`` / "auto" (the plan keeper makes them); without them, one more microbatch than
+        workers and recompute unless "never"."""
         t = self.transfer
-        return EngineOptions(microbatches=self.microbatches or num_workers + 1, recompute=self.recompute != "never",
-                             layer_recompute=self.recompute == "layer",
+        microbatches = microbatches or self.microbatches or num_workers + 1
+        recompute = self.recompute != "never" if recompute is None else recompute
+        return EngineOptions(microbatches=microbatches, recompute=recompute,
+                             layer_recompute=recompute and self.recompute == "layer",
                              compute_dtype=self.compute_dtype, priorities=dict(t.priorities),
                              chunk_bytes=t.chunk_bytes, prefetch_depth=t.prefetch_depth)
 

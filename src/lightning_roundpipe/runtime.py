@@ -18,12 +18,14 @@ import weakref
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from .options import OptionError, RuntimeOptions
 from .engine import PipelineEngine
 from .engine.microbatch import register_batch_types
 from .schedule.plan import PlanError
+from .planning.defaults import CPU_MICROBATCH_OVERHEAD_S
 from .planning.keeper import PlanKeeper
 from .adapters.target import STACK_KINDS, locate, patch_forward, unpatch
 from .setup_progress import ProgressCallback
@@ -80,15 +82,17 @@ class RoundPipeRuntime:
                              memory_cap_bytes=options.cpu_memory_cap_bytes)
         if backend == "fake_cuda":  # the CUDA protocol on CPU streams; the jitter delays stream work
             pool_opts.update(stream_jitter_s=options.cpu_jitter_s)
-        engine_opts = options.engine_options(num_workers)
         self.planner = PlanKeeper(
-            layers, num_workers, engine_opts.microbatches, options.partition, recompute=engine_opts.recompute,
+            layers, num_workers, options.microbatches, options.partition, recompute=options.recompute,
             fused_last=fused_last, compute_dtype=options.compute_dtype,
             link_bytes_per_second=t.bandwidth_bytes_per_s or (None if backend == "cpu" else 25e9),
             flops_per_second=5e10 if backend == "cpu" else 1e14,
             memory_budget_bytes=options.partition.memory_budget_bytes or _device_budget(backend, device_indices),
-            progress=progress,
+            backend="cpu" if backend == "cpu" else "cuda", progress=progress,
+            microbatch_overhead_s=CPU_MICROBATCH_OVERHEAD_S if backend == "cpu" else 0.0,
         )
+        engine_opts = options.engine_options(num_workers, self.planner.microbatches, self.planner.recompute)
+        self.host_clock = HostClock(self.planner, self.trace.now)
         masters = _unique_parameters(layers)
         if options.compute_dtype is not None or options.staleness:
             from .params.shadows import ShadowStore  # uploads read compute-dtype / previous-version copies
@@ -164,13 +168,34 @@ class RoundPipeRuntime:
         """One pipelined call (what the patched forward does); keeps the step's bookkeeping."""
         self.last_tokens = tokens
         register_batch_types(inputs)
+        self._choose_microbatches(inputs)
+        called = self.trace.now()
         out = self.engine(inputs, loss_scale=loss_scale)
         run = self.engine.last_run
         if run is not None and not run.training:
             self.trace.discard_step(run.step)  # evaluation calls are not part of the training timeline
+            self.host_clock.interrupted()
+        elif run is not None:
+            self.host_clock.forward_returned(run, called, out)
         return out
 
+    def _choose_microbatches(self, inputs) -> None:
+        """An open microbatch count is chosen again for the first batch seen (its size was unknown at set-up)."""
+        if not self.planner.open_microbatches:
+            return
+        leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim()]
+        if not leaves:
+            return
+        first = leaves[0]
+        # rows of work: every element of token ids, every vector of a floating input
+        tokens = first.numel() if not first.is_floating_point() else first.numel() // max(1, first.shape[-1])
+        plan = self.planner.first_batch(int(first.shape[0]), max(1, tokens))
+        if plan is not None:
+            self.engine.set_plan(plan)
+            self.engine.options.microbatches = self.planner.microbatches
+
     def _after_step(self, run) -> None:
+        self.host_clock.backward_done(run, self.trace.records(run.step))
         new_plan = self.planner.after_step(run.measurements)
         if new_plan is not None:
             self.engine.set_plan(new_plan)
@@ -309,6 +334,55 @@ class RoundPipeRuntime:
     def mark_restored(module: nn.Module) -> None:
         """``module``'s weights were restored (from a checkpoint) after a failed step with ``optimizer_undo=False``."""
         _partly_updated.pop(module, None)
+
+
+class HostClock:
+    """Measures the host's own work around pipelined training calls for the plan keeper
+    (:meth:`~.planning.keeper.PlanKeeper.observe_host`), on the trace recorder's clock:
+
+    * between forward and backward: from the last forward output on the host (the last forward
+      download in the trace; the call's return when no task was recorded) to the moment the
+      output's gradient reaches the pipeline (a gradient hook on the outputs): merging the
+      microbatch outputs, the caller's loss on them and its backward;
+    * between steps: from the end of one training call's backward to the next training call
+      (the training loop, the optimizer's submission, the next batch); an evaluation call in
+      between voids that interval.
+    """
+
+    def __init__(self, planner: PlanKeeper, clock: Callable[[], float]) -> None:
+        self.planner = planner
+        self.clock = clock
+        self.last_end: float | None = None
+        self.pending: dict[int, dict] = {}  # engine step -> times of that call
+
+    def interrupted(self) -> None:
+        """An evaluation call ran: the time since the last backward is not the training loop's."""
+        self.last_end = None
+
+    def forward_returned(self, run, called: float, out) -> None:
+        now = self.clock()
+        entry = {"called": called, "returned": now, "outside": None if self.last_end is None else called - self.last_end}
+        self.pending = {run.step: entry}  # an older call never reached backward: forget it
+        if run.fused:
+            return
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(lambda grad, entry=entry: self.gradient_arrived(entry))
+
+    def gradient_arrived(self, entry: dict) -> None:
+        """An output's gradient reached the pipeline (the last output's time is kept); the gradient is unchanged."""
+        entry["gradient"] = self.clock()
+
+    def backward_done(self, run, records) -> None:
+        entry = self.pending.pop(run.step, None)
+        self.last_end = self.clock()
+        if entry is None:
+            return
+        between = None
+        if "gradient" in entry:
+            home = [r.end for r in records if r.queue == "download" and r.stage.startswith("F")]
+            between = max(0.0, entry["gradient"] - (max(home) if home else entry["returned"]))
+        self.planner.observe_host(between, entry["outside"])
 
 
 def check_writable_dir(directory, option: str) -> str:

@@ -40,7 +40,6 @@ class PipelineCalls:
         self._anchor_node = grad_accumulator(anchor)  # kept: autograd holds its nodes only weakly
         self._parameters = parameters  # callable: the pipelined host parameters
         self._pending: weakref.WeakSet = weakref.WeakSet()
-        self._backwards_run: weakref.WeakSet = weakref.WeakSet()
         self.current = None  # the call whose weight backward is running
         self.reached_outside: set[int] = set()  # ids of parameters this backward reaches outside the pipeline
 
@@ -52,18 +51,13 @@ class PipelineCalls:
         return any(r is not self.current for r in list(self._pending))
 
     @contextlib.contextmanager
-    def backward(self, run, keep_graph: bool):
+    def backward(self, run):
         """Around one backward of ``run``: yields whether this backward adds weight gradients."""
         if torch.is_grad_enabled():
             raise PipelineError(
                 "backward through the pipelined module with create_graph=True (double backward, e.g. a gradient "
                 "penalty differentiated again) is not supported: the pipeline's backward is not differentiable. "
                 "Compute the penalty outside the pipelined module, or train with the default strategy")
-        if keep_graph and run in self._backwards_run:
-            raise PipelineError(
-                "recompute='never' frees each stage's graph after its first backward, so a pipelined call can be "
-                "differentiated once: use recompute='always' to call torch.autograd.grad before loss.backward()")
-        self._backwards_run.add(run)
         wants_weights = bool(torch._C._will_engine_execute_node(self._anchor_node))
         if not wants_weights:
             yield False

@@ -77,13 +77,14 @@ class PipelineEngine:
         return self.plan.describe(len(self.pool))
 
     # ------------------------------------------------------------------ used by StepRun
-    def lower_step(self, microbatches: int, *, training: bool, fused: bool, input_gradient: bool) -> TaskGraph:
+    def lower_step(self, microbatches: int, *, training: bool, fused: bool, input_gradient: bool,
+                   kept_backward: bool = True) -> TaskGraph:
         """The next call's task graph, dispatched from where the previous one left off."""
         o = self.options
         graph = lower(self.plan, len(self.pool), self.history.next_worker,
                       TableSizes(self.tables, o.compute_dtype, o.chunk_bytes),
                       LoweringOptions(microbatches=microbatches, training=training, fused=fused, recompute=o.recompute,
-                                      layer_recompute=o.layer_recompute,
+                                      layer_recompute=o.layer_recompute, kept_backward=kept_backward,
                                       input_gradient=input_gradient, prefetch_depth=int(o.prefetch_depth),
                                       priorities=dict(o.priorities), first_serial=self.history.next_serial + 1))
         self.history.advance(graph)
@@ -243,7 +244,7 @@ class _PipelineFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         engine, run = ctx.engine, ctx.run
-        with engine.calls.backward(run, run.keep_graph) as weights_wanted:
+        with engine.calls.backward(run) as weights_wanted:
             if run.fused:
                 g = grads[0]
                 input_grads = engine._guarded(run.backward, None, None if g is None else float(g), weights_wanted)

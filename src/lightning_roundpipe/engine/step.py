@@ -363,6 +363,7 @@ class StepRun:
     def _backward(self, t: GraphTask, worker):
         stage, i = self.stages[t.stage], t.microbatch
         weights, a_in, g_in = self._stage_weights(t), self._dep(t, "act_in"), self._dep(t, "grad_in")
+        kept = self.keep_graph  # as submitted: a second backward recomputes while the first may still run
 
         def fn():
             g_leaves = g_in.value.leaves
@@ -372,7 +373,7 @@ class StepRun:
                 grads, _ = backward_by_layer(calls, stage.start, stage.end, inputs,
                                              stage.start > 0 or self.input_requires_grad, g_leaves)
                 return HostCarry(grads, a_in.value.spec)
-            if self.keep_graph:
+            if kept:
                 in_leaves, spec, out_leaves = self.graphs.pop((stage.index, i))
             else:
                 spec = a_in.value.spec
@@ -445,6 +446,7 @@ class StepRun:
         else:
             self.output_grads = list(output_grads)
             if self.backward_submitted:  # a second backward of this call (retain_graph=True)
+                self.keep_graph = False  # the first one freed the kept graphs: recompute from the stage inputs
                 self._relower_backward()
             tasks = self.graph.phase("backward")
             self._submit(tasks)
@@ -477,7 +479,7 @@ class StepRun:
         first worker, so the new graph's forward tasks carry the ids of the tasks that already ran:
         the backward's inputs on the host resolve to their completions."""
         graph = self.engine.lower_step(self.M, training=self.training, fused=self.fused,
-                                       input_gradient=self.input_requires_grad)
+                                       input_gradient=self.input_requires_grad, kept_backward=self.keep_graph)
         old = self.graph.phase("forward")
         new = graph.phase("forward")
         assert [(a.id, a.kind, a.stage, a.microbatch) for a in old] == [(b.id, b.kind, b.stage, b.microbatch) for b in new]

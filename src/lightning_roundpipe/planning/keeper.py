@@ -3,7 +3,14 @@
 Before any step the costs are estimated from sizes and FLOPs (``cost_estimate``), so the first
 step already runs a reasonable plan. Each training step's measured stage times feed per-layer
 moving averages; with the ``auto`` policy the plan is rebuilt when they move by more than the
-threshold (``partition.Replanner`` logs when and why). Other policies never re-plan.
+threshold (``partition.Replanner`` logs when and why). Other policies never re-plan: the default
+``compute`` policy runs the same search on the estimate once, so the plan depends only on the
+model's shapes and the options (same seed, same plan, bit-identical weights).
+
+Left open, the microbatch count and recompute are chosen here from the estimate
+(:mod:`.defaults`). The host's own work (the caller's loss on the merged outputs, the training
+loop between steps) is estimated, then replaced by moving averages of what the runtime measures
+(:meth:`PlanKeeper.observe_host`), and priced into the plan table's predicted step.
 """
 
 from __future__ import annotations
@@ -14,7 +21,10 @@ import torch
 from torch import nn
 
 from ..cost.estimate import MovingCostProfile, estimate_costs
+from .defaults import (MICROBATCHES_PER_WORKER, choose_microbatches, choose_recompute, estimate_host_work,
+                       host_memory_budget)
 from .partition import partition
+from .predictor import HostWork, predict
 from .replan import Replanner
 from ..schedule.plan import Plan, PlanFacts, simple_plan
 from .report import PlanReport, build_report
@@ -25,42 +35,119 @@ log = logging.getLogger("lightning_roundpipe")
 ASSUMED_TOKENS_PER_MICROBATCH = 512  # for the estimate before the first batch is seen
 CHECK_STEPS = (1, 2, 3, 5, 8)  # re-plan checks early, then every CHECK_EVERY steps
 CHECK_EVERY = 25
+HOST_SMOOTHING = 0.3  # weight of a new host measurement (the first one replaces the estimate)
+
+
+def backward_cut_like_forward(cfg) -> bool:
+    """Whether the partition options allow backward stages equal to the forward ones (what keeping
+    the forward graphs needs): not when the user cut them differently by hand or by stage counts."""
+    if cfg.policy == "manual":
+        return cfg.manual_backward is None or [list(r) for r in cfg.manual_backward] == [list(r) for r in cfg.manual_forward]
+    if cfg.policy in ("uniform", "params"):
+        return cfg.backward_stages is None or cfg.backward_stages == cfg.forward_stages
+    return True
 
 
 class PlanKeeper:
     """The running plan; ``progress`` hears how far the first estimate and plan search are."""
 
-    def __init__(self, layers: list[nn.Module], num_workers: int, microbatches: int, partition_cfg, *,
-                 recompute: bool, fused_last: bool, compute_dtype: torch.dtype | None,
+    def __init__(self, layers: list[nn.Module], num_workers: int, microbatches: int | None, partition_cfg, *,
+                 recompute: bool | str, fused_last: bool, compute_dtype: torch.dtype | None,
                  link_bytes_per_second: float | None, flops_per_second: float, memory_budget_bytes: int | None,
-                 progress: ProgressCallback | None = None):
+                 backend: str = "cpu", microbatch_overhead_s: float = 0.0, progress: ProgressCallback | None = None):
+        """``microbatches`` None and ``recompute`` "auto" are chosen from the estimate (:mod:`.defaults`);
+        ``recompute`` may also be "always", "never" or a bool (True: recompute). ``microbatch_overhead_s``:
+        the timing model's cost per microbatch of a stage besides its compute (:mod:`.predictor`)."""
+        self.microbatch_overhead_s = microbatch_overhead_s
         self.num_workers = num_workers
-        self.microbatches = microbatches
         self.cfg = partition_cfg
-        self.recompute = recompute
+        self.fused_last = fused_last
         dtype = compute_dtype or next((p.dtype for l in layers for p in l.parameters()), torch.float32)
         costs = estimate_costs(layers, ASSUMED_TOKENS_PER_MICROBATCH, None, dtype, flops_per_second=flops_per_second,
                                link_bytes_per_second=link_bytes_per_second, progress=progress)
         self.moving = MovingCostProfile(costs)
         n = len(layers)
         p = partition_cfg
-        if p.policy in ("uniform", "params"):
-            plan = simple_plan(n, num_workers, p.policy, layer_weights=[c.weight_bytes for c in costs.layers],
-                               forward_stages=p.forward_stages, backward_stages=p.backward_stages,
-                               same_cuts=not recompute, fused_last=fused_last)
-            plan = plan.with_facts(PlanFacts(policy=p.policy, recompute=recompute))
-        else:
-            plan = partition(p.policy, costs, num_workers, microbatches, memory_budget_bytes=memory_budget_bytes,
-                             link_bytes_per_second=link_bytes_per_second, fused_last=fused_last, recompute=recompute,
-                             manual_forward=p.manual_forward, manual_backward=p.manual_backward, progress=progress)
-        self.plan = plan
-        self.replanner = Replanner(plan, costs, num_workers, microbatches, threshold=p.replan_threshold,
-                                   policy=p.policy) if p.policy == "auto" else None
+
+        def plan_for(profile, m: int, rec: bool) -> Plan:
+            if p.policy in ("uniform", "params"):
+                plan = simple_plan(n, num_workers, p.policy, layer_weights=[c.weight_bytes for c in profile.layers],
+                                   forward_stages=p.forward_stages, backward_stages=p.backward_stages,
+                                   same_cuts=not rec, fused_last=fused_last)
+                return plan.with_facts(PlanFacts(policy=p.policy, recompute=rec))
+            return partition(p.policy, profile, num_workers, m, memory_budget_bytes=memory_budget_bytes,
+                             link_bytes_per_second=link_bytes_per_second, fused_last=fused_last, recompute=rec,
+                             manual_forward=p.manual_forward, manual_backward=p.manual_backward, progress=progress,
+                             microbatch_overhead_s=microbatch_overhead_s)
+
+        # Open choices are made for an assumed step of two microbatches per worker (the batch is not seen yet).
+        step_microbatches = microbatches or MICROBATCHES_PER_WORKER[1] * num_workers
+        if recompute == "auto" and not backward_cut_like_forward(p):
+            recompute = "always"  # the user's backward stages differ from the forward ones: only recompute runs them
+        if isinstance(recompute, str):
+            budget = memory_budget_bytes if memory_budget_bytes is not None else host_memory_budget()
+            recompute = choose_recompute(recompute, backend, costs, step_microbatches, budget)
+        self.recompute = recompute
+        def predicted_step(profile, m: int) -> float:
+            return predict(plan_for(profile, m, recompute), profile, num_workers, m,
+                           link_bytes_per_second=link_bytes_per_second, recompute=recompute,
+                           microbatch_overhead_s=microbatch_overhead_s).step_s
+
+        self.plan_for, self.predicted_step = plan_for, predicted_step
+        self.open_microbatches = microbatches is None  # chosen again for the first batch seen
+        if microbatches is None:
+            microbatches = choose_microbatches(costs, num_workers, ASSUMED_TOKENS_PER_MICROBATCH * step_microbatches,
+                                               predicted_step)
+        self.use(costs, microbatches)
         self.steps_seen = 0
+        self.host_source = "estimate"
+        self.host_measured: set[str] = set()  # the HostWork fields measured at least once
+
+    def use(self, costs, microbatches: int) -> None:
+        """Plan for ``microbatches`` under ``costs`` (the estimate) and start the re-planner and host estimate afresh."""
+        p = self.cfg
+        self.microbatches = microbatches
+        self.plan = self.plan_for(costs, microbatches, self.recompute)
+        self.replanner = Replanner(self.plan, costs, self.num_workers, microbatches, threshold=p.replan_threshold,
+                                   policy=p.policy, microbatch_overhead_s=self.microbatch_overhead_s) \
+            if p.policy == "auto" else None
+        self.host = estimate_host_work(costs, microbatches, self.fused_last)
+
+    def first_batch(self, batch_size: int, tokens: int) -> Plan | None:
+        """The microbatch count left open, chosen again for the first batch (``batch_size`` samples,
+        ``tokens`` rows of work); returns the new plan when the count changed (once, before any step)."""
+        if not self.open_microbatches or self.steps_seen:
+            return None
+        self.open_microbatches = False
+        costs = self.moving.profile()  # still the estimate: nothing has been measured yet
+        m = choose_microbatches(costs, self.num_workers, tokens, self.predicted_step, most=batch_size)
+        if m == self.microbatches:
+            return None
+        log.info("RoundPipe chose %d microbatches (not %d) for batches of %d samples: plan %s", m, self.microbatches,
+                 batch_size, self.plan_for(costs, m, self.recompute).to_text())
+        self.use(costs, m)
+        return self.plan
+
+    def observe_host(self, between_s: float | None, outside_s: float | None) -> None:
+        """Record the host's work of one step as measured (None: not measured this step). The first
+        measurement of each part replaces the estimate; later ones are blended in (``HOST_SMOOTHING``)."""
+        parts = {"between_s": between_s, "outside_s": outside_s}
+        values = {}
+        for name, new in parts.items():
+            old = getattr(self.host, name)
+            if new is None:
+                values[name] = old
+            else:
+                values[name] = new if name not in self.host_measured else (1 - HOST_SMOOTHING) * old + HOST_SMOOTHING * new
+                self.host_measured.add(name)
+        self.host = HostWork(**values)
+        if self.host_measured:
+            self.host_source = "measured"
 
     def report(self) -> PlanReport:
         return build_report(self.plan, self.moving.profile(), self.num_workers, self.microbatches,
-                            recompute=self.recompute)
+                            recompute=self.recompute, host=self.host, host_source=self.host_source,
+                            microbatch_overhead_s=self.microbatch_overhead_s)
 
     def observe(self, measurements) -> None:
         for stage, kind, seconds in measurements:

@@ -4,7 +4,10 @@
 * ``params``: equal weight bytes (the same);
 * ``manual``: the user's layer ranges, validated;
 * ``auto``: the RoundPipe partitioner (:mod:`.search`), under a per-worker memory budget
-  (:mod:`.budget`), priced by the timing model (:mod:`.predictor`).
+  (:mod:`.budget`), priced by the timing model (:mod:`.predictor`);
+* ``compute`` (the default): the same search; the keeper runs it once on the cost estimate
+  (compute from FLOPs: an embedding is a gather, an LM head a matmul) and never re-plans, so the
+  plan is a function of the model's shapes and the options.
 
 Every policy returns its predictions with the plan (:class:`~lightning_roundpipe.schedule.plan.PlanFacts`).
 """
@@ -20,7 +23,7 @@ from .predictor import DEFAULT_STAGE_OVERHEAD_S, check_inputs, link_speed, predi
 from ..setup_progress import ProgressCallback
 from .search import TIE_TOLERANCE, auto_plan
 
-POLICIES = ("auto", "uniform", "params", "manual")
+POLICIES = ("compute", "auto", "uniform", "params", "manual")
 
 
 def manual_ranges(name: str, ranges) -> tuple[LayerRange, ...]:
@@ -49,10 +52,12 @@ def partition(
     manual_forward: Sequence[Sequence[int]] | None = None,
     manual_backward: Sequence[Sequence[int]] | None = None,
     stage_overhead_s: float = DEFAULT_STAGE_OVERHEAD_S,
+    microbatch_overhead_s: float = 0.0,
     max_stages: int | None = None,
     progress: ProgressCallback | None = None,
 ) -> Plan:
-    """Build and validate a plan with ``policy`` ("auto", "uniform", "params" or "manual").
+    """Build and validate a plan with ``policy`` ("compute", "auto", "uniform", "params" or "manual";
+    "compute" and "auto" search alike here, they differ in whether the keeper re-plans).
 
     Args:
         costs: per-layer costs (estimated or measured), one :class:`~.cost.LayerCost` per layer.
@@ -69,6 +74,7 @@ def partition(
         manual_forward, manual_backward: ``[[start, end], ...]`` for the manual policy
             (``manual_backward`` defaults to the forward cuts).
         stage_overhead_s: fixed cost per dispatched stage in the timing model.
+        microbatch_overhead_s: fixed cost per microbatch of a dispatched stage (see :mod:`.predictor`).
         max_stages: auto only: most stages per direction of the balanced starting points
             (default ``4 * num_workers``, at least 8; more when the memory budget needs it); the
             local search may split further when that is predicted faster.
@@ -106,13 +112,15 @@ def partition(
             fused_last=fused_last,
             recompute=recompute,
             overhead_s=stage_overhead_s,
+            microbatch_overhead_s=microbatch_overhead_s,
             max_stages=max_stages,
             progress=progress,
         ).validate()
     check_plan_fits(plan, model, memory_budget_bytes)
 
     prediction = predict(
-        plan, costs, num_workers, microbatches, link_bytes_per_second=link, stage_overhead_s=stage_overhead_s, recompute=recompute
+        plan, costs, num_workers, microbatches, link_bytes_per_second=link, stage_overhead_s=stage_overhead_s, recompute=recompute,
+        microbatch_overhead_s=microbatch_overhead_s,
     )
     facts = PlanFacts(
         policy=policy,

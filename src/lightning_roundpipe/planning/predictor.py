@@ -6,7 +6,9 @@ bounds its error against the simulator, which times the lowered graph itself.
 
 * stages run in dispatch order on the worker :func:`~lightning_roundpipe.schedule.plan.dispatch`
   gives them; a worker runs its stages one after another, paying ``stage_overhead_s`` per stage
-  (dispatch, events, launch gaps);
+  (dispatch, events, launch gaps) and ``microbatch_overhead_s`` per microbatch of a stage (the
+  host's submission of its tasks, the hand-overs between lanes and workers: what makes many small
+  microbatches slower than a few large ones);
 * microbatch i of a stage starts when the worker is free, the stage's weights are on the
   worker, and its input is: the previous stage's microbatch i output, downloaded to the host
   and uploaded again (workers are stateless, data goes through the host);
@@ -16,7 +18,13 @@ bounds its error against the simulator, which times the lowered graph itself.
 * without a fused last stage, backward starts when the whole forward is done
   (``loss.backward()`` runs after the forward returned); with one, backward microbatch i
   starts as soon as the fused stage sent back its input gradient (the engine dispatches the
-  backward stages right after the fused stage, no barrier).
+  backward stages right after the fused stage, no barrier);
+* what the host does between the workers' tasks (:class:`HostWork`): without a fused last stage
+  the backward cannot start before the host has merged the microbatch outputs, the caller has
+  computed its loss on them (on the full logits of an LM head) and back-propagated it, and the
+  output gradient is split again, so the barrier lasts ``between_s`` past the last forward
+  output; the host's work between two steps (the training loop, the optimizer's submission,
+  data) adds ``outside_s`` to the step.
 """
 
 from __future__ import annotations
@@ -31,6 +39,28 @@ DEFAULT_STAGE_OVERHEAD_S = 1e-3  # per dispatched stage: event waits, kernel-lau
 
 
 @dataclass(frozen=True)
+class HostWork:
+    """Host seconds of one step that no worker task covers, priced into the predicted step.
+
+    between_s: from the last forward output on the host to the backward's dispatch (merging the
+        microbatch outputs, the caller's loss on them and its backward, splitting the output
+        gradient); only a run with the forward/backward barrier (no fused last stage) pays it.
+    outside_s: from the end of one step's backward to the next step's forward call (the training
+        loop, the optimizer's submission, loading the batch).
+    """
+
+    between_s: float = 0.0
+    outside_s: float = 0.0
+
+    def step_s(self, barrier: bool) -> float:
+        """Host seconds on the step's critical path."""
+        return (self.between_s if barrier else 0.0) + self.outside_s
+
+
+NO_HOST_WORK = HostWork()
+
+
+@dataclass(frozen=True)
 class Prediction:
     """What the timing model predicts for one step of a plan."""
 
@@ -39,6 +69,7 @@ class Prediction:
     stage_seconds: dict[str, float]  # per dispatched stage: max(compute, upload, download)
     stage_memory_bytes: dict[str, int]
     forward_s: float  # when the whole forward is back on the host
+    host_s: float = 0.0  # of step_s, the host's own work (HostWork.step_s)
 
 
 def dispatched_stage_costs(plan: Plan, model: StageCostModel) -> list[tuple[Stage, StageCost]]:
@@ -56,12 +87,14 @@ def dispatched_stage_costs(plan: Plan, model: StageCostModel) -> list[tuple[Stag
 
 
 def list_schedule(stages: Sequence[StageCost], workers: Sequence[int], num_forward: int, num_workers: int,
-              overhead_s: float, barrier: bool = True) -> tuple[float, float, float]:
+              overhead_s: float, barrier: bool = True, host: HostWork = NO_HOST_WORK,
+              microbatch_overhead_s: float = 0.0) -> tuple[float, float, float]:
     """List scheduling of one step, stage ``k`` on ``workers[k]`` (:func:`~..schedule.plan.dispatch`);
     returns (step seconds, busy compute seconds, forward end).
 
-    ``barrier``: backward waits for the whole forward (runs without a fused last stage); a fused
-    run passes False and each backward microbatch waits only for its own output gradient.
+    ``barrier``: backward waits for the whole forward and then ``host.between_s`` for the host's
+    work on the outputs (runs without a fused last stage); a fused run passes False and each
+    backward microbatch waits only for its own output gradient. ``host.outside_s`` is added at the end.
     """
     if not stages:
         return 0.0, 0.0, 0.0
@@ -74,7 +107,7 @@ def list_schedule(stages: Sequence[StageCost], workers: Sequence[int], num_forwa
     step_end = busy = forward_end = 0.0
     for k, sc in enumerate(stages):
         if k == num_forward and barrier:
-            inputs = [forward_end] * m  # backward waits for the whole forward
+            inputs = [forward_end + host.between_s] * m  # backward waits for the whole forward and the host
         w = workers[k]
         prefetch_from = 0.0 if previous_start[w] is None else previous_start[w] + previous_input_upload[w]
         upload_free = prefetch_from + sc.weight_upload_s
@@ -86,7 +119,7 @@ def list_schedule(stages: Sequence[StageCost], workers: Sequence[int], num_forwa
             start = max(free, upload_free)
             if first_start is None:
                 first_start = start
-            free = start + sc.microbatch_compute_s
+            free = start + sc.microbatch_compute_s + microbatch_overhead_s
             download_free[w] = max(download_free[w], free) + sc.microbatch_download_s
             outputs.append(download_free[w])
         download_free[w] += sc.grad_download_s
@@ -98,7 +131,7 @@ def list_schedule(stages: Sequence[StageCost], workers: Sequence[int], num_forwa
         if k < num_forward:
             forward_end = max(forward_end, outputs[-1])
         inputs = outputs
-    return step_end, busy, forward_end
+    return step_end + host.outside_s, busy, forward_end
 
 
 def predict(
@@ -110,6 +143,8 @@ def predict(
     link_bytes_per_second: float | None = None,
     stage_overhead_s: float = DEFAULT_STAGE_OVERHEAD_S,
     recompute: bool = True,
+    host: HostWork = NO_HOST_WORK,
+    microbatch_overhead_s: float = 0.0,
 ) -> Prediction:
     """Predict step time, bubble fraction and per-stage seconds/memory of ``plan`` (see module doc)."""
     check_inputs(costs, num_workers, microbatches)
@@ -119,7 +154,8 @@ def predict(
     staged = dispatched_stage_costs(plan, model)
     workers = [t.worker for t in dispatch(plan, num_workers)]
     step, busy, forward_end = list_schedule([sc for _, sc in staged], workers, len(plan.forward), num_workers,
-                                        stage_overhead_s, barrier=not plan.fused_last)
+                                        stage_overhead_s, barrier=not plan.fused_last, host=host,
+                                        microbatch_overhead_s=microbatch_overhead_s)
     bubble = 1.0 - busy / (num_workers * step) if step > 0 else 0.0
     return Prediction(
         step_s=step,
@@ -127,6 +163,7 @@ def predict(
         stage_seconds={s.name: sc.seconds for s, sc in staged},
         stage_memory_bytes={s.name: sc.memory_bytes for s, sc in staged},
         forward_s=forward_end,
+        host_s=host.step_s(not plan.fused_last),
     )
 
 

@@ -64,7 +64,7 @@ class Replanner:
         same = (new_plan.forward, new_plan.backward) == (old_plan.forward, old_plan.backward)
         if not same and self.min_gain > 0:
             # Measured times are noisy: switch only for a clear predicted gain under the new costs.
-            keys = ("link_bytes_per_second", "stage_overhead_s", "recompute")
+            keys = ("link_bytes_per_second", "stage_overhead_s", "recompute", "microbatch_overhead_s")
             opts = {k: self.options[k] for k in keys if k in self.options}
             old_s = predict(old_plan, new_costs, self.num_workers, self.microbatches, **opts).step_s
             new_s = new_plan.facts.predicted_step_s

@@ -8,6 +8,11 @@ Each stage shows its compute time next to its weight bytes and parameter counts 
 the ones a token runs through): a Mixture-of-Experts stage carries the bytes of every expert but
 computes only with the ``top_k`` routed ones, so it has many bytes for little compute; a line
 under the table gives that cost shape per MoE layer.
+
+The predicted step includes the host's own work (:class:`~.predictor.HostWork`): a line under
+the table says how much of it is the forward/backward barrier's host part (merging the outputs,
+the caller's loss on them and its backward) and how much the host's work between steps, and
+whether those seconds are estimated or measured.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..cost.profile import CostProfile, StageCostModel, format_bytes, format_count, format_seconds
-from .predictor import DEFAULT_STAGE_OVERHEAD_S, dispatched_stage_costs, link_speed, predict
+from .predictor import DEFAULT_STAGE_OVERHEAD_S, NO_HOST_WORK, HostWork, dispatched_stage_costs, link_speed, predict
 from ..schedule.plan import Plan, dispatch
 
 
@@ -60,6 +65,9 @@ class PlanReport:
     predicted_step_s: float = 0.0
     predicted_bubble: float = 0.0
     moe_layers: list[MoeLayerShape] = field(default_factory=list)
+    host_between_s: float = 0.0  # host work inside the forward/backward barrier (0 with a fused last stage)
+    host_outside_s: float = 0.0  # host work between two steps
+    host_source: str = "estimate"  # "estimate" or "measured"
 
     def to_table(self) -> str:
         """Fixed-width text table, one line per stage in dispatch order, then the MoE cost shape
@@ -83,6 +91,12 @@ class PlanReport:
         out.append("  ".join("-" * w for w in widths))
         out.extend(fmt(line) for line in lines)
         out.extend(self.moe_lines())
+        if self.host_between_s or self.host_outside_s:
+            out.append(
+                f"host ({self.host_source}): {format_seconds(self.host_between_s)} between forward and backward "
+                f"(merging microbatch outputs, the loss and its backward on them), "
+                f"{format_seconds(self.host_outside_s)} between steps (loop, optimizer submission, data)"
+            )
         out.append(
             f"predicted step {format_seconds(self.predicted_step_s)}, "
             f"predicted bubble fraction {self.predicted_bubble:.1%}"
@@ -120,9 +134,13 @@ def build_report(
     link_bytes_per_second: float | None = None,
     stage_overhead_s: float | None = None,
     recompute: bool | None = None,
+    host: HostWork = NO_HOST_WORK,
+    host_source: str = "estimate",
+    microbatch_overhead_s: float = 0.0,
 ) -> PlanReport:
     """Report of ``plan`` under ``costs``; the timing-model options default to those stored in
-    ``plan.facts`` by :func:`.partition.partition`, then to the partitioner's defaults."""
+    ``plan.facts`` by :func:`.partition.partition`, then to the partitioner's defaults. ``host``:
+    the host's own work, priced into the predicted step (``host_source`` says where it came from)."""
     facts = plan.facts
     link = link_speed(costs, link_bytes_per_second if link_bytes_per_second is not None else facts.link_bytes_per_second)
     if stage_overhead_s is None:
@@ -131,7 +149,8 @@ def build_report(
         recompute = True if facts.recompute is None else facts.recompute
     prediction = predict(
         plan, costs, num_workers, microbatches,
-        link_bytes_per_second=link, stage_overhead_s=stage_overhead_s, recompute=recompute,
+        link_bytes_per_second=link, stage_overhead_s=stage_overhead_s, recompute=recompute, host=host,
+        microbatch_overhead_s=microbatch_overhead_s,
     )
     model = StageCostModel(costs, microbatches, link, recompute)
     workers = {task.stage.name: task.worker for task in dispatch(plan, num_workers)}
@@ -153,4 +172,6 @@ def build_report(
         for stage, sc in dispatched_stage_costs(plan, model)
     ]
     moe = [MoeLayerShape(i, p, a) for i, (p, a) in enumerate(zip(params, active)) if 0 < a < p]
-    return PlanReport(plan.to_text(), num_workers, microbatches, rows, prediction.step_s, prediction.bubble, moe)
+    between = 0.0 if plan.fused_last else host.between_s
+    return PlanReport(plan.to_text(), num_workers, microbatches, rows, prediction.step_s, prediction.bubble, moe,
+                      host_between_s=between, host_outside_s=host.outside_s, host_source=host_source)

@@ -46,9 +46,11 @@ class Search:
     """
 
     def __init__(self, model: StageCostModel, num_workers: int, cap: float, fused_last: bool, recompute: bool,
-                 overhead_s: float, progress: ProgressCallback | None = None) -> None:
+                 overhead_s: float, progress: ProgressCallback | None = None,
+                 microbatch_overhead_s: float = 0.0) -> None:
         self.model, self.num_workers, self.cap = model, num_workers, cap
         self.fused_last, self.recompute, self.overhead_s = fused_last, recompute, overhead_s
+        self.microbatch_overhead_s = microbatch_overhead_s
         self.n = len(model.costs)
         self.exhaustive = self.space_size() <= EXHAUSTIVE_PLANS
         self.budget = self.space_size() if self.exhaustive else MAX_EVALUATIONS
@@ -99,7 +101,7 @@ class Search:
         else:
             workers = [t.worker for t in dispatch(plan, self.num_workers)]
             value = list_schedule(staged, workers, len(plan.forward), self.num_workers, self.overhead_s,
-                                  barrier=not self.fused_last)[0]
+                                  barrier=not self.fused_last, microbatch_overhead_s=self.microbatch_overhead_s)[0]
         self.seen[key] = value
         if len(self.seen) % PROGRESS_EVERY == 0:
             report(self.progress, SEARCH_PHASE, min(len(self.seen), self.budget - 1), self.budget)
@@ -254,12 +256,13 @@ def auto_plan(
     max_stages: int | None,
     starts: int = 8,
     progress: ProgressCallback | None = None,
+    microbatch_overhead_s: float = 0.0,
 ) -> Plan:
     """Every plan when there are at most ``EXHAUSTIVE_PLANS``; otherwise balanced seeds, all
     priced, the ``starts`` fastest improved by local search. Of every plan priced, the fewest
     stages among those within ``TIE_TOLERANCE`` of the fastest wins (then the fastest).
     """
-    search = Search(model, num_workers, cap, fused_last, recompute, overhead_s, progress)
+    search = Search(model, num_workers, cap, fused_last, recompute, overhead_s, progress, microbatch_overhead_s)
     if search.exhaustive:  # few layers: try every plan
         every = list(search.every_plan())
         best = _pick(search, every)

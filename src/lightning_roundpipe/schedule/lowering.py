@@ -78,6 +78,9 @@ class LoweringOptions:
     fused: the plan's fused last stage runs fused (the loss is computed inside the pipeline).
     recompute: False keeps every forward graph until its backward (see the module doc).
     layer_recompute: backward and fused computes recompute one layer at a time (``grain="layer"``).
+    kept_backward: with ``recompute`` False, the backward stages run on the kept graphs; False:
+        they recompute from the stage inputs on the host, as with recompute (a call's second
+        backward: its first one freed the kept graphs).
     input_gradient: the input gradient of layer 0 comes home (the caller's input needs grad).
     first_serial: serial of the first stage, continuing the previous steps' (transfer priorities).
     """
@@ -87,6 +90,7 @@ class LoweringOptions:
     fused: bool = False
     recompute: bool = True
     layer_recompute: bool = False
+    kept_backward: bool = True
     input_gradient: bool = False
     prefetch_depth: int = 1
     priorities: dict = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
@@ -197,7 +201,7 @@ class _Builder:
         o, plan, m = self.o, self.plan, self.o.microbatches
         keep = o.training and not o.recompute
         backward = stage.direction == "B"
-        kept_backward = backward and keep
+        kept_backward = backward and keep and o.kept_backward
         weights = []
         if not kept_backward:
             waits = (("release", int(o.prefetch_depth) + 1),)

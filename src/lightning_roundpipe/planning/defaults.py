@@ -1,0 +1,109 @@
+"""The choices RoundPipe makes when the user leaves them open: recompute, microbatches, host work.
+
+* ``recompute="auto"``: keep the forward graphs (``never``: no recompute, about a quarter less
+  compute) when that is allowed and fits, else recompute (``always``). Keeping graphs is allowed
+  only on the CPU backend (its workers share the host's memory; on GPUs the graph would have to
+  stay on the worker that ran the forward). It fits when :func:`no_recompute_peak_bytes` (every
+  layer's graph for the whole batch, which a worker may hold until backward, plus the two
+  largest layers' weights and gradients) is at most the memory budget: ``memory_budget_bytes``
+  when set, else half the host's physical memory (:func:`host_memory_budget`).
+* ``microbatches=None``: the count the timing model predicts fastest for the same batch, among
+  ``num_workers`` times 1, 2 and 4 (counts that split power-of-two batches evenly when the worker
+  count is one), the fewest of those predicted within ``TIE_TOLERANCE`` of the fastest: more
+  microbatches shorten the pipeline's fill and drain, but every one adds tasks, per-call costs
+  and smaller, less efficient kernels that the model does not price, so a gain within the
+  model's noise is not worth them.
+* the host's work before it is measured (:func:`estimate_host_work`): without a fused last
+  stage the caller's loss runs on the merged full outputs, on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+from ..cost.profile import CostProfile
+from ..cost.view import CostView
+from .predictor import HostWork
+from .search import TIE_TOLERANCE
+
+MICROBATCHES_PER_WORKER = (1, 2, 4)  # the candidate counts, in workers
+# Host costs of a caller's loss on the full output, measured on the 2-core development machine
+# (one thread, fp32, 512 x 6144 logits, best of 10): F.cross_entropy forward + backward took
+# 19.2 ms, 6.1 ns per output element (exp and log make it compute-bound: 37 times a copy of the
+# same bytes); a copy moved 24.5 GB/s (read + write). Used only until the host work is measured.
+HOST_LOSS_SECONDS_PER_ELEMENT = 6.1e-9
+HOST_COPY_BYTES_PER_SECOND = 24.5e9
+# What one more microbatch of a stage costs on the CPU backend besides its compute (the host
+# submitting its tasks, lane and worker hand-overs): ``python -m benchmarks.out_of_box --overhead``
+# (8 one-layer stages of Linear(8, 8), no recompute, 2 workers: the step at 8 microbatches minus
+# the step at 2, per extra microbatch-stage) measured 0.33 ms on the 2-core development machine
+# at a load average of 4 from other jobs (0.96 ms at 7: it grows with the machine's load). GPU
+# workers: not measured here, taken as 0.
+CPU_MICROBATCH_OVERHEAD_S = 0.33e-3
+
+
+def no_recompute_peak_bytes(costs: CostProfile, microbatches: int) -> int:
+    """Device bytes a worker may need with recompute off: every layer's graph for all
+    ``microbatches`` (the forward stages a worker ran keep theirs until their backward) plus
+    the two largest layers' weights and weight gradients (the stage it runs and the one it prefetches)."""
+    view = CostView(costs)
+    states = sorted((c.weight_bytes + c.grad_bytes for c in costs.layers), reverse=True)
+    return microbatches * view.graph(0, len(costs)) + sum(states[:2])
+
+
+def host_memory_budget() -> int | None:
+    """Half the host's physical memory (what ``recompute="auto"`` lets kept graphs use on the CPU
+    backend when no budget is set); None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def choose_recompute(setting: str, backend: str, costs: CostProfile, microbatches: int,
+                     memory_budget_bytes: int | None) -> bool:
+    """True to recompute. ``setting`` is "always", "never" or "auto" (see the module doc)."""
+    if setting != "auto":
+        return setting != "never"
+    if backend != "cpu":
+        return True  # graphs cannot stay on a GPU worker across the round-robin
+    if memory_budget_bytes is None:
+        return False
+    return no_recompute_peak_bytes(costs, microbatches) > memory_budget_bytes
+
+
+def rescaled(costs: CostProfile, tokens_per_microbatch: float) -> CostProfile:
+    """``costs`` for microbatches of ``tokens_per_microbatch`` tokens (times scale with tokens)."""
+    factor = tokens_per_microbatch / costs.tokens_per_microbatch
+    return dataclasses.replace(costs, layers=[c.scaled(factor) for c in costs.layers],
+                               tokens_per_microbatch=max(1, round(tokens_per_microbatch)))
+
+
+def choose_microbatches(costs: CostProfile, num_workers: int, step_tokens: int,
+                        predicted_step: Callable[[CostProfile, int], float], most: int | None = None) -> int:
+    """The microbatch count for steps of ``step_tokens`` tokens (see the module doc).
+
+    ``predicted_step(costs, microbatches)``: the predicted step of the plan the partition policy
+    makes for those per-microbatch costs. ``most``: the batch's samples (no count above it; with
+    fewer samples than workers, one microbatch per sample).
+    """
+    candidates = [k * num_workers for k in MICROBATCHES_PER_WORKER if most is None or k * num_workers <= most]
+    if not candidates:
+        return max(1, most)
+    steps = {m: predicted_step(rescaled(costs, step_tokens / m), m) for m in candidates}
+    fastest = min(steps.values())
+    return min(m for m, s in steps.items() if s <= fastest * (1 + TIE_TOLERANCE))
+
+
+def estimate_host_work(costs: CostProfile, microbatches: int, fused_last: bool) -> HostWork:
+    """The host's work in the forward/backward barrier before it is measured: merging the
+    microbatch outputs of the last layer into the full output (a copy: read and write) and the
+    caller's cross-entropy forward and backward on it (``HOST_LOSS_SECONDS_PER_ELEMENT``). A
+    fused last stage computes the loss on the workers: nothing."""
+    if fused_last:
+        return HostWork()
+    output_bytes = CostView(costs).out_bytes(len(costs) - 1) * microbatches
+    elements = output_bytes / costs.dtype_bytes
+    return HostWork(between_s=2 * output_bytes / HOST_COPY_BYTES_PER_SECOND + elements * HOST_LOSS_SECONDS_PER_ELEMENT)
