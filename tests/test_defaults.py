@@ -213,7 +213,7 @@ def test_runtime_measures_the_host_work_around_the_pipeline():
 # ------------------------------------------------------------------ options and Hydra
 def test_recompute_option_takes_auto_and_names_the_choices():
     assert RuntimeOptions().validate().recompute == "auto"
-    with pytest.raises(OptionError, match=r"recompute='sometimes'\): use one of 'auto', 'always', 'never'"):
+    with pytest.raises(OptionError, match=r"recompute='sometimes'\): use one of 'auto', 'always', 'layer', 'never'"):
         RuntimeOptions(recompute="sometimes").validate()
     assert PartitionConfig().policy == "compute"
 

@@ -372,7 +372,7 @@ def test_option_reaches_the_engine_and_is_checked():
     assert (eng.recompute, eng.layer_recompute) == (True, True)
     eng = RuntimeOptions(recompute="always").validate().engine_options(2)
     assert (eng.recompute, eng.layer_recompute) == (True, False)
-    with pytest.raises(OptionError, match=r"RuntimeOptions\(recompute='layers'\): use one of 'always', 'layer', 'never'"):
+    with pytest.raises(OptionError, match=r"RuntimeOptions\(recompute='layers'\): use one of 'auto', 'always', 'layer', 'never'"):
         RuntimeOptions(recompute="layers").validate()
     with pytest.raises(OptionError, match=r"EngineOptions\(layer_recompute=True\): layer-grain recompute .* needs recompute=True"):
         EngineOptions(recompute=False, layer_recompute=True).validate()
@@ -386,7 +386,7 @@ def test_hydra_strategy_entry_documents_the_choice():
 
     text = (Path(__file__).parents[1] / "conf" / "strategy" / "roundpipe.yaml").read_text()
     line = next(l for l in text.splitlines() if l.startswith("recompute:"))
-    assert line.split("#")[0].split(":")[1].strip() == "always"
+    assert line.split("#")[0].split(":")[1].strip() == "auto"
     assert "layer = one layer's graph at a time" in text
 
 
