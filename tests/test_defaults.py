@@ -161,6 +161,26 @@ def test_runtime_resolves_the_open_options():
         RoundPipeRuntime.attach(sequential_lm(), "cpu", 2, tight)
 
 
+def test_recompute_auto_takes_the_cpu_memory_cap_as_its_budget():
+    from lightning_roundpipe.planning.defaults import no_recompute_peak_bytes
+
+    def attached(cap):
+        return RoundPipeRuntime.attach(sequential_lm(), "cpu", 2, RuntimeOptions(step_metrics=False, microbatches=4,
+                                                                                 cpu_memory_cap_bytes=cap))
+
+    runtime = attached(None)
+    try:  # no cap: the kept graphs fit half the host's memory
+        assert runtime.engine.options.recompute is False
+        kept = no_recompute_peak_bytes(runtime.planner.moving.profile(), 4)
+    finally:
+        runtime.detach()
+    runtime = attached(kept - 1)  # a virtual GPU one byte too small for the kept graphs: recompute
+    try:
+        assert runtime.engine.options.recompute is True
+    finally:
+        runtime.detach()
+
+
 # ------------------------------------------------------------------ host work in the predicted step
 def test_host_work_is_priced_into_the_predicted_step_by_hand():
     costs = embedding_block_head()

@@ -87,7 +87,8 @@ class RoundPipeRuntime:
             fused_last=fused_last, compute_dtype=options.compute_dtype,
             link_bytes_per_second=t.bandwidth_bytes_per_s or (None if backend == "cpu" else 25e9),
             flops_per_second=5e10 if backend == "cpu" else 1e14,
-            memory_budget_bytes=options.partition.memory_budget_bytes or _device_budget(backend, device_indices),
+            memory_budget_bytes=(options.partition.memory_budget_bytes
+                                 or _device_budget(backend, device_indices, options.cpu_memory_cap_bytes)),
             backend="cpu" if backend == "cpu" else "cuda", progress=progress,
             microbatch_overhead_s=CPU_MICROBATCH_OVERHEAD_S if backend == "cpu" else 0.0,
         )
@@ -421,10 +422,11 @@ def _unique_parameters(layers) -> list:
     return list(seen.values())
 
 
-def _device_budget(backend: str, device_indices) -> int | None:
-    """Per-worker memory budget for the auto partitioner: 90% of the smallest GPU, none on the CPU backend."""
+def _device_budget(backend: str, device_indices, cpu_memory_cap_bytes: int | None) -> int | None:
+    """Per-worker memory budget of the partitioner and of ``recompute="auto"``: 90% of the smallest
+    GPU; on the CPU backend the virtual GPU's cap (``cpu_memory_cap_bytes``), or none."""
     if backend != "cuda":
-        return None
+        return cpu_memory_cap_bytes
     indices = list(device_indices) if device_indices is not None else [0]
     return int(0.9 * min(torch.cuda.get_device_properties(i).total_memory for i in indices))
 
