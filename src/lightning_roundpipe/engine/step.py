@@ -138,7 +138,7 @@ class StepRun:
         saved = {}
         for l in range(start, end):
             lock = self.engine.layer_locks[l] or contextlib.nullcontext()
-            with lock, self.rng.layer(device, l, mb), buffer_writes(weights, l, layers[l], self.M, keep=not recompute):
+            with lock, self.rng.layer(device, l, mb, layers[l], recompute), buffer_writes(weights, l, layers[l], self.M, keep=not recompute):
                 carry = functional_call(layers[l], weights.params_for(l), (carry,))
             if l + 1 in save_at:
                 saved[l + 1] = kept_copy(carry)  # the next layer may write it in place
