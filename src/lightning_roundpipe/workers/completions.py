@@ -146,11 +146,15 @@ class Completion:
 
     def set(self, value: Any = None) -> None:
         self._value = value
+        # Dependencies only explain a wait on an unfinished task; kept after, they would chain
+        # every completion (and the tensors it holds) back to the first step through the history.
+        self.deps = ()
         self._flag.set()
         self._notify()
 
     def fail(self, error: PipelineError) -> None:
         self.error = error
+        self.deps = ()
         self._flag.set()
         self._notify()
 
