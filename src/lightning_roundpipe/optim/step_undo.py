@@ -35,6 +35,7 @@ class BeforeImages:
     def __init__(self) -> None:
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
         self._lock = threading.Lock()  # the host thread saves the parameters outside the pipeline meanwhile
+        self.allocations = 0  # buffers made: one per copied tensor once every layer has stepped twice
 
     def copy_of(self, p: torch.Tensor, what: str, value: torch.Tensor) -> torch.Tensor:
         """``value`` copied into the buffer of (``p``, ``what``), made (or remade) to its shape and dtype."""
@@ -45,6 +46,7 @@ class BeforeImages:
             buf = torch.empty_like(value, memory_format=torch.contiguous_format)
             with self._lock:
                 self._buffers[key] = buf
+                self.allocations += 1
         buf.copy_(value.detach())
         return buf
 
