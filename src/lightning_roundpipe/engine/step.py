@@ -401,6 +401,7 @@ class StepRun:
             if not self.fused:  # each backward downloads afresh: these are read once, here
                 kept = {id(p.grad) for p in weights.host if p.grad is not None}
                 self.pool.release_host([g for g in grads if g is not None and id(g) not in kept])
+                wg.drop_value()  # the worker's gradients (the CPU backend hands them over) go now
         if not self.input_requires_grad:
             self.pool.finish_step()  # device timings of the step into the trace, read once
             return [None] * self.M
