@@ -26,18 +26,19 @@ must have it to itself; layers known not to draw need not wait for one another:
   an exclusive call puts back the state it found, so when a shared call ends the generator must
   be in the state it had when the shared period began; any change is an unseeded draw.
 - **An unseeded draw is never used.** Every shared call inside when the change is seen fails
-  with :class:`UnseededDraw` (the pipeline raises it, nothing is applied), its layer is marked as
-  drawing so its later calls run seeded (running the step again is exact), and the generator is
-  put back. A recompute whose seeded draws end elsewhere than its forward's did (the forward and
-  the recompute drew different numbers) fails the same way.
+  with :class:`UnseededDraw` (the pipeline raises it; a failed step puts back what it changed),
+  its layer is marked as drawing so its later calls run seeded (running the step again is
+  exact), and the generator is put back. A recompute whose seeded draws end elsewhere than its
+  forward's did (the forward and the recompute drew different numbers) fails the same way.
 
 Other threads: the generator is the process's, so a thread other than the workers (the main
 thread's data loading, a callback) must not draw from torch's default CPU generator while a
 pipelined call's layers run. Such a draw during a shared period is caught as above (the message
-names both possible culprits); during a seeded layer's forward it shifts that layer's numbers,
-which its recompute then fails to match (caught as above); only with recompute off, where
-nothing is drawn twice, does it go unnoticed, and then it changes which numbers were drawn, not
-the consistency of the gradient with them. Lightning's loops draw nothing while layers run.
+names both possible culprits); during a seeded layer's forward or recompute it shifts that
+layer's numbers, so the two no longer match (caught as above). Only a layer that is never
+recomputed (recompute off, or the fused last stage) can take such a draw unnoticed, and then it
+changes which numbers the layer drew, not the consistency of the gradient with them. Lightning's
+loops fetch batches and call hooks between pipelined calls, not while layers run.
 """
 
 from __future__ import annotations
@@ -244,7 +245,8 @@ class CallRng:
             try:
                 yield
             finally:
-                self.drew = self.drew or gen.get_offset() != offset
+                if gen.get_offset() != offset:
+                    self.drew = True  # only ever set: workers running at once cannot undo each other's
                 gen.set_state(state)
             return
         flags = None if module is None else LayerDraws.flags(module)
@@ -258,19 +260,18 @@ class CallRng:
             state = torch.get_rng_state()
             torch.default_generator.manual_seed(seed)
             seeded_state = torch.get_rng_state()
-            ok = False
             try:
                 yield
-                ok = True
             finally:
                 end = torch.get_rng_state()
                 torch.set_rng_state(state)
             drew = not torch.equal(end, seeded_state)
-            self.drew = self.drew or drew
-            if ok:
-                self._check_end((layer, microbatch), hash(end.numpy().tobytes()) if drew else None, recompute, module)
-            if module is not None:
-                self._draws.note(module, flags, drew or uses_randomness(module))
+            if drew:
+                self.drew = True  # only ever set, and under the gate
+        # Reached only when the layer returned: a failed call teaches nothing and is not compared.
+        self._check_end((layer, microbatch), hash(end.numpy().tobytes()) if drew else None, recompute, module)
+        if module is not None:
+            self._draws.note(module, flags, drew or uses_randomness(module))
 
     @contextlib.contextmanager
     def _shared_call(self, layer: int, microbatch: int, module: nn.Module, flags: tuple, recompute: bool):
@@ -286,9 +287,9 @@ class CallRng:
                 "as a layer known not to draw random numbers (an earlier call with the same training flags drew "
                 f"none); running at the same time: {'; '.join(_describe(w) for w in seen)}. Either one of these "
                 "layers drew random numbers this time, or another thread drew from torch's default CPU generator "
-                "while the pipeline ran (it must not). An unseeded draw cannot be reproduced in recompute, so this "
-                "call is refused before any weight changes; these layers now run seeded, so running the step "
-                "again is exact.")
+                "while the pipeline ran (it must not). An unseeded draw cannot be reproduced in recompute, so the call "
+                "fails rather than give a wrong gradient (a failed step puts back what it changed); these layers "
+                "now run seeded, so running the step again is exact.")
         self._check_end((layer, microbatch), None, recompute, module)
 
     def _check_end(self, key: tuple[int, int], end: int | None, recompute: bool, module: nn.Module | None) -> None:
@@ -300,8 +301,8 @@ class CallRng:
                 f"{_describe((key[0], key[1], type(module).__name__ if module is not None else 'layer'))} drew "
                 "different random numbers in recompute than in its forward, from the same seed: another thread "
                 "drew from torch's default CPU generator while one of them ran, or the layer's draws depend on "
-                "more than its input and seed. The gradient would not match the forward, so this call is refused "
-                "before any weight changes.")
+                "more than its input and seed. The gradient would not match the forward, so the call fails rather "
+                "than give it (a failed step puts back what it changed).")
 
     def finish_forward(self) -> None:
         """After the call's forward: advance the caller's stream by the peeked draw if a layer drew."""
