@@ -7,7 +7,7 @@ optimizer state are exactly as before the step. So, just before a layer steps, t
 that layer's parameters and their optimizer state (every tensor: Adam's step count and moments);
 once the step's last layer has stepped the copies are no longer needed.
 
-The copies land in :class:`BeforeImages`, buffers allocated once per tensor and reused every
+The copies land in :class:`BeforeImages`, one buffer per layer allocated once and reused every
 step: a fresh copy per step would fault in (and zero) new pages for all of them each time,
 which costs about as much as the copy itself. They hold one copy of the parameters and of their
 optimizer state for as long as the optimizer is overlapped (a fresh copy per step held the same
@@ -26,33 +26,46 @@ import threading
 
 import torch
 
-_DATA = "__data__"  # the parameter's own values, beside its optimizer state keys
-
-
 class BeforeImages:
-    """Reused copy buffers, one per (parameter, what: its data or a state key)."""
+    """Reused copy buffers: per group of parameters stepped together, one flat host buffer for the
+    copies of their data and optimizer state tensors, remade only when their layout changes.
+
+    One exactly sized block per layer (several tensors' worth) is large enough that the allocator
+    maps it on its own rather than carving it from a thread's heap, where freed and kept blocks
+    of the other threads would leave it holes it cannot reuse."""
+
+    _ALIGN = 64
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self._groups: dict[tuple, tuple[torch.Tensor, tuple, list[int]]] = {}  # -> (flat, layout, offsets)
         self._lock = threading.Lock()  # the host thread saves the parameters outside the pipeline meanwhile
-        self.allocations = 0  # buffers made: one per copied tensor once every layer has stepped twice
+        self.allocations = 0  # flat buffers made: one per layer once every layer has stepped twice
 
-    def copy_of(self, p: torch.Tensor, what: str, value: torch.Tensor) -> torch.Tensor:
-        """``value`` copied into the buffer of (``p``, ``what``), made (or remade) to its shape and dtype."""
-        key = (id(p), what)
+    def copies(self, group: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of ``tensors`` (host tensors) in the buffer of ``group``, which is made (or remade) to fit."""
+        layout = tuple((t.dtype, tuple(t.shape)) for t in tensors)
         with self._lock:
-            buf = self._buffers.get(key)
-        if buf is None or buf.shape != value.shape or buf.dtype != value.dtype or buf.device != value.device:
-            buf = torch.empty_like(value, memory_format=torch.contiguous_format)
+            entry = self._groups.get(group)
+        if entry is None or entry[1] != layout:
+            offsets, total = [], 0
+            for t in tensors:
+                offsets.append(total)
+                total += -(-t.numel() * t.element_size() // self._ALIGN) * self._ALIGN
+            entry = (torch.empty(max(total, 1), dtype=torch.uint8), layout, offsets)
             with self._lock:
-                self._buffers[key] = buf
+                self._groups[group] = entry
                 self.allocations += 1
-        buf.copy_(value.detach())
-        return buf
+        flat, _, offsets = entry
+        out = []
+        for t, off in zip(tensors, offsets):
+            view = flat[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            view.copy_(t.detach())
+            out.append(view)
+        return out
 
     def nbytes(self) -> int:
         with self._lock:
-            return sum(b.numel() * b.element_size() for b in self._buffers.values())
+            return sum(flat.numel() for flat, _, _ in self._groups.values())
 
 
 class StepUndo:
@@ -86,15 +99,25 @@ class StepUndo:
         if not self.keep:
             return
         state = self.optimizer.state
+        params = [p for p in params if id(p) not in self._saved_ids]  # the first before-image is the one to keep
+        self._saved_ids.update(id(p) for p in params)
+        tensors, plan = [], []
         for p in params:
-            if id(p) in self._saved_ids:
-                continue  # its first before-image is the one to go back to (and the buffer is shared)
-            self._saved_ids.add(id(p))
+            st = state.get(p)
+            keys = [k for k, v in st.items() if isinstance(v, torch.Tensor)] if st is not None else []
+            plan.append((p, keys))
+            tensors.append(p)
+            tensors.extend(st[k] for k in keys)
+        if not tensors:
+            return
+        copies = iter(self.images.copies(tuple(id(p) for p in params), tensors))
+        for p, keys in plan:
+            data = next(copies)
             before = None
             if p in state:
-                before = {k: (self.images.copy_of(p, k, v) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
-                          for k, v in state[p].items()}
-            self.saved.append((p, self.images.copy_of(p, _DATA, p), before))
+                tensor_copies = {k: next(copies) for k in keys}
+                before = {k: tensor_copies[k] if k in tensor_copies else copy.deepcopy(v) for k, v in state[p].items()}
+            self.saved.append((p, data, before))
 
     def restore(self) -> list[torch.Tensor]:
         """Put every saved parameter and optimizer state back; return the parameters restored.
