@@ -283,3 +283,74 @@ def test_failed_lightning_step_leaves_state_as_before(mode):
     assert time.monotonic() - t0 < 30
     switch.armed = False
     assert_same(seen["before"], snapshot(m.net, seen["opt"]))
+
+
+class ReplacingMomentum(torch.optim.Optimizer):
+    """Momentum whose state tensors are replaced each step (not updated in place), with a Python counter;
+    raises for the group marked ``fail`` once the switch is armed."""
+
+    switch = None
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.switch.armed and any(g.get("fail") for g in self.param_groups):
+            raise RuntimeError("injected optimizer failure for one parameter group")
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                st["m"] = 0.9 * st["m"] + p.grad if "m" in st else p.grad.clone()
+                st["count"] = st.get("count", 0) + 1
+                p.sub_(group["lr"] * st["m"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("opt_kind", ["adamw", "replacing"])
+def test_before_images_reuse_their_buffers_and_a_failed_step_is_still_put_back(opt_kind):
+    switch = Switch()
+    net = _net(switch, "optimizer")
+    params = list(net.parameters())
+    groups = [{"params": params[:4], "fail": True}, {"params": params[4:]}]  # layers 0-1 fail, after 2-5 stepped
+    GroupFailingAdamW.switch = ReplacingMomentum.switch = switch
+    opt = GroupFailingAdamW(groups, lr=1e-2) if opt_kind == "adamw" else ReplacingMomentum(groups)
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False))
+    ov = runtime.overlap_optimizer(opt)
+    g = torch.Generator().manual_seed(1)
+    made = []
+    try:
+        for step in range(5):
+            x, y = torch.randn(6, 8, generator=g), torch.randn(6, 2, generator=g)
+
+            def closure():
+                opt.zero_grad()
+                loss = ((net(x) - y) ** 2).mean()
+                with ov.last_backward():
+                    loss.backward()
+                return loss
+
+            if step == 4:
+                before = snapshot(net, opt)
+                switch.armed = True
+                with pytest.raises(RuntimeError, match="injected optimizer failure"):
+                    opt.step(closure)
+                    runtime.join()
+            else:
+                opt.step(closure)
+                runtime.join()
+                made.append(ov.before_images.allocations)
+        after = snapshot(net, opt)
+    finally:
+        switch.armed = False
+        runtime.detach()
+    # Step 0 copies the weights only (no optimizer state yet), one flat buffer per layer; step 1
+    # the state too, in buffers remade once to fit; later steps reuse them.
+    units = made[0]
+    assert units == 6 and made == [units, 2 * units, 2 * units, 2 * units]
+    per_param = [[p] + [v for v in opt.state[p].values() if torch.is_tensor(v)] for p in params]
+    assert len(per_param[0]) == {"adamw": 4, "replacing": 2}[opt_kind]  # AdamW: step, exp_avg, exp_avg_sq
+    assert ov.before_images.nbytes() == sum(-(-t.numel() * t.element_size() // 64) * 64
+                                            for ts in per_param for t in ts)
+    assert_same(before, after)
+    assert any(st for st in after[1].values())  # the state compared is the real one, not empty

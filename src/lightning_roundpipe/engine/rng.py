@@ -1,11 +1,11 @@
 """Per-layer random seeds, so that recompute reproduces the forward's random numbers exactly.
 
-Every layer of every microbatch runs with its device's generator seeded to its own seed,
-derived from one base seed per pipelined call, and restored afterwards: dropout, Mixtral's
-router jitter, sampled routing, any ``torch.rand*``/``randn``/``multinomial`` call get the same
-numbers in forward and in recompute, and the same seed gives the same run whatever the timing
-(forward and backward stages may be cut differently, so seeding per stage would not do). No
-layer has to be recognised as random.
+Every layer of every microbatch that draws random numbers runs with its device's generator
+seeded to its own seed, derived from one base seed per pipelined call, and restored afterwards:
+dropout, Mixtral's router jitter, sampled routing, any ``torch.rand*``/``randn``/``multinomial``
+call get the same numbers in forward and in recompute, and the same seed gives the same run
+whatever the timing (forward and backward stages may be cut differently, so seeding per stage
+would not do). No layer has to be recognised as random.
 
 The caller's random stream: the base seed is what one draw from the caller's CPU generator
 would give, but it is only *peeked*; the draw is made (the stream advanced by it) once the
@@ -13,21 +13,43 @@ call's forward is over and only if some layer actually drew random numbers. A ru
 draw nothing leaves the caller's stream exactly as a plain run would; one with dropout leaves
 it where earlier versions of this engine did (one draw per call).
 
-On the CPU backend all workers share the process's CPU generator, so each layer runs under a
-process-wide lock (the workers' layer math serialises; their transfers and injected delays
-still overlap: the documented cost of exact randomness on CPU). On CUDA each worker has its
-own device generator and nothing serialises.
+On CUDA each worker has its own device generator: every layer runs seeded and nothing
+serialises. On the CPU backend all workers share the process's CPU generator, so a seeded layer
+must have it to itself; layers known not to draw need not wait for one another:
+
+- **Exclusive** (seeded, one at a time, as on CUDA): a layer that may draw. That is one the
+  static check :func:`uses_randomness` flags, one that drew on an earlier call, and one never
+  run before with these training flags (``m.training`` of each submodule; dropout draws only in
+  training).
+- **Shared** (any number at once, the generator left alone): a layer whose earlier call with
+  these flags ran exclusive and drew nothing. No exclusive call runs while shared ones do, and
+  an exclusive call puts back the state it found, so when a shared call ends the generator must
+  be in the state it had when the shared period began; any change is an unseeded draw.
+- **An unseeded draw is never used.** Every shared call inside when the change is seen fails
+  with :class:`UnseededDraw` (the pipeline raises it; a failed step puts back what it changed),
+  its layer is marked as drawing so its later calls run seeded (running the step again is
+  exact), and the generator is put back. A recompute whose seeded draws end elsewhere than its
+  forward's did (the forward and the recompute drew different numbers) fails the same way.
+
+Other threads: the generator is the process's, so a thread other than the workers (the main
+thread's data loading, a callback) must not draw from torch's default CPU generator while a
+pipelined call's layers run. Such a draw during a shared period is caught as above (the message
+names both possible culprits); during a seeded layer's forward or recompute it shifts that
+layer's numbers, so the two no longer match (caught as above). Only a layer that is never
+recomputed (recompute off, or the fused last stage) can take such a draw unnoticed, and then it
+changes which numbers the layer drew, not the consistency of the gradient with them. Lightning's
+loops fetch batches and call hooks between pipelined calls, not while layers run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 
 import torch
 from torch import nn
 
-_CPU_RNG_LOCK = threading.RLock()
 _MASK = (1 << 63) - 1
 
 
@@ -52,6 +74,113 @@ def uses_randomness(module: nn.Module) -> bool:
     return False
 
 
+class UnseededDraw(RuntimeError):
+    """A layer call saw torch's CPU generator change where only a seeded draw may change it."""
+
+
+class CpuGeneratorGate:
+    """A reader-writer lock over torch's default CPU generator, with a check on the shared side.
+
+    ``exclusive()``: one holder (re-entrant on its thread), which may seed and draw. Waiting
+    exclusive requests go before new shared ones, so a seeded layer is not starved.
+    ``enter_shared``/``exit_shared``: any number of holders, none of which may draw; each exit
+    compares the generator with the state the shared period began with.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._owner: int | None = None  # thread holding it exclusively
+        self._depth = 0
+        self._waiting = 0  # exclusive requests waiting
+        self._shared: dict[object, tuple] = {}  # token -> (thread, what it runs), holders inside
+        self._expected: torch.Tensor | None = None  # the generator's state while shared holders run
+        self._tainted: dict[object, list] = {}  # token -> who was inside when a change was seen
+
+    def held_here(self) -> bool:
+        """Whether this thread holds the gate exclusively (a call nested in a seeded one)."""
+        return self._owner == threading.get_ident()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+            else:
+                if any(thread == me for thread, _ in self._shared.values()):
+                    raise RuntimeError("a thread inside a shared layer call asked for the CPU generator exclusively")
+                self._waiting += 1
+                while self._owner is not None or self._shared:
+                    self._cond.wait()
+                self._waiting -= 1
+                self._owner, self._depth = me, 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._owner = None
+                    self._cond.notify_all()
+
+    def enter_shared(self, what: tuple) -> object:
+        token, me = object(), threading.get_ident()
+        with self._cond:
+            nested = any(thread == me for thread, _ in self._shared.values())  # never waits on itself
+            while not nested and (self._owner is not None or self._waiting):
+                self._cond.wait()
+            if not self._shared:
+                self._expected = torch.get_rng_state()
+            self._shared[token] = (me, what)
+        return token
+
+    def exit_shared(self, token: object) -> list:
+        """Leave; return what ran alongside an unseeded draw seen while this holder was inside ([] if none)."""
+        with self._cond:
+            if not torch.equal(torch.get_rng_state(), self._expected):
+                inside = [what for _, what in self._shared.values()]
+                for t in self._shared:
+                    self._tainted.setdefault(t, inside)
+                torch.set_rng_state(self._expected)  # the draw is not used; the next check starts clean
+            del self._shared[token]
+            seen = self._tainted.pop(token, [])
+            if not self._shared:
+                self._expected = None
+                self._cond.notify_all()
+            return seen
+
+
+CPU_GENERATOR = CpuGeneratorGate()
+
+
+class LayerDraws:
+    """What is known of each layer module, per training flags: draws (True), draws nothing (False).
+
+    Keyed weakly by the module object, so the knowledge lasts as long as the layer does and is
+    shared by every engine running it."""
+
+    def __init__(self) -> None:
+        self._known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def flags(module: nn.Module) -> tuple:
+        return tuple(m.training for m in module.modules())
+
+    def known(self, module: nn.Module, flags: tuple) -> bool | None:
+        with self._lock:
+            return self._known.get(module, {}).get(flags)
+
+    def note(self, module: nn.Module, flags: tuple, draws: bool) -> None:
+        with self._lock:
+            per_flags = self._known.setdefault(module, {})
+            if not per_flags.get(flags):  # once seen to draw, a layer stays drawing
+                per_flags[flags] = draws
+
+
+LAYER_DRAWS = LayerDraws()
+
+
 @contextlib.contextmanager
 def seeded(device: torch.device, seed: int | None):
     """Run the block with the device's generator seeded to ``seed``; restore it afterwards."""
@@ -67,7 +196,7 @@ def seeded(device: torch.device, seed: int | None):
         finally:
             gen.set_state(state)
         return
-    with _CPU_RNG_LOCK:
+    with CPU_GENERATOR.exclusive():
         state = torch.get_rng_state()
         torch.default_generator.manual_seed(seed)
         try:
@@ -79,22 +208,34 @@ def seeded(device: torch.device, seed: int | None):
 def _peek_base_seed() -> int:
     """What ``torch.randint(0, 2**62, ())`` on the caller's CPU generator gives, without drawing it."""
     g = torch.Generator()
-    with _CPU_RNG_LOCK:
+    with CPU_GENERATOR.exclusive():
         g.set_state(torch.get_rng_state())
     return int(torch.randint(0, 2**62, (), generator=g).item())
+
+
+def _describe(what: tuple) -> str:
+    layer, microbatch, name = what
+    return f"layer {layer} ({name}), microbatch {microbatch}"
 
 
 class CallRng:
     """The random numbers of one pipelined call: a seed per (layer, microbatch)."""
 
-    def __init__(self):
+    def __init__(self, draws: LayerDraws = LAYER_DRAWS):
         self.base_seed = _peek_base_seed()
         self.drew = False
         self._advanced = False
+        self._draws = draws
+        # (layer, microbatch) -> where the forward's seeded draws left the generator (None: no draw)
+        self._forward_ends: dict[tuple[int, int], int | None] = {}
 
     @contextlib.contextmanager
-    def layer(self, device: torch.device, layer: int, microbatch: int):
-        """Run one layer with its own seed; note whether it drew random numbers."""
+    def layer(self, device: torch.device, layer: int, microbatch: int, module: nn.Module | None = None,
+              recompute: bool = False):
+        """Run one layer; seeded when it may draw, and never with an unseeded draw (see the module doc).
+
+        ``module`` is the layer (without it the call always runs seeded); ``recompute``: this call
+        recomputes one the forward made, and must draw what it drew."""
         seed = layer_seed(self.base_seed, layer, microbatch)
         if device.type == "cuda":
             gen = torch.cuda.default_generators[device.index or 0]
@@ -104,22 +245,68 @@ class CallRng:
             try:
                 yield
             finally:
-                self.drew = self.drew or gen.get_offset() != offset
+                if gen.get_offset() != offset:
+                    self.drew = True  # only ever set: workers running at once cannot undo each other's
                 gen.set_state(state)
             return
-        with _CPU_RNG_LOCK:
+        flags = None if module is None else LayerDraws.flags(module)
+        shared = (module is not None and self._draws.known(module, flags) is False
+                  and not CPU_GENERATOR.held_here())
+        if shared:
+            with self._shared_call(layer, microbatch, module, flags, recompute):
+                yield
+            return
+        with CPU_GENERATOR.exclusive():
             state = torch.get_rng_state()
             torch.default_generator.manual_seed(seed)
             seeded_state = torch.get_rng_state()
             try:
                 yield
             finally:
-                self.drew = self.drew or not torch.equal(torch.get_rng_state(), seeded_state)
+                end = torch.get_rng_state()
                 torch.set_rng_state(state)
+            drew = not torch.equal(end, seeded_state)
+            if drew:
+                self.drew = True  # only ever set, and under the gate
+        # Reached only when the layer returned: a failed call teaches nothing and is not compared.
+        self._check_end((layer, microbatch), hash(end.numpy().tobytes()) if drew else None, recompute, module)
+        if module is not None:
+            self._draws.note(module, flags, drew or uses_randomness(module))
+
+    @contextlib.contextmanager
+    def _shared_call(self, layer: int, microbatch: int, module: nn.Module, flags: tuple, recompute: bool):
+        token = CPU_GENERATOR.enter_shared((layer, microbatch, type(module).__name__))
+        try:
+            yield
+        finally:
+            seen = CPU_GENERATOR.exit_shared(token)
+        if seen:
+            self._draws.note(module, flags, True)
+            raise UnseededDraw(
+                f"torch's CPU generator changed while {_describe((layer, microbatch, type(module).__name__))} ran "
+                "as a layer known not to draw random numbers (an earlier call with the same training flags drew "
+                f"none); running at the same time: {'; '.join(_describe(w) for w in seen)}. Either one of these "
+                "layers drew random numbers this time, or another thread drew from torch's default CPU generator "
+                "while the pipeline ran (it must not). An unseeded draw cannot be reproduced in recompute, so the call "
+                "fails rather than give a wrong gradient (a failed step puts back what it changed); these layers "
+                "now run seeded, so running the step again is exact.")
+        self._check_end((layer, microbatch), None, recompute, module)
+
+    def _check_end(self, key: tuple[int, int], end: int | None, recompute: bool, module: nn.Module | None) -> None:
+        if not recompute:
+            self._forward_ends[key] = end
+            return
+        if key in self._forward_ends and self._forward_ends[key] != end:
+            raise UnseededDraw(
+                f"{_describe((key[0], key[1], type(module).__name__ if module is not None else 'layer'))} drew "
+                "different random numbers in recompute than in its forward, from the same seed: another thread "
+                "drew from torch's default CPU generator while one of them ran, or the layer's draws depend on "
+                "more than its input and seed. The gradient would not match the forward, so the call fails rather "
+                "than give it (a failed step puts back what it changed).")
 
     def finish_forward(self) -> None:
         """After the call's forward: advance the caller's stream by the peeked draw if a layer drew."""
         if self.drew and not self._advanced:
             self._advanced = True
-            with _CPU_RNG_LOCK:
+            with CPU_GENERATOR.exclusive():
                 torch.randint(0, 2**62, ())

@@ -145,7 +145,7 @@ class StepRun:
         saved = {}
         for l in range(start, end):
             lock = self.engine.layer_locks[l] or contextlib.nullcontext()
-            with lock, self.rng.layer(device, l, mb), buffer_writes(weights, l, layers[l], self.M, keep=not recompute):
+            with lock, self.rng.layer(device, l, mb, layers[l], recompute), buffer_writes(weights, l, layers[l], self.M, keep=not recompute):
                 carry = functional_call(layers[l], weights.params_for(l), (carry,))
             if l + 1 in save_at:
                 saved[l + 1] = kept_copy(carry)  # the next layer may write it in place
@@ -462,6 +462,7 @@ class StepRun:
             if not self.fused:  # each backward downloads afresh: these are read once, here
                 kept = {id(p.grad) for p in weights.host if p.grad is not None}
                 self.pool.release_host([g for g in grads if g is not None and id(g) not in kept])
+                wg.drop_value()  # the worker's gradients (the CPU backend hands them over) go now
         if not self.input_requires_grad:
             self.pool.finish_step()  # device timings of the step into the trace, read once
             return [None] * self.M

@@ -17,8 +17,8 @@ sets ``early_steps``). Otherwise every layer is submitted right after the closur
 (after clipping), in layer order, so the next forward's first layers are ready first.
 
 A failed step leaves the host weights and the optimizer state as they were (``step_undo.py``):
-each layer's before-image is taken on the lane just before it steps and dropped once the step's
-last layer has stepped; a failure anywhere in the step (the closure raising, a layer step
+each layer's before-image is copied on the lane just before it steps, into buffers reused by
+every step (``before_images``); a failure anywhere in the step (the closure raising, a layer step
 raising, a timeout) puts every stepped layer back before the error reaches the caller.
 
 Every wait honours ``timeout_s`` (the runtime's ``timeout``) and names the layer step it waited for.
@@ -50,7 +50,7 @@ import torch
 from ..params.weights import group_by_lowest_layer
 from ..workers.completions import Completion, PipelineError, PipelineTimeout, TaskLabel
 from .host_lane import HostLane
-from .step_undo import StepUndo
+from .step_undo import BeforeImages, StepUndo
 
 
 class StepFailed(PipelineError):
@@ -96,6 +96,7 @@ class OverlappedOptimizer:
         self._commit: Completion | None = None
         self._submitted_undo: StepUndo | None = None  # the step whose layer steps ``versions`` holds
         self.keep_undo = bool(undo)
+        self.before_images = BeforeImages()  # reused by every step's undo (filled only with undo=True)
         self.unrestored: list[str] = []  # undo=False: layers a failed step updated, until mark_restored()
         self._view = copy.copy(optimizer)
         vars(self._view).pop("step", None)
@@ -187,7 +188,7 @@ class OverlappedOptimizer:
         self._done_call = None
         self._submitted = set()
         self._refuse_if_unrestored()
-        self._undo = StepUndo(self.optimizer, keep=self.keep_undo)
+        self._undo = StepUndo(self.optimizer, keep=self.keep_undo, images=self.before_images)
         loss = None
         try:
             if closure is not None:

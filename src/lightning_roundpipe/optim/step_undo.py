@@ -5,10 +5,15 @@ after some layers stepped (a worker error or timeout later in backward, ``detect
 optimizer raising for one parameter group), the promise is that the host weights and the
 optimizer state are exactly as before the step. So, just before a layer steps, the lane copies
 that layer's parameters and their optimizer state (every tensor: Adam's step count and moments);
-once the step's last layer has stepped the copies are dropped. The copies are taken on the
-optimizer lane, so they hide behind the pipeline with the step itself; they cost host memory of
-one parameter copy plus one optimizer-state copy of the layers stepped so far, for at most one step
-(measured: +1.6 GiB peak RSS for 100M parameters under AdamW, ``benchmarks/step_undo_cost.py``).
+once the step's last layer has stepped the copies are no longer needed.
+
+The copies land in :class:`BeforeImages`, one buffer per layer allocated once and reused every
+step: a fresh copy per step would fault in (and zero) new pages for all of them each time,
+which costs about as much as the copy itself. They hold one copy of the parameters and of their
+optimizer state for as long as the optimizer is overlapped (a fresh copy per step held the same
+at the step's peak; measured: +1.13 GiB peak RSS for 100.7M parameters under AdamW, the copy
+itself, ``benchmarks/step_undo_cost.py``). The copies are taken on the optimizer lane, so they hide behind the
+pipeline with the step itself.
 
 ``keep=False`` (the opt-out for models whose host memory cannot hold that copy) keeps only the
 names of the layers stepped, so a failure can say which ones changed; the overlapped optimizer
@@ -18,27 +23,69 @@ then refuses to step or save until the state is restored from a checkpoint.
 from __future__ import annotations
 
 import copy
+import threading
 
 import torch
 
+class BeforeImages:
+    """Reused copy buffers: per group of parameters stepped together, one flat host buffer for the
+    copies of their data and optimizer state tensors, remade only when their layout changes.
 
-def _clone_state(state: dict) -> dict:
-    return {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in state.items()}
+    One exactly sized block per layer (several tensors' worth) is large enough that the allocator
+    maps it on its own rather than carving it from a thread's heap, where freed and kept blocks
+    of the other threads would leave it holes it cannot reuse."""
+
+    _ALIGN = 64
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple, tuple[torch.Tensor, tuple, list[int]]] = {}  # -> (flat, layout, offsets)
+        self._lock = threading.Lock()  # the host thread saves the parameters outside the pipeline meanwhile
+        self.allocations = 0  # flat buffers made: one per layer once every layer has stepped twice
+
+    def copies(self, group: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of ``tensors`` (host tensors) in the buffer of ``group``, which is made (or remade) to fit."""
+        layout = tuple((t.dtype, tuple(t.shape)) for t in tensors)
+        with self._lock:
+            entry = self._groups.get(group)
+        if entry is None or entry[1] != layout:
+            offsets, total = [], 0
+            for t in tensors:
+                offsets.append(total)
+                total += -(-t.numel() * t.element_size() // self._ALIGN) * self._ALIGN
+            entry = (torch.empty(max(total, 1), dtype=torch.uint8), layout, offsets)
+            with self._lock:
+                self._groups[group] = entry
+                self.allocations += 1
+        flat, _, offsets = entry
+        out = []
+        for t, off in zip(tensors, offsets):
+            view = flat[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            view.copy_(t.detach())
+            out.append(view)
+        return out
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(flat.numel() for flat, _, _ in self._groups.values())
 
 
 class StepUndo:
     """The before-images of one step: per stepped parameter its data and optimizer state."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, keep: bool = True):
+    def __init__(self, optimizer: torch.optim.Optimizer, keep: bool = True, images: BeforeImages | None = None):
         self.optimizer = optimizer
         self.keep = keep
+        self.images = images if images is not None else BeforeImages()
         self.hyper = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        # per stepped parameter: (parameter, its data's copy, its state before: key -> copy; None: had none)
         self.saved: list[tuple[torch.Tensor, torch.Tensor, dict | None]] = []
+        self._saved_ids: set[int] = set()
         self.stepped: list[str] = []  # names of the layer steps done, in order
         self.failure: BaseException | None = None
         self.restored = False
 
     def nbytes(self) -> int:
+        """Bytes of the copies this step holds."""
         total = 0
         for _, data, state in self.saved:
             total += data.numel() * data.element_size()
@@ -53,12 +100,32 @@ class StepUndo:
         if not self.keep:
             return
         state = self.optimizer.state
+        params = [p for p in params if id(p) not in self._saved_ids]  # the first before-image is the one to keep
+        self._saved_ids.update(id(p) for p in params)
+        tensors, plan = [], []
         for p in params:
-            before = _clone_state(state[p]) if p in state else None
-            self.saved.append((p, p.detach().clone(), before))
+            st = state.get(p)
+            keys = [k for k, v in st.items() if isinstance(v, torch.Tensor)] if st is not None else []
+            plan.append((p, keys))
+            tensors.append(p)
+            tensors.extend(st[k] for k in keys)
+        if not tensors:
+            return
+        copies = iter(self.images.copies(tuple(id(p) for p in params), tensors))
+        for p, keys in plan:
+            data = next(copies)
+            before = None
+            if p in state:
+                tensor_copies = {k: next(copies) for k in keys}
+                before = {k: tensor_copies[k] if k in tensor_copies else copy.deepcopy(v) for k, v in state[p].items()}
+            self.saved.append((p, data, before))
 
     def restore(self) -> list[torch.Tensor]:
-        """Put every saved parameter and optimizer state back; return the parameters restored."""
+        """Put every saved parameter and optimizer state back; return the parameters restored.
+
+        Values are copied back into the optimizer's own state tensors where the step left one of
+        the same shape (the buffers stay ours, for the next step); a state entry the step made
+        or replaced otherwise gets a fresh copy."""
         if not self.keep:
             return []
         state = self.optimizer.state
@@ -69,7 +136,17 @@ class StepUndo:
                 if before is None:
                     state.pop(p, None)
                 else:
-                    state[p] = before
+                    now = state.get(p, {})
+                    put = {}
+                    for k, v in before.items():
+                        if not isinstance(v, torch.Tensor):
+                            put[k] = v
+                        elif (isinstance(now.get(k), torch.Tensor) and now[k].shape == v.shape
+                              and now[k].dtype == v.dtype and now[k].device == v.device):
+                            put[k] = now[k].copy_(v)
+                        else:
+                            put[k] = v.clone()
+                    state[p] = put
                 restored.append(p)
         for group, hyper in zip(self.optimizer.param_groups, self.hyper):
             group.update(hyper)  # a scheduler stepped after a step that failed later
@@ -78,5 +155,5 @@ class StepUndo:
         return restored
 
     def commit(self) -> None:
-        """The step succeeded: drop the before-images."""
+        """The step succeeded: the before-images are no longer needed (their buffers serve the next step)."""
         self.saved = []

@@ -151,11 +151,19 @@ class Completion:
 
     def set(self, value: Any = None) -> None:
         self._value = value
+        # Dependencies only explain a wait on an unfinished task; kept after, they would chain
+        # every completion (and the tensors it holds) back to the first step through the history.
+        self.deps = ()
         self._flag.set()
         self._notify()
 
+    def drop_value(self) -> None:
+        """Forget what the task produced, once its only reader is done with it, so its tensors are freed."""
+        self._value = None
+
     def fail(self, error: PipelineError) -> None:
         self.error = error
+        self.deps = ()
         self._flag.set()
         self._notify()
 

@@ -1,0 +1,204 @@
+"""The CPU generator gate: layers known not to draw run together; a draw they make is never used."""
+
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from _exact_models import GRAD_TOL
+from lightning_roundpipe import PipelineError, RoundPipeRuntime, RuntimeOptions
+from lightning_roundpipe.engine import layer_seed
+from lightning_roundpipe.engine.rng import CpuGeneratorGate, UnseededDraw
+
+
+def test_gate_lets_shared_holders_in_together_and_an_exclusive_one_alone():
+    gate = CpuGeneratorGate()
+    both_inside = threading.Barrier(2, timeout=10)  # passes only if two shared holders are inside at once
+    errors = []
+
+    def shared():
+        try:
+            token = gate.enter_shared((0, 0, "x"))
+            both_inside.wait()
+            assert gate.exit_shared(token) == []
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=shared) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+    entered = threading.Event()
+
+    def late_reader():
+        gate.exit_shared(gate.enter_shared((1, 0, "y")))
+        entered.set()
+
+    with gate.exclusive():
+        reader = threading.Thread(target=late_reader)
+        reader.start()
+        assert not entered.wait(0.3)  # kept out while the exclusive holder is inside
+    assert entered.wait(10)
+    reader.join()
+
+
+def test_gate_sees_a_draw_inside_a_shared_period_and_puts_the_generator_back():
+    gate = CpuGeneratorGate()
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    a = gate.enter_shared((0, 0, "A"))
+    b = gate.enter_shared((1, 0, "B"))
+    torch.rand(3)
+    assert gate.exit_shared(a) == [(0, 0, "A"), (1, 0, "B")]  # either may have drawn: both are refused
+    assert torch.equal(torch.get_rng_state(), before)
+    assert gate.exit_shared(b) == [(0, 0, "A"), (1, 0, "B")]
+    c = gate.enter_shared((0, 1, "A"))
+    assert gate.exit_shared(c) == []  # a clean period after it
+
+
+class Sleeper(nn.Module):
+    """A linear layer that records when it runs, and stays inside long enough to meet another worker."""
+
+    def __init__(self, width, name, log, dropout=0.0):
+        super().__init__()
+        self.lin, self.drop, self.name, self.log = nn.Linear(width, width), nn.Dropout(dropout), name, log
+
+    def forward(self, x):
+        start = time.perf_counter()
+        time.sleep(0.02)
+        y = self.drop(torch.tanh(self.lin(x)))
+        self.log.append((self.name, start, time.perf_counter()))
+        return y
+
+
+def _overlaps(log, names):
+    spans = [(n, a, b) for n, a, b in log if n in names]
+    return [(n1, n2) for i, (n1, a1, b1) in enumerate(spans) for n2, a2, b2 in spans[i + 1:]
+            if n1 != n2 and min(b1, b2) > max(a1, a2)]
+
+
+@pytest.mark.timeout(60)
+def test_layers_known_not_to_draw_run_at_once_on_the_cpu_backend_and_random_ones_alone():
+    torch.manual_seed(0)
+    log = []
+    net = nn.Sequential(Sleeper(8, "quiet0", log), Sleeper(8, "quiet1", log), Sleeper(8, "drop2", log, 0.1),
+                        Sleeper(8, "drop3", log, 0.1))
+    x = torch.randn(8, 8)
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=4, step_metrics=False))
+    try:
+        for _ in range(3):
+            log.clear()
+            net(x).sum().backward()
+    finally:
+        runtime.detach()
+    # The last step: quiet layers on the two workers were inside at the same time ...
+    assert _overlaps(log, {"quiet0", "quiet1"})
+    # ... and a layer with dropout (seeded) never shared the generator with any other layer.
+    for n1, n2 in _overlaps(log, {"quiet0", "quiet1", "drop2", "drop3"}):
+        assert n1.startswith("quiet") and n2.startswith("quiet"), (n1, n2)
+
+
+class LateJitter(nn.Module):
+    """Draws nothing on its first call, then multiplicative noise on every call (or another thread draws)."""
+
+    def __init__(self, width, by_thread=False):
+        super().__init__()
+        self.lin, self.calls, self.by_thread = nn.Linear(width, width), 0, by_thread
+
+    def forward(self, x):
+        self.calls += 1
+        x = torch.tanh(self.lin(x))
+        if self.calls < 2:
+            return x
+        if self.by_thread:  # another thread draws from the default generator while this layer runs
+            t = threading.Thread(target=torch.rand, args=(5,))
+            t.start()
+            t.join()
+            return x
+        return x * torch.empty_like(x).uniform_(0.9, 1.1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("by_thread", [False, True])
+def test_a_layer_that_starts_drawing_later_is_refused_then_runs_seeded_and_exact(by_thread):
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()), LateJitter(8, by_thread), nn.Linear(8, 1)]
+    net = nn.Sequential(*layers)
+    x = torch.randn(4, 8)
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False))
+    try:
+        torch.manual_seed(21)
+        before = torch.get_rng_state()
+        with pytest.raises(PipelineError) as info:
+            net(x).sum().backward()
+        assert isinstance(info.value.original, UnseededDraw)
+        message = str(info.value)
+        assert "layer 1 (LateJitter), microbatch 1" in message  # its second call: the first ran seeded
+        assert "another thread drew from torch's default CPU generator" in message
+        assert "now run seeded" in message
+        assert torch.equal(torch.get_rng_state(), before)  # the refused call drew nothing from the caller's stream
+        assert all(p.grad is None for p in net.parameters())
+        net(x).sum().backward()  # now seeded: exact
+        base = runtime.engine.last_run.rng.base_seed
+        got = {n: p.grad.clone() for n, p in net.named_parameters()}
+    finally:
+        runtime.detach()
+    if by_thread:
+        return  # the stray draw was another thread's: the run itself draws nothing (checked above)
+    net.zero_grad(set_to_none=True)
+    outs = []
+    for i, mb in enumerate(x.tensor_split(2)):
+        h = mb
+        for l, layer in enumerate(layers):
+            torch.manual_seed(layer_seed(base, l, i))
+            h = layer(h)
+        outs.append(h)
+    torch.cat(outs).sum().backward()
+    for n, p in net.named_parameters():
+        assert ((got[n] - p.grad).norm() / p.grad.norm()).item() <= GRAD_TOL, n
+
+
+class MoreNoiseWithGrad(nn.Module):
+    """Draws once in a no-grad forward and twice with grad: its recompute draws other numbers."""
+
+    def forward(self, x):
+        noise = torch.rand_like(x)
+        if torch.is_grad_enabled():
+            noise = noise * torch.rand_like(x)
+        return x * (0.9 + 0.2 * noise)
+
+
+@pytest.mark.timeout(60)
+def test_a_recompute_drawing_other_numbers_than_its_forward_is_refused():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), MoreNoiseWithGrad(), nn.Linear(8, 1))
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False))
+    try:
+        with pytest.raises(PipelineError) as info:
+            net(torch.randn(4, 8)).sum().backward()
+    finally:
+        runtime.detach()
+    assert isinstance(info.value.original, UnseededDraw)
+    # backward runs the last microbatch first
+    assert "layer 1 (MoreNoiseWithGrad), microbatch 1 drew different random numbers in recompute" in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_quiet_layers_running_shared_leave_the_caller_stream_as_a_plain_run():
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    x = torch.randn(4, 8)
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=4, step_metrics=False))
+    try:
+        for _ in range(3):  # the first step runs each layer seeded once; the later ones shared
+            torch.manual_seed(9)
+            net(x).sum().backward()
+            assert torch.equal(torch.get_rng_state(), torch.manual_seed(9).get_state())
+            assert not runtime.engine.last_run.rng.drew
+    finally:
+        runtime.detach()
