@@ -100,7 +100,10 @@ def test_our_default_reads_the_options_and_the_measured_figures():
     ours = our_default(hw)
     assert (ours.precision, ours.staleness) == ("bf16-mixed", 0)
     assert ours.partition == PartitionConfig().policy
-    assert ours.microbatches == (RuntimeOptions().microbatches or hw.num_gpus + 1)
+    from lightning_roundpipe.sim.own_engine import ENGINE_CHOICE, microbatch_candidates
+
+    assert RuntimeOptions().microbatches is None  # open: the engine chooses among 1, 2 and 4 per worker
+    assert ours.microbatches == ENGINE_CHOICE and microbatch_candidates(hw.num_gpus) == [8, 16, 32]
     assert ours.dispatch_s == load_hardware("cpu2").dispatch_s
     assert ours.host_accumulate_bytes_per_s == pytest.approx(hw.cpu_optimizer_params_per_s * ADAM_PER_ACCUMULATE * 2)
 
@@ -155,6 +158,15 @@ def test_waterfall_switches_one_cause_at_a_time_to_our_default():
     assert setup == our_default(hw)
     for before, row in zip(rows, rows[1:]):
         assert row.delta == pytest.approx(row.result.tokens_per_s - before.result.tokens_per_s)
+    # The open microbatch default: the fewest of 8, 16, 32 simulated within the tie tolerance of the fastest.
+    from lightning_roundpipe.planning.search import TIE_TOLERANCE
+    from lightning_roundpipe.sim.own_engine import simulate_setup
+
+    chosen = next(r for r in rows if r.cause.startswith("microbatches")).result
+    tried = {m: simulate_setup(run, hw, replace(chosen.setup, microbatches=m), optimizer_steps=2).tokens_per_s
+             for m in (8, 16, 32)}
+    assert chosen.microbatches == min(m for m, t in tried.items() if t >= max(tried.values()) / (1 + TIE_TOLERANCE))
+    assert chosen.tokens_per_s == tried[chosen.microbatches]
     # Tasks this small (one 256-token sequence per microbatch) wait for one host's dispatch.
     dispatch = next(r for r in rows if r.cause.startswith("host dispatch"))
     assert dispatch.delta < 0 and dispatch.result.tokens_per_s > 0

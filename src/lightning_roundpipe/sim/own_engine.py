@@ -52,7 +52,8 @@ PLANNER = "planner"  # plan from the planner's candidates, timed by the simulato
 class Setup:
     """One way to run a workload: the options a user sets and the host work the engine does per call.
 
-    ``microbatches`` / ``calls`` None: the workload's (the reference's) counts. ``partition``: a
+    ``microbatches`` / ``calls`` None: the workload's (the reference's) counts; ``microbatches``
+    :data:`ENGINE_CHOICE`: chosen as the engine chooses an open count. ``partition``: a
     policy of :func:`~lightning_roundpipe.planning.partition.partition` or ``"planner"``.
     ``precision``: ``"fp16-acc"`` (fp16 with ``allow_fp16_accumulation``: matmuls at the
     fp16-accumulate rate) or ``"bf16-mixed"`` (fp32-accumulate rate). ``staleness``: 0 exact, 1
@@ -66,7 +67,7 @@ class Setup:
     precision: str = "fp16-acc"
     staleness: int = 1
     partition: str = PLANNER
-    microbatches: int | None = None
+    microbatches: int | str | None = None
     calls: int | None = None
     loss_chunk_tokens: int = 2048
     wait_all_grads: bool = False
@@ -106,17 +107,30 @@ class SetupResult:
     call: SimResult | None = None
 
 
-def default_microbatches(num_workers: int) -> int:
-    """This engine's default microbatch count (``RuntimeOptions().microbatches``; None: workers + 1)."""
+ENGINE_CHOICE = "engine's choice"  # Setup.microbatches: chosen as the engine chooses an open count
+
+
+def default_microbatches(num_workers: int) -> int | str:
+    """This engine's default microbatch count (``RuntimeOptions().microbatches``): a count, or
+    :data:`ENGINE_CHOICE` when the default is open (None: the engine picks among
+    ``planning.defaults.MICROBATCHES_PER_WORKER`` x workers the fewest predicted within the tie
+    tolerance of the fastest; :func:`simulate_setup` does the same with the simulator)."""
     from ..options import RuntimeOptions
 
     value = RuntimeOptions().microbatches
     if value is None:
-        return num_workers + 1
+        return ENGINE_CHOICE
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     raise ValueError(f"RuntimeOptions().microbatches defaults to {value!r}: teach sim/own_engine.default_microbatches "
                      f"how the engine turns that into a count")
+
+
+def microbatch_candidates(num_workers: int) -> list[int]:
+    """The counts an open microbatch default chooses from (``planning.defaults``)."""
+    from ..planning.defaults import MICROBATCHES_PER_WORKER
+
+    return [k * num_workers for k in MICROBATCHES_PER_WORKER]
 
 
 def default_partition() -> str:
@@ -159,8 +173,22 @@ def choose_plan(setup: Setup, costs, hardware: HardwareProfile, microbatches: in
 
 def simulate_setup(run: PublishedRun, hardware: str | HardwareProfile, setup: Setup, *,
                    optimizer_steps: int = 3, seq_len: int | None = None) -> SetupResult:
-    """Simulate ``setup`` on the stale-optimizer workload of ``run`` (its sequences per step)."""
+    """Simulate ``setup`` on the stale-optimizer workload of ``run`` (its sequences per step).
+
+    ``setup.microbatches`` :data:`ENGINE_CHOICE`: every candidate count is simulated and the
+    fewest within the engine's tie tolerance of the fastest is kept, as the engine chooses."""
     hw = load_hardware(hardware)
+    if setup.microbatches == ENGINE_CHOICE:
+        from ..planning.search import TIE_TOLERANCE
+
+        tried = [simulate_setup(run, hw, replace(setup, microbatches=m), optimizer_steps=optimizer_steps,
+                                seq_len=seq_len) for m in microbatch_candidates(hw.num_gpus)]
+        fitting = [r for r in tried if r.tokens_per_s > 0]
+        if not fitting:
+            return tried[0]
+        fastest = max(r.tokens_per_s for r in fitting)
+        chosen = min((r for r in fitting if r.tokens_per_s >= fastest / (1 + TIE_TOLERANCE)), key=lambda r: r.microbatches)
+        return replace(chosen, setup=setup)  # the setup as asked; ``microbatches`` says what it chose
     work = run.stale
     m = setup.microbatches or work.microbatches
     calls = setup.calls or work.calls
@@ -252,7 +280,8 @@ def best_setup(run: PublishedRun, hardware: str | HardwareProfile, *,
     calls0 = run.stale.calls
     results = []
     for calls in sorted({max(1, round(calls0 * f)) for f in call_factors}):
-        for m in sorted({max(1, round(nw * f)) for f in microbatch_factors} | {base.microbatches}):
+        defaults = set(microbatch_candidates(nw)) if base.microbatches == ENGINE_CHOICE else {base.microbatches}
+        for m in sorted({max(1, round(nw * f)) for f in microbatch_factors} | defaults):
             for policy in policies:
                 setup = replace(base, partition=policy, microbatches=m, calls=calls)
                 results.append(simulate_setup(run, hw, setup, optimizer_steps=optimizer_steps))
