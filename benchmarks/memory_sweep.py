@@ -126,8 +126,8 @@ def run_case(case: MemoryCase, cap_bytes: int | None = None, steps: int = 1, mea
 
     with tempfile.TemporaryDirectory() as directory:
         model = load_model(case, directory)
-        opts = RuntimeOptions(microbatches=case.microbatches, overlap_optimizer=False, step_metrics=False,
-                              cpu_memory_cap_bytes=cap_bytes,
+        opts = RuntimeOptions(microbatches=case.microbatches, recompute="always", overlap_optimizer=False,
+                              step_metrics=False, cpu_memory_cap_bytes=cap_bytes,
                               partition=PartitionConfig(policy="manual", manual_forward=_ranges(case.forward),
                                                         manual_backward=_ranges(case.backward)))
         rt = RoundPipeRuntime.attach(model, "cpu", case.workers, opts)

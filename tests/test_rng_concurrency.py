@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from _exact_models import GRAD_TOL
+from _exact_models import GRAD_TOL, LAYERED
 from lightning_roundpipe import PipelineError, RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.engine import layer_seed
 from lightning_roundpipe.engine.rng import CpuGeneratorGate, UnseededDraw
@@ -89,7 +89,7 @@ def test_layers_known_not_to_draw_run_at_once_on_the_cpu_backend_and_random_ones
     net = nn.Sequential(Sleeper(8, "quiet0", log), Sleeper(8, "quiet1", log), Sleeper(8, "drop2", log, 0.1),
                         Sleeper(8, "drop3", log, 0.1))
     x = torch.randn(8, 8)
-    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=4, step_metrics=False))
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=4, step_metrics=False, **LAYERED))
     try:
         for _ in range(3):
             log.clear()
@@ -130,7 +130,7 @@ def test_a_layer_that_starts_drawing_later_is_refused_then_runs_seeded_and_exact
     layers = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()), LateJitter(8, by_thread), nn.Linear(8, 1)]
     net = nn.Sequential(*layers)
     x = torch.randn(4, 8)
-    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False))
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False, **LAYERED))
     try:
         torch.manual_seed(21)
         before = torch.get_rng_state()
@@ -177,7 +177,7 @@ class MoreNoiseWithGrad(nn.Module):
 def test_a_recompute_drawing_other_numbers_than_its_forward_is_refused():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 8), MoreNoiseWithGrad(), nn.Linear(8, 1))
-    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False))
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False, **LAYERED))
     try:
         with pytest.raises(PipelineError) as info:
             net(torch.randn(4, 8)).sum().backward()
@@ -193,7 +193,7 @@ def test_quiet_layers_running_shared_leave_the_caller_stream_as_a_plain_run():
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
     x = torch.randn(4, 8)
-    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=4, step_metrics=False))
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=4, step_metrics=False, **LAYERED))
     try:
         for _ in range(3):  # the first step runs each layer seeded once; the later ones shared
             torch.manual_seed(9)
