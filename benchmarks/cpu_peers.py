@@ -292,6 +292,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-threads", type=int, default=2, help="torch threads of RoundPipe's host thread")
     p.add_argument("--sync-optimizer", action="store_true",
                    help="RoundPipe steps the optimizer after backward instead of overlapping it layer by layer")
+    p.add_argument("--no-optimizer-undo", action="store_true",
+                   help="RoundPipe without the before-images that put a failed overlapped step back (measures their cost)")
     p.add_argument("--malloc", default="keep", choices=("keep", "default"),
                    help="glibc malloc settings of every run's processes: 'keep' (default) keeps freed memory "
                         "in the process instead of returning blocks above 128 KiB to the system, so "
@@ -316,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         optimizer=args.optimizer,
         host_threads=args.host_threads,
         overlap_optimizer=not args.sync_optimizer,
+        optimizer_undo=not args.no_optimizer_undo,
     )
     if args.malloc == "keep":
         os.environ.update(MALLOC_KEEP_ENV)  # read by glibc when each spawned run process starts

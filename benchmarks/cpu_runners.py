@@ -46,6 +46,8 @@ class RunConfig:
     host_threads: torch threads of RoundPipe's host thread (optimizer, gradient accumulation).
     overlap_optimizer: RoundPipe steps the optimizer layer by layer behind the next forward
         (``RoundPipeRuntime.overlap_optimizer``, exact) instead of after backward.
+    optimizer_undo: RoundPipe keeps before-images so that a failed overlapped step is put back
+        (``RuntimeOptions.optimizer_undo``, the default); False measures what that costs.
     seed: model initialisation seed (data uses seed + 1).
     timeout_s: a run that takes longer is reported as failed.
     """
@@ -56,6 +58,7 @@ class RunConfig:
     lr: float = 1e-3
     host_threads: int = 2
     overlap_optimizer: bool = True
+    optimizer_undo: bool = True
     seed: int = 0
     timeout_s: float = 300.0
 
@@ -227,6 +230,7 @@ def _roundpipe_process(shape: ShapeConfig, recompute: bool, config: RunConfig, f
         partition=part,
         cpu_threads_per_worker=1,
         trace_steps=total_steps,  # keep every step's records (the default keeps only metrics)
+        optimizer_undo=config.optimizer_undo,
     )
     runtime = RoundPipeRuntime.attach(seq, "cpu", workers, options, fused_last=True)
     runtime.trace.enabled = True
