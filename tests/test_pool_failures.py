@@ -95,6 +95,9 @@ def test_interrupt_stops_the_run_within_two_seconds(backend):
         sent.append(time.monotonic())
         signal.pthread_kill(main, signal.SIGINT)
 
+    # Python's own handler (Ctrl+C raises KeyboardInterrupt), whatever an earlier test left: Lightning
+    # ignores SIGINT after it handled an interrupt of fit, and that setting outlives the test.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.6, interrupt)
     timer.start()
     try:
@@ -108,6 +111,8 @@ def test_interrupt_stops_the_run_within_two_seconds(backend):
         assert time.monotonic() - sent[0] <= 2.5
     finally:
         timer.cancel()
+        eng.close()  # also when the assertions failed: no thread of this test outlives it
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

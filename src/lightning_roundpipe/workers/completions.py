@@ -157,10 +157,6 @@ class Completion:
         self._flag.set()
         self._notify()
 
-    def drop_value(self) -> None:
-        """Forget what the task produced, once its only reader is done with it, so its tensors are freed."""
-        self._value = None
-
     def fail(self, error: PipelineError) -> None:
         self.error = error
         self.deps = ()
