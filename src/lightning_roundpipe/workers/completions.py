@@ -98,6 +98,10 @@ def worker_error(label: TaskLabel, exc: BaseException) -> WorkerError:
     return err
 
 
+def _device_pending(c: "Completion") -> bool:
+    return c.device_event is not None and not c.device_event.query()
+
+
 class Completion:
     """Set once when a task has issued its work; may instead fail with an error.
 
@@ -153,7 +157,9 @@ class Completion:
         self._value = value
         # Dependencies only explain a wait on an unfinished task; kept after, they would chain
         # every completion (and the tensors it holds) back to the first step through the history.
-        self.deps = ()
+        # On a stream backend a set completion's device work may still be queued behind a
+        # dependency's: those stay, so that a timeout can still name the stuck task.
+        self.deps = tuple(d for d in self.deps if not d.is_set() or _device_pending(d))
         self._flag.set()
         self._notify()
 
@@ -188,4 +194,5 @@ class Completion:
             raise PipelineTimeout(
                 f"{waiter} timed out after {timeout:g}s waiting for the device work of [{self.label}] to finish{extra}"
             )
+        self.deps = ()  # all of its work is done: nothing to explain any more
         return self.value
