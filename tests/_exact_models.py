@@ -41,3 +41,20 @@ def our_threads() -> list[str]:
 
 __all__ = ["GRAD_TOL", "WEIGHT_TOL", "SeqModule", "fit", "grad_error", "our_threads", "parity", "weight_error",
            "weights"]
+
+
+def seeded_reference(layers, x: torch.Tensor, base_seed: int, microbatches: int) -> torch.Tensor:
+    """What the pipeline computes for ``x`` in ``microbatches``, unpipelined: every layer of every
+    microbatch run with the generator seeded to its ``layer_seed`` (the engine's rule), outputs
+    concatenated in microbatch order."""
+    from lightning_roundpipe.engine import layer_seed
+
+    outs = []
+    for i, mb in enumerate(x.tensor_split(microbatches)):
+        h = mb
+        for l, layer in enumerate(layers):
+            torch.manual_seed(layer_seed(base_seed, l, i))
+            h = layer(h)
+        outs.append(h)
+    return torch.cat(outs)
+

@@ -5,9 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from _exact_models import GRAD_TOL, SeqModule, fit, weights
+from _exact_models import GRAD_TOL, SeqModule, fit, seeded_reference, weights
 from lightning_roundpipe import RoundPipeRuntime, RoundPipeStrategy, RuntimeOptions
-from lightning_roundpipe.engine import layer_seed
 
 
 class Jitter(nn.Module):
@@ -62,14 +61,7 @@ def test_recompute_reproduces_forward_random_numbers(microbatches, workers):
     finally:
         runtime.detach()
     net.zero_grad(set_to_none=True)
-    outs = []
-    for i, mb in enumerate(x.tensor_split(microbatches)):
-        h = mb
-        for l, layer in enumerate(layers):
-            torch.manual_seed(layer_seed(base, l, i))
-            h = layer(h)
-        outs.append(h)
-    ((torch.cat(outs) - y) ** 2).mean().backward()
+    ((seeded_reference(layers, x, base, microbatches) - y) ** 2).mean().backward()
     for n, p in net.named_parameters():
         assert ((got[n] - p.grad).norm() / p.grad.norm()).item() <= GRAD_TOL, n
 

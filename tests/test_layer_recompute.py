@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from _exact_models import GRAD_TOL, WEIGHT_TOL, SeqModule, parity
+from _exact_models import GRAD_TOL, WEIGHT_TOL, SeqModule, parity, seeded_reference
 from lightning_roundpipe import PipelineError, RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.options import EngineOptions, OptionError
 from lightning_roundpipe.schedule.lowering import LoweringOptions, lower
@@ -68,7 +68,6 @@ def test_sequential_with_dropout_and_in_place_layers_equals_stage_grain(microbat
 @pytest.mark.timeout(60)
 def test_dropout_draws_the_forward_numbers_in_layer_grain():
     """Against a plain autograd run seeded per (layer, microbatch) as the engine seeds it."""
-    from lightning_roundpipe.engine import layer_seed
 
     net = _dropout_net(inplace=False)  # the plain reference run cannot write its dropout outputs in place
     layers = list(net)
@@ -83,14 +82,7 @@ def test_dropout_draws_the_forward_numbers_in_layer_grain():
         rt.detach()
     got = {n: p.grad.clone() for n, p in net.named_parameters()}
     net.zero_grad(set_to_none=True)
-    outs = []
-    for i, mb in enumerate(x.tensor_split(2)):
-        h = mb
-        for l, layer in enumerate(layers):
-            torch.manual_seed(layer_seed(base, l, i))
-            h = layer(h)
-        outs.append(h)
-    torch.cat(outs).pow(2).sum().backward()
+    seeded_reference(layers, x, base, 2).pow(2).sum().backward()
     for n, p in net.named_parameters():
         assert ((got[n] - p.grad).norm() / p.grad.norm()).item() <= GRAD_TOL, n
 

@@ -7,9 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from _exact_models import GRAD_TOL, LAYERED
+from _exact_models import GRAD_TOL, LAYERED, seeded_reference
 from lightning_roundpipe import PipelineError, RoundPipeRuntime, RuntimeOptions
-from lightning_roundpipe.engine import layer_seed
 from lightning_roundpipe.engine.rng import CpuGeneratorGate, UnseededDraw
 
 
@@ -151,14 +150,7 @@ def test_a_layer_that_starts_drawing_later_is_refused_then_runs_seeded_and_exact
     if by_thread:
         return  # the stray draw was another thread's: the run itself draws nothing (checked above)
     net.zero_grad(set_to_none=True)
-    outs = []
-    for i, mb in enumerate(x.tensor_split(2)):
-        h = mb
-        for l, layer in enumerate(layers):
-            torch.manual_seed(layer_seed(base, l, i))
-            h = layer(h)
-        outs.append(h)
-    torch.cat(outs).sum().backward()
+    seeded_reference(layers, x, base, 2).sum().backward()
     for n, p in net.named_parameters():
         assert ((got[n] - p.grad).norm() / p.grad.norm()).item() <= GRAD_TOL, n
 

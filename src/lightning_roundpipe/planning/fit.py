@@ -375,17 +375,25 @@ def longest_seq_len(
         costs = _costs(shape, hw, seq, microbatch_size, lora_rank, loss_chunk_tokens)
         return not _fit_problems(costs, hw, memory_fraction, m, fused_last, recompute)[0]
 
+    return _longest(fits, SEQ_QUANTUM, MAX_SEQ_LEN)
+
+
+def _longest(fits: Callable[[int], bool], quantum: int, max_seq_len: int) -> int | None:
+    """The longest multiple of ``quantum`` up to ``max_seq_len`` that ``fits`` (which must be
+    monotone: a length fits only if every shorter one does), found by doubling then bisection;
+    None when not even ``quantum`` fits."""
+    top = max_seq_len // quantum
     lo, hi = 0, 1  # in quanta: lo fits (0 = nothing), hi is the first candidate to test
-    while hi * SEQ_QUANTUM <= MAX_SEQ_LEN and fits(hi * SEQ_QUANTUM):
+    while hi <= top and fits(hi * quantum):
         lo, hi = hi, hi * 2
-    hi = min(hi, MAX_SEQ_LEN // SEQ_QUANTUM + 1)
+    hi = min(hi, top + 1)
     while hi - lo > 1:  # invariant: lo fits (or is 0), hi does not (or is past the cap)
         mid = (lo + hi) // 2
-        if fits(mid * SEQ_QUANTUM):
+        if fits(mid * quantum):
             lo = mid
         else:
             hi = mid
-    return lo * SEQ_QUANTUM if lo else None
+    return lo * quantum if lo else None
 
 
 def longest_fitting_seq_len(
@@ -417,15 +425,4 @@ def longest_fitting_seq_len(
                                     link_bytes_per_second=link_bytes_per_second, microbatches=microbatches)
         return max(peaks) <= cap_bytes
 
-    top = max_seq_len // quantum
-    lo, hi = 0, 1  # in quanta: lo fits (0 = nothing), hi is the first candidate to test
-    while hi <= top and fits(hi * quantum):
-        lo, hi = hi, hi * 2
-    hi = min(hi, top + 1)
-    while hi - lo > 1:  # invariant: lo fits (or is 0), hi does not (or is past the cap)
-        mid = (lo + hi) // 2
-        if fits(mid * quantum):
-            lo = mid
-        else:
-            hi = mid
-    return lo * quantum if lo else None
+    return _longest(fits, quantum, max_seq_len)
