@@ -21,19 +21,10 @@ host Adam rate times the measured ``adam / cast-scale-add`` ratio, in gradient b
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-
-def best_seconds(fn, rounds: int) -> float:
-    fn()  # first touch of the memory
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+from .host_rates import best_seconds
 
 
 def measure(params: int, rounds: int = 7, scale: float = 0.25) -> dict[str, float]:

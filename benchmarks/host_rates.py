@@ -29,6 +29,7 @@ import torch
 
 
 def best_seconds(fn, repeats: int = 5) -> float:
+    """Fastest of ``repeats`` timed calls of ``fn``, after one untimed call (the first touch of the memory)."""
     fn()
     best = float("inf")
     for _ in range(repeats):
