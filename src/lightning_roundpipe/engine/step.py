@@ -32,6 +32,13 @@ if TYPE_CHECKING:
     from .engine import PipelineEngine
 
 
+# Kinds that depend on computes without reading their values: a weight-gradient download reads
+# the gradients the stage's computes accumulated on the device, and depends on every microbatch's
+# compute only so that any one's failure fails it. Counted as readers, they would keep every
+# microbatch's output on the device until the stage ends.
+NOT_READING = ("wgrad",)
+
+
 @dataclass
 class HostCarry:
     """A carry on the host: its flattened leaves (tensors or plain values) and tree spec."""
@@ -159,7 +166,7 @@ class StepRun:
         for t in tasks:
             worker = self.pool.workers[t.worker]
             fn, nbytes, extra = getattr(self, f"_{t.kind}")(t, worker)
-            fn = self._reading(fn, [d for d in t.deps if d in self._readers])
+            fn = self._reading(fn, [d for d in t.deps if d in self._readers] if t.kind not in NOT_READING else [])
             deps = [self.done[d] for d in t.deps] + history.resolve(t, usable=lambda c: not c.failed()) + extra
             kind = "release" if t.kind == "free_kept" else ("layer_" + t.kind if t.grain == "layer" else t.kind)
             label = TaskLabel(kind, t.stage, t.microbatch, t.worker, t.lane)
@@ -528,9 +535,11 @@ def _leaves_requiring_grad(tree, need: bool, keys=None):
 
 
 def _device_readers(graph: TaskGraph) -> dict[int, int]:
-    """Per upload or compute task of ``graph`` (its value is on the device), how many tasks depend on it."""
+    """Per upload or compute task of ``graph`` (its value is on the device), how many tasks read it."""
     out: dict[int, int] = {}
     for t in graph:
+        if t.kind in NOT_READING:
+            continue
         for d in t.deps:
             if graph.tasks[d].lane in ("upload", "compute"):
                 out[d] = out.get(d, 0) + 1

@@ -8,8 +8,9 @@ graph, the simulator times it and the partitioner's test checks its predictor ag
 - per stage: its weights go up (in chunks), then per microbatch its input (and, in backward,
   the gradient of its output) goes up, the worker computes, and what another stage needs
   comes down: the output and the stage-internal inputs backward recomputes from, or the input
-  gradient; after the last microbatch the weight gradients come down and the stage's slot is
-  released;
+  gradient; after the last microbatch the weight gradients come down (depending on every
+  microbatch's compute, so that any microbatch's failure reaches the host) and the stage's slot
+  is released;
 - the fused last stage runs forward, loss and backward per microbatch; only the loss scalar
   and the input gradient come down;
 - with layer-grain recompute a backward stage's compute (and the fused stage's) is marked
@@ -215,6 +216,7 @@ class _Builder:
         if kind in ("backward", "fused") and o.training and o.recompute:
             grain = "layer" if o.layer_recompute else "stage"
         last = None
+        computes = []
         for i in range(m):
             inputs = []
             buffer = (("compute", INPUT_BUFFERS),)
@@ -230,6 +232,7 @@ class _Builder:
             deps = weights + inputs
             last = self.add(worker, "compute", kind, stage, i, 0, deps, 0, phase, waits=(("outputs", INPUT_BUFFERS),),
                             grain=grain)
+            computes.append(last)
             act_prio = self.download_priority("act_out", serial)
             if kind == "fused":
                 self.add(worker, "download", "loss", stage, i, LOSS_BYTES, (last,), act_prio, phase)
@@ -250,7 +253,10 @@ class _Builder:
                 return  # the kept graph holds the weights until this stage's backward
             self.add(worker, "download", "release", stage, -1, 0, (last,), RELEASE_PRIORITY, phase)
             return
-        wgrads = [self.add(worker, "download", "wgrad", stage, -1, nbytes, (last,),
+        # The weight gradients are the sum over every microbatch's compute, so the download depends
+        # on each of them: a failure on any microbatch reaches the host's wait for the gradients
+        # (on the last one alone, a failed microbatch whose failure feeds nothing else was lost).
+        wgrads = [self.add(worker, "download", "wgrad", stage, -1, nbytes, tuple(computes),
                            self.download_priority("wgrad", serial), phase, layers=(a, b))
                   for a, b, nbytes in self.sizes.grad_chunks(stage.start, stage.end)]
         deps = tuple(wgrads) or (last,)

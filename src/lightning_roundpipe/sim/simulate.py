@@ -435,8 +435,9 @@ class _FusedSpread:
 
     def wgrads(self, t: GraphTask, deps: list[Op], step: int, add, out: list[tuple[int, Op]]) -> Op:
         """The home worker's gradient download (returned) and one per extra worker (added to ``out``)."""
-        lasts = set(map(id, self.last.values()))
-        others = [d for d in deps if id(d) not in lasts]
+        # Each worker's download waits for its own last compute (its lane runs them in order),
+        # not for the stage's computes on the other workers, which the graph's task depends on.
+        others = [d for d in deps if not (d.queue == "compute" and d.stage == self.stage)]
         home = Op(t.worker, "download", t.kind, t.stage, -1, step, bytes=t.bytes, priority=t.priority,
                   deps=others + [self.last[self.workers[0]]], free=[(t.worker, t.bytes)])
         for w in self.workers[1:]:
