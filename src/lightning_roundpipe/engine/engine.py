@@ -10,6 +10,7 @@ a plain run would. Knows nothing of Lightning.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from typing import Any, Callable, Sequence
 
@@ -25,11 +26,13 @@ from ..workers.pool import WorkerPool
 from ..options import EngineOptions
 from .microbatch import merge_microbatches, split_microbatches
 from .calls import PipelineCalls
-from .rng import uses_randomness
+from .module_lock import ModuleLock
+from .rng import CPU_GENERATOR, uses_randomness
 from .step import HostCarry, StepRun, TableSizes
 from ..params.weights import HostGradBuffers, LayerTable
 
 
+log = logging.getLogger("lightning_roundpipe")
 UNREAD_CALLS_KEPT = 16  # calls whose task times may still be read (several calls per step before backward)
 
 
@@ -183,6 +186,12 @@ class PipelineEngine:
 
     def close(self) -> None:
         self.pool.shutdown()
+        # A lane still inside a layer (after a timeout) keeps running until that layer returns;
+        # what it holds of the process's CPU generator must not make the next call wait for it.
+        abandoned = CPU_GENERATOR.abandon(self.pool)
+        if abandoned:
+            log.warning("gave up the CPU generator holds of tasks still running after the pool stopped: %s",
+                        "; ".join(abandoned))
 
 
 def _shared_module_locks(layers: Sequence[nn.Module]) -> list:
@@ -212,7 +221,7 @@ def _shared_module_locks(layers: Sequence[nn.Module]) -> list:
         groups[root(i)].append(i)
     locks: list = [None] * len(layers)
     for members in groups.values():
-        lock = threading.Lock()
+        lock = ModuleLock(members)
         for i in members:
             locks[i] = lock
     return locks

@@ -31,6 +31,14 @@ must have it to itself; layers known not to draw need not wait for one another:
   exact), and the generator is put back. A recompute whose seeded draws end elsewhere than its
   forward's did (the forward and the recompute drew different numbers) fails the same way.
 
+Waits and hung layers: every wait for the gate is bounded by the pool's timeout, and its error
+names the waiting layer's task and what holds the gate. A layer that never returns keeps its
+hold (Python cannot stop its thread); when its engine closes (after the timeout that ended the
+call) the gate gives up that pool's holds (:meth:`CpuGeneratorGate.abandon`) and puts back the
+generator state the holder found, so a new call does not wait for the stuck thread, and the
+thread's own exit, whenever the layer returns, leaves the generator alone. While it still runs,
+a draw it makes is another thread's draw to the new call (caught as below).
+
 Other threads: the generator is the process's, so a thread other than the workers (the main
 thread's data loading, a callback) must not draw from torch's default CPU generator while a
 pipelined call's layers run. Such a draw during a shared period is caught as above (the message
@@ -45,10 +53,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
+
+from ..workers.completions import PipelineTimeout
 
 _MASK = (1 << 63) - 1
 
@@ -78,6 +91,29 @@ class UnseededDraw(RuntimeError):
     """A layer call saw torch's CPU generator change where only a seeded draw may change it."""
 
 
+DEFAULT_GATE_TIMEOUT_S = 300.0  # the pool's default; a call passes its pool's timeout
+
+
+@dataclass(eq=False)
+class GeneratorHold:
+    """One holder of the gate: what it runs (a ``(layer, microbatch, name)`` tuple or a text), its
+    thread, the pool whose task it runs (``owner``, None on the host thread), ``where`` (a text
+    naming that task, computed when an error needs it) and, exclusive holders only, the
+    generator state it found (``saved``), which the gate puts back if the hold is abandoned."""
+
+    what: object
+    thread: threading.Thread
+    owner: object = None
+    where: Callable[[], str] | None = None
+    saved: torch.Tensor | None = None
+    abandoned: bool = False
+
+    def describe(self) -> str:
+        text = _describe(self.what) if isinstance(self.what, tuple) else str(self.what)
+        where = self.where() if self.where is not None else f"thread {self.thread.name}"
+        return f"{text} ({where})" if where else text
+
+
 class CpuGeneratorGate:
     """A reader-writer lock over torch's default CPU generator, with a check on the shared side.
 
@@ -85,60 +121,105 @@ class CpuGeneratorGate:
     exclusive requests go before new shared ones, so a seeded layer is not starved.
     ``enter_shared``/``exit_shared``: any number of holders, none of which may draw; each exit
     compares the generator with the state the shared period began with.
+
+    Every wait is bounded (:class:`PipelineTimeout` naming the waiter and the holders). A pool
+    shut down with a lane still inside a layer (after a timeout: Python cannot stop the thread)
+    gives up its holds with :meth:`abandon`, so that a new call does not wait for that thread:
+    the gate puts back the generator state the holder found, and the thread's own exit, whenever
+    it comes, changes nothing.
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
-        self._owner: int | None = None  # thread holding it exclusively
+        self._exclusive: GeneratorHold | None = None
         self._depth = 0
         self._waiting = 0  # exclusive requests waiting
-        self._shared: dict[object, tuple] = {}  # token -> (thread, what it runs), holders inside
+        self._shared: dict[object, GeneratorHold] = {}  # token -> holder inside
         self._expected: torch.Tensor | None = None  # the generator's state while shared holders run
         self._tainted: dict[object, list] = {}  # token -> who was inside when a change was seen
 
     def held_here(self) -> bool:
         """Whether this thread holds the gate exclusively (a call nested in a seeded one)."""
-        return self._owner == threading.get_ident()
+        hold = self._exclusive
+        return hold is not None and hold.thread is threading.current_thread()
+
+    def _wait_until(self, free: Callable[[], bool], timeout: float, waiter: GeneratorHold) -> None:
+        """Wait on the condition (its lock held) until ``free()``; raise a timeout naming who holds it."""
+        deadline = time.monotonic() + timeout
+        while not free():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                holders = ([self._exclusive] if self._exclusive is not None else []) + list(self._shared.values())
+                held = "; ".join(h.describe() for h in holders)
+                if self._waiting and self._exclusive is None:
+                    held = (held + "; " if held else "") + f"{self._waiting} seeded call(s) waiting to go first"
+                raise PipelineTimeout(
+                    f"{waiter.describe()} timed out after {timeout:g}s waiting for torch's CPU generator, held by "
+                    f"{held or 'nobody'}. On the CPU backend a layer that may draw random numbers has the process's "
+                    "generator to itself; the holder did not return (a hung layer?)")
+            self._cond.wait(left)
 
     @contextlib.contextmanager
-    def exclusive(self):
-        me = threading.get_ident()
+    def exclusive(self, what: object = "the host thread", timeout: float = DEFAULT_GATE_TIMEOUT_S, owner: object = None,
+                  where: Callable[[], str] | None = None):
+        """Hold the generator alone; yields the :class:`GeneratorHold` (the same one when nested)."""
+        me = threading.current_thread()
         with self._cond:
-            if self._owner == me:
+            hold = self._exclusive
+            if hold is not None and hold.thread is me:
                 self._depth += 1
             else:
-                if any(thread == me for thread, _ in self._shared.values()):
+                if any(h.thread is me for h in self._shared.values()):
                     raise RuntimeError("a thread inside a shared layer call asked for the CPU generator exclusively")
+                hold = GeneratorHold(what, me, owner, where)
                 self._waiting += 1
-                while self._owner is not None or self._shared:
-                    self._cond.wait()
-                self._waiting -= 1
-                self._owner, self._depth = me, 1
+                try:
+                    self._wait_until(lambda: self._exclusive is None and not self._shared, timeout, hold)
+                finally:
+                    self._waiting -= 1
+                    if self._exclusive is not None or self._shared:
+                        self._cond.notify_all()  # a timed-out request no longer keeps shared ones out
+                self._exclusive, self._depth = hold, 1
         try:
-            yield
+            yield hold
         finally:
             with self._cond:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._owner = None
-                    self._cond.notify_all()
+                if self._exclusive is hold:  # not abandoned meanwhile
+                    self._depth -= 1
+                    if self._depth == 0:
+                        self._exclusive = None
+                        self._cond.notify_all()
 
-    def enter_shared(self, what: tuple) -> object:
-        token, me = object(), threading.get_ident()
+    def put_back(self, hold: GeneratorHold, state: torch.Tensor) -> bool:
+        """Set the generator to ``state`` unless ``hold`` was abandoned (then the gate did, and the
+        generator may be another call's by now); return whether it did."""
         with self._cond:
-            nested = any(thread == me for thread, _ in self._shared.values())  # never waits on itself
-            while not nested and (self._owner is not None or self._waiting):
-                self._cond.wait()
+            if hold.abandoned:
+                return False
+            torch.set_rng_state(state)
+            return True
+
+    def enter_shared(self, what: tuple, timeout: float = DEFAULT_GATE_TIMEOUT_S, owner: object = None,
+                     where: Callable[[], str] | None = None) -> object:
+        token, me = object(), threading.current_thread()
+        with self._cond:
+            hold = GeneratorHold(what, me, owner, where)
+            nested = any(h.thread is me for h in self._shared.values())  # never waits on itself
+            if not nested:
+                self._wait_until(lambda: self._exclusive is None and not self._waiting, timeout, hold)
             if not self._shared:
                 self._expected = torch.get_rng_state()
-            self._shared[token] = (me, what)
+            self._shared[token] = hold
         return token
 
     def exit_shared(self, token: object) -> list:
-        """Leave; return what ran alongside an unseeded draw seen while this holder was inside ([] if none)."""
+        """Leave; return what ran alongside an unseeded draw seen while this holder was inside ([] if
+        none, and for an abandoned holder: the gate checked and put back its period when it abandoned it)."""
         with self._cond:
+            if token not in self._shared:
+                return []
             if not torch.equal(torch.get_rng_state(), self._expected):
-                inside = [what for _, what in self._shared.values()]
+                inside = [h.what for h in self._shared.values()]
                 for t in self._shared:
                     self._tainted.setdefault(t, inside)
                 torch.set_rng_state(self._expected)  # the draw is not used; the next check starts clean
@@ -148,6 +229,33 @@ class CpuGeneratorGate:
                 self._expected = None
                 self._cond.notify_all()
             return seen
+
+    def abandon(self, owner: object) -> list[str]:
+        """Give up every hold of ``owner``'s tasks (a pool shut down with lanes stuck inside a layer):
+        put back the generator state they found, wake the waiters; return who they were."""
+        if owner is None:
+            return []
+        with self._cond:
+            gone = []
+            hold = self._exclusive
+            if hold is not None and hold.owner is owner:
+                hold.abandoned = True
+                if hold.saved is not None:
+                    torch.set_rng_state(hold.saved)
+                self._exclusive, self._depth = None, 0
+                gone.append(hold)
+            for token, h in list(self._shared.items()):
+                if h.owner is owner:
+                    h.abandoned = True
+                    del self._shared[token]
+                    self._tainted.pop(token, None)
+                    gone.append(h)
+            if gone and not self._shared and self._expected is not None:
+                torch.set_rng_state(self._expected)  # what the shared period began with: a draw in it is not kept
+                self._expected = None
+            if gone:
+                self._cond.notify_all()
+            return [h.describe() for h in gone]
 
 
 CPU_GENERATOR = CpuGeneratorGate()
@@ -181,34 +289,10 @@ class LayerDraws:
 LAYER_DRAWS = LayerDraws()
 
 
-@contextlib.contextmanager
-def seeded(device: torch.device, seed: int | None):
-    """Run the block with the device's generator seeded to ``seed``; restore it afterwards."""
-    if seed is None:
-        yield
-        return
-    if device.type == "cuda":
-        gen = torch.cuda.default_generators[device.index or 0]
-        state = gen.get_state()
-        gen.manual_seed(seed)
-        try:
-            yield
-        finally:
-            gen.set_state(state)
-        return
-    with CPU_GENERATOR.exclusive():
-        state = torch.get_rng_state()
-        torch.default_generator.manual_seed(seed)
-        try:
-            yield
-        finally:
-            torch.set_rng_state(state)
-
-
-def _peek_base_seed() -> int:
+def _peek_base_seed(timeout: float) -> int:
     """What ``torch.randint(0, 2**62, ())`` on the caller's CPU generator gives, without drawing it."""
     g = torch.Generator()
-    with CPU_GENERATOR.exclusive():
+    with CPU_GENERATOR.exclusive("the host thread, peeking a new call's seed", timeout):
         g.set_state(torch.get_rng_state())
     return int(torch.randint(0, 2**62, (), generator=g).item())
 
@@ -221,8 +305,13 @@ def _describe(what: tuple) -> str:
 class CallRng:
     """The random numbers of one pipelined call: a seed per (layer, microbatch)."""
 
-    def __init__(self, draws: LayerDraws = LAYER_DRAWS):
-        self.base_seed = _peek_base_seed()
+    def __init__(self, draws: LayerDraws = LAYER_DRAWS, *, timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
+                 owner: object = None, task_of: Callable[[threading.Thread], str] | None = None):
+        """``timeout_s`` bounds every wait for the CPU generator; ``owner`` (the worker pool) is
+        what :meth:`CpuGeneratorGate.abandon` names; ``task_of(thread)`` names the task a thread
+        runs, for errors."""
+        self.timeout_s, self.owner, self._task_of = timeout_s, owner, task_of
+        self.base_seed = _peek_base_seed(timeout_s)
         self.drew = False
         self._advanced = False
         self._draws = draws
@@ -256,15 +345,20 @@ class CallRng:
             with self._shared_call(layer, microbatch, module, flags, recompute):
                 yield
             return
-        with CPU_GENERATOR.exclusive():
+        what = (layer, microbatch, type(module).__name__ if module is not None else "layer")
+        with CPU_GENERATOR.exclusive(what, self.timeout_s, self.owner, self._where()) as hold:
             state = torch.get_rng_state()
+            if hold.saved is None:  # the outermost call of a nested hold: what abandoning it puts back
+                hold.saved = state
             torch.default_generator.manual_seed(seed)
             seeded_state = torch.get_rng_state()
             try:
                 yield
             finally:
                 end = torch.get_rng_state()
-                torch.set_rng_state(state)
+                CPU_GENERATOR.put_back(hold, state)
+            if hold.abandoned:
+                return  # its pool was shut down while it ran: nothing it saw is known to be its own
             drew = not torch.equal(end, seeded_state)
             if drew:
                 self.drew = True  # only ever set, and under the gate
@@ -275,7 +369,8 @@ class CallRng:
 
     @contextlib.contextmanager
     def _shared_call(self, layer: int, microbatch: int, module: nn.Module, flags: tuple, recompute: bool):
-        token = CPU_GENERATOR.enter_shared((layer, microbatch, type(module).__name__))
+        token = CPU_GENERATOR.enter_shared((layer, microbatch, type(module).__name__), self.timeout_s, self.owner,
+                                           self._where())
         try:
             yield
         finally:
@@ -291,6 +386,13 @@ class CallRng:
                 "fails rather than give a wrong gradient (a failed step puts back what it changed); these layers "
                 "now run seeded, so running the step again is exact.")
         self._check_end((layer, microbatch), None, recompute, module)
+
+    def _where(self) -> Callable[[], str] | None:
+        """A text naming the task the calling thread runs, computed only if an error needs it."""
+        if self._task_of is None:
+            return None
+        thread, task_of = threading.current_thread(), self._task_of
+        return lambda: task_of(thread)
 
     def _check_end(self, key: tuple[int, int], end: int | None, recompute: bool, module: nn.Module | None) -> None:
         if not recompute:
@@ -308,5 +410,6 @@ class CallRng:
         """After the call's forward: advance the caller's stream by the peeked draw if a layer drew."""
         if self.drew and not self._advanced:
             self._advanced = True
-            with CPU_GENERATOR.exclusive():
+            with CPU_GENERATOR.exclusive("the host thread, advancing the caller's stream after a forward",
+                                         self.timeout_s):
                 torch.randint(0, 2**62, ())

@@ -101,7 +101,8 @@ class StepRun:
         self.loss_scale = loss_scale
         self.input_requires_grad = input_requires_grad
         self.autocast = engine.autocast_state()
-        self.rng = CallRng()  # a seed per (layer, microbatch): recompute draws what forward drew
+        # A seed per (layer, microbatch): recompute draws what forward drew.
+        self.rng = CallRng(timeout_s=self.pool.timeout_s, owner=self.pool, task_of=self.pool.task_text)
         self.step = engine.step_count
         self.backward_submitted = False
         self.graph: TaskGraph = engine.lower_step(len(microbatches), training=training, fused=self.fused,
@@ -151,9 +152,13 @@ class StepRun:
         layers = self.engine.layers
         saved = {}
         for l in range(start, end):
-            lock = self.engine.layer_locks[l] or contextlib.nullcontext()
-            with lock, self.rng.layer(device, l, mb, layers[l], recompute), buffer_writes(weights, l, layers[l], self.M, keep=not recompute):
-                carry = functional_call(layers[l], weights.params_for(l), (carry,))
+            lock = self.engine.layer_locks[l]
+            lock.acquire(self.pool.timeout_s, l, mb, self.pool.task_text)
+            try:
+                with self.rng.layer(device, l, mb, layers[l], recompute), buffer_writes(weights, l, layers[l], self.M, keep=not recompute):
+                    carry = functional_call(layers[l], weights.params_for(l), (carry,))
+            finally:
+                lock.release()
             if l + 1 in save_at:
                 saved[l + 1] = kept_copy(carry)  # the next layer may write it in place
         saved[end] = carry

@@ -387,6 +387,14 @@ class WorkerPool:
         that its device work be finished before a transfer is issued)."""
         return dep.is_set()
 
+    def task_text(self, thread: threading.Thread) -> str:
+        """Names the task a lane of this pool runs on ``thread`` (for errors raised inside a task)."""
+        for lane in self.lanes():
+            if lane.is_thread(thread):
+                running = lane.running
+                return f"task [{running.done.label}]" if running is not None else f"worker {lane.worker.index} {lane.queue} lane"
+        return f"thread {thread.name}"
+
     def threads_alive(self) -> list[str]:
         return [f"roundpipe-w{lane.worker.index}-{lane.queue}" for lane in self.lanes() if lane.alive()]
 
