@@ -15,6 +15,8 @@ timeout; the error names this rank, the layer and the timeout.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -87,7 +89,7 @@ class GradientSync:
             if pending is None:
                 return
             try:
-                pending.work.wait()
+                pending.work.wait(timedelta(seconds=self.timeout_s))  # whatever the group's own timeout
             except BaseException as exc:  # gloo raises when a peer is gone
                 pending.error = exc
             if self.trace.enabled:
