@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from lightning_roundpipe import CpuWorkerPool, EngineOptions, PipelineEngine, WorkerError
-from lightning_roundpipe.engine.step import StepRun
 from lightning_roundpipe.schedule.lowering import LoweringOptions, TaskGraph, lower
 from lightning_roundpipe.schedule.plan import Plan, simple_plan
+from lightning_roundpipe.workers.pool import Worker
 
 from _models import mlp
 
@@ -142,33 +142,25 @@ def test_the_engine_raises_whichever_task_fails(workers, recompute, fused, input
     layers = mlp(depth=n - 1, width=4) + [LossHead(4) if fused else nn.Linear(4, 4)]
     plan = Plan.from_text("F 0:3 3:5 | B 0:1 1:3 3:5" + (" | fused" if fused else ""), n) if recompute else \
         Plan.from_text("F 0:2 2:5 | B 0:2 2:5" + (" | fused" if fused else ""), n)
-    target = {"id": None}
-    submit = StepRun._submit
+    # The engine submits the graph's tasks in graph order (test_lowering.py), so the n-th task a
+    # step submits is graph task n.
+    target = {"id": None, "submitted": 0}
+    submit = Worker.submit
 
-    def failing_submit(run, tasks):
-        for t in tasks:
-            if t.id == target["id"]:
-                original = getattr(run, f"_{t.kind}")
+    def failing_submit(worker, queue, fn, deps, label, priority=0, nbytes=0, always=False):
+        tid, target["submitted"] = target["submitted"], target["submitted"] + 1
+        if tid == target["id"]:
+            def fn(tid=tid, kind=label.kind):
+                raise Injected(f"injected failure of task {tid} ({kind})")
+        return submit(worker, queue, fn, deps, label, priority, nbytes, always)
 
-                def fail_instead(task, worker, original=original, t=t):
-                    fn, nbytes, extra = original(task, worker)
-                    if task.id != t.id:
-                        return fn, nbytes, extra
-
-                    def raising():
-                        raise Injected(f"injected failure of task {task.id} ({task.kind})")
-
-                    return raising, nbytes, extra
-
-                monkeypatch.setattr(run, f"_{t.kind}", fail_instead)
-        return submit(run, tasks)
-
-    monkeypatch.setattr(StepRun, "_submit", failing_submit)
+    monkeypatch.setattr(Worker, "submit", failing_submit)
     pool = CpuWorkerPool(workers, timeout_s=20)
     eng = PipelineEngine(layers, pool, plan, EngineOptions(microbatches=m, recompute=recompute))
     g = torch.Generator().manual_seed(0)
 
     def step():
+        target["submitted"] = 0
         x = torch.randn(6, 4, generator=g).requires_grad_(input_grad)
         if fused:
             loss = eng(x, loss_scale=0.5)

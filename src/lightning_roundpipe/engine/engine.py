@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 from typing import Any, Callable, Sequence
 
 import torch
