@@ -17,8 +17,8 @@ would (``CausalLMOutputWithPast``, or ``MoeCausalLMOutputWithPast`` for MoE mode
 - Generation (``use_cache=True`` or a cache, as ``model.generate()`` calls it) runs the model's
   own forward on the host, on the real weights, after the pending optimizer steps: exact, but on
   the CPU; it is meant for a few samples in ``validation_step``.
-- An unverified family (``allow_unverified=True``) is checked on the first call: the pipelined
-  logits of the first microbatch against the model's own forward, refused above ``PARITY_TOLERANCE``.
+- An unverified family (``allow_unverified=True``) is checked on the first call: logits, loss and
+  aux loss of the first microbatch against the model's own forward (see :mod:`.hf_self_check`).
 """
 
 from __future__ import annotations
@@ -30,13 +30,10 @@ from torch import nn
 
 from .hf_causal_lm import CausalLMLayers, UnsupportedModelError, count_loss_tokens, unwrap_peft
 from .hf_moe import aux_loss
+from .hf_self_check import build_layers, check_first_microbatch
 
 _IGNORED_KWARGS = {"return_dict", "output_attentions", "output_hidden_states", "cache_position",
                    "logits_to_keep", "num_items_in_batch"}
-
-PARITY_TOLERANCE = 1e-5
-"""Largest relative difference ||pipelined - model|| / ||model|| of the first microbatch's logits
-(fp32, eval mode) accepted for an unverified family."""
 
 WITHHELD_LOGITS = (
     "the RoundPipe pipeline computed this loss inside its last stage, chunk by chunk, and never built the full "
@@ -74,7 +71,8 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
     """
     allow_unverified = bool(getattr(options, "allow_unverified", False))
     logits_with_loss = bool(getattr(options, "logits_with_loss", False))
-    adapter = CausalLMLayers.from_model(module, allow_unverified=allow_unverified)
+    adapter = build_layers(module, lambda: CausalLMLayers.from_model(module, allow_unverified=allow_unverified),
+                           allow_unverified)
     inner = unwrap_peft(module)
     unpipelined_forward = type(inner).forward
     router = adapter.router
@@ -105,7 +103,7 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
             if position_ids is not None:
                 batch["position_ids"] = position_ids.expand(input_ids.shape[0], -1) if position_ids.shape[0] == 1 else position_ids
             if pending_check[0]:
-                check_parity_on_first_microbatch(runtime, inner, adapter, batch)
+                check_unverified(runtime, inner, adapter, batch, labels)
                 pending_check[0] = False
             if output_router_logits is None:
                 output_router_logits = bool(getattr(inner.config, "output_router_logits", False))
@@ -149,33 +147,11 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
     return inner, adapter.layers, make_forward
 
 
-def check_parity_on_first_microbatch(runtime, model: nn.Module, adapter: CausalLMLayers, batch: dict) -> float:
-    """Compare the pipelined logits of the batch's first microbatch with the model's own forward.
-
-    The pipelined side runs the pipeline's own layers one after another on the host (a family
-    can only differ in how the model is cut into layers; the engine runs any layers exactly).
-    Both run in eval mode (restored after) under no_grad, before any weight changes. Returns the
-    relative difference; raises :class:`UnsupportedModelError` with it when above ``PARITY_TOLERANCE``.
-    """
+def check_unverified(runtime, model: nn.Module, adapter: CausalLMLayers, batch: dict, labels) -> None:
+    """The self-check of an unverified family on the first microbatch of the first call (see :mod:`.hf_self_check`)."""
     from ..engine.microbatch import split_microbatches
 
-    microbatches = int(runtime.options.microbatches or runtime.num_workers + 1)
-    first = split_microbatches(batch, min(microbatches, int(batch["input_ids"].shape[0])))[0]
-    modes = {m: m.training for m in model.modules()}
-    try:
-        model.eval()
-        with torch.no_grad():
-            reference = type(model).forward(model, use_cache=False, **first).logits.float()
-            pipelined = adapter.run({**first, "outputs": "logits"})["logits"].float()
-    finally:
-        for m, training in modes.items():
-            m.training = training
-    difference = float((pipelined - reference).norm() / reference.norm().clamp_min(1e-30))
-    if not difference <= PARITY_TOLERANCE:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} (model_type={adapter.model_type!r}) is not a verified family, and the parity check "
-            f"of allow_unverified=True failed: the pipelined logits of the first microbatch differ from the model's "
-            f"own forward by {difference:.3g} (relative; at most {PARITY_TOLERANCE:g} is accepted). Its forward does "
-            "something the causal-LM adapter does not reproduce; train it with another strategy. No weight was changed."
-        )
-    return difference
+    rows = int(batch["input_ids"].shape[0])
+    microbatches = min(int(runtime.options.microbatches or runtime.num_workers + 1), rows)
+    first = split_microbatches({**batch, **({"labels": labels} if labels is not None else {})}, microbatches)[0]
+    check_first_microbatch(model, adapter, {k: v for k, v in first.items() if k != "labels"}, first.get("labels"))
