@@ -16,7 +16,8 @@ would (``CausalLMOutputWithPast``, or ``MoeCausalLMOutputWithPast`` for MoE mode
 - Without labels, logits come back as usual.
 - Generation (``use_cache=True`` or a cache, as ``model.generate()`` calls it) runs the model's
   own forward on the host, on the real weights, after the pending optimizer steps: exact, but on
-  the CPU; it is meant for a few samples in ``validation_step``.
+  the CPU; it is meant for a few samples in ``validation_step``. In training (peft's prefix tuning
+  passes its prefix as a cache) it warns once (see :mod:`.unpipelined_calls`).
 - An unverified family (``allow_unverified=True``) is checked on the first call: logits, loss and
   aux loss of the first microbatch against the model's own forward (see :mod:`.hf_self_check`).
 """
@@ -31,6 +32,7 @@ from torch import nn
 from .hf_causal_lm import CausalLMLayers, UnsupportedModelError, count_loss_tokens, unwrap_peft
 from .hf_moe import aux_loss
 from .hf_self_check import build_layers, check_first_microbatch
+from .unpipelined_calls import CACHE_GIVEN, USE_CACHE, UnpipelinedNotice
 
 _IGNORED_KWARGS = {"return_dict", "output_attentions", "output_hidden_states", "cache_position",
                    "logits_to_keep", "num_items_in_batch"}
@@ -82,11 +84,14 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
 
         output_class = MoeCausalLMOutputWithPast if router is not None else CausalLMOutputWithPast
         pending_check = [not adapter.verified]
+        notice = UnpipelinedNotice()
 
         def forward(input_ids=None, attention_mask=None, position_ids=None, labels=None, past_key_values=None,
                     inputs_embeds=None, cache=None, use_cache=None, output_router_logits=None, **kwargs: Any):
             if use_cache or cache is not None or past_key_values is not None:
                 # model.generate(): the model's own forward on the host, with the real (current) weights.
+                notice.training_call(inner, USE_CACHE if use_cache and cache is None and past_key_values is None
+                                     else CACHE_GIVEN)
                 runtime.join()
                 return unpipelined_forward(inner, input_ids=input_ids, attention_mask=attention_mask,
                                            position_ids=position_ids, labels=labels, inputs_embeds=inputs_embeds,
