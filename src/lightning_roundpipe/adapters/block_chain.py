@@ -18,7 +18,7 @@ with a wrong value. So a ``forward`` that is not a plain chain is refused, never
 A block may return a tuple whose item 0 is the next block's input (``return x, attn``), when
 the loop keeps item 0 and ignores the rest (``x = block(x)[0]``, ``x, _ = block(x)``). The
 *calling convention* is found before anything runs, by calling block 0 once on the host on the
-first sample (no grad, random state and buffers restored): a tensor, or such a tuple. For a
+first two samples (no grad, random state and buffers restored): a tensor, or such a tuple. For a
 tuple, the pipeline runs only when the last block is called, so the whole pass is seen to be a
 chain first: every block "returns" a tuple of stand-ins, item 0 as above and the other items
 (:class:`IgnoredOutput`) raising on any use. A loop that uses them (T5 hands its position bias
@@ -340,13 +340,16 @@ class BlockChain:
         return self._stand_in(0)
 
     def _calling_convention(self, carry) -> TupleOutput | None:
-        """What block 0 returns, from one call on the host on the first sample (see the module doc)."""
+        """What block 0 returns, from one call on the host on the first two samples (see the module doc)."""
         x, per_sample, arguments = carry
         first = self.layers[0]
+        rows = min(2, int(x.shape[0]))  # two samples: a training-mode BatchNorm refuses a batch of one
         saved = [(b, b.detach().clone()) for b in first.block.buffers()]
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                out = first.call_block(x[:1], tuple(t[:1] for t in per_sample), arguments)
+                out = first.call_block(x[:rows], tuple(t[:rows] for t in per_sample), arguments)
+        except Exception:  # the block cannot run on a slice: pipeline it as before; its own error surfaces there
+            return None
         finally:
             with torch.no_grad():
                 for b, value in saved:
