@@ -8,11 +8,14 @@ are not causal LMs (BERT) are refused with the ``module=`` that pipelines their 
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
+from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.adapters.block_chain import BlockChainError
 from lightning_roundpipe.adapters.hf_causal_lm import UnsupportedModelError
 from lightning_roundpipe.runtime import RoundPipeRuntime, RuntimeOptions
@@ -156,3 +159,28 @@ def test_bert_blocks_named_with_module_match_the_unpipelined_model():
         if g.norm() < 1e-12:  # the key bias: zero by softmax's shift invariance, its "gradient" is rounding noise
             continue
         assert (model.get_parameter(name).grad - g).norm() / g.norm() <= 1e-5, name
+
+
+class BertModule(L.LightningModule):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch[0]).last_hidden_state.pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_the_strategy_names_the_full_module_path_of_a_refused_bert():
+    config = AutoConfig.for_model("bert", vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=32)
+    module = BertModule(AutoModel.from_config(config))
+    before = weights(module)
+    trainer = L.Trainer(strategy=RoundPipeStrategy(), accelerator="cpu", devices=2, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    data = DataLoader(TensorDataset(torch.randint(1, 32, (8, 5))), batch_size=4)
+    with pytest.raises(UnsupportedModelError, match=r"RoundPipeStrategy\(module='model\.encoder\.layer'\)"):
+        trainer.fit(module, data)
+    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
