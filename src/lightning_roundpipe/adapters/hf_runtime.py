@@ -29,9 +29,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .hf_causal_lm import CausalLMLayers, UnsupportedModelError, count_loss_tokens, unwrap_peft
+from .hf_causal_lm import CausalLMLayers, count_loss_tokens, unwrap_peft
 from .hf_moe import aux_loss
-from .hf_self_check import build_layers, check_first_microbatch
+from .hf_self_check import build_layers, check_unverified
 from .unpipelined_calls import CACHE_GIVEN, USE_CACHE, UnpipelinedNotice
 
 _IGNORED_KWARGS = {"return_dict", "output_attentions", "output_hidden_states", "cache_position",
@@ -108,7 +108,8 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
             if position_ids is not None:
                 batch["position_ids"] = position_ids.expand(input_ids.shape[0], -1) if position_ids.shape[0] == 1 else position_ids
             if pending_check[0]:
-                check_unverified(runtime, inner, adapter, batch, labels)
+                check_unverified(int(runtime.options.microbatches or runtime.num_workers + 1), inner, adapter, batch,
+                                 labels)
                 pending_check[0] = False
             if output_router_logits is None:
                 output_router_logits = bool(getattr(inner.config, "output_router_logits", False))
@@ -151,12 +152,3 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
 
     return inner, adapter.layers, make_forward
 
-
-def check_unverified(runtime, model: nn.Module, adapter: CausalLMLayers, batch: dict, labels) -> None:
-    """The self-check of an unverified family on the first microbatch of the first call (see :mod:`.hf_self_check`)."""
-    from ..engine.microbatch import split_microbatches
-
-    rows = int(batch["input_ids"].shape[0])
-    microbatches = min(int(runtime.options.microbatches or runtime.num_workers + 1), rows)
-    first = split_microbatches({**batch, **({"labels": labels} if labels is not None else {})}, microbatches)[0]
-    check_first_microbatch(model, adapter, {k: v for k, v in first.items() if k != "labels"}, first.get("labels"))

@@ -155,3 +155,13 @@ def check_first_microbatch(model: nn.Module, adapter: CausalLMLayers, first: dic
                           f"the pipelined {name} differs from the model's own forward by {difference:.3g} (relative; at "
                           f"most {PARITY_TOLERANCE:g} is accepted{coefficient})")
     return found
+
+
+def check_unverified(microbatches: int, model: nn.Module, adapter: CausalLMLayers, batch: dict,
+                     labels: torch.Tensor | None) -> dict[str, float]:
+    """:func:`check_first_microbatch` on the first of ``microbatches`` microbatches of a call's ``batch``."""
+    from ..engine.microbatch import split_microbatches
+
+    whole = {**batch, **({"labels": labels} if labels is not None else {})}
+    first = split_microbatches(whole, min(microbatches, int(batch["input_ids"].shape[0])))[0]
+    return check_first_microbatch(model, adapter, {k: v for k, v in first.items() if k != "labels"}, first.get("labels"))
