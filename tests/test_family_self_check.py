@@ -139,3 +139,22 @@ def test_a_failure_while_building_the_layers_names_the_adapter_function():
         RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(allow_unverified=True))
     with pytest.raises(ValueError, match="number of experts"):  # verified or not, the adapter's own words
         CausalLMLayers.from_model(model, allow_unverified=True)
+
+
+def test_the_self_check_compares_the_loss_with_its_aux_term():
+    """Had the coefficient been missed (the old reading of router_aux_loss_coef), the check would refuse."""
+    import dataclasses
+
+    from lightning_roundpipe.adapters.hf_self_check import check_first_microbatch
+
+    model = tiny("jetmoe", **JETMOE)
+    adapter = CausalLMLayers.from_model(model, allow_unverified=True)
+    ids, mask, labels = family_batch("right")
+    first = {"input_ids": ids[:2], "attention_mask": mask[:2]}
+    found = check_first_microbatch(model, adapter, first, labels[:2])
+    assert max(found.values()) <= 1e-6 and "loss (with the aux term the family adds)" in found
+    adapter.router = dataclasses.replace(adapter.router, coefficient=None)
+    with pytest.raises(UnsupportedModelError, match=r"model_type='jetmoe'.*failed in the parity check of the first "
+                                                    r"microbatch: the pipelined loss \(with the aux term the family "
+                                                    r"adds\) differs .* by \d.*the adapter adds no aux term"):
+        check_first_microbatch(model, adapter, first, None)  # no labels: the inputs serve as labels
