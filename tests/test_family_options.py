@@ -51,7 +51,7 @@ def test_unverified_family_that_differs_is_refused_with_the_measured_difference(
     ids, mask, labels = family_batch("right")
     runtime = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(allow_unverified=True))
     try:
-        with pytest.raises(UnsupportedModelError, match=r"parity check.*differ .* by \d\.\d+.*No weight was changed"):
+        with pytest.raises(UnsupportedModelError, match=r"parity check.*differs .* by \d\.\d+.*No weight was changed"):
             model(input_ids=ids, attention_mask=mask, labels=labels)
     finally:
         runtime.detach()

@@ -232,7 +232,7 @@ class RoundPipeRuntime:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def attach(cls, module: nn.Module, backend: str = "cpu", num_workers: int = 2, options: RuntimeOptions | None = None,
-               kind: str | None = None, **kwargs) -> "RoundPipeRuntime":
+               kind: str | None = None, path: str | None = None, **kwargs) -> "RoundPipeRuntime":
         """Pipeline ``module`` in place: an nn.Sequential, a supported Hugging Face causal LM, a model built from a
         stack of blocks (or the block list itself), or a module declaring its chain (see adapters/target.py).
 
@@ -241,7 +241,8 @@ class RoundPipeRuntime:
         trainable parameters are reduced whole after backward) and ``options_owner`` (how errors
         name the options, e.g. "RoundPipeStrategy") and ``progress`` (``progress(phase, done, total)``
         for the set-up: cost estimate and plan search; e.g. a
-        :class:`~lightning_roundpipe.setup_progress.RichSetupProgress`)."""
+        :class:`~lightning_roundpipe.setup_progress.RichSetupProgress`). ``path``: the module's dotted path in
+        the LightningModule, for messages (a refused BERT or T5 names the ``module=`` of its block stack)."""
         options = options or RuntimeOptions()
         if kind is None:
             target = locate(module)
@@ -255,9 +256,17 @@ class RoundPipeRuntime:
             if len(module) == 0:
                 raise PlanError("the nn.Sequential to pipeline is empty")
             return cls(module, list(module), _sequential_forward, backend, num_workers, options, **kwargs)
+        from .adapters.hf_causal_lm import UnsupportedModelError
         from .adapters.hf_runtime import causal_lm_runtime_parts
+        from .adapters.target import stack_hint
 
-        patched, layers, forward = causal_lm_runtime_parts(module, options)
+        try:
+            patched, layers, forward = causal_lm_runtime_parts(module, options)
+        except UnsupportedModelError as err:
+            hint = stack_hint(module, path)
+            if not hint:
+                raise
+            raise UnsupportedModelError(f"{err} {hint}") from err
         return cls(patched, layers, forward, backend, num_workers, options, fused_last=True, **kwargs)
 
     def describe(self) -> str:

@@ -15,6 +15,16 @@ and dtype: passing it to the next block is all a chain does with it, and any oth
 to it, storing it and reading it later) raises :class:`BlockChainError` instead of computing
 with a wrong value. So a ``forward`` that is not a plain chain is refused, never run wrongly.
 
+A block may return a tuple whose item 0 is the next block's input (``return x, attn``), when
+the loop keeps item 0 and ignores the rest (``x = block(x)[0]``, ``x, _ = block(x)``). The
+*calling convention* is found before anything runs, by calling block 0 once on the host on the
+first two samples (no grad, random state and buffers restored): a tensor, or such a tuple. For a
+tuple, the pipeline runs only when the last block is called, so the whole pass is seen to be a
+chain first: every block "returns" a tuple of stand-ins, item 0 as above and the other items
+(:class:`IgnoredOutput`) raising on any use. A loop that uses them (T5 hands its position bias
+from block 0 to the others) is refused before any weight is uploaded. The workers pass item 0
+on and drop the rest. Any other output (a dict, a dataclass) is refused.
+
 On a worker, a block runs through :class:`BlockLayer`, which calls the block with the carried
 arguments; the relay sees that it runs on a worker and calls the block's own ``forward``.
 
@@ -28,6 +38,7 @@ the worker's device. The last layer returns the output alone.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -85,6 +96,42 @@ class PendingValue:
         return f"PendingValue({self.where})"
 
 
+class IgnoredOutput(PendingOutput):
+    """Stands for item ``item`` (> 0) of a tuple a block returns: a chain ignores it, so any use raises."""
+
+    @staticmethod
+    def __new__(cls, where: str, item: int):
+        t = PendingOutput.__new__(cls, torch.empty(()), where)
+        t.item = item
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        used = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, IgnoredOutput))
+        raise BlockChainError(
+            f"item {used.item} of the output of {used.where} was used outside the chain "
+            f"({getattr(func, '__name__', func)}): RoundPipe pipelines a stack whose blocks return tuples only when the "
+            f"loop passes item 0 to the next block and ignores the other items (x = block(x)[0]). Stop using them, "
+            f"or {DECLARE_HINT}")
+
+    def __repr__(self):
+        return f"IgnoredOutput(item {self.item} of {self.where})"
+
+
+@dataclass(frozen=True)
+class TupleOutput:
+    """The calling convention of blocks that return a tuple (or list) whose item 0 is the next block's input."""
+
+    kind: type  # tuple or list
+    length: int
+    none_items: frozenset  # the items that were None (returned as None, not as stand-ins)
+
+    def stand_ins(self, first: Any, where: str):
+        """The block's "output" before the pipeline ran: ``first`` as item 0, then IgnoredOutput or None."""
+        rest = [None if k in self.none_items else IgnoredOutput(where, k) for k in range(1, self.length)]
+        return self.kind([first, *rest])
+
+
 class ChainArguments:
     """The blocks' arguments after the first, the same for every block; rebuilt per worker device.
 
@@ -130,15 +177,22 @@ class BlockLayer(nn.Module):
         super().__init__()
         self.block = block
         self.last = last
+        self.keep_first = False  # the block returns a tuple whose item 0 goes on (see TupleOutput)
 
-    def forward(self, carry):
-        x, per_sample, arguments = carry
+    def call_block(self, x, per_sample, arguments):
+        """The block's own output for one carry (what the model's loop would get)."""
         args, kwargs = arguments.rebuild(per_sample, _device_of(x))
         _worker_calls.depth = getattr(_worker_calls, "depth", 0) + 1
         try:
-            out = self.block(x, *args, **kwargs)
+            return self.block(x, *args, **kwargs)
         finally:
             _worker_calls.depth -= 1
+
+    def forward(self, carry):
+        x, per_sample, arguments = carry
+        out = self.call_block(x, per_sample, arguments)
+        if self.keep_first:
+            out = out[0]
         return out if self.last else (out, per_sample, arguments)
 
 
@@ -184,14 +238,19 @@ def _same(a, b) -> bool:
         return False
 
 
+_UNKNOWN = object()  # the calling convention before the first call found it
+
+
 class BlockChain:
     """Follows one pass of the model's ``forward`` through the blocks of one stack (host thread)."""
 
-    def __init__(self, path: str, num_blocks: int, run: Callable[..., Any], block_class: str = "blocks"):
+    def __init__(self, path: str, layers: list[BlockLayer], run: Callable[..., Any], block_class: str = "blocks"):
         self.path = path
         self.block_class = block_class
-        self.n = num_blocks
+        self.layers = layers
+        self.n = len(layers)
         self.run = run  # runtime.run: one pipelined call
+        self.convention: Any = _UNKNOWN  # None: blocks return a tensor; else a TupleOutput
         self._reset()
 
     def _reset(self) -> None:
@@ -199,6 +258,7 @@ class BlockChain:
         self.pending: Any = None
         self.result: Any = None
         self.others: tuple[list, Any] | None = None
+        self.deferred: tuple | None = None  # a tuple convention's carry, run when the last block is called
 
     def _name(self, i: int) -> str:
         return f"block {i} ({self.path}.{i})" if self.path else f"block {i} of the stack of {self.n} {self.block_class}"
@@ -219,6 +279,14 @@ class BlockChain:
                 "pipelines a stack only when each block's output goes unchanged into the next block (code between "
                 f"two blocks, such as x = x + y, is not a chain); {DECLARE_HINT}")
         leaves, spec = pytree.tree_flatten((args[1:], kwargs))
+        handed_on = next((leaf for leaf in leaves if isinstance(leaf, IgnoredOutput)), None)
+        if handed_on is not None:
+            self._reset()
+            raise BlockChainError(
+                f"{self._name(i)} got item {handed_on.item} of the output of {handed_on.where} as an "
+                "argument: the blocks hand values other than item 0 from block to block (as T5's position bias), so "
+                "they are not a chain RoundPipe can pipeline. Nothing was run. Pipeline another part of the model, or "
+                f"{DECLARE_HINT}")
         ref_leaves, ref_spec = self.others
         if spec != ref_spec or len(leaves) != len(ref_leaves) or not all(map(_same, leaves, ref_leaves)):
             self._reset()
@@ -228,16 +296,26 @@ class BlockChain:
                 f"{DECLARE_HINT}")
         self.expected = i + 1
         if i == self.n - 1:
+            return self._finish()
+        return self._stand_in(i)
+
+    def _finish(self):
+        """The last block's output: the pipeline's result (run now for a tuple convention)."""
+        if self.deferred is not None:
+            carry = self.deferred
+            out = self.convention.stand_ins(self.run(carry, tokens=_token_count(carry[0])), self._name(self.n - 1))
+        else:
             out = self.result
-            self._reset()
-            return out
-        self.pending = self._stand_in(i)
-        return self.pending
+        self._reset()
+        return out
 
     def _stand_in(self, i: int):
-        if isinstance(self.result, torch.Tensor):
-            return PendingOutput(self.result, self._name(i))
-        return PendingValue(self._name(i))
+        if self.deferred is not None:
+            self.pending = PendingOutput(self.deferred[0], self._name(i))
+            return self.convention.stand_ins(self.pending, self._name(i))
+        self.pending = (PendingOutput(self.result, self._name(i)) if isinstance(self.result, torch.Tensor)
+                        else PendingValue(self._name(i)))
+        return self.pending
 
     def _start(self, args: tuple, kwargs: dict):
         self._reset()
@@ -247,16 +325,51 @@ class BlockChain:
                 f"{self._name(0)} was called without a tensor with a batch dimension as its first positional argument "
                 f"(got {type(x).__name__}): RoundPipe splits that tensor into microbatches; {DECLARE_HINT}")
         carry = (x, *split_arguments(x, args[1:], kwargs, self._name(0)))
-        out = self.run(carry, tokens=int(x.shape[:-1].numel()) if x.dim() >= 2 else int(x.shape[0]))
-        self.result = out
+        if self.convention is _UNKNOWN:
+            self.convention = self._calling_convention(carry)
+            for layer in self.layers:
+                layer.keep_first = self.convention is not None
         self.others = tuple(pytree.tree_flatten((args[1:], kwargs)))
-        if self.n == 1:
-            out = self.result
-            self._reset()
-            return out
+        if self.convention is not None:
+            self.deferred = carry
+        else:
+            self.result = self.run(carry, tokens=_token_count(x))
         self.expected = 1
-        self.pending = self._stand_in(0)
-        return self.pending
+        if self.n == 1:
+            return self._finish()
+        return self._stand_in(0)
+
+    def _calling_convention(self, carry) -> TupleOutput | None:
+        """What block 0 returns, from one call on the host on the first two samples (see the module doc)."""
+        x, per_sample, arguments = carry
+        first = self.layers[0]
+        rows = min(2, int(x.shape[0]))  # two samples: a training-mode BatchNorm refuses a batch of one
+        saved = [(b, b.detach().clone()) for b in first.block.buffers()]
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                out = first.call_block(x[:rows], tuple(t[:rows] for t in per_sample), arguments)
+        except Exception:  # the block cannot run on a slice: pipeline it as before; its own error surfaces there
+            return None
+        finally:
+            with torch.no_grad():
+                for b, value in saved:
+                    b.copy_(value)
+        if isinstance(out, torch.Tensor):
+            return None
+        if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+            if tuple(out[0].shape[1:]) != tuple(x.shape[1:]) or out[0].dtype != x.dtype:
+                raise BlockChainError(
+                    f"{self._name(0)} returns a tuple whose item 0 ({tuple(out[0].shape[1:])} per sample, {out[0].dtype}) "
+                    f"is not shaped like its input ({tuple(x.shape[1:])}, {x.dtype}): RoundPipe pipelines a stack whose "
+                    f"blocks return tuples only when item 0 is the next block's input; {DECLARE_HINT}")
+            return TupleOutput(type(out), len(out), frozenset(k for k, v in enumerate(out) if v is None))
+        raise BlockChainError(
+            f"{self._name(0)} returns a {type(out).__name__}: RoundPipe pipelines a stack whose blocks return a tensor, "
+            f"or a tuple whose item 0 is the next block's input (x = block(x)[0]); {DECLARE_HINT}")
+
+
+def _token_count(x: torch.Tensor) -> int:
+    return int(x.shape[:-1].numel()) if x.dim() >= 2 else int(x.shape[0])
 
 
 def split_arguments(x: torch.Tensor, args: tuple, kwargs: dict, where: str) -> tuple[tuple, ChainArguments]:

@@ -19,6 +19,8 @@ recorder HF uses to collect router logits), so no family needs its router named 
 
 from __future__ import annotations
 
+import inspect
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +37,9 @@ class Router:
 
     router_class: module class whose output ``index`` is a layer's router logits [tokens, E].
     num_experts, top_k: the ``num_experts`` / ``num_experts_per_tok`` HF's aux loss is called with.
-    coefficient: ``router_aux_loss_coef`` (None: the family adds no aux loss to its loss).
+    coefficient: what the family's forward multiplies the aux loss by before adding it to the loss
+        (``router_aux_loss_coef`` in most families, JetMoE's ``aux_loss_coef``; see :func:`aux_coefficient`);
+        None: the family adds no aux loss to its loss.
     """
 
     router_class: type
@@ -55,13 +59,46 @@ def find_router(hf_model: nn.Module) -> Router | None:
     router_class = getattr(recorder, "target_class", None)
     if router_class is None:
         return None
+    if not any(isinstance(m, router_class) for m in hf_model.modules()):
+        return None  # the family can route, this configuration is dense (Gemma4 without its MoE block)
     config = hf_model.config
     num_experts = getattr(hf_model, "num_experts", None) or getattr(config, "num_local_experts", None) or getattr(
         config, "num_experts", None) or getattr(config, "n_routed_experts", None)
     top_k = getattr(hf_model, "num_experts_per_tok", None) or getattr(config, "num_experts_per_tok", None)
-    coefficient = getattr(hf_model, "router_aux_loss_coef", None)
+    if num_experts is None or top_k is None:
+        raise ValueError(f"{type(hf_model).__name__} has {router_class.__name__} routers, but neither the model nor its "
+                         f"config names the number of experts ({num_experts}) and of experts per token ({top_k}) "
+                         "that HF's load-balancing loss is called with")
+    coefficient = aux_coefficient(hf_model)
     return Router(router_class, int(getattr(recorder, "index", 0)), int(num_experts), int(top_k),
                   None if coefficient is None else float(coefficient))
+
+
+_COEFFICIENT_READ = re.compile(r"self\.([A-Za-z_][\w.]*)\s*\*\s*aux_loss\b")
+"""``loss += self.<path> * aux_loss``: how every MoE ``ForCausalLM.forward`` in transformers adds its aux loss."""
+
+
+def aux_coefficient(hf_model: nn.Module) -> float | None:
+    """The coefficient the family's own ``forward`` multiplies the aux loss by (None: it adds none).
+
+    Read from that forward's source, so a family that names it differently (JetMoE's
+    ``self.aux_loss_coef``, Qwen3-VL's ``self.config.text_config.router_aux_loss_coef``) gets
+    its own. When the source cannot be read, ``router_aux_loss_coef`` as most families name it.
+    The self-check of an unverified family compares the model's own loss, aux included, so a
+    wrong reading here is refused, never trained on.
+    """
+    try:
+        source = inspect.getsource(type(hf_model).forward)
+    except (OSError, TypeError):  # no source (compiled, interactive): the common name
+        coefficient = getattr(hf_model, "router_aux_loss_coef", None)
+        return None if coefficient is None else float(coefficient)
+    match = _COEFFICIENT_READ.search(source)
+    if match is None:
+        return None
+    value: Any = hf_model
+    for part in match.group(1).split("."):
+        value = getattr(value, part, None)
+    return None if value is None else float(value)
 
 
 def routers_in(layer: nn.Module, router: Router) -> list[nn.Module]:

@@ -16,9 +16,10 @@ would (``CausalLMOutputWithPast``, or ``MoeCausalLMOutputWithPast`` for MoE mode
 - Without labels, logits come back as usual.
 - Generation (``use_cache=True`` or a cache, as ``model.generate()`` calls it) runs the model's
   own forward on the host, on the real weights, after the pending optimizer steps: exact, but on
-  the CPU; it is meant for a few samples in ``validation_step``.
-- An unverified family (``allow_unverified=True``) is checked on the first call: the pipelined
-  logits of the first microbatch against the model's own forward, refused above ``PARITY_TOLERANCE``.
+  the CPU; it is meant for a few samples in ``validation_step``. In training (peft's prefix tuning
+  passes its prefix as a cache) it warns once (see :mod:`.unpipelined_calls`).
+- An unverified family (``allow_unverified=True``) is checked on the first call: logits, loss and
+  aux loss of the first microbatch against the model's own forward (see :mod:`.hf_self_check`).
 """
 
 from __future__ import annotations
@@ -28,15 +29,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .hf_causal_lm import CausalLMLayers, UnsupportedModelError, count_loss_tokens, unwrap_peft
+from .hf_causal_lm import CausalLMLayers, count_loss_tokens, unwrap_peft
 from .hf_moe import aux_loss
+from .hf_self_check import build_layers, check_unverified
+from .unpipelined_calls import CACHE_GIVEN, USE_CACHE, UnpipelinedNotice
 
 _IGNORED_KWARGS = {"return_dict", "output_attentions", "output_hidden_states", "cache_position",
                    "logits_to_keep", "num_items_in_batch"}
-
-PARITY_TOLERANCE = 1e-5
-"""Largest relative difference ||pipelined - model|| / ||model|| of the first microbatch's logits
-(fp32, eval mode) accepted for an unverified family."""
 
 WITHHELD_LOGITS = (
     "the RoundPipe pipeline computed this loss inside its last stage, chunk by chunk, and never built the full "
@@ -74,7 +73,8 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
     """
     allow_unverified = bool(getattr(options, "allow_unverified", False))
     logits_with_loss = bool(getattr(options, "logits_with_loss", False))
-    adapter = CausalLMLayers.from_model(module, allow_unverified=allow_unverified)
+    adapter = build_layers(module, lambda: CausalLMLayers.from_model(module, allow_unverified=allow_unverified),
+                           allow_unverified)
     inner = unwrap_peft(module)
     unpipelined_forward = type(inner).forward
     router = adapter.router
@@ -84,11 +84,14 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
 
         output_class = MoeCausalLMOutputWithPast if router is not None else CausalLMOutputWithPast
         pending_check = [not adapter.verified]
+        notice = UnpipelinedNotice()
 
         def forward(input_ids=None, attention_mask=None, position_ids=None, labels=None, past_key_values=None,
                     inputs_embeds=None, cache=None, use_cache=None, output_router_logits=None, **kwargs: Any):
             if use_cache or cache is not None or past_key_values is not None:
                 # model.generate(): the model's own forward on the host, with the real (current) weights.
+                notice.training_call(inner, USE_CACHE if use_cache and cache is None and past_key_values is None
+                                     else CACHE_GIVEN)
                 runtime.join()
                 return unpipelined_forward(inner, input_ids=input_ids, attention_mask=attention_mask,
                                            position_ids=position_ids, labels=labels, inputs_embeds=inputs_embeds,
@@ -105,7 +108,8 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
             if position_ids is not None:
                 batch["position_ids"] = position_ids.expand(input_ids.shape[0], -1) if position_ids.shape[0] == 1 else position_ids
             if pending_check[0]:
-                check_parity_on_first_microbatch(runtime, inner, adapter, batch)
+                check_unverified(int(runtime.options.microbatches or runtime.num_workers + 1), inner, adapter, batch,
+                                 labels)
                 pending_check[0] = False
             if output_router_logits is None:
                 output_router_logits = bool(getattr(inner.config, "output_router_logits", False))
@@ -148,34 +152,3 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
 
     return inner, adapter.layers, make_forward
 
-
-def check_parity_on_first_microbatch(runtime, model: nn.Module, adapter: CausalLMLayers, batch: dict) -> float:
-    """Compare the pipelined logits of the batch's first microbatch with the model's own forward.
-
-    The pipelined side runs the pipeline's own layers one after another on the host (a family
-    can only differ in how the model is cut into layers; the engine runs any layers exactly).
-    Both run in eval mode (restored after) under no_grad, before any weight changes. Returns the
-    relative difference; raises :class:`UnsupportedModelError` with it when above ``PARITY_TOLERANCE``.
-    """
-    from ..engine.microbatch import split_microbatches
-
-    microbatches = int(runtime.options.microbatches or runtime.num_workers + 1)
-    first = split_microbatches(batch, min(microbatches, int(batch["input_ids"].shape[0])))[0]
-    modes = {m: m.training for m in model.modules()}
-    try:
-        model.eval()
-        with torch.no_grad():
-            reference = type(model).forward(model, use_cache=False, **first).logits.float()
-            pipelined = adapter.run({**first, "outputs": "logits"})["logits"].float()
-    finally:
-        for m, training in modes.items():
-            m.training = training
-    difference = float((pipelined - reference).norm() / reference.norm().clamp_min(1e-30))
-    if not difference <= PARITY_TOLERANCE:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} (model_type={adapter.model_type!r}) is not a verified family, and the parity check "
-            f"of allow_unverified=True failed: the pipelined logits of the first microbatch differ from the model's "
-            f"own forward by {difference:.3g} (relative; at most {PARITY_TOLERANCE:g} is accepted). Its forward does "
-            "something the causal-LM adapter does not reproduce; train it with another strategy. No weight was changed."
-        )
-    return difference

@@ -66,7 +66,7 @@ def block_stack_parts(container: nn.Module, path: str) -> tuple[nn.Module, list[
     is_sequential = isinstance(inner, nn.Sequential)
 
     def make_forward(runtime) -> Callable:
-        chain = BlockChain(path, len(blocks), runtime.run, "/".join(sorted({type(b).__name__ for b in blocks})))
+        chain = BlockChain(path, layers, runtime.run, "/".join(sorted({type(b).__name__ for b in blocks})))
         for i, b in enumerate(blocks):
             BlockRelay(chain, i, b).install()
         if not is_sequential:

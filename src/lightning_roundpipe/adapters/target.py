@@ -159,6 +159,39 @@ def find_target(lightning_module: nn.Module, path: str | None = None) -> Target:
     )
 
 
+def _is_causal_lm_class(model: nn.Module) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update(value if isinstance(value, (tuple, list)) else (value,))
+    return type(model).__name__ in names
+
+
+def stack_hint(model: nn.Module, path: str | None = None) -> str:
+    """For a Hugging Face model that is not a causal LM (BERT, T5, a classification head): the ``module=`` that
+    pipelines its stack of blocks, as a sentence to append to the adapter's refusal ("" when there is none)."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is optional
+        PeftModel = ()
+    inner = model.get_base_model() if PeftModel and isinstance(model, PeftModel) else model
+    prefix = "" if inner is model else "base_model.model."
+    if _is_causal_lm_class(inner):
+        return ""
+    stacks = find_stacks(inner, prefix)
+    if not stacks:
+        return ""
+    where = path or "<path to the model>"
+    listed = ", ".join(s.describe() for s in stacks)
+    suggested = " or ".join(f"RoundPipeStrategy(module='{where}.{s.path}')" for s in stacks)
+    return (f"It is not a causal LM, but it is built from {'a stack' if len(stacks) == 1 else 'stacks'} of blocks, "
+            f"{listed}, which can be pipelined by itself: {suggested} (plain PyTorch: "
+            f"RoundPipeRuntime.attach(model.{stacks[0].path})); the code around the stack runs on the host. That works "
+            "when its forward passes each block's output to the next block (a stack whose blocks hand other values "
+            "along, as T5's position bias, is refused on the first call, before any weight changes).")
+
+
 def patch_forward(module: nn.Module, forward: Callable) -> None:
     if "forward" in vars(module):
         raise PipelineTargetError(f"{type(module).__name__} already has an instance-level forward; is it pipelined twice?")

@@ -142,7 +142,7 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             broadcast_module(self.lightning_module)  # every node starts from rank 0's weights
         self.runtime = RoundPipeRuntime.attach(
             target.module, backend=backend, num_workers=self.num_workers, options=self.options.runtime_options(),
-            kind=target.kind, device_indices=indices, sync_gradients=self.world_size > 1,
+            kind=target.kind, path=target.path, device_indices=indices, sync_gradients=self.world_size > 1,
             root_module=self.lightning_module, options_owner="RoundPipeStrategy", progress=self.setup_progress())
         if fitting and self.options.overlap_optimizer and self.optimizers:
             early = early_steps_allowed(trainer, self.lightning_module, self.precision_plugin)
