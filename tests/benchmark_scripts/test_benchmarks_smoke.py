@@ -178,6 +178,7 @@ def test_gpu_bench_skips_cleanly_without_cuda(tmp_path, capsys):
     assert "skipped" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_gpu_bench_cpu_debug_mode_runs_both_systems(tmp_path):
     path = tmp_path / "gpu_cpu.json"
     threads = torch.get_num_threads()

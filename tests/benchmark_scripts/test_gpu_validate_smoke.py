@@ -6,6 +6,7 @@ import pytest
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_gpu_validate_runs_on_fake_streams(tmp_path):
     from benchmarks.validation.gpu_validate import CHECKS, main
 

@@ -147,6 +147,7 @@ def smoke_overrides(tmp_path: Path, *extra: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_example_runs_three_steps_with_lightning_default_strategy(tmp_path):
     results = load_example().main(compose_job(*smoke_overrides(tmp_path, "strategy=default", "lora=on")))
     assert results["steps"] == 3
@@ -159,6 +160,7 @@ def test_example_runs_three_steps_with_lightning_default_strategy(tmp_path):
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 3
 
 
+@pytest.mark.slow
 def test_example_runs_three_steps_with_roundpipe_like_the_default_strategy(tmp_path):
     example = load_example()
     reference = example.main(compose_job(*smoke_overrides(tmp_path / "ref", "strategy=default")))
@@ -189,6 +191,7 @@ def job_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
 
 
+@pytest.mark.slow
 def test_default_job_prints_no_warning_of_ours_and_a_sensible_epoch(tmp_path):
     run_dir = tmp_path / "run"
     done = subprocess.run(

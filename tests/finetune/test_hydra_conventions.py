@@ -82,6 +82,7 @@ def test_command_line_overrides_win_over_the_preset():
     assert cfg.trainer.max_steps == 7 and cfg.lora.enabled is True and cfg.trainer.val_check_interval == 5
 
 
+@pytest.mark.slow
 def test_cfg_job_prints_the_composed_config_and_trains_nothing(tmp_path):
     done = job(tmp_path, "--cfg", "job", "experiment=qwen3_8b_lora_8gpu", "strategy.microbatches=12")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -92,6 +93,7 @@ def test_cfg_job_prints_the_composed_config_and_trains_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no run directory, no checkpoint
 
 
+@pytest.mark.slow
 def test_cfg_job_resolve_shows_the_asset_paths_and_trains_nothing(tmp_path):
     resolved = job(tmp_path, "--cfg", "job", "--resolve", "experiment=tiny")
     assert resolved.returncode == 0, resolved.stderr[-2000:]
@@ -101,6 +103,7 @@ def test_cfg_job_resolve_shows_the_asset_paths_and_trains_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_two_point_multirun_on_cpu_writes_one_run_directory_per_job_with_equal_results(tmp_path):
     sweep = tmp_path / "sweep"
     done = job(
