@@ -1,6 +1,6 @@
 """Parity of block-stack models under strategy="roundpipe" against Lightning's default strategy, as a table.
 
-The models and the runner are the tests' (tests/test_block_stack*.py); this prints the numbers they assert:
+The models and the runner are the tests' (tests/adapters/test_block_stack*.py); this prints the numbers they assert:
 worst per-tensor gradient error after one step, worst update-relative weight error after 3 steps.
 
     PYTHONPATH=src python benchmarks/validation/block_stack_parity.py

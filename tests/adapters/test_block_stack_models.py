@@ -1,6 +1,6 @@
 """Block-stack models written the way people write them (nanoGPT, litgpt, nn.TransformerEncoder), as LightningModules.
 
-Shared by tests/test_block_stack*.py; the one test here checks the models are what the parity tests assume.
+Shared by tests/adapters/test_block_stack*.py; the one test here checks the models are what the parity tests assume.
 """
 
 from __future__ import annotations
