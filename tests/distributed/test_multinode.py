@@ -9,10 +9,13 @@ import time
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from tests._models import SeqModule, fit, make_data, weight_error, weights  # also imported by benchmarks/
+
+pytestmark = pytest.mark.slow  # two processes per test: 20-60 s each on 2 cores
 
 HERE = Path(__file__).resolve().parents[1]  # tests/: multinode_worker.py, _models
 
