@@ -1,1 +1,1 @@
-"""Benchmarks of lightning-roundpipe against real peers (see benchmarks/README.md)."""
+"""Benchmarks of lightning-roundpipe: peers/, calibration/, validation/, figures/ (index: benchmarks/README.md)."""

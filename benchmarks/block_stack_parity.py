@@ -1,44 +1,12 @@
-"""Parity of block-stack models under strategy="roundpipe" against Lightning's default strategy, as a table.
-
-The models and the runner are the tests' (tests/test_block_stack*.py); this prints the numbers they assert:
-worst per-tensor gradient error after one step, worst update-relative weight error after 3 steps.
-
-    PYTHONPATH=src python benchmarks/block_stack_parity.py
-"""
-
-from __future__ import annotations
-
-import os
+"""Moved to benchmarks/validation/block_stack_parity.py; this module keeps `python -m benchmarks.block_stack_parity` and old imports working."""
+import pathlib
 import sys
-import time
-import warnings
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-warnings.filterwarnings("ignore")
+if __package__ in (None, ""):  # run as a file (python benchmarks/NAME.py): the repository root holds benchmarks/
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from test_block_stack import AdamWTransformer, OfflineTransformer, parity  # noqa: E402
-from test_block_stack_models import VOCAB, EncoderLM, LitGPT, LMModule, NanoGPT, no_dropout, token_data  # noqa: E402
-
-CASES = [
-    ("nanoGPT, tied head", "sgd", 2, lambda: LMModule(NanoGPT(), "sgd"), {}),
-    ("nanoGPT, tied head", "adamw", 3, lambda: LMModule(NanoGPT(), "adamw"), {}),
-    ("demo LightningTransformer (module=model.transformer.decoder)", "sgd", 2,
-     lambda: no_dropout(OfflineTransformer(vocab_size=VOCAB)), {"module": "model.transformer.decoder"}),
-    ("demo LightningTransformer (module=model.transformer.encoder.layers)", "adamw", 2,
-     lambda: no_dropout(AdamWTransformer(vocab_size=VOCAB)), {"module": "model.transformer.encoder.layers"}),
-    ("litgpt-style (rope, mask, padding)", "sgd", 2, lambda: LMModule(LitGPT(), "sgd"), {"data": token_data(pad=True)}),
-    ("litgpt-style (rope, mask, padding)", "adamw", 2, lambda: LMModule(LitGPT(), "adamw"), {"data": token_data(pad=True)}),
-    ("nn.TransformerEncoder LM", "adamw", 3, lambda: LMModule(EncoderLM(), "adamw"), {"microbatches": 2}),
-]
-
-
-def main() -> None:
-    print("| model | optimizer | workers | gradient error | weight error (3 steps) | wall s |\n|---|---|---|---|---|---|")
-    for name, opt, workers, make, kw in CASES:
-        t0 = time.perf_counter()
-        g, w, _ = parity(make, workers, **kw)
-        print(f"| {name} | {opt} | {workers} | {g:.1e} | {w:.1e} | {time.perf_counter() - t0:.1f} |", flush=True)
-
+from benchmarks.validation.block_stack_parity import *  # noqa: E402,F401,F403  (re-exported for importers of the old name)
+from benchmarks.validation.block_stack_parity import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

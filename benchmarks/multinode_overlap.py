@@ -1,33 +1,12 @@
-"""Issue-6 figures: bytes all-reduced per step against trainable bytes, and the share of all-reduce
-time overlapped with backward, from two "nodes" (two processes, 2 CPU workers each, gloo on localhost).
+"""Moved to benchmarks/figures/multinode_overlap.py; this module keeps `python -m benchmarks.multinode_overlap` and old imports working."""
+import pathlib
+import sys
 
-    python -m benchmarks.multinode_overlap [--mode big|seq|lora]
+if __package__ in (None, ""):  # run as a file (python benchmarks/NAME.py): the repository root holds benchmarks/
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-The share is read from the timeline: all-reduce intervals (launch to completion, recorded by the
-watcher thread) overlapped by any worker's compute, over total all-reduce time.
-"""
-
-import argparse
-import tempfile
-from pathlib import Path
-
-from tests.test_multinode import run_two_nodes  # noqa: E402
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", default="big", choices=["big", "seq", "lora"])
-    args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory() as d:
-        info = run_two_nodes(args.mode, Path(d), timeout=600)
-    print(f"# python -m benchmarks.multinode_overlap --mode {args.mode}")
-    print("| rank | trainable bytes | total bytes | bytes all-reduced per step | all-reduces | share overlapped with compute |")
-    print("|---:|---:|---:|---|---:|---:|")
-    for i in info:
-        share = i["allreduce_hidden_share"]
-        print(f"| {i['global_rank']} | {i['trainable_bytes']} | {i['total_bytes']} | {i['bytes_reduced']} | "
-              f"{i['allreduce_count']} | {'n/a' if share is None else f'{100 * share:.0f}%'} |")
-
+from benchmarks.figures.multinode_overlap import *  # noqa: E402,F401,F403  (re-exported for importers of the old name)
+from benchmarks.figures.multinode_overlap import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

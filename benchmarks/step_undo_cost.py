@@ -1,113 +1,12 @@
-"""What keeping a failed step undoable costs: step time and peak host memory, undo on against undo off.
-
-Trains a ~100M-parameter MLP with AdamW through the overlapped optimizer (layers step during the
-closure's last backward) on the CPU backend, with ``undo=True`` and ``undo=False``, each in its
-own process so peak RSS is its own, interleaved ``--repeats`` times; ``--baseline REV`` adds the
-code of a git revision (its default undo setting) as a third system. Measured, not simulated.
-
-    python benchmarks/step_undo_cost.py [--steps 6] [--repeats 2] [--baseline REV]
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
-import os
-import statistics
-import subprocess
+"""Moved to benchmarks/figures/step_undo_cost.py; this module keeps `python -m benchmarks.step_undo_cost` and old imports working."""
+import pathlib
 import sys
-import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __package__ in (None, ""):  # run as a file (python benchmarks/NAME.py): the repository root holds benchmarks/
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-CHILD = r"""
-import json, resource, sys, time
-import torch
-from torch import nn
-from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
-
-width, depth, steps, undo = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-torch.manual_seed(0)
-net = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)])
-params = sum(p.numel() for p in net.parameters())
-opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
-runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False))
-try:
-    ov = runtime.overlap_optimizer(opt, undo=undo == "on")
-except TypeError:  # a revision from before the undo option: undo always on
-    if undo != "on":
-        raise SystemExit("this revision has no undo option")
-    ov = runtime.overlap_optimizer(opt)
-last = getattr(ov, "last_backward", None)
-x, y = torch.randn(8, width), torch.randn(8, width)
-times = []
-for _ in range(steps):
-    def closure():
-        opt.zero_grad()
-        loss = ((net(x) - y) ** 2).mean()
-        if last is None:
-            loss.backward()
-        else:
-            with last():
-                loss.backward()
-        return loss
-    t0 = time.perf_counter()
-    opt.step(closure)
-    runtime.join()
-    times.append(time.perf_counter() - t0)
-runtime.detach()
-print(json.dumps({"params": params, "step_s": times, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
-"""
-
-
-def run(src: str, undo: str, width: int, depth: int, steps: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=src)
-    out = subprocess.run([sys.executable, "-c", CHILD, str(width), str(depth), str(steps), undo], env=env,
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        if "no undo option" in out.stderr:
-            return None
-        raise RuntimeError(out.stderr)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--baseline", default=None, help="also run the code of this git revision (its default undo)")
-    ap.add_argument("--width", type=int, default=2048)
-    ap.add_argument("--depth", type=int, default=24, help="layers of width x width (24 x 2048^2: 100.7M parameters)")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
-    src = os.path.join(ROOT, "src")
-    systems = {"undo off": (src, "off"), "undo on": (src, "on")}
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.baseline:
-            archive = subprocess.run(["git", "-C", ROOT, "archive", args.baseline, "src"], capture_output=True,
-                                     check=True)
-            subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-            for undo in ("off", "on"):
-                systems[f"baseline {args.baseline} undo {undo}"] = (os.path.join(tmp, "src"), undo)
-        results: dict[str, list] = {k: [] for k in systems}
-        for _ in range(args.repeats):
-            for name, (path, undo) in systems.items():
-                r = run(path, undo, args.width, args.depth, args.steps)
-                if r is not None:
-                    results[name].append(r)
-    summary: dict = {}
-    for name, rs in results.items():
-        if not rs:
-            continue
-        steady = [t for r in rs for t in r["step_s"][2:]]  # the first two steps allocate state
-        summary[name] = {"params": rs[0]["params"], "median_step_s": statistics.median(steady),
-                         "peak_rss_gib": max(r["peak_rss_bytes"] for r in rs) / 2**30}
-    for prefix in ["", f"baseline {args.baseline} "] if args.baseline else [""]:
-        off, on = summary.get(prefix + "undo off"), summary.get(prefix + "undo on")
-        if off and on:
-            summary[prefix + "undo on / off"] = {"step_time": on["median_step_s"] / off["median_step_s"],
-                                                 "extra_peak_rss_gib": on["peak_rss_gib"] - off["peak_rss_gib"]}
-    print(json.dumps(summary, indent=2))
-
+from benchmarks.figures.step_undo_cost import *  # noqa: E402,F401,F403  (re-exported for importers of the old name)
+from benchmarks.figures.step_undo_cost import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

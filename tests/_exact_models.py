@@ -1,4 +1,4 @@
-"""Shared by the tests/test_exact_*.py files: parity runs against Lightning's default strategy."""
+"""Shared by the tests/engine/test_exact_*.py and tests/optim/test_exact_*.py files: parity runs against Lightning's default strategy."""
 
 from __future__ import annotations
 

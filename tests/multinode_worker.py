@@ -1,7 +1,7 @@
-"""One "node" of the two-process tests: run by tests/test_multinode.py as a subprocess.
+"""One "node" of the two-process tests: run by tests/distributed/test_multinode.py as a subprocess.
 
 Usage: python multinode_worker.py MODE OUT_DIR   (rank and port come from NODE_RANK / MASTER_PORT)
-MODE: "seq" (the MLP of _models), "accum", "big", "lora" (the tiny peft model of test_hf_pipeline),
+MODE: "seq" (the MLP of _models), "accum", "big", "lora" (the tiny peft model of adapters/test_hf_pipeline),
 or "die" (rank 1 exits abruptly after the forward of its third step, before its backward).
 """
 
@@ -9,6 +9,8 @@ import json
 import os
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.adapters
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
@@ -85,7 +87,7 @@ def main():
         data = DataLoader(make_data(n=64, width=512), batch_size=16)
         max_steps = 4
     else:
-        from test_hf_pipeline import LoraFineTune, batch
+        from tests.adapters.test_hf_pipeline import LoraFineTune, batch
 
         module = LoraFineTune()
         ids, mask, labels = batch(padded=True, seed=3)

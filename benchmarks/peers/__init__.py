@@ -1,0 +1,1 @@
+"""This project against its peers (torch pipelining, plain training, the published roundpipe package), measured."""
