@@ -37,6 +37,11 @@ def failing(base):
 class FailingModule(SeqModule):
     def __init__(self, opt):
         super().__init__(opt=opt, scheduler=True, scheduler_interval="step")
+        self.overlapped = None
+
+    def on_train_start(self):
+        runtime = getattr(self.trainer.strategy, "runtime", None)
+        self.overlapped = None if runtime is None else len(runtime.overlapped)
 
     def configure_optimizers(self):
         params = list(self.parameters())
@@ -68,6 +73,7 @@ def test_failed_step_advances_neither_global_step_nor_scheduler(tmp_path, opt):
     with pytest.raises(RuntimeError, match="injected optimizer failure"):
         trainer.fit(module, data)
     sched = trainer.lr_scheduler_configs[0].scheduler
+    assert module.overlapped == 1  # declared roundpipe_per_layer: stepped layer by layer
     assert (trainer.global_step, sched.last_epoch) == (FAIL_ON, FAIL_ON)
     assert weight_error(weights(module), weights(ref), w0) < WEIGHT_TOL
     opt_state = trainer.optimizers[0].state_dict()
