@@ -4,7 +4,7 @@ With ``staleness=0`` the strategy's ``optimizer_step`` already joins before it r
 after a step can see weights being written: PyTorch has no hook on tensor access, so an EMA
 over the inner model's tensors could not be caught any other way; measured cost in
 ``docs/measurements.md``, section 5). These wrappers cover what that join does not: reads
-inside the step (an ``optimizer_step`` override's closure reading ``self.parameters()``) and
+while layers step during backward (a tensor hook calling ``self.parameters()``) and
 ``staleness=1``, whose update runs behind the next step by design. ``parameters``,
 ``named_parameters`` and ``state_dict`` of the LightningModule instance join first;
 :func:`restore` removes the wrappers.
