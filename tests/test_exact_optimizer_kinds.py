@@ -215,7 +215,7 @@ def test_which_optimizers_step_layer_by_layer():
 
 
 @pytest.mark.timeout(60)
-def test_refused_for_layer_by_layer_where_only_that_is_possible():
+def test_refused_for_layer_by_layer_where_only_that_is_possible(tmp_path):
     net = SeqModule().net
     w0 = {n: p.detach().clone() for n, p in net.named_parameters()}
     runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False))
@@ -226,6 +226,6 @@ def test_refused_for_layer_by_layer_where_only_that_is_possible():
     finally:
         runtime.detach()
     with pytest.raises(OptionError, match=r"staleness=1\) steps the optimizer layer by layer.*CountingWarmupSGD"):
-        _trainer("/tmp", RoundPipeStrategy(staleness=1, microbatches=2), 2, 2).fit(
+        _trainer(tmp_path, RoundPipeStrategy(staleness=1, microbatches=2), 2, 2).fit(
             _module_with(CUSTOM["warmup_counter"])(), DataLoader(make_data(n=16), batch_size=8))
     assert all(torch.equal(p, w0[n]) for n, p in net.named_parameters())
