@@ -225,7 +225,12 @@ def test_refused_for_layer_by_layer_where_only_that_is_possible(tmp_path):
             runtime.overlap_optimizer(CountingWarmupSGD(net.parameters()))
     finally:
         runtime.detach()
+    assert all(torch.equal(p, w0[n]) for n, p in net.named_parameters())
+    assert "step" not in vars(net) and "forward" not in vars(net)
+    module = _module_with(CUSTOM["warmup_counter"])()
+    before = weights(module)
     with pytest.raises(OptionError, match=r"staleness=1\) steps the optimizer layer by layer.*CountingWarmupSGD"):
         _trainer(tmp_path, RoundPipeStrategy(staleness=1, microbatches=2), 2, 2).fit(
-            _module_with(CUSTOM["warmup_counter"])(), DataLoader(make_data(n=16), batch_size=8))
-    assert all(torch.equal(p, w0[n]) for n, p in net.named_parameters())
+            module, DataLoader(make_data(n=16), batch_size=8))
+    assert all(torch.equal(p, before[n]) for n, p in weights(module).items())
+    assert "forward" not in vars(module.net)
