@@ -80,3 +80,48 @@ def test_post_accumulate_hook_fires_once_per_backward():
     fit(ref, "auto", max_steps=3, record_grads=False)
     fit(m, RoundPipeStrategy(**STRATEGY), devices=2, max_steps=3, record_grads=False)
     assert (m.seen, ref.seen) == (3, 3)
+
+
+class HookedLoraFineTune(L.LightningModule):
+    """A Hugging Face LM under peft LoRA (the fused last stage scales its gradients at backward)."""
+
+    def __init__(self):
+        super().__init__()
+        from peft import LoraConfig, get_peft_model
+        from test_hf_pipeline import tiny
+
+        self.model = get_peft_model(tiny("qwen3"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        lora = [p for n, p in self.model.named_parameters() if "lora_B" in n]
+        lora[0].register_hook(lambda g: g.clamp(-1e-3, 1e-3))  # layer 0
+        lora[-1].register_hook(lambda g: g * 4.0)  # the last layer, in the fused stage
+
+    def training_step(self, b, i):
+        return self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+
+
+@pytest.mark.timeout(90)
+def test_tensor_hooks_on_a_pipelined_hugging_face_model():
+    from torch.utils.data import DataLoader
+
+    from _exact_models import weight_error
+    from lightning_roundpipe import RoundPipeStrategy
+    from test_hf_pipeline import batch
+
+    def run(strategy, devices):
+        torch.manual_seed(0)
+        m = HookedLoraFineTune()
+        w0 = {n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
+        ids, mask, labels = batch(padded=True, seed=3)
+        data = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(5)] * 4
+        L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=4, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(
+            m, DataLoader(data, batch_size=4))
+        return {n: p.detach() for n, p in m.named_parameters() if p.requires_grad}, w0
+
+    ref, w0 = run("auto", 1)
+    got, _ = run(RoundPipeStrategy(microbatches=2), 2)
+    err = weight_error(got, ref, w0)
+    assert err < WEIGHT_TOL, f"weights {err:.2e} off the default strategy's"
