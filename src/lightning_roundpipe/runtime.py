@@ -302,10 +302,14 @@ class RoundPipeRuntime:
         if self.shadows is not None:
             self.shadows.refresh()
 
-    def after_optimizer_step(self) -> None:
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Call after a synchronous (not overlapped) ``optimizer.step()``: it wrote the masters, and
-        the uploads read the compute-dtype shadows, so these are refreshed here."""
-        if self.shadows is not None and not self.overlapped:
+        the uploads read the compute-dtype shadows, so these are refreshed here. ``optimizer``: the
+        one that stepped (None: any; nothing to do if it is overlapped, whose layer steps refresh)."""
+        overlapped = {id(ov.optimizer) for ov in self.overlapped}
+        synchronous = not overlapped if optimizer is None else id(optimizer) not in overlapped
+        if self.shadows is not None and synchronous:
+            self.join()  # an overlapped optimizer may still write its layers' shadows
             self.shadows.refresh()
 
     # ------------------------------------------------------------------ teardown

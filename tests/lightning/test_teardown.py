@@ -27,6 +27,8 @@ def seconds_until_no_threads(limit=5.0):
 class FailingSGD(torch.optim.SGD):
     """Raises on every update while ``fail`` is set."""
 
+    roundpipe_per_layer = True  # its state is per parameter: it may be stepped layer by layer
+
     fail = False
 
     def step(self, closure=None):

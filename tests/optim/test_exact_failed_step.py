@@ -52,6 +52,8 @@ class Fault(nn.Module):
 class GroupFailingAdamW(torch.optim.AdamW):
     """Raises for the parameter group marked ``fail`` once the switch is armed."""
 
+    roundpipe_per_layer = True  # its state is per parameter: it may be stepped layer by layer
+
     switch = None
 
     def step(self, closure=None):
@@ -288,6 +290,8 @@ def test_failed_lightning_step_leaves_state_as_before(mode):
 class ReplacingMomentum(torch.optim.Optimizer):
     """Momentum whose state tensors are replaced each step (not updated in place), with a Python counter;
     raises for the group marked ``fail`` once the switch is armed."""
+
+    roundpipe_per_layer = True  # its state is per parameter: it may be stepped layer by layer
 
     switch = None
 

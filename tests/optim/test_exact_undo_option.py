@@ -23,6 +23,8 @@ class FailingSGD(torch.optim.SGD):
     Counted here, not armed from a hook: the layer steps run on the optimizer lane, behind the
     next batch's hooks."""
 
+    roundpipe_per_layer = True  # its state is per parameter: it may be stepped layer by layer
+
     fail_on = None
     calls = 0
 

@@ -21,7 +21,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
 from ..adapters.target import find_target
-from ..options import StrategyOptions, option_keywords_signature, strategy_options
+from ..optim.per_layer_support import declaration_hint, why_not_per_layer
+from ..options import OptionError, StrategyOptions, option_keywords_signature, strategy_options
 from ..runtime import RoundPipeRuntime, check_writable_dir, run_all
 from ..setup_progress import RichSetupProgress
 from . import weight_reads
@@ -147,11 +148,27 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
         if fitting and self.options.overlap_optimizer and self.optimizers:
             early = early_steps_allowed(trainer, self.lightning_module, self.precision_plugin)
             for opt in self.optimizers:
-                self.runtime.overlap_optimizer(opt, early_steps=early)
+                if self._steps_layer_by_layer(opt):
+                    self.runtime.overlap_optimizer(opt, early_steps=early)
             weight_reads.join_before_reads(self.lightning_module, self.join)
         if self.options.step_metrics and not any(isinstance(cb, RoundPipeStepMetrics) for cb in trainer.callbacks):
             trainer.callbacks.append(RoundPipeStepMetrics())
         self._announce_plan(target)
+
+    def _steps_layer_by_layer(self, optimizer) -> bool:
+        """Whether ``optimizer`` may be stepped layer by layer behind the pipeline; if not, Lightning
+        steps it whole after backward (exact, not overlapped), and staleness=1, which needs the
+        overlap, is refused."""
+        reason = why_not_per_layer(optimizer)
+        if reason is None:
+            return True
+        name = type(optimizer).__name__
+        if self.options.staleness:
+            raise OptionError(f"RoundPipeStrategy(staleness=1) steps the optimizer layer by layer, which is not exact "
+                              f"for {name}: {reason}. Use staleness=0, or, {declaration_hint(optimizer)}")
+        rank_zero_info(f"RoundPipe steps {name} whole after backward, not layer by layer behind the pipeline: "
+                       f"{reason}. For the overlap, {declaration_hint(optimizer)}")
+        return False
 
     def setup_progress(self) -> RichSetupProgress | None:
         """Progress bars for long set-up work, on rank zero only (the other nodes do the same work)."""
@@ -223,7 +240,13 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.runtime is not None:
-            self.runtime.after_optimizer_step()
+            if not self.options.staleness:
+                # Every read after the step returns sees the new weights (an EMA or a logger over the
+                # inner model, peft's AdaLoRA in on_train_batch_end), and a failed layer step fails
+                # this step before Lightning counts it (global_step, schedulers). The layers stepped
+                # during backward are done by now; what is left is the tail after the closure.
+                self.runtime.join()
+            self.runtime.after_optimizer_step(optimizer)
         return out
 
     @override

@@ -1,13 +1,13 @@
 """Reads of the module's weights through its usual methods wait for in-flight layer optimizer steps.
 
-Why an instance-level wrapper: the overlapped optimizer updates layers on a host thread while
-the next step's forward already runs (that overlap is the point). Lightning's own reads have
-strategy hooks (validation start, checkpoint saving, optimizer state) and the strategy joins
-there. User code has none: a ``training_step`` computing ``sum(p.square().sum() for p in
-self.parameters())`` would read half-updated weights. Joining in ``Strategy.training_step`` would
-make every step wait for the whole previous update before its forward, losing the overlap, and
-PyTorch has no hook on parameter access. So ``parameters``, ``named_parameters`` and
-``state_dict`` of the LightningModule instance join first; :func:`restore` removes the wrappers.
+With ``staleness=0`` the strategy's ``optimizer_step`` already joins before it returns (no read
+after a step can see weights being written: PyTorch has no hook on tensor access, so an EMA
+over the inner model's tensors could not be caught any other way; measured cost in
+``docs/measurements.md``, section 5). These wrappers cover what that join does not: reads
+while layers step during backward (a tensor hook calling ``self.parameters()``) and
+``staleness=1``, whose update runs behind the next step by design. ``parameters``,
+``named_parameters`` and ``state_dict`` of the LightningModule instance join first;
+:func:`restore` removes the wrappers.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ A layer's step runs on a shallow view of the optimizer (same ``state``, its own
 ``param_groups`` holding only that layer's parameters and the hyper-parameters snapshotted at
 submission), so a scheduler changing ``lr`` meanwhile cannot leak into a step already
 submitted. This needs an optimizer whose update of a parameter depends only on that
-parameter's gradient and state: every ``torch.optim`` optimizer except LBFGS.
+parameter's gradient and ``state[p]``: the ``torch.optim`` ones of ``per_layer_support.py``
+(every one but LBFGS) or one declaring ``roundpipe_per_layer = True``; others are refused here.
 
 ``staleness=1`` (RoundPipe's one-step-delayed update, inexact by design): the pipeline reads
 weights from host shadows that are refreshed to the previous version only at the end of each
@@ -50,6 +51,7 @@ import torch
 from ..params.weights import group_by_lowest_layer
 from ..workers.completions import Completion, PipelineError, PipelineTimeout, TaskLabel
 from .host_lane import HostLane
+from .per_layer_support import declaration_hint, why_not_per_layer
 from .step_undo import BeforeImages, StepUndo
 
 
@@ -75,9 +77,11 @@ class OverlappedOptimizer:
         ``calls``: the engine's :class:`~..engine.calls.PipelineCalls` (None: no early steps).
         ``shadows``: the :class:`~..params.shadows.ShadowStore` uploads read (``staleness=1``
         keeps the previous weights there; :meth:`state_dict` saves them)."""
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise ValueError("the overlapped optimizer steps layer by layer; LBFGS couples all parameters: "
-                             "use RoundPipeStrategy(overlap_optimizer=False)")
+        reason = why_not_per_layer(optimizer)
+        if reason is not None:
+            raise ValueError(f"the overlapped optimizer steps layer by layer, which would not be exact for "
+                             f"{type(optimizer).__name__}: {reason}. Step it whole (overlap_optimizer=False; "
+                             f"RoundPipeStrategy does so by itself), or, {declaration_hint(optimizer)}")
         if staleness not in (0, 1):
             raise ValueError(f"staleness must be 0 (exact) or 1 (one-step-delayed update), got {staleness}")
         self.optimizer = optimizer

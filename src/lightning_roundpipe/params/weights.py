@@ -16,6 +16,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .grad_hooks import accumulate_with_hooks, has_grad_hooks
+
 
 class LayerTable:
     """Names and host tensors of one layer's parameters and buffers, as functional_call keys."""
@@ -158,13 +160,18 @@ def accumulate_host_grads(weights: StageWeights, host_grads: list[torch.Tensor |
     """Add a stage's downloaded gradients into the masters' ``.grad`` (fp32), optionally times ``scale``.
 
     With ``buffers``, a missing ``.grad`` is filled from a persistent buffer instead of a new
-    tensor; the arithmetic (a cast, then the scale, then the sum) is the same either way.
+    tensor; the arithmetic (a cast, then the scale, then the sum) is the same either way. A
+    parameter with tensor hooks gets its gradient through autograd, which runs them (``grad_hooks.py``).
     """
     for i, g in zip(weights.trainable_indices(), host_grads):
         if g is None:
             continue
         p = weights.host[i]
         scaled = scale is not None and scale != 1.0
+        if has_grad_hooks(p):  # the user's tensor hooks run on this call's gradient, as autograd would
+            own = g.to(p.dtype, copy=True)
+            accumulate_with_hooks(p, own.mul_(scale) if scaled else own)
+            continue
         if p.grad is None and buffers is not None:
             buf = buffers.take(p)
             buf.copy_(g)
