@@ -6,7 +6,10 @@ Lightning's own (``torch.save`` of the checkpoint dict), so it loads with plain 
 and into a model trained under any strategy. Loading a local file reports its bytes read to
 ``progress`` (a set-up progress bar, shown for large files only). A save interrupted hard enough to skip its own
 clean-up (a killed process, a power cut) leaves a ``.tmp-<name>-<random>`` file; the next save
-into that folder removes every such file before it writes.
+into that folder removes such files before it writes, but only those no writer owns: a save
+holds an exclusive ``flock`` on its temporary file until the file is renamed, so another
+process saving into the same folder at the same time keeps its file. Where locks are not
+available (Windows, a filesystem without them) only leftovers untouched for a day are removed.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
+import time
 
 from typing import Callable
 
@@ -22,6 +26,11 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ..setup_progress import FileProgress, ProgressCallback
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; leftovers are told apart by age
+    fcntl = None
 
 LOAD_PHASE = "RoundPipe: loading checkpoint"
 
@@ -59,13 +68,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
         remove_interrupted_saves(directory)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=directory)
+        fd, tmp, locked = _owned_temporary(directory, os.path.basename(path))
         try:
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
+                if locked:  # renamed while the lock is held, so no other save's clean-up can take it
+                    os.replace(tmp, path)
+            if not locked:
+                os.replace(tmp, path)
         except BaseException:
             try:
                 os.unlink(tmp)
@@ -75,15 +87,56 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 TEMPORARY_PATTERN = ".tmp-*.ckpt-*"
+UNLOCKED_LEFTOVER_AGE_S = 24 * 3600  # without locks: a file this old has no writer left
+
+
+def _try_lock(fd: int) -> bool | None:
+    """Take an exclusive lock on ``fd`` without waiting: True when taken, False when another
+    process holds it, None when this platform or filesystem has no locks."""
+    if fcntl is None:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:  # ENOLCK, EOPNOTSUPP: a filesystem without locks
+        return None
+
+
+def _owned_temporary(directory: str, name: str) -> tuple[int, str, bool]:
+    """A new temporary file for ``name`` in ``directory``: (fd, path, whether it is locked)."""
+    while True:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-" + name + "-", dir=directory)
+        locked = _try_lock(fd) is True
+        if not locked:
+            return fd, tmp, False
+        try:  # another save's clean-up may have taken the file between its creation and the lock
+            if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
+                return fd, tmp, True
+        except FileNotFoundError:
+            pass
+        os.close(fd)
 
 
 def remove_interrupted_saves(directory: str) -> list[str]:
-    """Delete the temporary files earlier interrupted saves left in ``directory``; return their paths."""
+    """Delete the temporary files interrupted saves left in ``directory`` (none a live writer
+    holds, see the module doc); return their paths."""
     removed = []
     for leftover in glob.glob(os.path.join(glob.escape(directory), TEMPORARY_PATTERN)):
         try:
-            os.unlink(leftover)
-            removed.append(leftover)
+            fd = os.open(leftover, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            free = _try_lock(fd)
+            if free is None:
+                free = time.time() - os.fstat(fd).st_mtime > UNLOCKED_LEFTOVER_AGE_S
+            if free:
+                os.unlink(leftover)
+                removed.append(leftover)
         except FileNotFoundError:
             pass
+        finally:
+            os.close(fd)
     return removed
