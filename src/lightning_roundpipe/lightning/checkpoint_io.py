@@ -3,7 +3,10 @@
 The file is written next to its destination under a temporary name, flushed to disk, and
 renamed over the destination (``os.replace`` is atomic on POSIX and Windows). The format is
 Lightning's own (``torch.save`` of the checkpoint dict), so it loads with plain ``torch.load``
-and into a model trained under any strategy. Loading a local file reports its bytes read to
+and into a model trained under any strategy. A local file that cannot be read (empty,
+truncated) and a disk that fills up mid-save fail with a
+:class:`~.checkpoint_errors.CheckpointError` naming the file, the cause and what to do; a save
+whose tensors do not fit the free space is refused before it writes. Loading a local file reports its bytes read to
 ``progress`` (a set-up progress bar, shown for large files only). A save interrupted hard enough to skip its own
 clean-up (a killed process, a power cut) leaves a ``.tmp-<name>-<random>`` file; the next save
 into that folder removes such files before it writes, but only those no writer owns: a save
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import os
+import pickle
 import tempfile
 import time
 
@@ -26,6 +30,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ..setup_progress import FileProgress, ProgressCallback
+from .checkpoint_errors import check_space, disk_filled, is_full_disk, unreadable
 
 try:
     import fcntl
@@ -49,12 +54,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path, map_location=lambda storage, loc: storage, weights_only=None) -> dict:
         progress = self.progress() if self.progress is not None else None
-        if progress is None or not os.path.isfile(os.fspath(path)):
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        with open(path, "rb") as f:  # what Lightning's loader does for a local file, with reads counted
-            size = os.fstat(f.fileno()).st_size
-            loaded = torch.load(FileProgress(f, size, LOAD_PHASE, progress), map_location=map_location,
-                                weights_only=weights_only)
+        local = os.path.isfile(os.fspath(path))
+        try:
+            if progress is None or not local:
+                return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            with open(path, "rb") as f:  # what Lightning's loader does for a local file, with reads counted
+                size = os.fstat(f.fileno()).st_size
+                loaded = torch.load(FileProgress(f, size, LOAD_PHASE, progress), map_location=map_location,
+                                    weights_only=weights_only)
+        except (EOFError, OSError, RuntimeError, pickle.UnpicklingError) as err:
+            cut_short = unreadable(path, err) if local and not isinstance(err, FileNotFoundError) else None
+            if cut_short is not None:
+                raise cut_short from err
+            raise
         progress(LOAD_PHASE, size, size)
         return loaded
 
@@ -67,6 +79,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path)  # remote filesystems: their own semantics
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
+        check_space(checkpoint, path, directory)
         remove_interrupted_saves(directory)
         fd, tmp, locked = _owned_temporary(directory, os.path.basename(path))
         try:
@@ -78,11 +91,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                     os.replace(tmp, path)
             if not locked:
                 os.replace(tmp, path)
-        except BaseException:
+        except BaseException as err:
             try:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
+            if is_full_disk(err):  # torch says "unexpected pos"; the OSError it hides says why
+                raise disk_filled(path, directory) from err
             raise
 
 
