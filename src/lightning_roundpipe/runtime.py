@@ -23,10 +23,12 @@ from torch import nn
 
 from .options import OptionError, RuntimeOptions
 from .engine import PipelineEngine
-from .engine.microbatch import register_batch_types
+from .engine.buffers import expect_buffer_writes
+from .engine.microbatch import MicrobatchError, batch_size_of, register_batch_types
 from .schedule.plan import PlanError
 from .planning.defaults import CPU_MICROBATCH_OVERHEAD_S
 from .planning.keeper import PlanKeeper
+from .adapters.batch_statistics import BatchStatistics
 from .adapters.target import STACK_KINDS, locate, patch_forward, unpatch
 from .setup_progress import ProgressCallback
 from .tracing.records import TraceRecorder
@@ -59,6 +61,10 @@ class RoundPipeRuntime:
         self.layers = layers
         self.options = options.validate(options_owner)
         self.refuse_if_partly_updated(self.root, "train")
+        self.batch_statistics = BatchStatistics(layers, self.options.batch_statistics,
+                                                options_owner or type(options).__name__)
+        for layer in self.batch_statistics.layers_accepted():
+            expect_buffer_writes(layers[layer])  # per-microbatch statistics were asked for: no warning
         self.num_workers = num_workers
         self.trace = trace or TraceRecorder()
         self.trace.enabled = bool(options.step_metrics or options.trace_steps)
@@ -170,6 +176,7 @@ class RoundPipeRuntime:
         self.last_tokens = tokens
         register_batch_types(inputs)
         self._choose_microbatches(inputs)
+        self._check_batch_statistics(inputs)
         called = self.trace.now()
         out = self.engine(inputs, loss_scale=loss_scale)
         run = self.engine.last_run
@@ -194,6 +201,14 @@ class RoundPipeRuntime:
         if plan is not None:
             self.engine.set_plan(plan)
             self.engine.options.microbatches = self.planner.microbatches
+
+    def _check_batch_statistics(self, inputs) -> None:
+        """Refuse, before anything runs, a call whose BatchNorm would see per-microbatch statistics."""
+        try:
+            size = batch_size_of(inputs)
+        except MicrobatchError:
+            return  # the engine's split says what is wrong with the batch
+        self.batch_statistics.check(min(size, self.engine.options.microbatches))
 
     def _after_step(self, run) -> None:
         self.host_clock.backward_done(run, self.trace.records(run.step))
