@@ -1,5 +1,5 @@
-"""Issue 20 item 15: a microbatch count far above the batch's samples plans in bounded time and
-runs exactly (one sample per microbatch), instead of hanging in the planner."""
+"""Issue 20 items 15 and 16: a microbatch count far above the batch's samples plans in bounded time and
+runs exactly (one sample per microbatch), instead of hanging in the planner; an empty batch is refused."""
 
 import time
 import warnings
@@ -46,3 +46,24 @@ def test_a_million_microbatches_on_a_batch_of_eight_runs_one_sample_each_exactly
                for w in caught)
     for k, v in weights(ref).items():
         assert torch.equal(weights(got)[k], v), k
+
+
+def test_an_empty_batch_is_refused_saying_so():
+    from torch import nn
+
+    from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
+    from lightning_roundpipe.engine.microbatch import MicrobatchError
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    rt = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False))
+    try:
+        # before: RuntimeError: number of sections must be larger than 0, got 0
+        with pytest.raises(MicrobatchError, match=r"^the batch is empty \(0 samples along dim 0\): there is nothing to "
+                                                  r"split into microbatches\. Give the pipelined module at least one"):
+            net(torch.zeros(0, 8))
+        assert net(torch.ones(2, 8)).shape == (2, 1)  # the runtime is still usable
+    finally:
+        rt.detach()
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in before.items())
