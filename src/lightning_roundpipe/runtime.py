@@ -97,6 +97,7 @@ class RoundPipeRuntime:
                                  or _device_budget(backend, device_indices, options.cpu_memory_cap_bytes)),
             backend="cpu" if backend == "cpu" else "cuda", progress=progress,
             microbatch_overhead_s=CPU_MICROBATCH_OVERHEAD_S if backend == "cpu" else 0.0,
+            budget_option=_budget_option(backend, options),
         )
         engine_opts = options.engine_options(num_workers, self.planner.microbatches, self.planner.recompute)
         self.host_clock = HostClock(self.planner, self.trace.now)
@@ -188,8 +189,9 @@ class RoundPipeRuntime:
         return out
 
     def _choose_microbatches(self, inputs) -> None:
-        """An open microbatch count is chosen again for the first batch seen (its size was unknown at set-up)."""
-        if not self.planner.open_microbatches:
+        """An open microbatch count is chosen again for the first batch seen (its size was unknown at set-up),
+        and a memory budget checked against its microbatches."""
+        if not self.planner.wants_first_batch:
             return
         leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim()]
         if not leaves:
@@ -444,6 +446,14 @@ def _device_budget(backend: str, device_indices, cpu_memory_cap_bytes: int | Non
         return cpu_memory_cap_bytes
     indices = list(device_indices) if device_indices is not None else [0]
     return int(0.9 * min(torch.cuda.get_device_properties(i).total_memory for i in indices))
+
+
+def _budget_option(backend: str, options: RuntimeOptions) -> str:
+    """The option the partitioner's memory budget comes from (see ``_device_budget``), for its advice."""
+    if options.partition.memory_budget_bytes is not None or backend == "cuda":
+        return "partition.memory_budget_bytes" + ("" if backend != "cuda" or options.partition.memory_budget_bytes
+                                                  else " (default: 90% of the GPU's memory)")
+    return "cpu_memory_cap_bytes"
 
 
 def _sequential_forward(runtime: RoundPipeRuntime) -> Callable:
