@@ -183,8 +183,9 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         self.join()
         # Lightning loads the optimizer state later: a mismatch must fail before the weights load
-        check = (lambda: refuse_unloadable_optimizer_states(self.lightning_module, checkpoint)) if self._fitting() else None
-        load_checkpoint_state(self.lightning_module, checkpoint["state_dict"], strict, before_load=check)
+        module = self.lightning_module
+        check = (lambda: refuse_unloadable_optimizer_states(module, checkpoint)) if self._fitting() else None
+        load_checkpoint_state(module, checkpoint["state_dict"], strict, before_load=check)
         RoundPipeRuntime.mark_restored(self.lightning_module)  # optimizer_undo=False: no longer partly updated
         self._overlap_after_fit = None  # the previous weights of the last fit belong to other weights now
         if self.runtime is not None:
