@@ -38,7 +38,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_roundpipe.finetune import CausalLMFineTune, FineTuneInputError, TextDataModule, TokenThroughput
-from lightning_roundpipe.finetune.config import check_no_missing, register_resolvers
+from lightning_roundpipe.finetune.config import check_job_values, check_no_missing, register_resolvers
 
 register_resolvers()
 
@@ -126,6 +126,7 @@ def build_trainer(cfg: DictConfig, callbacks: list[pl.Callback], batches_per_epo
 def run(cfg: DictConfig) -> dict:
     """Run the job; returns the numbers it prints (and the paths it wrote)."""
     check_no_missing(cfg)
+    check_job_values(cfg)  # before loading anything: a bad value fails now, naming its key
     hide_third_party_deprecations()
     pl.seed_everything(cfg.seed, workers=True)
     out_dir = Path(cfg.out_dir)

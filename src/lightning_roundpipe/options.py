@@ -24,6 +24,7 @@ PARTITION_POLICIES = ("compute", "params", "uniform", "auto", "manual")
 RECOMPUTE_CHOICES = ("auto", "always", "layer", "never")
 TRANSFER_KINDS = ("activation", "weights", "gradients")
 PINNED_POLICIES = ("alloc", "register", "off")
+BATCH_STATISTICS = ("refuse", "per_microbatch")
 
 
 class OptionError(ValueError):
@@ -238,6 +239,13 @@ class RuntimeOptions:
         optimizer state; costs one host copy of what a step changes). False (host memory too
         small for that copy): a failed step raises naming the layers it updated, and training or
         saving the module is refused until a checkpoint is loaded (``fit(ckpt_path=...)``).
+    batch_statistics: what a pipelined BatchNorm in training mode (or an InstanceNorm tracking
+        running statistics) does with more than one microbatch. "refuse" (default): the call is
+        refused before it runs, naming the layer (exact by default: use ``microbatches=1`` or eval
+        mode). "per_microbatch": GPipe's semantics, NOT exact: each microbatch is normalised with
+        its own statistics and the running statistics are updated once per microbatch, in
+        microbatch order (``num_batches_tracked`` counts microbatches); see
+        ``adapters/batch_statistics.py``.
     """
 
     microbatches: Optional[int] = None
@@ -260,6 +268,7 @@ class RuntimeOptions:
     allow_unverified: bool = False
     logits_with_loss: bool = False
     optimizer_undo: bool = True
+    batch_statistics: str = "refuse"
 
     def validate(self, owner: str | None = None) -> "RuntimeOptions":
         """Check every field; ``owner`` is how the caller spelled the options (default: the class name)."""
@@ -286,6 +295,7 @@ class RuntimeOptions:
             _fail(owner, "staleness", self.staleness,
                   "staleness=1 is a mode of the overlapped optimizer: keep overlap_optimizer=True")
         _choice(owner, "pinned", self.pinned, PINNED_POLICIES)
+        _choice(owner, "batch_statistics", self.batch_statistics, BATCH_STATISTICS)
         return self
 
     def engine_options(self, num_workers: int, microbatches: int | None = None,

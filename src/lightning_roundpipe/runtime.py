@@ -23,10 +23,12 @@ from torch import nn
 
 from .options import OptionError, RuntimeOptions
 from .engine import PipelineEngine
-from .engine.microbatch import register_batch_types
+from .engine.buffers import expect_buffer_writes
+from .engine.microbatch import MicrobatchError, batch_size_of, register_batch_types
 from .schedule.plan import PlanError
 from .planning.defaults import CPU_MICROBATCH_OVERHEAD_S
 from .planning.keeper import PlanKeeper
+from .adapters.batch_statistics import BatchStatistics
 from .adapters.target import STACK_KINDS, locate, patch_forward, unpatch
 from .setup_progress import ProgressCallback
 from .tracing.records import TraceRecorder
@@ -59,6 +61,10 @@ class RoundPipeRuntime:
         self.layers = layers
         self.options = options.validate(options_owner)
         self.refuse_if_partly_updated(self.root, "train")
+        self.batch_statistics = BatchStatistics(layers, self.options.batch_statistics,
+                                                options_owner or type(options).__name__)
+        for layer in self.batch_statistics.layers_accepted():
+            expect_buffer_writes(layers[layer])  # per-microbatch statistics were asked for: no warning
         self.num_workers = num_workers
         self.trace = trace or TraceRecorder()
         self.trace.enabled = bool(options.step_metrics or options.trace_steps)
@@ -91,6 +97,7 @@ class RoundPipeRuntime:
                                  or _device_budget(backend, device_indices, options.cpu_memory_cap_bytes)),
             backend="cpu" if backend == "cpu" else "cuda", progress=progress,
             microbatch_overhead_s=CPU_MICROBATCH_OVERHEAD_S if backend == "cpu" else 0.0,
+            budget_option=_budget_option(backend, options),
         )
         engine_opts = options.engine_options(num_workers, self.planner.microbatches, self.planner.recompute)
         self.host_clock = HostClock(self.planner, self.trace.now)
@@ -170,6 +177,7 @@ class RoundPipeRuntime:
         self.last_tokens = tokens
         register_batch_types(inputs)
         self._choose_microbatches(inputs)
+        self._check_batch_statistics(inputs)
         called = self.trace.now()
         out = self.engine(inputs, loss_scale=loss_scale)
         run = self.engine.last_run
@@ -181,8 +189,9 @@ class RoundPipeRuntime:
         return out
 
     def _choose_microbatches(self, inputs) -> None:
-        """An open microbatch count is chosen again for the first batch seen (its size was unknown at set-up)."""
-        if not self.planner.open_microbatches:
+        """An open microbatch count is chosen again for the first batch seen (its size was unknown at set-up),
+        and a memory budget checked against its microbatches."""
+        if not self.planner.wants_first_batch:
             return
         leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim()]
         if not leaves:
@@ -194,6 +203,14 @@ class RoundPipeRuntime:
         if plan is not None:
             self.engine.set_plan(plan)
             self.engine.options.microbatches = self.planner.microbatches
+
+    def _check_batch_statistics(self, inputs) -> None:
+        """Refuse, before anything runs, a call whose BatchNorm would see per-microbatch statistics."""
+        try:
+            size = batch_size_of(inputs)
+        except MicrobatchError:
+            return  # the engine's split says what is wrong with the batch
+        self.batch_statistics.check(min(size, self.engine.options.microbatches))
 
     def _after_step(self, run) -> None:
         self.host_clock.backward_done(run, self.trace.records(run.step))
@@ -442,6 +459,14 @@ def _device_budget(backend: str, device_indices, cpu_memory_cap_bytes: int | Non
         return cpu_memory_cap_bytes
     indices = list(device_indices) if device_indices is not None else [0]
     return int(0.9 * min(torch.cuda.get_device_properties(i).total_memory for i in indices))
+
+
+def _budget_option(backend: str, options: RuntimeOptions) -> str:
+    """The option the partitioner's memory budget comes from (see ``_device_budget``), for its advice."""
+    if options.partition.memory_budget_bytes is not None or backend == "cuda":
+        return "partition.memory_budget_bytes" + ("" if backend != "cuda" or options.partition.memory_budget_bytes
+                                                  else " (default: 90% of the GPU's memory)")
+    return "cpu_memory_cap_bytes"
 
 
 def _sequential_forward(runtime: RoundPipeRuntime) -> Callable:

@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from lightning_roundpipe import OptionError, RoundPipeRuntime, RuntimeOptions, WorkerOutOfMemoryError
+from lightning_roundpipe.schedule.plan import PlanError
 from lightning_roundpipe.workers import CpuWorkerPool
 
 CAP = 600_000  # bytes per worker: 32 rows fit, 8192 do not
@@ -93,3 +94,48 @@ def test_the_cap_option_is_checked_and_in_the_hydra_config():
     assert RuntimeOptions(cpu_memory_cap_bytes=2**30).validate().cpu_memory_cap_bytes == 2**30
     conf = OmegaConf.load("conf/strategy/roundpipe.yaml")
     assert conf.cpu_memory_cap_bytes is None
+
+
+def _small_net():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)], nn.Linear(8, 1))
+
+
+def _peak(cap, rows=8):
+    net = _small_net()
+    rt = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, cpu_memory_cap_bytes=cap))
+    try:
+        net(torch.randn(rows, 8, generator=torch.Generator().manual_seed(0))).square().mean().backward()
+        return max(rt.pool.peak_device_bytes())
+    finally:
+        rt.detach()
+
+
+def test_the_planner_accepts_a_cap_just_above_the_measured_peak():
+    # Issue 20 item 16. Before: the first plan priced 512-token microbatches (16 KiB of activations
+    # per layer for 128 B real ones) and refused every cap up to several times the measured peak.
+    peak = _peak(10**9)
+    for factor in (1.0, 1.5, 2.0):
+        assert _peak(int(peak * factor)) <= peak * factor
+
+
+def test_activations_over_the_cap_are_refused_at_the_first_batch_naming_the_cap_option():
+    net = _small_net()
+    before = [p.detach().clone() for p in net.parameters()]
+    rt = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, cpu_memory_cap_bytes=20_000))
+    try:
+        with pytest.raises(PlanError) as err:  # 2048 rows per microbatch: 64 KiB of activations per layer
+            net(torch.randn(4096, 8)).square().mean().backward()
+        text = str(err.value)
+        assert text.startswith("layer 0 needs ") and "one microbatch's activations 64.00 KiB" in text
+        assert "Raise cpu_memory_cap_bytes, use fewer tokens per microbatch" in text and "memory_budget_bytes" not in text
+        assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
+        assert all(p.grad is None for p in net.parameters())  # nothing ran
+        assert net(torch.randn(8, 8)).shape == (8, 1)  # a batch that fits runs
+    finally:
+        rt.detach()
+
+
+def test_weights_over_the_budget_are_refused_at_set_up_naming_the_budget_option():
+    with pytest.raises(PlanError, match=r"Raise partition\.memory_budget_bytes, use fewer tokens"):
+        RoundPipeRuntime.attach(_small_net(), "cpu", 2, RuntimeOptions(partition={"memory_budget_bytes": 600}))

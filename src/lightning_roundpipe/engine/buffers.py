@@ -5,7 +5,9 @@ worker's copy of the buffers, and after each forward microbatch the buffers it w
 copied home, so the host holds the statistics of microbatch 0, then of 0 and 1, and so on: one
 update per microbatch, in microbatch order. With ``microbatches=1`` this is exactly the
 default strategy's update. With more, a batch-norm layer also normalises with per-microbatch
-statistics, which differs from a single-device run: a warning says so once per layer.
+statistics, which differs from a single-device run: BatchNorm and InstanceNorm layers are refused
+before the call unless ``batch_statistics="per_microbatch"`` accepts it (``adapters/batch_statistics.py``);
+any other layer writing its buffers gets a warning once.
 Recompute in backward updates only the worker's copy, never the host: the statistics are
 updated once per forward. A write is noticed by a buffer's version counter (in-place ops bump
 it); a layer whose buffers all change without any bump (a custom kernel) is not noticed.
@@ -21,6 +23,12 @@ import torch
 
 _warned: set[int] = set()
 _warn_lock = threading.Lock()
+
+
+def expect_buffer_writes(module: torch.nn.Module) -> None:
+    """The user accepted per-microbatch buffer updates of ``module`` (``batch_statistics``): no warning."""
+    with _warn_lock:
+        _warned.add(id(module))
 
 
 @contextlib.contextmanager
@@ -51,4 +59,5 @@ def buffer_writes(weights, layer: int, module: torch.nn.Module, microbatches: in
             f"pipelined layer {layer} ({type(module).__name__}) updates its buffers in forward: with "
             f"microbatches={microbatches} they are updated once per microbatch, in microbatch order (GPipe), and "
             "batch statistics are per microbatch, which differs from a single-device run; use microbatches=1 "
-            "for the exact result", stacklevel=2)
+            "for the exact result (batch_statistics='per_microbatch' accepts this for BatchNorm and InstanceNorm "
+            "layers, which are refused otherwise)", stacklevel=2)

@@ -64,6 +64,10 @@ def effective_microbatches(batch_size: int, requested: int) -> int:
     """``requested`` microbatches, or ``batch_size`` of them when the batch is smaller (warned once)."""
     if requested < 1:
         raise MicrobatchError(f"microbatches must be >= 1, got {requested}")
+    if batch_size == 0:
+        raise MicrobatchError("the batch is empty (0 samples along dim 0): there is nothing to split into microbatches. "
+                              "Give the pipelined module at least one sample (check the dataset's length and the "
+                              "sampler, or skip empty batches before the call); nothing ran")
     if batch_size < requested:
         key = (batch_size, requested)
         if key not in _warned_small:

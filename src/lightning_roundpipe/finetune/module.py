@@ -9,6 +9,7 @@ given ``labels`` may return only the loss (``out.logits`` is ``None`` under Roun
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -83,7 +84,26 @@ class OptimOptions:
         parsed = cls(**options)
         if parsed.schedule not in ("linear", "constant"):
             raise FineTuneInputError(f"optim.schedule={parsed.schedule!r}; choose 'linear' or 'constant'.")
+        parsed.check_values()
         return parsed
+
+    def check_values(self) -> None:
+        """Refuse values AdamW would refuse only when the optimizer is built (after a validation pass)."""
+        def number(v):
+            return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+        betas_ok = len(self.betas) == 2 and all(number(b) and 0 <= b < 1 for b in self.betas)
+        rules = [("lr", self.lr, number(self.lr) and self.lr > 0, "a finite number > 0"),
+                 ("weight_decay", self.weight_decay, number(self.weight_decay) and self.weight_decay >= 0,
+                  "a finite number >= 0"),
+                 ("betas", list(self.betas), betas_ok, "two numbers in [0, 1)"),
+                 ("eps", self.eps, number(self.eps) and self.eps > 0, "a finite number > 0"),
+                 ("warmup_steps", self.warmup_steps, isinstance(self.warmup_steps, int) and
+                  not isinstance(self.warmup_steps, bool) and self.warmup_steps >= 0, "a whole number >= 0")]
+        for name, value, ok, rule in rules:
+            if not ok:
+                raise FineTuneInputError(f"optim.{name}={value!r}: must be {rule}; change it on the command line "
+                                         f"(`python examples/finetune.py optim.{name}=...`) or in conf/config.yaml.")
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int | None, schedule: str) -> float:

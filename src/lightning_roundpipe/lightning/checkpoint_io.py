@@ -3,17 +3,25 @@
 The file is written next to its destination under a temporary name, flushed to disk, and
 renamed over the destination (``os.replace`` is atomic on POSIX and Windows). The format is
 Lightning's own (``torch.save`` of the checkpoint dict), so it loads with plain ``torch.load``
-and into a model trained under any strategy. Loading a local file reports its bytes read to
+and into a model trained under any strategy. A local file that cannot be read (empty,
+truncated) and a disk that fills up mid-save fail with a
+:class:`~.checkpoint_errors.CheckpointError` naming the file, the cause and what to do; a save
+whose tensors do not fit the free space is refused before it writes. Loading a local file reports its bytes read to
 ``progress`` (a set-up progress bar, shown for large files only). A save interrupted hard enough to skip its own
 clean-up (a killed process, a power cut) leaves a ``.tmp-<name>-<random>`` file; the next save
-into that folder removes every such file before it writes.
+into that folder removes such files before it writes, but only those no writer owns: a save
+holds an exclusive ``flock`` on its temporary file until the file is renamed, so another
+process saving into the same folder at the same time keeps its file. Where locks are not
+available (Windows, a filesystem without them) only leftovers untouched for a day are removed.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import pickle
 import tempfile
+import time
 
 from typing import Callable
 
@@ -22,6 +30,12 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ..setup_progress import FileProgress, ProgressCallback
+from .checkpoint_errors import check_space, disk_filled, is_full_disk, unreadable
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; leftovers are told apart by age
+    fcntl = None
 
 LOAD_PHASE = "RoundPipe: loading checkpoint"
 
@@ -40,12 +54,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path, map_location=lambda storage, loc: storage, weights_only=None) -> dict:
         progress = self.progress() if self.progress is not None else None
-        if progress is None or not os.path.isfile(os.fspath(path)):
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        with open(path, "rb") as f:  # what Lightning's loader does for a local file, with reads counted
-            size = os.fstat(f.fileno()).st_size
-            loaded = torch.load(FileProgress(f, size, LOAD_PHASE, progress), map_location=map_location,
-                                weights_only=weights_only)
+        local = os.path.isfile(os.fspath(path))
+        try:
+            if progress is None or not local:
+                return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            with open(path, "rb") as f:  # what Lightning's loader does for a local file, with reads counted
+                size = os.fstat(f.fileno()).st_size
+                loaded = torch.load(FileProgress(f, size, LOAD_PHASE, progress), map_location=map_location,
+                                    weights_only=weights_only)
+        except (EOFError, OSError, RuntimeError, pickle.UnpicklingError) as err:
+            cut_short = unreadable(path, err) if local and not isinstance(err, FileNotFoundError) else None
+            if cut_short is not None:
+                raise cut_short from err
+            raise
         progress(LOAD_PHASE, size, size)
         return loaded
 
@@ -58,32 +79,79 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path)  # remote filesystems: their own semantics
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
+        check_space(checkpoint, path, directory)
         remove_interrupted_saves(directory)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=directory)
+        fd, tmp, locked = _owned_temporary(directory, os.path.basename(path))
         try:
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
+                if locked:  # renamed while the lock is held, so no other save's clean-up can take it
+                    os.replace(tmp, path)
+            if not locked:
+                os.replace(tmp, path)
+        except BaseException as err:
             try:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
+            if is_full_disk(err):  # torch says "unexpected pos"; the OSError it hides says why
+                raise disk_filled(path, directory) from err
             raise
 
 
 TEMPORARY_PATTERN = ".tmp-*.ckpt-*"
+UNLOCKED_LEFTOVER_AGE_S = 24 * 3600  # without locks: a file this old has no writer left
+
+
+def _try_lock(fd: int) -> bool | None:
+    """Take an exclusive lock on ``fd`` without waiting: True when taken, False when another
+    process holds it, None when this platform or filesystem has no locks."""
+    if fcntl is None:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:  # ENOLCK, EOPNOTSUPP: a filesystem without locks
+        return None
+
+
+def _owned_temporary(directory: str, name: str) -> tuple[int, str, bool]:
+    """A new temporary file for ``name`` in ``directory``: (fd, path, whether it is locked)."""
+    while True:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-" + name + "-", dir=directory)
+        locked = _try_lock(fd) is True
+        if not locked:
+            return fd, tmp, False
+        try:  # another save's clean-up may have taken the file between its creation and the lock
+            if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
+                return fd, tmp, True
+        except FileNotFoundError:
+            pass
+        os.close(fd)
 
 
 def remove_interrupted_saves(directory: str) -> list[str]:
-    """Delete the temporary files earlier interrupted saves left in ``directory``; return their paths."""
+    """Delete the temporary files interrupted saves left in ``directory`` (none a live writer
+    holds, see the module doc); return their paths."""
     removed = []
     for leftover in glob.glob(os.path.join(glob.escape(directory), TEMPORARY_PATTERN)):
         try:
-            os.unlink(leftover)
-            removed.append(leftover)
+            fd = os.open(leftover, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            free = _try_lock(fd)
+            if free is None:
+                free = time.time() - os.fstat(fd).st_mtime > UNLOCKED_LEFTOVER_AGE_S
+            if free:
+                os.unlink(leftover)
+                removed.append(leftover)
         except FileNotFoundError:
             pass
+        finally:
+            os.close(fd)
     return removed

@@ -14,14 +14,20 @@ A ``staleness=1`` run's checkpoint also carries, under the key ``"roundpipe"``, 
 one-step-delayed update needs to resume exactly (the weights the next gradient is taken at,
 one update behind the saved ones): Lightning's default strategy ignores the key, and
 ``staleness=0`` checkpoints do not have it.
+
+A fit resumed from a checkpoint whose optimizer state does not fit the run's optimizers (saved
+by SGD, resumed with Adam) is refused before any weight is loaded: Lightning loads the weights
+first and the optimizer state later, where the mismatch surfaces as ``KeyError: 'step'``.
 """
 
 from __future__ import annotations
 
-from ..workers.completions import PipelineError
-
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+
+from ..workers.completions import PipelineError
+from .checkpoint_errors import CheckpointError
 
 CHECKPOINT_WEIGHTS = ("full", "trainable")
 
@@ -35,11 +41,12 @@ def checkpoint_state(module: nn.Module, weights: str) -> dict:
     return {k: v for k, v in state.items() if k not in frozen}
 
 
-def load_checkpoint_state(module: nn.Module, state: dict, strict: bool) -> None:
+def load_checkpoint_state(module: nn.Module, state: dict, strict: bool, before_load=None) -> None:
     """Load ``state`` as strictly as ``module.load_state_dict(state, strict)``, frozen weights excepted.
 
     A checkpoint that cannot load is refused before any weight is written (``load_state_dict``
-    itself copies the matching tensors first), with the error PyTorch would raise."""
+    itself copies the matching tensors first), with the error PyTorch would raise.
+    ``before_load``: called once the state is known to fit, before anything is written (more checks)."""
     current = module.state_dict()
     missing = [k for k in current if k not in state]
     unexpected = _unexpected_keys(module, state, current)
@@ -57,6 +64,8 @@ def load_checkpoint_state(module: nn.Module, state: dict, strict: bool) -> None:
             errors.insert(0, "Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
     if errors:
         raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(type(module).__name__, "\n\t".join(errors)))
+    if before_load is not None:
+        before_load()
     module.load_state_dict(state, strict=strict)
 
 
@@ -117,3 +126,46 @@ def load_overlap_state(overlapped, checkpoint: dict) -> None:
                          f"{len(overlapped)}: resume with the same optimizers")
     for ov, state in zip(overlapped, saved):
         ov.load_state_dict(state)
+
+
+def refuse_unloadable_optimizer_states(module, checkpoint: dict) -> None:
+    """Raise :class:`CheckpointError` when ``checkpoint``'s optimizer states would not load into the
+    optimizers ``module.configure_optimizers()`` makes; call before loading anything.
+
+    Each saved state is loaded into a throwaway optimizer the module configures, with every saved
+    tensor replaced by a 0-dim one (so the check costs no copy of the state): the same checks
+    ``Optimizer.load_state_dict`` makes (group sizes, the state each class reads) then fail here.
+    A ``configure_optimizers`` that cannot run this early is not checked."""
+    saved = checkpoint.get("optimizer_states")
+    if not saved:
+        return
+    try:
+        optimizers = _optimizers_in(module.configure_optimizers())
+    except Exception:  # it needs what only the set-up makes: Lightning's own load reports any mismatch
+        return
+    for i, (opt, state) in enumerate(zip(optimizers, saved)):
+        per_param = state.get("state", {})
+        skeleton = {"state": {k: {n: torch.zeros(()) if torch.is_tensor(v) else v for n, v in s.items()}
+                              for k, s in per_param.items()},
+                    "param_groups": state.get("param_groups", [])}
+        try:
+            opt.load_state_dict(skeleton)
+        except Exception as err:
+            keys = sorted({n for s in per_param.values() for n in s})
+            raise CheckpointError(
+                f"the checkpoint's optimizer state does not load into this run's optimizer {i} ({type(opt).__name__}): "
+                f"{type(err).__name__}: {err} (its saved per-parameter state holds {keys}). It was saved with another "
+                "optimizer or other parameter groups: resume with the optimizer set-up that saved it, or start a new "
+                "fit from its weights only (module.load_state_dict(torch.load(path)['state_dict']), no ckpt_path). "
+                "Nothing was loaded: the weights and the optimizer are as they were.") from err
+
+
+def _optimizers_in(conf) -> list[torch.optim.Optimizer]:
+    """The optimizers of a ``configure_optimizers`` return value, in order (schedulers skipped)."""
+    if isinstance(conf, torch.optim.Optimizer):
+        return [conf]
+    if isinstance(conf, dict):
+        return _optimizers_in(conf.get("optimizer"))
+    if isinstance(conf, (list, tuple)):
+        return [opt for item in conf for opt in _optimizers_in(item)]
+    return []

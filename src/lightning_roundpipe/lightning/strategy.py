@@ -28,7 +28,7 @@ from ..setup_progress import RichSetupProgress
 from . import weight_reads
 from .checkpoint_io import AtomicCheckpointIO
 from .checkpoint_policy import (checkpoint_state, load_checkpoint_state, load_overlap_state, overlap_state,
-                                overlap_state_of_finished)
+                                overlap_state_of_finished, refuse_unloadable_optimizer_states)
 from .early_steps import early_steps_allowed
 from .node_collectives import NodeCollectives
 from .precision import compute_dtype_of, translate
@@ -199,11 +199,21 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         self.join()
-        load_checkpoint_state(self.lightning_module, checkpoint["state_dict"], strict)
+        # Lightning loads the optimizer state later: a mismatch must fail before the weights load
+        module = self.lightning_module
+        check = (lambda: refuse_unloadable_optimizer_states(module, checkpoint)) if self._fitting() else None
+        load_checkpoint_state(module, checkpoint["state_dict"], strict, before_load=check)
         RoundPipeRuntime.mark_restored(self.lightning_module)  # optimizer_undo=False: no longer partly updated
         self._overlap_after_fit = None  # the previous weights of the last fit belong to other weights now
         if self.runtime is not None:
             self.runtime.weights_loaded()
+
+    def _fitting(self) -> bool:
+        try:
+            trainer = self.lightning_module.trainer
+        except RuntimeError:  # not attached to a Trainer
+            return False
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
     @override
     def optimizer_state(self, optimizer) -> dict:

@@ -28,8 +28,10 @@ def budget_text(memory_budget_bytes: int) -> str:
     )
 
 
-def check_layers_fit(model: StageCostModel, memory_budget_bytes: int | None, fused_last: bool) -> None:
-    """Raise PlanError naming the first layer that cannot fit in any stage."""
+def check_layers_fit(model: StageCostModel, memory_budget_bytes: int | None, fused_last: bool,
+                     budget_option: str = "memory_budget_bytes") -> None:
+    """Raise PlanError naming the first layer that cannot fit in any stage (and ``budget_option``,
+    the option the budget came from, as the one to raise)."""
     if memory_budget_bytes is None:
         return
     cap = stage_cap(memory_budget_bytes)
@@ -42,7 +44,7 @@ def check_layers_fit(model: StageCostModel, memory_budget_bytes: int | None, fus
                 f"layer {layer} needs {format_bytes(worst.memory_bytes)} ({worst.memory_bytes} bytes: weights "
                 f"{format_bytes(worst.weight_bytes)}, weight gradients {format_bytes(worst.grad_bytes)}, one "
                 f"microbatch's activations {format_bytes(worst.activation_bytes)}) but a stage may use "
-                f"{budget_text(memory_budget_bytes)}. Raise memory_budget_bytes, use fewer tokens per "
+                f"{budget_text(memory_budget_bytes)}. Raise {budget_option}, use fewer tokens per "
                 f"microbatch, or split the layer."
             )
 

@@ -22,11 +22,11 @@ from torch import nn
 
 from ..cost.estimate import MovingCostProfile, estimate_costs
 from .defaults import (MICROBATCHES_PER_WORKER, choose_microbatches, choose_recompute, estimate_host_work,
-                       host_memory_budget)
+                       host_memory_budget, rescaled)
 from .partition import partition
 from .predictor import HostWork, predict
 from .replan import Replanner
-from ..schedule.plan import Plan, PlanFacts, simple_plan
+from ..schedule.plan import Plan, PlanError, PlanFacts, simple_plan
 from .report import PlanReport, build_report
 from ..setup_progress import ProgressCallback
 
@@ -54,10 +54,17 @@ class PlanKeeper:
     def __init__(self, layers: list[nn.Module], num_workers: int, microbatches: int | None, partition_cfg, *,
                  recompute: bool | str, fused_last: bool, compute_dtype: torch.dtype | None,
                  link_bytes_per_second: float | None, flops_per_second: float, memory_budget_bytes: int | None,
-                 backend: str = "cpu", microbatch_overhead_s: float = 0.0, progress: ProgressCallback | None = None):
+                 backend: str = "cpu", microbatch_overhead_s: float = 0.0, progress: ProgressCallback | None = None,
+                 budget_option: str = "partition.memory_budget_bytes"):
         """``microbatches`` None and ``recompute`` "auto" are chosen from the estimate (:mod:`.defaults`);
         ``recompute`` may also be "always", "never" or a bool (True: recompute). ``microbatch_overhead_s``:
-        the timing model's cost per microbatch of a stage besides its compute (:mod:`.predictor`)."""
+        the timing model's cost per microbatch of a stage besides its compute (:mod:`.predictor`).
+        ``budget_option``: the option ``memory_budget_bytes`` came from, named when a plan does not fit it.
+
+        Under a memory budget the activations of the assumed microbatch may not fit where the real,
+        smaller ones do: the first plan then prices one-token microbatches (weights and gradients
+        must fit whatever the batch) and the first batch plans again with its real tokens per
+        microbatch, refusing there, before the step runs, when they do not fit."""
         self.microbatch_overhead_s = microbatch_overhead_s
         self.num_workers = num_workers
         self.cfg = partition_cfg
@@ -78,7 +85,7 @@ class PlanKeeper:
             return partition(p.policy, profile, num_workers, m, memory_budget_bytes=memory_budget_bytes,
                              link_bytes_per_second=link_bytes_per_second, fused_last=fused_last, recompute=rec,
                              manual_forward=p.manual_forward, manual_backward=p.manual_backward, progress=progress,
-                             microbatch_overhead_s=microbatch_overhead_s)
+                             microbatch_overhead_s=microbatch_overhead_s, budget_option=budget_option)
 
         # Open choices are made for an assumed step of two microbatches per worker (the batch is not seen yet).
         step_microbatches = microbatches or MICROBATCHES_PER_WORKER[1] * num_workers
@@ -98,7 +105,14 @@ class PlanKeeper:
         if microbatches is None:
             microbatches = choose_microbatches(costs, num_workers, ASSUMED_TOKENS_PER_MICROBATCH * step_microbatches,
                                                predicted_step)
-        self.use(costs, microbatches)
+        self.memory_check_pending = False  # the budget is checked against the first batch's real microbatches
+        try:
+            self.use(costs, microbatches)
+        except PlanError:
+            if memory_budget_bytes is None:
+                raise
+            self.use(rescaled(costs, 1), microbatches)  # still refused when weights and gradients alone do not fit
+            self.memory_check_pending = True
         self.steps_seen = 0
         self.host_source = "estimate"
         self.host_measured: set[str] = set()  # the HostWork fields measured at least once
@@ -113,14 +127,26 @@ class PlanKeeper:
             if p.policy == "auto" else None
         self.host = estimate_host_work(costs, microbatches, self.fused_last)
 
+    @property
+    def wants_first_batch(self) -> bool:
+        """Whether :meth:`first_batch` still has a choice to make (before the first step)."""
+        return (self.open_microbatches or self.memory_check_pending) and not self.steps_seen
+
     def first_batch(self, batch_size: int, tokens: int) -> Plan | None:
         """The microbatch count left open, chosen again for the first batch (``batch_size`` samples,
-        ``tokens`` rows of work); returns the new plan when the count changed (once, before any step)."""
-        if not self.open_microbatches or self.steps_seen:
+        ``tokens`` rows of work), and a memory budget checked against its real microbatches; returns
+        the new plan when it changed (once, before any step)."""
+        if not self.wants_first_batch:
             return None
-        self.open_microbatches = False
         costs = self.moving.profile()  # still the estimate: nothing has been measured yet
-        m = choose_microbatches(costs, self.num_workers, tokens, self.predicted_step, most=batch_size)
+        m = (choose_microbatches(costs, self.num_workers, tokens, self.predicted_step, most=batch_size)
+             if self.open_microbatches else self.microbatches)
+        if self.memory_check_pending:  # a PlanError here names the budget's option; the next batch checks again
+            split = max(1, min(m, batch_size))
+            self.use(rescaled(costs, -(-tokens // split)), m)
+            self.memory_check_pending = self.open_microbatches = False
+            return self.plan
+        self.open_microbatches = False
         if m == self.microbatches:
             return None
         log.info("RoundPipe chose %d microbatches (not %d) for batches of %d samples: plan %s", m, self.microbatches,

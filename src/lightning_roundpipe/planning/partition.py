@@ -55,6 +55,7 @@ def partition(
     microbatch_overhead_s: float = 0.0,
     max_stages: int | None = None,
     progress: ProgressCallback | None = None,
+    budget_option: str = "memory_budget_bytes",
 ) -> Plan:
     """Build and validate a plan with ``policy`` ("compute", "auto", "uniform", "params" or "manual";
     "compute" and "auto" search alike here, they differ in whether the keeper re-plans).
@@ -80,6 +81,7 @@ def partition(
             local search may split further when that is predicted faster.
         progress: auto only: ``progress(phase, done, total)`` hears how far the plan search is
             (see :class:`~lightning_roundpipe.setup_progress.RichSetupProgress`).
+        budget_option: the option the memory budget came from, named in a refusal's advice.
 
     Returns:
         The validated plan; ``plan.facts`` holds the policy and the predictions.
@@ -90,7 +92,7 @@ def partition(
     n = len(costs)
     link = link_speed(costs, link_bytes_per_second)
     model = StageCostModel(costs, microbatches, link, recompute)
-    check_layers_fit(model, memory_budget_bytes, fused_last)
+    check_layers_fit(model, memory_budget_bytes, fused_last, budget_option)
 
     if policy == "manual":
         forward = manual_ranges("manual_forward", manual_forward)

@@ -1,0 +1,69 @@
+"""Layers whose training forward depends on the whole batch: BatchNorm, and running statistics.
+
+A BatchNorm in training mode normalises with the statistics of the samples it is given, and
+updates its running statistics once per call. Split into microbatches, each microbatch is
+normalised with its own statistics and the running statistics move once per microbatch, which
+no single-device run computes: the gradients, the running statistics and ``num_batches_tracked``
+(2x with 2 microbatches) all differ. An InstanceNorm normalises per sample, but one that tracks
+running statistics updates them per microbatch too.
+
+So the call is refused by default (``batch_statistics="refuse"``) when such a layer would run in
+that mode on more than one microbatch, before anything runs: at the first training step, so before
+any weight changes. ``batch_statistics="per_microbatch"`` accepts GPipe's semantics instead:
+microbatch i of a layer is normalised with its own statistics, and the running statistics are
+updated once per microbatch in microbatch order (exactly what running the layer on each
+microbatch in turn computes). With ``microbatches=1``, or such layers in eval mode (a frozen
+backbone), the run is exact and nothing is refused.
+
+Only these module classes are known here; another module writing its buffers in forward is
+noticed only once it did (``engine/buffers.py`` warns).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..options import OptionError
+
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+               nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
+INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
+                  nn.LazyInstanceNorm1d, nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d)
+
+
+def depends_on_batch(module: nn.Module) -> bool:
+    """Whether ``module``, in its current mode, computes something a split batch changes."""
+    if isinstance(module, BATCH_NORMS):  # batch statistics in training, and without running statistics at all
+        return module.training or module.running_mean is None
+    if isinstance(module, INSTANCE_NORMS):  # per sample, but the running statistics move per call
+        return module.training and module.track_running_stats
+    return False
+
+
+class BatchStatistics:
+    """The batch-dependent modules among the pipelined layers, checked at every pipelined call."""
+
+    def __init__(self, layers: list[nn.Module], setting: str, owner: str):
+        self.setting = setting
+        self.owner = owner
+        self.found = [(i, name, m) for i, layer in enumerate(layers) for name, m in layer.named_modules()
+                      if isinstance(m, BATCH_NORMS + INSTANCE_NORMS)]
+
+    def layers_accepted(self) -> set[int]:
+        """Layers whose per-microbatch statistics the user accepted (no warning needed)."""
+        return {i for i, _, _ in self.found} if self.setting == "per_microbatch" else set()
+
+    def check(self, microbatches: int) -> None:
+        """Refuse a call of ``microbatches`` microbatches that a batch-dependent layer would compute inexactly."""
+        if microbatches <= 1 or self.setting == "per_microbatch":
+            return
+        for i, name, m in self.found:
+            if depends_on_batch(m):
+                where = f"layer {i}" + (f" (its `{name}`)" if name else "")
+                raise OptionError(
+                    f"{self.owner}(batch_statistics='refuse'): pipelined {where} is a {type(m).__name__} in training "
+                    f"mode: with microbatches={microbatches} each microbatch would be normalised with its own "
+                    "statistics and the running statistics updated once per microbatch, which differs from a "
+                    "single-device run. Use microbatches=1 for the exact result, put the layer in eval mode, or pass "
+                    "batch_statistics='per_microbatch' to accept per-microbatch statistics (GPipe's). Nothing ran: "
+                    "the weights are as they were.")
