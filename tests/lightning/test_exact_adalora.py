@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from _exact_models import WEIGHT_TOL, weight_error
 from lightning_roundpipe import RoundPipeStrategy
-from test_hf_pipeline import batch, tiny
+from tests.adapters.test_hf_pipeline import batch, tiny
 
 STEPS = 5
 

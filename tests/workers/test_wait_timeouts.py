@@ -21,7 +21,7 @@ import pathlib
 
 import pytest
 
-SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "lightning_roundpipe"
+SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "lightning_roundpipe"
 BLOCKING = {"wait", "wait_for", "join", "acquire", "result", "get", "synchronize", "barrier", "recv", "communicate"}
 ONE_ARGUMENT_IS_THE_TIMEOUT = {"wait", "join", "result", "recv", "communicate"}
 

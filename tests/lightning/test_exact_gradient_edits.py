@@ -88,7 +88,7 @@ class HookedLoraFineTune(L.LightningModule):
     def __init__(self):
         super().__init__()
         from peft import LoraConfig, get_peft_model
-        from test_hf_pipeline import tiny
+        from tests.adapters.test_hf_pipeline import tiny
 
         self.model = get_peft_model(tiny("qwen3"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
         lora = [p for n, p in self.model.named_parameters() if "lora_B" in n]
@@ -108,7 +108,7 @@ def test_tensor_hooks_on_a_pipelined_hugging_face_model():
 
     from _exact_models import weight_error
     from lightning_roundpipe import RoundPipeStrategy
-    from test_hf_pipeline import batch
+    from tests.adapters.test_hf_pipeline import batch
 
     def run(strategy, devices):
         torch.manual_seed(0)

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from _models import fit, make_data
 from lightning_roundpipe import OptionError, RoundPipeRuntime, RoundPipeStrategy, RuntimeOptions
-from test_exact_buffers import BatchNormModule
+from tests.engine.test_exact_buffers import BatchNormModule
 
 
 def _state(module):
