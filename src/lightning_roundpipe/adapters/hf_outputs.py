@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 
-class HiddenStatesNotReturnedError(IndexError):
-    """A hidden state other than the last one was read from a pipelined output."""
+class HiddenStatesNotReturnedError(LookupError):
+    """A hidden state other than the last one was read from a pipelined output (not an ``IndexError``, which
+    would end an iteration over the hidden states silently instead of failing it)."""
 
 
 def forward_uses_cache(base_model: nn.Module, use_cache: bool | None) -> bool:
