@@ -13,7 +13,13 @@ would (``CausalLMOutputWithPast``, or ``MoeCausalLMOutputWithPast`` for MoE mode
   statistics over microbatches and forms HF's load-balancing loss from the batch totals (see
   :mod:`.hf_moe`), so loss and router gradients are exact. ``aux_loss`` is returned as HF does;
   ``router_logits`` are not (they would be every layer's [tokens, experts] logits).
-- Without labels, logits come back as usual.
+- Without labels, logits come back as usual (only the ``logits_to_keep`` positions when given).
+- ``num_items_in_batch`` divides the summed loss instead of the batch's token count, as HF's loss does.
+- ``output_hidden_states``: the last hidden state comes back (with its gradient); the others and
+  ``output_attentions`` cannot, see :mod:`.hf_outputs`. Packed ``position_ids`` get the masks the
+  model's forward builds for its effective ``use_cache``.
+- Sequence / token classifiers (transformers' generic ones) return their logits from the last
+  stage; pooling and loss run on the host with the model's own ``loss_function``.
 - Generation (``use_cache=True`` or a cache, as ``model.generate()`` calls it) runs the model's
   own forward on the host, on the real weights, after the pending optimizer steps: exact, but on
   the CPU; it is meant for a few samples in ``validation_step``.
