@@ -83,6 +83,34 @@ def pipelined_and_reference(model, call, microbatches: int = 2):
     return (out, g), (out_ref, g_ref)
 
 
+def weights_after_sgd(make_model, call, pipelined: bool, steps: int = 3) -> tuple[dict, dict]:
+    """(initial, final) weights of ``steps`` SGD steps on ``call(model)[1]``, pipelined or not."""
+    model = make_model()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    runtime = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(microbatches=2)) if pipelined else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        for _ in range(steps):
+            optimizer.zero_grad()
+            call(model)[1].backward()
+            if runtime is not None:
+                runtime.join()
+            optimizer.step()
+    finally:
+        if runtime is not None:
+            runtime.detach()
+    return start, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def sgd_weight_error(make_model, call) -> float:
+    """Worst ||w - w_ref|| / ||w_ref - w0|| after 3 SGD steps, pipelined against the model itself."""
+    start, reference = weights_after_sgd(make_model, call, pipelined=False)
+    _, pipelined = weights_after_sgd(make_model, call, pipelined=True)
+    moved = [k for k in reference if (reference[k] - start[k]).norm() > 0]
+    assert moved
+    return max(((pipelined[k] - reference[k]).norm() / (reference[k] - start[k]).norm()).item() for k in moved)
+
+
 # item 4: packed sequences -------------------------------------------------------------------------------------------
 
 
@@ -107,6 +135,8 @@ def test_packed_position_ids_get_the_models_own_masks(arch, use_cache):
     (out, g), (ref, g_ref) = pipelined_and_reference(model, call)
     assert abs(out.loss.item() / ref.loss.item() - 1) <= 1e-6
     assert worst(g, g_ref) <= GRAD_TOL
+    if use_cache in ("absent", False):  # the two calls whose masks the pipeline builds (use_cache=True runs on the host)
+        assert sgd_weight_error(lambda: tiny(arch), call) <= WEIGHT_TOL
     # the two mask kinds really differ on this batch, so the test would see the wrong one
     with torch.no_grad():
         packed = tiny(arch)(input_ids=ids, position_ids=PACKED_POSITIONS, labels=labels, use_cache=False).loss
@@ -133,6 +163,7 @@ def test_num_items_in_batch_divides_the_fused_loss(arch, as_tensor):
     (out, g), (ref, g_ref) = pipelined_and_reference(model, call)
     assert abs(out.loss.item() / ref.loss.item() - 1) <= 1e-6
     assert worst(g, g_ref) <= GRAD_TOL
+    assert sgd_weight_error(lambda: tiny(arch), call) <= WEIGHT_TOL
 
 
 # item 9: the last hidden state, logits_to_keep ----------------------------------------------------------------------
