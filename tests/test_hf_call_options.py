@@ -340,3 +340,17 @@ def test_reading_another_hidden_state_names_the_option():
         hidden_states[0]
     with pytest.raises(HiddenStatesNotReturnedError, match=r"hidden_states\[0\]"):
         list(hidden_states)
+
+
+@pytest.mark.timeout(60)
+def test_a_classifier_with_its_own_forward_is_refused_by_name():
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from lightning_roundpipe.adapters.hf_causal_lm import UnsupportedModelError
+
+    model = GPT2ForSequenceClassification(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=VOCAB, pad_token_id=PAD,
+                                                     bos_token_id=1, eos_token_id=2))
+    with pytest.raises(UnsupportedModelError, match=r"GPT2ForSequenceClassification is a classifier with its own "
+                                                    r"forward, which RoundPipe does not pipeline"):
+        RoundPipeRuntime.attach(model, "cpu", 2)
+    assert "forward" not in vars(model)  # left as it was

@@ -536,6 +536,13 @@ class CausalLMLayers:
                 f"pipelines the sequence / token classification heads of the verified families {sorted(VERIFIED_MODEL_TYPES)} only."
             )
         head_path, head_dropout_path = _head_paths(head, layout)
+        if head == "causal_lm" and not hasattr(hf_model, head_path.split(".")[0]) and hasattr(hf_model, "score"):
+            raise UnsupportedModelError(
+                f"{model_class} is a classifier with its own forward, which RoundPipe does not pipeline: it pipelines the "
+                "causal LMs of the verified families and their ...ForSequenceClassification / ...ForTokenClassification "
+                "built on transformers' GenericFor{Sequence,Token}Classification (Llama, Qwen3, Mistral, ...). "
+                "Train this one with another strategy."
+            )
         embed_tokens = _require(hf_model, f"model.{layout.embed}", model_class)
         decoder_layers = _require(hf_model, f"model.{layout.layers}", model_class)
         norm = _require(hf_model, f"model.{layout.norm}", model_class)
