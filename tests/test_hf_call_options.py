@@ -135,7 +135,7 @@ def test_packed_position_ids_get_the_models_own_masks(arch, use_cache):
     (out, g), (ref, g_ref) = pipelined_and_reference(model, call)
     assert abs(out.loss.item() / ref.loss.item() - 1) <= 1e-6
     assert worst(g, g_ref) <= GRAD_TOL
-    if use_cache in ("absent", False):  # the two calls whose masks the pipeline builds (use_cache=True runs on the host)
+    if use_cache in ("absent", False):  # the calls whose masks the pipeline builds (use_cache=True runs on the host)
         assert sgd_weight_error(lambda: tiny(arch), call) <= WEIGHT_TOL
     # the two mask kinds really differ on this batch, so the test would see the wrong one
     with torch.no_grad():
@@ -223,7 +223,8 @@ def test_classifier_heads_match_the_model(head, padding):
     auto = AutoModelForSequenceClassification if head == "sequence" else AutoModelForTokenClassification
     model = tiny("qwen3", auto, num_labels=3, classifier_dropout=0.0)
     ids, mask, token_labels = padded_batch(padding=padding)
-    labels = torch.tensor([0, 2, 1, 1, 0, 2]) if head == "sequence" else torch.where(token_labels < 0, token_labels, token_labels % 3)
+    labels = (torch.tensor([0, 2, 1, 1, 0, 2]) if head == "sequence"
+              else torch.where(token_labels < 0, token_labels, token_labels % 3))
 
     def call(m):
         out = m(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=-1)
@@ -335,8 +336,9 @@ def test_reading_another_hidden_state_names_the_option():
     finally:
         runtime.detach()
     assert len(hidden_states) == 4 and hidden_states[-1].shape == (ROWS, SEQ, 16)
-    with pytest.raises(HiddenStatesNotReturnedError, match=r"hidden_states\[0\] is not returned by the RoundPipe "
-                                                           r"pipeline: only the last hidden state .* output_hidden_states=-1"):
+    message = (r"hidden_states\[0\] is not returned by the RoundPipe pipeline: only the last hidden state .* Pass "
+               r"output_hidden_states=-1")
+    with pytest.raises(HiddenStatesNotReturnedError, match=message):
         hidden_states[0]
     with pytest.raises(HiddenStatesNotReturnedError, match=r"hidden_states\[0\]"):
         list(hidden_states)

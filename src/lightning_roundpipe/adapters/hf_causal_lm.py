@@ -29,6 +29,7 @@ between layers:
 output of the last layer:
     ``{"logits": [b, s, vocab]}`` in logits mode, ``{"loss_sum": 0-dim fp32}`` in loss mode, or
     ``{"loss_sum": [1], ...}`` when the host combines the outputs (see ``CausalLMPostfix``).
+    ``last_hidden`` [b, s, h] (the final norm's output) with them when the carry asks for it.
 
 Where each family keeps its modules and what its forward adds is in :mod:`.hf_families`.
 
@@ -381,26 +382,27 @@ class CausalLMPostfix(nn.Module):
             raise ValueError(f"CausalLMPostfix.mode must be 'auto', 'logits', 'loss', 'loss_and_logits' or "
                              f"'loss_and_stats', got {mode!r}")
         hidden = self.norm(carry["hidden"])
-        stats = {k: carry[k].reshape(1, *carry[k].shape) for k in STAT_KEYS if k in carry}
+        # returned with every output but the fused scalar: router statistics, the last hidden state when asked
+        extra = {k: carry[k].reshape(1, *carry[k].shape) for k in STAT_KEYS if k in carry}
         if carry.get("last_hidden"):
-            stats["last_hidden"] = hidden
+            extra["last_hidden"] = hidden
         if mode == "logits":
             keep = carry.get("logits_to_keep")
-            return {"logits": self._logits(hidden if keep is None else slice_positions(hidden, keep)), **stats}
+            return {"logits": self._logits(hidden if keep is None else slice_positions(hidden, keep)), **extra}
         labels = carry.get("labels")
         if labels is None:
             raise ValueError("CausalLMPostfix in loss mode needs 'labels' in the microbatch")
         if mode == "loss_and_logits":
             logits = self._logits(hidden)
             loss_sum = self._loss_from_logits(logits, labels)
-            return {"loss_sum": loss_sum.reshape(1), "logits": logits, **stats}
+            return {"loss_sum": loss_sum.reshape(1), "logits": logits, **extra}
         loss_sum = self._loss(hidden, labels)
         if mode == "loss":
-            if "last_hidden" in stats:
+            if "last_hidden" in extra:
                 raise ValueError("CausalLMPostfix in the fused 'loss' mode returns only the loss; ask for the last "
                                  "hidden state in 'loss_and_stats' mode")
             return {"loss_sum": loss_sum}
-        return {"loss_sum": loss_sum.reshape(1), **stats}
+        return {"loss_sum": loss_sum.reshape(1), **extra}
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head_dropout is not None:
@@ -532,15 +534,17 @@ class CausalLMLayers:
         head = head_kind(hf_model)
         if head != "causal_lm" and family is None:
             raise UnsupportedModelError(
-                f"{model_class} (model_type={model_type!r}) is a classifier of a family that is not verified; RoundPipe "
-                f"pipelines the sequence / token classification heads of the verified families {sorted(VERIFIED_MODEL_TYPES)} only."
+                f"{model_class} (model_type={model_type!r}) is a classifier of a family that is not verified; "
+                "RoundPipe pipelines the sequence / token classification heads of the verified families "
+                f"{sorted(VERIFIED_MODEL_TYPES)} only."
             )
         head_path, head_dropout_path = _head_paths(head, layout)
         if head == "causal_lm" and not hasattr(hf_model, head_path.split(".")[0]) and hasattr(hf_model, "score"):
             raise UnsupportedModelError(
-                f"{model_class} is a classifier with its own forward, which RoundPipe does not pipeline: it pipelines the "
-                "causal LMs of the verified families and their ...ForSequenceClassification / ...ForTokenClassification "
-                "built on transformers' GenericFor{Sequence,Token}Classification (Llama, Qwen3, Mistral, ...). "
+                f"{model_class} is a classifier with its own forward, which RoundPipe does not pipeline: it "
+                "pipelines the causal LMs of the verified families and their ...ForSequenceClassification / "
+                "...ForTokenClassification built on transformers' GenericFor{Sequence,Token}Classification "
+                "(Llama, Qwen3, Mistral, ...). "
                 "Train this one with another strategy."
             )
         embed_tokens = _require(hf_model, f"model.{layout.embed}", model_class)

@@ -34,13 +34,15 @@ def forward_uses_cache(base_model: nn.Module, use_cache: bool | None) -> bool:
     ``base_model``: the module whose forward builds the masks (``model.base_model``, e.g. ``Qwen3Model``).
     """
     value = use_cache if use_cache is not None else getattr(base_model.config, "use_cache", None)
-    if value and getattr(base_model, "gradient_checkpointing", False) and base_model.training and torch.is_grad_enabled():
+    checkpointing = getattr(base_model, "gradient_checkpointing", False)
+    if value and checkpointing and base_model.training and torch.is_grad_enabled():
         return False  # HF turns the cache off under gradient checkpointing, and so the masks detect packing
     return bool(value)
 
 
 def _refused(option: str, reason: str) -> ValueError:
-    return ValueError(f"the RoundPipe pipeline cannot return {option}: {reason}. Nothing was run and no weight changed.")
+    return ValueError(f"the RoundPipe pipeline cannot return {option}: {reason}. Nothing was run and no weight "
+                      "changed.")
 
 
 def hidden_states_request(output_hidden_states: Any, config: Any, num_layers: int) -> str | None:
