@@ -29,6 +29,7 @@ between layers:
 output of the last layer:
     ``{"logits": [b, s, vocab]}`` in logits mode, ``{"loss_sum": 0-dim fp32}`` in loss mode, or
     ``{"loss_sum": [1], ...}`` when the host combines the outputs (see ``CausalLMPostfix``).
+    ``last_hidden`` [b, s, h] (the final norm's output) with them when the carry asks for it.
 
 Where each family keeps its modules and what its forward adds is in :mod:`.hf_families`.
 
@@ -50,6 +51,7 @@ from torch import nn
 from .chunked_loss import IDENTITY, LogitTransform, chunked_lm_head_loss
 from .hf_families import FAMILIES, UNSUPPORTED_FAMILIES, config_value, family_of, refusal_reason
 from .hf_moe import STAT_KEYS, Router, RouterTap, add_layer_stats, empty_stats, find_router, routers_in
+from .hf_outputs import slice_positions
 
 Carry = dict[str, Any]
 PostfixMode = Literal["auto", "logits", "loss", "loss_and_logits", "loss_and_stats"]
@@ -58,10 +60,23 @@ VERIFIED_MODEL_TYPES = frozenset(FAMILIES)
 """``config.model_type`` values whose HF forward each has a parity test (tests/test_family_parity.py);
 see :mod:`.hf_families` for what each family's forward adds."""
 
-INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "labels", "router_stats", "outputs")
+INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "labels", "router_stats", "outputs", "with_cache",
+              "last_hidden", "logits_to_keep")
 """Keys the prefix accepts in a microbatch. ``router_stats`` (bool) asks MoE layers for the
 aux-loss statistics; ``outputs`` (a :data:`PostfixMode`) tells the last layer what to return and
-travels with the carry, so a recompute in backward does what its forward did."""
+travels with the carry, so a recompute in backward does what its forward did. ``with_cache``
+(bool): build the masks as the model's forward does when it holds a (fresh, empty) cache, i.e.
+when its effective ``use_cache`` is true (see :func:`.hf_runtime.forward_uses_cache`): HF's mask
+builders then do not look for packed sequences in ``position_ids``; without it they do.
+``last_hidden`` (bool): the last layer returns the final norm's output too (``hidden_states[-1]``);
+``logits_to_keep`` (int or [b, ...] tensor): the positions the head is applied to in logits modes."""
+
+PASSED_THROUGH_KEYS = ("labels", "outputs", "last_hidden", "logits_to_keep")
+"""Input keys the prefix hands on unchanged to the last layer."""
+
+HEAD_KINDS = ("causal_lm", "sequence_classification", "token_classification")
+"""What the model's head is: the LM head (``lm_head``) or a classifier (``score``) of transformers'
+``GenericFor{Sequence,Token}Classification``."""
 
 DIFFERENTIABLE_CARRY_KEYS = ("hidden", "moe_probs")
 """Carry keys between layers that carry a gradient; all others (cos, sin, masks, ids, labels,
@@ -141,6 +156,13 @@ def _mask_builders() -> dict[str, Any]:
             "chunked_attention": create_chunked_causal_mask}
 
 
+def _empty_cache(config: Any):
+    """The cache the model's forward creates when ``use_cache`` is on and none is given (only read by the masks)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config)
+
+
 def rotary_takes_layer_type(rotary_emb: nn.Module) -> bool:
     """True when the rotary module computes one embedding per layer type (Gemma3: ``forward(x, pos, layer_type)``)."""
     return "layer_type" in inspect.signature(rotary_emb.forward).parameters
@@ -199,13 +221,17 @@ class CausalLMPrefix(nn.Module):
             # As the model does without a cache: plain arange, NOT derived from attention_mask.
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         builders = _mask_builders()
+        # The model's forward passes its cache, created empty when use_cache is on, to the mask builders; an empty
+        # cache changes no mask size, but it turns off the packed-sequence detection (block-diagonal masks from
+        # position_ids that restart mid-row), so the same call must get the same kind of cache here.
+        cache = _empty_cache(self.config) if carry.get("with_cache") else None
         out: Carry = {}
         for kind in self.mask_kinds:
             out[MASK_KEY_BY_ATTENTION[kind]] = builders[kind](
                 config=self.config,
                 inputs_embeds=hidden,
                 attention_mask=attention_mask,
-                cache=None,
+                cache=cache,
                 position_ids=position_ids,
             )
         if self.positions is not None:
@@ -225,10 +251,9 @@ class CausalLMPrefix(nn.Module):
                 cos_key, sin_key = rotary_keys(layer_type)
                 out[cos_key], out[sin_key] = self.rotary_emb(hidden, position_ids, layer_type)
         out["position_ids"] = position_ids
-        if carry.get("labels") is not None:
-            out["labels"] = carry["labels"]
-        if carry.get("outputs") is not None:
-            out["outputs"] = carry["outputs"]
+        for key in PASSED_THROUGH_KEYS:
+            if carry.get(key) is not None:
+                out[key] = carry[key]
         if carry.get("router_stats"):
             if self.num_experts is None:
                 raise ValueError("router statistics were asked for, but the model has no MoE router")
@@ -312,7 +337,11 @@ class CausalLMPostfix(nn.Module):
         ``"loss_and_logits"``: as ``"loss_and_stats"`` plus the full logits (the user asked for them).
         ``"auto"`` (default): ``"loss"`` when the carry holds labels, else ``"logits"``.
     Router statistics in the carry are returned with the logits as well (``[1, E]``, ``[1]``).
+    A carry with ``last_hidden`` also returns ``{"last_hidden": norm(hidden)}`` (not in the fused
+    ``"loss"`` mode, whose only output is the scalar); ``logits_to_keep`` in the carry restricts the
+    logits to those positions (logits mode), as transformers' ``slice_logits_to_keep`` does.
     ``transform``: the family's logit scaling / soft-capping (identity for most).
+    ``head_dropout``: the model's dropout before a token classifier (``...ForTokenClassification``), or None.
     ``loss_chunk_size``: rows of logits computed at a time in loss mode.
 
     A non-``nn.Linear`` lm_head (e.g. peft-wrapped) falls back to full logits + plain
@@ -329,10 +358,12 @@ class CausalLMPostfix(nn.Module):
         loss_chunk_size: int = 1024,
         ignore_index: int = IGNORE_INDEX,
         transform: LogitTransform = IDENTITY,
+        head_dropout: nn.Module | None = None,
     ):
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
+        self.head_dropout = head_dropout
         self.mode = mode
         self.loss_chunk_size = loss_chunk_size
         self.ignore_index = ignore_index
@@ -351,20 +382,32 @@ class CausalLMPostfix(nn.Module):
             raise ValueError(f"CausalLMPostfix.mode must be 'auto', 'logits', 'loss', 'loss_and_logits' or "
                              f"'loss_and_stats', got {mode!r}")
         hidden = self.norm(carry["hidden"])
-        stats = {k: carry[k].reshape(1, *carry[k].shape) for k in STAT_KEYS if k in carry}
+        # returned with every output but the fused scalar: router statistics, the last hidden state when asked
+        extra = {k: carry[k].reshape(1, *carry[k].shape) for k in STAT_KEYS if k in carry}
+        if carry.get("last_hidden"):
+            extra["last_hidden"] = hidden
         if mode == "logits":
-            return {"logits": self.transform(self.lm_head(hidden)), **stats}
+            keep = carry.get("logits_to_keep")
+            return {"logits": self._logits(hidden if keep is None else slice_positions(hidden, keep)), **extra}
         labels = carry.get("labels")
         if labels is None:
             raise ValueError("CausalLMPostfix in loss mode needs 'labels' in the microbatch")
         if mode == "loss_and_logits":
-            logits = self.transform(self.lm_head(hidden))
+            logits = self._logits(hidden)
             loss_sum = self._loss_from_logits(logits, labels)
-            return {"loss_sum": loss_sum.reshape(1), "logits": logits, **stats}
+            return {"loss_sum": loss_sum.reshape(1), "logits": logits, **extra}
         loss_sum = self._loss(hidden, labels)
         if mode == "loss":
+            if "last_hidden" in extra:
+                raise ValueError("CausalLMPostfix in the fused 'loss' mode returns only the loss; ask for the last "
+                                 "hidden state in 'loss_and_stats' mode")
             return {"loss_sum": loss_sum}
-        return {"loss_sum": loss_sum.reshape(1), **stats}
+        return {"loss_sum": loss_sum.reshape(1), **extra}
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_dropout is not None:
+            hidden = self.head_dropout(hidden)
+        return self.transform(self.lm_head(hidden))
 
     def _shifted(self, labels: torch.Tensor, device) -> torch.Tensor:
         # HF's shift: pad one ignored label at the end, drop the first (keeps hidden a view).
@@ -390,6 +433,27 @@ class CausalLMPostfix(nn.Module):
             )
         logits = self.transform(self.lm_head(rows)).float()
         return F.cross_entropy(logits, targets, ignore_index=self.ignore_index, reduction="sum")
+
+
+def head_kind(model: nn.Module) -> str:
+    """Which of :data:`HEAD_KINDS` the model's head is (``"causal_lm"`` for anything but transformers' generic
+    sequence / token classifiers, whose ``forward`` is the base model, then ``score`` on its last hidden state)."""
+    try:
+        from transformers.modeling_layers import GenericForSequenceClassification, GenericForTokenClassification
+    except ImportError:  # older transformers: every family wrote its own classifier
+        return "causal_lm"
+    if isinstance(model, GenericForSequenceClassification):
+        return "sequence_classification"
+    if isinstance(model, GenericForTokenClassification):
+        return "token_classification"
+    return "causal_lm"
+
+
+def _head_paths(head: str, layout: Any) -> tuple[str, str | None]:
+    """(head module path, dropout-before-head path or None) for a head kind, from the ``...For*`` model."""
+    if head == "causal_lm":
+        return layout.head, None
+    return "score", "dropout" if head == "token_classification" else None
 
 
 def _require(obj: Any, path: str, model_class: str) -> Any:
@@ -425,6 +489,7 @@ class CausalLMLayers:
 
     router: Router | None = None
     verified: bool = True
+    head: str = "causal_lm"  # one of HEAD_KINDS
 
     @classmethod
     def from_model(
@@ -466,11 +531,28 @@ class CausalLMLayers:
             raise UnsupportedModelError(f"{model_class} cannot be pipelined as a causal LM: {reason}")
         spec = family or FAMILIES["llama"]
         layout = spec.layout
+        head = head_kind(hf_model)
+        if head != "causal_lm" and family is None:
+            raise UnsupportedModelError(
+                f"{model_class} (model_type={model_type!r}) is a classifier of a family that is not verified; "
+                "RoundPipe pipelines the sequence / token classification heads of the verified families "
+                f"{sorted(VERIFIED_MODEL_TYPES)} only."
+            )
+        head_path, head_dropout_path = _head_paths(head, layout)
+        if head == "causal_lm" and not hasattr(hf_model, head_path.split(".")[0]) and hasattr(hf_model, "score"):
+            raise UnsupportedModelError(
+                f"{model_class} is a classifier with its own forward, which RoundPipe does not pipeline: it "
+                "pipelines the causal LMs of the verified families and their ...ForSequenceClassification / "
+                "...ForTokenClassification built on transformers' GenericFor{Sequence,Token}Classification "
+                "(Llama, Qwen3, Mistral, ...). "
+                "Train this one with another strategy."
+            )
         embed_tokens = _require(hf_model, f"model.{layout.embed}", model_class)
         decoder_layers = _require(hf_model, f"model.{layout.layers}", model_class)
         norm = _require(hf_model, f"model.{layout.norm}", model_class)
         rotary_emb = _require(hf_model, f"model.{layout.rotary}", model_class) if layout.rotary else None
-        lm_head = _require(hf_model, f"model.{layout.head}", model_class)
+        lm_head = _require(hf_model, f"model.{head_path}", model_class)
+        head_dropout = _require(hf_model, f"model.{head_dropout_path}", model_class) if head_dropout_path else None
         positions = _require(hf_model, f"model.{layout.positions}", model_class) if layout.positions else None
         dropout = (_require(hf_model, f"model.{layout.embedding_dropout}", model_class)
                    if layout.embedding_dropout else None)
@@ -499,7 +581,7 @@ class CausalLMLayers:
             num_experts=router.num_experts if router is not None else None,
             positions=positions, dropout_module=dropout,
         )
-        transform = LogitTransform(
+        transform = IDENTITY if head != "causal_lm" else LogitTransform(  # a classifier's forward scales nothing
             multiplier=float(config_value(config, spec.logit_multiplier, 1.0)),
             divisor=float(config_value(config, spec.logit_divisor, 1.0)),
             softcap=None if spec.logit_softcap is None else config_value(config, spec.logit_softcap, None),
@@ -509,9 +591,14 @@ class CausalLMLayers:
                                with_rotary=rotary_emb is not None, extra_kwargs=dict(spec.layer_kwargs))
                    for i in range(num_layers)]
         layers.append(CausalLMPostfix(norm, lm_head, mode=postfix_mode, loss_chunk_size=loss_chunk_size,
-                                      transform=transform))
+                                      transform=transform, head_dropout=head_dropout))
         return cls(layers=layers, model=hf_model, model_type=str(model_type), router=router,
-                   verified=family is not None)
+                   verified=family is not None, head=head)
+
+    @property
+    def num_decoder_layers(self) -> int:
+        """How many decoder layers the model's forward runs (its ``hidden_states`` has one more entry)."""
+        return len(self.layers) - 2
 
     @property
     def prefix(self) -> CausalLMPrefix:

@@ -13,7 +13,13 @@ would (``CausalLMOutputWithPast``, or ``MoeCausalLMOutputWithPast`` for MoE mode
   statistics over microbatches and forms HF's load-balancing loss from the batch totals (see
   :mod:`.hf_moe`), so loss and router gradients are exact. ``aux_loss`` is returned as HF does;
   ``router_logits`` are not (they would be every layer's [tokens, experts] logits).
-- Without labels, logits come back as usual.
+- Without labels, logits come back as usual (only the ``logits_to_keep`` positions when given).
+- ``num_items_in_batch`` divides the summed loss instead of the batch's token count, as HF's loss does.
+- ``output_hidden_states``: the last hidden state comes back (with its gradient); the others and
+  ``output_attentions`` cannot, see :mod:`.hf_outputs`. Packed ``position_ids`` get the masks the
+  model's forward builds for its effective ``use_cache``.
+- Sequence / token classifiers (transformers' generic ones) return their logits from the last
+  stage; pooling and loss run on the host with the model's own ``loss_function``.
 - Generation (``use_cache=True`` or a cache, as ``model.generate()`` calls it) runs the model's
   own forward on the host, on the real weights, after the pending optimizer steps: exact, but on
   the CPU; it is meant for a few samples in ``validation_step``. In training (peft's prefix tuning
@@ -24,6 +30,7 @@ would (``CausalLMOutputWithPast``, or ``MoeCausalLMOutputWithPast`` for MoE mode
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -33,9 +40,10 @@ from .hf_causal_lm import CausalLMLayers, count_loss_tokens, unwrap_peft
 from .hf_moe import aux_loss
 from .hf_self_check import build_layers, check_unverified
 from .unpipelined_calls import CACHE_GIVEN, USE_CACHE, UnpipelinedNotice
+from .hf_outputs import (forward_uses_cache, hidden_states_output, hidden_states_request, logits_to_keep_for_batch,
+                         pooled_logits, refuse_attentions)
 
-_IGNORED_KWARGS = {"return_dict", "output_attentions", "output_hidden_states", "cache_position",
-                   "logits_to_keep", "num_items_in_batch"}
+_IGNORED_KWARGS = {"return_dict", "cache_position"}
 
 WITHHELD_LOGITS = (
     "the RoundPipe pipeline computed this loss inside its last stage, chunk by chunk, and never built the full "
@@ -77,6 +85,8 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
                            allow_unverified)
     inner = unwrap_peft(module)
     unpipelined_forward = type(inner).forward
+    forward_parameters = inspect.signature(unpipelined_forward).parameters
+    base_model = inner.base_model  # the module whose forward builds the masks (its use_cache decides how)
     router = adapter.router
 
     def make_forward(runtime) -> Callable:
@@ -85,6 +95,9 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
         output_class = MoeCausalLMOutputWithPast if router is not None else CausalLMOutputWithPast
         pending_check = [not adapter.verified]
         notice = UnpipelinedNotice()
+        # The positions option this model's forward reads (transformers 5: logits_to_keep); a name its signature
+        # lacks falls into **kwargs there and is ignored, so it is ignored here too. A classifier keeps every position.
+        keep_option = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in forward_parameters), None)
 
         def forward(input_ids=None, attention_mask=None, position_ids=None, labels=None, past_key_values=None,
                     inputs_embeds=None, cache=None, use_cache=None, output_router_logits=None, **kwargs: Any):
@@ -99,9 +112,19 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
                                            use_cache=use_cache, **kwargs)
             if inputs_embeds is not None or input_ids is None:
                 raise ValueError("the RoundPipe pipeline of a causal LM takes input_ids (inputs_embeds is not supported)")
+            # Every option is read before the call, so a refused one changes nothing.
+            hidden_request = hidden_states_request(kwargs.pop("output_hidden_states", None), inner.config,
+                                                   adapter.num_decoder_layers)
+            refuse_attentions(kwargs.pop("output_attentions", None), inner.config)
+            num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+            keep = {name: kwargs.pop(name) for name in ("logits_to_keep", "num_logits_to_keep") if name in kwargs}
+            keep = logits_to_keep_for_batch(keep.get(keep_option, 0), int(input_ids.shape[0]))
             unknown = sorted(set(kwargs) - _IGNORED_KWARGS)
             if unknown:
                 raise ValueError(f"the RoundPipe pipeline of a causal LM does not take {unknown}")
+            if keep is not None and labels is not None:
+                raise ValueError(f"the RoundPipe pipeline takes {keep_option} without labels only (the model's loss "
+                                 f"would compare the kept positions' logits with every label); pass one or the other")
             batch = {"input_ids": input_ids}
             if attention_mask is not None:
                 batch["attention_mask"] = attention_mask
@@ -111,24 +134,41 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
                 check_unverified(int(runtime.options.microbatches or runtime.num_workers + 1), inner, adapter, batch,
                                  labels)
                 pending_check[0] = False
+            if forward_uses_cache(base_model, use_cache):
+                batch["with_cache"] = True  # the same masks as the model's forward, which would hold a fresh cache
+            if hidden_request is not None:
+                batch["last_hidden"] = True
+            if keep is not None:
+                batch["logits_to_keep"] = keep
+            tokens = int(input_ids.numel())
+            if adapter.head != "causal_lm":
+                batch["outputs"] = "logits"
+                out = runtime.run(batch, tokens=tokens)
+                return classifier_output(adapter.head, inner, input_ids, labels, out["logits"],
+                                         hidden_states_output(hidden_request, out.get("last_hidden"),
+                                                              adapter.num_decoder_layers))
+
+            def with_hidden(out) -> dict:
+                return {"hidden_states": hidden_states_output(hidden_request, out.get("last_hidden"),
+                                                              adapter.num_decoder_layers)}
+
             if output_router_logits is None:
                 output_router_logits = bool(getattr(inner.config, "output_router_logits", False))
             with_stats = router is not None and bool(output_router_logits)
             if with_stats:
                 batch["router_stats"] = True
-            tokens = int(input_ids.numel())
             if labels is None:
                 batch["outputs"] = "logits"
                 out = runtime.run(batch, tokens=tokens)
                 aux = _aux(out) if with_stats else None
-                return output_class(loss=None, logits=out["logits"], **({"aux_loss": aux} if router is not None else {}))
+                return output_class(loss=None, logits=out["logits"], **with_hidden(out),
+                                    **({"aux_loss": aux} if router is not None else {}))
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
             batch["labels"] = labels
-            count = count_loss_tokens(labels)
-            scale = 1.0 / count if count > 0 else float("nan")
+            scale = loss_scale(labels, num_items_in_batch)
             moe = {"aux_loss": None} if router is not None else {}
-            if not with_stats and not logits_with_loss:
+            if not with_stats and not logits_with_loss and hidden_request is None:
                 batch["outputs"] = "loss"
                 loss = runtime.run(batch, loss_scale=scale, tokens=tokens)
                 result = _withheld_class(output_class)(loss=loss, logits=None, **moe)
@@ -142,8 +182,8 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
                 if router.coefficient is not None:
                     loss = loss + router.coefficient * moe["aux_loss"]
             if logits_with_loss:
-                return output_class(loss=loss, logits=out["logits"], **moe)
-            return _withheld_class(output_class)(loss=loss, logits=None, **moe)
+                return output_class(loss=loss, logits=out["logits"], **moe, **with_hidden(out))
+            return _withheld_class(output_class)(loss=loss, logits=None, **moe, **with_hidden(out))
 
         def _aux(out) -> torch.Tensor:
             return aux_loss(out["moe_counts"].sum(0), out["moe_probs"].sum(0), out["moe_rows"].sum(), router.num_experts)
@@ -152,3 +192,27 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
 
     return inner, adapter.layers, make_forward
 
+
+def loss_scale(labels: torch.Tensor, num_items_in_batch: Any = None) -> float:
+    """What the summed token losses are multiplied by: 1 / ``num_items_in_batch`` when given (HF then sums and
+    divides by it, to normalise over gradient-accumulation steps), else 1 / the batch's counted tokens (HF's mean)."""
+    if num_items_in_batch is not None:
+        items = float(num_items_in_batch)
+        return 1.0 / items if items else float("nan")
+    count = count_loss_tokens(labels)
+    return 1.0 / count if count > 0 else float("nan")
+
+
+def classifier_output(head: str, model: nn.Module, input_ids: torch.Tensor, labels: Any, logits: torch.Tensor,
+                      hidden_states: Any):
+    """The output of a ``...For{Sequence,Token}Classification`` from the head's logits [b, s, labels]: the pooling
+    and the loss the model's own forward computes (its own ``loss_function``, which sets ``config.problem_type``)."""
+    from transformers.modeling_outputs import SequenceClassifierOutputWithPast, TokenClassifierOutput
+
+    if head == "sequence_classification":
+        pooled = pooled_logits(logits, input_ids, model.config)
+        loss = None if labels is None else model.loss_function(logits=logits, labels=labels, pooled_logits=pooled,
+                                                               config=model.config)
+        return SequenceClassifierOutputWithPast(loss=loss, logits=pooled, hidden_states=hidden_states)
+    loss = None if labels is None else model.loss_function(logits, labels, model.config)
+    return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=hidden_states)
