@@ -372,6 +372,12 @@ def _token_count(x: torch.Tensor) -> int:
     return int(x.shape[:-1].numel()) if x.dim() >= 2 else int(x.shape[0])
 
 
+def is_key_value_cache(value: Any) -> bool:
+    """Whether ``value`` is a Hugging Face key/value cache: a mutable object the blocks write into, which
+    microbatches must not share (transformers' ``Cache`` classes all have ``update`` and ``get_seq_length``)."""
+    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
+
+
 def split_arguments(x: torch.Tensor, args: tuple, kwargs: dict, where: str) -> tuple[tuple, ChainArguments]:
     """(per-sample tensors, ChainArguments) for the arguments after the hidden state ``x``.
 
@@ -386,6 +392,13 @@ def split_arguments(x: torch.Tensor, args: tuple, kwargs: dict, where: str) -> t
     constants: list[torch.Tensor] = []
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
+            if is_key_value_cache(leaf):
+                raise BlockChainError(
+                    f"{where} gets a key/value cache ({type(leaf).__name__}) as an argument: each block appends to it, "
+                    "so microbatches run one after another would attend to each other's keys. Nothing was run. Call "
+                    "the model with use_cache=False (or set model.config.use_cache = False) for training; for a "
+                    "Hugging Face causal LM or sequence/token classifier, pipeline the whole model instead (module= "
+                    "naming the model, not its layers), which handles the cache itself")
             slots.append(("value", leaf))
             continue
         if leaf.dim() >= 1 and int(leaf.shape[0]) == batch:
