@@ -32,6 +32,7 @@ ALLOWED = {
     ("lightning/strategy.py", "self.runtime.join()"): f"RoundPipeRuntime.join: {OURS_BOUNDED}",
     ("optim/overlap.py", "self.join()"): f"OverlappedOptimizer.join (one deadline for all versions): {OURS_BOUNDED}",
     ("runtime.py", "ov.join()"): f"OverlappedOptimizer.join: {OURS_BOUNDED}",
+    ("runtime.py", "self.join()"): f"RoundPipeRuntime.join -> OverlappedOptimizer.join: {OURS_BOUNDED}",
     ("workers/completions.py", "v.result()"): "Deferred.result waits with the timeout_s it was made with",
     ("lightning/node_collectives.py", "torch.distributed.barrier()"):
         "bounded by the process group's timeout: the strategy creates the gloo group with timeout=options.timeout",
