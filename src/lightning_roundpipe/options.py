@@ -20,6 +20,8 @@ from typing import Any, Mapping, Optional
 
 from omegaconf import OmegaConf
 
+from .schedule.dispatch_order import SCHEDULES
+
 PARTITION_POLICIES = ("compute", "params", "uniform", "auto", "manual")
 RECOMPUTE_CHOICES = ("auto", "always", "layer", "never")
 TRANSFER_KINDS = ("activation", "weights", "gradients")
@@ -238,6 +240,9 @@ class RuntimeOptions:
         optimizer state; costs one host copy of what a step changes). False (host memory too
         small for that copy): a failed step raises naming the layers it updated, and training or
         saving the module is refused until a checkpoint is loaded (``fit(ckpt_path=...)``).
+    schedule: the order stages are dispatched to workers in (``schedule/dispatch_order.py``):
+        "round_robin" (each stage to the worker after the previous one's, and the next call goes
+        on from where this one ended).
     """
 
     microbatches: Optional[int] = None
@@ -260,6 +265,7 @@ class RuntimeOptions:
     allow_unverified: bool = False
     logits_with_loss: bool = False
     optimizer_undo: bool = True
+    schedule: str = "round_robin"
 
     def validate(self, owner: str | None = None) -> "RuntimeOptions":
         """Check every field; ``owner`` is how the caller spelled the options (default: the class name)."""
@@ -286,6 +292,7 @@ class RuntimeOptions:
             _fail(owner, "staleness", self.staleness,
                   "staleness=1 is a mode of the overlapped optimizer: keep overlap_optimizer=True")
         _choice(owner, "pinned", self.pinned, PINNED_POLICIES)
+        _choice(owner, "schedule", self.schedule, tuple(SCHEDULES))
         return self
 
     def engine_options(self, num_workers: int, microbatches: int | None = None,

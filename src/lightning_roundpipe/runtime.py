@@ -24,6 +24,7 @@ from torch import nn
 from .options import OptionError, RuntimeOptions
 from .engine import PipelineEngine
 from .engine.microbatch import register_batch_types
+from .schedule.dispatch_order import schedule_named
 from .schedule.plan import PlanError
 from .planning.defaults import CPU_MICROBATCH_OVERHEAD_S
 from .planning.keeper import PlanKeeper
@@ -102,7 +103,7 @@ class RoundPipeRuntime:
         self.pool = make_pool(backend, num_workers, device_indices=device_indices, **pool_opts)
         try:
             self.engine = PipelineEngine(layers, self.pool, self.planner.plan, engine_opts, shadows=self.shadows,
-                                         weight_gates=[self._weight_gates])
+                                         weight_gates=[self._weight_gates], schedule=schedule_named(options.schedule))
             if backend != "cpu":  # pin exactly what the uploads read, once; the pool unpins at shutdown
                 self.pool.pin_uploads(options.pinned, self.shadows.buffers() if self.shadows is not None else masters)
             if sync_gradients:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..schedule.dispatch_order import ROUND_ROBIN, Schedule
 from ..schedule.history import WorkerHistory
 from ..schedule.lowering import LoweringOptions, TaskGraph, lower
 from ..schedule.plan import Plan, PlanError
@@ -37,7 +38,8 @@ class PipelineEngine:
     """Runs ``layers`` as a RoundPipe pipeline over ``pool`` according to ``plan``."""
 
     def __init__(self, layers: Sequence[nn.Module], pool: WorkerPool, plan: Plan, options: EngineOptions | None = None,
-                 *, shadows=None, weight_gates: Sequence[Callable[[range], list[Completion]]] = ()):
+                 *, shadows=None, weight_gates: Sequence[Callable[[range], list[Completion]]] = (),
+                 schedule: Schedule = ROUND_ROBIN):
         self.layers = list(layers)
         self.options = (options or EngineOptions()).validate()
         self.tables = [LayerTable(layer) for layer in self.layers]
@@ -46,6 +48,7 @@ class PipelineEngine:
         self.pool = pool.start()
         if self.options.measure_tasks:
             pool.trace.keep_task_times()
+        self.schedule = schedule  # the dispatch order; its cursor lives in the history
         self.history: WorkerHistory[Completion] = WorkerHistory(len(pool))  # cursor and slots, across steps
         self._weight_gates = list(weight_gates)
         self._anchor = torch.zeros((), requires_grad=True)
@@ -86,7 +89,8 @@ class PipelineEngine:
                       LoweringOptions(microbatches=microbatches, training=training, fused=fused, recompute=o.recompute,
                                       layer_recompute=o.layer_recompute, kept_backward=kept_backward,
                                       input_gradient=input_gradient, prefetch_depth=int(o.prefetch_depth),
-                                      priorities=dict(o.priorities), first_serial=self.history.next_serial + 1))
+                                      priorities=dict(o.priorities), first_serial=self.history.next_serial + 1,
+                                      schedule=self.schedule))
         self.history.advance(graph)
         return graph
 
