@@ -242,7 +242,8 @@ class RuntimeOptions:
         saving the module is refused until a checkpoint is loaded (``fit(ckpt_path=...)``).
     schedule: the order stages are dispatched to workers in (``schedule/dispatch_order.py``):
         "round_robin" (each stage to the worker after the previous one's, and the next call goes
-        on from where this one ended).
+        on from where this one ended) or "sticky" (round-robin from worker 0 in every call, so a
+        stage always runs on the same worker).
     """
 
     microbatches: Optional[int] = None

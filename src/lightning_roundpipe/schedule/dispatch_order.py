@@ -49,8 +49,23 @@ class RoundRobin:
         return (cursor + dispatched) % num_workers
 
 
+@dataclass(frozen=True)
+class Sticky(RoundRobin):
+    """Round-robin within a call, but every call starts on worker 0: a stage runs on the same worker in
+    every call and step (its weights are uploaded there again each time; a backend that kept them
+    would find them in place). The same as round-robin when the stages of a call fill the workers evenly."""
+
+    name: str = "sticky"
+
+    def dispatch(self, plan: Plan, num_workers: int, cursor: int = 0, fused: bool | None = None) -> list[Task]:
+        return dispatch(plan, num_workers, 0, fused)
+
+    def cursor_after(self, cursor: int, dispatched: int, num_workers: int) -> int:
+        return 0
+
+
 ROUND_ROBIN = RoundRobin()
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (ROUND_ROBIN,)}
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (ROUND_ROBIN, Sticky())}
 
 
 def schedule_named(name: str) -> Schedule:
