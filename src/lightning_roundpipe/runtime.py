@@ -62,7 +62,7 @@ class RoundPipeRuntime:
         self.refuse_if_partly_updated(self.root, "train")
         self.num_workers = num_workers
         self.trace = trace or TraceRecorder()
-        self.trace.enabled = bool(options.step_metrics or options.trace_steps)
+        self.trace.ask_for_timeline(bool(options.step_metrics or options.trace_steps))
         self.kept_steps: list[int] = []
         self.last_metrics: dict = {}
         self.last_tokens: int | None = None
@@ -193,8 +193,7 @@ class RoundPipeRuntime:
         tokens = first.numel() if not first.is_floating_point() else first.numel() // max(1, first.shape[-1])
         plan = self.planner.first_batch(int(first.shape[0]), max(1, tokens))
         if plan is not None:
-            self.engine.set_plan(plan)
-            self.engine.options.microbatches = self.planner.microbatches
+            self.engine.set_plan(plan, self.planner.microbatches)
 
     def _after_step(self, run) -> None:
         self.host_clock.backward_done(run, self.trace.records(run.step))
@@ -272,9 +271,7 @@ class RoundPipeRuntime:
     def begin_backward(self, accumulating: bool) -> None:
         """Before a backward: an accumulation-only one communicates nothing, a synced one starts afresh."""
         if self.grad_sync is not None:
-            self.grad_sync.blocked = accumulating
-            if not accumulating:
-                self.grad_sync.new_step()
+            self.grad_sync.begin_backward(accumulating)
 
     def end_backward(self) -> int:
         """After a synced backward: wait for every all-reduce (and reduce what is outside the pipeline).
