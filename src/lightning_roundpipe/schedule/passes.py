@@ -122,7 +122,7 @@ class _Transfers:
                 return  # the kept graph holds the weights until this stage's backward
             self.add(worker, "download", "release", stage, -1, 0, (computed[-1],), phase)
             return
-        wgrad_deps = (computed[-1],)
+        wgrad_deps = (computed[-1],)  # the stage's computes (``computed``) run in order on one lane
         wgrads = [self.add(worker, "download", "wgrad", stage, -1, nbytes, wgrad_deps, phase, layers=(a, b))
                   for a, b, nbytes in self.sizes.grad_chunks(stage.start, stage.end)]
         deps = tuple(wgrads) or (computed[-1],)
