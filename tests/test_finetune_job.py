@@ -71,6 +71,7 @@ def test_default_config_composes_to_documented_values():
         "cpu_compute_delay_s": 0.0, "cpu_jitter_s": 0.0, "cpu_threads_per_worker": 1, "seed": 0, "trace_steps": 0,
         "step_metrics": True, "optimizer_delay_s": 0.0, "workers": None, "trace_dir": None, "checkpoint_weights": "full",
         "allow_unverified": False, "logits_with_loss": False, "optimizer_undo": True, "cpu_memory_cap_bytes": None,
+        "schedule": "round_robin",
     }
     assert cfg.partition.policy == "compute"
     assert set(cfg.partition) >= {"policy", "forward_stages", "backward_stages", "manual_forward", "manual_backward", "replan_threshold"}
