@@ -20,6 +20,8 @@ from typing import Any, Mapping, Optional
 
 from omegaconf import OmegaConf
 
+from .schedule.dispatch_order import SCHEDULES
+
 PARTITION_POLICIES = ("compute", "params", "uniform", "auto", "manual")
 RECOMPUTE_CHOICES = ("auto", "always", "layer", "never")
 TRANSFER_KINDS = ("activation", "weights", "gradients")
@@ -246,6 +248,10 @@ class RuntimeOptions:
         its own statistics and the running statistics are updated once per microbatch, in
         microbatch order (``num_batches_tracked`` counts microbatches); see
         ``adapters/batch_statistics.py``.
+    schedule: the order stages are dispatched to workers in (``schedule/dispatch_order.py``):
+        "round_robin" (each stage to the worker after the previous one's, and the next call goes
+        on from where this one ended) or "sticky" (round-robin from worker 0 in every call, so a
+        stage always runs on the same worker).
     """
 
     microbatches: Optional[int] = None
@@ -269,6 +275,7 @@ class RuntimeOptions:
     logits_with_loss: bool = False
     optimizer_undo: bool = True
     batch_statistics: str = "refuse"
+    schedule: str = "round_robin"
 
     def validate(self, owner: str | None = None) -> "RuntimeOptions":
         """Check every field; ``owner`` is how the caller spelled the options (default: the class name)."""
@@ -296,6 +303,7 @@ class RuntimeOptions:
                   "staleness=1 is a mode of the overlapped optimizer: keep overlap_optimizer=True")
         _choice(owner, "pinned", self.pinned, PINNED_POLICIES)
         _choice(owner, "batch_statistics", self.batch_statistics, BATCH_STATISTICS)
+        _choice(owner, "schedule", self.schedule, tuple(SCHEDULES))
         return self
 
     def engine_options(self, num_workers: int, microbatches: int | None = None,

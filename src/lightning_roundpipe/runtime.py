@@ -25,6 +25,7 @@ from .options import OptionError, RuntimeOptions
 from .engine import PipelineEngine
 from .engine.buffers import expect_buffer_writes
 from .engine.microbatch import MicrobatchError, batch_size_of, register_batch_types
+from .schedule.dispatch_order import schedule_named
 from .schedule.plan import PlanError
 from .planning.defaults import CPU_MICROBATCH_OVERHEAD_S
 from .planning.keeper import PlanKeeper
@@ -67,7 +68,7 @@ class RoundPipeRuntime:
             expect_buffer_writes(layers[layer])  # per-microbatch statistics were asked for: no warning
         self.num_workers = num_workers
         self.trace = trace or TraceRecorder()
-        self.trace.enabled = bool(options.step_metrics or options.trace_steps)
+        self.trace.ask_for_timeline(bool(options.step_metrics or options.trace_steps))
         self.kept_steps: list[int] = []
         self.last_metrics: dict = {}
         self.last_tokens: int | None = None
@@ -109,7 +110,7 @@ class RoundPipeRuntime:
         self.pool = make_pool(backend, num_workers, device_indices=device_indices, **pool_opts)
         try:
             self.engine = PipelineEngine(layers, self.pool, self.planner.plan, engine_opts, shadows=self.shadows,
-                                         weight_gates=[self._weight_gates])
+                                         weight_gates=[self._weight_gates], schedule=schedule_named(options.schedule))
             if backend != "cpu":  # pin exactly what the uploads read, once; the pool unpins at shutdown
                 self.pool.pin_uploads(options.pinned, self.shadows.buffers() if self.shadows is not None else masters)
             if sync_gradients:
@@ -201,8 +202,7 @@ class RoundPipeRuntime:
         tokens = first.numel() if not first.is_floating_point() else first.numel() // max(1, first.shape[-1])
         plan = self.planner.first_batch(int(first.shape[0]), max(1, tokens))
         if plan is not None:
-            self.engine.set_plan(plan)
-            self.engine.options.microbatches = self.planner.microbatches
+            self.engine.set_plan(plan, self.planner.microbatches)
 
     def _check_batch_statistics(self, inputs) -> None:
         """Refuse, before anything runs, a call whose BatchNorm would see per-microbatch statistics."""
@@ -297,9 +297,7 @@ class RoundPipeRuntime:
     def begin_backward(self, accumulating: bool) -> None:
         """Before a backward: an accumulation-only one communicates nothing, a synced one starts afresh."""
         if self.grad_sync is not None:
-            self.grad_sync.blocked = accumulating
-            if not accumulating:
-                self.grad_sync.new_step()
+            self.grad_sync.begin_backward(accumulating)
 
     def end_backward(self) -> int:
         """After a synced backward: wait for every all-reduce (and reduce what is outside the pipeline).

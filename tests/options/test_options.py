@@ -232,3 +232,12 @@ def test_runtime_hands_host_state_to_the_engine_at_construction():
         assert plain.shadows is None and plain.engine.shadows is None
     finally:
         plain.detach()
+
+
+@pytest.mark.timeout(30)
+def test_schedule_option_names_the_schedules():
+    assert RoundPipeStrategy(schedule="sticky").options.schedule == "sticky"
+    assert RuntimeOptions().schedule == "round_robin"
+    with pytest.raises(OptionError, match=r"^RoundPipeStrategy\(schedule='zigzag'\): use one of 'round_robin', 'sticky'$"):
+        RoundPipeStrategy(schedule="zigzag")
+    assert "schedule: round_robin" in (CONF / "strategy" / "roundpipe.yaml").read_text()

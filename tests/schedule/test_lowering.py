@@ -8,6 +8,7 @@ from torch import nn
 
 from lightning_roundpipe import CpuWorkerPool, EngineOptions, PipelineEngine, simple_plan
 from lightning_roundpipe.engine.step import TableSizes
+from lightning_roundpipe.schedule.dispatch_order import ROUND_ROBIN, SCHEDULES, schedule_named
 from lightning_roundpipe.schedule.history import WorkerHistory
 from lightning_roundpipe.schedule.lowering import LoweringOptions, TaskGraph, lower
 from lightning_roundpipe.schedule.plan import Plan, PlanError
@@ -43,10 +44,10 @@ class SubmitRecorder:
         monkeypatch.setattr(Worker, "submit", submit)
 
 
-def run_steps(layers, plan, workers, recompute, fused, steps, monkeypatch):
+def run_steps(layers, plan, workers, recompute, fused, steps, monkeypatch, schedule=ROUND_ROBIN):
     pool = CpuWorkerPool(workers)
     opts = EngineOptions(microbatches=3, recompute=recompute, chunk_bytes=100)
-    eng = PipelineEngine(layers, pool, plan, opts)
+    eng = PipelineEngine(layers, pool, plan, opts, schedule=schedule)
     recorder = SubmitRecorder(monkeypatch)
     per_call = []
     try:
@@ -66,12 +67,14 @@ def run_steps(layers, plan, workers, recompute, fused, steps, monkeypatch):
 CASES = [(w, r, f) for w in (1, 2, 3, 5, 8) for r in (True, False) for f in (True, False)]
 
 
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("workers,recompute,fused", CASES)
-def test_engine_submits_exactly_the_lowered_graph(workers, recompute, fused, monkeypatch):
+def test_engine_submits_exactly_the_lowered_graph(workers, recompute, fused, schedule, monkeypatch):
     n = 8
     layers = mlp(depth=n - 1, width=4) + [LossHead(4) if fused else nn.Linear(4, 4)]
     plan = simple_plan(n, workers, same_cuts=not recompute, fused_last=fused)
-    eng, opts, per_call = run_steps(layers, plan, workers, recompute, fused, 2, monkeypatch)
+    schedule = SCHEDULES[schedule]
+    eng, opts, per_call = run_steps(layers, plan, workers, recompute, fused, 2, monkeypatch, schedule)
 
     history = WorkerHistory(workers)  # a mirror over (call, task id) tokens
     token_of = {}
@@ -79,7 +82,7 @@ def test_engine_submits_exactly_the_lowered_graph(workers, recompute, fused, mon
         graph = lower(plan, workers, history.next_worker, TableSizes(eng.tables, None, opts.chunk_bytes),
                       LoweringOptions(microbatches=3, training=True, fused=fused, recompute=recompute,
                                       prefetch_depth=1, priorities=dict(opts.priorities),
-                                      first_serial=history.next_serial + 1))
+                                      first_serial=history.next_serial + 1, schedule=schedule))
         history.advance(graph)
         assert len(submitted) == len(graph), graph.to_text()
         for t, s in zip(graph, submitted):
@@ -135,6 +138,26 @@ def test_graph_text_form_round_robin_and_waits():
     assert [t.deps for t in loss] == [(fused[0].id,)]
 
 
+def test_sticky_schedule_runs_each_stage_on_the_same_worker_in_every_call():
+    plan = Plan.from_text("F 0:2 2:4 | B 0:1 1:2 2:4 | fused")  # four dispatched stages
+    workers = {}
+    for name in ("round_robin", "sticky"):
+        history = WorkerHistory(3)
+        calls = []
+        for _ in range(3):
+            graph = lower(plan, 3, history.next_worker, FlatSizes(),
+                          LoweringOptions(microbatches=1, fused=True, schedule=SCHEDULES[name]))
+            history.advance(graph)
+            calls.append(graph.stage_workers)
+        workers[name] = calls
+    # Round-robin goes on from the worker after the last stage: 0 1 2 0 | 1 2 0 1 | 2 0 1 2.
+    assert [c["F0"] for c in workers["round_robin"]] == [0, 1, 2]
+    assert workers["sticky"] == [{"F0": 0, "F1": 1, "B1": 2, "B0": 0}] * 3
+    assert workers["sticky"][0] == workers["round_robin"][0]
+    with pytest.raises(PlanError, match=r"unknown schedule 'zigzag'; the schedules are \['round_robin', 'sticky'\]"):
+        schedule_named("zigzag")
+
+
 def test_without_fused_stage_backward_is_its_own_phase_and_saves_recompute_inputs():
     plan = Plan.from_text("F 0:4 | B 0:2 2:4")
     graph = lower(plan, 2, 0, FlatSizes(), LoweringOptions(microbatches=2))
@@ -177,7 +200,7 @@ def _hardware(num_gpus, link):
                            cpu_optimizer_params_per_s=float("inf"))
 
 
-def predictor_vs_simulator_errors(trials=16, seed=3):
+def predictor_vs_simulator_errors(trials=16, seed=3, schedule="round_robin"):
     """Relative errors (prediction - simulation) / simulation of the step time over a set of plans:
     1-8 workers, 1-8 microbatches, fused and not, free and limited links, simple and auto plans."""
     import random
@@ -202,19 +225,22 @@ def predictor_vs_simulator_errors(trials=16, seed=3):
                  partition("auto", costs, workers, m, fused_last=fused, link_bytes_per_second=link_arg,
                            stage_overhead_s=0.0)]
         for plan in plans:
-            predicted = predict(plan, costs, workers, m, link_bytes_per_second=link_arg, stage_overhead_s=0.0).step_s
-            simulated = simulate_roundpipe(plan, costs, _hardware(workers, link), m, config=SimConfig(steps=3)).step_s
+            predicted = predict(plan, costs, workers, m, link_bytes_per_second=link_arg, stage_overhead_s=0.0,
+                                schedule=SCHEDULES[schedule]).step_s
+            simulated = simulate_roundpipe(plan, costs, _hardware(workers, link), m,
+                                           config=SimConfig(steps=3, schedule=schedule)).step_s
             errors.append((predicted - simulated) / simulated)
     return errors
 
 
-def test_predictor_agrees_with_the_simulator_of_the_lowered_graph():
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_predictor_agrees_with_the_simulator_of_the_lowered_graph(schedule):
     # The partitioner prices stages with a list-scheduling model (fast enough for thousands of
     # plans); the simulator times the lowered graph task by task. Stated tolerance: the median
     # plan within 2%, nine in ten within 5%, every plan within 25% (measured on these 32 plans:
     # median 1.3%, 90th percentile 4.2%, worst 22%, a 7-worker plan with one microbatch and a
     # limited link, where the model's per-stage prefetch misses contention for the link).
-    errors = sorted(abs(e) for e in predictor_vs_simulator_errors())
+    errors = sorted(abs(e) for e in predictor_vs_simulator_errors(schedule=schedule))
     assert len(errors) == 32
     assert errors[len(errors) // 2] <= 0.02
     assert errors[int(0.9 * len(errors)) - 1] <= 0.05

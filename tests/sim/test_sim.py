@@ -8,6 +8,7 @@ import random
 import pytest
 
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
+from lightning_roundpipe.schedule.dispatch_order import SCHEDULES
 from lightning_roundpipe.schedule.plan import Plan, PlanError
 from lightning_roundpipe.sim import (
     HardwareProfile,
@@ -332,8 +333,17 @@ def _random_costs(rng: random.Random, n: int) -> CostProfile:
     return CostProfile(layers, tokens_per_microbatch=tokens)
 
 
-@pytest.mark.parametrize("host_barriers", [False, True])
-def test_peak_memory_never_exceeds_two_stages_plus_one_microbatch_of_activations(host_barriers):
+# Without host barriers the next call's prefetch overlaps this call's last stage, which the memory
+# model does not count (cost/memory.py: overlaps_next). Round-robin's cross-call neighbours happen
+# to stay within the bound on these plans; the sticky order puts a stage's own next-call
+# forward behind its backward and goes past it (1993 > 1913 bytes on worker 1 of one plan).
+_NO_BARRIER_STICKY = pytest.mark.xfail(strict=True, reason="memory model leaves out cross-call prefetch")
+
+
+@pytest.mark.parametrize("host_barriers,schedule", [
+    (False, "round_robin"), pytest.param(False, "sticky", marks=_NO_BARRIER_STICKY),
+    (True, "round_robin"), (True, "sticky")])
+def test_peak_memory_never_exceeds_two_stages_plus_one_microbatch_of_activations(host_barriers, schedule):
     rng = random.Random(7)
     for trial in range(12):
         n = rng.randint(2, 9)
@@ -342,9 +352,9 @@ def test_peak_memory_never_exceeds_two_stages_plus_one_microbatch_of_activations
         plan = balanced_plan(costs, rng.randint(2, 2 * n), fused_last=bool(trial % 2))
         hw = ideal(workers, host_device_bytes_per_s=rng.choice([50.0, 500.0]), latency_s=0.01,
                    cpu_optimizer_params_per_s=200.0)
-        config = SimConfig(chunk_bytes=64, host_barriers=host_barriers)
+        config = SimConfig(chunk_bytes=64, host_barriers=host_barriers, schedule=schedule)
         result = simulate_roundpipe(plan, costs, hw, rng.randint(1, 6), config=config)
-        bound = roundpipe_gpu_bytes(plan, costs, workers)
+        bound = roundpipe_gpu_bytes(plan, costs, workers, schedule=SCHEDULES[schedule])
         assert all(0 < p <= b for p, b in zip(result.peak_gpu_bytes, bound) if b), (plan, result.peak_gpu_bytes, bound)
         if host_barriers:
             _check_host_barriers(result, plan)

@@ -29,7 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .profile import CostProfile
-from ..schedule.plan import Plan, Stage, dispatch
+from ..schedule.dispatch_order import ROUND_ROBIN, Schedule
+from ..schedule.plan import Plan, Stage
 from .view import CostView
 
 FP32_STATE_BYTES_PER_TRAINABLE = 16  # master weight, gradient, Adam m and v, all fp32
@@ -84,16 +85,17 @@ def stage_activation_bytes(plan: Plan, view: CostView, stage: Stage, recompute: 
     return graph, inputs, outputs
 
 
-def worker_stages(plan: Plan, num_workers: int, continue_round_robin: bool = True) -> list[list[Stage]]:
-    """Each worker's stages in the order it runs them (over enough steps for the round-robin
-    offset to come back to where it started, unless ``continue_round_robin`` is False)."""
+def worker_stages(plan: Plan, num_workers: int, continue_round_robin: bool = True,
+                  schedule: Schedule = ROUND_ROBIN) -> list[list[Stage]]:
+    """Each worker's stages in the order it runs them (over ``num_workers`` steps, enough for the
+    schedule's cursor to come back to where it started, unless ``continue_round_robin`` is False:
+    one step)."""
     per_worker: list[list[Stage]] = [[] for _ in range(num_workers)]
     first, n_tasks = 0, len(plan.forward) + len(plan.dispatched_backward_stages())
     for _ in range(num_workers if continue_round_robin else 1):
-        for task in dispatch(plan, num_workers, first):
+        for task in schedule.dispatch(plan, num_workers, first):
             per_worker[task.worker].append(task.stage)
-        if continue_round_robin:
-            first = (first + n_tasks) % num_workers
+        first = schedule.cursor_after(first, n_tasks, num_workers)
     return per_worker
 
 
@@ -174,17 +176,18 @@ def stage_peak_bytes(plan: Plan, view: CostView, stages: list[Stage], k: int,
 
 def roundpipe_gpu_bytes(plan: Plan, costs: CostProfile, num_workers: int, continue_round_robin: bool = True,
                         link_bytes_per_second: float | None = None, microbatches: int | None = None,
-                        recompute: str = "stage") -> list[int]:
+                        recompute: str = "stage", schedule: Schedule = ROUND_ROBIN) -> list[int]:
     """Peak bytes of each worker while running ``plan``: the largest :func:`stage_peak_bytes` of its
     stages. ``link_bytes_per_second`` (default: the profile's; ``math.inf`` for the CPU backend,
     whose transfers are memory copies) decides which transfers may still be pending at a peak;
     ``microbatches`` 1 means no next microbatch is uploaded ahead (None: at least two);
-    ``recompute``: the grain of backward stages, "stage" or "layer"."""
+    ``recompute``: the grain of backward stages, "stage" or "layer"; ``schedule``: which stages
+    share a worker (:mod:`~lightning_roundpipe.schedule.dispatch_order`)."""
     view = CostView(costs)
     link = costs.link_bytes_per_second if link_bytes_per_second is None else link_bytes_per_second
     return [max((stage_peak_bytes(plan, view, stages, k, link, microbatches, recompute) for k in range(len(stages))),
                 default=0)
-            for stages in worker_stages(plan, num_workers, continue_round_robin)]
+            for stages in worker_stages(plan, num_workers, continue_round_robin, schedule)]
 
 
 @dataclass

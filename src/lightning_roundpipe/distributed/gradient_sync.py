@@ -143,6 +143,12 @@ class GradientSync:
                 dist.all_reduce(p.grad, group=self.group)
                 p.grad.div_(self.world)
 
+    def begin_backward(self, accumulating: bool) -> None:
+        """Before a backward: an accumulation-only one communicates nothing, a synced one starts afresh."""
+        self.blocked = accumulating
+        if not accumulating:
+            self.new_step()
+
     def new_step(self) -> None:
         """Forget the previous step's reductions."""
         self._done_layers = set()

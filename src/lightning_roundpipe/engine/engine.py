@@ -10,6 +10,7 @@ a plain run would. Knows nothing of Lightning.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from typing import Any, Callable, Sequence
 
@@ -17,8 +18,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..schedule.dispatch_order import ROUND_ROBIN, Schedule
 from ..schedule.history import WorkerHistory
-from ..schedule.lowering import LoweringOptions, TaskGraph, lower
 from ..schedule.plan import Plan, PlanError
 from ..workers.completions import Completion, WorkerError
 from ..workers.pool import WorkerPool
@@ -27,7 +28,9 @@ from .microbatch import merge_microbatches, split_microbatches
 from .calls import PipelineCalls
 from .module_lock import ModuleLock
 from .rng import CPU_GENERATOR, uses_randomness
-from .step import HostCarry, StepRun, TableSizes
+from .carry import HostCarry
+from .step import StepRun
+from .step_context import StepContext
 from ..params.weights import HostGradBuffers, LayerTable
 
 
@@ -39,7 +42,8 @@ class PipelineEngine:
     """Runs ``layers`` as a RoundPipe pipeline over ``pool`` according to ``plan``."""
 
     def __init__(self, layers: Sequence[nn.Module], pool: WorkerPool, plan: Plan, options: EngineOptions | None = None,
-                 *, shadows=None, weight_gates: Sequence[Callable[[range], list[Completion]]] = ()):
+                 *, shadows=None, weight_gates: Sequence[Callable[[range], list[Completion]]] = (),
+                 schedule: Schedule = ROUND_ROBIN):
         self.layers = list(layers)
         self.options = (options or EngineOptions()).validate()
         self.tables = [LayerTable(layer) for layer in self.layers]
@@ -48,17 +52,19 @@ class PipelineEngine:
         self.pool = pool.start()
         if self.options.measure_tasks:
             pool.trace.keep_task_times()
+        self.schedule = schedule  # the dispatch order; its cursor lives in the history
         self.history: WorkerHistory[Completion] = WorkerHistory(len(pool))  # cursor and slots, across steps
         self._weight_gates = list(weight_gates)
         self._anchor = torch.zeros((), requires_grad=True)
         self.calls = PipelineCalls(self._anchor, self.master_parameters)  # calls still owing weight gradients
         self.step_count = 0
         self.last_run: StepRun | None = None
-        self.measurements: list = []  # (stage, kind, seconds) of the last finished call, for the cost profile
+        self._finished: StepRun | None = None  # the last call whose computes have all run
         self.grad_hooks: list = []  # called with a layer range once its gradients are on the host
         self.step_end_hooks: list = []  # called with the StepRun after each training backward
         self.shadows = shadows  # a ShadowStore: uploads read compute-dtype copies of the masters
         self.grad_buffers = HostGradBuffers()  # .grad tensors reused across steps (no fresh pages per step)
+        self.context = self._context()
 
     # ------------------------------------------------------------------ plan
     def _checked(self, plan: Plan) -> Plan:
@@ -72,25 +78,27 @@ class PipelineEngine:
             )
         return plan
 
-    def set_plan(self, plan: Plan) -> None:
-        self.plan = self._checked(plan)
+    def set_plan(self, plan: Plan, microbatches: int | None = None) -> None:
+        """Run the next calls with ``plan`` (and ``microbatches`` per batch, when given)."""
+        plan = self._checked(plan)
+        if microbatches is not None:
+            self.options = dataclasses.replace(self.options, microbatches=microbatches).validate()
+        self.plan = plan
+        self.context = self._context()
+
+    def _context(self) -> StepContext:
+        """What a call needs, for the calls to come (a call keeps the one it started with)."""
+        return StepContext(tuple(self.layers), tuple(self.layer_locks), tuple(self.tables), self.pool, self.plan,
+                           self.options, self.schedule, self.history, self.grad_buffers, self.weight_gates,
+                           self.notify_grads_accumulated, self.shadows)
 
     def describe(self) -> str:
         return self.plan.describe(len(self.pool))
 
-    # ------------------------------------------------------------------ used by StepRun
-    def lower_step(self, microbatches: int, *, training: bool, fused: bool, input_gradient: bool,
-                   kept_backward: bool = True) -> TaskGraph:
-        """The next call's task graph, dispatched from where the previous one left off."""
-        o = self.options
-        graph = lower(self.plan, len(self.pool), self.history.next_worker,
-                      TableSizes(self.tables, o.compute_dtype, o.chunk_bytes),
-                      LoweringOptions(microbatches=microbatches, training=training, fused=fused, recompute=o.recompute,
-                                      layer_recompute=o.layer_recompute, kept_backward=kept_backward,
-                                      input_gradient=input_gradient, prefetch_depth=int(o.prefetch_depth),
-                                      priorities=dict(o.priorities), first_serial=self.history.next_serial + 1))
-        self.history.advance(graph)
-        return graph
+    @property
+    def measurements(self) -> list:
+        """(stage, kind, seconds) of the last finished call, for the cost profile (``StepRun.measurements``)."""
+        return [] if self._finished is None else self._finished.measurements
 
     def add_weight_gate(self, gate: Callable[[range], list[Completion]]) -> None:
         """Make every weights upload of layers ``ids`` also wait for ``gate(ids)`` (e.g. new weight versions).
@@ -143,18 +151,24 @@ class PipelineEngine:
         if not self.pool.trace.enabled:
             # A training call whose backward never ran leaves its task times unread.
             self.pool.trace.discard_before(self.step_count - UNREAD_CALLS_KEPT)
-        run = StepRun(self, microbatches, training=training, loss_scale=loss_scale, input_requires_grad=input_requires_grad)
+        run = StepRun(self.context, microbatches, step=self.step_count, autocast=self.autocast_state(),
+                      training=training, loss_scale=loss_scale, input_requires_grad=input_requires_grad)
         self.last_run = run
         if not training:
             with torch.no_grad():
                 outs = self._guarded(run.forward)
-            self.measurements = run.measurements
+            self._call_finished(run)
             return self._finish_outputs(outs, loss_scale)
         self.calls.started(run)
         out = _PipelineFunction.apply(self, run, self._anchor, *tensor_inputs)
         if loss_scale is not None:
             return out[0]
         return pytree.tree_unflatten(list(out), run.output_spec)
+
+    def _call_finished(self, run: StepRun) -> None:
+        """Every compute of ``run`` has run: its measurements are the engine's latest."""
+        run.measurements  # read now: the trace drops the call's records once read
+        self._finished = run
 
     def _finish_outputs(self, outs: list[HostCarry], loss_scale):
         trees = [o.tree() for o in outs]
@@ -235,17 +249,14 @@ class _PipelineFunction(torch.autograd.Function):
         if run.fused:
             engine._guarded(run.forward)
             loss = engine._guarded(run.fused_loss)
-            run.output_spec = None
-            run.output_is_float = [True]
+            run.record_outputs(None, [True], [])
             return (loss,)
         outs = engine._guarded(run.forward)
         merged = engine._finish_outputs(outs, run.loss_scale)
         leaves, spec = pytree.tree_flatten(merged)
         if not all(isinstance(x, torch.Tensor) for x in leaves):
             raise TypeError("a pipelined module under autograd must return tensors only (a tensor, tuple or dict of tensors)")
-        run.output_spec = spec
-        run.output_is_float = [x.is_floating_point() for x in leaves]
-        run.output_sizes = [o.tree() for o in outs]
+        run.record_outputs(spec, [x.is_floating_point() for x in leaves], [o.tree() for o in outs])
         ctx.mark_non_differentiable(*[x for x in leaves if not x.is_floating_point()])
         return tuple(leaves)
 
@@ -259,7 +270,7 @@ class _PipelineFunction(torch.autograd.Function):
             else:
                 per_mb = _split_output_grads(run, grads)
                 input_grads = engine._guarded(run.backward, per_mb, None, weights_wanted)
-        engine.measurements = run.measurements
+        engine._call_finished(run)
         for hook in engine.step_end_hooks:
             hook(run)
         n_inputs = len(ctx.needs_input_grad) - 3

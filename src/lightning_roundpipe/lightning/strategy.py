@@ -9,6 +9,7 @@ parameters whose ``.grad`` the pipeline filled.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import ExitStack
 from datetime import timedelta
 
@@ -136,7 +137,8 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
                                                         "RoundPipeStrategy(trace_dir)")
         super().setup(trainer)  # precision conversion, model to host, optimizers
         target = find_target(self.lightning_module, self.options.module)
-        self.options.compute_dtype = compute_dtype_of(self.precision_plugin)
+        # The precision plugin decides the upload dtype: a new options value, the validated one left as it was.
+        self.options = dataclasses.replace(self.options, compute_dtype=compute_dtype_of(self.precision_plugin))
         if self.world_size > 1:
             from ..distributed.gradient_sync import broadcast_module
 

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..cost.profile import CostProfile, StageCost, StageCostModel
-from ..schedule.plan import Plan, PlanError, Stage, dispatch
+from ..schedule.dispatch_order import ROUND_ROBIN, Schedule
+from ..schedule.plan import Plan, PlanError, Stage
 
 DEFAULT_STAGE_OVERHEAD_S = 1e-3  # per dispatched stage: event waits, kernel-launch gaps, Python dispatch
 
@@ -72,11 +73,12 @@ class Prediction:
     host_s: float = 0.0  # of step_s, the host's own work (HostWork.step_s)
 
 
-def dispatched_stage_costs(plan: Plan, model: StageCostModel) -> list[tuple[Stage, StageCost]]:
+def dispatched_stage_costs(plan: Plan, model: StageCostModel,
+                           schedule: Schedule = ROUND_ROBIN) -> list[tuple[Stage, StageCost]]:
     """(stage, cost) of every dispatched stage in dispatch order; the fused stage is the last forward one."""
     out = []
     last = len(plan.forward) - 1
-    for task in dispatch(plan, 1):
+    for task in schedule.dispatch(plan, 1):
         stage = task.stage
         if stage.direction == "B":
             kind = "backward"
@@ -92,7 +94,7 @@ SCHEDULED_MICROBATCHES = 256  # beyond this many microbatches per step, the stea
 def list_schedule(stages: Sequence[StageCost], workers: Sequence[int], num_forward: int, num_workers: int,
               overhead_s: float, barrier: bool = True, host: HostWork = NO_HOST_WORK,
               microbatch_overhead_s: float = 0.0) -> tuple[float, float, float]:
-    """List scheduling of one step, stage ``k`` on ``workers[k]`` (:func:`~..schedule.plan.dispatch`);
+    """List scheduling of one step, stage ``k`` on ``workers[k]`` (a :class:`~..schedule.dispatch_order.Schedule`'s);
     returns (step seconds, busy compute seconds, forward end).
 
     ``barrier``: backward waits for the whole forward and then ``host.between_s`` for the host's
@@ -168,14 +170,15 @@ def predict(
     recompute: bool = True,
     host: HostWork = NO_HOST_WORK,
     microbatch_overhead_s: float = 0.0,
+    schedule: Schedule = ROUND_ROBIN,
 ) -> Prediction:
     """Predict step time, bubble fraction and per-stage seconds/memory of ``plan`` (see module doc)."""
     check_inputs(costs, num_workers, microbatches)
     if plan.num_layers != len(costs):
         raise PlanError(f"the plan covers {plan.num_layers} layers but the cost profile has {len(costs)}")
     model = StageCostModel(costs, microbatches, link_speed(costs, link_bytes_per_second), recompute)
-    staged = dispatched_stage_costs(plan, model)
-    workers = [t.worker for t in dispatch(plan, num_workers)]
+    staged = dispatched_stage_costs(plan, model, schedule)
+    workers = [t.worker for t in schedule.dispatch(plan, num_workers)]
     step, busy, forward_end = list_schedule([sc for _, sc in staged], workers, len(plan.forward), num_workers,
                                         stage_overhead_s, barrier=not plan.fused_last, host=host,
                                         microbatch_overhead_s=microbatch_overhead_s)

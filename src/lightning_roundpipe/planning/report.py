@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 
 from ..cost.profile import CostProfile, StageCostModel, format_bytes, format_count, format_seconds
 from .predictor import DEFAULT_STAGE_OVERHEAD_S, NO_HOST_WORK, HostWork, dispatched_stage_costs, link_speed, predict
-from ..schedule.plan import Plan, dispatch
+from ..schedule.dispatch_order import ROUND_ROBIN, Schedule
+from ..schedule.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ def build_report(
     host: HostWork = NO_HOST_WORK,
     host_source: str = "estimate",
     microbatch_overhead_s: float = 0.0,
+    schedule: Schedule = ROUND_ROBIN,
 ) -> PlanReport:
     """Report of ``plan`` under ``costs``; the timing-model options default to those stored in
     ``plan.facts`` by :func:`.partition.partition`, then to the partitioner's defaults. ``host``:
@@ -150,10 +152,10 @@ def build_report(
     prediction = predict(
         plan, costs, num_workers, microbatches,
         link_bytes_per_second=link, stage_overhead_s=stage_overhead_s, recompute=recompute, host=host,
-        microbatch_overhead_s=microbatch_overhead_s,
+        microbatch_overhead_s=microbatch_overhead_s, schedule=schedule,
     )
     model = StageCostModel(costs, microbatches, link, recompute)
-    workers = {task.stage.name: task.worker for task in dispatch(plan, num_workers)}
+    workers = {task.stage.name: task.worker for task in schedule.dispatch(plan, num_workers)}
     params, active = costs.layer_params(), costs.layer_active_params()
     rows = [
         ReportRow(
@@ -169,7 +171,7 @@ def build_report(
             params=sum(params[stage.start:stage.end]),
             active_params=sum(active[stage.start:stage.end]),
         )
-        for stage, sc in dispatched_stage_costs(plan, model)
+        for stage, sc in dispatched_stage_costs(plan, model, schedule)
     ]
     moe = [MoeLayerShape(i, p, a) for i, (p, a) in enumerate(zip(params, active)) if 0 < a < p]
     between = 0.0 if plan.fused_last else host.between_s

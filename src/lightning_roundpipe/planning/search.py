@@ -17,7 +17,8 @@ from typing import Sequence
 
 from ..cost.profile import StageCost, StageCostModel
 from ..schedule.cuts import MinMaxCuts
-from ..schedule.plan import LayerRange, Plan, PlanError, dispatch
+from ..schedule.dispatch_order import ROUND_ROBIN, Schedule
+from ..schedule.plan import LayerRange, Plan, PlanError
 from ..setup_progress import ProgressCallback, report
 from .predictor import dispatched_stage_costs, list_schedule
 
@@ -47,8 +48,8 @@ class Search:
 
     def __init__(self, model: StageCostModel, num_workers: int, cap: float, fused_last: bool, recompute: bool,
                  overhead_s: float, progress: ProgressCallback | None = None,
-                 microbatch_overhead_s: float = 0.0) -> None:
-        self.model, self.num_workers, self.cap = model, num_workers, cap
+                 microbatch_overhead_s: float = 0.0, schedule: Schedule = ROUND_ROBIN) -> None:
+        self.model, self.num_workers, self.cap, self.schedule = model, num_workers, cap, schedule
         self.fused_last, self.recompute, self.overhead_s = fused_last, recompute, overhead_s
         self.microbatch_overhead_s = microbatch_overhead_s
         self.n = len(model.costs)
@@ -95,11 +96,11 @@ class Search:
         if key in self.seen:
             return self.seen[key]
         plan = self.plan(fcuts, bcuts)
-        staged = [sc for _, sc in dispatched_stage_costs(plan, self)]
+        staged = [sc for _, sc in dispatched_stage_costs(plan, self, self.schedule)]
         if any(sc.memory_bytes > self.cap for sc in staged):
             value = INF  # some stage breaks the memory budget
         else:
-            workers = [t.worker for t in dispatch(plan, self.num_workers)]
+            workers = [t.worker for t in self.schedule.dispatch(plan, self.num_workers)]
             value = list_schedule(staged, workers, len(plan.forward), self.num_workers, self.overhead_s,
                                   barrier=not self.fused_last, microbatch_overhead_s=self.microbatch_overhead_s)[0]
         self.seen[key] = value

@@ -3,8 +3,9 @@
 This is the only place where the rules of a RoundPipe step live; the executor submits the
 graph, the simulator times it and the partitioner's test checks its predictor against that:
 
-- round-robin: forward stages in order, then the dispatched backward stages (last layers
-  first), each to the next worker after ``first_worker`` (:func:`~.plan.dispatch`);
+- dispatch (:mod:`.dispatch_order`): forward stages in order, then the dispatched backward
+  stages (last layers first), each to the worker the schedule names (round-robin by default:
+  the next worker after ``first_worker``, the history's cursor);
 - per stage: its weights go up (in chunks), then per microbatch its input (and, in backward,
   the gradient of its output) goes up, the worker computes, and what another stage needs
   comes down: the output and the stage-internal inputs backward recomputes from, or the input
@@ -36,10 +37,33 @@ there are only known when a task runs, so they are 0 in the graph).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .plan import Plan, PlanError, Stage, dispatch
+from . import passes
+from .dispatch_order import ROUND_ROBIN, Schedule
+from .plan import Plan, PlanError
+
+
+
+class TaskKind(enum.StrEnum):
+    """What a task does; the engine's handler table (engine/task_work.py) has one entry per kind."""
+
+    WEIGHTS = "weights"
+    ACT_IN = "act_in"
+    GRAD_IN = "grad_in"
+    FORWARD = "forward"
+    FUSED = "fused"
+    BACKWARD = "backward"
+    ACT_OUT = "act_out"
+    ACT_SAVE = "act_save"
+    GRAD_OUT = "grad_out"
+    LOSS = "loss"
+    WGRAD = "wgrad"
+    RELEASE = "release"
+    FREE_KEPT = "free_kept"
+
 
 LANES = ("upload", "compute", "download")
 LANE_KINDS = {
@@ -84,6 +108,7 @@ class LoweringOptions:
         backward: its first one freed the kept graphs).
     input_gradient: the input gradient of layer 0 comes home (the caller's input needs grad).
     first_serial: serial of the first stage, continuing the previous steps' (transfer priorities).
+    schedule: which worker runs each stage, and where the next call starts (:mod:`.dispatch_order`).
     """
 
     microbatches: int = 2
@@ -96,6 +121,7 @@ class LoweringOptions:
     prefetch_depth: int = 1
     priorities: dict = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
     first_serial: int = 0
+    schedule: Schedule = ROUND_ROBIN
 
 
 @dataclass(frozen=True)
@@ -105,7 +131,7 @@ class GraphTask:
     id: int
     worker: int
     lane: str
-    kind: str
+    kind: TaskKind
     stage: str  # stage name, e.g. "F0" or "B3"
     microbatch: int  # -1 for per-stage tasks
     bytes: int
@@ -118,6 +144,9 @@ class GraphTask:
     waits: tuple[tuple[str, int], ...] = ()  # (history, back) entries on this worker's history
     layers: tuple[int, int] | None = None  # weight uploads and gradient downloads: the layers they cover
     grain: str = ""  # backward and fused computes that recompute: "stage" or "layer"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", TaskKind(self.kind))
 
     def to_text(self) -> str:
         mb = f" mb{self.microbatch}" if self.microbatch >= 0 else ""
@@ -176,100 +205,9 @@ class TaskGraph:
         return self
 
 
-class _Builder:
-    def __init__(self, plan: Plan, num_workers: int, sizes: Sizes, options: LoweringOptions) -> None:
-        self.plan, self.nw, self.sizes, self.o = plan, num_workers, sizes, options
-        self.tasks: list[GraphTask] = []
-        self.rank = options.priorities
-        self.acts: dict[tuple[int, int], int] = {}  # (boundary, mb) -> download that brought it home
-        self.grads: dict[tuple[int, int], int] = {}
-        self.forward_worker: dict[int, int] = {}  # kept graphs: forward stage index -> the worker holding it
-
-    def add(self, worker, lane, kind, stage: Stage, mb, nbytes, deps, priority, phase, boundary=-1, waits=(),
-            layers=None, grain="") -> int:
-        tid = len(self.tasks)
-        self.tasks.append(GraphTask(tid, worker, lane, kind, stage.name, mb, int(nbytes), tuple(deps), int(priority),
-                                    phase, stage.start, stage.end, boundary, tuple(waits), layers, grain))
-        return tid
-
-    def upload_priority(self, kind: str, serial: int) -> int:
-        return serial * UPLOAD_STRIDE + int(self.rank[PRIORITY_CLASS[kind]])
-
-    def download_priority(self, kind: str, serial: int) -> int:
-        return int(self.rank[PRIORITY_CLASS[kind]]) * DOWNLOAD_STRIDE + serial
-
-    def stage(self, stage: Stage, worker: int, serial: int, phase: str, kind: str) -> None:
-        o, plan, m = self.o, self.plan, self.o.microbatches
-        keep = o.training and not o.recompute
-        backward = stage.direction == "B"
-        kept_backward = backward and keep and o.kept_backward
-        weights = []
-        if not kept_backward:
-            waits = (("release", int(o.prefetch_depth) + 1),)
-            for a, b, nbytes in self.sizes.weight_chunks(stage.start, stage.end):
-                weights.append(self.add(worker, "upload", "weights", stage, -1, nbytes, (), self.upload_priority(
-                    "weights", serial), phase, waits=waits, layers=(a, b)))
-        in_prio = self.upload_priority("act_in", serial)
-        saves = ([b for b in plan.saved_boundaries() if stage.start < b < stage.end]
-                 if stage.direction == "F" and o.training and o.recompute and kind == "forward" else [])
-        grain = ""
-        if kind in ("backward", "fused") and o.training and o.recompute:
-            grain = "layer" if o.layer_recompute else "stage"
-        last = None
-        computes = []
-        for i in range(m):
-            inputs = []
-            buffer = (("compute", INPUT_BUFFERS),)
-            if not kept_backward:
-                src = self.acts.get((stage.start, i))
-                inputs.append(self.add(worker, "upload", "act_in", stage, i, self.sizes.boundary_bytes(stage.start),
-                                       () if src is None else (src,), in_prio, phase, stage.start, buffer))
-            if backward:
-                src = self.grads.get((stage.end, i))
-                g_in = self.add(worker, "upload", "grad_in", stage, i, self.sizes.boundary_bytes(stage.end),
-                                () if src is None else (src,), in_prio, phase, stage.end, buffer)
-                inputs.append(g_in)
-            deps = weights + inputs
-            last = self.add(worker, "compute", kind, stage, i, 0, deps, 0, phase, waits=(("outputs", INPUT_BUFFERS),),
-                            grain=grain)
-            computes.append(last)
-            act_prio = self.download_priority("act_out", serial)
-            if kind == "fused":
-                self.add(worker, "download", "loss", stage, i, LOSS_BYTES, (last,), act_prio, phase)
-            if kind == "forward":
-                self.acts[(stage.end, i)] = self.add(worker, "download", "act_out", stage, i,
-                                                     self.sizes.boundary_bytes(stage.end), (last,), act_prio, phase,
-                                                     stage.end)
-                for b in saves:
-                    self.acts[(b, i)] = self.add(worker, "download", "act_save", stage, i, self.sizes.boundary_bytes(b),
-                                                 (last,), act_prio, phase, b)
-            elif stage.start > 0 or o.input_gradient:
-                self.grads[(stage.start, i)] = self.add(worker, "download", "grad_out", stage, i,
-                                                        self.sizes.boundary_bytes(stage.start), (last,), act_prio,
-                                                        phase, stage.start)
-        if kind == "forward":
-            if keep:
-                self.forward_worker[stage.index] = worker
-                return  # the kept graph holds the weights until this stage's backward
-            self.add(worker, "download", "release", stage, -1, 0, (last,), RELEASE_PRIORITY, phase)
-            return
-        # The weight gradients are the sum over every microbatch's compute, so the download depends
-        # on each of them: a failure on any microbatch reaches the host's wait for the gradients
-        # (on the last one alone, a failed microbatch whose failure feeds nothing else was lost).
-        wgrads = [self.add(worker, "download", "wgrad", stage, -1, nbytes, tuple(computes),
-                           self.download_priority("wgrad", serial), phase, layers=(a, b))
-                  for a, b, nbytes in self.sizes.grad_chunks(stage.start, stage.end)]
-        deps = tuple(wgrads) or (last,)
-        if kept_backward:
-            # The kept weights live on the forward's worker (the CPU backend's workers share memory).
-            self.add(self.forward_worker[stage.index], "download", "free_kept", stage, -1, 0, deps, RELEASE_PRIORITY,
-                     phase)
-        else:
-            self.add(worker, "download", "release", stage, -1, 0, deps, RELEASE_PRIORITY, phase)
-
-
 def lower(plan: Plan, num_workers: int, first_worker: int, sizes: Sizes, options: LoweringOptions) -> TaskGraph:
-    """The step's task graph: ``plan`` dispatched round-robin from ``first_worker`` (see the module doc)."""
+    """The step's task graph: ``plan`` dispatched by ``options.schedule`` from ``first_worker`` (the
+    history's cursor), then lowered by the four passes of :mod:`.passes` (see the module doc)."""
     if options.microbatches < 1:
         raise PlanError(f"a step needs at least one microbatch, got {options.microbatches}")
     if options.layer_recompute and not options.recompute:
@@ -277,24 +215,14 @@ def lower(plan: Plan, num_workers: int, first_worker: int, sizes: Sizes, options
     if options.training and not options.recompute and not plan.same_cuts():
         raise PlanError(f"without recompute backward stages must be cut like forward ones; got {plan.to_text()}")
     fused = options.training and options.fused and plan.fused_last
-    n_forward = len(plan.forward)
     # The plan's fused stage runs as a plain forward and backward stage when the loss is computed outside.
-    tasks = dispatch(plan, num_workers, first_worker, fused=fused)
+    dispatched = options.schedule.dispatch(plan, num_workers, first_worker, fused=fused)
     if not options.training:
-        tasks = tasks[:n_forward]
-    builder = _Builder(plan, num_workers, sizes, options)
-    stage_workers: dict[str, int] = {}
-    for k, task in enumerate(tasks):
-        stage = task.stage
-        serial = options.first_serial + k
-        if stage.direction == "F":
-            kind = "fused" if fused and stage.index == n_forward - 1 else "forward"
-            phase = "forward"
-        else:
-            kind, phase = "backward", "forward" if fused else "backward"
-        builder.stage(stage, task.worker, serial, phase, kind)
-        stage_workers[stage.name] = task.worker
-    next_worker = (first_worker + len(tasks)) % num_workers
-    return TaskGraph(tuple(builder.tasks), num_workers, next_worker, options.first_serial + len(tasks),
-                     stage_workers).validate()
-
+        dispatched = dispatched[:len(plan.forward)]
+    stages = passes.computes(plan, dispatched, options, fused)
+    tasks = passes.transfers(plan, stages, sizes, options)
+    tasks = passes.waits(tasks, options)
+    tasks = passes.priorities(tasks, stages, options)
+    next_worker = options.schedule.cursor_after(first_worker, len(dispatched), num_workers)
+    return TaskGraph(tuple(tasks), num_workers, next_worker, options.first_serial + len(dispatched),
+                     {s.stage.name: s.worker for s in stages}).validate()

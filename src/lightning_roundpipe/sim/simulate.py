@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..cost.profile import CostProfile
+from ..schedule.dispatch_order import schedule_named
 from ..schedule.history import WorkerHistory
 from ..schedule.lowering import DEFAULT_PRIORITIES, PRIORITY_CLASS, GraphTask, LoweringOptions, lower
 from ..schedule.plan import Plan, PlanError
@@ -79,6 +80,8 @@ class SimConfig:
     steps: int = 3  # steps simulated; the step time is the mean period after the first one
     chunk_bytes: int = 32 * 2**20  # transfers are cut into chunks; an urgent one overtakes at a boundary
     continue_round_robin: bool = True  # the next step's first task goes to the worker after the last one
+    # The dispatch order (schedule/dispatch_order.py), as the engine's ``EngineOptions.schedule``.
+    schedule: str = "round_robin"
     clip_grad_norm: bool = False  # the optimizer waits for every gradient (global norm) before any update
     # Which ready layer the host optimizer updates first: "arrival" (as gradients come home, last
     # layers first) or "layer" (lowest layer first: the next forward needs those first).
@@ -252,7 +255,7 @@ class _RoundPipeBuilder:
         graph = lower(plan, self.nw, first, self.sizes,
                       LoweringOptions(microbatches=m, training=True, fused=plan.fused_last, recompute=True,
                                       layer_recompute=cfg.layer_recompute,
-                                      first_serial=self.history.next_serial))
+                                      first_serial=self.history.next_serial, schedule=schedule_named(cfg.schedule)))
         self.history.advance(graph)
         tasks = graph.tasks
         done: dict[int, list[Op]] = {}  # task id -> the ops that finish it

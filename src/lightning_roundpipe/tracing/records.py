@@ -53,6 +53,10 @@ class TraceRecorder:
         self.measuring = False
         self.step = 0
 
+    def ask_for_timeline(self, enabled: bool) -> None:
+        """Whether a timeline is wanted (``enabled``): the runtime's ``step_metrics`` or ``trace_steps``."""
+        self.enabled = enabled
+
     @property
     def recording(self) -> bool:
         """Whether the lanes add a record per task (a timeline, or task times, is wanted)."""

@@ -1,0 +1,79 @@
+"""What every call of an engine needs, built once by the engine: a step reads this, never the engine.
+
+The engine rebuilds the context when its plan or microbatch count changes
+(:meth:`~.engine.PipelineEngine.set_plan`); a call keeps the one it started with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..options import EngineOptions
+from ..params.weights import HostGradBuffers, StageWeights
+from ..schedule.dispatch_order import Schedule
+from ..schedule.history import WorkerHistory
+from ..schedule.lowering import LoweringOptions, TaskGraph, lower
+from ..schedule.plan import Plan
+from ..workers.completions import Completion
+from ..workers.pool import WorkerPool
+
+
+class TableSizes:
+    """The engine's :class:`~lightning_roundpipe.schedule.lowering.Sizes`: weight chunks from the layer tables.
+
+    Activation bytes are only known when a task runs (the carries' shapes), so they are 0 here.
+    """
+
+    def __init__(self, tables, compute_dtype, chunk_bytes: int) -> None:
+        self.tables, self.compute_dtype, self.chunk_bytes = tables, compute_dtype, chunk_bytes
+        self._cache: dict[tuple[int, int], StageWeights] = {}
+
+    def _weights(self, start: int, end: int) -> StageWeights:
+        if (start, end) not in self._cache:
+            self._cache[(start, end)] = StageWeights(self.tables, range(start, end), self.compute_dtype,
+                                                     self.chunk_bytes, need_grads=True)
+        return self._cache[(start, end)]
+
+    def weight_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        w = self._weights(start, end)  # chunks are runs of tensors; each waits for the whole stage's versions
+        return [(start, end, w.chunk_bytes(chunk)) for chunk in w.chunks]
+
+    def grad_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        return [(start, end, self._weights(start, end).grad_bytes)]  # one download per stage, even when frozen
+
+    def boundary_bytes(self, boundary: int) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """The engine's share of a call: its layers, pool, plan and options, the dispatch state across
+    calls, and the hooks a call reports to (new weight versions to wait for, gradients on the host)."""
+
+    layers: tuple
+    layer_locks: tuple  # per layer: the lock of its module object (engine._shared_module_locks)
+    tables: tuple  # per layer: its LayerTable
+    pool: WorkerPool
+    plan: Plan
+    options: EngineOptions
+    schedule: Schedule
+    history: WorkerHistory  # the schedule's cursor and each worker's recent tasks, across calls
+    grad_buffers: HostGradBuffers
+    weight_gates: Callable[[range], list[Completion]]  # completions an upload of these layers waits for
+    grads_accumulated: Callable[[range], None]  # the host .grad of these layers holds this call's gradients
+    shadows: Any = None  # a ShadowStore: uploads read compute-dtype copies of the masters
+
+    def lower(self, microbatches: int, *, training: bool, fused: bool, input_gradient: bool,
+              kept_backward: bool = True) -> TaskGraph:
+        """The next call's task graph, dispatched from where the previous one left off."""
+        o = self.options
+        graph = lower(self.plan, len(self.pool), self.history.next_worker,
+                      TableSizes(self.tables, o.compute_dtype, o.chunk_bytes),
+                      LoweringOptions(microbatches=microbatches, training=training, fused=fused, recompute=o.recompute,
+                                      layer_recompute=o.layer_recompute, kept_backward=kept_backward,
+                                      input_gradient=input_gradient, prefetch_depth=int(o.prefetch_depth),
+                                      priorities=dict(o.priorities), first_serial=self.history.next_serial + 1,
+                                      schedule=self.schedule))
+        self.history.advance(graph)
+        return graph

@@ -1,0 +1,322 @@
+"""What each task kind does with tensors, the same for every backend, and the table from kind to handler.
+
+A handler gets a task of the call's graph and its worker and returns ``(fn, bytes, extra
+dependencies)``: ``fn`` runs on the worker's lane when the task's dependencies are done. The
+compute lane runs in submission order, so a stage's gradient accumulates over microbatches
+0..M-1 in that order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+
+from ..params.weights import StageWeights
+from ..schedule.lowering import GraphTask, TaskGraph, TaskKind
+from ..schedule.plan import Stage
+from ..workers.completions import Completion, TaskLabel
+from .buffers import buffer_writes
+from .carry import HostCarry
+from .layer_recompute import LayerCalls, backward_by_layer, layer_inputs
+from .rng import CallRng
+from .stage_inputs import differentiable_inputs, kept_copy
+from .step_context import StepContext
+
+Work = tuple[Callable[[], Any], int, list]  # (fn, bytes, extra dependencies)
+
+
+class TaskWork:
+    """The tensors of one call: stage weights on their workers, kept graphs, host carries; and the
+    handler of each task kind (:data:`HANDLERS`).
+
+    ``keep_graph``: forward stages keep their graphs for the backward (no recompute), as the call
+    started; a backward compute without an activation upload runs on a kept graph.
+    """
+
+    def __init__(self, ctx: StepContext, graph: TaskGraph, done: dict[int, Completion], microbatches: list[Any], *,
+                 training: bool, fused: bool, loss_scale: float | None, input_requires_grad: bool, autocast: dict,
+                 rng: CallRng, lent_buffers: list) -> None:
+        self.ctx, self.pool, self.plan, self.opts = ctx, ctx.pool, ctx.plan, ctx.options
+        self.graph, self.done = graph, done
+        self.M = len(microbatches)
+        self.keep_graph = training and not self.opts.recompute
+        self.layer_grain = training and self.opts.recompute and self.opts.layer_recompute
+        self.fused, self.loss_scale, self.input_requires_grad = fused, loss_scale, input_requires_grad
+        self.autocast, self.rng, self.lent_buffers = autocast, rng, lent_buffers
+        self.stages = {s.name: s for s in self.plan.forward_stages() + self.plan.backward_stages()}
+        self.weights: dict[str, StageWeights] = {}  # stage name -> its weights on its worker
+        self.saves: dict[str, set[int]] = {}  # forward stage -> boundaries it sends home besides its output
+        for t in graph:
+            if t.kind == "act_save":
+                self.saves.setdefault(t.stage, set()).add(t.boundary)
+        self.host_inputs = [HostCarry.of(mb) for mb in microbatches]
+        self.output_grads: list[HostCarry | None] = []
+        self.graphs: dict[tuple[int, int], tuple[list, Any, list]] = {}  # kept forward graphs (no recompute)
+        self._chunk = iter(())
+
+    def use_graph(self, graph: TaskGraph) -> None:
+        """A second backward lowered the call again: its backward stages upload their weights afresh."""
+        for stage in self.plan.backward_stages():
+            self.weights.pop(stage.name, None)
+        self.graph = graph
+
+    # ------------------------------------------------------------------ helpers
+    def grad_keys(self, stage: Stage):
+        """The carry keys that carry a gradient into this stage, if its first layer declares them."""
+        return getattr(self.ctx.layers[stage.start], "differentiable_carry_keys", None)
+
+    @contextlib.contextmanager
+    def compute_context(self, device: torch.device, grad: bool):
+        enabled, dtype = self.autocast.get(device.type, (False, None))
+        with torch.set_grad_enabled(grad):
+            if enabled:
+                with torch.autocast(device_type=device.type, dtype=dtype):
+                    yield
+            else:
+                yield
+
+    def run_layers(self, device, weights: StageWeights, start: int, end: int, carry, mb: int, save_at=(),
+                   recompute: bool = False):
+        layers = self.ctx.layers
+        saved = {}
+        for l in range(start, end):
+            lock = self.ctx.layer_locks[l]
+            lock.acquire(self.pool.timeout_s, l, mb, self.pool.task_text)
+            try:
+                with self.rng.layer(device, l, mb, layers[l], recompute), buffer_writes(weights, l, layers[l], self.M, keep=not recompute):
+                    carry = functional_call(layers[l], weights.params_for(l), (carry,))
+            finally:
+                lock.release()
+            if l + 1 in save_at:
+                saved[l + 1] = kept_copy(carry)  # the next layer may write it in place
+        saved[end] = carry
+        return saved
+
+    def layer_calls(self, device, weights: StageWeights, mb: int) -> LayerCalls:
+        """One layer at a time, as :meth:`run_layers` runs it (seed, lock, buffer rule)."""
+
+        def run(layer, carry, forward):
+            return self.run_layers(device, weights, layer, layer + 1, carry, mb, recompute=not forward)[layer + 1]
+
+        return LayerCalls(run, lambda layer: getattr(self.ctx.layers[layer], "differentiable_carry_keys", None),
+                          lambda grad: self.compute_context(device, grad))
+
+    def dep(self, t: GraphTask, kind: str) -> Completion | None:
+        """The completion of ``t``'s dependency of ``kind`` (its input upload, its compute, ...)."""
+        for d in t.deps:
+            if self.graph.tasks[d].kind == kind:
+                return self.done[d]
+        return None
+
+    def source(self, t: GraphTask) -> Completion:
+        """Where an input upload's carry is on the host: a download of this step, or the caller's data."""
+        if t.deps:
+            return self.done[t.deps[0]]
+        if t.kind == "act_in":
+            return Completion.done(TaskLabel("input", "", t.microbatch), self.host_inputs[t.microbatch])
+        return Completion.done(TaskLabel("grad_output", "", t.microbatch), self.output_grads[t.microbatch])
+
+    def stage_weights(self, t: GraphTask) -> StageWeights:
+        """The weights a task of ``t.stage`` works on: a backward stage on a kept graph uses its forward's."""
+        if t.stage in self.weights:
+            return self.weights[t.stage]
+        return self.weights[f"F{self.stages[t.stage].index}"]  # the forward kept them, with its graph
+
+    def is_fused(self, stage: Stage) -> bool:
+        return stage.direction == "F" and stage.index == len(self.plan.forward) - 1
+
+    def wgrad_work(self, tasks: list[GraphTask]) -> list[tuple[StageWeights, Completion]]:
+        return [(self.stage_weights(t), self.done[t.id]) for t in tasks if t.kind == "wgrad"]
+
+    # ------------------------------------------------------------------ uploads
+    def upload_weights(self, t: GraphTask, worker) -> Work:
+        ctx, stage = self.ctx, self.stages[t.stage]
+        if t.stage not in self.weights:
+            need_grads = stage.direction == "B" or self.keep_graph or (self.fused and self.is_fused(stage))
+            self.weights[t.stage] = StageWeights(ctx.tables, stage.layers, self.opts.compute_dtype,
+                                                 self.opts.chunk_bytes, need_grads, ctx.shadows)
+            self._chunk = iter(self.weights[t.stage].chunks)
+        weights, chunk = self.weights[t.stage], next(self._chunk)
+
+        def fn():
+            # Parameters are only read; buffers may be written in forward (BatchNorm statistics)
+            # and must not reach the host that way.
+            dev = self.pool.copy_to_device(worker, [weights.sources[i] for i in chunk], [weights.dtypes[i] for i in chunk],
+                                           read_only=[weights.is_param[i] for i in chunk])
+            weights.store_chunk(chunk, dev)
+            worker.track_weights(weights.chunk_bytes(chunk))
+
+        return fn, weights.chunk_bytes(chunk), ctx.weight_gates(range(*t.layers))
+
+    def upload_carry(self, t: GraphTask, worker) -> Work:
+        src = self.source(t)
+
+        def fn():
+            host: HostCarry = src.value
+            idx = [i for i, x in enumerate(host.leaves) if isinstance(x, torch.Tensor)]
+            dev = self.pool.copy_to_device(worker, [host.leaves[i] for i in idx], [None] * len(idx))
+            leaves = list(host.leaves)
+            for i, d in zip(idx, dev):
+                leaves[i] = d
+            return HostCarry(leaves, host.spec)
+
+        nbytes = src.value.nbytes() if src.is_set() and src.value is not None else 0
+        return fn, nbytes, []
+
+    # ------------------------------------------------------------------ downloads
+    def download_carry(self, t: GraphTask, worker, get_tree) -> Work:
+        # The caller's outputs and input gradients are theirs to keep; every other carry is only
+        # read by uploads of this call, so it may land in a reused host buffer.
+        to_caller = (t.kind == "act_out" and t.boundary == self.plan.num_layers) or (t.kind == "grad_out" and t.boundary == 0)
+        lent = self.lent_buffers
+
+        def fn():
+            host = get_tree()
+            idx = [i for i, x in enumerate(host.leaves) if isinstance(x, torch.Tensor)]
+            out = self.pool.copy_to_host(worker, [host.leaves[i] for i in idx], reusable=not to_caller)
+            if not to_caller:
+                lent.extend(out)
+            leaves = list(host.leaves)
+            for i, h in zip(idx, out):
+                leaves[i] = h
+            return HostCarry(leaves, host.spec)
+
+        return fn, 0, []
+
+    def download_activation(self, t: GraphTask, worker) -> Work:
+        comp = self.done[t.deps[0]]
+        return self.download_carry(t, worker, lambda: HostCarry.of(comp.value[t.boundary]))
+
+    def download_input_grad(self, t: GraphTask, worker) -> Work:
+        comp = self.done[t.deps[0]]
+        fused = self.graph.tasks[t.deps[0]].kind == "fused"
+        return self.download_carry(t, worker, (lambda: comp.value[1]) if fused else (lambda: comp.value))
+
+    def download_loss(self, t: GraphTask, worker) -> Work:
+        comp = self.done[t.deps[0]]
+        return (lambda: self.pool.copy_to_host(worker, [comp.value[0]])), 0, []
+
+    def download_weight_grads(self, t: GraphTask, worker) -> Work:
+        weights = self.stage_weights(t)
+        lent = self.lent_buffers if self.fused else None
+
+        def fn():
+            out = self.pool.copy_to_host(worker, weights.device_grads(), reusable=True)
+            if lent is not None:
+                lent.extend(out)  # a fused call's gradients may be read by more than one backward
+            return out
+
+        return fn, t.bytes, []
+
+    def release(self, t: GraphTask, worker) -> Work:
+        weights = self.stage_weights(t)
+
+        def fn():
+            weights.release()
+            worker.track_weights(-weights.nbytes)
+
+        return fn, 0, []
+
+    # ------------------------------------------------------------------ computes
+    def forward(self, t: GraphTask, worker) -> Work:
+        stage, i = self.stages[t.stage], t.microbatch
+        weights, act_in = self.weights[t.stage], self.dep(t, "act_in")
+        save_at = self.saves.get(t.stage, set())
+
+        def fn():
+            carry = act_in.value
+            if self.keep_graph:
+                tree = carry.tree()
+                in_leaves = differentiable_inputs(tree, stage.start > 0 or self.input_requires_grad, self.grad_keys(stage))
+                with self.compute_context(worker.device, grad=True):
+                    out = self.run_layers(worker.device, weights, stage.start, stage.end, in_leaves[1], i)
+                self.graphs[(stage.index, i)] = (in_leaves[0], carry.spec, pytree.tree_leaves(out[stage.end]))
+                return {stage.end: pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out[stage.end])}
+            with self.compute_context(worker.device, grad=False):
+                return self.run_layers(worker.device, weights, stage.start, stage.end, carry.tree(), i, save_at)
+
+        return fn, 0, []
+
+    def fused_stage(self, t: GraphTask, worker) -> Work:
+        """Forward, loss and backward of the last stage at once; only the scalar and gradients come home."""
+        stage, i = self.stages[t.stage], t.microbatch
+        weights, act_in = self.weights[t.stage], self.dep(t, "act_in")
+
+        if self.layer_grain:
+            def fn():
+                calls = self.layer_calls(worker.device, weights, i)
+                inputs = layer_inputs(calls, stage.start, stage.end, act_in.value.tree(), forward=True)
+                grads, loss = backward_by_layer(calls, stage.start, stage.end, inputs,
+                                                stage.start > 0 or self.input_requires_grad, None, self.loss_scale)
+                return loss, HostCarry(grads, act_in.value.spec)
+
+            return fn, 0, []
+
+        def fn():
+            tree = act_in.value.tree()
+            in_leaves, tree = differentiable_inputs(tree, stage.start > 0 or self.input_requires_grad, self.grad_keys(stage))
+            with self.compute_context(worker.device, grad=True):
+                out = self.run_layers(worker.device, weights, stage.start, stage.end, tree, i)[stage.end]
+                loss_sum = out["loss_sum"]
+                (loss_sum.float() * self.loss_scale).backward()
+            grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in in_leaves]
+            return loss_sum.detach().float(), HostCarry(grads, act_in.value.spec)
+
+        return fn, 0, []
+
+    def backward(self, t: GraphTask, worker) -> Work:
+        stage, i = self.stages[t.stage], t.microbatch
+        weights, a_in, g_in = self.stage_weights(t), self.dep(t, "act_in"), self.dep(t, "grad_in")
+        kept = a_in is None  # on the forward's kept graph (a second backward uploads the input and recomputes)
+
+        def fn():
+            g_leaves = g_in.value.leaves
+            if self.layer_grain:
+                calls = self.layer_calls(worker.device, weights, i)
+                inputs = layer_inputs(calls, stage.start, stage.end, a_in.value.tree(), forward=False)
+                grads, _ = backward_by_layer(calls, stage.start, stage.end, inputs,
+                                             stage.start > 0 or self.input_requires_grad, g_leaves)
+                return HostCarry(grads, a_in.value.spec)
+            if kept:
+                in_leaves, spec, out_leaves = self.graphs.pop((stage.index, i))
+            else:
+                spec = a_in.value.spec
+                tree = a_in.value.tree()
+                in_leaves, tree = differentiable_inputs(tree, stage.start > 0 or self.input_requires_grad,
+                                                        self.grad_keys(stage))
+                with self.compute_context(worker.device, grad=True):
+                    out = self.run_layers(worker.device, weights, stage.start, stage.end, tree, i,
+                                          recompute=True)[stage.end]
+                out_leaves = pytree.tree_leaves(out)
+            pairs = [(o, g) for o, g in zip(out_leaves, g_leaves)
+                     if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
+            grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in in_leaves]
+            return HostCarry(grads, spec)
+
+        return fn, 0, []
+
+
+# Every task kind's handler: adding a kind to TaskKind without one here fails at import.
+HANDLERS: dict[TaskKind, Callable[[TaskWork, GraphTask, Any], Work]] = {
+    TaskKind.WEIGHTS: TaskWork.upload_weights,
+    TaskKind.ACT_IN: TaskWork.upload_carry,
+    TaskKind.GRAD_IN: TaskWork.upload_carry,
+    TaskKind.FORWARD: TaskWork.forward,
+    TaskKind.FUSED: TaskWork.fused_stage,
+    TaskKind.BACKWARD: TaskWork.backward,
+    TaskKind.ACT_OUT: TaskWork.download_activation,
+    TaskKind.ACT_SAVE: TaskWork.download_activation,
+    TaskKind.GRAD_OUT: TaskWork.download_input_grad,
+    TaskKind.LOSS: TaskWork.download_loss,
+    TaskKind.WGRAD: TaskWork.download_weight_grads,
+    TaskKind.RELEASE: TaskWork.release,
+    TaskKind.FREE_KEPT: TaskWork.release,
+}
+if set(HANDLERS) != set(TaskKind):
+    raise ImportError(f"task kinds without a handler: {sorted(set(TaskKind) - set(HANDLERS))}")
