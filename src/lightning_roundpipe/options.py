@@ -24,6 +24,7 @@ PARTITION_POLICIES = ("compute", "params", "uniform", "auto", "manual")
 RECOMPUTE_CHOICES = ("auto", "always", "layer", "never")
 TRANSFER_KINDS = ("activation", "weights", "gradients")
 PINNED_POLICIES = ("alloc", "register", "off")
+MOE_EXPERT_PATHS = ("hf", "grouped")
 
 
 class OptionError(ValueError):
@@ -238,6 +239,12 @@ class RuntimeOptions:
         optimizer state; costs one host copy of what a step changes). False (host memory too
         small for that copy): a failed step raises naming the layers it updated, and training or
         saving the module is refused until a checkpoint is loaded (``fit(ckpt_path=...)``).
+    moe_experts: how a Hugging Face MoE model's experts run: "hf" (default: the model's own experts
+        forward, as ``config._experts_implementation`` chose: transformers 5 picks its grouped_mm
+        path where it can, "eager" is the per-expert loop, a host sync per expert) or "grouped"
+        (``adapters/grouped_experts.py``: pairs sorted by expert, one grouped matmul per projection,
+        no host sync; exact against HF's loop; parameters and ``state_dict`` unchanged; an experts
+        layout it does not map keeps HF's forward, with a warning naming it).
     """
 
     microbatches: Optional[int] = None
@@ -260,6 +267,7 @@ class RuntimeOptions:
     allow_unverified: bool = False
     logits_with_loss: bool = False
     optimizer_undo: bool = True
+    moe_experts: str = "hf"
 
     def validate(self, owner: str | None = None) -> "RuntimeOptions":
         """Check every field; ``owner`` is how the caller spelled the options (default: the class name)."""
@@ -286,6 +294,7 @@ class RuntimeOptions:
             _fail(owner, "staleness", self.staleness,
                   "staleness=1 is a mode of the overlapped optimizer: keep overlap_optimizer=True")
         _choice(owner, "pinned", self.pinned, PINNED_POLICIES)
+        _choice(owner, "moe_experts", self.moe_experts, MOE_EXPERT_PATHS)
         return self
 
     def engine_options(self, num_workers: int, microbatches: int | None = None,
