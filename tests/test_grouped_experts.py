@@ -66,6 +66,26 @@ def test_grouped_experts_equal_the_hf_loop(family, kernel):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
 
 
+@pytest.mark.timeout(60)
+def test_lora_on_the_expert_tensors_reaches_the_grouped_forward():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(hf_loop_model("qwen3_moe"), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
+                                                                 target_parameters=["mlp.experts.gate_up_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.3)
+    ref, ref_grads = loss_logits_grads(model, "qwen3_moe")
+    installed, kept = install_grouped_experts(model)
+    assert len(installed) == 3 and kept == []
+    got, grads = loss_logits_grads(model, "qwen3_moe")
+    assert abs(got.loss.item() / ref.loss.item() - 1) <= 1e-6
+    assert grads.keys() == ref_grads.keys() and any("experts.lora_A" in n for n in grads)
+    for name, ref_grad in ref_grads.items():
+        assert relative(grads[name], ref_grad) <= 1e-5, name
+
+
 def test_the_fallback_kernel_is_taken_when_rows_are_not_16_byte_aligned():
     rows, weight = torch.zeros(5, 6), torch.zeros(2, 6, 4)
     assert not grouped_experts.grouped_kernel_fits(rows, weight)

@@ -20,6 +20,7 @@ The swap is an instance-level ``forward``: parameters, buffers and ``state_dict`
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -75,6 +76,10 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, transposed: bool, r
     matrix = weight if transposed else weight.transpose(1, 2)  # [E, in, out], a view
     if route["kernel"] == "grouped_mm" and grouped_kernel_fits(rows, matrix):
         return GroupedMatmul.apply(rows, matrix, route["ends"])
+    if route["kernel"] == "grouped_mm" and rows.is_cuda and not torch.compiler.is_compiling():
+        warnings.warn(f"moe_experts='grouped': grouped_mm does not take {rows.dtype} on this GPU (bf16 on SM80+ "
+                      "does); the padded bmm fallback computes num_experts x tokens rows, slower than "
+                      "moe_experts='hf' here", stacklevel=2)
     return padded_matmul(rows, matrix, route["slots"], route["capacity"])
 
 
