@@ -144,12 +144,21 @@ def test_the_grouped_forward_reads_nothing_on_the_host(monkeypatch):
     assert relative(out, grouped_experts_forward(experts, hidden, index, weights, kernel="bmm")) <= 1e-6
 
 
+@pytest.mark.timeout(60)
 def test_the_runtime_swaps_the_experts_and_detach_gives_hf_forward_back():
-    model = tiny_model("mixtral")
-    runtime = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(microbatches=2, moe_experts="grouped"))
+    model = hf_loop_model("mixtral")
+    ref, ref_grads = loss_logits_grads(model, "mixtral")
+    runtime = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(microbatches=3, recompute="layer",
+                                                                      logits_with_loss=True, moe_experts="grouped"))
     try:
         swapped = [m for m in model.modules() if isinstance(vars(m).get("forward"), GroupedExpertsForward)]
         assert len(swapped) == 3
+        got, grads = loss_logits_grads(model, "mixtral")  # pipelined, microbatched, layer-grain recompute
+        assert abs(got.loss.item() / ref.loss.item() - 1) <= 1e-6
+        assert abs(got.aux_loss.item() / ref.aux_loss.item() - 1) <= 1e-6
+        assert grads.keys() == ref_grads.keys()
+        for name, ref_grad in ref_grads.items():
+            assert relative(grads[name], ref_grad) <= 1e-5, name
     finally:
         runtime.detach()
     assert not any("forward" in vars(m) for m in model.modules())
