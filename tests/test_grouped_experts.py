@@ -216,3 +216,16 @@ def test_grouped_experts_train_like_the_default_strategy(family, optimizer):
         update = (ref - start[name]).norm()
         assert update > 0, name
         assert (pipelined[name] - ref).norm() / update <= 1e-4, name
+
+
+def test_the_hydra_strategy_entry_defaults_to_hf_and_takes_grouped():
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from lightning_roundpipe.finetune.config import register_resolvers
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        assert compose(config_name="config").strategy.moe_experts == "hf"
+        assert compose(config_name="config", overrides=["strategy.moe_experts=grouped"]).strategy.moe_experts == "grouped"
