@@ -169,6 +169,24 @@ def test_the_runtime_swaps_the_experts_and_detach_gives_hf_forward_back():
         default.detach()
 
 
+def test_an_unverified_family_keeps_hf_experts_forward(caplog):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("granitemoe", vocab_size=64, hidden_size=16, intermediate_size=32,
+                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                  num_local_experts=4, num_experts_per_tok=2)
+    model = AutoModelForCausalLM.from_config(config)
+    assert gate_of(model.model.layers[0].block_sparse_moe.experts) is not None  # mappable, yet not verified
+    options = RuntimeOptions(microbatches=2, allow_unverified=True, moe_experts="grouped")
+    with caplog.at_level("WARNING", logger="lightning_roundpipe.adapters.hf_runtime"):
+        runtime = RoundPipeRuntime.attach(model, "cpu", 2, options)
+    try:
+        assert not any(isinstance(vars(m).get("forward"), GroupedExpertsForward) for m in model.modules())
+        assert "GraniteMoeForCausalLM is not a verified family; its experts keep Hugging Face's forward" in caplog.text
+    finally:
+        runtime.detach()
+
+
 def test_an_unknown_moe_experts_value_is_refused():
     with pytest.raises(OptionError, match=r"RoundPipeStrategy\(moe_experts='fast'\): use one of 'hf', 'grouped'"):
         RoundPipeStrategy(moe_experts="fast")

@@ -244,7 +244,7 @@ class RuntimeOptions:
         path where it can, "eager" is the per-expert loop, a host sync per expert) or "grouped"
         (``adapters/grouped_experts.py``: pairs sorted by expert, one grouped matmul per projection,
         no host sync; exact against HF's loop; parameters and ``state_dict`` unchanged; an experts
-        layout it does not map keeps HF's forward, with a warning naming it).
+        layout it does not map, and any unverified family, keeps HF's forward, with a warning naming it).
     """
 
     microbatches: Optional[int] = None

@@ -154,7 +154,11 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
         def _aux(out) -> torch.Tensor:
             return aux_loss(out["moe_counts"].sum(0), out["moe_probs"].sum(0), out["moe_rows"].sum(), router.num_experts)
 
-        if grouped_experts:  # undone by target.unpatch when the runtime detaches
+        if grouped_experts and not adapter.verified:
+            # the self-check compares with the unpipelined model, which would run the same swapped experts
+            log.warning("moe_experts='grouped': %s is not a verified family; its experts keep Hugging Face's forward",
+                        type(inner).__name__)
+        elif grouped_experts:  # undone by target.unpatch when the runtime detaches
             _, kept = install_grouped_experts(inner)
             if kept:
                 log.warning("moe_experts='grouped': %s keep Hugging Face's experts forward (their layout is not mapped)",
