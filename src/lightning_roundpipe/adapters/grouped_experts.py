@@ -1,7 +1,8 @@
 """Grouped expert computation for Hugging Face MoE layers (``moe_experts="grouped"``).
 
 HF's eager experts forward loops over the experts that got tokens: ``nonzero`` on the routing
-mask (a host sync), then per expert a gather, two matmuls and an ``index_add_``. Here the
+mask and a ``torch.where`` per expert (host syncs on a GPU), then per expert a gather, two
+matmuls and an ``index_add_``. Here the
 (token, expert) pairs are sorted by expert once, and each projection is ONE grouped matmul over
 the sorted rows (``torch.nn.functional.grouped_mm`` with device-side group ends); the routing
 weights and the scatter back to tokens are one multiply and one ``index_add``. Nothing reads a
@@ -26,6 +27,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 
 class GroupedMatmul(torch.autograd.Function):
     """``rows[ends[g-1]:ends[g]] @ weight[g]`` for every group g, forward and backward grouped too."""
@@ -77,9 +79,9 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, transposed: bool, r
     if route["kernel"] == "grouped_mm" and grouped_kernel_fits(rows, matrix):
         return GroupedMatmul.apply(rows, matrix, route["ends"])
     if route["kernel"] == "grouped_mm" and rows.is_cuda and not torch.compiler.is_compiling():
-        warnings.warn(f"moe_experts='grouped': grouped_mm does not take {rows.dtype} on this GPU (bf16 on SM80+ "
-                      "does); the padded bmm fallback computes num_experts x tokens rows, slower than "
-                      "moe_experts='hf' here", stacklevel=2)
+        warnings.warn(f"moe_experts='grouped': grouped_mm does not take {rows.dtype} rows of {rows.shape[-1]} on "
+                      "this GPU (it takes bf16, 16-byte aligned, on SM80+); the padded bmm fallback computes "
+                      "num_experts x tokens rows, slower than moe_experts='hf' here", stacklevel=2)
     return padded_matmul(rows, matrix, route["slots"], route["capacity"])
 
 
@@ -105,7 +107,8 @@ def concatenated_gate(experts: nn.Module, gate_up: torch.Tensor) -> torch.Tensor
 
 
 def gpt_oss_gate(experts: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-    """GPT-OSS: interleaved halves, gate clamped above, up clamped both sides, ``(up + 1) * gate * sigmoid(alpha gate)``."""
+    """GPT-OSS: interleaved halves, gate clamped above, up clamped both sides,
+    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
     gate, up = gate_up[..., ::2], gate_up[..., 1::2]
     gate = gate.clamp(max=experts.limit)
     up = up.clamp(min=-experts.limit, max=experts.limit)
@@ -171,8 +174,9 @@ def install_grouped_experts(model: nn.Module) -> tuple[list[GroupedExpertsForwar
     """Swap every mapped experts module of ``model`` to the grouped forward.
 
     Returns (the installed forwards, the names of experts modules whose layout is not mapped
-    and that keep HF's forward); ``target.unpatch`` (the runtime's detach) removes them. An experts module is one with a 3-D ``gate_up_proj`` or
-    ``down_proj`` parameter (transformers 5's fused experts).
+    and that keep HF's forward); ``target.unpatch`` (the runtime's detach) removes them. An
+    experts module is one with a 3-D ``gate_up_proj`` or ``down_proj`` parameter (transformers
+    5's fused experts).
     """
     installed, kept = [], []
     for name, module in model.named_modules():
