@@ -27,6 +27,7 @@ RECOMPUTE_CHOICES = ("auto", "always", "layer", "never")
 TRANSFER_KINDS = ("activation", "weights", "gradients")
 PINNED_POLICIES = ("alloc", "register", "off")
 BATCH_STATISTICS = ("refuse", "per_microbatch")
+MOE_EXPERT_PATHS = ("hf", "grouped")
 
 
 class OptionError(ValueError):
@@ -252,6 +253,12 @@ class RuntimeOptions:
         "round_robin" (each stage to the worker after the previous one's, and the next call goes
         on from where this one ended) or "sticky" (round-robin from worker 0 in every call, so a
         stage always runs on the same worker).
+    moe_experts: how a Hugging Face MoE model's experts run: "hf" (default: the model's own experts
+        forward, as ``config._experts_implementation`` chose: transformers 5 picks its grouped_mm
+        path where it can, "eager" is the per-expert loop, a host sync per expert) or "grouped"
+        (``adapters/grouped_experts.py``: pairs sorted by expert, one grouped matmul per projection,
+        no host sync; exact against HF's loop; parameters and ``state_dict`` unchanged; an experts
+        layout it does not map, and any unverified family, keeps HF's forward, with a warning naming it).
     """
 
     microbatches: Optional[int] = None
@@ -276,6 +283,7 @@ class RuntimeOptions:
     optimizer_undo: bool = True
     batch_statistics: str = "refuse"
     schedule: str = "round_robin"
+    moe_experts: str = "hf"
 
     def validate(self, owner: str | None = None) -> "RuntimeOptions":
         """Check every field; ``owner`` is how the caller spelled the options (default: the class name)."""
@@ -304,6 +312,7 @@ class RuntimeOptions:
         _choice(owner, "pinned", self.pinned, PINNED_POLICIES)
         _choice(owner, "batch_statistics", self.batch_statistics, BATCH_STATISTICS)
         _choice(owner, "schedule", self.schedule, tuple(SCHEDULES))
+        _choice(owner, "moe_experts", self.moe_experts, MOE_EXPERT_PATHS)
         return self
 
     def engine_options(self, num_workers: int, microbatches: int | None = None,

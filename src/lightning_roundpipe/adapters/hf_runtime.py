@@ -31,17 +31,21 @@ would (``CausalLMOutputWithPast``, or ``MoeCausalLMOutputWithPast`` for MoE mode
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from .grouped_experts import install_grouped_experts
 from .hf_causal_lm import CausalLMLayers, count_loss_tokens, unwrap_peft
 from .hf_moe import aux_loss
 from .hf_self_check import build_layers, check_unverified
 from .unpipelined_calls import CACHE_GIVEN, USE_CACHE, UnpipelinedNotice
 from .hf_outputs import (forward_uses_cache, hidden_states_output, hidden_states_request, logits_to_keep_for_batch,
                          pooled_logits, refuse_attentions)
+
+log = logging.getLogger(__name__)
 
 _IGNORED_KWARGS = {"return_dict", "cache_position"}
 
@@ -77,10 +81,12 @@ _WITHHELD: dict[type, type] = {}
 def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.Module, list[nn.Module], Callable]:
     """(module whose forward is patched, layers, forward factory) for a causal LM.
 
-    ``options``: the runtime's options; reads ``allow_unverified`` and ``logits_with_loss`` when present.
+    ``options``: the runtime's options; reads ``allow_unverified``, ``logits_with_loss`` and ``moe_experts``
+    when present (``moe_experts="grouped"`` swaps the experts' forward when the runtime patches the model).
     """
     allow_unverified = bool(getattr(options, "allow_unverified", False))
     logits_with_loss = bool(getattr(options, "logits_with_loss", False))
+    grouped_experts = getattr(options, "moe_experts", "hf") == "grouped"
     adapter = build_layers(module, lambda: CausalLMLayers.from_model(module, allow_unverified=allow_unverified),
                            allow_unverified)
     inner = unwrap_peft(module)
@@ -188,6 +194,15 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
         def _aux(out) -> torch.Tensor:
             return aux_loss(out["moe_counts"].sum(0), out["moe_probs"].sum(0), out["moe_rows"].sum(), router.num_experts)
 
+        if grouped_experts and not adapter.verified:
+            # the self-check compares with the unpipelined model, which would run the same swapped experts
+            log.warning("moe_experts='grouped': %s is not a verified family; its experts keep Hugging Face's forward",
+                        type(inner).__name__)
+        elif grouped_experts:  # undone by target.unpatch when the runtime detaches
+            _, kept = install_grouped_experts(inner)
+            if kept:
+                log.warning("moe_experts='grouped': %s keep Hugging Face's experts forward (their layout is not mapped)",
+                            ", ".join(kept))
         return forward
 
     return inner, adapter.layers, make_forward

@@ -27,6 +27,7 @@ from typing import Any, Callable
 from torch import nn
 
 from .block_chain import BlockRelay
+from .grouped_experts import GroupedExpertsForward
 from .stack_search import (DECLARED_CHAIN_METHOD, compiled_inner, declares_chain, find_stacks, is_block_container,
                            uncompiled)
 
@@ -200,7 +201,7 @@ def patch_forward(module: nn.Module, forward: Callable) -> None:
 
 def unpatch(module: nn.Module) -> None:
     vars(module).pop("forward", None)
-    for m in module.modules():  # the relays a block stack's blocks got (see block_chain)
+    for m in module.modules():  # the relays a block stack's blocks got (see block_chain), grouped experts
         relay = vars(m).get("forward")
-        if isinstance(relay, BlockRelay):
+        if isinstance(relay, (BlockRelay, GroupedExpertsForward)):
             relay.remove()
