@@ -73,6 +73,7 @@ def test_default_config_composes_to_documented_values():
         "allow_unverified": False, "logits_with_loss": False, "optimizer_undo": True, "cpu_memory_cap_bytes": None,
         "batch_statistics": "refuse",
         "schedule": "round_robin",
+        "moe_experts": "hf",
     }
     assert cfg.partition.policy == "compute"
     assert set(cfg.partition) >= {"policy", "forward_stages", "backward_stages", "manual_forward", "manual_backward", "replan_threshold"}

@@ -244,6 +244,6 @@ def test_the_hydra_strategy_entry_defaults_to_hf_and_takes_grouped():
     from lightning_roundpipe.finetune.config import register_resolvers
 
     register_resolvers()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
         assert compose(config_name="config").strategy.moe_experts == "hf"
         assert compose(config_name="config", overrides=["strategy.moe_experts=grouped"]).strategy.moe_experts == "grouped"
