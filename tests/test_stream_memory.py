@@ -78,6 +78,7 @@ def test_pinned_download_bytes_stay_bounded_over_steps_of_varying_shapes():
             c, bufs = _download(pool, 0, tensors, step)
             got = c.wait(10)
             assert all(torch.equal(a, b) for a, b in zip(got, tensors))
+            assert all(b.data_ptr() % PAGE == 0 for b in bufs)  # each owns its pages: pinned alone
             pool.release_host(bufs)
             pinned.append(pool.download_pinned_bytes)
         assert max(pinned) <= cap and pool.host_buffers.allocated_bytes <= cap
@@ -160,3 +161,50 @@ def test_a_stages_weights_are_freed_when_its_last_compute_completes_without_reco
         t.join(20)
         eng.close()
     assert out["y"].shape == (4, 16)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(60)
+def test_cuda_pins_tensors_sharing_pages_and_leaves_no_error_set():
+    """On a GPU: small tensors ~10 to a page are all pinned (CUDA would refuse a second
+    registration of a page), and no failed call leaves CUDA's last error set on this thread."""
+    pool = make_pool("cuda", 1)
+    flat = torch.zeros(40 * 100)
+    small = [flat[i * 100:(i + 1) * 100] for i in range(40)]
+    try:
+        assert pool.pin_uploads("register", small) == 40 * 400
+        assert all(t.is_pinned() for t in small) and pool.pageable_reasons == {}
+        assert pool.driver.pins.cudart.cudaGetLastError() == 0
+        torch.ones(4, device="cuda").sum().item()  # a launch after pinning reports no stale error
+    finally:
+        pool.shutdown()
+    assert not flat.is_pinned()  # unregistered with the pool
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(120)
+def test_cuda_training_steps_mark_no_tensor_with_record_stream_and_match_the_cpu_backend():
+    from _models import mlp
+    from lightning_roundpipe import simple_plan
+
+    def grads(backend, **kw):
+        layers = mlp(depth=4, width=16, dropout=0.0, seed=3)
+        pool = make_pool(backend, 2, **kw)
+        eng = PipelineEngine(layers, pool, simple_plan(4, 2), EngineOptions(microbatches=3))
+        g = torch.Generator().manual_seed(5)
+        try:
+            for _ in range(3):
+                (eng(torch.randn(6, 16, generator=g)) ** 2).mean().backward()
+            return [p.grad.clone() for l in layers for p in l.parameters()], pool
+        finally:
+            eng.close()
+
+    ref, _ = grads("cpu")
+    got, pool = grads("cuda", device_indices=[0, 0], stream_jitter_cycles=20000, seed=1)
+    assert pool.driver.record_stream_calls == 0
+    assert all(torch.allclose(a, b.cpu(), rtol=1e-5, atol=1e-6) for a, b in zip(ref, got))
