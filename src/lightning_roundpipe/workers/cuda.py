@@ -33,6 +33,7 @@ Registration failures leave the tensor pageable and are counted in :attr:`pageab
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from typing import Iterable
@@ -46,6 +47,8 @@ from .pool import Lane, Task, Worker, WorkerPool
 from .stream_holds import StreamHolds
 from .streams import CudaStreams, FakeStreams
 from ..tracing.records import TraceRecord
+
+log = logging.getLogger("lightning_roundpipe")
 
 
 class StreamWorkerPool(WorkerPool):
@@ -276,6 +279,7 @@ class StreamWorkerPool(WorkerPool):
         if policy == "off":
             return 0
         seen = set()
+        pageable = 0
         for t in tensors:
             if id(t) in seen:  # a tensor whose pages are pinned already is registered without a call
                 continue
@@ -283,6 +287,11 @@ class StreamWorkerPool(WorkerPool):
             if self.driver.register(t):
                 self._pinned.append(t)
                 self.pinned_bytes += t.numel() * t.element_size()
+            else:
+                pageable += t.numel() * t.element_size()
+        if pageable:
+            log.warning("pinned=%r: %d bytes the uploads read stay pageable (their copies are synchronous): %s",
+                        policy, pageable, "; ".join(f"{why}: {n}" for why, n in self.pageable_reasons.items()))
         return self.pinned_bytes
 
     def unpin(self) -> None:

@@ -141,6 +141,11 @@ class HostBufferPool:
         return n
 
     @property
+    def free_count(self) -> int:
+        """Buffers kept for reuse now."""
+        return len(self._lru)
+
+    @property
     def lent_count(self) -> int:
         return len(self._lent)
 
