@@ -113,6 +113,18 @@ def test_a_buffer_handed_back_before_its_copy_landed_is_not_lent_again_until_it_
         pool.shutdown()
 
 
+@pytest.mark.timeout(60)
+def test_gradients_equal_the_cpu_backends_when_every_download_lands_late():
+    """Copies that land after the work that issued them (as non-blocking copies on a GPU): every
+    host read and every reuse of a buffer must wait for the copy's event, or results differ."""
+    from test_fake_streams import PLANS, engine_grads
+
+    for plan in PLANS[:2]:
+        ref = engine_grads("cpu", plan, 3)
+        got = engine_grads("fake_cuda", plan, 3, stream_jitter_s=0.001, seed=1, copy_delay_s=0.003)
+        assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
 class _Slow(nn.Linear):
     def forward(self, x):
         time.sleep(0.15)
