@@ -94,18 +94,17 @@ class ShadowStore:
 
 
 def register_pinned(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """Pin existing host tensors in place (CUDA only); returns those registered, for unregistering."""
-    done = []
-    cudart = torch.cuda.cudart()
-    for t in tensors:
-        if t.device.type == "cpu" and not t.is_pinned() and t.is_contiguous():
-            err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-            if int(err) == 0:
-                done.append(t)
-    return done
+    """Pin existing host tensors in place (CUDA only); returns those registered, for unregistering.
+    Through the process's pin registry: errors checked, cleared and counted, no page registered twice."""
+    from ..workers.pinning import cuda_pin_registry  # CUDA only: imported where used
+
+    registry = cuda_pin_registry()
+    return [t for t in tensors if registry.register(t)]
 
 
 def unregister_pinned(tensors: Iterable[torch.Tensor]) -> None:
-    cudart = torch.cuda.cudart()
+    from ..workers.pinning import cuda_pin_registry
+
+    registry = cuda_pin_registry()
     for t in tensors:
-        cudart.cudaHostUnregister(t.data_ptr())
+        registry.unregister(t)

@@ -131,6 +131,11 @@ class Completion:
         v = self._value
         return v.result() if isinstance(v, Deferred) else v
 
+    def raw_value(self) -> Any:
+        """The value without waiting: on the fake streams a :class:`Deferred` the executor fills
+        (holding it keeps what it will hold alive)."""
+        return self._value
+
     @classmethod
     def done(cls, label: TaskLabel, value: Any = None) -> "Completion":
         c = cls(label)

@@ -4,8 +4,11 @@ Per worker an upload, a compute and a download stream, one per lane. A lane issu
 on its stream after making the stream wait for the device events of the task's dependencies,
 then records an event; the completion is set when the work is *issued*, so the host never
 blocks on the device except where it reads data (``Completion.wait`` also waits for the event,
-bounded by the timeout). Tensors handed from one stream to another are marked with
-``record_stream`` so the caching allocator does not reuse them too early.
+bounded by the timeout). Frees are ordered by events, never by ``record_stream``
+(``stream_holds.py``): a compute holds the uploads it reads until its end event, a download
+holds its sources until its copy event, and a release (host-only: it drops the stage's weights)
+runs once its dependencies' device work has finished, so the weights go when the stage's last
+compute is done, not after the work queued behind it.
 
 Priorities on FIFO streams: a transfer is issued only once its dependencies' device work has
 *finished* (``ready_for``), not merely been issued. Otherwise an activation upload whose input
@@ -20,13 +23,17 @@ Timing: with tracing on, a task gets a start and an end event; they are read onc
 Pinned memory: nothing is pinned per copy. :meth:`pin_uploads` pins, once and in place, exactly
 the host tensors the uploads read; an upload from pageable memory is a plain (staged) copy and
 of weights is counted in ``pageable_upload_bytes``. Downloads the engine marks ``reusable`` land
-in right-sized buffers from :class:`~.host_buffers.HostBufferPool` (pinned in place when
-``pin_memory``), which the engine hands back with :meth:`release_host` once the host has read them.
+in right-sized, page-aligned buffers from :class:`~.host_buffers.HostBufferPool` (pinned in place
+when ``pin_memory``; at most ``host_buffer_cap_bytes`` kept), which the engine hands back with
+:meth:`release_host` once the host has read them; a buffer is lent again only after the copy into
+it has landed (its fence event), so buffers handed back after a failure are never reused early.
+Registration failures leave the tensor pageable and are counted in :attr:`pageable_reasons`.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from typing import Iterable
@@ -34,10 +41,14 @@ from typing import Iterable
 import torch
 
 from .completions import Completion, PipelineTimeout
-from .host_buffers import HostBufferPool
+from .host_buffers import DEFAULT_CAP_BYTES, HostBufferPool
+from .pinning import PAGE, page_span
 from .pool import Lane, Task, Worker, WorkerPool
+from .stream_holds import StreamHolds
 from .streams import CudaStreams, FakeStreams
 from ..tracing.records import TraceRecord
+
+log = logging.getLogger("lightning_roundpipe")
 
 
 class StreamWorkerPool(WorkerPool):
@@ -46,7 +57,10 @@ class StreamWorkerPool(WorkerPool):
     device_poll_s = 5e-4
 
     def __init__(self, driver, devices, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
-                 pin_memory: bool = True, fifo_transfers: bool = False, issue_after_device: bool = True):
+                 pin_memory: bool = True, fifo_transfers: bool = False, issue_after_device: bool = True,
+                 host_buffer_cap_bytes: int = DEFAULT_CAP_BYTES):
+        """``host_buffer_cap_bytes``: the most bytes of free download buffers kept for reuse (the
+        oldest returned are evicted and unpinned beyond it; 2 GiB by default)."""
         super().__init__(devices, timeout_s=timeout_s, trace=trace, fifo_transfers=fifo_transfers)
         self.driver = driver
         self.max_in_flight = max(1, int(max_in_flight))
@@ -58,8 +72,9 @@ class StreamWorkerPool(WorkerPool):
         self._pinned: list[torch.Tensor] = []
         self.pinned_bytes = 0
         self.pageable_upload_bytes = 0
-        self.host_buffers = HostBufferPool(self._new_host_buffer)
-        self._buffer_pins: list[torch.Tensor] = []
+        self.host_buffers = HostBufferPool(self._new_host_buffer, self._drop_host_buffer, host_buffer_cap_bytes)
+        self._buffer_pins: dict[int, torch.Tensor] = {}
+        self.holds = StreamHolds()
         self.download_pinned_bytes = 0
         for w in self.workers:
             for lane in w.lanes.values():
@@ -73,14 +88,20 @@ class StreamWorkerPool(WorkerPool):
         return self.driver.new_stream(worker.device)
 
     # ------------------------------------------------------------------ the protocol
-    def ready_for(self, lane: Lane, dep: Completion) -> bool:
+    def ready_for(self, lane: Lane, dep: Completion, task: Task | None = None) -> bool:
         if not dep.is_set():
             return False
-        if lane.queue == "compute" or not self.issue_after_device or dep.device_event is None:
+        if dep.device_event is None or lane.queue == "compute":
             return True
+        if not self.issue_after_device and (task is None or task.done.label.kind != "release"):
+            return True  # the old rule; a release frees memory and always waits for the device (_release)
         return dep.device_event.query()
 
     def execute(self, lane: Lane, task: Task) -> None:
+        self.holds.collect()
+        if task.done.label.kind == "release":
+            self._release(task)
+            return
         drv = self.driver
         stream = lane.stream
         in_flight = self._in_flight[id(lane)]
@@ -100,9 +121,14 @@ class StreamWorkerPool(WorkerPool):
         if timed:
             start = drv.new_event(timing=True)
             start.record(stream)
+        # What this compute reads from another stream (its uploads), held until its end event:
+        # taken before the issue, since the task drops the values it was the last reader of.
+        reads = ([d.raw_value() for d in task.deps if d.label.queue == "upload" and d.label.worker == lane.worker.index]
+                 if lane.queue == "compute" else [])
         value = drv.issue(stream, lane.worker.device, task.fn, task.done.label, self.timeout_s)
         end = drv.new_event(timing=timed)
         end.record(stream)
+        self.holds.hold(stream, end, [r for r in reads if r is not None])
         task.done.device_event = end
         if lane.queue != "compute":
             in_flight.append(end)
@@ -110,6 +136,19 @@ class StreamWorkerPool(WorkerPool):
             with self._timing_lock:
                 self._timings.append((lane, task.done.label, task.nbytes, self.trace.step, start, end))
         task.done.set(value)
+
+    def _release(self, task: Task) -> None:
+        """A release only drops the stage's device tensors: run it on the host once the device work
+        that read them (its dependencies: the stage's last compute, its gradient downloads) has
+        finished, so the memory is free for reuse at once (no ``record_stream``). ``ready_for`` only
+        lets a release run then; the bounded wait here is the guard should that ever change."""
+        deadline = time.monotonic() + self.timeout_s
+        for dep in task.deps:
+            ev = dep.device_event
+            if ev is not None and not ev.wait(max(0.0, deadline - time.monotonic())):
+                raise PipelineTimeout(f"[{task.done.label}] timed out after {self.timeout_s:g}s waiting for the device "
+                                      f"work of [{dep.label}] before freeing its memory")
+        task.done.set(task.fn())
 
     def finish_step(self) -> None:
         """Read the timing events of every task issued so far, once: per device an anchor event on an
@@ -150,13 +189,15 @@ class StreamWorkerPool(WorkerPool):
             if not self.driver.synchronize(w.device, streams, timeout):
                 raise PipelineTimeout(f"the streams of worker {w.index} did not finish within {timeout:g}s\n"
                                       f"{self.diagnose()}")
+        self.holds.collect()
 
     def on_shutdown(self, timeout: float) -> None:
         self.driver.close(timeout)
+        self.holds.clear()
         self.unpin()
-        for t in self._buffer_pins:
+        for t in self._buffer_pins.values():
             self.driver.unregister(t)
-        self._buffer_pins = []
+        self._buffer_pins = {}
         self.download_pinned_bytes = 0
         self.host_buffers.clear()
 
@@ -167,7 +208,6 @@ class StreamWorkerPool(WorkerPool):
     # ------------------------------------------------------------------ copies
     def copy_to_device(self, worker: Worker, tensors, dtypes, read_only=False):
         drv = self.driver
-        compute_stream = worker.lanes["compute"].stream
         flags = list(read_only) if isinstance(read_only, (list, tuple)) else [read_only] * len(tensors)
         out = []
         for t, dt, weight in zip(tensors, dtypes, flags):
@@ -177,27 +217,33 @@ class StreamWorkerPool(WorkerPool):
             src = t.detach()
             if weight and not drv.is_pinned(src):
                 self.pageable_upload_bytes += src.numel() * src.element_size()
-            dev = drv.to_device(src, worker.device, dt or src.dtype)
-            drv.record_stream(dev, compute_stream)
-            out.append(dev)
+            out.append(drv.to_device(src, worker.device, dt or src.dtype))  # held by its computes (execute)
         return out
 
     def copy_to_host(self, worker: Worker, tensors, reusable: bool = False):
         drv = self.driver
         stream = drv.current_stream(worker.device)
-        out = []
+        out, sources = [], []
         for t in tensors:
             if t is None:
                 out.append(None)
                 continue
             t = t.detach()
-            drv.record_stream(t, stream)
+            sources.append(t)
             if reusable:
                 host = self.host_buffers.take(t.shape, t.dtype)
             else:
                 host = drv.empty_host(t.shape, t.dtype, pinned=self.pin_memory)
             drv.to_host(host, t)
             out.append(host)
+        if sources:
+            # After the copies: the sources are held until they have been read, and a lent buffer
+            # is not lent again before its data has landed (whoever hands it back, and when).
+            landed = drv.new_event()
+            landed.record(stream)
+            self.holds.hold(stream, landed, sources)
+            if reusable:
+                self.host_buffers.fence(out, landed)
         return out
 
     def release_host(self, tensors) -> None:
@@ -206,11 +252,22 @@ class StreamWorkerPool(WorkerPool):
     def _new_host_buffer(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A download buffer of exactly its size: pageable memory, pinned in place when ``pin_memory``
         (never the caching host allocator, which rounds up and keeps what it rounded)."""
-        buf = torch.empty(shape, dtype=dtype)
+        buf = _page_aligned_empty(shape, dtype)
         if self.pin_memory and self.driver.register(buf):
-            self._buffer_pins.append(buf)
+            self._buffer_pins[id(buf)] = buf
             self.download_pinned_bytes += buf.numel() * buf.element_size()
         return buf
+
+    def _drop_host_buffer(self, buf: torch.Tensor) -> None:
+        """The buffer pool evicted ``buf`` (its copy has landed): unpin it."""
+        if self._buffer_pins.pop(id(buf), None) is not None:
+            self.driver.unregister(buf)
+            self.download_pinned_bytes -= buf.numel() * buf.element_size()
+
+    @property
+    def pageable_reasons(self) -> dict:
+        """Why host tensors meant to be pinned stayed pageable, with counts (registration errors, ...)."""
+        return dict(self.driver.pins.pageable_reasons)
 
     # ------------------------------------------------------------------ pinned memory
     def pin_uploads(self, policy: str, tensors: Iterable[torch.Tensor]) -> int:
@@ -222,13 +279,19 @@ class StreamWorkerPool(WorkerPool):
         if policy == "off":
             return 0
         seen = set()
+        pageable = 0
         for t in tensors:
-            if id(t) in seen or self.driver.is_pinned(t):
+            if id(t) in seen:  # a tensor whose pages are pinned already is registered without a call
                 continue
             seen.add(id(t))
             if self.driver.register(t):
                 self._pinned.append(t)
                 self.pinned_bytes += t.numel() * t.element_size()
+            else:
+                pageable += t.numel() * t.element_size()
+        if pageable:
+            log.warning("pinned=%r: %d bytes the uploads read stay pageable (their copies are synchronous): %s",
+                        policy, pageable, "; ".join(f"{why}: {n}" for why, n in self.pageable_reasons.items()))
         return self.pinned_bytes
 
     def unpin(self) -> None:
@@ -238,19 +301,34 @@ class StreamWorkerPool(WorkerPool):
         self.pinned_bytes = 0
 
 
+def _page_aligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An empty host tensor that starts on a page and owns every page it touches: pinning it never
+    shares a page with another allocation (CUDA would refuse a second registration of that page)."""
+    nbytes = 1
+    for d in shape:
+        nbytes *= int(d)
+    nbytes *= torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.empty(page_span(0, nbytes)[1] + PAGE, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % PAGE
+    return raw[off:off + nbytes].view(dtype).view(tuple(shape))
+
+
 class CudaWorkerPool(StreamWorkerPool):
     backend = "cuda"
 
     def __init__(self, device_indices, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
                  pin_memory: bool = True, fifo_transfers: bool = False, issue_after_device: bool = True,
-                 stream_jitter_cycles: int = 0, seed: int = 0):
+                 stream_jitter_cycles: int = 0, seed: int = 0, host_buffer_cap_bytes: int = DEFAULT_CAP_BYTES):
         """``device_indices`` may repeat a GPU: several workers (each with its own streams) on one device."""
         if not torch.cuda.is_available():
             raise RuntimeError("the CUDA backend needs CUDA: use accelerator='cpu' for virtual CPU workers")
         super().__init__(CudaStreams(stream_jitter_cycles, seed), [torch.device("cuda", int(i)) for i in device_indices],
                          timeout_s=timeout_s,
                          trace=trace, max_in_flight=max_in_flight, pin_memory=pin_memory,
-                         fifo_transfers=fifo_transfers, issue_after_device=issue_after_device)
+                         fifo_transfers=fifo_transfers, issue_after_device=issue_after_device,
+                         host_buffer_cap_bytes=host_buffer_cap_bytes)
 
     def on_lane_start(self, lane: Lane) -> None:
         torch.cuda.set_device(lane.worker.device)
@@ -258,13 +336,17 @@ class CudaWorkerPool(StreamWorkerPool):
 
 class FakeCudaWorkerPool(StreamWorkerPool):
     """The CUDA protocol on CPU threads (see ``streams.py``): ``stream_jitter_s`` delays stream work
-    at random (the race amplifier), ``seed`` fixes those delays."""
+    at random (the race amplifier), ``seed`` fixes those delays; ``cudart`` answers pinning calls
+    (a :class:`~.pinning.FakeCudart` by default); ``copy_delay_s`` lands device-to-host copies that
+    long after the work that issued them."""
 
     backend = "fake_cuda"
 
     def __init__(self, num_workers: int, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
                  pin_memory: bool = True, fifo_transfers: bool = False, issue_after_device: bool = True,
-                 stream_jitter_s: float = 0.0, seed: int = 0):
-        super().__init__(FakeStreams(stream_jitter_s, seed), [torch.device("cpu")] * num_workers, timeout_s=timeout_s,
-                         trace=trace, max_in_flight=max_in_flight, pin_memory=pin_memory,
-                         fifo_transfers=fifo_transfers, issue_after_device=issue_after_device)
+                 stream_jitter_s: float = 0.0, seed: int = 0, host_buffer_cap_bytes: int = DEFAULT_CAP_BYTES,
+                 cudart=None, copy_delay_s: float = 0.0):
+        super().__init__(FakeStreams(stream_jitter_s, seed, cudart, copy_delay_s), [torch.device("cpu")] * num_workers,
+                         timeout_s=timeout_s, trace=trace, max_in_flight=max_in_flight, pin_memory=pin_memory,
+                         fifo_transfers=fifo_transfers, issue_after_device=issue_after_device,
+                         host_buffer_cap_bytes=host_buffer_cap_bytes)

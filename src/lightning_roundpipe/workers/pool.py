@@ -125,7 +125,7 @@ class Lane:
             if failed is not None:
                 del self._pending[pos]
                 return task, failed.error, False
-            waiting = next((d for d in task.deps if not self.pool.ready_for(self, d)), None)
+            waiting = next((d for d in task.deps if not self.pool.ready_for(self, d, task)), None)
             if waiting is None:
                 del self._pending[pos]
                 return task, None, False
@@ -382,9 +382,9 @@ class WorkerPool:
             return self.workers[lab.worker].lanes[lab.queue]
         return None
 
-    def ready_for(self, lane: Lane, dep: Completion) -> bool:
-        """Whether ``dep`` no longer holds back a task of ``lane`` (the stream backends also ask
-        that its device work be finished before a transfer is issued)."""
+    def ready_for(self, lane: Lane, dep: Completion, task: Task | None = None) -> bool:
+        """Whether ``dep`` no longer holds back ``task`` of ``lane`` (the stream backends also ask
+        that its device work be finished before a transfer or a release is issued)."""
         return dep.is_set()
 
     def task_text(self, thread: threading.Thread) -> str:

@@ -10,14 +10,19 @@ flight, or decisions made on work that is issued but not finished, show up on th
 ``jitter_s`` inserts a random delay before each piece of work on a fake stream (never in the
 host threads): the race amplifier.
 
-Pinned memory on the fake driver is plain memory; what would be pinned is still counted, so
-the bookkeeping of the pinned policies runs too.
+Pinned memory on the fake driver is plain memory, registered through :class:`~.pinning.FakeCudart`
+(CUDA's page rule and error codes), so the pinned policies' bookkeeping and their failures run too.
+``copy_delay_s`` makes a device-to-host copy land that long after the work that issued it has
+returned, as a non-blocking copy on a GPU does (the host holds the buffer before its data).
+``record_stream`` is emulated as CUDA's caching allocator does it: the memory of a tensor marked
+for a stream is held, once the tensor is freed, until that stream reaches the point of the free.
 """
 
 from __future__ import annotations
 
 import collections
 import random
+import weakref
 import threading
 import time
 from typing import Any, Callable
@@ -25,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from .completions import Deferred, TaskLabel
+from .pinning import FakeCudart, PinRegistry, cuda_pin_registry
 
 
 def _poll_until(done: Callable[[], bool], timeout: float) -> bool:
@@ -115,15 +121,19 @@ class CudaStreams:
     def is_pinned(self, t: torch.Tensor) -> bool:
         return t.is_pinned()
 
+    @property
+    def pins(self) -> PinRegistry:
+        return cuda_pin_registry()
+
     def register(self, t: torch.Tensor) -> bool:
-        """Pin an existing host tensor in place (``cudaHostRegister``); False if it cannot be."""
-        if t.device.type != "cpu" or t.is_pinned() or not t.is_contiguous() or t.numel() == 0:
-            return False
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-        return int(err) == 0
+        """Pin an existing host tensor in place (``cudaHostRegister``, errors checked and cleared:
+        ``pinning.py``); False if it stays pageable (the reason is counted in ``pins.pageable_reasons``)."""
+        if t.device.type == "cpu" and t.is_pinned() and not self.pins.covers(t):
+            return False  # pinned by someone else (torch's host allocator): nothing to register
+        return self.pins.register(t)
 
     def unregister(self, t: torch.Tensor) -> None:
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        self.pins.unregister(t)
 
     def synchronize(self, device: torch.device, streams, timeout: float) -> bool:
         """Wait (bounded) until every stream of ``device`` in ``streams`` has finished its work."""
@@ -175,8 +185,14 @@ class FakeStream:
         self._items: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
+        self._after: list = []  # run by this stream's own thread only
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+
+    def after_current(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on this executor once the work now running returns, before the next item
+        (a copy the work issued, landing later, still ahead of the events recorded after it)."""
+        self._after.append(fn)
 
     def put(self, item) -> None:
         with self._cond:
@@ -222,6 +238,8 @@ class FakeStream:
                     deferred.resolve(fn())
                 except BaseException as exc:  # the reader of the value gets it
                     deferred.fail(exc)
+                while self._after:
+                    self._after.pop(0)()
 
 
 class FakeStreams:
@@ -230,14 +248,18 @@ class FakeStreams:
     kind = "fake_cuda"
     fake = True
 
-    def __init__(self, jitter_s: float = 0.0, seed: int = 0):
+    def __init__(self, jitter_s: float = 0.0, seed: int = 0, cudart=None, copy_delay_s: float = 0.0):
         self.jitter_s = float(jitter_s)
+        self.copy_delay_s = float(copy_delay_s)
+        self.cudart = cudart if cudart is not None else FakeCudart()
+        self.pins = PinRegistry(self.cudart)
+        self._stream_held: dict[int, tuple] = {}  # id -> (event, nbytes, storage): freed, held for a stream
+        self._held_lock = threading.Lock()
         self._rand = random.Random(seed)
         self._rand_lock = threading.Lock()
         self._streams: list[FakeStream] = []
         self.local = threading.local()
         self.record_stream_calls = 0
-        self.registered: dict[int, int] = {}  # start data_ptr -> bytes of host tensors "pinned in place"
 
     def pause(self) -> None:
         if self.jitter_s > 0:
@@ -266,7 +288,24 @@ class FakeStreams:
         return self.local.stream
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
-        self.record_stream_calls += 1  # CPU memory is never reused early: only counted
+        """As CUDA's allocator: when ``tensor`` is freed, its memory stays held until ``stream``
+        has run everything queued on it at that moment (``stream_held_bytes`` counts it)."""
+        self.record_stream_calls += 1
+        weakref.finalize(tensor, self._hold_for_stream, stream, tensor.untyped_storage(),
+                         tensor.numel() * tensor.element_size())
+
+    def _hold_for_stream(self, stream, storage, nbytes: int) -> None:
+        ev = FakeEvent()
+        ev.record(stream)
+        with self._held_lock:
+            self._stream_held[id(ev)] = (ev, nbytes, storage)
+
+    def stream_held_bytes(self) -> int:
+        """Bytes of freed tensors whose memory a ``record_stream`` still holds (dropped once their stream passed)."""
+        with self._held_lock:
+            for k in [k for k, (ev, _, _) in self._stream_held.items() if ev.query()]:
+                del self._stream_held[k]
+            return sum(n for _, n, _ in self._stream_held.values())
 
     def to_device(self, src: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
         return src.to(dtype=dtype, copy=True)  # runs on the stream's executor: the "copy engine"
@@ -275,20 +314,20 @@ class FakeStreams:
         return torch.empty(shape, dtype=dtype)
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
+        stream = getattr(self.local, "stream", None)
+        if self.copy_delay_s > 0 and stream is not None:
+            stream.after_current(lambda: (time.sleep(self.copy_delay_s), dst.copy_(src)))
+        else:
+            dst.copy_(src)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
-        ptr = t.data_ptr()
-        return any(start <= ptr < start + n for start, n in self.registered.items())
+        return self.pins.covers(t)
 
     def register(self, t: torch.Tensor) -> bool:
-        if not t.is_contiguous() or t.numel() == 0 or self.is_pinned(t):
-            return False
-        self.registered[t.data_ptr()] = t.numel() * t.element_size()
-        return True
+        return self.pins.register(t)
 
     def unregister(self, t: torch.Tensor) -> None:
-        self.registered.pop(t.data_ptr(), None)
+        self.pins.unregister(t)
 
     def synchronize(self, device, streams, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

@@ -1,0 +1,231 @@
+"""Pinning host memory in place (``cudaHostRegister``), with its errors checked and cleared.
+
+CUDA pins whole pages: two registrations that touch one page (two small tensors side by side
+in the CPU allocator's memory) make the second fail "already registered" (error 712), and a
+failed runtime call leaves CUDA's last error set on the calling thread, where the next kernel
+launch check (``cudaGetLastError`` after a launch) reports it as that kernel's failure. So:
+
+- a tensor is registered as the page-aligned run of pages that holds it, minus the pages
+  already registered (by this registry): no page is ever registered twice, and a tensor whose
+  pages are all registered already is pinned without a call;
+- every failed call is followed by ``cudaGetLastError`` (which clears the error), the tensor
+  stays pageable, and the reason is counted in ``pageable_reasons`` (nothing fails silently:
+  the pools report these counts);
+- a run is unregistered when the last tensor that relied on it is unregistered.
+
+``cudart`` is anything with ``cudaHostRegister(ptr, nbytes, flags)``, ``cudaHostUnregister(ptr)``
+and ``cudaGetLastError()`` returning CUDA error codes: :func:`torch_cudart` on a GPU,
+:class:`FakeCudart` (CUDA's page rule and errors, on the CPU) on the fake streams.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import ctypes
+import mmap
+import threading
+
+import torch
+
+PAGE = mmap.PAGESIZE
+ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+
+
+def page_span(ptr: int, nbytes: int) -> tuple[int, int]:
+    """The page-aligned [start, end) that holds ``nbytes`` bytes at ``ptr``."""
+    return ptr - ptr % PAGE, -(-(ptr + nbytes) // PAGE) * PAGE
+
+
+class PinRegistry:
+    """What this process pinned in place: page runs, which tensors rely on them, and why others stay pageable."""
+
+    def __init__(self, cudart) -> None:
+        self.cudart = cudart
+        self._starts: list[int] = []  # sorted starts of registered runs
+        self._runs: dict[int, list] = {}  # start -> [end, set of tensor keys relying on it]
+        self._users: dict[tuple[int, int], list[int]] = {}  # (data_ptr, nbytes) -> starts of its runs
+        self.pageable_reasons: collections.Counter = collections.Counter()
+        self.register_calls = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple[int, int]:
+        return t.data_ptr(), t.numel() * t.element_size()
+
+    def _overlapping(self, lo: int, hi: int) -> list[int]:
+        i = max(0, bisect.bisect_right(self._starts, lo) - 1)
+        out = []
+        while i < len(self._starts) and self._starts[i] < hi:
+            s = self._starts[i]
+            if self._runs[s][0] > lo:
+                out.append(s)
+            i += 1
+        return out
+
+    def _gaps(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        gaps, at = [], lo
+        for s in self._overlapping(lo, hi):
+            if s > at:
+                gaps.append((at, s))
+            at = max(at, self._runs[s][0])
+        if at < hi:
+            gaps.append((at, hi))
+        return gaps
+
+    def covers(self, t: torch.Tensor) -> bool:
+        if self._key(t) in self._users:
+            return True
+        if t.device.type != "cpu" or t.numel() == 0:
+            return False
+        with self._lock:
+            return not self._gaps(*page_span(t.data_ptr(), t.numel() * t.element_size()))
+
+    def _clear_error(self) -> None:
+        self.cudart.cudaGetLastError()  # the failed call's error must not surface at a later launch
+
+    def register(self, t: torch.Tensor) -> bool:
+        """Pin ``t`` in place; False (with a counted reason) when it stays pageable."""
+        if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+            self.pageable_reasons["not a contiguous, non-empty host tensor"] += 1
+            return False
+        key = self._key(t)
+        with self._lock:
+            if key in self._users:
+                return True  # already pinned by this registry: never registered twice
+            lo, hi = page_span(*key)
+            made = []
+            for a, b in self._gaps(lo, hi):
+                self.register_calls += 1
+                err = int(self.cudart.cudaHostRegister(a, b - a, 0))
+                if err != 0:
+                    self._clear_error()
+                    self.pageable_reasons[f"cudaHostRegister failed with CUDA error {err}"] += 1
+                    for s in made:  # all of the tensor pinned or none of it
+                        self._drop_run(s)
+                    return False
+                bisect.insort(self._starts, a)
+                self._runs[a] = [b, set()]
+                made.append(a)
+            starts = self._overlapping(lo, hi)
+            for s in starts:
+                self._runs[s][1].add(key)
+            self._users[key] = starts
+            return True
+
+    def _drop_run(self, start: int) -> None:
+        self._runs.pop(start)
+        self._starts.remove(start)
+        if int(self.cudart.cudaHostUnregister(start)) != 0:
+            self._clear_error()
+            self.pageable_reasons["cudaHostUnregister failed"] += 1
+
+    def unregister(self, t: torch.Tensor) -> None:
+        key = self._key(t)
+        with self._lock:
+            for s in self._users.pop(key, ()):
+                run = self._runs.get(s)
+                if run is None:
+                    continue
+                run[1].discard(key)
+                if not run[1]:
+                    self._drop_run(s)
+
+    @property
+    def registered_runs(self) -> list[tuple[int, int]]:
+        with self._lock:
+            return [(s, self._runs[s][0]) for s in self._starts]
+
+
+class FakeCudart:
+    """CUDA's answers to pinning on the CPU: a range touching a registered page fails with 712, a
+    failure sets the thread's last error until ``cudaGetLastError``; ``fail_with`` makes every
+    registration fail with that code (a host out of lockable memory, for instance)."""
+
+    def __init__(self, fail_with: int = 0) -> None:
+        self.fail_with = int(fail_with)
+        self.pages: dict[int, int] = {}  # registered start -> end
+        self._last = threading.local()
+        self.register_calls = 0
+        self.overlapping_calls = 0  # registrations that touched an already registered page
+
+    @property
+    def last_error(self) -> int:
+        return getattr(self._last, "code", 0)
+
+    def _fail(self, code: int) -> int:
+        self._last.code = code
+        return code
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        self.register_calls += 1
+        lo, hi = page_span(ptr, nbytes)
+        if any(s < hi and lo < e for s, e in page_runs(self.pages)):
+            self.overlapping_calls += 1
+            return self._fail(ALREADY_REGISTERED)
+        if self.fail_with:
+            return self._fail(self.fail_with)
+        self.pages[ptr] = ptr + nbytes
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        if self.pages.pop(ptr, None) is None:
+            return self._fail(713)  # cudaErrorHostMemoryNotRegistered
+        return 0
+
+    def cudaGetLastError(self) -> int:
+        code, self._last.code = self.last_error, 0
+        return code
+
+
+def page_runs(pages: dict[int, int]):
+    for s, e in list(pages.items()):
+        yield page_span(s, e - s)
+
+
+class _TorchCudart:
+    """torch's ``cudaHostRegister`` binding plus ``cudaGetLastError``, which torch does not bind:
+    called through ctypes on the libcudart this process already loaded (the same runtime, so the
+    same per-thread error)."""
+
+    def __init__(self) -> None:
+        self._rt = torch.cuda.cudart()
+        self._get_last = None
+        for path in _loaded_libcudart():
+            try:
+                self._get_last = ctypes.CDLL(path).cudaGetLastError
+                break
+            except (OSError, AttributeError):
+                continue
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        return int(self._rt.cudaHostRegister(ptr, nbytes, flags))
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        return int(self._rt.cudaHostUnregister(ptr))
+
+    def cudaGetLastError(self) -> int:
+        return int(self._get_last()) if self._get_last is not None else 0
+
+
+def _loaded_libcudart() -> list[str]:
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line}
+    except OSError:
+        paths = set()
+    return sorted(paths) + ["libcudart.so", "libcudart.so.12"]
+
+
+_shared: PinRegistry | None = None
+_shared_lock = threading.Lock()
+
+
+def cuda_pin_registry() -> PinRegistry:
+    """The process's one registry for real CUDA (every pool and the shadows share it, so that no
+    page is registered twice whoever asks)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = PinRegistry(_TorchCudart())
+        return _shared
