@@ -11,8 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.memory_sweep import MemoryCase, model_shape, plan_of, run_case  # noqa: E402
 from lightning_roundpipe import WorkerOutOfMemoryError  # noqa: E402
 from lightning_roundpipe.cost.transformer import shape_layer_costs  # noqa: E402
-from lightning_roundpipe.planning.fit import longest_fitting_seq_len  # noqa: E402
-from lightning_roundpipe.sim.hardware import load_hardware  # noqa: E402
+from lightning_roundpipe.planning.capacity import longest_fitting_seq_len  # noqa: E402
+from lightning_roundpipe.cost.hardware import load_hardware  # noqa: E402
 
 CAP = 6 * 2**20  # a 6 MiB virtual GPU per worker
 CASE = MemoryCase(family="qwen3", hidden=32, layers=2, forward="0:2 2:4", backward="0:1 1:2 2:4", fused=True,

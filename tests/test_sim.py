@@ -9,22 +9,14 @@ import pytest
 
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.schedule.plan import Plan, PlanError
-from lightning_roundpipe.sim import (
-    HardwareProfile,
-    SimConfig,
-    available_hardware,
-    balanced_plan,
-    bound_order,
-    get_model_shape,
-    load_hardware,
-    preset_costs,
-    roundpipe_gpu_bytes,
-    simulate_bound,
-    simulate_roundpipe,
-    transformer_layer_costs,
-)
+from lightning_roundpipe.analysis.bound_schedules import bound_order, simulate_bound
+from lightning_roundpipe.cost.hardware import HardwareProfile, available_hardware, load_hardware
+from lightning_roundpipe.cost.memory import roundpipe_gpu_bytes
+from lightning_roundpipe.cost.transformer import get_model_shape, preset_costs, transformer_layer_costs
+from lightning_roundpipe.planning.balanced import balanced_plan
+from lightning_roundpipe.sim import SimConfig, simulate_roundpipe
 from lightning_roundpipe.sim.event_queue import EventSimulator, LinkSpec, Op, SimulationError
-from lightning_roundpipe.sim.hardware import parse_quantity
+from lightning_roundpipe.cost.hardware import parse_quantity
 from lightning_roundpipe.tracing.timeline import bubble_fraction, to_chrome_trace
 
 INF = float("inf")
@@ -427,7 +419,7 @@ def test_host_bytes_count_fp32_trainable_parameters_once():
     from torch import nn
 
     from lightning_roundpipe.cost.estimate import estimate_costs
-    from lightning_roundpipe.sim import host_bytes
+    from lightning_roundpipe.cost.memory import host_bytes
 
     layers = [nn.Linear(100, 100) for _ in range(3)]
     costs = estimate_costs(layers, 8, None, torch.float32)

@@ -25,7 +25,6 @@ from ..workers.pool import WorkerPool
 from ..options import EngineOptions
 from .microbatch import merge_microbatches, split_microbatches
 from .calls import PipelineCalls
-from .rng import uses_randomness
 from .step import HostCarry, StepRun, TableSizes
 from ..params.weights import HostGradBuffers, LayerTable
 
@@ -90,13 +89,6 @@ class PipelineEngine:
         self.history.advance(graph)
         return graph
 
-    def add_weight_gate(self, gate: Callable[[range], list[Completion]]) -> None:
-        """Make every weights upload of layers ``ids`` also wait for ``gate(ids)`` (e.g. new weight versions).
-
-        An overlapped host optimizer registers its ``weight_gates`` here, so the next forward's
-        upload of a layer waits only for that layer's update."""
-        self._weight_gates.append(gate)
-
     def weight_gates(self, layer_ids) -> list[Completion]:
         """Completions an upload of these layers must wait for (new weight versions); none by default."""
         return [c for gate in self._weight_gates for c in gate(layer_ids)]
@@ -105,9 +97,6 @@ class PipelineEngine:
         """The host ``.grad`` of these layers holds this call's gradients: tell the grad hooks."""
         for hook in self.grad_hooks:
             hook(layer_ids)
-
-    def layer_uses_rng(self, index: int) -> bool:
-        return uses_randomness(self.layers[index])
 
     def autocast_state(self) -> dict:
         """Per device type of the workers: (enabled, dtype) of the caller's autocast."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..cost.profile import StageCost, StageCostModel
-from ..schedule.cuts import MinMaxCuts
+from ..planning.cuts import MinMaxCuts
 from ..schedule.plan import LayerRange, Plan, PlanError, dispatch
 from ..setup_progress import ProgressCallback, report
 from .predictor import dispatched_stage_costs, list_schedule

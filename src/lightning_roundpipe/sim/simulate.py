@@ -49,7 +49,7 @@ from ..cost.view import CostView
 from ..cost.memory import layer_grain_graph
 from .accumulation import CallAccumulator, submission
 from .event_queue import HOST, EventSimulator, LinkSpec, Op
-from .hardware import HardwareProfile
+from ..cost.hardware import HardwareProfile
 
 # Transfer priorities by kind for the bound schedules (lower goes first): what a stage waits for,
 # then weight prefetch, then gradients going home. RoundPipe steps take theirs from the lowering.
@@ -80,9 +80,6 @@ class SimConfig:
     chunk_bytes: int = 32 * 2**20  # transfers are cut into chunks; an urgent one overtakes at a boundary
     continue_round_robin: bool = True  # the next step's first task goes to the worker after the last one
     clip_grad_norm: bool = False  # the optimizer waits for every gradient (global norm) before any update
-    # Which ready layer the host optimizer updates first: "arrival" (as gradients come home, last
-    # layers first) or "layer" (lowest layer first: the next forward needs those first).
-    optimizer_order: str = "arrival"
     # A synchronous offloaded optimizer (ZeRO-Offload's default): it starts once every gradient of
     # the step is home, and the next step's weight uploads wait for the whole update.
     optimizer_barrier: bool = False
@@ -138,8 +135,6 @@ class SimConfig:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
         if self.chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
-        if self.optimizer_order not in ("arrival", "layer"):
-            raise ValueError(f"optimizer_order must be 'arrival' or 'layer', got {self.optimizer_order!r}")
         if self.upload_order not in ("stage", "kind"):
             raise ValueError(f"upload_order must be 'stage' or 'kind', got {self.upload_order!r}")
         for name in ("dispatch_s", "launch_s"):
@@ -152,10 +147,6 @@ class SimConfig:
             raise ValueError(f"fused_spread must be a positive integer, got {self.fused_spread!r}")
         if self.host_accumulate_bytes_per_s is not None and not self.host_accumulate_bytes_per_s > 0:
             raise ValueError(f"host_accumulate_bytes_per_s must be None or positive, got {self.host_accumulate_bytes_per_s}")
-
-    def optimizer_priority(self, layer: int) -> int:
-        """Host-queue priority of a layer's optimizer update (lower runs first among ready ones)."""
-        return layer if self.optimizer_order == "layer" else 0
 
 
 @dataclass
@@ -460,7 +451,7 @@ def add_optimizer(sim: EventSimulator, wgrads: dict[int, list[Op]], view: CostVi
     for layer, ops in wgrads.items():
         seconds = view.trainable[layer] / hardware.optimizer_params_per_s
         updates[layer] = sim.add(Op(HOST, "host", "optim", f"L{layer}", -1, step, seconds=seconds,
-                                    priority=config.optimizer_priority(layer),
+                                    priority=0,  # ready updates run in arrival order
                                     deps=list(everything if wait_for_all else ops)))
     if config.optimizer_barrier:
         every_update = list(updates.values())

@@ -46,12 +46,11 @@ class StreamWorkerPool(WorkerPool):
     device_poll_s = 5e-4
 
     def __init__(self, driver, devices, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
-                 pin_memory: bool = True, fifo_transfers: bool = False, issue_after_device: bool = True):
+                 pin_memory: bool = True, fifo_transfers: bool = False):
         super().__init__(devices, timeout_s=timeout_s, trace=trace, fifo_transfers=fifo_transfers)
         self.driver = driver
         self.max_in_flight = max(1, int(max_in_flight))
         self.pin_memory = pin_memory  # download buffers in pinned memory
-        self.issue_after_device = issue_after_device  # False: the old rule (issue once deps are issued)
         self._in_flight: dict[int, collections.deque] = {}
         self._timings: list = []  # (lane, label, nbytes, step, start event, end event), read in finish_step
         self._timing_lock = threading.Lock()
@@ -76,7 +75,7 @@ class StreamWorkerPool(WorkerPool):
     def ready_for(self, lane: Lane, dep: Completion) -> bool:
         if not dep.is_set():
             return False
-        if lane.queue == "compute" or not self.issue_after_device or dep.device_event is None:
+        if lane.queue == "compute" or dep.device_event is None:
             return True
         return dep.device_event.query()
 
@@ -241,8 +240,24 @@ class StreamWorkerPool(WorkerPool):
 class CudaWorkerPool(StreamWorkerPool):
     backend = "cuda"
 
+    @classmethod
+    def create(cls, num_workers: int, device_indices=None, **options) -> "CudaWorkerPool":
+        """One worker per entry of ``device_indices`` (default: GPUs ``0..num_workers-1``)."""
+        return cls(device_indices if device_indices is not None else range(num_workers), **options)
+
+    @classmethod
+    def options_from(cls, options) -> dict:
+        """Download buffers are pinned unless the pinned policy is "off"."""
+        return dict(pin_memory=options.pinned != "off")
+
+    @classmethod
+    def memory_budget_bytes(cls, device_indices, options) -> int | None:
+        """90% of the smallest GPU."""
+        indices = list(device_indices) if device_indices is not None else [0]
+        return int(0.9 * min(torch.cuda.get_device_properties(i).total_memory for i in indices))
+
     def __init__(self, device_indices, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
-                 pin_memory: bool = True, fifo_transfers: bool = False, issue_after_device: bool = True,
+                 pin_memory: bool = True, fifo_transfers: bool = False,
                  stream_jitter_cycles: int = 0, seed: int = 0):
         """``device_indices`` may repeat a GPU: several workers (each with its own streams) on one device."""
         if not torch.cuda.is_available():
@@ -250,7 +265,7 @@ class CudaWorkerPool(StreamWorkerPool):
         super().__init__(CudaStreams(stream_jitter_cycles, seed), [torch.device("cuda", int(i)) for i in device_indices],
                          timeout_s=timeout_s,
                          trace=trace, max_in_flight=max_in_flight, pin_memory=pin_memory,
-                         fifo_transfers=fifo_transfers, issue_after_device=issue_after_device)
+                         fifo_transfers=fifo_transfers)
 
     def on_lane_start(self, lane: Lane) -> None:
         torch.cuda.set_device(lane.worker.device)
@@ -261,10 +276,16 @@ class FakeCudaWorkerPool(StreamWorkerPool):
     at random (the race amplifier), ``seed`` fixes those delays."""
 
     backend = "fake_cuda"
+    keeps_graphs_across_workers = True  # CPU threads standing for streams: one memory
+
+    @classmethod
+    def options_from(cls, options) -> dict:
+        """The CPU jitter knob delays stream work here (the race amplifier), with its seed."""
+        return dict(stream_jitter_s=options.cpu_jitter_s, seed=options.seed)
 
     def __init__(self, num_workers: int, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
-                 pin_memory: bool = True, fifo_transfers: bool = False, issue_after_device: bool = True,
+                 pin_memory: bool = True, fifo_transfers: bool = False,
                  stream_jitter_s: float = 0.0, seed: int = 0):
         super().__init__(FakeStreams(stream_jitter_s, seed), [torch.device("cpu")] * num_workers, timeout_s=timeout_s,
                          trace=trace, max_in_flight=max_in_flight, pin_memory=pin_memory,
-                         fifo_transfers=fifo_transfers, issue_after_device=issue_after_device)
+                         fifo_transfers=fifo_transfers)
