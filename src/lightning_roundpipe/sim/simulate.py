@@ -12,7 +12,7 @@ One step, as the engine runs it (see ``docs/simulator.md`` for the assumptions):
   computes, and downloads its output (and the stage-internal activations backward recompute
   starts from, and for backward the input gradient). The weights of a stage may upload only
   once the worker's stage two back released its slot: at most two stages' weights are resident.
-- Uploads go by dispatch order, then kind (``SimConfig.upload_order="stage"``, as the engine):
+- Uploads go by dispatch order, then kind (the lowered graph's priorities, as the engine):
   a stage's inputs, then its weights, before anything of a later stage, so the next stage's
   weight prefetch fills the gaps while the running stage waits for its inputs. Downloads go by
   kind, then dispatch order: activations and input gradients, then weight gradients.
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from ..cost.profile import CostProfile
 from ..schedule.history import WorkerHistory
-from ..schedule.lowering import DEFAULT_PRIORITIES, PRIORITY_CLASS, GraphTask, LoweringOptions, lower
+from ..schedule.lowering import DEFAULT_PRIORITIES, GraphTask, LoweringOptions, lower
 from ..schedule.plan import Plan, PlanError
 from ..tracing.records import TraceRecord
 from ..cost.view import CostView
@@ -87,10 +87,6 @@ class SimConfig:
     # on the host -> backward (not in fused runs), and backward returned -> next step. False
     # models an engine that starts each microbatch's backward on its own output gradient.
     host_barriers: bool = True
-    # Upload priority: "stage" (dispatch order first, then kind: the running stage's weights and
-    # inputs go before anything of a later stage, as the engine orders them) or "kind"
-    # (activations of any stage before any weights, whatever their stage: for comparison).
-    upload_order: str = "stage"
     # Forward-backward calls per optimizer step (gradient accumulation): each simulated step is one
     # call; the host optimizer runs once per ``accumulation`` calls, on all of their gradients.
     accumulation: int = 1
@@ -135,8 +131,6 @@ class SimConfig:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
         if self.chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
-        if self.upload_order not in ("stage", "kind"):
-            raise ValueError(f"upload_order must be 'stage' or 'kind', got {self.upload_order!r}")
         for name in ("dispatch_s", "launch_s"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
@@ -288,8 +282,7 @@ class _RoundPipeBuilder:
                     deps += done[host_output[t.microbatch]]  # the host computes the loss and its gradient
                 if t.kind == "weights":
                     deps += [op for layer in range(*t.layers) for op in self.calls.gate.get(layer, [])]
-                priority = t.priority if cfg.upload_order == "stage" else DEFAULT_PRIORITIES[PRIORITY_CLASS[t.kind]]
-                op = Op(w, "upload", t.kind, name, t.microbatch, step, bytes=t.bytes, priority=priority,
+                op = Op(w, "upload", t.kind, name, t.microbatch, step, bytes=t.bytes, priority=t.priority,
                         deps=deps + gate, alloc=[(w, t.bytes)])
                 if t.kind == "weights":
                     spread.copy_weights(op, self.add)
