@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_roundpipe.sim.hardware import load_hardware  # before cost.transformer, which it imports
+from lightning_roundpipe.cost.hardware import load_hardware
 from lightning_roundpipe.cost.memory import roundpipe_gpu_bytes
 from lightning_roundpipe.cost.transformer import ModelShape, shape_layer_costs
 

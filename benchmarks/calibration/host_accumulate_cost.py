@@ -14,7 +14,7 @@ This times, on one ``--params`` tensor, side by side in one process (best of ``-
 - ``adam``: one ``torch.optim.Adam`` step (fp32) of a parameter of the same size.
 
 The ratios transfer to another host better than the absolute times (all three are
-memory-bound): ``sim/own_engine.py`` prices the accumulation on a GPU server as the profile's
+memory-bound): ``analysis/own_engine.py`` prices the accumulation on a GPU server as the profile's
 host Adam rate times the measured ``adam / cast-scale-add`` ratio, in gradient bytes per second.
 """
 

@@ -15,14 +15,13 @@ with the bandwidth from the datasheet, and the two rates fitted by least squares
 error over the 12 times (3 dense models x decoder layer and LM head x forward and backward).
 Two constants per GPU, the same for every model: no per-model factor. The script prints the
 rates and each time's residual; the results are recorded in ``conf/hardware/rtx4090.yaml``
-and used by ``src/lightning_roundpipe/sim/profiles/rtx4090.yaml``.
+and used by ``src/lightning_roundpipe/cost/profiles/rtx4090.yaml``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-import lightning_roundpipe.sim  # noqa: F401  (import order: the cost model imports the profiles)
 from lightning_roundpipe.cost.transformer import decoder_layer_work, get_model_shape, head_work
 
 from benchmarks.harness import cli, write_json

@@ -19,7 +19,7 @@ driver's ``cudaLaunchKernel`` (``--launch-overhead-us``, default 4 us) on top.
 Launch-bound point: a worker keeps its GPU busy only while the GPU time of a stage exceeds the
 host time to issue it. Per layer and microbatch of T tokens the GPU does about
 ``4 x 2 x P_layer x T`` FLOPs (forward, recompute, backward = 2x forward), at ``--tflops``
-(the hardware profiles in src/lightning_roundpipe/sim/profiles). All workers of one process share one GIL,
+(the hardware profiles in src/lightning_roundpipe/cost/profiles). All workers of one process share one GIL,
 so with W workers the host must issue W stages in the time of one:
 ``T_bound = W x launches x t_issue x tflops / (8 x P_layer)``.
 

@@ -1,11 +1,11 @@
 """Simulated: the planner's longest trainable sequence, stage-grain versus layer-grain recompute.
 
 For Qwen3-1.7B, Llama-3.1-8B and Qwen3-32B full fine-tuning and Qwen3-235B-A22B LoRA (rank 32
-on every linear map but the router) on 8x RTX 4090 (``sim/profiles/rtx4090.yaml``) and on an
+on every linear map but the router) on 8x RTX 4090 (``cost/profiles/rtx4090.yaml``) and on an
 8x 80 GB A100 server with PCIe 4.0 host links (``a100.yaml``): the longest sequence (a multiple
 of 256 tokens, one sequence per microbatch, 8 microbatches per step, the engine's chunked loss)
 for which one of the planner's least-memory plans fits the workers (90% of their memory) and
-the host (:func:`lightning_roundpipe.sim.longest_seq_len`), what stops one quantum more, and
+the host (:func:`lightning_roundpipe.planning.capacity.longest_seq_len`), what stops one quantum more, and
 the planner's recommended plan and predicted tokens/s at that length (``--throughput``).
 
     python benchmarks/figures/longest_sequences.py [--throughput] [--hardware rtx4090 a100]
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import argparse
 
-from lightning_roundpipe.sim import load_hardware, longest_seq_len, plan_training
+from lightning_roundpipe.cost.hardware import load_hardware
+from lightning_roundpipe.planning.capacity import longest_seq_len, plan_training
 
 RUNS = (("qwen3-1.7b", None), ("llama-3.1-8b", None), ("qwen3-32b", None), ("qwen3-235b-a22b", 32))
 PAPER_SEQ = 31 * 1024  # "LoRA on Qwen3-235B with 31K-token sequences on one 8x RTX 4090 server"

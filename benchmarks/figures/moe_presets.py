@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 
-import lightning_roundpipe.sim  # noqa: F401  (loads the simulator before the cost model it imports)
 from lightning_roundpipe.cost.memory import host_bytes, roundpipe_gpu_bytes
 from lightning_roundpipe.cost.transformer import get_model_shape, shape_layer_costs
-from lightning_roundpipe.planning.fit import DEFAULT_MEMORY_FRACTION
-from lightning_roundpipe.sim.hardware import load_hardware
-from lightning_roundpipe.sim.workload import REFERENCE_PARTITIONS, Workload, reference_plan, simulate_workload
+from lightning_roundpipe.planning.capacity import DEFAULT_MEMORY_FRACTION
+from lightning_roundpipe.cost.hardware import load_hardware
+from lightning_roundpipe.analysis.workload import REFERENCE_PARTITIONS, Workload, reference_plan, simulate_workload
 
 MOE_PRESETS = ("qwen3-30b-a3b", "gpt-oss-20b", "qwen3-235b-a22b")
 GB = 1e9

@@ -10,7 +10,7 @@ forward-backward calls, 2048-token sequences):
    ``python -m benchmarks.validation.published_gpu`` simulates it);
 2. a waterfall from that setup to this engine's default, one cause at a time, each row the
    tokens/s after switching that cause and its share of the whole difference
-   (:func:`lightning_roundpipe.sim.own_engine.waterfall`);
+   (:func:`lightning_roundpipe.analysis.own_engine.waterfall`);
 3. what both designs pay in the simulation (kernel launches, the call barrier), as what the
    default would reach without each;
 4. this engine's best exact setup (partition policy, microbatches, calls per optimizer step
@@ -31,11 +31,11 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.harness import cli, write_json  # noqa: E402
-from lightning_roundpipe.sim.own_engine import (best_setup, host_limit_tokens, inexact_variants, our_default,
+from lightning_roundpipe.analysis.own_engine import (best_setup, host_limit_tokens, inexact_variants, our_default,
                                                  published_run, shared_costs, tasks_per_compute, waterfall)
 from lightning_roundpipe.cost.transformer import get_model_shape, shape_layer_costs
-from lightning_roundpipe.sim.hardware import load_hardware
-from lightning_roundpipe.sim.workload import PUBLISHED_RUNS
+from lightning_roundpipe.cost.hardware import load_hardware
+from lightning_roundpipe.analysis.workload import PUBLISHED_RUNS
 
 
 def describe(result) -> str:

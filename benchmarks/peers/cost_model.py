@@ -11,7 +11,7 @@ costs ``c_l = f_l + b_l (+ f_l when recomputed)``, and the whole step ``m * W`` 
   run of layers for good (weight binding). With rank costs ``C_r`` (sum of its ``c_l``) the
   step takes ``sum(C_r) + (m - 1) * max(C_r)``: the slowest rank sets the pace for ``m - 1``
   microbatches and the pipeline fills and drains once. The split is the best contiguous one
-  (smallest ``max(C_r)``, ``plan.balanced_ranges``), as one would pick by hand.
+  (smallest ``max(C_r)``, ``planning.cuts.balanced_ranges``), as one would pick by hand.
 - **RoundPipe, balance bound**: ``m * W / p``: every worker busy all the time.
 - **RoundPipe, plan model**: the project's list-scheduling model (``partition.predict``) of the
   plan actually run, with free dispatch and free copies: round-robin stages, per-microbatch
@@ -27,7 +27,8 @@ from typing import Sequence
 
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.planning.partition import partition, predict
-from lightning_roundpipe.schedule.plan import Plan, balanced_ranges
+from lightning_roundpipe.planning.cuts import balanced_ranges
+from lightning_roundpipe.schedule.plan import Plan
 
 from .models import LayerTiming, ShapeConfig
 

@@ -251,7 +251,7 @@ def free_port() -> int:
 def flops_split(shape: LMShape) -> list[list[int]]:
     """Contiguous layer ranges per rank with balanced estimated compute (``balanced_ranges``)."""
     from lightning_roundpipe.cost.estimate import estimate_costs
-    from lightning_roundpipe.schedule.plan import balanced_ranges
+    from lightning_roundpipe.planning.cuts import balanced_ranges
 
     costs = estimate_costs(list(build_lm(shape)), shape.seq_len, None, torch.float32)
     return [list(r) for r in balanced_ranges([c.forward_s + c.backward_s for c in costs.layers], WORKERS)]

@@ -4,9 +4,9 @@
 
 For each model of the published 8x RTX 4090 table, simulates RoundPipe (one-step-stale
 optimizer) and RoundPipe-sync (synchronous optimizer, more accumulation) on the reference
-workload (:data:`lightning_roundpipe.sim.workload.PUBLISHED_RUNS`) with the hardware profile's
+workload (:data:`lightning_roundpipe.analysis.workload.PUBLISHED_RUNS`) with the hardware profile's
 physical constants and the reference's own stage partitions
-(:func:`~lightning_roundpipe.sim.workload.reference_plan`; ``--planner``: this project's
+(:func:`~lightning_roundpipe.analysis.workload.reference_plan`; ``--planner``: this project's
 planner's best plan instead), and prints predicted and measured tokens/s with the error of
 each figure. Every predicted number is simulated; the measured ones are the reference's.
 
@@ -29,11 +29,11 @@ from __future__ import annotations
 import argparse
 
 from lightning_roundpipe.cost.transformer import get_model_shape, shape_layer_costs
-from lightning_roundpipe.sim.hardware import load_hardware
-from lightning_roundpipe.sim.schedules import simulate_bound
+from lightning_roundpipe.cost.hardware import load_hardware
+from lightning_roundpipe.analysis.bound_schedules import simulate_bound
 from lightning_roundpipe.sim.simulate import SimConfig
-from lightning_roundpipe.sim.physical import matmul_tflops
-from lightning_roundpipe.sim.workload import PUBLISHED_RUNS, reference_plan, simulate_workload
+from lightning_roundpipe.cost.physical import matmul_tflops
+from lightning_roundpipe.analysis.workload import PUBLISHED_RUNS, reference_plan, simulate_workload
 
 TARGET = 0.15  # the issue's bound on each figure's relative error
 BASELINE_TARGET = 0.25  # and on the bound baselines'
@@ -122,7 +122,7 @@ def to_markdown(table: list[dict], hardware: str) -> str:
     lines += ["", f"Constants: matmul {matmul_tflops(hw, True):g} TFLOP/s fp16-acc (peak {hw.tensor_tflops_fp16_acc}), "
               f"flash attention {hw.attention_tflops or hw.tensor_tflops_fp32_acc:g} TFLOP/s, memory "
               f"{hw.memory_bytes_per_s / 1e9:.0f} GB/s, PCIe {hw.host_device_bytes_per_s / 1e9:.0f} GB/s, host optimizer "
-              f"{hw.optimizer_params_per_s:.3g} params/s ({host}) (src/lightning_roundpipe/sim/profiles/{hw.name}.yaml)."]
+              f"{hw.optimizer_params_per_s:.3g} params/s ({host}) (src/lightning_roundpipe/cost/profiles/{hw.name}.yaml)."]
     return "\n".join(lines)
 
 

@@ -7,7 +7,7 @@ The CPU backend is made to behave like a machine whose numbers are known:
 - every transfer sleeps ``latency_s + bytes / bandwidth_bytes_per_s`` (the modelled link).
 
 The simulator gets the same plan (the one the runtime ran in the timed steps), the same
-microbatch count, a :class:`~lightning_roundpipe.sim.HardwareProfile` with the same link, and a
+microbatch count, a :class:`~lightning_roundpipe.cost.hardware.HardwareProfile` with the same link, and a
 :class:`~lightning_roundpipe.cost.profile.CostProfile` whose times reproduce the injected delays. The
 backend sleeps once per compute *task*, not per layer, so the delay is put on the first layer of
 every stage (forward times on the first layer of each forward stage, recompute + backward on the
@@ -54,7 +54,8 @@ from lightning_roundpipe.options import PartitionConfig, TransferConfig
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.schedule.plan import Plan
 from lightning_roundpipe.runtime import RoundPipeRuntime, RuntimeOptions
-from lightning_roundpipe.sim import HardwareProfile, SimConfig, SimResult, simulate_roundpipe
+from lightning_roundpipe.cost.hardware import HardwareProfile
+from lightning_roundpipe.sim import SimConfig, SimResult, simulate_roundpipe
 
 if __package__:
     from benchmarks.harness import cli, load_line, markdown_table, run_info, write_json

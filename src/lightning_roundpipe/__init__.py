@@ -3,7 +3,8 @@
 from .options import (EngineOptions, OptionError, PartitionConfig, RuntimeOptions, StrategyOptions, TransferConfig,
                       register_configs)
 from .engine import PipelineEngine
-from .schedule.plan import Plan, PlanError, dispatch, simple_plan
+from .planning.cuts import simple_plan
+from .schedule.plan import Plan, PlanError, dispatch
 from .workers import CpuWorkerPool, PipelineError, PipelineTimeout, WorkerError, WorkerOutOfMemoryError, make_pool
 
 __all__ = [

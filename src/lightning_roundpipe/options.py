@@ -21,10 +21,11 @@ from typing import Any, Mapping, Optional
 from omegaconf import OmegaConf
 
 from .schedule.dispatch_order import SCHEDULES
+from .schedule.lowering import DEFAULT_PRIORITIES
 
 PARTITION_POLICIES = ("compute", "params", "uniform", "auto", "manual")
 RECOMPUTE_CHOICES = ("auto", "always", "layer", "never")
-TRANSFER_KINDS = ("activation", "weights", "gradients")
+TRANSFER_KINDS = tuple(DEFAULT_PRIORITIES)  # the kinds a transfer priority is given for
 PINNED_POLICIES = ("alloc", "register", "off")
 BATCH_STATISTICS = ("refuse", "per_microbatch")
 MOE_EXPERT_PATHS = ("hf", "grouped")
@@ -124,7 +125,7 @@ class TransferConfig:
         first-in-first-out queue per direction, like a bare CUDA stream: the baseline priorities beat).
     """
 
-    priorities: dict = field(default_factory=lambda: {"activation": 0, "weights": 1, "gradients": 2})
+    priorities: dict = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
     chunk_bytes: int = 32 << 20
     prefetch_depth: int = 1
     bandwidth_bytes_per_s: Optional[float] = None
@@ -179,7 +180,7 @@ class EngineOptions:
     recompute: bool = True
     layer_recompute: bool = False
     compute_dtype: Any = None
-    priorities: dict = field(default_factory=lambda: {"activation": 0, "weights": 1, "gradients": 2})
+    priorities: dict = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
     chunk_bytes: int = 32 << 20
     prefetch_depth: int = 1
     measure_tasks: bool = True

@@ -27,13 +27,12 @@ from .engine.buffers import expect_buffer_writes
 from .engine.microbatch import MicrobatchError, batch_size_of, register_batch_types
 from .schedule.dispatch_order import schedule_named
 from .schedule.plan import PlanError
-from .planning.defaults import CPU_MICROBATCH_OVERHEAD_S
 from .planning.keeper import PlanKeeper
 from .adapters.batch_statistics import BatchStatistics
 from .adapters.target import STACK_KINDS, locate, patch_forward, unpatch
 from .setup_progress import ProgressCallback
 from .tracing.records import TraceRecorder
-from .workers import make_pool
+from .workers import backend_class, make_pool
 
 log = logging.getLogger("lightning_roundpipe")
 
@@ -75,30 +74,23 @@ class RoundPipeRuntime:
         self.overlapped: list = []  # OverlappedOptimizer per optimizer handed to overlap_optimizer
         self.shadows = None
         self.grad_sync = None
-        if backend == "cuda" and options.recompute == "never":
+        pool_class = backend_class(backend)  # what the backend declares about itself
+        if options.recompute == "never" and not pool_class.keeps_graphs_across_workers:
             raise OptionError("recompute='never' keeps forward graphs across workers and is only supported on the CPU backend")
         t = options.transfer
-        cuda = backend == "cuda"
-        pool_opts: dict[str, Any] = dict(timeout_s=options.timeout, trace=self.trace, fifo_transfers=t.queue == "fifo")
-        if cuda:
-            pool_opts["pin_memory"] = options.pinned != "off"
-        else:
-            pool_opts.update(compute_delay_s=options.cpu_compute_delay_s, jitter_s=options.cpu_jitter_s,
-                             bandwidth_bytes_per_s=t.bandwidth_bytes_per_s, latency_s=t.latency_s,
-                             threads_per_worker=options.cpu_threads_per_worker, seed=options.seed,
-                             memory_cap_bytes=options.cpu_memory_cap_bytes)
-        if backend == "fake_cuda":  # the CUDA protocol on CPU streams; the jitter delays stream work
-            pool_opts.update(stream_jitter_s=options.cpu_jitter_s)
+        pool_opts: dict[str, Any] = dict(timeout_s=options.timeout, trace=self.trace, fifo_transfers=t.queue == "fifo",
+                                         **pool_class.options_from(options))
         self.planner = PlanKeeper(
             layers, num_workers, options.microbatches, options.partition, recompute=options.recompute,
             fused_last=fused_last, compute_dtype=options.compute_dtype,
-            link_bytes_per_second=t.bandwidth_bytes_per_s or (None if backend == "cpu" else 25e9),
-            flops_per_second=5e10 if backend == "cpu" else 1e14,
+            link_bytes_per_second=t.bandwidth_bytes_per_s or pool_class.assumed_link_bytes_per_s,
+            flops_per_second=pool_class.assumed_flops_per_s,
             memory_budget_bytes=(options.partition.memory_budget_bytes
-                                 or _device_budget(backend, device_indices, options.cpu_memory_cap_bytes)),
-            backend="cpu" if backend == "cpu" else "cuda", progress=progress,
-            microbatch_overhead_s=CPU_MICROBATCH_OVERHEAD_S if backend == "cpu" else 0.0,
-            budget_option=_budget_option(backend, options),
+                                 or pool_class.memory_budget_bytes(device_indices, options)),
+            backend=pool_class.planner_device, progress=progress,
+            microbatch_overhead_s=pool_class.microbatch_overhead_s,
+            budget_option=("partition.memory_budget_bytes" if options.partition.memory_budget_bytes is not None
+                           else pool_class.budget_option),
         )
         engine_opts = options.engine_options(num_workers, self.planner.microbatches, self.planner.recompute)
         self.host_clock = HostClock(self.planner, self.trace.now)
@@ -111,7 +103,7 @@ class RoundPipeRuntime:
         try:
             self.engine = PipelineEngine(layers, self.pool, self.planner.plan, engine_opts, shadows=self.shadows,
                                          weight_gates=[self._weight_gates], schedule=schedule_named(options.schedule))
-            if backend != "cpu":  # pin exactly what the uploads read, once; the pool unpins at shutdown
+            if pool_class.pins_uploads:  # pin exactly what the uploads read, once; the pool unpins at shutdown
                 self.pool.pin_uploads(options.pinned, self.shadows.buffers() if self.shadows is not None else masters)
             if sync_gradients:
                 from .distributed.gradient_sync import GradientSync
@@ -448,23 +440,6 @@ def _unique_parameters(layers) -> list:
         for p in layer.parameters():
             seen.setdefault(id(p), p)
     return list(seen.values())
-
-
-def _device_budget(backend: str, device_indices, cpu_memory_cap_bytes: int | None) -> int | None:
-    """Per-worker memory budget of the partitioner and of ``recompute="auto"``: 90% of the smallest
-    GPU; on the CPU backend the virtual GPU's cap (``cpu_memory_cap_bytes``), or none."""
-    if backend != "cuda":
-        return cpu_memory_cap_bytes
-    indices = list(device_indices) if device_indices is not None else [0]
-    return int(0.9 * min(torch.cuda.get_device_properties(i).total_memory for i in indices))
-
-
-def _budget_option(backend: str, options: RuntimeOptions) -> str:
-    """The option the partitioner's memory budget comes from (see ``_device_budget``), for its advice."""
-    if options.partition.memory_budget_bytes is not None or backend == "cuda":
-        return "partition.memory_budget_bytes" + ("" if backend != "cuda" or options.partition.memory_budget_bytes
-                                                  else " (default: 90% of the GPU's memory)")
-    return "cpu_memory_cap_bytes"
 
 
 def _sequential_forward(runtime: RoundPipeRuntime) -> Callable:

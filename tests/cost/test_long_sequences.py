@@ -9,9 +9,11 @@ from lightning_roundpipe.cost.memory import layer_grain_graph, roundpipe_gpu_byt
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.cost.view import CostView
 from lightning_roundpipe.schedule.plan import Plan
-from lightning_roundpipe.sim import load_hardware, plan_training, preset_costs
-from lightning_roundpipe.sim.hardware import HardwareProfile
-from lightning_roundpipe.planning.fit import fitting_recompute, least_memory_plans
+from lightning_roundpipe.cost.hardware import load_hardware
+from lightning_roundpipe.cost.transformer import preset_costs
+from lightning_roundpipe.planning.capacity import plan_training
+from lightning_roundpipe.cost.hardware import HardwareProfile
+from lightning_roundpipe.planning.capacity import fitting_recompute, least_memory_plans
 
 
 def hand_costs(layers=4):

@@ -214,7 +214,8 @@ def test_partitioner_cuts_moe_layers_by_their_active_compute_and_full_memory():
 
 
 def test_shape_presets_report_the_parameters_a_token_runs():
-    from lightning_roundpipe.sim import get_model_shape, load_hardware, preset_costs
+    from lightning_roundpipe.cost.hardware import load_hardware
+    from lightning_roundpipe.cost.transformer import get_model_shape, preset_costs
 
     hw = load_hardware("rtx4090")
     shape = get_model_shape("qwen3-30b-a3b")  # 128 experts of 3 x 2048 x 768, top-8

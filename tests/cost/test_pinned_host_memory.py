@@ -5,7 +5,9 @@ from torch import nn
 
 from lightning_roundpipe import Plan
 from lightning_roundpipe.cost.estimate import estimate_costs
-from lightning_roundpipe.sim import get_model_shape, host_bytes, plan_training, preset_costs
+from lightning_roundpipe.cost.memory import host_bytes
+from lightning_roundpipe.cost.transformer import get_model_shape, preset_costs
+from lightning_roundpipe.planning.capacity import plan_training
 
 
 def test_pinned_bytes_of_three_fp32_linears_by_hand():

@@ -24,7 +24,7 @@ def wheel(tmp_path_factory):
 def test_wheel_ships_the_hardware_profiles(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     for profile in ("rtx4090", "a100", "h100", "cpu2"):
-        assert f"lightning_roundpipe/sim/profiles/{profile}.yaml" in names
+        assert f"lightning_roundpipe/cost/profiles/{profile}.yaml" in names
     assert not any(n.startswith(("tests/", "benchmarks/", "conf/")) for n in names)
 
 

@@ -1,6 +1,6 @@
 """Layers that update buffers in forward (BatchNorm): the default strategy's statistics with one microbatch,
 GPipe's per-microbatch statistics with more when batch_statistics='per_microbatch' asks for them
-(refused otherwise: tests/test_batch_statistics.py)."""
+(refused otherwise: tests/adapters/test_batch_statistics.py)."""
 
 import warnings
 

@@ -8,8 +8,8 @@ import pytest
 from _memory_cases import MemoryCase, model_shape, plan_of, run_case
 from lightning_roundpipe import WorkerOutOfMemoryError
 from lightning_roundpipe.cost.transformer import shape_layer_costs
-from lightning_roundpipe.planning.fit import longest_fitting_seq_len
-from lightning_roundpipe.sim.hardware import load_hardware
+from lightning_roundpipe.planning.capacity import longest_fitting_seq_len
+from lightning_roundpipe.cost.hardware import load_hardware
 
 CAP = 6 * 2**20  # a 6 MiB virtual GPU per worker
 CASE = MemoryCase(family="qwen3", hidden=32, layers=2, forward="0:2 2:4", backward="0:1 1:2 2:4", fused=True,

@@ -7,10 +7,13 @@ import sys
 
 import pytest
 
-from lightning_roundpipe.sim import get_model_shape, host_bytes, load_hardware, plan_training, preset_costs
+from lightning_roundpipe.cost.hardware import load_hardware
+from lightning_roundpipe.cost.memory import host_bytes
+from lightning_roundpipe.cost.transformer import get_model_shape, preset_costs
+from lightning_roundpipe.planning.capacity import plan_training
 from lightning_roundpipe.sim.__main__ import main
-from lightning_roundpipe.sim.compare import compare_schedules, paper_table
-from lightning_roundpipe.planning.fit import SEQ_QUANTUM, _fit_problems, longest_seq_len
+from lightning_roundpipe.analysis.compare import compare_schedules, paper_table
+from lightning_roundpipe.planning.capacity import SEQ_QUANTUM, _fit_problems, longest_seq_len
 
 GiB = 2**30
 

@@ -193,7 +193,7 @@ def test_recompute_off_needs_same_cuts():
 
 # ----------------------------------------------------------------------------- predictor vs simulator
 def _hardware(num_gpus, link):
-    from lightning_roundpipe.sim.hardware import HardwareProfile
+    from lightning_roundpipe.cost.hardware import HardwareProfile
 
     return HardwareProfile(name="test", num_gpus=num_gpus, tflops=1.0, gpu_memory_bytes=10**12,
                            host_device_bytes_per_s=link, host_memory_bytes=10**12,

@@ -2,7 +2,8 @@
 
 import pytest
 
-from lightning_roundpipe.schedule.plan import Plan, PlanError, balanced_ranges, dispatch, simple_plan, uniform_ranges
+from lightning_roundpipe.planning.cuts import balanced_ranges, simple_plan, uniform_ranges
+from lightning_roundpipe.schedule.plan import Plan, PlanError, dispatch
 
 
 def test_text_round_trip():

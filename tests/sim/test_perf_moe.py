@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from lightning_roundpipe.sim import HardwareProfile
+from lightning_roundpipe.cost.hardware import HardwareProfile
 from lightning_roundpipe.cost.transformer import MODEL_PRESETS, ModelShape, shape_layer_costs
 
 # One decoder layer: hidden 4, one head of 4, 3 experts of intermediate 2, 1 routed per token.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_roundpipe.sim.__main__ import main
-from lightning_roundpipe.sim.scaling import scaling_markdown, scaling_rows
-from lightning_roundpipe.sim.workload import Workload
+from lightning_roundpipe.analysis.scaling import scaling_markdown, scaling_rows
+from lightning_roundpipe.analysis.workload import Workload
 
 
 def test_plan_takes_the_gpu_count(capsys):

@@ -6,8 +6,9 @@ import pytest
 
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.schedule.plan import Plan
-from lightning_roundpipe.sim import HardwareProfile, SimConfig, simulate_roundpipe
-from lightning_roundpipe.sim.workload import PUBLISHED_RUNS, Workload, optimizer_step_period
+from lightning_roundpipe.cost.hardware import HardwareProfile
+from lightning_roundpipe.sim import SimConfig, simulate_roundpipe
+from lightning_roundpipe.analysis.workload import PUBLISHED_RUNS, Workload, optimizer_step_period
 
 INF = float("inf")
 
@@ -99,7 +100,7 @@ def test_dispatch_cost_hides_behind_long_computes_but_for_the_first_ones():
 
 
 def test_physical_rates_time_matmuls_attention_and_traffic_separately():
-    from lightning_roundpipe.sim.physical import LayerWork, layer_seconds
+    from lightning_roundpipe.cost.physical import LayerWork, layer_seconds
 
     hw = one_worker(1.0).replace(tensor_tflops_fp32_acc=100.0, tensor_tflops_fp16_acc=200.0, memory_bytes_per_s=1e12)
     work = LayerWork(matmul_flops=2e12, attention_flops=1e12, memory_bytes=3e12)
@@ -111,7 +112,7 @@ def test_physical_rates_time_matmuls_attention_and_traffic_separately():
 
 
 def test_rtx4090_profile_gives_the_whitepaper_rates():
-    from lightning_roundpipe.sim import load_hardware
+    from lightning_roundpipe.cost.hardware import load_hardware
 
     hw = load_hardware("rtx4090")
     assert (hw.tensor_tflops_fp32_acc, hw.tensor_tflops_fp16_acc, hw.memory_bytes_per_s) == (165.2, 330.3, 1008e9)

@@ -10,22 +10,14 @@ import pytest
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.schedule.dispatch_order import SCHEDULES
 from lightning_roundpipe.schedule.plan import Plan, PlanError
-from lightning_roundpipe.sim import (
-    HardwareProfile,
-    SimConfig,
-    available_hardware,
-    balanced_plan,
-    bound_order,
-    get_model_shape,
-    load_hardware,
-    preset_costs,
-    roundpipe_gpu_bytes,
-    simulate_bound,
-    simulate_roundpipe,
-    transformer_layer_costs,
-)
+from lightning_roundpipe.analysis.bound_schedules import bound_order, simulate_bound
+from lightning_roundpipe.cost.hardware import HardwareProfile, available_hardware, load_hardware
+from lightning_roundpipe.cost.memory import roundpipe_gpu_bytes
+from lightning_roundpipe.cost.transformer import get_model_shape, preset_costs, transformer_layer_costs
+from lightning_roundpipe.planning.balanced import balanced_plan
+from lightning_roundpipe.sim import SimConfig, simulate_roundpipe
 from lightning_roundpipe.sim.event_queue import EventSimulator, LinkSpec, Op, SimulationError
-from lightning_roundpipe.sim.hardware import parse_quantity
+from lightning_roundpipe.cost.hardware import parse_quantity
 from lightning_roundpipe.tracing.timeline import bubble_fraction, to_chrome_trace
 
 INF = float("inf")
@@ -258,25 +250,23 @@ def test_step_barrier_keeps_the_next_step_from_overlapping_the_gradient_download
     assert (wgrad_end, next_forward) == pytest.approx((9.0, 9.0 if host_barriers else 8.0))
 
 
-@pytest.mark.parametrize("upload_order,step_s", [("stage", 17.0), ("kind", 18.0)])
-def test_upload_order_puts_the_running_stage_before_a_later_stage_input(upload_order, step_s):
+def test_upload_order_puts_the_running_stage_before_a_later_stage_input():
     # One worker, F 0:2 | B 0:1 1:2, one microbatch; every transfer 1 s (100 bytes at 100 B/s),
     # forward 1 s and backward with recompute 3 s per layer. F0's input [0,1], weights [1,3],
     # forward [3,5], output home at 6 (the loss), saved input of B1 home at 7. B1 uploads its
     # output gradient [6,7] and saved input [7,8]. B0's input (the batch) is ready since the loss:
     # by stage order it waits for B1's weights [8,9], B1 computes [9,12], B0's gradient input
-    # [13,14] and B0 [14,17]. By kind alone it overtakes B1's weights [8,9]: all one second later.
+    # [13,14] and B0 [14,17]. (Ordered by kind alone, the rule the engine had before and the
+    # simulator's removed upload_order="kind", it would overtake B1's weights: all 1 s later.)
     hw = ideal(1, host_device_bytes_per_s=100.0)
     costs = CostProfile([LayerCost(1.0, 1.0, 2.0, 100, 0, 100) for _ in range(2)], tokens_per_microbatch=1,
                         input_bytes_per_token=100)
     plan = Plan(2, ((0, 2),), ((0, 1), (1, 2)))
-    result = simulate_roundpipe(plan, costs, hw, 1, config=SimConfig(steps=1, upload_order=upload_order))
-    assert result.step_s == pytest.approx(step_s)
+    result = simulate_roundpipe(plan, costs, hw, 1, config=SimConfig(steps=1))
+    assert result.step_s == pytest.approx(17.0)
     b0_input = next(r for r in result.timeline if r.stage == "B0" and r.kind == "act_in")
     b1_weights = next(r for r in result.timeline if r.stage == "B1" and r.kind == "weights")
-    assert (b0_input.start, b1_weights.start) == ((9.0, 8.0) if upload_order == "stage" else (8.0, 9.0))
-    with pytest.raises(ValueError, match="upload_order must be 'stage' or 'kind'"):
-        SimConfig(upload_order="fifo")
+    assert (b0_input.start, b1_weights.start) == (9.0, 8.0)
 
 
 def _check_host_barriers(result, plan):
@@ -437,7 +427,7 @@ def test_host_bytes_count_fp32_trainable_parameters_once():
     from torch import nn
 
     from lightning_roundpipe.cost.estimate import estimate_costs
-    from lightning_roundpipe.sim import host_bytes
+    from lightning_roundpipe.cost.memory import host_bytes
 
     layers = [nn.Linear(100, 100) for _ in range(3)]
     costs = estimate_costs(layers, 8, None, torch.float32)

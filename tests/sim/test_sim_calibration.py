@@ -7,10 +7,11 @@ import pytest
 
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.schedule.plan import Plan
-from lightning_roundpipe.sim import HardwareProfile, SimConfig, load_hardware, simulate_roundpipe
-from lightning_roundpipe.sim.physical import LayerWork, layer_seconds, matmul_tflops
+from lightning_roundpipe.cost.hardware import HardwareProfile, load_hardware
+from lightning_roundpipe.sim import SimConfig, simulate_roundpipe
+from lightning_roundpipe.cost.physical import LayerWork, layer_seconds, matmul_tflops
 from lightning_roundpipe.cost.transformer import ModelShape, decoder_layer_work, elementwise_bytes_per_token, head_work
-from lightning_roundpipe.sim.workload import optimizer_step_period, reference_plan
+from lightning_roundpipe.analysis.workload import optimizer_step_period, reference_plan
 
 INF = float("inf")
 

@@ -6,7 +6,9 @@ import pytest
 
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.schedule.plan import Plan
-from lightning_roundpipe.sim import HardwareProfile, SimConfig, load_hardware, preset_costs, simulate_roundpipe
+from lightning_roundpipe.cost.hardware import HardwareProfile, load_hardware
+from lightning_roundpipe.cost.transformer import preset_costs
+from lightning_roundpipe.sim import SimConfig, simulate_roundpipe
 
 INF = float("inf")
 

@@ -8,8 +8,9 @@ import pytest
 
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.schedule.plan import Plan
-from lightning_roundpipe.sim import HardwareProfile, SimConfig, simulate_roundpipe
-from lightning_roundpipe.sim.workload import optimizer_step_period
+from lightning_roundpipe.cost.hardware import HardwareProfile
+from lightning_roundpipe.sim import SimConfig, simulate_roundpipe
+from lightning_roundpipe.analysis.workload import optimizer_step_period
 
 INF = float("inf")
 FUSED = Plan(1, ((0, 1),), ((0, 1),), fused_last=True)
@@ -93,14 +94,14 @@ def test_host_knobs_are_checked():
 
 def test_our_default_reads_the_options_and_the_measured_figures():
     from lightning_roundpipe.options import PartitionConfig, RuntimeOptions
-    from lightning_roundpipe.sim import load_hardware
-    from lightning_roundpipe.sim.own_engine import ADAM_PER_ACCUMULATE, our_default
+    from lightning_roundpipe.cost.hardware import load_hardware
+    from lightning_roundpipe.analysis.own_engine import ADAM_PER_ACCUMULATE, our_default
 
     hw = load_hardware("rtx4090")
     ours = our_default(hw)
     assert (ours.precision, ours.staleness) == ("bf16-mixed", 0)
     assert ours.partition == PartitionConfig().policy
-    from lightning_roundpipe.sim.own_engine import ENGINE_CHOICE, microbatch_candidates
+    from lightning_roundpipe.analysis.own_engine import ENGINE_CHOICE, microbatch_candidates
 
     assert RuntimeOptions().microbatches is None  # open: the engine chooses among 1, 2 and 4 per worker
     assert ours.microbatches == ENGINE_CHOICE and microbatch_candidates(hw.num_gpus) == [8, 16, 32]
@@ -109,8 +110,8 @@ def test_our_default_reads_the_options_and_the_measured_figures():
 
 
 def test_setup_simulates_the_reference_rows_sim_config():
-    from lightning_roundpipe.sim.own_engine import Setup
-    from lightning_roundpipe.sim.workload import Workload
+    from lightning_roundpipe.analysis.own_engine import Setup
+    from lightning_roundpipe.analysis.workload import Workload
 
     w = Workload(64, 4, 2)
     cfg = Setup().sim_config(w, 3)
@@ -122,7 +123,7 @@ def test_setup_simulates_the_reference_rows_sim_config():
 
 
 def test_host_limit_tokens_by_hand():
-    from lightning_roundpipe.sim.own_engine import host_limit_tokens
+    from lightning_roundpipe.analysis.own_engine import host_limit_tokens
 
     # Two decoder layers (layers 0-1 of a 3-layer profile; layer 2 the head), 10 tokens per
     # microbatch. Plan F 0:2 2:3 (fused) | B 0:2: per microbatch forward of F0 2 x 1 s, the fused
@@ -140,9 +141,9 @@ def test_host_limit_tokens_by_hand():
 @pytest.mark.timeout(120)
 def test_waterfall_switches_one_cause_at_a_time_to_our_default():
     from lightning_roundpipe.cost.transformer import ModelShape
-    from lightning_roundpipe.sim import load_hardware
-    from lightning_roundpipe.sim.own_engine import Setup, causes, our_default, waterfall
-    from lightning_roundpipe.sim.workload import PublishedRun, Workload
+    from lightning_roundpipe.cost.hardware import load_hardware
+    from lightning_roundpipe.analysis.own_engine import Setup, causes, our_default, waterfall
+    from lightning_roundpipe.analysis.workload import PublishedRun, Workload
 
     hw = load_hardware("rtx4090")
     tiny = ModelShape("tiny", 256, 768, 4, 2, 64, 4096, 4)
@@ -160,7 +161,7 @@ def test_waterfall_switches_one_cause_at_a_time_to_our_default():
         assert row.delta == pytest.approx(row.result.tokens_per_s - before.result.tokens_per_s)
     # The open microbatch default: the fewest of 8, 16, 32 simulated within the tie tolerance of the fastest.
     from lightning_roundpipe.planning.search import TIE_TOLERANCE
-    from lightning_roundpipe.sim.own_engine import simulate_setup
+    from lightning_roundpipe.analysis.own_engine import simulate_setup
 
     chosen = next(r for r in rows if r.cause.startswith("microbatches")).result
     tried = {m: simulate_setup(run, hw, replace(chosen.setup, microbatches=m), optimizer_steps=2).tokens_per_s

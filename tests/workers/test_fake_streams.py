@@ -145,13 +145,13 @@ class Many(nn.Module):
         return x
 
 
-def _upload_order(issue_after_device: bool):
+def _upload_order():
     """Forward, 2 workers, 4 stages: worker 1 runs F1 then F3, whose weights come in 12 chunks.
     Computes are slow (50 ms of stream work), so worker 1's inputs of F1 arrive one by one; the
     streams' random delays (3 ms on average) make each chunk's copy take a while."""
     torch.manual_seed(0)
     layers = [Sleepy(32, 32), Sleepy(32, 32), Sleepy(32, 32), Many(32)]
-    pool = make_pool("fake_cuda", 2, issue_after_device=issue_after_device, stream_jitter_s=0.006, seed=2)
+    pool = make_pool("fake_cuda", 2, stream_jitter_s=0.006, seed=2)
     pool.trace.enabled = True
     plan = Plan(4, [(0, 1), (1, 2), (2, 3), (3, 4)], [(0, 2), (2, 4)])
     eng = PipelineEngine(layers, pool, plan, EngineOptions(microbatches=4, chunk_bytes=1))
@@ -163,22 +163,18 @@ def _upload_order(issue_after_device: bool):
         eng.close()
 
 
-@pytest.mark.parametrize("issue_after_device", [True, False])
-def test_weight_prefetch_fills_the_gaps_between_activations(issue_after_device):
+def test_weight_prefetch_fills_the_gaps_between_activations():
     """Issue 15 item 4: the next stage's weights (F3 on worker 1) go up while F1 waits for its
-    inputs, not behind the last of them. The old rule (issue a transfer once its input is merely
-    issued) queues every act_in at the head of the FIFO stream, waiting for worker 0's computes,
-    and the rest of the prefetch behind them."""
-    records = _upload_order(issue_after_device)
+    inputs, not behind the last of them: a transfer is issued once its input's device work is
+    done, not once it is merely issued (the old rule, removed by issue 21, queued every act_in at
+    the head of the FIFO stream, waiting for worker 0's computes, and the prefetch behind them)."""
+    records = _upload_order()
     up = [r for r in records if r.worker == 1 and r.queue == "upload"]
     f3_chunks = [r for r in up if r.kind == "weights" and r.stage == "F3"]
     acts = sorted((r for r in up if r.kind == "act_in" and r.stage == "F1"), key=lambda r: r.microbatch)
     assert len(f3_chunks) == 12 and len(acts) == 4
-    if issue_after_device:
-        assert max(r.end for r in f3_chunks) <= acts[-1].start
-        # and an activation never waits behind the prefetch for more than two chunks (max_in_flight)
-    else:
-        assert max(r.end for r in f3_chunks) >= acts[-1].end
+    assert max(r.end for r in f3_chunks) <= acts[-1].start
+    # and an activation never waits behind the prefetch for more than two chunks (max_in_flight)
 
 
 def _train(backend, staleness, pinned, compute_dtype, opt_name, steps=4, jitter=0.0):

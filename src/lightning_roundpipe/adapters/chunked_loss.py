@@ -26,9 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-DEFAULT_LOSS_CHUNK_TOKENS = 1024
-"""Rows of logits the fused last stage of a Hugging Face model computes at a time (its
-``loss_chunk_size`` default); the planner's memory model assumes the same."""
+from ..cost.activations import DEFAULT_LOSS_CHUNK_TOKENS  # the chunk default the planner assumes too
 
 LogitsObserver = Callable[[torch.Tensor], None]
 """Debug callback called with every logits chunk the chunked loss creates (used by tests to

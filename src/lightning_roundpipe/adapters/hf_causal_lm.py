@@ -57,7 +57,7 @@ Carry = dict[str, Any]
 PostfixMode = Literal["auto", "logits", "loss", "loss_and_logits", "loss_and_stats"]
 
 VERIFIED_MODEL_TYPES = frozenset(FAMILIES)
-"""``config.model_type`` values whose HF forward each has a parity test (tests/test_family_parity.py);
+"""``config.model_type`` values whose HF forward each has a parity test (tests/adapters/test_family_parity.py);
 see :mod:`.hf_families` for what each family's forward adds."""
 
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "labels", "router_stats", "outputs", "with_cache",

@@ -6,7 +6,7 @@ the decoder layers (Granite, Gemma2), a rotary module whose ``forward`` takes ``
 means one rotary embedding per layer type (Gemma3), a ``router_logits`` output recorder in
 ``_can_record_outputs`` names the MoE router. What remains is written in ``ForCausalLM.forward``
 or ``Model.forward`` as arithmetic on config values; it is declared here, one small entry per
-family, each backed by a parity test (tests/test_family_parity.py).
+family, each backed by a parity test (tests/adapters/test_family_parity.py).
 
 A family missing from ``FAMILIES`` is *unverified*: refused unless the user passes
 ``allow_unverified=True``, which runs a parity check on the first microbatch first.

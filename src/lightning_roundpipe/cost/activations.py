@@ -27,6 +27,11 @@ if TYPE_CHECKING:  # pragma: no cover
 FP32 = 4
 INDEX_BYTES = 8  # int64 position ids and labels
 
+DEFAULT_LOSS_CHUNK_TOKENS = 1024
+"""Rows of logits the fused last stage of a Hugging Face model computes at a time (the chunked
+loss's ``loss_chunk_size`` default, ``adapters/chunked_loss.py``); the planner's memory model
+assumes the same. Defined here, below both, so the planner does not import the adapters."""
+
 
 def _upcast(dtype_bytes: int) -> int:
     """Bytes per element of the fp32 copy an RMSNorm keeps (0 when the input already is fp32)."""

@@ -25,7 +25,7 @@ With LoRA the adapters go on the attention projections and on every expert's thr
 (all linear layers but the router); only the routed experts' adapters compute.
 
 When the hardware profile gives physical rates (``tensor_tflops_*`` and ``memory_bytes_per_s``,
-see :mod:`lightning_roundpipe.sim.physical`), a layer's time is its projection and LM-head FLOPs
+see :mod:`lightning_roundpipe.cost.physical`), a layer's time is its projection and LM-head FLOPs
 at the tensor rate of the accumulation used, its attention FLOPs at the fp32-accumulate rate
 (flash attention accumulates in fp32 whatever cuBLAS does), plus its element-wise traffic
 (norms, residual adds, rotary, activation, cross-entropy) at the memory bandwidth.
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 from . import activations
 from .profile import CostProfile, LayerCost
-from ..sim.hardware import HardwareProfile
-from ..sim.physical import LayerWork, has_physical_rates, layer_seconds
+from .hardware import HardwareProfile
+from .physical import LayerWork, has_physical_rates, layer_seconds
 
 # Logits kept for the loss's backward, per token and vocabulary entry, on top of the compute-dtype
 # logits: Hugging Face upcasts them to fp32 and cross-entropy saves its fp32 log-softmax.

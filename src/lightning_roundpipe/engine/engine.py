@@ -27,7 +27,7 @@ from ..options import EngineOptions
 from .microbatch import merge_microbatches, split_microbatches
 from .calls import PipelineCalls
 from .module_lock import ModuleLock
-from .rng import CPU_GENERATOR, uses_randomness
+from .rng import CPU_GENERATOR
 from .carry import HostCarry
 from .step import StepRun
 from .step_context import StepContext
@@ -100,13 +100,6 @@ class PipelineEngine:
         """(stage, kind, seconds) of the last finished call, for the cost profile (``StepRun.measurements``)."""
         return [] if self._finished is None else self._finished.measurements
 
-    def add_weight_gate(self, gate: Callable[[range], list[Completion]]) -> None:
-        """Make every weights upload of layers ``ids`` also wait for ``gate(ids)`` (e.g. new weight versions).
-
-        An overlapped host optimizer registers its ``weight_gates`` here, so the next forward's
-        upload of a layer waits only for that layer's update."""
-        self._weight_gates.append(gate)
-
     def weight_gates(self, layer_ids) -> list[Completion]:
         """Completions an upload of these layers must wait for (new weight versions); none by default."""
         return [c for gate in self._weight_gates for c in gate(layer_ids)]
@@ -115,9 +108,6 @@ class PipelineEngine:
         """The host ``.grad`` of these layers holds this call's gradients: tell the grad hooks."""
         for hook in self.grad_hooks:
             hook(layer_ids)
-
-    def layer_uses_rng(self, index: int) -> bool:
-        return uses_randomness(self.layers[index])
 
     def autocast_state(self) -> dict:
         """Per device type of the workers: (enabled, dtype) of the caller's autocast."""

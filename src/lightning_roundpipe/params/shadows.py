@@ -24,15 +24,6 @@ from typing import Iterable
 
 import torch
 
-PINNED_POLICIES = ("alloc", "register", "off")
-
-
-def check_pinned_policy(policy: str) -> str:
-    if policy not in PINNED_POLICIES:
-        raise ValueError(f"RoundPipeStrategy(pinned={policy!r}): use one of {', '.join(PINNED_POLICIES)}")
-    return policy
-
-
 class ShadowStore:
     """Shadows of floating parameters, keyed by the master tensor's id, in flat buffers.
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from ..cost.profile import CostProfile
 from ..cost.view import CostView
-from ..schedule.plan import Plan, PlanError, PlanFacts, balanced_ranges
+from ..schedule.plan import Plan, PlanError, PlanFacts
+from .cuts import balanced_ranges
 from .partition import partition
 
 
@@ -34,7 +35,7 @@ def balanced_plan(costs: CostProfile, num_stages: int, fused_last: bool = False)
     """Plan with ``num_stages`` stages in all (forward + dispatched backward), of near-equal time.
 
     Forward and backward stage counts follow the share of time each pass takes, each split by
-    :func:`~lightning_roundpipe.schedule.plan.balanced_ranges`; with ``fused_last`` the fused stage
+    :func:`~lightning_roundpipe.planning.cuts.balanced_ranges`; with ``fused_last`` the fused stage
     ``[head, n)`` takes the cut that minimises the largest stage time. Counts are capped by the
     number of layers (a stage needs a layer).
     """

@@ -35,14 +35,6 @@ MICROBATCHES_PER_WORKER = (1, 2, 4)  # the candidate counts, in workers
 # same bytes); a copy moved 24.5 GB/s (read + write). Used only until the host work is measured.
 HOST_LOSS_SECONDS_PER_ELEMENT = 6.1e-9
 HOST_COPY_BYTES_PER_SECOND = 24.5e9
-# What one more microbatch of a stage costs on the CPU backend besides its compute (the host
-# submitting its tasks, lane and worker hand-overs): ``python -m benchmarks.out_of_box --overhead``
-# (8 one-layer stages of Linear(8, 8), no recompute, 2 workers: the step at 8 microbatches minus
-# the step at 2, per extra microbatch-stage) measured 0.33 ms on the 2-core development machine
-# at a load average of 4 from other jobs (0.96 ms at 7: it grows with the machine's load). GPU
-# workers: not measured here, taken as 0.
-CPU_MICROBATCH_OVERHEAD_S = 0.33e-3
-
 
 def no_recompute_peak_bytes(costs: CostProfile, microbatches: int) -> int:
     """Device bytes a worker may need with recompute off: every layer's graph for all

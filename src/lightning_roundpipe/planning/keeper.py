@@ -26,7 +26,8 @@ from .defaults import (MICROBATCHES_PER_WORKER, choose_microbatches, choose_reco
 from .partition import partition
 from .predictor import HostWork, predict
 from .replan import Replanner
-from ..schedule.plan import Plan, PlanError, PlanFacts, simple_plan
+from ..schedule.plan import Plan, PlanError, PlanFacts
+from .cuts import simple_plan
 from .report import PlanReport, build_report
 from ..setup_progress import ProgressCallback
 

@@ -1,6 +1,6 @@
 """Partition policies: turn per-layer costs into a validated :class:`~lightning_roundpipe.schedule.plan.Plan`.
 
-* ``uniform``: equal layer counts (:func:`~lightning_roundpipe.schedule.plan.simple_plan`);
+* ``uniform``: equal layer counts (:func:`~lightning_roundpipe.planning.cuts.simple_plan`);
 * ``params``: equal weight bytes (the same);
 * ``manual``: the user's layer ranges, validated;
 * ``auto``: the RoundPipe partitioner (:mod:`.search`), under a per-worker memory budget
@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..cost.profile import CostProfile, StageCostModel
-from ..schedule.plan import LayerRange, Plan, PlanError, PlanFacts, simple_plan
+from ..schedule.plan import LayerRange, Plan, PlanError, PlanFacts
+from .cuts import simple_plan
 from .budget import check_layers_fit, check_plan_fits, stage_cap
 from .predictor import DEFAULT_STAGE_OVERHEAD_S, check_inputs, link_speed, predict
 from ..setup_progress import ProgressCallback

@@ -1,7 +1,7 @@
 """The partitioner's timing model: a fast list-scheduling estimate of one step of a plan.
 
 It prices the tasks of :func:`~lightning_roundpipe.schedule.lowering.lower` stage by stage
-rather than task by task, so the search can price thousands of plans; ``tests/test_lowering.py``
+rather than task by task, so the search can price thousands of plans; ``tests/schedule/test_lowering.py``
 bounds its error against the simulator, which times the lowered graph itself.
 
 * stages run in dispatch order on the worker :func:`~lightning_roundpipe.schedule.plan.dispatch`

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..cost.profile import StageCost, StageCostModel
-from ..schedule.cuts import MinMaxCuts
+from .cuts import MinMaxCuts
 from ..schedule.dispatch_order import ROUND_ROBIN, Schedule
 from ..schedule.plan import LayerRange, Plan, PlanError
 from ..setup_progress import ProgressCallback, report

@@ -15,9 +15,7 @@ the executor runs a plan, the simulator times it and the trace draws it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
-
-from .cuts import MinMaxCuts
+from typing import Literal
 
 Direction = Literal["F", "B"]
 LayerRange = tuple[int, int]
@@ -209,75 +207,3 @@ def dispatch(plan: Plan, num_workers: int, first_worker: int = 0, fused: bool | 
     backward = plan.dispatched_backward_stages() if fused else list(reversed(plan.backward_stages()))
     stages = plan.forward_stages() + backward
     return [Task(k, s, (first_worker + k) % num_workers) for k, s in enumerate(stages)]
-
-
-# --------------------------------------------------------------------- simple policies
-def uniform_ranges(num_layers: int, num_stages: int) -> tuple[LayerRange, ...]:
-    """Equal layer counts per stage (the first stages take one more when it does not divide)."""
-    num_stages = max(1, min(num_stages, num_layers))
-    base, extra = divmod(num_layers, num_stages)
-    out, start = [], 0
-    for i in range(num_stages):
-        end = start + base + (1 if i < extra else 0)
-        out.append((start, end))
-        start = end
-    return tuple(out)
-
-
-def balanced_ranges(costs: Sequence[float], num_stages: int) -> tuple[LayerRange, ...]:
-    """Contiguous split of ``costs`` into ``num_stages`` non-empty ranges minimising the largest sum.
-
-    Among splits with the same largest sum, the one with the smallest sum of squares wins (the
-    other stages are as even as they can be); ties prefer earlier cuts (:class:`~.cuts.MinMaxCuts`).
-    """
-    n = len(costs)
-    k = max(1, min(num_stages, n))
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    eps = 1e-12 * max(1.0, prefix[-1])
-    cuts = MinMaxCuts(lambda s, e: prefix[e] - prefix[s], n, k, even_rest=True, tolerance=eps,
-                      square_tolerance=eps * max(1.0, prefix[-1]))
-    return cuts.ranges(k)
-
-
-def simple_plan(
-    num_layers: int,
-    num_workers: int,
-    policy: str = "params",
-    layer_weights: Sequence[float] | None = None,
-    forward_stages: int | None = None,
-    backward_stages: int | None = None,
-    same_cuts: bool = False,
-    fused_last: bool = False,
-) -> Plan:
-    """Plan for the ``uniform`` (equal layers) or ``params`` (equal weight bytes) policy.
-
-    By default there are as many forward stages as workers and twice as many backward stages
-    (backward with recompute is the heavier pass), capped by the layer count. ``same_cuts`` forces
-    backward stages equal to forward ones (needed when the forward graph is kept, recompute="never").
-    """
-    nf = forward_stages or num_workers
-    nb = backward_stages or 2 * num_workers
-    if same_cuts:
-        nb = nf
-    if policy == "uniform" or layer_weights is None:
-        split = lambda k: uniform_ranges(num_layers, k)  # noqa: E731
-    elif policy == "params":
-        if len(layer_weights) != num_layers:
-            raise PlanError(f"got {len(layer_weights)} layer weights for {num_layers} layers")
-        weights = [max(float(w), 1.0) for w in layer_weights]  # parameter-free layers still cost something
-        split = lambda k: balanced_ranges(weights, k)  # noqa: E731
-    else:
-        raise PlanError(f"unknown simple partition policy {policy!r}; use 'uniform' or 'params'")
-    fwd = split(nf)
-    bwd = fwd if same_cuts else split(nb)
-    if fused_last and bwd[-1] != fwd[-1]:
-        # The fused stage's backward is the last forward stage; cut the rest of backward below it.
-        head_start = fwd[-1][0]
-        if head_start == 0:
-            bwd = (fwd[-1],)
-        else:
-            inner = [(a, min(b, head_start)) for a, b in bwd if a < head_start]
-            bwd = tuple(inner) + (fwd[-1],)
-    return Plan(num_layers, fwd, bwd, fused_last=fused_last, facts=PlanFacts(policy=policy)).validate()

@@ -1,114 +1,12 @@
-"""Command line of the simulator: ``python -m lightning_roundpipe.sim {plan,compare,paper}``.
+"""``python -m lightning_roundpipe.sim {plan,compare,paper,scaling}``: runs the command line of the analysis layer.
 
-- ``plan``: does training fit, and with which microbatches, plan and sequence length
-  (exit status 0 when it fits, 1 when it does not);
-- ``compare``: RoundPipe against GPipe, 1F1B and interleaved 1F1B with offload, as a table;
-- ``paper``: the paper's 8x RTX 4090 comparison for Qwen3-1.7B/8B/32B-sized models;
-- ``scaling``: predicted tokens/s of the reference workload on 1..N GPUs.
-
-``--num-gpus`` (every command) replaces the profile's GPU count: any count, any profile.
+A command, not a layer: nothing imports this module, so it may reach the layer above the
+simulator (:mod:`lightning_roundpipe.analysis.cli` holds the commands).
 """
 
-from __future__ import annotations
-
-import argparse
 import sys
-from typing import Sequence
 
-from .compare import PAPER_MODELS, compare_schedules, paper_table
-from .hardware import available_hardware, load_hardware
-from .scaling import scaling_markdown, scaling_rows
-from ..cost.transformer import MODEL_PRESETS
-from ..adapters.chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
-from ..planning.fit import DEFAULT_MEMORY_FRACTION, plan_training
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    hw_help = f"hardware profile name ({', '.join(available_hardware()) or 'see src/lightning_roundpipe/sim/profiles'}) or a YAML path"
-    model_help = f"model preset ({', '.join(MODEL_PRESETS)})"
-    parser = argparse.ArgumentParser(prog="python -m lightning_roundpipe.sim",
-                                     description="Simulate RoundPipe training steps, plan runs, compare schedules.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("plan", help="say whether training fits and recommend microbatches, plan and sequence length")
-    p.add_argument("--model", required=True, help=model_help)
-    p.add_argument("--hardware", required=True, help=hw_help)
-    p.add_argument("--seq-len", type=_positive, default=4096, help="tokens per sequence (default 4096)")
-    p.add_argument("--lora-rank", type=_positive, default=None, help="LoRA rank on all projections (default: full fine-tuning)")
-    p.add_argument("--microbatch-size", type=_positive, default=1, help="sequences per microbatch (default 1)")
-    p.add_argument("--microbatches", type=_positive, default=None, help="fix the microbatches per step (default: search)")
-    p.add_argument("--loss-chunk", type=_positive, default=DEFAULT_LOSS_CHUNK_TOKENS,
-                   help=f"rows of logits per chunk of the fused last stage's chunked cross-entropy "
-                        f"(default {DEFAULT_LOSS_CHUNK_TOKENS}, as the engine's Hugging Face adapter)")
-    p.add_argument("--full-logits", action="store_true", help="price the whole logits (a loss outside the pipeline)")
-    p.add_argument("--recompute", choices=("auto", "stage", "layer"), default="auto",
-                   help="recompute grain: auto (stage grain where it fits, else layer grain), stage or layer")
-    p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
-                   help=f"usable share of each GPU's memory (default {DEFAULT_MEMORY_FRACTION})")
-    p.add_argument("--no-max-seq", action="store_true", help="skip the longest-sequence search")
-    p.add_argument("--num-gpus", type=_positive, default=None, help="GPU count (default: the profile's)")
-
-    c = sub.add_parser("compare", help="RoundPipe vs bound schedules with offload for one model")
-    c.add_argument("--model", required=True, help=model_help)
-    c.add_argument("--hardware", default="rtx4090", help=hw_help)
-    c.add_argument("--seq-len", type=_positive, default=4096)
-    c.add_argument("--microbatches", type=_positive, default=None, help="per step (default: 4 per GPU)")
-    c.add_argument("--lora-rank", type=_positive, default=None)
-    c.add_argument("--num-gpus", type=_positive, default=None, help="GPU count (default: the profile's)")
-
-    r = sub.add_parser("paper", help="the paper's 8x RTX 4090 comparison (Qwen3-1.7B/8B/32B, 4K tokens)")
-    r.add_argument("--hardware", default="rtx4090", help=hw_help)
-    r.add_argument("--seq-len", type=_positive, default=4096)
-    r.add_argument("--microbatches", type=_positive, default=None, help="per step (default: 4 per GPU)")
-    r.add_argument("--models", nargs="+", default=list(PAPER_MODELS), help="model presets")
-    r.add_argument("--num-gpus", type=_positive, default=None, help="GPU count (default: the profile's)")
-
-    s = sub.add_parser("scaling", help="predicted tokens/s of the reference workload on 1..N GPUs")
-    s.add_argument("--hardware", default="rtx4090", help=hw_help)
-    s.add_argument("--models", nargs="+", default=["qwen3-1.7b", "llama-3.1-8b", "qwen3-32b"], help="model presets")
-    s.add_argument("--gpus", nargs="+", type=_positive, default=[1, 2, 4, 8], help="GPU counts (default 1 2 4 8)")
-    s.add_argument("--planner", action="store_true",
-                   help="the planner's best plan at each count (default: the reference's partition where published)")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    try:
-        hardware = load_hardware(args.hardware)
-        if getattr(args, "num_gpus", None):
-            hardware = hardware.replace(num_gpus=args.num_gpus)
-        if args.command == "scaling":
-            rows = scaling_rows(tuple(args.models), hardware, tuple(args.gpus), planner=args.planner)
-            print(scaling_markdown(rows, hardware))
-            return 0
-        if args.command == "plan":
-            report = plan_training(args.model, hardware, args.seq_len, microbatch_size=args.microbatch_size,
-                                   lora_rank=args.lora_rank, microbatches=args.microbatches,
-                                   loss_chunk_tokens=None if args.full_logits else args.loss_chunk,
-                                   memory_fraction=args.memory_fraction, find_max_seq_len=not args.no_max_seq,
-                                   recompute=args.recompute)
-            print(report.to_text())
-            return 0 if report.fits else 1
-        if args.command == "compare":
-            table = compare_schedules(args.model, hardware, args.seq_len, microbatches=args.microbatches,
-                                      lora_rank=args.lora_rank)
-            print(table.to_markdown())
-            return 0
-        print(paper_table(hardware, tuple(args.models), args.seq_len, args.microbatches))
-        return 0
-    except (KeyError, FileNotFoundError, ValueError) as err:
-        print(f"error: {err.args[0] if isinstance(err, KeyError) else err}", file=sys.stderr)
-        return 2
-
+from ..analysis.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

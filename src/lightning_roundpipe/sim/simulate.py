@@ -12,7 +12,7 @@ One step, as the engine runs it (see ``docs/simulator.md`` for the assumptions):
   computes, and downloads its output (and the stage-internal activations backward recompute
   starts from, and for backward the input gradient). The weights of a stage may upload only
   once the worker's stage two back released its slot: at most two stages' weights are resident.
-- Uploads go by dispatch order, then kind (``SimConfig.upload_order="stage"``, as the engine):
+- Uploads go by dispatch order, then kind (the lowered graph's priorities, as the engine):
   a stage's inputs, then its weights, before anything of a later stage, so the next stage's
   weight prefetch fills the gaps while the running stage waits for its inputs. Downloads go by
   kind, then dispatch order: activations and input gradients, then weight gradients.
@@ -43,14 +43,14 @@ from dataclasses import dataclass, field
 from ..cost.profile import CostProfile
 from ..schedule.dispatch_order import schedule_named
 from ..schedule.history import WorkerHistory
-from ..schedule.lowering import DEFAULT_PRIORITIES, PRIORITY_CLASS, GraphTask, LoweringOptions, lower
+from ..schedule.lowering import DEFAULT_PRIORITIES, GraphTask, LoweringOptions, lower
 from ..schedule.plan import Plan, PlanError
 from ..tracing.records import TraceRecord
 from ..cost.view import CostView
 from ..cost.memory import layer_grain_graph
 from .accumulation import CallAccumulator, submission
 from .event_queue import HOST, EventSimulator, LinkSpec, Op
-from .hardware import HardwareProfile
+from ..cost.hardware import HardwareProfile
 
 # Transfer priorities by kind for the bound schedules (lower goes first): what a stage waits for,
 # then weight prefetch, then gradients going home. RoundPipe steps take theirs from the lowering.
@@ -83,9 +83,6 @@ class SimConfig:
     # The dispatch order (schedule/dispatch_order.py), as the engine's ``EngineOptions.schedule``.
     schedule: str = "round_robin"
     clip_grad_norm: bool = False  # the optimizer waits for every gradient (global norm) before any update
-    # Which ready layer the host optimizer updates first: "arrival" (as gradients come home, last
-    # layers first) or "layer" (lowest layer first: the next forward needs those first).
-    optimizer_order: str = "arrival"
     # A synchronous offloaded optimizer (ZeRO-Offload's default): it starts once every gradient of
     # the step is home, and the next step's weight uploads wait for the whole update.
     optimizer_barrier: bool = False
@@ -93,10 +90,6 @@ class SimConfig:
     # on the host -> backward (not in fused runs), and backward returned -> next step. False
     # models an engine that starts each microbatch's backward on its own output gradient.
     host_barriers: bool = True
-    # Upload priority: "stage" (dispatch order first, then kind: the running stage's weights and
-    # inputs go before anything of a later stage, as the engine orders them) or "kind"
-    # (activations of any stage before any weights, whatever their stage: for comparison).
-    upload_order: str = "stage"
     # Forward-backward calls per optimizer step (gradient accumulation): each simulated step is one
     # call; the host optimizer runs once per ``accumulation`` calls, on all of their gradients.
     accumulation: int = 1
@@ -141,10 +134,6 @@ class SimConfig:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
         if self.chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
-        if self.optimizer_order not in ("arrival", "layer"):
-            raise ValueError(f"optimizer_order must be 'arrival' or 'layer', got {self.optimizer_order!r}")
-        if self.upload_order not in ("stage", "kind"):
-            raise ValueError(f"upload_order must be 'stage' or 'kind', got {self.upload_order!r}")
         for name in ("dispatch_s", "launch_s"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
@@ -155,10 +144,6 @@ class SimConfig:
             raise ValueError(f"fused_spread must be a positive integer, got {self.fused_spread!r}")
         if self.host_accumulate_bytes_per_s is not None and not self.host_accumulate_bytes_per_s > 0:
             raise ValueError(f"host_accumulate_bytes_per_s must be None or positive, got {self.host_accumulate_bytes_per_s}")
-
-    def optimizer_priority(self, layer: int) -> int:
-        """Host-queue priority of a layer's optimizer update (lower runs first among ready ones)."""
-        return layer if self.optimizer_order == "layer" else 0
 
 
 @dataclass
@@ -300,8 +285,7 @@ class _RoundPipeBuilder:
                     deps += done[host_output[t.microbatch]]  # the host computes the loss and its gradient
                 if t.kind == "weights":
                     deps += [op for layer in range(*t.layers) for op in self.calls.gate.get(layer, [])]
-                priority = t.priority if cfg.upload_order == "stage" else DEFAULT_PRIORITIES[PRIORITY_CLASS[t.kind]]
-                op = Op(w, "upload", t.kind, name, t.microbatch, step, bytes=t.bytes, priority=priority,
+                op = Op(w, "upload", t.kind, name, t.microbatch, step, bytes=t.bytes, priority=t.priority,
                         deps=deps + gate, alloc=[(w, t.bytes)])
                 if t.kind == "weights":
                     spread.copy_weights(op, self.add)
@@ -464,7 +448,7 @@ def add_optimizer(sim: EventSimulator, wgrads: dict[int, list[Op]], view: CostVi
     for layer, ops in wgrads.items():
         seconds = view.trainable[layer] / hardware.optimizer_params_per_s
         updates[layer] = sim.add(Op(HOST, "host", "optim", f"L{layer}", -1, step, seconds=seconds,
-                                    priority=config.optimizer_priority(layer),
+                                    priority=0,  # ready updates run in arrival order
                                     deps=list(everything if wait_for_all else ops)))
     if config.optimizer_barrier:
         every_update = list(updates.values())

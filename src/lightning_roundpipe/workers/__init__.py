@@ -17,33 +17,29 @@ __all__ = [
     "WorkerOutOfMemoryError",
     "WorkerPool",
     "BACKENDS",
+    "backend_class",
     "make_pool",
 ]
 
 
 BACKENDS = ("cpu", "cuda", "fake_cuda")
-_STREAM_OPTIONS = ("timeout_s", "trace", "max_in_flight", "pin_memory", "fifo_transfers", "issue_after_device",
-                   "host_buffer_cap_bytes")
+
+
+def backend_class(backend: str) -> type[WorkerPool]:
+    """The pool class of a backend name; its class attributes say what the backend is (see ``WorkerPool``)."""
+    if backend == "cpu":
+        return CpuWorkerPool
+    if backend in ("cuda", "fake_cuda"):
+        from .cuda import CudaWorkerPool, FakeCudaWorkerPool  # the stream backends, imported when asked for
+
+        return CudaWorkerPool if backend == "cuda" else FakeCudaWorkerPool
+    raise ValueError(f"unknown worker backend {backend!r}: use one of {', '.join(BACKENDS)}")
 
 
 def make_pool(backend: str, num_workers: int, device_indices=None, **options) -> WorkerPool:
     """Build a pool: ``backend`` is "cpu" (virtual workers), "cuda" (one worker per GPU) or
     "fake_cuda" (the CUDA backend's protocol on CPU executor threads standing for streams; its
-    own options ``stream_jitter_s`` and ``seed`` delay stream work at random, ``cudart`` and
-    ``copy_delay_s`` fake pinning answers and late-landing copies). Stream backends also take
-    ``host_buffer_cap_bytes`` (the download-buffer pool's cap, see ``host_buffers.py``)."""
-    if backend == "cpu":
-        return CpuWorkerPool(num_workers, **{k: v for k, v in options.items()
-                                             if k not in ("stream_jitter_s", "stream_jitter_cycles", "host_buffer_cap_bytes",
-                                                          "cudart", "copy_delay_s")})
-    if backend == "cuda":
-        from .cuda import CudaWorkerPool
-
-        cuda_opts = {k: v for k, v in options.items() if k in _STREAM_OPTIONS + ("stream_jitter_cycles", "seed")}
-        return CudaWorkerPool(device_indices if device_indices is not None else range(num_workers), **cuda_opts)
-    if backend == "fake_cuda":
-        from .cuda import FakeCudaWorkerPool
-
-        fake_opts = {k: v for k, v in options.items() if k in _STREAM_OPTIONS + ("stream_jitter_s", "seed", "cudart", "copy_delay_s")}
-        return FakeCudaWorkerPool(num_workers, **fake_opts)
-    raise ValueError(f"unknown worker backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    own options ``stream_jitter_s`` and ``seed`` delay stream work at random). ``options`` are
+    the backend's constructor arguments (``backend_class(backend).options_from`` takes them from
+    the user's options)."""
+    return backend_class(backend).create(num_workers, device_indices, **options)

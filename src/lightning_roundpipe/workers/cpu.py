@@ -42,9 +42,32 @@ from .pool import Lane, Task, WorkerPool, Worker
 
 TALLIED_UPLOADS = ("act_in", "grad_in")  # weights are counted by the engine's uploads and releases
 
+# What one more microbatch of a stage costs on the CPU backend besides its compute (the host
+# submitting its tasks, lane and worker hand-overs): ``python -m benchmarks.out_of_box --overhead``
+# (8 one-layer stages of Linear(8, 8), no recompute, 2 workers: the step at 8 microbatches minus
+# the step at 2, per extra microbatch-stage) measured 0.33 ms on the 2-core development machine
+# at a load average of 4 from other jobs (0.96 ms at 7: it grows with the machine's load).
+CPU_MICROBATCH_OVERHEAD_S = 0.33e-3
+
 
 class CpuWorkerPool(WorkerPool):
     backend = "cpu"
+    keeps_graphs_across_workers = True  # one process, one memory
+    pins_uploads = False  # host memory is the device memory
+    planner_device = "cpu"
+    assumed_link_bytes_per_s = None  # a copy costs only the memory copy unless a bandwidth is injected
+    assumed_flops_per_s = 5e10  # a few CPU cores
+    microbatch_overhead_s = CPU_MICROBATCH_OVERHEAD_S
+
+    @classmethod
+    def options_from(cls, options) -> dict:
+        """The CPU backend's knobs among the user's options: injected delay, jitter and link model,
+        threads per worker, the virtual GPU's memory cap, the jitter's seed."""
+        t = options.transfer
+        return dict(compute_delay_s=options.cpu_compute_delay_s, jitter_s=options.cpu_jitter_s,
+                    bandwidth_bytes_per_s=t.bandwidth_bytes_per_s, latency_s=t.latency_s,
+                    threads_per_worker=options.cpu_threads_per_worker, seed=options.seed,
+                    memory_cap_bytes=options.cpu_memory_cap_bytes)
 
     def __init__(
         self,

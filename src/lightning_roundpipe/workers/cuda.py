@@ -57,7 +57,7 @@ class StreamWorkerPool(WorkerPool):
     device_poll_s = 5e-4
 
     def __init__(self, driver, devices, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
-                 pin_memory: bool = True, fifo_transfers: bool = False, issue_after_device: bool = True,
+                 pin_memory: bool = True, fifo_transfers: bool = False,
                  host_buffer_cap_bytes: int = DEFAULT_CAP_BYTES):
         """``host_buffer_cap_bytes``: the most bytes of free download buffers kept for reuse (the
         oldest returned are evicted and unpinned beyond it; 2 GiB by default)."""
@@ -65,7 +65,6 @@ class StreamWorkerPool(WorkerPool):
         self.driver = driver
         self.max_in_flight = max(1, int(max_in_flight))
         self.pin_memory = pin_memory  # download buffers in pinned memory
-        self.issue_after_device = issue_after_device  # False: the old rule (issue once deps are issued)
         self._in_flight: dict[int, collections.deque] = {}
         self._timings: list = []  # (lane, label, nbytes, step, start event, end event), read in finish_step
         self._timing_lock = threading.Lock()
@@ -88,13 +87,11 @@ class StreamWorkerPool(WorkerPool):
         return self.driver.new_stream(worker.device)
 
     # ------------------------------------------------------------------ the protocol
-    def ready_for(self, lane: Lane, dep: Completion, task: Task | None = None) -> bool:
+    def ready_for(self, lane: Lane, dep: Completion) -> bool:
         if not dep.is_set():
             return False
-        if dep.device_event is None or lane.queue == "compute":
+        if lane.queue == "compute" or dep.device_event is None:
             return True
-        if not self.issue_after_device and (task is None or task.done.label.kind != "release"):
-            return True  # the old rule; a release frees memory and always waits for the device (_release)
         return dep.device_event.query()
 
     def execute(self, lane: Lane, task: Task) -> None:
@@ -317,9 +314,26 @@ def _page_aligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
 
 class CudaWorkerPool(StreamWorkerPool):
     backend = "cuda"
+    budget_option = "partition.memory_budget_bytes (default: 90% of the GPU's memory)"
+
+    @classmethod
+    def create(cls, num_workers: int, device_indices=None, **options) -> "CudaWorkerPool":
+        """One worker per entry of ``device_indices`` (default: GPUs ``0..num_workers-1``)."""
+        return cls(device_indices if device_indices is not None else range(num_workers), **options)
+
+    @classmethod
+    def options_from(cls, options) -> dict:
+        """Download buffers are pinned unless the pinned policy is "off"."""
+        return dict(pin_memory=options.pinned != "off")
+
+    @classmethod
+    def memory_budget_bytes(cls, device_indices, options) -> int | None:
+        """90% of the smallest GPU."""
+        indices = list(device_indices) if device_indices is not None else [0]
+        return int(0.9 * min(torch.cuda.get_device_properties(i).total_memory for i in indices))
 
     def __init__(self, device_indices, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
-                 pin_memory: bool = True, fifo_transfers: bool = False, issue_after_device: bool = True,
+                 pin_memory: bool = True, fifo_transfers: bool = False,
                  stream_jitter_cycles: int = 0, seed: int = 0, host_buffer_cap_bytes: int = DEFAULT_CAP_BYTES):
         """``device_indices`` may repeat a GPU: several workers (each with its own streams) on one device."""
         if not torch.cuda.is_available():
@@ -327,8 +341,7 @@ class CudaWorkerPool(StreamWorkerPool):
         super().__init__(CudaStreams(stream_jitter_cycles, seed), [torch.device("cuda", int(i)) for i in device_indices],
                          timeout_s=timeout_s,
                          trace=trace, max_in_flight=max_in_flight, pin_memory=pin_memory,
-                         fifo_transfers=fifo_transfers, issue_after_device=issue_after_device,
-                         host_buffer_cap_bytes=host_buffer_cap_bytes)
+                         fifo_transfers=fifo_transfers, host_buffer_cap_bytes=host_buffer_cap_bytes)
 
     def on_lane_start(self, lane: Lane) -> None:
         torch.cuda.set_device(lane.worker.device)
@@ -341,12 +354,17 @@ class FakeCudaWorkerPool(StreamWorkerPool):
     long after the work that issued them."""
 
     backend = "fake_cuda"
+    keeps_graphs_across_workers = True  # CPU threads standing for streams: one memory
+
+    @classmethod
+    def options_from(cls, options) -> dict:
+        """The CPU jitter knob delays stream work here (the race amplifier), with its seed."""
+        return dict(stream_jitter_s=options.cpu_jitter_s, seed=options.seed)
 
     def __init__(self, num_workers: int, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
-                 pin_memory: bool = True, fifo_transfers: bool = False, issue_after_device: bool = True,
+                 pin_memory: bool = True, fifo_transfers: bool = False,
                  stream_jitter_s: float = 0.0, seed: int = 0, host_buffer_cap_bytes: int = DEFAULT_CAP_BYTES,
                  cudart=None, copy_delay_s: float = 0.0):
         super().__init__(FakeStreams(stream_jitter_s, seed, cudart, copy_delay_s), [torch.device("cpu")] * num_workers,
                          timeout_s=timeout_s, trace=trace, max_in_flight=max_in_flight, pin_memory=pin_memory,
-                         fifo_transfers=fifo_transfers, issue_after_device=issue_after_device,
-                         host_buffer_cap_bytes=host_buffer_cap_bytes)
+                         fifo_transfers=fifo_transfers, host_buffer_cap_bytes=host_buffer_cap_bytes)

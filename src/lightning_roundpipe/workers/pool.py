@@ -125,7 +125,7 @@ class Lane:
             if failed is not None:
                 del self._pending[pos]
                 return task, failed.error, False
-            waiting = next((d for d in task.deps if not self.pool.ready_for(self, d, task)), None)
+            waiting = next((d for d in task.deps if not self.pool.ready_for(self, d)), None)
             if waiting is None:
                 del self._pending[pos]
                 return task, None, False
@@ -183,10 +183,6 @@ class Worker:
         self.memory = DeviceMemory(index)  # what this worker holds on its device (device_memory.py)
 
     @property
-    def resident_weight_bytes(self) -> int:
-        return self.memory.weight_bytes
-
-    @property
     def peak_weight_bytes(self) -> int:
         return self.memory.peak_weight_bytes
 
@@ -209,12 +205,6 @@ class Worker:
     def compute(self, fn, deps, label: TaskLabel) -> Completion:
         return self.submit("compute", fn, deps, label)
 
-    def download(self, device_tensors_fn, deps, label: TaskLabel, priority: int, nbytes: int = 0) -> Completion:
-        """Copy device tensors (``None`` entries kept) to host memory; the completion's value is the host list."""
-        return self.submit(
-            "download", lambda: self.pool.copy_to_host(self, device_tensors_fn()), deps, label, priority, nbytes
-        )
-
     def track_weights(self, delta_bytes: int) -> None:
         """Stage weights uploaded (or released, ``delta_bytes < 0``) by the task running on this
         thread; over the worker's memory cap this raises :class:`~.device_memory.WorkerOutOfMemoryError`."""
@@ -231,6 +221,29 @@ class WorkerPool:
     """Base of the backends. Subclasses define devices, copies and how a task is executed."""
 
     backend = "base"
+    # What a backend declares about itself, read before its pool exists (by the runtime's planner):
+    keeps_graphs_across_workers = False  # its workers share memory, so recompute="never" can keep forward graphs
+    pins_uploads = True  # the runtime pins the host tensors uploads read (``pin_uploads``)
+    planner_device = "cuda"  # how the plan keeper prices recompute="auto": "cpu" (workers share the host's memory) or "cuda"
+    assumed_link_bytes_per_s: float | None = 25e9  # the link before anything is measured (PCIe 4.0 x16); None: memory copies
+    assumed_flops_per_s = 1e14  # the compute rate the first plan assumes (a GPU's order of magnitude)
+    microbatch_overhead_s = 0.0  # host cost of one more microbatch of a stage besides its compute (GPUs: not measured)
+    budget_option = "cpu_memory_cap_bytes"  # the option ``memory_budget_bytes`` reads, named in the planner's advice
+
+    @classmethod
+    def create(cls, num_workers: int, device_indices=None, **options) -> "WorkerPool":
+        """A pool of ``num_workers`` workers (``device_indices``: only backends with real devices read them)."""
+        return cls(num_workers, **options)
+
+    @classmethod
+    def options_from(cls, options) -> dict:
+        """This backend's own constructor options taken from the user's ``RuntimeOptions`` (none by default)."""
+        return {}
+
+    @classmethod
+    def memory_budget_bytes(cls, device_indices, options) -> int | None:
+        """Per-worker budget of the partitioner and of ``recompute="auto"`` when the user set none."""
+        return options.cpu_memory_cap_bytes
 
     def __init__(self, devices: Sequence[torch.device], timeout_s: float = 300.0, trace: TraceRecorder | None = None,
                  fifo_transfers: bool = False):
@@ -382,9 +395,9 @@ class WorkerPool:
             return self.workers[lab.worker].lanes[lab.queue]
         return None
 
-    def ready_for(self, lane: Lane, dep: Completion, task: Task | None = None) -> bool:
-        """Whether ``dep`` no longer holds back ``task`` of ``lane`` (the stream backends also ask
-        that its device work be finished before a transfer or a release is issued)."""
+    def ready_for(self, lane: Lane, dep: Completion) -> bool:
+        """Whether ``dep`` no longer holds back a task of ``lane`` (the stream backends also ask that
+        its device work be finished before a transfer or a release is issued)."""
         return dep.is_set()
 
     def task_text(self, thread: threading.Thread) -> str:

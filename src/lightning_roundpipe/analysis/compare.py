@@ -13,11 +13,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from .hardware import HardwareProfile, load_hardware
+from ..cost.hardware import HardwareProfile, load_hardware
 from ..cost.transformer import ModelShape, get_model_shape, preset_costs
-from ..planning.fit import DEFAULT_MEMORY_FRACTION, best_plan
-from .schedules import BOUND_SCHEDULES, simulate_bound
-from .simulate import SimConfig, SimResult
+from ..planning.capacity import DEFAULT_MEMORY_FRACTION, best_plan
+from .bound_schedules import BOUND_SCHEDULES, simulate_bound
+from ..sim.simulate import SimConfig, SimResult
 
 PAPER_SPEEDUP_RANGE = (1.48, 2.16)  # Luo et al., arXiv 2604.27085: over the best baseline, 8x RTX 4090, 1.7B-32B
 PAPER_MODELS = ("qwen3-1.7b", "qwen3-8b", "qwen3-32b")
@@ -81,7 +81,7 @@ def compare_schedules(
     """Simulate ``schedules`` for a model preset on a hardware profile; same costs, same microbatches.
 
     ``microbatches`` defaults to four per GPU (a multiple of the GPU count, as interleaved 1F1B
-    needs). RoundPipe uses :func:`~lightning_roundpipe.planning.fit.best_plan` with that count.
+    needs). RoundPipe uses :func:`~lightning_roundpipe.planning.capacity.best_plan` with that count.
     ``bound_config`` (default: ``config``) lets the bound schedules run with other simulation
     knobs, e.g. ``SimConfig(optimizer_barrier=True)`` for a synchronous offloaded optimizer.
     """
@@ -156,6 +156,6 @@ def paper_table(
     barriers = ("with the engine's host barriers (fused last stage: the next step waits for backward() to "
                 "return)" if cfg.host_barriers else "without host barriers")
     lines += ["", "Simulated with the assumptions in docs/simulator.md (hardware numbers from "
-              f"src/lightning_roundpipe/sim/profiles/{hw.name}.yaml); the paper column is the range it reports for 1.7B-32B models. "
+              f"src/lightning_roundpipe/cost/profiles/{hw.name}.yaml); the paper column is the range it reports for 1.7B-32B models. "
               f"RoundPipe {barriers}; bound schedules never wait for the host."]
     return "\n".join(lines)

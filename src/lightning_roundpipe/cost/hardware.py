@@ -1,7 +1,7 @@
 """Hardware profiles: the few numbers of a machine that decide how fast a pipeline step runs.
 
 A profile is a plain dataclass, loaded from ``<name>.yaml`` shipped in the package
-(``lightning_roundpipe/sim/profiles/``, read with ``importlib.resources`` so it works from a wheel). The YAML keys are the
+(``lightning_roundpipe/cost/profiles/``, read with ``importlib.resources`` so it works from a wheel). The YAML keys are the
 field names; sizes may be written with units (``24 GiB``, ``25 GB/s``) so the files stay
 readable, and every file says where its numbers come from.
 
@@ -11,7 +11,7 @@ host link from ``host_device_bytes_per_s`` and ``latency_s``, and the host optim
 ``cpu_optimizer_params_per_s``, or the host memory bandwidth over the bytes an update moves when
 the profile gives ``host_memory_bytes_per_s`` and that is lower (:attr:`HardwareProfile.optimizer_params_per_s`).
 Profiles with datasheet rates (``tensor_tflops_*``, ``memory_bytes_per_s``) and achievable ones
-(``matmul_tflops_*``, ``attention_tflops``) are timed by :mod:`lightning_roundpipe.sim.physical`. The same fields describe the CPU backend's virtual workers
+(``matmul_tflops_*``, ``attention_tflops``) are timed by :mod:`lightning_roundpipe.cost.physical`. The same fields describe the CPU backend's virtual workers
 (``profiles/cpu2.yaml``), whose injected bandwidth limit and latency play the role of the
 PCIe link, so a simulated step can be checked against a measured CPU run.
 """
@@ -79,7 +79,7 @@ class HardwareProfile:
     cpu_optimizer_params_per_s: float  # parameters per second the host optimizer updates (Adam, fp32)
     duplex: bool = True  # uploads and downloads run at full speed at the same time (PCIe is full duplex)
     latency_s: float = 0.0  # fixed cost of every transfer (launch, synchronisation)
-    # Optional physical rates (sim/physical.py): when a profile gives them, estimated layer times
+    # Optional physical rates (cost/physical.py): when a profile gives them, estimated layer times
     # are matmul FLOPs at the tensor rate of the accumulation used, attention at the fp32-accumulate
     # rate and element-wise traffic at the memory bandwidth, instead of everything at ``tflops``.
     tensor_tflops_fp32_acc: float | None = None  # dense fp16/bf16 tensor rate, fp32 accumulate
@@ -143,10 +143,6 @@ class HardwareProfile:
             return self.cpu_optimizer_params_per_s
         return min(self.cpu_optimizer_params_per_s, self.host_memory_bytes_per_s / self.optimizer_bytes_per_param)
 
-    def transfer_seconds(self, num_bytes: float) -> float:
-        """Time of one transfer of ``num_bytes`` on an idle link: latency plus bytes over bandwidth."""
-        return self.latency_s + num_bytes / self.host_device_bytes_per_s
-
     def launch_seconds(self, kind: str, decoder_layers: int) -> float:
         """Host time to issue the kernels of a compute task of ``kind`` ("forward", "backward",
         "fused") over ``decoder_layers`` decoder layers, one microbatch."""
@@ -189,12 +185,12 @@ class HardwareProfile:
 
 
 def hardware_dir():
-    """Folder of the profiles: ``$LIGHTNING_ROUNDPIPE_HARDWARE_DIR``, or the package's ``sim/profiles``
+    """Folder of the profiles: ``$LIGHTNING_ROUNDPIPE_HARDWARE_DIR``, or the package's ``cost/profiles``
     (an ``importlib.resources`` Traversable: a real folder or inside an archive)."""
     env = os.environ.get("LIGHTNING_ROUNDPIPE_HARDWARE_DIR")
     if env:
         return Path(env)
-    return resources.files("lightning_roundpipe.sim.profiles")
+    return resources.files("lightning_roundpipe.cost.profiles")
 
 
 def available_hardware() -> list[str]:

@@ -35,11 +35,11 @@ from typing import Callable
 from ..cost.profile import CostProfile
 from ..schedule.plan import Plan, PlanFacts
 from ..cost.view import CostView
-from ..sim.hardware import HardwareProfile, load_hardware
+from ..cost.hardware import HardwareProfile, load_hardware
 from ..cost.memory import HostMemory, host_bytes, roundpipe_gpu_bytes
 from ..cost.transformer import ModelShape, get_model_shape, preset_costs
 from .balanced import balanced_plan, make_plan
-from ..adapters.chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
+from ..cost.activations import DEFAULT_LOSS_CHUNK_TOKENS
 from ..sim.simulate import SimConfig, SimResult, simulate_roundpipe
 
 DEFAULT_MEMORY_FRACTION = 0.9  # of each GPU's memory; the rest is CUDA context and allocator slack

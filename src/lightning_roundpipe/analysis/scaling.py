@@ -3,7 +3,7 @@
 For each model, the published run's RoundPipe workload (same sequences per optimizer step,
 microbatches and calls, one-step-stale optimizer) is simulated on the profile with
 ``num_gpus`` replaced. The plan is the reference's own partition for the models it published
-one for (:func:`~lightning_roundpipe.sim.workload.reference_plan`; RoundPipe's stages are not
+one for (:func:`~lightning_roundpipe.analysis.workload.reference_plan`; RoundPipe's stages are not
 bound to GPUs, so one partition serves every count) and the planner's best plan for the count
 otherwise, or always with ``planner=True``. Speedup is over the smallest count and efficiency
 is speedup over the count ratio. Every number is simulated; :data:`MEASURED_SCALING` holds the
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .hardware import HardwareProfile, load_hardware
+from ..cost.hardware import HardwareProfile, load_hardware
 from .workload import PUBLISHED_RUNS, REFERENCE_PARTITIONS, Workload, reference_plan, simulate_workload
 
 MEASURED_HARDWARE = "rtx4090"  # the profile the measured curve belongs to

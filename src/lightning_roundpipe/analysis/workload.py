@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..cost.transformer import get_model_shape, shape_layer_costs
-from ..planning.fit import best_plan
+from ..planning.capacity import best_plan
 from ..schedule.plan import Plan
-from .hardware import HardwareProfile, load_hardware
-from .simulate import SimConfig, SimResult, simulate_roundpipe
+from ..cost.hardware import HardwareProfile, load_hardware
+from ..sim.simulate import SimConfig, SimResult, simulate_roundpipe
 
 
 @dataclass(frozen=True)

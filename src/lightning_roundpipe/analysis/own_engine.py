@@ -1,6 +1,6 @@
 """This project's engine on the reference benchmark's workload, and where it differs from the reference.
 
-The published RoundPipe measurements (:data:`~lightning_roundpipe.sim.workload.PUBLISHED_RUNS`)
+The published RoundPipe measurements (:data:`~lightning_roundpipe.analysis.workload.PUBLISHED_RUNS`)
 ran the reference implementation with its own choices: fp16 with fp16 accumulation in matmuls,
 a one-step-stale optimizer, its partitioner, 10 microbatches per call. This engine, on the same
 sequences per optimizer step and the same calls, runs by default:
@@ -30,11 +30,11 @@ from dataclasses import dataclass, replace
 
 from ..cost.memory import roundpipe_gpu_bytes
 from ..cost.transformer import get_model_shape, shape_layer_costs
-from ..planning.fit import DEFAULT_MEMORY_FRACTION, best_plan
+from ..planning.capacity import DEFAULT_MEMORY_FRACTION, best_plan
 from ..planning.partition import partition
 from ..schedule.plan import Plan, PlanError
-from .hardware import HardwareProfile, load_hardware
-from .simulate import SimConfig, SimResult, simulate_roundpipe
+from ..cost.hardware import HardwareProfile, load_hardware
+from ..sim.simulate import SimConfig, SimResult, simulate_roundpipe
 from .workload import PUBLISHED_RUNS, PublishedRun, Workload, optimizer_step_period
 
 # Measured ratio of one host Adam step to the engine's gradient accumulation (cast to fp32,
@@ -122,7 +122,7 @@ def default_microbatches(num_workers: int) -> int | str:
         return ENGINE_CHOICE
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    raise ValueError(f"RuntimeOptions().microbatches defaults to {value!r}: teach sim/own_engine.default_microbatches "
+    raise ValueError(f"RuntimeOptions().microbatches defaults to {value!r}: teach analysis/own_engine.default_microbatches "
                      f"how the engine turns that into a count")
 
 
@@ -147,7 +147,7 @@ def host_accumulate_rate(hardware: HardwareProfile) -> float:
 
 
 def dispatch_figure() -> float:
-    """Host seconds per submitted task measured on the CPU backend (``sim/profiles/cpu2.yaml``)."""
+    """Host seconds per submitted task measured on the CPU backend (``cost/profiles/cpu2.yaml``)."""
     return load_hardware("cpu2").dispatch_s
 
 
@@ -309,7 +309,7 @@ def tasks_per_compute(plan: Plan, costs, num_workers: int, microbatches: int) ->
     """Tasks the engine submits per compute task for one call of ``plan`` (from the lowering)."""
     from ..cost.view import CostView
     from ..schedule.lowering import LoweringOptions, lower
-    from .simulate import CostSizes
+    from ..sim.simulate import CostSizes
 
     graph = lower(plan, num_workers, 0, CostSizes(CostView(costs)),
                   LoweringOptions(microbatches=microbatches, fused=plan.fused_last))
@@ -322,7 +322,7 @@ def host_limit_tokens(plan: Plan, costs, hardware: HardwareProfile, dispatch_s: 
 
     Per microbatch the host submits ``tasks_per_compute`` tasks for each of the plan's compute
     tasks (``dispatch_s`` each) and issues each compute task's kernels
-    (:meth:`~lightning_roundpipe.sim.hardware.HardwareProfile.launch_seconds` of its decoder
+    (:meth:`~lightning_roundpipe.cost.hardware.HardwareProfile.launch_seconds` of its decoder
     layers); the workers together compute the microbatch's stages in their total time over
     ``num_workers``. The host is the limit when its time exceeds theirs:
     ``tokens < num_workers * host_s / device_s_per_token``, with ``costs`` timed for

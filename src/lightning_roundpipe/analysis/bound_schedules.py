@@ -34,11 +34,11 @@ import math
 from dataclasses import dataclass
 
 from ..cost.profile import CostProfile
-from ..schedule.plan import balanced_ranges
+from ..planning.cuts import balanced_ranges
 from ..cost.view import CostView
-from .event_queue import EventSimulator, Op
-from .hardware import HardwareProfile
-from .simulate import PRIO_ACTIVATIONS, PRIO_GRADS, PRIO_WEIGHTS, SimConfig, SimResult, add_optimizer, link_of, summarize
+from ..sim.event_queue import EventSimulator, Op
+from ..cost.hardware import HardwareProfile
+from ..sim.simulate import PRIO_ACTIVATIONS, PRIO_GRADS, PRIO_WEIGHTS, SimConfig, SimResult, add_optimizer, link_of, summarize
 
 BOUND_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 STREAMED_SCHEDULES = ("mobius",)

@@ -1,1 +1,0 @@
-"""Hardware profiles shipped with the package (``<name>.yaml``), read by ``sim.hardware`` with importlib.resources."""
