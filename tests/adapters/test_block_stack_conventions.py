@@ -117,10 +117,21 @@ def test_t5_blocks_are_refused_before_any_weight_changes(stack, monkeypatch):
     model = tiny_t5()
     ids = torch.randint(1, 32, (4, 5))
     message, calls = refused_unchanged(
-        getattr(model, stack).block, lambda: model(input_ids=ids, decoder_input_ids=ids).last_hidden_state.sum().backward(),
+        getattr(model, stack).block,
+        lambda: model(input_ids=ids, decoder_input_ids=ids, use_cache=False).last_hidden_state.sum().backward(),
         r"block 1 of the stack of 2 T5Block got item 1 of the output of block 0 of the stack of 2 T5Block as an "
         r"argument", monkeypatch)
     assert "not a chain" in message and "roundpipe_layers" in message
+    assert calls == 0
+
+
+def test_t5_decoder_with_its_cache_is_refused_for_the_cache_first(monkeypatch):
+    model = tiny_t5()  # T5's decoder caches by default; its blocks then share an EncoderDecoderCache
+    ids = torch.randint(1, 32, (4, 5))
+    _, calls = refused_unchanged(
+        model.decoder.block, lambda: model(input_ids=ids, decoder_input_ids=ids).last_hidden_state.sum().backward(),
+        r"block 0 of the stack of 2 T5Block gets a key/value cache \(EncoderDecoderCache\).*use_cache=False",
+        monkeypatch)
     assert calls == 0
 
 

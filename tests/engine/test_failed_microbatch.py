@@ -160,7 +160,10 @@ def test_backward_failure_on_any_microbatch_fails_the_fit(microbatches, target):
     error, before, after = fit_failing(Regression, make_data(n=40), microbatches, target, **LAYERED)
     assert f"injected backward failure on microbatch {target}" in str(error)
     assert (error.label.kind, error.label.microbatch) == ("backward", target)
-    assert "back as before the step" in str(error) + "".join(getattr(error, "__notes__", []))
+    said = str(error) + "".join(getattr(error, "__notes__", []))
+    # Layers may have stepped during backward before the failure was seen (then the note says they
+    # are back), or not yet (timing): either way nothing of the step is left.
+    assert "the step had updated" not in said or "back as before the step" in said, said
     assert_unchanged(before, after)
 
 
