@@ -10,6 +10,7 @@ from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.schedule.plan import Plan
 from lightning_roundpipe.cost.hardware import HardwareProfile
 from lightning_roundpipe.sim import SimConfig, simulate_roundpipe
+from lightning_roundpipe.analysis.designs import PricedDesign
 from lightning_roundpipe.analysis.workload import optimizer_step_period
 
 INF = float("inf")
@@ -61,7 +62,7 @@ def test_asynchronous_backward_lets_the_next_call_start_on_the_device():
     # As above, but the next call's tasks are submitted before backward() returns: its first
     # microbatch starts when the worker is free (6 s), not after the host's loss (8 s).
     two = dict(steps=2, accumulation=2, host_loss_s=2.0)
-    result = run(FUSED, 2, call_barrier=False, **two)
+    result = run(FUSED, 2, design=PricedDesign(call_barrier=False), **two)
     assert result.step_s == pytest.approx(6.0)
     second = min(r.start for r in result.timeline if r.step == 1 and r.kind == "fused")
     assert second == 6.0
@@ -181,12 +182,12 @@ def test_fused_stage_spread_over_two_workers_runs_its_microbatches_side_by_side(
     # each, one after the other): backward() returns at 3 + 2 + 2 = 7 s.
     hw = one_worker().replace(num_gpus=2)
     assert run(FUSED, 2, hw=hw).step_s == pytest.approx(6.0)
-    spread = run(FUSED, 2, hw=hw, fused_spread=2)
+    spread = run(FUSED, 2, hw=hw, design=PricedDesign(fused_spread=2))
     assert spread.step_s == pytest.approx(3.0)
     assert sorted(r.worker for r in spread.timeline if r.kind == "wgrad") == [0, 1]
     assert sorted(r.worker for r in spread.timeline if r.kind == "weights") == [0, 1]
     assert [(r.worker, r.microbatch) for r in spread.timeline if r.kind == "fused"] == [(0, 0), (1, 1)]
-    assert run(FUSED, 3, hw=hw, fused_spread=2).step_s == pytest.approx(6.0)
-    assert run(FUSED, 2, hw=hw, fused_spread=2, host_accumulate_bytes_per_s=50.0).step_s == pytest.approx(7.0)
+    assert run(FUSED, 3, hw=hw, design=PricedDesign(fused_spread=2)).step_s == pytest.approx(6.0)
+    assert run(FUSED, 2, hw=hw, design=PricedDesign(fused_spread=2), host_accumulate_bytes_per_s=50.0).step_s == pytest.approx(7.0)
     with pytest.raises(ValueError, match="fused_spread must be a positive integer"):
-        SimConfig(fused_spread=0)
+        PricedDesign(fused_spread=0)

@@ -36,6 +36,7 @@ from ..schedule.plan import Plan, PlanError
 from ..cost.hardware import HardwareProfile, load_hardware
 from ..sim.simulate import SimConfig, SimResult, simulate_roundpipe
 from .workload import PUBLISHED_RUNS, PublishedRun, Workload, optimizer_step_period
+from .designs import PricedDesign
 
 # Measured ratio of one host Adam step to the engine's gradient accumulation (cast to fp32,
 # multiply by the loss scale, add into .grad), per parameter, side by side on one CPU:
@@ -60,8 +61,8 @@ class Setup:
     one step stale. ``wait_all_grads``: the optimizer starts only when every gradient of the step
     is home (this engine's host loss scaler under fp16 checks them all for overflow first).
     ``dispatch_s`` / ``launch_s``: host seconds per task / kernel launch (None: the profile's).
-    ``host_accumulate_bytes_per_s``, ``host_loss_s``, ``call_barrier``, ``fused_spread``: see
-    :class:`~lightning_roundpipe.sim.simulate.SimConfig`.
+    ``host_accumulate_bytes_per_s``, ``host_loss_s``: see :class:`~lightning_roundpipe.sim.simulate.SimConfig`;
+    ``call_barrier``, ``fused_spread``: designs the engine does not have, see :mod:`.designs`.
     """
 
     precision: str = "fp16-acc"
@@ -89,7 +90,8 @@ class Setup:
         return replace(workload.sim_config(optimizer_steps), stale_optimizer=self.staleness == 1,
                        optimizer_barrier=False, clip_grad_norm=self.wait_all_grads, dispatch_s=self.dispatch_s,
                        launch_s=self.launch_s, host_accumulate_bytes_per_s=self.host_accumulate_bytes_per_s,
-                       host_loss_s=self.host_loss_s, call_barrier=self.call_barrier, fused_spread=self.fused_spread)
+                       host_loss_s=self.host_loss_s,
+                       design=PricedDesign(call_barrier=self.call_barrier, fused_spread=self.fused_spread))
 
 
 @dataclass

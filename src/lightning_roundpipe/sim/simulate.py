@@ -36,7 +36,6 @@ Several steps are simulated; the step time is the steady-state period between st
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -58,6 +57,60 @@ PRIO_ACTIVATIONS = DEFAULT_PRIORITIES["activation"]
 PRIO_WEIGHTS = DEFAULT_PRIORITIES["weights"]
 PRIO_GRADS = DEFAULT_PRIORITIES["gradients"]
 MAIN_QUEUE = "main"  # the host thread that drives the step (loss, dispatch); the optimizer has its own queue
+
+
+class FusedOnOneWorker:
+    """The engine's placement of the fused last stage: every microbatch on the stage's worker.
+
+    The simulator asks a placement to rewrite the fused stage's tasks (``task``), to copy its weight
+    uploads (``copy_weights``), to point computes at those copies (``compute_deps``), which computes
+    are a worker's first and last of the stage (``first_last``), and, for the stage's gradient
+    download when ``spreads`` it, to add one per extra worker (``wgrads``, ``extra_wgrads``). The
+    engine's own changes nothing; the analysis layer prices others (``analysis/designs.py``).
+    """
+
+    def __init__(self, microbatches: int) -> None:
+        self.m = microbatches
+        self.extra_wgrads: list[Op] = []
+
+    def spreads(self, t: GraphTask) -> bool:
+        return False
+
+    def task(self, t: GraphTask) -> GraphTask:
+        return t
+
+    def copy_weights(self, op: Op, add) -> None:
+        return None
+
+    def compute_deps(self, t: GraphTask, deps: list[Op]) -> list[Op]:
+        return deps
+
+    def first_last(self, t: GraphTask) -> tuple[bool, bool]:
+        """Whether ``t`` is the first / last microbatch its worker runs of its stage."""
+        return t.microbatch == 0, t.microbatch == self.m - 1
+
+    def computed(self, t: GraphTask, op: Op) -> None:
+        return None
+
+    def wgrads(self, t: GraphTask, deps: list[Op], step: int, add, out: list) -> Op:
+        raise AssertionError("the engine's fused stage spreads nothing")
+
+
+class EngineDesign:
+    """The engine's design where the simulator could price another (``SimConfig.design``).
+
+    ``call_barrier``: with ``host_barriers``, the next call is dispatched only once this call's
+    ``backward()`` has returned (the engine under autograd). ``fused_placement``: where the fused
+    last stage's microbatches run (:class:`FusedOnOneWorker`).
+    """
+
+    call_barrier = True
+
+    def fused_placement(self, plan: Plan, tasks: list[GraphTask], num_workers: int, microbatches: int):
+        return FusedOnOneWorker(microbatches)
+
+
+ENGINE_DESIGN = EngineDesign()
 
 
 @dataclass
@@ -102,10 +155,11 @@ class SimConfig:
     # Host time per kernel launch, instead of the profile's ``launch_s`` (None: the profile's; 0:
     # launches cost the host nothing).
     launch_s: float | None = None
-    # With ``host_barriers``: the next call is dispatched only once this call's ``backward()`` has
-    # returned (True, the engine under autograd). False keeps the forward/backward barrier but lets
-    # the next call's tasks be submitted right after this call's: an asynchronous ``backward()``.
-    call_barrier: bool = True
+    # The design simulated where the simulator can price another: the engine's own (the next call
+    # waits for this call's ``backward()`` to return, with ``host_barriers``; the fused last stage
+    # runs on one worker). Designs the engine does not have live in the analysis layer
+    # (``analysis/designs.py``), which passes them here.
+    design: EngineDesign = ENGINE_DESIGN
     # With ``host_barriers``: seconds the host's main thread spends on the loss of a call. Without a
     # fused last stage, computing it from the outputs (between the last output home and the
     # backward dispatch); with one, summing the loss scalars (before ``backward()`` returns).
@@ -115,13 +169,6 @@ class SimConfig:
     # layer's optimizer update waits for its accumulation, and ``backward()`` returns after the
     # last one. None: free.
     host_accumulate_bytes_per_s: float | None = None
-    # Workers the fused last stage's microbatches go to, round-robin (microbatch i to the
-    # stage's worker - i mod ``fused_spread``, i.e. the workers of the stages just before it, in
-    # their compute order): each such worker uploads the stage's weights and
-    # sends its own gradient of them home, which the host adds. 1: one worker, as the engine
-    # runs it. A design the engine does not have, for pricing; the extra copies of the weights
-    # are not held to the two-stage slots.
-    fused_spread: int = 1
     # Layer-grain recompute (recompute="layer"): the lowered backward and fused computes say
     # grain="layer"; each runs its layers but the last once more without grad and holds one
     # layer's graph plus the stage's layer inputs (cost/memory.py: layer_grain_graph).
@@ -140,8 +187,6 @@ class SimConfig:
                 raise ValueError(f"{name} must be None or at least 0, got {value}")
         if not self.host_loss_s >= 0:
             raise ValueError(f"host_loss_s must be at least 0, got {self.host_loss_s}")
-        if isinstance(self.fused_spread, bool) or not isinstance(self.fused_spread, int) or self.fused_spread < 1:
-            raise ValueError(f"fused_spread must be a positive integer, got {self.fused_spread!r}")
         if self.host_accumulate_bytes_per_s is not None and not self.host_accumulate_bytes_per_s > 0:
             raise ValueError(f"host_accumulate_bytes_per_s must be None or positive, got {self.host_accumulate_bytes_per_s}")
 
@@ -251,12 +296,12 @@ class _RoundPipeBuilder:
         backward_stages = {t.stage for t in tasks if t.kind in ("fused", "backward")}
         host_output = {t.microbatch: t.id for t in tasks if t.kind == "act_out" and t.boundary == plan.num_layers}
         barriers = cfg.host_barriers
-        gate = [self.step_done] if barriers and cfg.call_barrier and self.step_done is not None else []
+        gate = [self.step_done] if barriers and cfg.design.call_barrier and self.step_done is not None else []
         wgrads: list[tuple[int, Op]] = []
         losses: list[Op] = []
         backward_done: list[Op] = []
         in_backward = False
-        spread = _FusedSpread(plan, tasks, self.nw, cfg.fused_spread, m)
+        spread = cfg.design.fused_placement(plan, tasks, self.nw, m)
         for original in tasks:
             t = spread.task(original)
             if t.phase == "backward" and not in_backward:
@@ -368,72 +413,6 @@ class _RoundPipeBuilder:
         alloc = [(w, transient + out_total)] + ([(w, grads_total)] if first and grads_total else [])
         free = [(w, transient + in_total)] + ([(w, view.weights(a, b))] if last else [])
         return Op(w, "compute", t.kind, t.stage, t.microbatch, step, seconds=seconds, deps=deps, alloc=alloc, free=free)
-
-
-class _FusedSpread:
-    """``SimConfig.fused_spread``: the fused stage's microbatches on several workers (see there).
-
-    Rewrites the fused stage's per-microbatch tasks onto their workers, copies its weight
-    uploads to the extra workers, points each compute at its worker's copy, and gives every
-    extra worker its own gradient download after its last microbatch.
-    """
-
-    def __init__(self, plan: Plan, tasks: list[GraphTask], num_workers: int, k: int, microbatches: int) -> None:
-        self.stage = plan.fused_stage if k > 1 else None
-        self.k, self.m = min(k, num_workers), microbatches
-        home = next((t.worker for t in tasks if t.stage == self.stage), 0)
-        self.workers = [(home - j) % num_workers for j in range(self.k)]
-        self.copies: dict[int, list[Op]] = {}  # id of a weights op on the home worker -> its copies
-        self.last: dict[int, Op] = {}  # worker -> its last fused compute
-        self.extra_wgrads: list[Op] = []
-
-    def spreads(self, t: GraphTask) -> bool:
-        return self.stage is not None and t.stage == self.stage
-
-    def task(self, t: GraphTask) -> GraphTask:
-        if self.spreads(t) and t.microbatch >= 0:
-            return dataclasses.replace(t, worker=self.workers[t.microbatch % self.k])
-        return t
-
-    def copy_weights(self, op: Op, add) -> None:
-        if not self.spreads_op(op):
-            return
-        self.copies[id(op)] = [add(Op(w, "upload", op.kind, op.stage, -1, op.step, bytes=op.bytes, priority=op.priority,
-                                      deps=list(op.deps), alloc=[(w, op.bytes)])) for w in self.workers[1:]]
-
-    def spreads_op(self, op: Op) -> bool:
-        return self.stage is not None and op.stage == self.stage
-
-    def compute_deps(self, t: GraphTask, deps: list[Op]) -> list[Op]:
-        if not self.spreads(t) or t.worker == self.workers[0]:
-            return deps
-        j = self.workers.index(t.worker) - 1
-        return [self.copies[id(d)][j] if id(d) in self.copies else d for d in deps]
-
-    def first_last(self, t: GraphTask) -> tuple[bool, bool]:
-        """Whether ``t`` is the first / last microbatch its worker runs of its stage."""
-        if not self.spreads(t):
-            return t.microbatch == 0, t.microbatch == self.m - 1
-        return t.microbatch < self.k, t.microbatch + self.k >= self.m
-
-    def computed(self, t: GraphTask, op: Op) -> None:
-        if self.spreads(t):
-            self.last[t.worker] = op
-
-    def wgrads(self, t: GraphTask, deps: list[Op], step: int, add, out: list[tuple[int, Op]]) -> Op:
-        """The home worker's gradient download (returned) and one per extra worker (added to ``out``)."""
-        # Each worker's download waits for its own last compute (its lane runs them in order),
-        # not for the stage's computes on the other workers, which the graph's task depends on.
-        others = [d for d in deps if not (d.queue == "compute" and d.stage == self.stage)]
-        home = Op(t.worker, "download", t.kind, t.stage, -1, step, bytes=t.bytes, priority=t.priority,
-                  deps=others + [self.last[self.workers[0]]], free=[(t.worker, t.bytes)])
-        for w in self.workers[1:]:
-            if w in self.last:
-                extra = add(Op(w, "download", t.kind, t.stage, -1, step, bytes=t.bytes, priority=t.priority,
-                               deps=others + [self.last[w]], free=[(w, t.bytes)]))
-                self.extra_wgrads.append(extra)
-                out.append((t.layers[0], extra))
-        return home
 
 
 def add_optimizer(sim: EventSimulator, wgrads: dict[int, list[Op]], view: CostView, hardware: HardwareProfile,
