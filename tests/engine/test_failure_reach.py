@@ -20,7 +20,8 @@ from torch import nn
 
 from lightning_roundpipe import CpuWorkerPool, EngineOptions, PipelineEngine, WorkerError
 from lightning_roundpipe.schedule.lowering import LoweringOptions, TaskGraph, lower
-from lightning_roundpipe.schedule.plan import Plan, simple_plan
+from lightning_roundpipe.planning.cuts import simple_plan
+from lightning_roundpipe.schedule.plan import Plan
 from lightning_roundpipe.workers.pool import Worker
 
 from _models import mlp
