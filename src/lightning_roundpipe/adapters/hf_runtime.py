@@ -92,108 +92,9 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
     inner = unwrap_peft(module)
     unpipelined_forward = type(inner).forward
     forward_parameters = inspect.signature(unpipelined_forward).parameters
-    base_model = inner.base_model  # the module whose forward builds the masks (its use_cache decides how)
-    router = adapter.router
+    keep_option = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in forward_parameters), None)
 
     def make_forward(runtime) -> Callable:
-        from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
-
-        output_class = MoeCausalLMOutputWithPast if router is not None else CausalLMOutputWithPast
-        pending_check = [not adapter.verified]
-        notice = UnpipelinedNotice()
-        # The positions option this model's forward reads (transformers 5: logits_to_keep); a name its signature
-        # lacks falls into **kwargs there and is ignored, so it is ignored here too. A classifier keeps every position.
-        keep_option = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in forward_parameters), None)
-
-        def forward(input_ids=None, attention_mask=None, position_ids=None, labels=None, past_key_values=None,
-                    inputs_embeds=None, cache=None, use_cache=None, output_router_logits=None, **kwargs: Any):
-            if use_cache or cache is not None or past_key_values is not None:
-                # model.generate(): the model's own forward on the host, with the real (current) weights.
-                notice.training_call(inner, USE_CACHE if use_cache and cache is None and past_key_values is None
-                                     else CACHE_GIVEN)
-                runtime.join()
-                return unpipelined_forward(inner, input_ids=input_ids, attention_mask=attention_mask,
-                                           position_ids=position_ids, labels=labels, inputs_embeds=inputs_embeds,
-                                           cache=cache if cache is not None else past_key_values,
-                                           use_cache=use_cache, **kwargs)
-            if inputs_embeds is not None or input_ids is None:
-                raise ValueError("the RoundPipe pipeline of a causal LM takes input_ids (inputs_embeds is not supported)")
-            # Every option is read before the call, so a refused one changes nothing.
-            hidden_request = hidden_states_request(kwargs.pop("output_hidden_states", None), inner.config,
-                                                   adapter.num_decoder_layers)
-            refuse_attentions(kwargs.pop("output_attentions", None), inner.config)
-            num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-            keep = {name: kwargs.pop(name) for name in ("logits_to_keep", "num_logits_to_keep") if name in kwargs}
-            keep = logits_to_keep_for_batch(keep.get(keep_option, 0), int(input_ids.shape[0]))
-            unknown = sorted(set(kwargs) - _IGNORED_KWARGS)
-            if unknown:
-                raise ValueError(f"the RoundPipe pipeline of a causal LM does not take {unknown}")
-            if keep is not None and labels is not None:
-                raise ValueError(f"the RoundPipe pipeline takes {keep_option} without labels only (the model's loss "
-                                 f"would compare the kept positions' logits with every label); pass one or the other")
-            batch = {"input_ids": input_ids}
-            if attention_mask is not None:
-                batch["attention_mask"] = attention_mask
-            if position_ids is not None:
-                batch["position_ids"] = position_ids.expand(input_ids.shape[0], -1) if position_ids.shape[0] == 1 else position_ids
-            if pending_check[0]:
-                check_unverified(int(runtime.options.microbatches or runtime.num_workers + 1), inner, adapter, batch,
-                                 labels)
-                pending_check[0] = False
-            if forward_uses_cache(base_model, use_cache):
-                batch["with_cache"] = True  # the same masks as the model's forward, which would hold a fresh cache
-            if hidden_request is not None:
-                batch["last_hidden"] = True
-            if keep is not None:
-                batch["logits_to_keep"] = keep
-            tokens = int(input_ids.numel())
-            if adapter.head != "causal_lm":
-                batch["outputs"] = "logits"
-                out = runtime.run(batch, tokens=tokens)
-                return classifier_output(adapter.head, inner, input_ids, labels, out["logits"],
-                                         hidden_states_output(hidden_request, out.get("last_hidden"),
-                                                              adapter.num_decoder_layers))
-
-            def with_hidden(out) -> dict:
-                return {"hidden_states": hidden_states_output(hidden_request, out.get("last_hidden"),
-                                                              adapter.num_decoder_layers)}
-
-            if output_router_logits is None:
-                output_router_logits = bool(getattr(inner.config, "output_router_logits", False))
-            with_stats = router is not None and bool(output_router_logits)
-            if with_stats:
-                batch["router_stats"] = True
-            if labels is None:
-                batch["outputs"] = "logits"
-                out = runtime.run(batch, tokens=tokens)
-                aux = _aux(out) if with_stats else None
-                return output_class(loss=None, logits=out["logits"], **with_hidden(out),
-                                    **({"aux_loss": aux} if router is not None else {}))
-            if labels.shape != input_ids.shape:
-                raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
-            batch["labels"] = labels
-            scale = loss_scale(labels, num_items_in_batch)
-            moe = {"aux_loss": None} if router is not None else {}
-            if not with_stats and not logits_with_loss and hidden_request is None:
-                batch["outputs"] = "loss"
-                loss = runtime.run(batch, loss_scale=scale, tokens=tokens)
-                result = _withheld_class(output_class)(loss=loss, logits=None, **moe)
-                return result
-            # An ordinary last stage: its outputs are combined on the host, then backward runs through them.
-            batch["outputs"] = "loss_and_logits" if logits_with_loss else "loss_and_stats"
-            out = runtime.run(batch, tokens=tokens)
-            loss = out["loss_sum"].sum() * scale
-            if with_stats:
-                moe["aux_loss"] = _aux(out)
-                if router.coefficient is not None:
-                    loss = loss + router.coefficient * moe["aux_loss"]
-            if logits_with_loss:
-                return output_class(loss=loss, logits=out["logits"], **moe, **with_hidden(out))
-            return _withheld_class(output_class)(loss=loss, logits=None, **moe, **with_hidden(out))
-
-        def _aux(out) -> torch.Tensor:
-            return aux_loss(out["moe_counts"].sum(0), out["moe_probs"].sum(0), out["moe_rows"].sum(), router.num_experts)
-
         if grouped_experts and not adapter.verified:
             # the self-check compares with the unpipelined model, which would run the same swapped experts
             log.warning("moe_experts='grouped': %s is not a verified family; its experts keep Hugging Face's forward",
@@ -203,9 +104,134 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
             if kept:
                 log.warning("moe_experts='grouped': %s keep Hugging Face's experts forward (their layout is not mapped)",
                             ", ".join(kept))
-        return forward
+        return PipelinedCausalLMForward(runtime, adapter, inner, unpipelined_forward, keep_option, logits_with_loss)
 
     return inner, adapter.layers, make_forward
+
+
+class PipelinedCausalLMForward:
+    """The patched ``forward`` of a causal LM (or sequence / token classifier): reads the call's options
+    (every one before anything runs, so a refused one changes nothing), builds the pipeline's batch,
+    runs it, and returns what the model's own forward would (see the module doc)."""
+
+    def __init__(self, runtime, adapter: CausalLMLayers, inner: nn.Module, unpipelined_forward: Callable,
+                 keep_option: str | None, logits_with_loss: bool) -> None:
+        from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+        self.runtime, self.adapter, self.inner = runtime, adapter, inner
+        self.unpipelined_forward = unpipelined_forward
+        # The positions option this model's forward reads (transformers 5: logits_to_keep); a name its signature
+        # lacks falls into **kwargs there and is ignored, so it is ignored here too. A classifier keeps every position.
+        self.keep_option = keep_option
+        self.logits_with_loss = logits_with_loss
+        self.router = adapter.router
+        self.base_model = inner.base_model  # the module whose forward builds the masks (its use_cache decides how)
+        self.output_class = MoeCausalLMOutputWithPast if self.router is not None else CausalLMOutputWithPast
+        self.pending_check = not adapter.verified
+        self.notice = UnpipelinedNotice()
+
+    def __call__(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, past_key_values=None,
+                 inputs_embeds=None, cache=None, use_cache=None, output_router_logits=None, **kwargs: Any):
+        if use_cache or cache is not None or past_key_values is not None:
+            # model.generate(): the model's own forward on the host, with the real (current) weights.
+            self.notice.training_call(self.inner, USE_CACHE if use_cache and cache is None and past_key_values is None
+                                      else CACHE_GIVEN)
+            self.runtime.join()
+            return self.unpipelined_forward(self.inner, input_ids=input_ids, attention_mask=attention_mask,
+                                            position_ids=position_ids, labels=labels, inputs_embeds=inputs_embeds,
+                                            cache=cache if cache is not None else past_key_values,
+                                            use_cache=use_cache, **kwargs)
+        if inputs_embeds is not None or input_ids is None:
+            raise ValueError("the RoundPipe pipeline of a causal LM takes input_ids (inputs_embeds is not supported)")
+        hidden_request, num_items_in_batch, keep = self.read_options(input_ids, labels, kwargs)
+        batch = self.batch(input_ids, attention_mask, position_ids, labels, use_cache, hidden_request, keep)
+        tokens = int(input_ids.numel())
+        if self.adapter.head != "causal_lm":
+            batch["outputs"] = "logits"
+            out = self.runtime.run(batch, tokens=tokens)
+            return classifier_output(self.adapter.head, self.inner, input_ids, labels, out["logits"],
+                                     self.hidden_states(hidden_request, out))
+        if output_router_logits is None:
+            output_router_logits = bool(getattr(self.inner.config, "output_router_logits", False))
+        with_stats = self.router is not None and bool(output_router_logits)
+        if with_stats:
+            batch["router_stats"] = True
+        if labels is None:
+            return self.logits_output(batch, tokens, with_stats, hidden_request)
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+        batch["labels"] = labels
+        return self.loss_output(batch, tokens, with_stats, hidden_request, loss_scale(labels, num_items_in_batch))
+
+    def read_options(self, input_ids: torch.Tensor, labels, kwargs: dict):
+        """(hidden-state request, ``num_items_in_batch``, kept logit positions) from the call's keywords;
+        refuses what the pipeline cannot return, and keywords it does not know."""
+        adapter, config = self.adapter, self.inner.config
+        hidden_request = hidden_states_request(kwargs.pop("output_hidden_states", None), config,
+                                               adapter.num_decoder_layers)
+        refuse_attentions(kwargs.pop("output_attentions", None), config)
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        keep = {name: kwargs.pop(name) for name in ("logits_to_keep", "num_logits_to_keep") if name in kwargs}
+        keep = logits_to_keep_for_batch(keep.get(self.keep_option, 0), int(input_ids.shape[0]))
+        unknown = sorted(set(kwargs) - _IGNORED_KWARGS)
+        if unknown:
+            raise ValueError(f"the RoundPipe pipeline of a causal LM does not take {unknown}")
+        if keep is not None and labels is not None:
+            raise ValueError(f"the RoundPipe pipeline takes {self.keep_option} without labels only (the model's loss "
+                             f"would compare the kept positions' logits with every label); pass one or the other")
+        return hidden_request, num_items_in_batch, keep
+
+    def batch(self, input_ids, attention_mask, position_ids, labels, use_cache, hidden_request, keep) -> dict:
+        """The pipeline's batch (after the unverified family's self-check on the first call)."""
+        batch = {"input_ids": input_ids}
+        if attention_mask is not None:
+            batch["attention_mask"] = attention_mask
+        if position_ids is not None:
+            batch["position_ids"] = position_ids.expand(input_ids.shape[0], -1) if position_ids.shape[0] == 1 else position_ids
+        if self.pending_check:
+            check_unverified(int(self.runtime.options.microbatches or self.runtime.num_workers + 1), self.inner,
+                             self.adapter, batch, labels)
+            self.pending_check = False
+        if forward_uses_cache(self.base_model, use_cache):
+            batch["with_cache"] = True  # the same masks as the model's forward, which would hold a fresh cache
+        if hidden_request is not None:
+            batch["last_hidden"] = True
+        if keep is not None:
+            batch["logits_to_keep"] = keep
+        return batch
+
+    def hidden_states(self, hidden_request, out: dict):
+        return hidden_states_output(hidden_request, out.get("last_hidden"), self.adapter.num_decoder_layers)
+
+    def logits_output(self, batch: dict, tokens: int, with_stats: bool, hidden_request):
+        batch["outputs"] = "logits"
+        out = self.runtime.run(batch, tokens=tokens)
+        aux = self.aux(out) if with_stats else None
+        return self.output_class(loss=None, logits=out["logits"], hidden_states=self.hidden_states(hidden_request, out),
+                                 **({"aux_loss": aux} if self.router is not None else {}))
+
+    def loss_output(self, batch: dict, tokens: int, with_stats: bool, hidden_request, scale: float):
+        moe = {"aux_loss": None} if self.router is not None else {}
+        if not with_stats and not self.logits_with_loss and hidden_request is None:
+            batch["outputs"] = "loss"
+            loss = self.runtime.run(batch, loss_scale=scale, tokens=tokens)
+            return _withheld_class(self.output_class)(loss=loss, logits=None, **moe)
+        # An ordinary last stage: its outputs are combined on the host, then backward runs through them.
+        batch["outputs"] = "loss_and_logits" if self.logits_with_loss else "loss_and_stats"
+        out = self.runtime.run(batch, tokens=tokens)
+        loss = out["loss_sum"].sum() * scale
+        if with_stats:
+            moe["aux_loss"] = self.aux(out)
+            if self.router.coefficient is not None:
+                loss = loss + self.router.coefficient * moe["aux_loss"]
+        hidden = self.hidden_states(hidden_request, out)
+        if self.logits_with_loss:
+            return self.output_class(loss=loss, logits=out["logits"], **moe, hidden_states=hidden)
+        return _withheld_class(self.output_class)(loss=loss, logits=None, **moe, hidden_states=hidden)
+
+    def aux(self, out) -> torch.Tensor:
+        return aux_loss(out["moe_counts"].sum(0), out["moe_probs"].sum(0), out["moe_rows"].sum(),
+                        self.router.num_experts)
 
 
 def loss_scale(labels: torch.Tensor, num_items_in_batch: Any = None) -> float:
