@@ -134,3 +134,28 @@ def test_memory_metrics_reach_the_csv_logger_every_step(tmp_path):
         # Each worker held its stage's weights during the step, never more than all of them twice
         # over (a stage and the next one's prefetch).
         assert all(0 < p <= 2 * weights for p in peaks), (peaks, weights)
+
+
+@pytest.mark.timeout(60)
+def test_memory_metrics_of_the_stream_backend_count_pinned_bytes_and_restart_the_peaks():
+    import torch
+    from torch import nn
+
+    from lightning_roundpipe.runtime import RoundPipeRuntime, RuntimeOptions
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    weights = sum(p.numel() * p.element_size() for p in net.parameters())
+    rt = RoundPipeRuntime.attach(net, "fake_cuda", 2, RuntimeOptions(microbatches=2, partition="uniform",
+                                                                     overlap_optimizer=False))
+    try:
+        net(torch.randn(8, 64)).sum().backward()
+        rt.pool.drain()
+        first = rt.memory_metrics()
+        # pinned="alloc": every weight the uploads read is pinned in place, plus the download buffers kept
+        assert first["pinned_bytes"] >= weights
+        assert first["device_peak_bytes"] == [weights // 2, weights // 2]  # two layers' weights per worker
+        assert first["host_rss_bytes"] > 0
+        assert rt.memory_metrics()["device_peak_bytes"] == [0, 0]  # nothing held between steps: the peak restarted
+    finally:
+        rt.detach()
