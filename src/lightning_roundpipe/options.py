@@ -341,18 +341,23 @@ class StrategyOptions(RuntimeOptions):
     checkpoint_weights: "full" (the whole ``state_dict``, as Lightning's default strategy saves:
         resumable under any strategy) or "trainable" (only trainable weights and buffers: the
         small LoRA checkpoint, whose frozen base comes from the model path).
+    progress_bar_metrics: also show the ``roundpipe/*`` step and memory metrics (``step_metrics``)
+        in the progress bar; False (default): they reach the loggers only, and the progress bar
+        keeps Lightning's figures and the job's one ``tokens_per_s``.
     """
 
     module: Optional[str] = None
     workers: Optional[int] = None
     trace_dir: Optional[str] = None
     checkpoint_weights: str = "full"
+    progress_bar_metrics: bool = False
 
     def validate(self, owner: str | None = None) -> "StrategyOptions":
         owner = owner or "RoundPipeStrategy"
         super().validate(owner)
         _integer(owner, "workers", self.workers, 1, allow_none=True)
         _choice(owner, "checkpoint_weights", self.checkpoint_weights, ("full", "trainable"))
+        _flag(owner, "progress_bar_metrics", self.progress_bar_metrics)
         if self.module is not None and not isinstance(self.module, str):
             _fail(owner, "module", self.module, "give the dotted attribute path of the module to pipeline, e.g. 'model.net'")
         return self

@@ -71,6 +71,10 @@ class RoundPipeRuntime:
         self.kept_steps: list[int] = []
         self.last_metrics: dict = {}
         self.last_tokens: int | None = None
+        # Called once, when the plan that will run is known: at set-up, or after the first call chose
+        # its microbatch count (``planner.wants_first_batch``); the strategy prints the plan table here.
+        self.plan_settled_hooks: list[Callable[[], None]] = []
+        self.plan_settled = False
         self.overlapped: list = []  # OverlappedOptimizer per optimizer handed to overlap_optimizer
         self.shadows = None
         self.grad_sync = None
@@ -170,6 +174,7 @@ class RoundPipeRuntime:
         self.last_tokens = tokens
         register_batch_types(inputs)
         self._choose_microbatches(inputs)
+        self._settle_plan()
         self._check_batch_statistics(inputs)
         called = self.trace.now()
         out = self.engine(inputs, loss_scale=loss_scale)
@@ -195,6 +200,22 @@ class RoundPipeRuntime:
         plan = self.planner.first_batch(int(first.shape[0]), max(1, tokens))
         if plan is not None:
             self.engine.set_plan(plan, self.planner.microbatches)
+
+    def _settle_plan(self) -> None:
+        if self.plan_settled or self.planner.wants_first_batch:
+            return
+        self.plan_settled = True
+        for hook in self.plan_settled_hooks:
+            hook()
+
+    def when_plan_settled(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` once the plan that will run is known: now if it is, else in the first call,
+        after its batch chose the microbatch count left open (before anything of that call runs)."""
+        if self.plan_settled or not self.planner.wants_first_batch:
+            self.plan_settled = True
+            hook()
+        else:
+            self.plan_settled_hooks.append(hook)
 
     def _check_batch_statistics(self, inputs) -> None:
         """Refuse, before anything runs, a call whose BatchNorm would see per-microbatch statistics."""
@@ -279,11 +300,28 @@ class RoundPipeRuntime:
         return cls(patched, layers, forward, backend, num_workers, options, fused_last=True, **kwargs)
 
     def describe(self) -> str:
-        """The plan's text form, the dispatch of the first step, and the predicted cost table."""
-        return f"{self.engine.describe()}\n{self.planner.report().to_table()}"
+        """The plan's text form, the dispatch of the first step, the predicted cost table and, when the
+        first batch changed the microbatch count, a line saying so."""
+        note = self.planner.choice_note
+        return f"{self.engine.describe()}\n{self.planner.report().to_table()}" + (f"\n{note}" if note else "")
 
     def peak_weight_bytes(self) -> list[int]:
         return self.pool.peak_weight_bytes()
+
+    def memory_metrics(self, reset_peaks: bool = True) -> dict:
+        """Memory now, as logged every step: ``host_rss_bytes`` (this process's resident memory: the
+        host holds the weights, optimizer state and activations), ``pinned_bytes`` (page-locked host
+        memory of the pool; 0 on the CPU backend) and ``device_peak_bytes`` (per worker, the most device
+        bytes held since the last reset: the ledger of uploaded weights, plus every tensor where the
+        CPU backend measures them, the allocator's peak on CUDA). ``reset_peaks``: start the peaks
+        afresh, so the next call reports the next step's."""
+        from .workers.host_memory import host_rss_bytes
+
+        metrics = {"host_rss_bytes": host_rss_bytes(), "pinned_bytes": self.pool.pinned_host_bytes(),
+                   "device_peak_bytes": self.pool.step_peak_device_bytes()}
+        if reset_peaks:
+            self.pool.reset_step_peaks()
+        return metrics
 
     # ------------------------------------------------------------------ gradients across processes
     def begin_backward(self, accumulating: bool) -> None:

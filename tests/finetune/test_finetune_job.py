@@ -70,6 +70,7 @@ def test_default_config_composes_to_documented_values():
         # the rest of lightning_roundpipe.options.StrategyOptions, which the YAML extends (defaults)
         "cpu_compute_delay_s": 0.0, "cpu_jitter_s": 0.0, "cpu_threads_per_worker": 1, "seed": 0, "trace_steps": 0,
         "step_metrics": True, "optimizer_delay_s": 0.0, "workers": None, "trace_dir": None, "checkpoint_weights": "full",
+        "progress_bar_metrics": False,
         "allow_unverified": False, "logits_with_loss": False, "optimizer_undo": True, "cpu_memory_cap_bytes": None,
         "batch_statistics": "refuse",
         "schedule": "round_robin",

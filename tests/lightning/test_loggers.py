@@ -43,8 +43,8 @@ def _tensorboard_tags(tmp_path):
     return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def test_step_metrics_reach_csv_tensorboard_and_the_progress_bar(tmp_path):
-    trainer = _fit(tmp_path, RoundPipeStrategy(microbatches=4), enable_progress_bar=True)
+def test_step_metrics_reach_csv_tensorboard_and_on_request_the_progress_bar(tmp_path):
+    trainer = _fit(tmp_path, RoundPipeStrategy(microbatches=4, progress_bar_metrics=True), enable_progress_bar=True)
     rows = _csv_rows(tmp_path)
     tags = _tensorboard_tags(tmp_path)
     for key in KEYS:

@@ -27,12 +27,18 @@ def _synchronize_cuda() -> None:
 
 
 class TokenThroughput(pl.Callback):
-    """Logs ``tokens_per_s``: tokens of this process's training batches over their wall time.
+    """Logs ``tokens_per_s``, the job's one throughput figure (the progress bar shows it, and the
+    end-of-run summary prints its final value): tokens per wall second of the training steps.
 
-    The clock runs from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward
-    and, on the last accumulation step, the optimizer step; data loading is excluded). The first
-    ``warmup_batches`` are not counted: they pay one-off costs (allocation, plan building).
-    After training, ``tokens``, ``seconds`` and ``tokens_per_s`` hold the totals.
+    Definition: the attended tokens of this process's training batches counted so far, over the
+    wall time of those batches, each timed from ``on_train_batch_start`` to ``on_train_batch_end``
+    (forward, backward and, on the last accumulation step, the optimizer step; data loading is
+    excluded; CUDA is synchronised at both ends). The first ``warmup_batches`` are not counted:
+    they pay one-off costs (allocation, plan building). It is measured the same way under every
+    strategy, so a RoundPipe run and Lightning's default strategy compare directly. The strategy's
+    ``roundpipe/tokens_per_s`` (loggers only) times the pipeline's span of a step instead, which
+    leaves out the host's share, so it reads higher. After training, ``tokens``, ``seconds`` and
+    ``tokens_per_s`` hold the totals.
     """
 
     def __init__(self, warmup_batches: int = 1, name: str = "tokens_per_s"):

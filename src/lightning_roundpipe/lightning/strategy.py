@@ -154,8 +154,9 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
                     self.runtime.overlap_optimizer(opt, early_steps=early)
             weight_reads.join_before_reads(self.lightning_module, self.join)
         if self.options.step_metrics and not any(isinstance(cb, RoundPipeStepMetrics) for cb in trainer.callbacks):
-            trainer.callbacks.append(RoundPipeStepMetrics())
-        self._announce_plan(target)
+            trainer.callbacks.append(RoundPipeStepMetrics(prog_bar=self.options.progress_bar_metrics))
+        # The plan table once the plan that will run is known (after the first batch chose an open microbatch count).
+        self.runtime.when_plan_settled(lambda runtime=self.runtime: self._announce_plan(target, runtime))
 
     def _steps_layer_by_layer(self, optimizer) -> bool:
         """Whether ``optimizer`` may be stepped layer by layer behind the pipeline; if not, Lightning
@@ -176,10 +177,10 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
         """Progress bars for long set-up work, on rank zero only (the other nodes do the same work)."""
         return RichSetupProgress() if self.is_global_zero else None
 
-    def _announce_plan(self, target) -> None:
+    def _announce_plan(self, target, runtime: RoundPipeRuntime) -> None:
         """Print the plan table on rank zero once, and again only for another module or plan: the
         runtime is rebuilt for every Trainer call (validate, fit, validate) but mostly to the same plan."""
-        announced = f"RoundPipe pipelines `{target.path}` ({type(target.module).__name__})\n{self.runtime.describe()}"
+        announced = f"RoundPipe pipelines `{target.path}` ({type(target.module).__name__})\n{runtime.describe()}"
         if announced != self._announced:
             self._announced = announced
             rank_zero_info(announced)

@@ -115,6 +115,7 @@ class PlanKeeper:
             self.use(rescaled(costs, 1), microbatches)  # still refused when weights and gradients alone do not fit
             self.memory_check_pending = True
         self.steps_seen = 0
+        self.choice_note: str | None = None  # how the first batch changed the microbatch count, if it did
         self.host_source = "estimate"
         self.host_measured: set[str] = set()  # the HostWork fields measured at least once
 
@@ -150,8 +151,11 @@ class PlanKeeper:
         self.open_microbatches = False
         if m == self.microbatches:
             return None
-        log.info("RoundPipe chose %d microbatches (not %d) for batches of %d samples: plan %s", m, self.microbatches,
-                 batch_size, self.plan_for(costs, m, self.recompute).to_text())
+        # Said once, in the plan table (:meth:`report`), not logged per runtime: the strategy builds
+        # one runtime per Trainer call and each makes the same choice.
+        self.choice_note = (f"microbatches: {m}, chosen for the first batch ({batch_size} samples); "
+                            f"the estimate before any batch was seen gave {self.microbatches}")
+        log.debug("RoundPipe chose %d microbatches (not %d) for batches of %d samples", m, self.microbatches, batch_size)
         self.use(costs, m)
         return self.plan
 

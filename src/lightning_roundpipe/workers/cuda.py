@@ -291,6 +291,25 @@ class StreamWorkerPool(WorkerPool):
                         policy, pageable, "; ".join(f"{why}: {n}" for why, n in self.pageable_reasons.items()))
         return self.pinned_bytes
 
+    def pinned_host_bytes(self) -> int:
+        """Upload sources pinned by :meth:`pin_uploads` plus the pinned download buffers kept now."""
+        return self.pinned_bytes + self.download_pinned_bytes
+
+    def step_peak_device_bytes(self) -> list[int]:
+        """Per worker, the larger of the ledger's peak and, on real CUDA, the caching allocator's peak of
+        its device (``torch.cuda.max_memory_allocated``: activations and transients included; workers
+        sharing one device report that device's peak)."""
+        ledger = self.peak_device_bytes()
+        if self.driver.fake:
+            return ledger
+        return [max(held, torch.cuda.max_memory_allocated(w.device)) for held, w in zip(ledger, self.workers)]
+
+    def reset_step_peaks(self) -> None:
+        super().reset_step_peaks()
+        if not self.driver.fake:
+            for device in {w.device for w in self.workers}:
+                torch.cuda.reset_peak_memory_stats(device)
+
     def unpin(self) -> None:
         for t in self._pinned:
             self.driver.unregister(t)

@@ -429,6 +429,19 @@ class WorkerPool:
         for w in self.workers:
             w.memory.reset_peak()
 
+    def pinned_host_bytes(self) -> int:
+        """Host bytes this pool holds pinned (page-locked) now; none on a backend without pinned memory."""
+        return 0
+
+    def step_peak_device_bytes(self) -> list[int]:
+        """Per worker, the most device bytes held since :meth:`reset_step_peaks`: :meth:`peak_device_bytes`
+        here; a backend whose allocator knows better (CUDA) reports that."""
+        return self.peak_device_bytes()
+
+    def reset_step_peaks(self) -> None:
+        """Start :meth:`step_peak_device_bytes` afresh (called after each logged step)."""
+        self.reset_peak_device_bytes()
+
     # ------------------------------------------------------------------ backend hooks
     device_poll_s = 0.5  # how soon a lane looks again at a task waiting only for device work
 
