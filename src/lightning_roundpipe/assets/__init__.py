@@ -16,6 +16,11 @@ _NAMES = {
     "tiny-qwen3": "tiny-qwen3",
     "tiny-llama": "tiny-llama",
     "shakespeare.txt": "data/shakespeare.txt",
+    # Tiny examples of each data format (scripts/make_tiny_data.py) and a chat template for the tiny tokenizer.
+    "text_tiny.jsonl": "data/text_tiny.jsonl",
+    "text_tiny.parquet": "data/text_tiny.parquet",
+    "chat_tiny.jsonl": "data/chat_tiny.jsonl",
+    "tiny_chat_template.jinja": "data/tiny_chat_template.jinja",
 }
 
 
