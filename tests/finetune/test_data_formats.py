@@ -78,10 +78,10 @@ def test_a_txt_file_is_one_document_as_before():
 @pytest.mark.timeout(60)
 def test_the_chat_example_loads_with_loss_on_the_replies_only():
     data = TextDataModule(TINY, text_path=assets.path("chat_tiny.jsonl"), format="chat", chat_template=TEMPLATE,
-                          seq_len=160, batch_size=4)  # as conf/data/chat_tiny.yaml: no conversation is cut
+                          seq_len=224, batch_size=4)  # as conf/data/chat_tiny.yaml: no conversation is cut
     data.setup("fit")
     conversations = records_of("chat_tiny.jsonl")
-    assert len(data.train_set) + len(data.val_set) == len(conversations) == 48
+    assert len(data.train_set) + len(data.val_set) == len(conversations) == 128
     rows = [data.train_set[i] for i in range(len(data.train_set))] + [data.val_set[i] for i in range(len(data.val_set))]
     for row, record in zip(rows, conversations):
         ask, reply = (turn["content"] for turn in record["messages"])
