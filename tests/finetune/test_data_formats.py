@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
+import datasets
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -15,7 +19,7 @@ from _models import fit, weight_error, weights
 from lightning_roundpipe import RoundPipeStrategy, assets
 from lightning_roundpipe.finetune import CausalLMFineTune, FineTuneInputError, TextDataModule
 from lightning_roundpipe.finetune.data_formats import pack_rows
-from test_finetune_job import compose_job, load_example
+from test_finetune_job import REPO, compose_job, load_example
 
 TINY = assets.path("tiny-qwen3")
 TEMPLATE = str(assets.path("tiny_chat_template.jinja"))
@@ -34,9 +38,38 @@ RENDERED_LENGTH = 58
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch):
-    """Every test here runs as a user without network would: datasets may not download anything."""
+    """Every test here runs as a user without network would: datasets may not download anything
+    (the flag as the environment sets it, and as datasets read it when imported)."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+
+
+NO_NETWORK = """
+import socket
+def refuse(*args, **kwargs):
+    raise OSError("network use in an offline test")
+socket.socket.connect = socket.create_connection = refuse
+from lightning_roundpipe import assets
+from lightning_roundpipe.finetune import TextDataModule
+for name, kind in (("text_tiny.jsonl", "text"), ("text_tiny.parquet", "text"), ("chat_tiny.jsonl", "chat")):
+    data = TextDataModule(assets.path("tiny-qwen3"), text_path=assets.path(name), format=kind,
+                          chat_template=str(assets.path("tiny_chat_template.jinja")), seq_len=64, batch_size=4)
+    data.setup("fit")
+    print(name, len(data.train_set), len(data.val_set))
+"""
+
+
+@pytest.mark.timeout(90)
+def test_every_example_loads_in_a_fresh_process_without_network(tmp_path):
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, "-c", NO_NETWORK], env=env, capture_output=True, text=True, timeout=80)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in done.stdout.splitlines()}
+    assert sorted(loaded) == ["chat_tiny.jsonl", "text_tiny.jsonl", "text_tiny.parquet"]
+    assert all(train >= 4 and val >= 1 for train, val in loaded.values())
 
 
 def write_jsonl(path, records):
