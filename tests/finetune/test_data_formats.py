@@ -182,6 +182,9 @@ def test_bad_data_options_name_their_key(tmp_path):
     data = TextDataModule(TINY, text_path=assets.path("text_tiny.jsonl"), text_field="body")
     with pytest.raises(FineTuneInputError, match=r"^data.text_field='body' is not a field of .*text_tiny.jsonl"):
         data.setup("fit")
+    data = TextDataModule(TINY, text_path=assets.path("chat_tiny.jsonl"), format="chat")  # no chat_template
+    with pytest.raises(FineTuneInputError, match=r"^data.format=chat: the tokenizer has no chat template; set data.chat_template"):
+        data.setup("fit")
     csv = tmp_path / "data.csv"
     csv.write_text("text\nhello\n")
     with pytest.raises(FineTuneInputError, match=r"unknown file type '.csv'"):

@@ -94,6 +94,11 @@ def render_chat(
     The assistant tokens are those the template marks with ``{% generation %}`` blocks
     (``return_assistant_tokens_mask``); a template without them marks none, which is refused.
     """
+    if template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise FineTuneInputError(
+            "data.format=chat: the tokenizer has no chat template; set data.chat_template to a .jinja file "
+            "(for the shipped tiny tokenizers: ${asset:tiny_chat_template.jinja}, as conf/data/chat_tiny.yaml does)."
+        )
 
     def render(record: dict[str, Any]) -> dict[str, list]:
         messages = conversation(record, messages_field, instruction_field, response_field)
