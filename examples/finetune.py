@@ -135,12 +135,8 @@ def run(cfg: DictConfig) -> dict:
     data = TextDataModule(
         model_path=cfg.model.path,
         tokenizer=cfg.model.tokenizer,
-        text_path=cfg.data.text_path,
-        seq_len=cfg.data.seq_len,
-        batch_size=cfg.data.batch_size,
-        val_fraction=cfg.data.val_fraction,
-        padded=cfg.data.padded,
         seed=cfg.seed,
+        **OmegaConf.to_container(cfg.data, resolve=True),  # every key of conf/data/ is an option
     )
     data.setup("fit")  # tokenize now: a text too short for one batch fails before any training
     module = CausalLMFineTune(

@@ -61,7 +61,8 @@ def test_default_config_composes_to_documented_values():
     assert cfg.model.path == str(assets.path("tiny-qwen3"))
     assert cfg.model.tokenizer is None
     assert OmegaConf.to_container(cfg.data) == {
-        "text_path": None, "seq_len": 128, "batch_size": 8, "val_fraction": 0.1, "padded": False
+        "text_path": None, "format": "text", "text_field": "text", "packing": False, "seq_len": 128, "batch_size": 8,
+        "val_fraction": 0.1, "padded": False,
     }
     assert cfg.strategy._target_ == "lightning_roundpipe.RoundPipeStrategy"
     assert OmegaConf.to_container(cfg.strategy) == {
@@ -243,7 +244,8 @@ def test_shipped_tiny_models_load_with_from_pretrained(name, model_type):
 
 
 def test_assets_are_small_and_resolve():
-    assert assets.names() == ["shakespeare.txt", "tiny-llama", "tiny-qwen3"]
+    assert assets.names() == ["chat_tiny.jsonl", "shakespeare.txt", "text_tiny.jsonl", "text_tiny.parquet", "tiny-llama",
+                             "tiny-qwen3", "tiny_chat_template.jinja"]
     assert assets.path("shakespeare.txt").stat().st_size == 200_376
     total = sum(p.stat().st_size for p in assets.ASSETS_DIR.rglob("*") if p.is_file())
     assert total < 3_000_000

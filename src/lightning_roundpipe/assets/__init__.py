@@ -1,4 +1,5 @@
-"""Files shipped with the package: a tiny pretrained Qwen3, a tiny Llama, and a Shakespeare text.
+"""Files shipped with the package: a tiny pretrained Qwen3, a tiny Llama, a Shakespeare text,
+tiny text and chat data sets made from it, and a chat template for the tiny tokenizer.
 
 They let the default fine-tuning job and the tests run with no download. See ``README.md`` in
 this directory for where each file comes from and how to regenerate the models.
@@ -16,6 +17,11 @@ _NAMES = {
     "tiny-qwen3": "tiny-qwen3",
     "tiny-llama": "tiny-llama",
     "shakespeare.txt": "data/shakespeare.txt",
+    # Tiny examples of each data format (scripts/make_tiny_data.py) and a chat template for the tiny tokenizer.
+    "text_tiny.jsonl": "data/text_tiny.jsonl",
+    "text_tiny.parquet": "data/text_tiny.parquet",
+    "chat_tiny.jsonl": "data/chat_tiny.jsonl",
+    "tiny_chat_template.jinja": "data/tiny_chat_template.jinja",
 }
 
 
@@ -25,7 +31,7 @@ def names() -> list[str]:
 
 
 def path(name: str) -> Path:
-    """Absolute path of the shipped asset ``name`` ("tiny-qwen3", "tiny-llama", "shakespeare.txt").
+    """Absolute path of the shipped asset ``name`` (one of :func:`names`: "tiny-qwen3", "shakespeare.txt", ...).
 
     Raises ``KeyError`` for an unknown name and ``FileNotFoundError`` when the asset is missing
     (the models are made by ``scripts/make_tiny_models.py``).

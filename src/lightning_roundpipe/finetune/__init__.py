@@ -1,5 +1,5 @@
-"""Reusable fine-tuning pieces: a text data module, a causal-LM LightningModule, a throughput
-callback and input checks. None of them depends on RoundPipe; the strategy is chosen by the
+"""Reusable fine-tuning pieces: a data module (text and chat files, optionally packed), a causal-LM
+LightningModule, a throughput callback and input checks. None of them depends on RoundPipe; the strategy is chosen by the
 Trainer (see ``examples/finetune.py`` and ``docs/finetune.md``).
 """
 

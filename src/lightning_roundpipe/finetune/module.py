@@ -188,10 +188,16 @@ class CausalLMFineTune(pl.LightningModule):
     def forward(self, batch: Mapping[str, torch.Tensor]) -> Any:
         """The Hugging Face output for one batch; ``.loss`` is the mean over target tokens."""
         check_batch(batch)
+        packed = {}
+        if "position_ids" in batch:
+            # Packed rows (data.packing): the model separates the samples by their restarting
+            # position_ids only without a cache; with one it would attend across them.
+            packed = {"position_ids": batch["position_ids"], "use_cache": False}
         return self.model(
             input_ids=batch["input_ids"],
             attention_mask=batch.get("attention_mask"),
             labels=batch["labels"],
+            **packed,
         )
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
