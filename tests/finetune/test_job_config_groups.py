@@ -128,6 +128,8 @@ def test_user_input_errors_print_one_message_without_a_traceback(tmp_path, args,
     assert done.returncode == 1
     assert message in done.stderr and "Traceback" not in done.stderr
     assert "HYDRA_FULL_ERROR=1" in done.stderr
+    if message.startswith("error:"):  # the job's own errors (Hydra's come before the job and its log exist)
+        assert message in (tmp_path / "run" / "finetune.log").read_text()
 
 
 @pytest.mark.timeout(120)
