@@ -156,3 +156,13 @@ def test_hydra_log_file_holds_the_plan_table_and_the_summary(tmp_path):
         assert line in log
     assert "steps:                2" in done.stdout  # the console still shows it, once
     assert done.stdout.count("RoundPipe pipelines `model`") == 1 and "RoundPipe pipelines" not in done.stderr
+
+
+@pytest.mark.parametrize("overrides", [(), ("trainer=gpu8",), ("strategy=default",), ("experiment=tiny",),
+                                       ("experiment=tiny_lora",), ("experiment=qwen3_8b_lora_8gpu", "model.path=/m"),
+                                       ("experiment=llama3_1_8b_full_8gpu", "model.path=/m"), ("callbacks=default",)])
+def test_the_shipped_configs_hold_only_keys_the_job_reads(overrides):
+    from lightning_roundpipe.finetune import TextDataModule
+    from lightning_roundpipe.finetune.job_config import check_keys_are_read
+
+    check_keys_are_read(compose_job(*overrides), TextDataModule)  # raises on a key the job would ignore
