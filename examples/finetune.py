@@ -6,11 +6,13 @@
     python examples/finetune.py experiment=qwen3_8b_lora_8gpu model.path=/models/Qwen3-8B
     python examples/finetune.py --multirun experiment=tiny strategy.microbatches=2,4
     python examples/finetune.py --cfg job experiment=tiny    # print the composed config, run nothing
+    python examples/finetune.py logger=tensorboard callbacks=[model_checkpoint,lr_monitor]
+    python examples/finetune.py ckpt_path=outputs/<date>/<time>/last.ckpt trainer.max_steps=80   # resume
 
 Configs live in ``conf/``, presets in ``conf/experiment/`` (see docs/finetune.md); everything the
 job writes goes to Hydra's run directory (``outputs/<date>/<time>/``). The job prints the resolved config, measures
 validation perplexity before training, fine-tunes, measures it again, prints training loss,
-tokens/s and wall time, and writes a checkpoint (and the LoRA adapter when ``lora=on``) to
+tokens/s and wall time (all through ``logging``, so Hydra's ``finetune.log`` holds them), and writes a checkpoint (and the LoRA adapter when ``lora=on``) to
 ``out_dir`` (by default that run directory). The LightningModule and DataModule are the plain ones of
 ``lightning_roundpipe.finetune``: only the Trainer's strategy changes.
 """
@@ -25,6 +27,7 @@ import warnings
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 try:
@@ -35,10 +38,13 @@ except ModuleNotFoundError as missing:  # a checkout without `pip install -e .`:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import CSVLogger
+import torch
 
 from lightning_roundpipe.finetune import CausalLMFineTune, FineTuneInputError, TextDataModule, TokenThroughput
 from lightning_roundpipe.finetune.config import check_job_values, check_no_missing, register_resolvers
+from lightning_roundpipe.finetune.job_config import (build_callbacks, build_logger, check_keys_are_read,
+                                                     checked_ckpt_path, trainer_arguments)
+from lightning_roundpipe.finetune.job_output import exit_on_input_error, report, route_lightning_logging
 
 register_resolvers()
 
@@ -84,7 +90,7 @@ def build_strategy(cfg: DictConfig) -> tuple[object, int | str]:
         accepted = set(inspect.signature(target).parameters)
         return target(**strategy_options(cfg, accepted)), cfg.trainer.devices
     if cfg.trace:
-        print(f"note: trace=true needs strategy=roundpipe; strategy {cfg.strategy.name!r} records no trace")
+        report(f"note: trace=true needs strategy=roundpipe; strategy {cfg.strategy.name!r} records no trace")
     return cfg.strategy.name, cfg.strategy.get("devices", cfg.trainer.devices)
 
 
@@ -100,37 +106,45 @@ def epochs_for(max_steps: int, accumulate_grad_batches: int, batches_per_epoch: 
     return max(1, math.ceil(max_steps * accumulate_grad_batches / max(1, batches_per_epoch)))
 
 
-def build_trainer(cfg: DictConfig, callbacks: list[pl.Callback], batches_per_epoch: int) -> pl.Trainer:
-    """A Trainer from ``cfg.trainer`` and the chosen strategy, logging CSV metrics to ``out_dir``."""
+def checkpoint_epoch(ckpt_path: str | None) -> int:
+    """The epoch a checkpoint was saved in (0 without one); memory-mapped, so its weights are not read."""
+    if ckpt_path is None:
+        return 0
+    return int(torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False).get("epoch", 0))
+
+
+def build_trainer(cfg: DictConfig, callbacks: list[pl.Callback], batches_per_epoch: int,
+                  resumed_epoch: int = 0) -> pl.Trainer:
+    """A Trainer from ``cfg.trainer`` (every key passed through), the chosen strategy, ``cfg.logger``
+    and ``cfg.callbacks`` after the job's own ``callbacks``. ``resumed_epoch``: the epoch of the
+    checkpoint resumed from, which the epoch limit counts on from (a run's final checkpoint is
+    saved as its epoch ended)."""
     strategy, devices = build_strategy(cfg)
     t = cfg.trainer
-    return pl.Trainer(
-        accelerator=t.accelerator,
-        devices=devices,
-        strategy=strategy,
-        max_steps=t.max_steps,
-        max_epochs=epochs_for(t.max_steps, t.accumulate_grad_batches, batches_per_epoch),
-        precision=t.precision,
-        log_every_n_steps=t.log_every_n_steps,
-        val_check_interval=t.val_check_interval,
-        limit_val_batches=t.limit_val_batches,
-        accumulate_grad_batches=t.accumulate_grad_batches,
-        gradient_clip_val=t.gradient_clip_val,
-        num_sanity_val_steps=0,  # the job validates in full before training anyway
-        enable_checkpointing=False,  # one checkpoint at the end, written below
-        logger=CSVLogger(cfg.out_dir, name="logs"),
-        callbacks=callbacks,
-    )
+    callbacks = [*callbacks, *build_callbacks(cfg.get("callbacks"))]
+    epochs = epochs_for(t.max_steps, t.accumulate_grad_batches, batches_per_epoch)
+    job_set = {
+        "max_epochs": None if epochs is None else resumed_epoch + epochs,
+        "num_sanity_val_steps": 0,  # the job validates in full before training anyway
+        # The job writes one checkpoint at the end; a ModelCheckpoint callback (callbacks=) adds its own.
+        "enable_checkpointing": any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
+    }
+    arguments = trainer_arguments(t, job_set)
+    arguments.update(devices=devices, strategy=strategy, logger=build_logger(cfg.get("logger")), callbacks=callbacks)
+    return pl.Trainer(**arguments)
 
 
 def run(cfg: DictConfig) -> dict:
     """Run the job; returns the numbers it prints (and the paths it wrote)."""
+    route_lightning_logging()
     check_no_missing(cfg)
+    check_keys_are_read(cfg, TextDataModule)
     check_job_values(cfg)  # before loading anything: a bad value fails now, naming its key
+    ckpt_path = checked_ckpt_path(cfg.get("ckpt_path"))
     hide_third_party_deprecations()
     pl.seed_everything(cfg.seed, workers=True)
     out_dir = Path(cfg.out_dir)
-    print(OmegaConf.to_yaml(cfg, resolve=True))
+    report(OmegaConf.to_yaml(cfg, resolve=True))
 
     data = TextDataModule(
         model_path=cfg.model.path,
@@ -146,12 +160,14 @@ def run(cfg: DictConfig) -> dict:
         dtype=cfg.model.dtype,
     )
     throughput = TokenThroughput()
-    trainer = build_trainer(cfg, [throughput], batches_per_epoch=len(data.train_dataloader()))
+    trainer = build_trainer(cfg, [throughput], batches_per_epoch=len(data.train_dataloader()),
+                            resumed_epoch=checkpoint_epoch(ckpt_path))
 
     started = time.perf_counter()
-    before = trainer.validate(module, datamodule=data, verbose=False)[0]
+    # Resuming: "before" is the checkpoint's model (validate loads its weights), then fit restores the whole state.
+    before = trainer.validate(module, datamodule=data, ckpt_path=ckpt_path, verbose=False)[0]
     fit_started = time.perf_counter()
-    trainer.fit(module, datamodule=data)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     fit_seconds = time.perf_counter() - fit_started
     train_loss = float(trainer.callback_metrics["train_loss"])
     after = trainer.validate(module, datamodule=data, verbose=False)[0]
@@ -173,7 +189,7 @@ def run(cfg: DictConfig) -> dict:
         "adapter": adapter,
     }
     if trainer.is_global_zero:
-        print(
+        report(
             f"\nsteps:                {results['steps']}\n"
             f"training loss (last): {train_loss:.4f}\n"
             f"validation perplexity: {results['val_ppl_before']:.3f} before -> {results['val_ppl_after']:.3f} after\n"
@@ -187,8 +203,15 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
-    """Hydra entry point; ``main(cfg)`` with a composed config also works (tests do that)."""
-    return run(cfg)
+    """Hydra entry point; ``main(cfg)`` with a composed config also works (tests do that).
+
+    From the command line a user-input error (``FineTuneInputError``, ``OptionError``) prints its
+    message, without a traceback, and exits 1 (``HYDRA_FULL_ERROR=1``: the traceback); called with
+    a composed config outside a Hydra run, it raises.
+    """
+    if not HydraConfig.initialized():
+        return run(cfg)
+    return exit_on_input_error(lambda: run(cfg))
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def test_missing_model_path_names_the_path_and_how_to_get_a_model(run_job):
         run_job("model.path=/nowhere/qwen3")
     message = str(error.value)
     assert "model.path '/nowhere/qwen3' does not exist" in message
-    assert "huggingface-cli download" in message and "scripts/make_tiny_models.py" in message
+    assert "hf download" in message and "scripts/make_tiny_models.py" in message
 
 
 def test_model_path_without_config_is_rejected(tmp_path):

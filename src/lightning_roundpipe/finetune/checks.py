@@ -20,7 +20,7 @@ def check_model_path(path: str | Path) -> Path:
     how_to_get = (
         "Set model.path to a local Hugging Face model directory (config.json + *.safetensors): "
         "download one on a machine with internet access, e.g. "
-        "`huggingface-cli download Qwen/Qwen3-0.6B --local-dir /models/qwen3-0.6b`, and copy it here; "
+        "`hf download Qwen/Qwen3-0.6B --local-dir /models/qwen3-0.6b`, and copy it here; "
         "or use the shipped tiny models (model=tiny_qwen3 or model=tiny_llama), which "
         "`python scripts/make_tiny_models.py` regenerates."
     )

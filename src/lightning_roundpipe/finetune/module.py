@@ -3,7 +3,8 @@
 Nothing here knows about RoundPipe: it is the module a user would write for any strategy (the
 model computes its own loss from ``labels``), which is the point. Validation perplexity is
 computed from the token-weighted mean loss rather than from logits, because a pipelined model
-given ``labels`` may return only the loss (``out.logits`` is ``None`` under RoundPipe).
+given ``labels`` returns only the loss (under RoundPipe reading ``out.logits`` then raises
+``LogitsNotComputedError``).
 """
 
 from __future__ import annotations
@@ -147,7 +148,9 @@ class CausalLMFineTune(pl.LightningModule):
         self.optim = OptimOptions.parse(optim)
         self.save_hyperparameters(
             {
-                "model_path": str(self.model_path),
+                # As given, not normalized: Lightning refuses a DataModule whose hparams hold the same key with
+                # another type (its save_hyperparameters() keeps a Path as a Path), so equal inputs must save equal.
+                "model_path": model_path,
                 "lora": asdict(self.lora) if self.lora else None,
                 "optim": asdict(self.optim),
                 "dtype": dtype,
