@@ -101,7 +101,10 @@ def resolve_model_shape(spec: str | ModelShape) -> tuple[ModelShape, list[str]]:
     if path.is_dir() and not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json; pass a Hugging Face model directory or its config.json")
     if not path.exists():
-        raise KeyError(hub_refusal(spec))
+        if "/" in spec:  # an owner/name hub id
+            raise KeyError(hub_refusal(spec))
+        raise KeyError(f"unknown model preset {spec!r}; presets: {sorted(MODEL_PRESETS)}; "
+                       f"or pass a local Hugging Face model directory or its config.json")
     from transformers import AutoConfig  # here: presets need no transformers import
 
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)

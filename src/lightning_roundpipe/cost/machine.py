@@ -135,6 +135,6 @@ def apply_detection(profile: HardwareProfile, found: DetectedMachine) -> tuple[H
         changes["cpu_optimizer_params_per_s"] = found.cores * ADAM_PARAMS_PER_S_PER_CORE
         said.append(f"found {found.cores} CPU cores: host Adam at {found.cores} x {ADAM_PARAMS_PER_S_PER_CORE:.2g} "
                     f"parameters/s")
-    said.append(f"assumed from profile {profile.name}: compute rates, host link "
+    said.append(f"from profile {profile.name}: compute rates, host link "
                 f"{profile.host_device_bytes_per_s / 1e9:.1f} GB/s, host memory bandwidth")
     return profile.replace(**changes), said
