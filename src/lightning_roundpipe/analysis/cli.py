@@ -9,7 +9,11 @@ bound-schedule baselines, the published runs); ``sim/__main__.py`` only runs :fu
 - ``paper``: the paper's 8x RTX 4090 comparison for Qwen3-1.7B/8B/32B-sized models;
 - ``scaling``: predicted tokens/s of the reference workload on 1..N GPUs.
 
-``--num-gpus`` (every command) replaces the profile's GPU count: any count, any profile.
+``--num-gpus`` (every command) replaces the profile's GPU count: any count, any profile. ``plan``
+and ``compare`` take the machine's own numbers too (``--gpus``, ``--gpu-memory``, ``--host-memory``,
+``--pcie``; :mod:`~lightning_roundpipe.cost.machine`), or read them off this machine with
+``--detect``; ``--model`` there is a preset or a local Hugging Face model directory or
+``config.json`` (:mod:`~lightning_roundpipe.cost.hf_shape`). What was assumed is printed first.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Sequence
 
 from ..cost.activations import DEFAULT_LOSS_CHUNK_TOKENS
 from ..cost.hardware import available_hardware, load_hardware
+from ..cost.hf_shape import resolve_model_shape, shape_summary
+from ..cost.machine import DEFAULT_DETECT_PROFILE, apply_detection, detect_machine, override_profile, profile_for_gpu
 from ..cost.transformer import MODEL_PRESETS
 from ..planning.capacity import DEFAULT_MEMORY_FRACTION, plan_training
 from .compare import PAPER_MODELS, compare_schedules, paper_table
@@ -33,16 +39,28 @@ def _positive(text: str) -> int:
     return value
 
 
+def add_machine_options(p: argparse.ArgumentParser) -> None:
+    """The user's machine: overrides of the profile's fields, or ``--detect``."""
+    p.add_argument("--gpus", "--num-gpus", dest="num_gpus", type=_positive, default=None,
+                   help="GPU count (default: the profile's)")
+    p.add_argument("--gpu-memory", default=None, help="memory of one GPU, GiB (or with a unit: '24GB')")
+    p.add_argument("--host-memory", default=None, help="host RAM, GiB (or with a unit: '128GB')")
+    p.add_argument("--pcie", default=None, help="host link per GPU: gen3, gen4, gen5 (x16) or GB/s")
+    p.add_argument("--detect", action="store_true",
+                   help="read GPUs (torch), host RAM and cores of this machine; the options above still override")
+
+
 def build_parser() -> argparse.ArgumentParser:
     hw_help = f"hardware profile name ({', '.join(available_hardware()) or 'see src/lightning_roundpipe/cost/profiles'}) or a YAML path"
     model_help = f"model preset ({', '.join(MODEL_PRESETS)})"
+    local_model_help = model_help[:-1] + "), or a local Hugging Face model directory or config.json (never downloaded)"
     parser = argparse.ArgumentParser(prog="python -m lightning_roundpipe.sim",
                                      description="Simulate RoundPipe training steps, plan runs, compare schedules.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="say whether training fits and recommend microbatches, plan and sequence length")
-    p.add_argument("--model", required=True, help=model_help)
-    p.add_argument("--hardware", required=True, help=hw_help)
+    p.add_argument("--model", required=True, help=local_model_help)
+    p.add_argument("--hardware", default=None, help=hw_help + " (required unless --detect)")
     p.add_argument("--seq-len", type=_positive, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument("--lora-rank", type=_positive, default=None, help="LoRA rank on all projections (default: full fine-tuning)")
     p.add_argument("--microbatch-size", type=_positive, default=1, help="sequences per microbatch (default 1)")
@@ -56,15 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
                    help=f"usable share of each GPU's memory (default {DEFAULT_MEMORY_FRACTION})")
     p.add_argument("--no-max-seq", action="store_true", help="skip the longest-sequence search")
-    p.add_argument("--num-gpus", type=_positive, default=None, help="GPU count (default: the profile's)")
+    add_machine_options(p)
 
     c = sub.add_parser("compare", help="RoundPipe vs bound schedules with offload for one model")
-    c.add_argument("--model", required=True, help=model_help)
+    c.add_argument("--model", required=True, help=local_model_help)
     c.add_argument("--hardware", default="rtx4090", help=hw_help)
     c.add_argument("--seq-len", type=_positive, default=4096)
     c.add_argument("--microbatches", type=_positive, default=None, help="per step (default: 4 per GPU)")
     c.add_argument("--lora-rank", type=_positive, default=None)
-    c.add_argument("--num-gpus", type=_positive, default=None, help="GPU count (default: the profile's)")
+    add_machine_options(c)
 
     r = sub.add_parser("paper", help="the paper's 8x RTX 4090 comparison (Qwen3-1.7B/8B/32B, 4K tokens)")
     r.add_argument("--hardware", default="rtx4090", help=hw_help)
@@ -82,19 +100,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def machine_of(args: argparse.Namespace) -> tuple:
+    """The hardware profile the command runs on, and the lines saying what was assumed."""
+    said: list[str] = []
+    name = args.hardware
+    if getattr(args, "detect", False):
+        found = detect_machine()
+        if name is None:
+            name = profile_for_gpu(found.gpu_name)
+            said.append(f"profile {name} (" + (f"matches {found.gpu_name}" if found.gpu_count else
+                                               f"the default, {DEFAULT_DETECT_PROFILE}") + "; --hardware picks another)")
+        hardware, detected = apply_detection(load_hardware(name), found)
+        said += detected
+    elif name is None:
+        raise ValueError("--hardware is required (a profile name or YAML path), or pass --detect")
+    else:
+        hardware = load_hardware(name)
+    if hasattr(args, "gpu_memory"):
+        hardware, overridden = override_profile(hardware, gpus=args.num_gpus, gpu_memory=args.gpu_memory,
+                                                host_memory=args.host_memory, pcie=args.pcie)
+        said += overridden
+    elif getattr(args, "num_gpus", None):
+        hardware = hardware.replace(num_gpus=args.num_gpus)
+    return hardware, said
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        hardware = load_hardware(args.hardware)
-        if getattr(args, "num_gpus", None):
-            hardware = hardware.replace(num_gpus=args.num_gpus)
+        hardware, assumed = machine_of(args)
+        model = None
+        if hasattr(args, "model"):
+            model, notes = resolve_model_shape(args.model)
+            if model.name.lower() != args.model.lower():
+                assumed.append(f"model {model.name} from {args.model}: {shape_summary(model)}")
+            assumed += [f"model {model.name}: {note}" for note in notes]
+        for line in assumed:
+            print(f"Assumed: {line}")
         if args.command == "scaling":
             rows = scaling_rows(tuple(args.models), hardware, tuple(args.gpus), planner=args.planner)
             print(scaling_markdown(rows, hardware))
             return 0
         if args.command == "plan":
-            report = plan_training(args.model, hardware, args.seq_len, microbatch_size=args.microbatch_size,
+            report = plan_training(model, hardware, args.seq_len, microbatch_size=args.microbatch_size,
                                    lora_rank=args.lora_rank, microbatches=args.microbatches,
                                    loss_chunk_tokens=None if args.full_logits else args.loss_chunk,
                                    memory_fraction=args.memory_fraction, find_max_seq_len=not args.no_max_seq,
@@ -102,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(report.to_text())
             return 0 if report.fits else 1
         if args.command == "compare":
-            table = compare_schedules(args.model, hardware, args.seq_len, microbatches=args.microbatches,
+            table = compare_schedules(model, hardware, args.seq_len, microbatches=args.microbatches,
                                       lora_rank=args.lora_rank)
             print(table.to_markdown())
             return 0

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..cost.hardware import HardwareProfile, load_hardware
+from ..cost.text_table import render_table
 from ..cost.transformer import ModelShape, get_model_shape, preset_costs
 from ..planning.capacity import DEFAULT_MEMORY_FRACTION, best_plan
 from .bound_schedules import BOUND_SCHEDULES, simulate_bound
@@ -47,22 +48,21 @@ class ScheduleTable:
         return rp.tokens_per_s / best.tokens_per_s if best and best.tokens_per_s > 0 else math.inf
 
     def to_markdown(self) -> str:
-        lines = [f"{self.model.name} on {self.hardware.name}, {self.seq_len} tokens/sequence, "
-                 f"{self.microbatches} microbatches/step", "",
-                 "| schedule | step (s) | tokens/s | bubble | peak GPU (GiB) | notes |",
-                 "|---|---:|---:|---:|---:|---|"]
+        rows = []
         for name, r in self.results.items():
             if not r.fits:
-                lines.append(f"| {name} | - | OOM | - | {r.max_peak_gpu_bytes / GiB:.1f} | does not fit |")
+                rows.append((name, "-", "OOM", "-", f"{r.max_peak_gpu_bytes / GiB:.1f}", "does not fit"))
                 continue
             note = r.notes.get("plan", "")
             if "resident" in r.notes:
                 note = "weights " + ("resident" if all(r.notes["resident"]) else
                                      f"streamed on {r.notes['resident'].count(False)} GPU(s)")
-            note = note.replace("|", "\\|")  # plan text holds pipes; keep the table's columns
-            lines.append(f"| {name} | {r.step_s:.3f} | {r.tokens_per_s:,.0f} | {r.bubble_fraction:.1%} | "
-                         f"{r.max_peak_gpu_bytes / GiB:.1f} | {note} |")
-        return "\n".join(lines)
+            rows.append((name, f"{r.step_s:.3f}", f"{r.tokens_per_s:,.0f}", f"{r.bubble_fraction:.1%}",
+                         f"{r.max_peak_gpu_bytes / GiB:.1f}", note))
+        table = render_table(("schedule", "step (s)", "tokens/s", "bubble", "peak GPU (GiB)", "notes"), rows,
+                             right=(1, 2, 3, 4), markdown=True)  # plan text's pipes are escaped
+        return "\n".join([f"{self.model.name} on {self.hardware.name}, {self.seq_len} tokens/sequence, "
+                          f"{self.microbatches} microbatches/step", "", table])
 
 
 def compare_schedules(
@@ -131,10 +131,10 @@ def paper_table(
         f"Predicted training throughput (tokens/s), full fine-tuning, {hw.num_gpus}x {hw.name}, "
         f"{seq_len}-token sequences, {m} microbatches of 1 sequence per step, bf16 compute, fp32 Adam on the host.",
         "",
-        "| model | RoundPipe | GPipe+offload | 1F1B+offload | interleaved+offload | speedup over best bound "
-        "| best bound, synchronous optimizer | speedup over it | paper |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+    header = ("model", "RoundPipe", "GPipe+offload", "1F1B+offload", "interleaved+offload", "speedup over best bound",
+              "best bound, synchronous optimizer", "speedup over it", "paper")
+    rows = []
 
     def ratio(value: float) -> str:
         return f"{value:.2f}x" if math.isfinite(value) else ("n/a" if math.isnan(value) else "only RoundPipe fits")
@@ -150,9 +150,9 @@ def paper_table(
             return f"{r.tokens_per_s:,.0f}" if r.fits else "OOM"
 
         sync_cell = f"{sync_best.tokens_per_s:,.0f} ({sync_best.schedule})" if sync_best else "OOM"
-        lines.append(f"| {t.model.name} | {cell('roundpipe')} | {cell('gpipe')} | {cell('1f1b')} | "
-                     f"{cell('interleaved')} | {ratio(t.speedup())} | {sync_cell} | {ratio(sync.speedup())} | "
-                     f"{lo:.2f}-{hi:.2f}x |")
+        rows.append((t.model.name, cell("roundpipe"), cell("gpipe"), cell("1f1b"), cell("interleaved"),
+                     ratio(t.speedup()), sync_cell, ratio(sync.speedup()), f"{lo:.2f}-{hi:.2f}x"))
+    lines.append(render_table(header, rows, right=range(1, 8), markdown=True))
     barriers = ("with the engine's host barriers (fused last stage: the next step waits for backward() to "
                 "return)" if cfg.host_barriers else "without host barriers")
     lines += ["", "Simulated with the assumptions in docs/simulator.md (hardware numbers from "

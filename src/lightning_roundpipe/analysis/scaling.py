@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..cost.hardware import HardwareProfile, load_hardware
+from ..cost.text_table import render_table
 from .workload import PUBLISHED_RUNS, REFERENCE_PARTITIONS, Workload, reference_plan, simulate_workload
 
 MEASURED_HARDWARE = "rtx4090"  # the profile the measured curve belongs to
@@ -68,14 +69,15 @@ def scaling_rows(models: tuple[str, ...], hardware: str | HardwareProfile, gpu_c
 
 def scaling_markdown(rows: list[ScalingRow], hardware: str | HardwareProfile) -> str:
     hw = load_hardware(hardware)
-    lines = [f"Simulated tokens/s on 1..N x {hw.name} (reference workload, one-step-stale optimizer)", "",
-             "| model | GPUs | tokens/s (simulated) | speedup | efficiency | bubble | measured (reference) | error |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    header = ("model", "GPUs", "tokens/s (simulated)", "speedup", "efficiency", "bubble", "measured (reference)", "error")
+    cells = []
     first = {}
     for r in rows:
         first.setdefault(r.model, r.num_gpus)
         eff = r.speedup * first[r.model] / r.num_gpus
-        measured = f"{r.measured:,.0f} | {r.tokens_per_s / r.measured - 1:+.1%}" if r.measured else "- | -"
-        lines.append(f"| {r.model} | {r.num_gpus} | {r.tokens_per_s:,.0f} | {r.speedup:.2f}x | {eff:.0%} | {r.bubble:.0%} | "
-                     f"{measured} |")
+        measured = (f"{r.measured:,.0f}", f"{r.tokens_per_s / r.measured - 1:+.1%}") if r.measured else ("-", "-")
+        cells.append((r.model, str(r.num_gpus), f"{r.tokens_per_s:,.0f}", f"{r.speedup:.2f}x", f"{eff:.0%}",
+                      f"{r.bubble:.0%}", *measured))
+    lines = [f"Simulated tokens/s on 1..N x {hw.name} (reference workload, one-step-stale optimizer)", "",
+             render_table(header, cells, right=range(1, 8), markdown=True)]
     return "\n".join(lines)

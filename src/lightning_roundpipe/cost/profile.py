@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from rich.filesize import pick_unit_and_suffix
+
 
 @dataclass
 class LayerCost:
@@ -227,27 +229,28 @@ class StageCostModel:
         )
 
 
+BINARY_UNITS = ["B", "KiB", "MiB", "GiB", "TiB"]
+COUNT_UNITS = ["", "K", "M", "G"]
+
+
 def format_bytes(num_bytes: float) -> str:
-    """Human-readable size with binary units, e.g. ``1.50 GiB``."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    """Human-readable size with binary units, e.g. ``1.50 GiB`` (unit picked by ``rich.filesize``)."""
+    unit, suffix = pick_unit_and_suffix(abs(num_bytes), BINARY_UNITS, 1024)
+    return f"{int(num_bytes)} B" if unit == 1 else f"{num_bytes / unit:.2f} {suffix}"
 
 
 def format_count(count: float) -> str:
-    """Human-readable count with decimal units, e.g. ``950``, ``12.3K``, ``1.45G``."""
-    value = float(count)
-    if abs(value) < 1000:
-        return f"{int(value)}"
-    for unit in ("K", "M", "G"):
-        value /= 1000
-        if abs(value) < 999.5 or unit == "G":
-            decimals = 0 if abs(value) >= 99.95 else 1 if abs(value) >= 9.995 else 2
-            return f"{value:.{decimals}f}{unit}"
-    raise AssertionError("unreachable")
+    """Human-readable count with decimal units, e.g. ``950``, ``12.3K``, ``1.45G`` (three significant
+    digits; the unit picked by ``rich.filesize``, one up where rounding would print ``1000``)."""
+    unit, suffix = pick_unit_and_suffix(abs(count), COUNT_UNITS, 1000)
+    value = count / unit
+    if unit > 1 and abs(value) >= 999.5 and suffix != COUNT_UNITS[-1]:
+        unit, suffix = unit * 1000, COUNT_UNITS[COUNT_UNITS.index(suffix) + 1]
+        value = count / unit
+    if unit == 1:
+        return f"{int(count)}"
+    decimals = 0 if abs(value) >= 99.95 else 1 if abs(value) >= 9.995 else 2
+    return f"{value:.{decimals}f}{suffix}"
 
 
 def format_seconds(seconds: float) -> str:

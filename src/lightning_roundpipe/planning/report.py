@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..cost.profile import CostProfile, StageCostModel, format_bytes, format_count, format_seconds
+from ..cost.text_table import render_table
 from .predictor import DEFAULT_STAGE_OVERHEAD_S, NO_HOST_WORK, HostWork, dispatched_stage_costs, link_speed, predict
 from ..schedule.dispatch_order import ROUND_ROBIN, Schedule
 from ..schedule.plan import Plan
@@ -71,7 +72,7 @@ class PlanReport:
     host_source: str = "estimate"  # "estimate" or "measured"
 
     def to_table(self) -> str:
-        """Fixed-width text table, one line per stage in dispatch order, then the MoE cost shape
+        """Fixed-width text table (``rich.table``), one line per stage in dispatch order, then the MoE cost shape
         (when the model has routed experts) and the step summary."""
         header = ("stage", "direction", "layers", "worker", "predicted", "compute", "weights", "params", "active",
                   "activations")
@@ -81,16 +82,8 @@ class PlanReport:
              format_bytes(r.activation_bytes))
             for r in self.rows
         ]
-        widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
-        left = {0, 1, 2}  # text columns left-aligned, numbers right-aligned
-
-        def fmt(cells) -> str:
-            return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
         out = [f"RoundPipe plan {self.plan_text} on {self.num_workers} worker(s), {self.microbatches} microbatch(es)"]
-        out.append(fmt(header))
-        out.append("  ".join("-" * w for w in widths))
-        out.extend(fmt(line) for line in lines)
+        out.append(render_table(header, lines, right=range(3, len(header))))  # text left, numbers right
         out.extend(self.moe_lines())
         if self.host_between_s or self.host_outside_s:
             out.append(
