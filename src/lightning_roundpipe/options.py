@@ -1,10 +1,10 @@
 """Every option of RoundPipe, defined once.
 
 The dataclasses here are the only definition of the options: ``RoundPipeStrategy``'s keyword
-arguments are the fields of :class:`StrategyOptions`, ``RoundPipeRuntime`` takes
-:class:`RuntimeOptions`, the engine :class:`EngineOptions`, and the Hydra groups ``strategy``,
+arguments are the fields of ``StrategyOptions``, ``RoundPipeRuntime`` takes
+``RuntimeOptions``, the engine ``EngineOptions``, and the Hydra groups ``strategy``,
 ``partition`` and ``transfer`` under ``conf/`` extend the structured configs that
-:func:`register_configs` stores in Hydra's ``ConfigStore``. Validation lives here too, and its
+``register_configs`` stores in Hydra's ``ConfigStore``. Validation lives here too, and its
 errors name the option as the caller spelled it: ``RoundPipeStrategy(timeout=nan)`` for a
 strategy user, ``RuntimeOptions(timeout=nan)`` for a user of the Lightning-free runtime.
 """
@@ -159,7 +159,7 @@ def check_priorities(owner: str, name: str, priorities: Any) -> None:
 
 @dataclass
 class EngineOptions:
-    """How the engine runs a plan (what :class:`RuntimeOptions` hands to ``PipelineEngine``).
+    """How the engine runs a plan (what ``RuntimeOptions`` hands to ``PipelineEngine``).
 
     microbatches: number of microbatches a batch is split into (dim 0).
     recompute: True keeps only stage inputs in forward and recomputes in backward (bounded
@@ -170,7 +170,7 @@ class EngineOptions:
         each layer's input, then recomputes each layer with grad from the last to the first, so
         one layer's graph is alive instead of the whole stage's (one more forward of the stage).
     compute_dtype: dtype floating parameters are cast to on upload (None: as stored on host).
-    priorities, chunk_bytes, prefetch_depth: as in :class:`TransferConfig`.
+    priorities, chunk_bytes, prefetch_depth: as in ``TransferConfig``.
     measure_tasks: keep every compute task's trace record until the step's measurements are
         read (``StepRun.measurements``, what the cost profile and the re-planner learn from),
         even when no timeline is recorded.
@@ -214,8 +214,8 @@ class RuntimeOptions:
         each backward stage) or "never" (keep forward graphs; CPU backend only; a second backward
         of one call recomputes).
     timeout: seconds any wait may take before it fails with an error naming what it waited for.
-    partition: how layers are cut into stages (:class:`PartitionConfig`).
-    transfer: transfer priorities, chunking, prefetch and CPU link model (:class:`TransferConfig`).
+    partition: how layers are cut into stages (``PartitionConfig``).
+    transfer: transfer priorities, chunking, prefetch and CPU link model (``TransferConfig``).
     compute_dtype: a ``torch.dtype`` weights are uploaded in (None: as stored). The strategy sets
         it from the precision plugin; no Hydra entry.
     cpu_compute_delay_s, cpu_jitter_s: CPU backend only: injected delay / random jitter per task.
@@ -380,7 +380,7 @@ def _nested(cls, value: Any, owner: str, option: str):
 
 
 def strategy_options(owner: str = "RoundPipeStrategy", **values: Any) -> StrategyOptions:
-    """Validated :class:`StrategyOptions` from keyword arguments; an unknown keyword names the known ones."""
+    """Validated ``StrategyOptions`` from keyword arguments; an unknown keyword names the known ones."""
     known = {f.name for f in fields(StrategyOptions)} - {"compute_dtype"}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -389,7 +389,7 @@ def strategy_options(owner: str = "RoundPipeStrategy", **values: Any) -> Strateg
 
 
 def option_keywords_signature(init) -> inspect.Signature:
-    """``init``'s signature with its ``**options`` replaced by one keyword per :class:`StrategyOptions`
+    """``init``'s signature with its ``**options`` replaced by one keyword per ``StrategyOptions``
     field (with its default), so IDEs, ``help``, ``inspect`` and Hydra see the real arguments."""
     own = inspect.signature(init)
     params = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]

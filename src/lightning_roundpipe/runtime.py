@@ -127,20 +127,20 @@ class RoundPipeRuntime:
         """Step ``optimizer`` layer by layer on a host thread, hidden behind the pipeline.
 
         Patches ``optimizer.step`` and ``optimizer.zero_grad`` in place and returns the
-        :class:`~.optim.overlap.OverlappedOptimizer` driving them. ``optimizer.step()`` then
+        ``OverlappedOptimizer`` driving them. ``optimizer.step()`` then
         submits every layer's update (in layer order) and returns at once; the next forward
         uploads a layer only once its update is done, so results equal the synchronous step bit
-        for bit (``staleness=0``). ``staleness=1`` (set in :class:`RuntimeOptions`, since the
+        for bit (``staleness=0``). ``staleness=1`` (set in ``RuntimeOptions``, since the
         pipeline then reads host shadows made at construction) is RoundPipe's one-step-delayed
         update. ``early_steps``: a layer may step during backward, as soon as its gradients are
         complete (only when nothing between backward and the step changes gradients). Call
-        :meth:`join` before reading weights or optimizer state directly; :meth:`detach` joins and
+        ``join`` before reading weights or optimizer state directly; ``detach`` joins and
         restores the optimizer. ``delay_per_layer_s`` (default ``options.optimizer_delay_s``)
         slows every layer step (tests and benchmarks). ``undo`` (default ``options.optimizer_undo``):
         a failed step puts back every layer it stepped (costs one host copy of the weights and
         optimizer state stepped, for one step); False refuses to go on instead (see
-        :class:`~.optim.overlap.OverlappedOptimizer`), also after :meth:`detach`, until
-        :meth:`mark_restored`.
+        ``OverlappedOptimizer``), also after ``detach``, until
+        ``mark_restored``.
         """
         from .optim.overlap import OverlappedOptimizer
 
@@ -161,7 +161,7 @@ class RoundPipeRuntime:
         return ov
 
     def join(self) -> None:
-        """Wait for every submitted layer optimizer step (see :meth:`overlap_optimizer`)."""
+        """Wait for every submitted layer optimizer step (see ``overlap_optimizer``)."""
         for ov in self.overlapped:
             ov.join()
 
@@ -250,7 +250,7 @@ class RoundPipeRuntime:
         trainable parameters are reduced whole after backward) and ``options_owner`` (how errors
         name the options, e.g. "RoundPipeStrategy") and ``progress`` (``progress(phase, done, total)``
         for the set-up: cost estimate and plan search; e.g. a
-        :class:`~lightning_roundpipe.setup_progress.RichSetupProgress`). ``path``: the module's dotted path in
+        ``RichSetupProgress``). ``path``: the module's dotted path in
         the LightningModule, for messages (a refused BERT or T5 names the ``module=`` of its block stack)."""
         options = options or RuntimeOptions()
         if kind is None:
@@ -359,7 +359,7 @@ class RoundPipeRuntime:
 
 class HostClock:
     """Measures the host's own work around pipelined training calls for the plan keeper
-    (:meth:`~.planning.keeper.PlanKeeper.observe_host`), on the trace recorder's clock:
+    (``observe_host``), on the trace recorder's clock:
 
     * between forward and backward: from the last forward output on the host (the last forward
       download in the trace; the call's return when no task was recorded) to the moment the

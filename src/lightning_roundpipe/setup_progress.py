@@ -1,7 +1,7 @@
 """Progress of long set-up work (estimating layer costs, the ``auto`` plan search, loading a checkpoint).
 
 The planning and cost code take an optional ``progress`` callback, ``progress(phase, done, total)``,
-and stay free of any display. :class:`RichSetupProgress` is the display: a ``rich.progress`` bar in
+and stay free of any display. ``RichSetupProgress`` is the display: a ``rich.progress`` bar in
 the style of Lightning's ``RichProgressBar``. It draws nothing when the console is not a terminal
 (a job writing to a log file keeps clean output) and nothing for a phase that ends within
 ``delay_s`` (the usual case on small models), so only set-up the user would wait for is shown.
@@ -65,7 +65,7 @@ class FileProgress:
 
 
 class RichSetupProgress:
-    """A :data:`ProgressCallback` drawing one ``rich`` progress bar per phase, on a terminal only.
+    """A ``ProgressCallback`` drawing one ``rich`` progress bar per phase, on a terminal only.
 
     Args:
         delay_s: a phase is drawn only once it has run this long and is not finished yet.

@@ -10,9 +10,9 @@ gets a *relay* as its instance ``forward``:
   with the very same other arguments, and hands on the output; the last block's relay returns
   the real final output.
 
-What block i < n-1 "returns" is a stand-in (:class:`PendingOutput`) with the output's shape
+What block i < n-1 "returns" is a stand-in (``PendingOutput``) with the output's shape
 and dtype: passing it to the next block is all a chain does with it, and any other use (adding
-to it, storing it and reading it later) raises :class:`BlockChainError` instead of computing
+to it, storing it and reading it later) raises ``BlockChainError`` instead of computing
 with a wrong value. So a ``forward`` that is not a plain chain is refused, never run wrongly.
 
 A block may return a tuple whose item 0 is the next block's input (``return x, attn``), when
@@ -21,17 +21,17 @@ the loop keeps item 0 and ignores the rest (``x = block(x)[0]``, ``x, _ = block(
 first two samples (no grad, random state and buffers restored): a tensor, or such a tuple. For a
 tuple, the pipeline runs only when the last block is called, so the whole pass is seen to be a
 chain first: every block "returns" a tuple of stand-ins, item 0 as above and the other items
-(:class:`IgnoredOutput`) raising on any use. A loop that uses them (T5 hands its position bias
+(``IgnoredOutput``) raising on any use. A loop that uses them (T5 hands its position bias
 from block 0 to the others) is refused before any weight is uploaded. The workers pass item 0
 on and drop the rest. Any other output (a dict, a dataclass) is refused.
 
-On a worker, a block runs through :class:`BlockLayer`, which calls the block with the carried
+On a worker, a block runs through ``BlockLayer``, which calls the block with the carried
 arguments; the relay sees that it runs on a worker and calls the block's own ``forward``.
 
 The carry between layers is ``(output, per_sample, arguments)``: ``per_sample`` holds the other
 arguments that have a batch dimension (split into microbatches with the hidden state; a gradient
 flows into them, e.g. an encoder's output fed to every decoder block), ``arguments`` an opaque
-:class:`ChainArguments` that rebuilds the rest (masks without a batch dimension, flags, None) on
+``ChainArguments`` that rebuilds the rest (masks without a batch dimension, flags, None) on
 the worker's device. The last layer returns the output alone.
 """
 

@@ -1,8 +1,8 @@
 """What the runtime needs for a block stack or a declared chain: the module to patch, the layers, the forward.
 
-Block stack: the layers are the blocks (as :class:`~.block_chain.BlockLayer`), the code outside
+Block stack: the layers are the blocks (as ``BlockLayer``), the code outside
 the stack stays in the model's own ``forward`` on the host, and every block gets a relay (see
-:mod:`.block_chain`). The container's instance ``forward`` is patched too: an ``nn.Sequential``
+``block_chain``). The container's instance ``forward`` is patched too: an ``nn.Sequential``
 called directly runs the pipeline, a ``ModuleList`` stays uncallable as before.
 
 Declared chain: a module that defines ``roundpipe_layers(self)`` returning its layers in order

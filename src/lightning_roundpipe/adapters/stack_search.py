@@ -7,7 +7,7 @@ layers (``nn.Linear``, activations) do not count, so lists of heads or the layer
 are not taken for the model's backbone; name such a list with ``module=`` to pipeline it anyway.
 
 A *declared chain* is any module with a ``roundpipe_layers()`` method (see
-:mod:`.stack_runtime`). The search does not look inside a stack or a declared chain, so the
+``stack_runtime``). The search does not look inside a stack or a declared chain, so the
 expert lists of a Mixture-of-Experts block are never candidates.
 
 ``torch.compile`` wraps a module in an ``OptimizedModule`` holding the original as

@@ -5,17 +5,17 @@ Found automatically when unambiguous, in this order:
 1. exactly one top-level ``nn.Sequential`` attribute (compiled or not), or exactly one Hugging
    Face causal LM (plain or peft-wrapped) that the adapter recognises;
 2. otherwise exactly one *block stack* anywhere in the model (an ``nn.ModuleList`` or nested
-   ``nn.Sequential`` of blocks, see :mod:`.stack_search`) or one module that declares its chain
+   ``nn.Sequential`` of blocks, see ``stack_search``) or one module that declares its chain
    with ``roundpipe_layers()``.
 
 Otherwise the user names it with a dotted attribute path (``RoundPipeStrategy(module="net")``):
 an ``nn.Sequential``, a causal LM, a block list, a module declaring its chain, or a model
-holding exactly one block stack. :func:`locate` does the same for a module given directly
+holding exactly one block stack. ``locate`` does the same for a module given directly
 (``RoundPipeRuntime.attach``).
 
 The module is pipelined by giving its *instance* a ``forward`` that runs the engine (for a
-block stack: every block gets a relay, see :mod:`.block_chain`); the class, the parameters and
-the ``state_dict`` are untouched, and :func:`unpatch` removes the instance attributes at
+block stack: every block gets a relay, see ``block_chain``); the class, the parameters and
+the ``state_dict`` are untouched, and ``unpatch`` removes the instance attributes at
 teardown, so the module is exactly as it was after ``fit``.
 """
 
@@ -37,7 +37,7 @@ class PipelineTargetError(ValueError):
 
 
 STACK_KINDS = ("block_stack", "declared_chain")
-"""Target kinds built by :func:`.stack_runtime.stack_runtime_parts`."""
+"""Target kinds built by ``stack_runtime.stack_runtime_parts``."""
 
 _DECLARE = (f"For a model whose forward is not such a loop, give the module a {DECLARED_CHAIN_METHOD}() method that "
             "returns its layers in order (see docs/custom_models.md)")

@@ -1,7 +1,7 @@
 """Command line of the simulator: ``python -m lightning_roundpipe.sim {plan,compare,paper,scaling}``.
 
 It lives in the analysis layer because it reaches every layer below (the capacity planner, the
-bound-schedule baselines, the published runs); ``sim/__main__.py`` only runs :func:`main`.
+bound-schedule baselines, the published runs); ``sim/__main__.py`` only runs ``main``.
 
 - ``plan``: does training fit, and with which microbatches, plan and sequence length
   (exit status 0 when it fits, 1 when it does not);

@@ -142,11 +142,11 @@ class StageCost:
 
 
 class StageCostModel:
-    """Stage costs of one :class:`CostProfile` for a fixed microbatch count and link speed.
+    """Stage costs of one ``CostProfile`` for a fixed microbatch count and link speed.
 
     Prefix sums make every stage cost O(stage length) at most, so a partitioner can price all
     O(layers^2) candidate stages. Activation memory: the stage input plus the working set of
-    :meth:`~.view.CostView.stage_graph` (the formula the simulator and the memory bound use).
+    ``stage_graph`` (the formula the simulator and the memory bound use).
 
     ``recompute=False`` prices backward without the recompute (the forward graph was kept).
     ``link_bytes_per_second=None`` means transfers are free.

@@ -25,7 +25,7 @@ With LoRA the adapters go on the attention projections and on every expert's thr
 (all linear layers but the router); only the routed experts' adapters compute.
 
 When the hardware profile gives physical rates (``tensor_tflops_*`` and ``memory_bytes_per_s``,
-see :mod:`lightning_roundpipe.cost.physical`), a layer's time is its projection and LM-head FLOPs
+see ``lightning_roundpipe.cost.physical``), a layer's time is its projection and LM-head FLOPs
 at the tensor rate of the accumulation used, its attention FLOPs at the fp32-accumulate rate
 (flash attention accumulates in fp32 whatever cuBLAS does), plus its element-wise traffic
 (norms, residual adds, rotary, activation, cross-entropy) at the memory bandwidth.
@@ -198,7 +198,7 @@ def decoder_layer_work(shape: ModelShape, seq_len: int, lora_rank: int | None = 
     input gradients only), plus the adapters' own. Attention (causal, flash attention skipping
     the masked half): ``2 * seq_len * q_dim`` forward, 2.5x that backward (flash attention's
     backward recomputes the scores: five matmuls to the forward's two). Element-wise traffic:
-    :func:`elementwise_bytes_per_token`, twice that backward.
+    ``elementwise_bytes_per_token``, twice that backward.
     """
     linear = shape.active_linear_params()
     adapters = shape.active_lora_params_per_layer(lora_rank) if lora_rank else 0
@@ -247,7 +247,7 @@ def transformer_layer_costs(
     loss_chunk_tokens: int | None = None,
     name: str = "",
 ) -> CostProfile:
-    """Estimated :class:`CostProfile` of one microbatch (``microbatch_size`` sequences of ``seq_len``).
+    """Estimated ``CostProfile`` of one microbatch (``microbatch_size`` sequences of ``seq_len``).
 
     Layers: prefix (embedding), ``num_layers`` decoder layers, postfix (norm + LM head + loss).
     ``loss_chunk_tokens`` models a chunked cross-entropy that materialises the fp32 logits of only
@@ -271,7 +271,7 @@ def shape_layer_costs(
     fp16_accumulation: bool = False,
     loss_in_pipeline: bool = True,
 ) -> CostProfile:
-    """:func:`transformer_layer_costs` of a :class:`ModelShape` (dense or MoE).
+    """``transformer_layer_costs`` of a ``ModelShape`` (dense or MoE).
 
     ``microbatch_size`` may be fractional (a step of 128 sequences in 10 microbatches holds
     12.8 sequences per microbatch on average); the microbatch then holds the nearest whole
@@ -279,7 +279,7 @@ def shape_layer_costs(
     fp16-accumulate tensor rate (``torch.backends.cuda.matmul.allow_fp16_accumulation``).
     ``loss_in_pipeline`` False: the last stage returns the logits and the loss is computed
     outside (no labels travel, the logits are the last stage's output). Activation bytes come
-    from :mod:`.activations`.
+    from ``activations``.
     """
     hidden, intermediate, vocab, num_layers = shape.hidden, shape.intermediate, shape.vocab, shape.num_layers
     qk_norm = shape.qk_norm
@@ -373,6 +373,6 @@ def preset_costs(
     lora_rank: int | None = None,
     loss_chunk_tokens: int | None = None,
 ) -> CostProfile:
-    """:func:`transformer_layer_costs` for a preset name such as ``"qwen3-8b"`` (or a :class:`ModelShape`)."""
+    """``transformer_layer_costs`` for a preset name such as ``"qwen3-8b"`` (or a ``ModelShape``)."""
     return shape_layer_costs(get_model_shape(model), hardware, seq_len, microbatch_size, dtype_bytes, lora_rank,
                              loss_chunk_tokens=loss_chunk_tokens)

@@ -1,7 +1,7 @@
-"""Read-only helpers over a :class:`~lightning_roundpipe.cost.profile.CostProfile` for whole layer ranges.
+"""Read-only helpers over a ``CostProfile`` for whole layer ranges.
 
 Per-microbatch bytes and seconds of a stage ``[a, b)``. Where a layer gives no parameter
-counts or kept graph, :class:`~lightning_roundpipe.cost.profile.CostProfile` derives them.
+counts or kept graph, ``CostProfile`` derives them.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class CostView:
 
         A forward runs without autograd, so only one layer's temporaries are alive; a backward (it
         recomputes the stage) and a fused stage keep the whole stage's graph, and back-propagating
-        it adds one layer's gradients (:meth:`backward_working_set`).
+        it adds one layer's gradients (``backward_working_set``).
         """
         if kind == "forward":
             return self.forward_transient(a, b)

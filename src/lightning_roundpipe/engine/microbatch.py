@@ -1,6 +1,6 @@
 """Split a batch pytree into microbatches along dim 0, and merge per-microbatch outputs back.
 
-Dataclass batches are split like dicts: :func:`register_batch_types` registers each dataclass
+Dataclass batches are split like dicts: ``register_batch_types`` registers each dataclass
 type found in a batch as a pytree node (its fields are the children), once per type.
 
 Tensor leaves with a batch dimension are split with ``torch.tensor_split`` (sizes differ by at

@@ -1,7 +1,7 @@
 """What every call of an engine needs, built once by the engine: a step reads this, never the engine.
 
 The engine rebuilds the context when its plan or microbatch count changes
-(:meth:`~.engine.PipelineEngine.set_plan`); a call keeps the one it started with.
+(``set_plan``); a call keeps the one it started with.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..workers.pool import WorkerPool
 
 
 class TableSizes:
-    """The engine's :class:`~lightning_roundpipe.schedule.lowering.Sizes`: weight chunks from the layer tables.
+    """The engine's ``Sizes``: weight chunks from the layer tables.
 
     Activation bytes are only known when a task runs (the carries' shapes), so they are 0 here.
     """

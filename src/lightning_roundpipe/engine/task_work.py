@@ -31,7 +31,7 @@ Work = tuple[Callable[[], Any], int, list]  # (fn, bytes, extra dependencies)
 
 class TaskWork:
     """The tensors of one call: stage weights on their workers, kept graphs, host carries; and the
-    handler of each task kind (:data:`HANDLERS`).
+    handler of each task kind (``HANDLERS``).
 
     ``keep_graph``: forward stages keep their graphs for the backward (no recompute), as the call
     started; a backward compute without an activation upload runs on a kept graph.
@@ -97,7 +97,7 @@ class TaskWork:
         return saved
 
     def layer_calls(self, device, weights: StageWeights, mb: int) -> LayerCalls:
-        """One layer at a time, as :meth:`run_layers` runs it (seed, lock, buffer rule)."""
+        """One layer at a time, as ``run_layers`` runs it (seed, lock, buffer rule)."""
 
         def run(layer, carry, forward):
             return self.run_layers(device, weights, layer, layer + 1, carry, mb, recompute=not forward)[layer + 1]

@@ -14,7 +14,7 @@ from lightning.fabric.utilities.types import ReduceOp
 
 class NodeCollectives:
     """Mixin for a ``ParallelStrategy`` whose ranks are nodes, not devices, and whose ``runtime``
-    (a :class:`~lightning_roundpipe.runtime.RoundPipeRuntime` or None) syncs gradients."""
+    (a ``RoundPipeRuntime`` or None) syncs gradients."""
 
     _accumulating = False  # inside Lightning's block_backward_sync (an accumulation-only step)
     last_bytes_reduced = 0  # gradient bytes all-reduced in the last backward

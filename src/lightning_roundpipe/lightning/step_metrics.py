@@ -1,7 +1,7 @@
 """The pipeline's step metrics as a Lightning Callback, so they reach every logger and the progress bar.
 
 After each training batch, the metrics of the step the runtime just timed
-(:func:`lightning_roundpipe.tracing.timeline.step_metrics`) are logged through
+(``lightning_roundpipe.tracing.timeline.step_metrics``) are logged through
 ``LightningModule.log``: ``roundpipe/bubble_fraction``, ``roundpipe/exposed_transfer_s``,
 ``roundpipe/step_s`` and ``roundpipe/tokens_per_s`` (the last only when the batch has a token count).
 The strategy adds this callback when ``step_metrics=True`` (the default) and none is given.

@@ -1,7 +1,7 @@
 """RoundPipeStrategy: the Lightning glue. The machinery lives in ``runtime`` and ``engine``.
 
 The LightningModule stays on the host; the strategy finds the module to pipeline, hands it to
-a :class:`~lightning_roundpipe.runtime.RoundPipeRuntime` (which owns the pool, the engine, host
+a ``RoundPipeRuntime`` (which owns the pool, the engine, host
 state, gradient sync and their teardown), and leaves Lightning's loops, precision plugin,
 optimizer step, gradient clipping, accumulation and logging as they are: they act on host
 parameters whose ``.grad`` the pipeline filled.
@@ -44,7 +44,7 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
     ``Trainer(strategy="roundpipe", accelerator="cpu", devices=N)`` gives N virtual CPU workers;
     ``accelerator="gpu", devices=N`` gives N CUDA workers, all driven by one process.
 
-    The keyword arguments are the fields of :class:`~lightning_roundpipe.options.StrategyOptions`
+    The keyword arguments are the fields of ``StrategyOptions``
     (documented there; Hydra group ``strategy``), or pass a ``StrategyOptions`` as ``options``.
     """
 

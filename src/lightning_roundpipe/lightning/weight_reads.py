@@ -7,7 +7,7 @@ over the inner model's tensors could not be caught any other way; measured cost 
 while layers step during backward (a tensor hook calling ``self.parameters()``) and
 ``staleness=1``, whose update runs behind the next step by design. ``parameters``,
 ``named_parameters`` and ``state_dict`` of the LightningModule instance join first;
-:func:`restore` removes the wrappers.
+``restore`` removes the wrappers.
 """
 
 from __future__ import annotations

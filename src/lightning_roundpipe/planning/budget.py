@@ -2,7 +2,7 @@
 
 A worker holds the stage it runs and the stage it prefetches, plus one microbatch's
 activations, so every stage's weights + weight gradients + one microbatch's activations (see
-:meth:`~lightning_roundpipe.cost.profile.StageCost.memory_bytes`) must fit in half of
+``memory_bytes``) must fit in half of
 ``memory_budget_bytes``.
 """
 

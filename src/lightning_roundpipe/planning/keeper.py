@@ -8,9 +8,9 @@ threshold (``partition.Replanner`` logs when and why). Other policies never re-p
 model's shapes and the options (same seed, same plan, bit-identical weights).
 
 Left open, the microbatch count and recompute are chosen here from the estimate
-(:mod:`.defaults`). The host's own work (the caller's loss on the merged outputs, the training
+(``defaults``). The host's own work (the caller's loss on the merged outputs, the training
 loop between steps) is estimated, then replaced by moving averages of what the runtime measures
-(:meth:`PlanKeeper.observe_host`), and priced into the plan table's predicted step.
+(``PlanKeeper.observe_host``), and priced into the plan table's predicted step.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ class PlanKeeper:
                  link_bytes_per_second: float | None, flops_per_second: float, memory_budget_bytes: int | None,
                  backend: str = "cpu", microbatch_overhead_s: float = 0.0, progress: ProgressCallback | None = None,
                  budget_option: str = "partition.memory_budget_bytes"):
-        """``microbatches`` None and ``recompute`` "auto" are chosen from the estimate (:mod:`.defaults`);
+        """``microbatches`` None and ``recompute`` "auto" are chosen from the estimate (``defaults``);
         ``recompute`` may also be "always", "never" or a bool (True: recompute). ``microbatch_overhead_s``:
-        the timing model's cost per microbatch of a stage besides its compute (:mod:`.predictor`).
+        the timing model's cost per microbatch of a stage besides its compute (``predictor``).
         ``budget_option``: the option ``memory_budget_bytes`` came from, named when a plan does not fit it.
 
         Under a memory budget the activations of the assumed microbatch may not fit where the real,
@@ -130,7 +130,7 @@ class PlanKeeper:
 
     @property
     def wants_first_batch(self) -> bool:
-        """Whether :meth:`first_batch` still has a choice to make (before the first step)."""
+        """Whether ``first_batch`` still has a choice to make (before the first step)."""
         return (self.open_microbatches or self.memory_check_pending) and not self.steps_seen
 
     def first_batch(self, batch_size: int, tokens: int) -> Plan | None:

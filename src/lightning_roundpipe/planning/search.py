@@ -173,7 +173,7 @@ class Search:
                         yield f + (h,), b
 
     def improve(self, fcuts: tuple[int, ...], bcuts: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Steepest descent over :meth:`neighbours` until no move shortens the predicted step."""
+        """Steepest descent over ``neighbours`` until no move shortens the predicted step."""
         best, best_s = (fcuts, bcuts), self.step_s(fcuts, bcuts)
         while len(self.seen) < MAX_EVALUATIONS:
             found = None

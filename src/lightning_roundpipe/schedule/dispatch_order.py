@@ -1,18 +1,18 @@
 """The schedule as an object: which worker runs each dispatched stage, and where the next call starts.
 
-A :class:`Schedule` answers two questions, and every reader asks it instead of re-deriving the
+A ``Schedule`` answers two questions, and every reader asks it instead of re-deriving the
 rule: the lowering (which worker each stage's tasks go to), the history's cursor across calls
-and steps (:class:`~.history.WorkerHistory`), the timing model and the search (which worker a
+and steps (``WorkerHistory``), the timing model and the search (which worker a
 stage waits for), the memory model (which stages share a worker over steps), the plan report,
 the engine and the simulator.
 
 - ``dispatch(plan, num_workers, cursor, fused)``: the stages of one call in dispatch order
-  (forward stages in order, then backward stages last layers first; :func:`~.plan.dispatch`),
+  (forward stages in order, then backward stages last layers first; ``dispatch``),
   each with its worker, the first one going to worker ``cursor``;
 - ``cursor_after(cursor, dispatched, num_workers)``: the cursor of the next call, after a call
   dispatched ``dispatched`` stages from ``cursor``.
 
-Schedules are named (:data:`SCHEDULES`); ``EngineOptions.schedule`` and ``RuntimeOptions.schedule``
+Schedules are named (``SCHEDULES``); ``EngineOptions.schedule`` and ``RuntimeOptions.schedule``
 select one by name.
 """
 
@@ -30,7 +30,7 @@ class Schedule(Protocol):
     name: str
 
     def dispatch(self, plan: Plan, num_workers: int, cursor: int = 0, fused: bool | None = None) -> list[Task]:
-        """One call's dispatched stages, in order, each with its worker (``fused`` as in :func:`~.plan.dispatch`)."""
+        """One call's dispatched stages, in order, each with its worker (``fused`` as in ``dispatch``)."""
 
     def cursor_after(self, cursor: int, dispatched: int, num_workers: int) -> int:
         """Where the next call's dispatch starts, after ``dispatched`` stages dispatched from ``cursor``."""
@@ -69,7 +69,7 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (ROUND_ROBIN, Sticky())}
 
 
 def schedule_named(name: str) -> Schedule:
-    """The schedule called ``name``; a :class:`PlanError` listing the names otherwise."""
+    """The schedule called ``name``; a ``PlanError`` listing the names otherwise."""
     try:
         return SCHEDULES[name]
     except (KeyError, TypeError):

@@ -1,10 +1,10 @@
-"""The lowering's four passes, each followed by its validator (the rules are in :mod:`.lowering`'s doc).
+"""The lowering's four passes, each followed by its validator (the rules are in ``lowering``'s doc).
 
-1. :func:`computes`: which compute tasks a dispatched stage runs (kind, grain, phase, worker);
-2. :func:`transfers`: the uploads and downloads around them, with their dependencies, in
+1. ``computes``: which compute tasks a dispatched stage runs (kind, grain, phase, worker);
+2. ``transfers``: the uploads and downloads around them, with their dependencies, in
    submission order (this pass numbers the tasks);
-3. :func:`waits`: the memory bounds, as waits on the worker's history;
-4. :func:`priorities`: the transfer lanes' order.
+3. ``waits``: the memory bounds, as waits on the worker's history;
+4. ``priorities``: the transfer lanes' order.
 
 Each pass only adds what its name says, so a change to one rule (a dependency, a bound, an
 order) is made and checked in one place.

@@ -8,7 +8,7 @@ of its layers at once (the loss is computed inside the pipeline), so the last ba
 must equal it and is not dispatched again.
 
 The plan has a one-line text form, ``F 0:3 3:6 | B 0:2 2:4 4:6``, with ``| fused`` appended when
-the last stage is fused; :meth:`Plan.from_text` parses it back. Nothing here touches tensors:
+the last stage is fused; ``Plan.from_text`` parses it back. Nothing here touches tensors:
 the executor runs a plan, the simulator times it and the trace draws it.
 """
 
@@ -93,7 +93,7 @@ class Plan:
 
     # ----------------------------------------------------------------- checks
     def validate(self) -> "Plan":
-        """Raise :class:`PlanError` naming the first problem; return ``self`` when the plan is sound."""
+        """Raise ``PlanError`` naming the first problem; return ``self`` when the plan is sound."""
         if self.num_layers < 1:
             raise PlanError(f"a plan needs at least one layer, got num_layers={self.num_layers}")
         for direction, ranges in (("forward", self.forward), ("backward", self.backward)):

@@ -3,7 +3,7 @@
 One step, as the engine runs it (see ``docs/simulator.md`` for the assumptions):
 
 - Tasks, their workers, lanes, dependencies and priorities come from
-  :func:`lightning_roundpipe.schedule.lowering.lower`, the function that gives the engine its
+  ``lightning_roundpipe.schedule.lowering.lower``, the function that gives the engine its
   tasks: forward stages in order, then the dispatched backward stages, each to the next
   worker. With ``continue_round_robin`` the next step's dispatch starts on the worker after
   the last one.
@@ -191,7 +191,7 @@ def summarize(sim: EventSimulator, schedule: str, num_workers: int, microbatches
 
 
 class CostSizes:
-    """The simulator's :class:`~lightning_roundpipe.schedule.lowering.Sizes`: per-layer transfers of a cost view."""
+    """The simulator's ``Sizes``: per-layer transfers of a cost view."""
 
     def __init__(self, view: CostView) -> None:
         self.view = view
@@ -209,13 +209,13 @@ class CostSizes:
 
 
 class _RoundPipeBuilder:
-    """Times the lowered graph of RoundPipe steps on an :class:`EventSimulator`.
+    """Times the lowered graph of RoundPipe steps on an ``EventSimulator``.
 
     Each graph task becomes one operation (a release takes no time: it is done when what it
-    waits for is); the history waits resolve on a :class:`WorkerHistory` of operations, as the
+    waits for is); the history waits resolve on a ``WorkerHistory`` of operations, as the
     engine resolves them on its completions. What the graph leaves to its reader is added
     here: compute seconds and memory from the cost view, the host optimizer that gates each
-    layer's next upload, and the host barriers of :class:`SimConfig`.
+    layer's next upload, and the host barriers of ``SimConfig``.
     """
 
     def __init__(self, sim: EventSimulator, plan: Plan, view: CostView, hardware: HardwareProfile,
@@ -468,7 +468,7 @@ def simulate_roundpipe(
     """Simulate RoundPipe steps of ``plan`` with ``microbatches`` microbatches per step.
 
     ``costs`` holds per-microbatch layer costs (estimated by
-    :func:`~lightning_roundpipe.cost.transformer.transformer_layer_costs` or measured by the
+    ``transformer_layer_costs`` or measured by the
     engine); ``hardware`` gives the link (``host_device_bytes_per_s``, ``latency_s``,
     ``duplex``) and the host optimizer speed. ``num_workers`` defaults to ``hardware.num_gpus``.
     To check the simulator against the CPU backend, pass a profile whose link numbers are the

@@ -1,8 +1,8 @@
 """Per-task timeline records, written by the worker lanes while they run.
 
-One :class:`TraceRecord` per task on any queue of any worker. Times are seconds from the
+One ``TraceRecord`` per task on any queue of any worker. Times are seconds from the
 recorder's origin (``time.perf_counter`` on the CPU backend, CUDA events on the CUDA backend).
-Metrics (:mod:`.metrics`), the Chrome trace (:mod:`.chrome`) and the PNG (:mod:`.gantt`)
+Metrics (``metrics``), the Chrome trace (``chrome``) and the PNG (``gantt``)
 read them; this module only collects.
 """
 
@@ -40,8 +40,8 @@ class TraceRecorder:
     """Thread-safe list of records.
 
     ``enabled`` asks for a timeline (step metrics, exported traces). Independently, an engine
-    that learns task times from the records calls :meth:`keep_task_times`; the lanes record
-    whenever :attr:`recording` is true, and that engine drops a step's records once it has
+    that learns task times from the records calls ``keep_task_times``; the lanes record
+    whenever ``recording`` is true, and that engine drops a step's records once it has
     read them unless a timeline was asked for.
     """
 

@@ -1,11 +1,11 @@
 """Completions: the events that order work across queues and workers, and the errors they carry.
 
-A :class:`Completion` is set when its task's work is *issued*: on the CPU backend that means
+A ``Completion`` is set when its task's work is *issued*: on the CPU backend that means
 done; on the stream backends (CUDA and its CPU fake) it means enqueued on a stream, with a
 device event recorded after it, so another queue can order itself after it without blocking the
-host. Host code that needs the data calls :meth:`Completion.wait`, which also waits for that
+host. Host code that needs the data calls ``Completion.wait``, which also waits for that
 event. On the fake-stream backend the value itself is produced by the stream's executor, so it
-may be a :class:`Deferred` that reading ``value`` resolves.
+may be a ``Deferred`` that reading ``value`` resolves.
 
 Every wait has a timeout. Errors name the task (kind, stage, microbatch, worker, queue) and,
 for worker exceptions, carry the original traceback.
@@ -132,7 +132,7 @@ class Completion:
         return v.result() if isinstance(v, Deferred) else v
 
     def raw_value(self) -> Any:
-        """The value without waiting: on the fake streams a :class:`Deferred` the executor fills
+        """The value without waiting: on the fake streams a ``Deferred`` the executor fills
         (holding it keeps what it will hold alive)."""
         return self._value
 

@@ -18,16 +18,16 @@ also keep at most ``max_in_flight`` copies issued and unfinished, so a later hig
 waits behind at most that many chunks.
 
 Timing: with tracing on, a task gets a start and an end event; they are read once per step in
-:meth:`finish_step` (never one synchronize per task), so the records hold device times.
+``finish_step`` (never one synchronize per task), so the records hold device times.
 
-Pinned memory: nothing is pinned per copy. :meth:`pin_uploads` pins, once and in place, exactly
+Pinned memory: nothing is pinned per copy. ``pin_uploads`` pins, once and in place, exactly
 the host tensors the uploads read; an upload from pageable memory is a plain (staged) copy and
 of weights is counted in ``pageable_upload_bytes``. Downloads the engine marks ``reusable`` land
-in right-sized, page-aligned buffers from :class:`~.host_buffers.HostBufferPool` (pinned in place
+in right-sized, page-aligned buffers from ``HostBufferPool`` (pinned in place
 when ``pin_memory``; at most ``host_buffer_cap_bytes`` kept), which the engine hands back with
-:meth:`release_host` once the host has read them; a buffer is lent again only after the copy into
+``release_host`` once the host has read them; a buffer is lent again only after the copy into
 it has landed (its fence event), so buffers handed back after a failure are never reused early.
-Registration failures leave the tensor pageable and are counted in :attr:`pageable_reasons`.
+Registration failures leave the tensor pageable and are counted in ``pageable_reasons``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ log = logging.getLogger("lightning_roundpipe")
 
 
 class StreamWorkerPool(WorkerPool):
-    """The stream protocol over a driver (:class:`CudaStreams` or :class:`FakeStreams`)."""
+    """The stream protocol over a driver (``CudaStreams`` or ``FakeStreams``)."""
 
     device_poll_s = 5e-4
 
@@ -350,7 +350,7 @@ class CudaWorkerPool(StreamWorkerPool):
 class FakeCudaWorkerPool(StreamWorkerPool):
     """The CUDA protocol on CPU threads (see ``streams.py``): ``stream_jitter_s`` delays stream work
     at random (the race amplifier), ``seed`` fixes those delays; ``cudart`` answers pinning calls
-    (a :class:`~.pinning.FakeCudart` by default); ``copy_delay_s`` lands device-to-host copies that
+    (a ``FakeCudart`` by default); ``copy_delay_s`` lands device-to-host copies that
     long after the work that issued them."""
 
     backend = "fake_cuda"

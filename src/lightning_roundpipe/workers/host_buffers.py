@@ -11,7 +11,7 @@ first step every download reuses a buffer and the bytes held stay at the first s
 Bounded: with dynamic padding the shapes change every step, and buffers of last step's shapes
 would never be reused. Free buffers are kept in least-recently-returned order and the oldest
 are evicted (``on_evict`` unpins them) once the pool holds more than ``cap_bytes``
-(:data:`DEFAULT_CAP_BYTES`, 2 GiB, by default). The cap bounds what the pool *keeps*: buffers
+(``DEFAULT_CAP_BYTES``, 2 GiB, by default). The cap bounds what the pool *keeps*: buffers
 lent out are never taken back early, so while one step lends more than the cap the pool holds
 what is lent and keeps nothing free.
 

@@ -14,8 +14,8 @@ launch check (``cudaGetLastError`` after a launch) reports it as that kernel's f
 - a run is unregistered when the last tensor that relied on it is unregistered.
 
 ``cudart`` is anything with ``cudaHostRegister(ptr, nbytes, flags)``, ``cudaHostUnregister(ptr)``
-and ``cudaGetLastError()`` returning CUDA error codes: :func:`torch_cudart` on a GPU,
-:class:`FakeCudart` (CUDA's page rule and errors, on the CPU) on the fake streams.
+and ``cudaGetLastError()`` returning CUDA error codes: ``torch_cudart`` on a GPU,
+``FakeCudart`` (CUDA's page rule and errors, on the CPU) on the fake streams.
 """
 
 from __future__ import annotations

@@ -1,20 +1,20 @@
 """The worker pool: N stateless workers, each with an upload, a compute and a download queue.
 
-Each queue is a :class:`Lane`: a host thread with its own list of pending tasks. A task runs
+Each queue is a ``Lane``: a host thread with its own list of pending tasks. A task runs
 once every completion it depends on is set; its own completion is then set. The compute lane
 runs its tasks strictly in submission order (so gradients accumulate in a fixed order); the two
 transfer lanes pick the highest-priority task whose inputs are ready (lower number first), so an
 activation the running stage waits for overtakes a queued weight prefetch.
 
-What "running a task" means is the backend's business (:meth:`WorkerPool.execute`): the CPU
+What "running a task" means is the backend's business (``WorkerPool.execute``): the CPU
 backend runs it on the lane thread (with optional injected delay, jitter and bandwidth cost);
 the stream backends (CUDA, and its CPU fake) issue it on the lane's stream and record an event.
 The code that orders work (the engine) is the same for all.
 
 Every wait is bounded by the pool's ``timeout_s``: a queued task whose inputs do not arrive, a
-host wait, a drain. A timeout names the task that is really stuck (:meth:`WorkerPool.blocker`
+host wait, a drain. A timeout names the task that is really stuck (``WorkerPool.blocker``
 follows the chain of unfinished dependencies to a running task or to an event nobody sets), and
-:meth:`WorkerPool.shutdown` never waits long for a lane stuck inside a task: Python cannot stop
+``WorkerPool.shutdown`` never waits long for a lane stuck inside a task: Python cannot stop
 a thread, so such a lane (a daemon thread) ends when its task returns.
 """
 
@@ -207,7 +207,7 @@ class Worker:
 
     def track_weights(self, delta_bytes: int) -> None:
         """Stage weights uploaded (or released, ``delta_bytes < 0``) by the task running on this
-        thread; over the worker's memory cap this raises :class:`~.device_memory.WorkerOutOfMemoryError`."""
+        thread; over the worker's memory cap this raises ``WorkerOutOfMemoryError``."""
         self.memory.track_weights(delta_bytes, self.running_label())
 
     def running_label(self) -> TaskLabel | None:
@@ -425,7 +425,7 @@ class WorkerPool:
         return [w.memory.held_bytes for w in self.workers]
 
     def reset_peak_device_bytes(self) -> None:
-        """Start the peaks of :meth:`peak_device_bytes` and :meth:`peak_weight_bytes` afresh from what is held now."""
+        """Start the peaks of ``peak_device_bytes`` and ``peak_weight_bytes`` afresh from what is held now."""
         for w in self.workers:
             w.memory.reset_peak()
 
@@ -453,7 +453,7 @@ class WorkerPool:
 
     def copy_to_host(self, worker: Worker, tensors, reusable: bool = False):
         """Host copies of device ``tensors``. ``reusable``: the engine will hand them back with
-        :meth:`release_host` once nothing reads them, so a backend may lend reused buffers."""
+        ``release_host`` once nothing reads them, so a backend may lend reused buffers."""
         raise NotImplementedError  # each backend defines its copies
 
     def release_host(self, tensors) -> None:

@@ -1,7 +1,7 @@
 """Streams and events: the small interface the stream backend's protocol is written against.
 
-Two drivers implement it. :class:`CudaStreams` maps it onto CUDA streams and events.
-:class:`FakeStreams` runs it on the CPU so the same protocol runs in CI: each stream is an
+Two drivers implement it. ``CudaStreams`` maps it onto CUDA streams and events.
+``FakeStreams`` runs it on the CPU so the same protocol runs in CI: each stream is an
 in-order executor thread, work "issued" on a stream is queued to that thread and runs later,
 an event recorded on a stream completes when the executor reaches it, and a stream told to
 wait for an event stops there until the event completes. The lane that issues work therefore
@@ -10,7 +10,7 @@ flight, or decisions made on work that is issued but not finished, show up on th
 ``jitter_s`` inserts a random delay before each piece of work on a fake stream (never in the
 host threads): the race amplifier.
 
-Pinned memory on the fake driver is plain memory, registered through :class:`~.pinning.FakeCudart`
+Pinned memory on the fake driver is plain memory, registered through ``FakeCudart``
 (CUDA's page rule and error codes), so the pinned policies' bookkeeping and their failures run too.
 ``copy_delay_s`` makes a device-to-host copy land that long after the work that issued it has
 returned, as a non-blocking copy on a GPU does (the host holds the buffer before its data).
