@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import math
 import numbers
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional
 
@@ -158,6 +159,36 @@ def check_priorities(owner: str, name: str, priorities: Any) -> None:
 
 
 @dataclass
+class TestingOptions:
+    """Delays injected on purpose, for tests and measurements: not for training (``testing=...``).
+
+    They make a run slower or noisier so that tests see orderings a fast machine rarely shows,
+    and so that measurements have a known compute time; the results stay exact and deterministic.
+
+    compute_delay_s: CPU backend: sleep this long before each compute task.
+    jitter_s: sleep a random time in [0, jitter_s) before each task of the CPU backend (compute
+        and transfers) and before the stream work of the ``fake_cuda`` backend; its seed is ``seed``.
+    optimizer_delay_s: sleep this long before each layer's overlapped optimizer step.
+    """
+
+    compute_delay_s: float = 0.0
+    jitter_s: float = 0.0
+    optimizer_delay_s: float = 0.0
+
+    def validate(self, owner: str = "TestingOptions", prefix: str = "") -> "TestingOptions":
+        """Check every delay is a finite number of seconds >= 0."""
+        for name in ("compute_delay_s", "jitter_s", "optimizer_delay_s"):
+            _seconds(owner, prefix + name, getattr(self, name))
+        return self
+
+
+# The flat names the testing knobs had before they moved into ``testing``: a call with one of
+# them is refused with the new spelling.
+MOVED_TO_TESTING = {"cpu_compute_delay_s": "compute_delay_s", "cpu_jitter_s": "jitter_s",
+                    "optimizer_delay_s": "optimizer_delay_s"}
+
+
+@dataclass
 class EngineOptions:
     """How the engine runs a plan (what ``RuntimeOptions`` hands to ``PipelineEngine``).
 
@@ -218,14 +249,13 @@ class RuntimeOptions:
     transfer: transfer priorities, chunking, prefetch and CPU link model (``TransferConfig``).
     compute_dtype: a ``torch.dtype`` weights are uploaded in (None: as stored). The strategy sets
         it from the precision plugin; no Hydra entry.
-    cpu_compute_delay_s, cpu_jitter_s: CPU backend only: injected delay / random jitter per task.
     cpu_threads_per_worker: CPU backend only: torch threads per worker's compute queue.
     cpu_memory_cap_bytes: CPU backend only: make each worker a virtual GPU of this many bytes.
         Its device memory is measured (uploaded weights and every tensor its tasks create, see
         ``workers/device_memory.py``) and a task that would take it over the cap fails with
         ``WorkerOutOfMemoryError`` naming worker, stage and microbatch; the step leaves weights
         and optimizer state as they were. None: no cap (and no measuring cost).
-    seed: seed of the CPU backend's jitter.
+    seed: seed of the injected jitter (``testing.jitter_s``).
     trace_steps: keep the timeline of the first N training steps (for export).
     step_metrics: time every step's tasks for bubble fraction, exposed transfer and tokens per second.
     overlap_optimizer: step the optimizer layer by layer on a host thread, hidden behind backward
@@ -234,7 +264,6 @@ class RuntimeOptions:
         taken at the weights from before update t-1): more overlap, NOT exact.
     pinned: pinned host memory policy for the CUDA backend: "alloc", "register" or "off" (see
         ``params/shadows.py`` for the trade-off); no effect on the CPU backend.
-    optimizer_delay_s: testing knob: sleep this long before each layer's optimizer step.
     allow_unverified: pipeline a Hugging Face family that is not verified (docs/models.md) after
         checking the pipelined against the unpipelined forward on the first microbatch.
     logits_with_loss: a Hugging Face causal LM called with ``labels`` also returns ``.logits``
@@ -260,6 +289,7 @@ class RuntimeOptions:
         (``adapters/grouped_experts.py``: pairs sorted by expert, one grouped matmul per projection,
         no host sync; exact against HF's loop; parameters and ``state_dict`` unchanged; an experts
         layout it does not map, and any unverified family, keeps HF's forward, with a warning naming it).
+    testing: delays injected for tests and measurements (``TestingOptions``); none by default.
     """
 
     microbatches: Optional[int] = None
@@ -268,8 +298,6 @@ class RuntimeOptions:
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     compute_dtype: Any = None
-    cpu_compute_delay_s: float = 0.0
-    cpu_jitter_s: float = 0.0
     cpu_threads_per_worker: int = 1
     cpu_memory_cap_bytes: Optional[int] = None
     seed: int = 0
@@ -278,13 +306,13 @@ class RuntimeOptions:
     overlap_optimizer: bool = True
     staleness: int = 0
     pinned: str = "alloc"
-    optimizer_delay_s: float = 0.0
     allow_unverified: bool = False
     logits_with_loss: bool = False
     optimizer_undo: bool = True
     batch_statistics: str = "refuse"
     schedule: str = "round_robin"
     moe_experts: str = "hf"
+    testing: TestingOptions = field(default_factory=TestingOptions)
 
     def validate(self, owner: str | None = None) -> "RuntimeOptions":
         """Check every field; ``owner`` is how the caller spelled the options (default: the class name)."""
@@ -294,8 +322,7 @@ class RuntimeOptions:
         _integer(owner, "microbatches", self.microbatches, 1, allow_none=True)
         _choice(owner, "recompute", self.recompute, RECOMPUTE_CHOICES)
         _seconds(owner, "timeout", self.timeout, positive=True)
-        for name in ("cpu_compute_delay_s", "cpu_jitter_s", "optimizer_delay_s"):
-            _seconds(owner, name, getattr(self, name))
+        self.testing = _nested(TestingOptions, self.testing, owner, "testing").validate(owner, "testing.")
         _integer(owner, "cpu_threads_per_worker", self.cpu_threads_per_worker, 1)
         _integer(owner, "cpu_memory_cap_bytes", self.cpu_memory_cap_bytes, 1, allow_none=True)
         _integer(owner, "seed", self.seed, 0)
@@ -382,6 +409,11 @@ def _nested(cls, value: Any, owner: str, option: str):
 def strategy_options(owner: str = "RoundPipeStrategy", **values: Any) -> StrategyOptions:
     """Validated ``StrategyOptions`` from keyword arguments; an unknown keyword names the known ones."""
     known = {f.name for f in fields(StrategyOptions)} - {"compute_dtype"}
+    moved = sorted(set(values) & set(MOVED_TO_TESTING))
+    if moved:
+        spelled = ", ".join(f"{MOVED_TO_TESTING[name]!r}: {values[name]!r}" for name in moved)
+        raise TypeError(f"{owner}({moved[0]}=...): the testing knobs {moved} moved into the testing options: "
+                        f"pass testing={{{spelled}}}")
     unknown = sorted(set(values) - known)
     if unknown:
         raise TypeError(f"{owner}() got unknown option(s) {unknown}; the options are {sorted(known)}")
@@ -390,13 +422,18 @@ def strategy_options(owner: str = "RoundPipeStrategy", **values: Any) -> Strateg
 
 def option_keywords_signature(init) -> inspect.Signature:
     """``init``'s signature with its ``**options`` replaced by one keyword per ``StrategyOptions``
-    field (with its default), so IDEs, ``help``, ``inspect`` and Hydra see the real arguments."""
+    field, with its default and its type, so ``help``, ``inspect``, Hydra and LightningCLI
+    (jsonargparse reads this signature) see the real, typed arguments."""
     own = inspect.signature(init)
-    params = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    hints = typing.get_type_hints(init)
+    params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in own.parameters.values()
+              if p.kind is not inspect.Parameter.VAR_KEYWORD]
     defaults = StrategyOptions()
-    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=getattr(defaults, f.name))
+    option_types = typing.get_type_hints(StrategyOptions)
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=getattr(defaults, f.name),
+                                 annotation=option_types[f.name])
                for f in fields(StrategyOptions) if f.name != "compute_dtype"]
-    return own.replace(parameters=params)
+    return own.replace(parameters=params, return_annotation=None)
 
 
 # ---------------------------------------------------------------------- Hydra structured configs
@@ -405,7 +442,9 @@ def strategy_config_class():
     ``partition`` and ``transfer`` (top-level Hydra groups of their own) and ``compute_dtype``
     (set from the Trainer's precision), plus ``_target_``."""
     skipped = {"partition", "transfer", "compute_dtype"}
-    own = [(f.name, f.type, field(default=f.default)) for f in fields(StrategyOptions) if f.name not in skipped]
+    own = [(f.name, f.type, field(default=f.default) if f.default is not dataclasses.MISSING
+            else field(default_factory=f.default_factory))
+           for f in fields(StrategyOptions) if f.name not in skipped]
     target = ("_target_", str, field(default="lightning_roundpipe.RoundPipeStrategy"))
     return dataclasses.make_dataclass("RoundPipeStrategyConfig", [target, *own], namespace={"__module__": __name__})
 

@@ -135,7 +135,7 @@ class RoundPipeRuntime:
         update. ``early_steps``: a layer may step during backward, as soon as its gradients are
         complete (only when nothing between backward and the step changes gradients). Call
         ``join`` before reading weights or optimizer state directly; ``detach`` joins and
-        restores the optimizer. ``delay_per_layer_s`` (default ``options.optimizer_delay_s``)
+        restores the optimizer. ``delay_per_layer_s`` (default ``options.testing.optimizer_delay_s``)
         slows every layer step (tests and benchmarks). ``undo`` (default ``options.optimizer_undo``):
         a failed step puts back every layer it stepped (costs one host copy of the weights and
         optimizer state stepped, for one step); False refuses to go on instead (see
@@ -148,7 +148,7 @@ class RoundPipeRuntime:
         if staleness != self.options.staleness:
             raise OptionError(f"overlap_optimizer(staleness={staleness}): the pipeline reads weights as "
                               f"RuntimeOptions(staleness={self.options.staleness}) set them up; pass the staleness there")
-        delay = self.options.optimizer_delay_s if delay_per_layer_s is None else delay_per_layer_s
+        delay = self.options.testing.optimizer_delay_s if delay_per_layer_s is None else delay_per_layer_s
         undo = self.options.optimizer_undo if undo is None else undo
         refresh = self.shadows.refresh if self.shadows is not None else None
         sync = self.grad_sync.finalize_params if self.grad_sync is not None else None

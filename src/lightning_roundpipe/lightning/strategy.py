@@ -14,7 +14,10 @@ from contextlib import ExitStack
 from datetime import timedelta
 
 import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -23,6 +26,7 @@ from typing_extensions import override
 
 from ..adapters.target import find_target
 from ..optim.per_layer_support import declaration_hint, why_not_per_layer
+from ..option_docs import args_section
 from ..options import OptionError, StrategyOptions, option_keywords_signature, strategy_options
 from ..runtime import RoundPipeRuntime, check_writable_dir, run_all
 from ..setup_progress import RichSetupProgress
@@ -50,8 +54,10 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
 
     strategy_name = "roundpipe"
 
-    def __init__(self, options: StrategyOptions | None = None, *, accelerator=None, parallel_devices=None,
-                 cluster_environment=None, checkpoint_io=None, precision_plugin=None, **option_values):
+    def __init__(self, options: StrategyOptions | None = None, *, accelerator: Accelerator | None = None,
+                 parallel_devices: list[torch.device] | None = None,
+                 cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
+                 precision_plugin: Precision | None = None, **option_values):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io or AtomicCheckpointIO(progress=lambda: self.setup_progress()),
@@ -294,7 +300,15 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
         strategy_registry.register(cls.strategy_name, cls, description=DESCRIPTION)
 
 
+# The keyword options, typed and described, for help(), IDEs and LightningCLI (jsonargparse reads both).
 RoundPipeStrategy.__init__.__signature__ = option_keywords_signature(RoundPipeStrategy.__init__)
+RoundPipeStrategy.__init__.__doc__ = "\n".join((
+    "Validate the options (see ``docs/options.md``).", "",
+    args_section(StrategyOptions, skip={"compute_dtype"}),
+    "    options: all the options at once, instead of the keywords.",
+    *(f"    {name}: set by the Trainer." for name in
+      ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")),
+))
 
 
 def register() -> None:

@@ -359,7 +359,7 @@ class FakeCudaWorkerPool(StreamWorkerPool):
     @classmethod
     def options_from(cls, options) -> dict:
         """The CPU jitter knob delays stream work here (the race amplifier), with its seed."""
-        return dict(stream_jitter_s=options.cpu_jitter_s, seed=options.seed)
+        return dict(stream_jitter_s=options.testing.jitter_s, seed=options.seed)
 
     def __init__(self, num_workers: int, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
                  pin_memory: bool = True, fifo_transfers: bool = False,
