@@ -171,6 +171,8 @@ class TestingOptions:
     optimizer_delay_s: sleep this long before each layer's overlapped optimizer step.
     """
 
+    __test__ = False  # a name pytest would otherwise collect as a test class
+
     compute_delay_s: float = 0.0
     jitter_s: float = 0.0
     optimizer_delay_s: float = 0.0
