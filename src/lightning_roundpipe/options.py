@@ -98,6 +98,7 @@ class PartitionConfig:
     memory_budget_bytes: Optional[int] = None
 
     def validate(self, owner: str = "PartitionConfig", prefix: str = "") -> "PartitionConfig":
+        """Check every field; errors name the option as ``owner`` and ``prefix`` spell it."""
         if self.policy not in PARTITION_POLICIES:
             _fail(owner, prefix + "policy", self.policy, "partition policy must be " + ", ".join(map(repr, PARTITION_POLICIES)))
         if self.policy == "manual" and not self.manual_forward:
@@ -134,6 +135,7 @@ class TransferConfig:
     queue: str = "priority"
 
     def validate(self, owner: str = "TransferConfig", prefix: str = "") -> "TransferConfig":
+        """Check every field; errors name the option as ``owner`` and ``prefix`` spell it."""
         if self.queue not in ("priority", "fifo"):
             _fail(owner, prefix + "queue", self.queue, "transfer queue must be 'priority' or 'fifo'")
         check_priorities(owner, prefix + "priorities", self.priorities)
@@ -145,6 +147,7 @@ class TransferConfig:
 
 
 def check_priorities(owner: str, name: str, priorities: Any) -> None:
+    """Check that ``priorities`` gives a finite number for every transfer kind and nothing else."""
     if not isinstance(priorities, Mapping):
         _fail(owner, name, priorities, f"must map each of {list(TRANSFER_KINDS)} to a number")
     missing = sorted(set(TRANSFER_KINDS) - set(priorities))
@@ -219,6 +222,7 @@ class EngineOptions:
     measure_tasks: bool = True
 
     def validate(self, owner: str = "EngineOptions") -> "EngineOptions":
+        """Check every field; errors name ``owner``."""
         _integer(owner, "microbatches", self.microbatches, 1)
         _flag(owner, "recompute", self.recompute)
         _flag(owner, "layer_recompute", self.layer_recompute)
@@ -387,11 +391,13 @@ class StrategyOptions(RuntimeOptions):
         return self
 
     def runtime_options(self) -> RuntimeOptions:
+        """The runtime's share of these options (all but the four about Lightning)."""
         return RuntimeOptions(**{f.name: getattr(self, f.name) for f in fields(RuntimeOptions)})
 
 
 def _nested(cls, value: Any, owner: str, option: str):
-    """A nested option group given as the dataclass, a dict, a Hydra config or None (a policy name for partition)."""
+    """A nested option group given as the dataclass, a dict, a Hydra config or None (a policy name for
+    partition)."""
     value = plain(value)
     if value is None:
         return cls()

@@ -283,6 +283,7 @@ class RoundPipeRuntime:
         return f"{self.engine.describe()}\n{self.planner.report().to_table()}"
 
     def peak_weight_bytes(self) -> list[int]:
+        """The most weight bytes each worker held at once."""
         return self.pool.peak_weight_bytes()
 
     # ------------------------------------------------------------------ gradients across processes
@@ -353,7 +354,8 @@ class RoundPipeRuntime:
 
     @staticmethod
     def mark_restored(module: nn.Module) -> None:
-        """``module``'s weights were restored (from a checkpoint) after a failed step with ``optimizer_undo=False``."""
+        """``module``'s weights were restored (from a checkpoint) after a failed step with
+        ``optimizer_undo=False``."""
         _partly_updated.pop(module, None)
 
 
@@ -381,6 +383,7 @@ class HostClock:
         self.last_end = None
 
     def forward_returned(self, run, called: float, out) -> None:
+        """Note when a pipelined call returned and how long the host spent outside the pipeline before it."""
         now = self.clock()
         entry = {"called": called, "returned": now, "outside": None if self.last_end is None else called - self.last_end}
         self.pending = {run.step: entry}  # an older call never reached backward: forget it
@@ -391,10 +394,12 @@ class HostClock:
                 leaf.register_hook(lambda grad, entry=entry: self.gradient_arrived(entry))
 
     def gradient_arrived(self, entry: dict) -> None:
-        """An output's gradient reached the pipeline (the last output's time is kept); the gradient is unchanged."""
+        """An output's gradient reached the pipeline (the last output's time is kept); the gradient is
+        unchanged."""
         entry["gradient"] = self.clock()
 
     def backward_done(self, run, records) -> None:
+        """Close the step's host timing when its backward is done and hand it to the planner."""
         entry = self.pending.pop(run.step, None)
         self.last_end = self.clock()
         if entry is None:

@@ -39,28 +39,35 @@ class FileProgress:
         self.progress(self.phase, min(self.bytes_read, max(self.size - 1, 0)), self.size)
 
     def read(self, n: int = -1) -> bytes:
+        """Read like the wrapped file and count the bytes."""
         data = self.file.read(n)
         self._count(len(data))
         return data
 
     def readinto(self, buffer) -> int:
+        """Read into ``buffer`` like the wrapped file and count the bytes."""
         count = self.file.readinto(buffer)
         self._count(count or 0)
         return count
 
     def seek(self, offset: int, whence: int = 0) -> int:
+        """Seek in the wrapped file."""
         return self.file.seek(offset, whence)
 
     def tell(self) -> int:
+        """The wrapped file's position."""
         return self.file.tell()
 
     def readline(self, size: int = -1) -> bytes:
+        """Read a line from the wrapped file."""
         return self.file.readline(size)
 
     def seekable(self) -> bool:
+        """Always True: checkpoint files are seekable."""
         return True
 
     def readable(self) -> bool:
+        """Always True."""
         return True
 
 

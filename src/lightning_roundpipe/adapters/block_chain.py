@@ -147,6 +147,7 @@ class ChainArguments:
         self._lock = threading.Lock()
 
     def constants_on(self, device: torch.device) -> list[torch.Tensor]:
+        """The constant tensor arguments on ``device``, copied there once and kept for later calls."""
         if all(c.device == device for c in self.constants):
             return self.constants
         with self._lock:
@@ -155,6 +156,8 @@ class ChainArguments:
             return self._on_device[device]
 
     def rebuild(self, per_sample, device: torch.device) -> tuple[tuple, dict]:
+        """The block's ``(args, kwargs)`` again, from this microbatch's ``per_sample`` tensors and the constants
+        on ``device``."""
         constants = self.constants_on(device) if self.constants else []
         leaves = []
         for kind, v in self.slots:
@@ -213,9 +216,11 @@ class BlockRelay:
         return self.chain.call(self.index, args, kwargs)
 
     def install(self) -> None:
+        """Route the block's calls through this relay (an instance-level ``forward``)."""
         self.block.forward = self
 
     def remove(self) -> None:
+        """Give the block back its own ``forward`` (or the one it had before), if this relay is still installed."""
         if vars(self.block).get("forward") is self:
             if self.replaced is not None:
                 self.block.forward = self.replaced
@@ -224,7 +229,8 @@ class BlockRelay:
 
 
 def _same(a, b) -> bool:
-    """The same argument again: the same object, or a tensor view of the same memory (``self.cos[:t]`` per block)."""
+    """The same argument again: the same object, or a tensor view of the same memory (``self.cos[:t]`` per
+    block)."""
     if a is b:
         return True
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
@@ -264,6 +270,8 @@ class BlockChain:
         return f"block {i} ({self.path}.{i})" if self.path else f"block {i} of the stack of {self.n} {self.block_class}"
 
     def call(self, i: int, args: tuple, kwargs: dict):
+        """Handle the container's call of block ``i``: the first call starts the pipelined chain, later ones
+        must come in order."""
         if i == 0:
             return self._start(args, kwargs)
         if self.expected != i:

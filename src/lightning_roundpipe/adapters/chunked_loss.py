@@ -46,6 +46,7 @@ class LogitTransform:
 
     @property
     def is_identity(self) -> bool:
+        """Whether the transform leaves logits unchanged (no scaling, no soft-capping)."""
         return self.multiplier == 1.0 and self.divisor == 1.0 and self.softcap is None
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:

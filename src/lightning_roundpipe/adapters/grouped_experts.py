@@ -166,6 +166,7 @@ class GroupedExpertsForward:
         return grouped_experts_forward(self.experts, hidden_states, top_k_index, top_k_weights, self.gate, self.kernel)
 
     def remove(self) -> None:
+        """Give the experts module back its own forward, if this one is still installed."""
         if vars(self.experts).get("forward") is self:
             del self.experts.forward
 

@@ -45,6 +45,7 @@ _DECLARE = (f"For a model whose forward is not such a loop, give the module a {D
 
 @dataclass
 class Target:
+    """The module to pipeline: its path from the LightningModule, the module itself and how it is pipelined."""
     path: str  # dotted attribute path from the LightningModule
     module: nn.Module  # the module whose forward is replaced (a stack's container for "block_stack")
     kind: str  # "sequential", "causal_lm", "block_stack" or "declared_chain"
@@ -132,6 +133,8 @@ def locate(module: nn.Module) -> Target:
 
 
 def find_target(lightning_module: nn.Module, path: str | None = None) -> Target:
+    """The module to pipeline in ``lightning_module``: the one at ``path``, else its only candidate child
+    (or its only block stack); several or none are refused, naming what was found."""
     if path:
         return _named(_resolve(lightning_module, path), path, f"RoundPipeStrategy(module={path!r})")
     found = [(name, child, _kind_of(child)) for name, child in lightning_module.named_children()]
@@ -194,12 +197,14 @@ def stack_hint(model: nn.Module, path: str | None = None) -> str:
 
 
 def patch_forward(module: nn.Module, forward: Callable) -> None:
+    """Give ``module`` an instance-level ``forward`` (the pipelined one); refused if it already has one."""
     if "forward" in vars(module):
         raise PipelineTargetError(f"{type(module).__name__} already has an instance-level forward; is it pipelined twice?")
     module.forward = forward  # instance attribute: shadows the class's forward, leaves everything else alone
 
 
 def unpatch(module: nn.Module) -> None:
+    """Undo ``patch_forward`` and remove every relay installed below ``module``."""
     vars(module).pop("forward", None)
     for m in module.modules():  # the relays a block stack's blocks got (see block_chain), grouped experts
         relay = vars(m).get("forward")

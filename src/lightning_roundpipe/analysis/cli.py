@@ -34,6 +34,7 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m lightning_roundpipe.sim`` and its subcommands."""
     hw_help = f"hardware profile name ({', '.join(available_hardware()) or 'see src/lightning_roundpipe/cost/profiles'}) or a YAML path"
     model_help = f"model preset ({', '.join(MODEL_PRESETS)})"
     parser = argparse.ArgumentParser(prog="python -m lightning_roundpipe.sim",

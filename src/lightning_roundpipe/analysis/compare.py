@@ -35,6 +35,7 @@ class ScheduleTable:
     results: dict[str, SimResult] = field(default_factory=dict)  # schedule name -> result
 
     def best_bound(self) -> SimResult | None:
+        """The fastest bound schedule that fits in memory (None when none fits)."""
         bound = [r for name, r in self.results.items() if name != "roundpipe" and r.fits]
         return max(bound, key=lambda r: r.tokens_per_s, default=None)
 
@@ -47,6 +48,7 @@ class ScheduleTable:
         return rp.tokens_per_s / best.tokens_per_s if best and best.tokens_per_s > 0 else math.inf
 
     def to_markdown(self) -> str:
+        """The comparison as a markdown table with a title line."""
         lines = [f"{self.model.name} on {self.hardware.name}, {self.seq_len} tokens/sequence, "
                  f"{self.microbatches} microbatches/step", "",
                  "| schedule | step (s) | tokens/s | bubble | peak GPU (GiB) | notes |",

@@ -299,6 +299,7 @@ def inexact_variants(run: PublishedRun, hardware: str | HardwareProfile, setup: 
 
 
 def published_run(model: str) -> PublishedRun:
+    """The published run of ``model`` (``PUBLISHED_RUNS``); an unknown model is refused naming the known ones."""
     for run in PUBLISHED_RUNS:
         if run.model == model:
             return run

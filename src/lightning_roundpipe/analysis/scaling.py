@@ -29,6 +29,7 @@ MEASURED_SCALING = {
 
 @dataclass
 class ScalingRow:
+    """Simulated throughput of one model on a number of GPUs."""
     model: str
     num_gpus: int
     tokens_per_s: float
@@ -67,6 +68,7 @@ def scaling_rows(models: tuple[str, ...], hardware: str | HardwareProfile, gpu_c
 
 
 def scaling_markdown(rows: list[ScalingRow], hardware: str | HardwareProfile) -> str:
+    """The scaling rows as a markdown table, one row per model and GPU count."""
     hw = load_hardware(hardware)
     lines = [f"Simulated tokens/s on 1..N x {hw.name} (reference workload, one-step-stale optimizer)", "",
              "| model | GPUs | tokens/s (simulated) | speedup | efficiency | bubble | measured (reference) | error |",

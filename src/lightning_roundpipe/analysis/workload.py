@@ -54,10 +54,12 @@ class Workload:
 
     @property
     def sequences_per_microbatch(self) -> float:
+        """Sequences in one microbatch of one call."""
         return self.sequences_per_step / (self.calls * self.microbatches)
 
     @property
     def tokens_per_step(self) -> int:
+        """Tokens one optimizer step trains on."""
         return self.sequences_per_step * self.seq_len
 
     def sim_config(self, optimizer_steps: int = 3) -> SimConfig:
@@ -150,6 +152,7 @@ class WorkloadResult:
 
     @property
     def tokens_per_s(self) -> float:
+        """Trained tokens per second of the simulated step."""
         return self.workload.tokens_per_step / self.step_s
 
 

@@ -202,6 +202,7 @@ class HostMemory:
 
     @property
     def total(self) -> int:
+        """All host bytes of the run added up."""
         return self.optimizer_state + self.compute_copy + self.saved_activations + self.gradient_downloads
 
     @property

@@ -71,14 +71,17 @@ class ModelShape:
 
     @property
     def is_moe(self) -> bool:
+        """Whether the model has Mixture-of-Experts layers."""
         return self.num_experts > 0
 
     @property
     def q_dim(self) -> int:
+        """Width of the attention queries (heads x head dimension)."""
         return self.num_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
+        """Width of the attention keys and values (KV heads x head dimension)."""
         return self.num_kv_heads * self.head_dim
 
     def attention_shapes(self) -> list[tuple[int, int]]:
@@ -97,6 +100,7 @@ class ModelShape:
         return self.attention_shapes() + self.mlp_shapes() * routed
 
     def router_params(self) -> int:
+        """Parameters of one MoE router."""
         return self.hidden * self.num_experts
 
     def active_linear_params(self) -> int:
@@ -104,6 +108,7 @@ class ModelShape:
         return sum(a * b for a, b in self.projection_shapes()) + self.router_params()
 
     def decoder_layer_params(self) -> int:
+        """Parameters of one decoder layer (attention, MLP or experts, router, norms)."""
         experts = self.num_experts if self.is_moe else 1
         linear = (sum(a * b for a, b in self.attention_shapes()) + experts * sum(a * b for a, b in self.mlp_shapes())
                   + self.router_params())
@@ -121,6 +126,7 @@ class ModelShape:
         return sum(rank * (a + b) for a, b in self.projection_shapes())
 
     def embedding_params(self) -> int:
+        """Parameters of the token embedding."""
         return self.vocab * self.hidden
 
     def head_params(self) -> int:

@@ -76,6 +76,7 @@ def layer_seed(base_seed: int, layer: int, microbatch: int) -> int:
 
 
 def uses_randomness(module: nn.Module) -> bool:
+    """Whether a module in training mode below ``module`` may draw random numbers (dropout and the like)."""
     for m in module.modules():
         if not m.training:
             continue
@@ -109,6 +110,7 @@ class GeneratorHold:
     abandoned: bool = False
 
     def describe(self) -> str:
+        """What holds the generator and where, for timeout messages."""
         text = _describe(self.what) if isinstance(self.what, tuple) else str(self.what)
         where = self.where() if self.where is not None else f"thread {self.thread.name}"
         return f"{text} ({where})" if where else text
@@ -201,6 +203,8 @@ class CpuGeneratorGate:
 
     def enter_shared(self, what: tuple, timeout: float = DEFAULT_GATE_TIMEOUT_S, owner: object = None,
                      where: Callable[[], str] | None = None) -> object:
+        """Enter a shared (non-drawing) period for ``what``; returns the token ``exit_shared`` takes. Waits up
+        to ``timeout`` for an exclusive holder."""
         token, me = object(), threading.current_thread()
         with self._cond:
             hold = GeneratorHold(what, me, owner, where)
@@ -273,13 +277,16 @@ class LayerDraws:
 
     @staticmethod
     def flags(module: nn.Module) -> tuple:
+        """The training flags of every module below ``module``: what decides whether it draws."""
         return tuple(m.training for m in module.modules())
 
     def known(self, module: nn.Module, flags: tuple) -> bool | None:
+        """Whether ``module`` was seen to draw with these ``flags`` (None: not seen yet)."""
         with self._lock:
             return self._known.get(module, {}).get(flags)
 
     def note(self, module: nn.Module, flags: tuple, draws: bool) -> None:
+        """Record whether ``module`` drew with these ``flags``; once seen drawing, it stays drawing."""
         with self._lock:
             per_flags = self._known.setdefault(module, {})
             if not per_flags.get(flags):  # once seen to draw, a layer stays drawing

@@ -109,6 +109,7 @@ class StepRun:
         return outs
 
     def fused_loss(self) -> torch.Tensor:
+        """The sum of the fused last stage's per-microbatch losses, in microbatch order."""
         total = torch.zeros((), dtype=torch.float32)
         for t in self.graph.tasks:  # fixed order: microbatch 0..M-1
             if t.kind == "loss":

@@ -88,13 +88,16 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
 
     @property
     def num_workers(self) -> int:
+        """Number of workers: the Trainer's devices."""
         return len(self.parallel_devices or [None])
 
     @property
     def is_distributed(self) -> bool:
+        """Whether more than one node trains."""
         return self.world_size > 1
 
     def set_world_ranks(self) -> None:  # one process per node
+        """One process per node: the node rank is the global rank."""
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank)
             self.cluster_environment.set_world_size(self.num_nodes)
@@ -312,5 +315,6 @@ RoundPipeStrategy.__init__.__doc__ = "\n".join((
 
 
 def register() -> None:
+    """Register ``strategy="roundpipe"`` with Lightning (once)."""
     if RoundPipeStrategy.strategy_name not in StrategyRegistry:
         RoundPipeStrategy.register_strategies(StrategyRegistry)

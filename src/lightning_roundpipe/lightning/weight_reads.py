@@ -20,6 +20,7 @@ READS = ("parameters", "named_parameters", "state_dict")
 
 
 def join_before_reads(module: nn.Module, join: Callable[[], None]) -> None:
+    """Make the module's weight reads (``parameters()``, ``state_dict()``, ...) call ``join`` first."""
     for name in READS:
         original = getattr(type(module), name)
 
@@ -31,5 +32,6 @@ def join_before_reads(module: nn.Module, join: Callable[[], None]) -> None:
 
 
 def restore(module: nn.Module) -> None:
+    """Undo ``join_before_reads``."""
     for name in READS:
         vars(module).pop(name, None)

@@ -60,6 +60,7 @@ class StepFailed(PipelineError):
 
 
 class OverlappedOptimizer:
+    """Steps a host optimizer layer by layer behind the pipeline (see the module doc)."""
     def __init__(self, optimizer: torch.optim.Optimizer, layer_tables, trace, *, notifier=None,
                  staleness: int = 0, delay_per_layer_s: float = 0.0,
                  after_layer_step: Callable[[list[torch.Tensor]], None] | None = None,
@@ -143,6 +144,8 @@ class OverlappedOptimizer:
 
     # ------------------------------------------------------------------ engine hooks
     def weight_gates(self, layer_ids) -> list[Completion]:
+        """The completions an upload of ``layer_ids`` waits for: their layers' pending steps (none with
+        staleness)."""
         if self.staleness:
             return []  # uploads read the shadows, which only change between steps
         gates = []
@@ -186,6 +189,7 @@ class OverlappedOptimizer:
 
     # ------------------------------------------------------------------ optimizer API
     def step(self, closure=None):
+        """Step every layer not stepped during backward; exact mode waits for the previous step first."""
         if not self.staleness:
             self.join()  # exact: the previous step's updates are in (the forward waited for them anyway)
         self._done_layers = set()
@@ -243,6 +247,7 @@ class OverlappedOptimizer:
             exc.add_note(_failure_note(undo.stepped, undo.keep))
 
     def zero_grad(self, set_to_none: bool = True):
+        """Clear the gradients, as ``torch.optim.Optimizer.zero_grad``."""
         # Submitted layer steps hold their own references to the gradients they read, so dropping
         # .grad needs no wait; zeroing in place does (exact mode reads .grad itself).
         if not self.staleness and not set_to_none:

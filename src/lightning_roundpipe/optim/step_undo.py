@@ -65,6 +65,7 @@ class BeforeImages:
         return out
 
     def nbytes(self) -> int:
+        """Bytes of the kept before-images."""
         with self._lock:
             return sum(flat.numel() for flat, _, _ in self._groups.values())
 

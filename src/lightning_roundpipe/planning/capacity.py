@@ -171,9 +171,11 @@ class TrainingPlan:
 
     @property
     def gpu_budget_bytes(self) -> float:
+        """The share of each GPU's memory the plan may use."""
         return self.hardware.gpu_memory_bytes * self.memory_fraction
 
     def to_text(self) -> str:
+        """The plan as the ``sim plan`` command prints it."""
         hw, shape = self.hardware, self.model
         mode = f"LoRA rank {self.lora_rank}" if self.lora_rank else "full fine-tuning"
         lines = [

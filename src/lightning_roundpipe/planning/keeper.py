@@ -119,7 +119,8 @@ class PlanKeeper:
         self.host_measured: set[str] = set()  # the HostWork fields measured at least once
 
     def use(self, costs, microbatches: int) -> None:
-        """Plan for ``microbatches`` under ``costs`` (the estimate) and start the re-planner and host estimate afresh."""
+        """Plan for ``microbatches`` under ``costs`` (the estimate) and start the re-planner and host estimate
+        afresh."""
         p = self.cfg
         self.microbatches = microbatches
         self.plan = self.plan_for(costs, microbatches, self.recompute)
@@ -172,11 +173,13 @@ class PlanKeeper:
             self.host_source = "measured"
 
     def report(self) -> PlanReport:
+        """The plan table's data: the plan with its costs, microbatches, recompute and host memory."""
         return build_report(self.plan, self.moving.profile(), self.num_workers, self.microbatches,
                             recompute=self.recompute, host=self.host, host_source=self.host_source,
                             microbatch_overhead_s=self.microbatch_overhead_s)
 
     def observe(self, measurements) -> None:
+        """Fold one step's measured ``(stage, kind, seconds)`` into the moving cost estimate."""
         for stage, kind, seconds in measurements:
             self.moving.observe_stage((stage.start, stage.end), kind, seconds)
 

@@ -28,6 +28,7 @@ POLICIES = ("compute", "auto", "uniform", "params", "manual")
 
 
 def manual_ranges(name: str, ranges) -> tuple[LayerRange, ...]:
+    """The validated ``[start, end)`` layer ranges of the manual policy's ``name`` option."""
     if ranges is None:
         raise PlanError(f"the manual policy needs {name}=[[start, end], ...] (layer ranges, end exclusive)")
     out = []

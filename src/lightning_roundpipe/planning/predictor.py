@@ -199,6 +199,7 @@ def link_speed(costs: CostProfile, link_bytes_per_second: float | None) -> float
 
 
 def check_inputs(costs: CostProfile, num_workers: int, microbatches: int) -> None:
+    """Refuse costs, worker or microbatch counts the timing model cannot price, saying why."""
     if len(costs) < 1:
         raise PlanError("the cost profile has no layers: there is nothing to partition")
     if num_workers < 1:

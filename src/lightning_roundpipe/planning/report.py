@@ -43,6 +43,7 @@ class ReportRow:
 
     @property
     def layers(self) -> str:
+        """The row's layer range as ``start:end``."""
         return f"{self.start}:{self.end}"
 
 

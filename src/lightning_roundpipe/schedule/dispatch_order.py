@@ -43,9 +43,11 @@ class RoundRobin:
     name: str = "round_robin"
 
     def dispatch(self, plan: Plan, num_workers: int, cursor: int = 0, fused: bool | None = None) -> list[Task]:
+        """The plan's tasks, each stage to the worker after the previous stage's, from ``cursor``."""
         return dispatch(plan, num_workers, cursor, fused)
 
     def cursor_after(self, cursor: int, dispatched: int, num_workers: int) -> int:
+        """The worker the next call starts from: after the last one this call used."""
         return (cursor + dispatched) % num_workers
 
 
@@ -58,9 +60,11 @@ class Sticky(RoundRobin):
     name: str = "sticky"
 
     def dispatch(self, plan: Plan, num_workers: int, cursor: int = 0, fused: bool | None = None) -> list[Task]:
+        """The plan's tasks dispatched round-robin from worker 0 (``cursor`` ignored)."""
         return dispatch(plan, num_workers, 0, fused)
 
     def cursor_after(self, cursor: int, dispatched: int, num_workers: int) -> int:
+        """Always worker 0: every call starts there."""
         return 0
 
 

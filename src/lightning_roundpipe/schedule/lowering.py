@@ -149,6 +149,7 @@ class GraphTask:
         object.__setattr__(self, "kind", TaskKind(self.kind))
 
     def to_text(self) -> str:
+        """One line: id, kind, stage, microbatch, worker, lane and dependencies."""
         mb = f" mb{self.microbatch}" if self.microbatch >= 0 else ""
         at = f" @{self.boundary}" if self.boundary >= 0 else ""
         deps = f" <- {','.join(map(str, self.deps))}" if self.deps else ""
@@ -175,9 +176,11 @@ class TaskGraph:
         return iter(self.tasks)
 
     def phase(self, name: str) -> list[GraphTask]:
+        """The tasks of phase ``name``, in graph order."""
         return [t for t in self.tasks if t.phase == name]
 
     def to_text(self) -> str:
+        """The graph as text, one task per line."""
         return "\n".join(t.to_text() for t in self.tasks)
 
     def validate(self) -> "TaskGraph":

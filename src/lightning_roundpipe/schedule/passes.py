@@ -58,6 +58,8 @@ def computes(plan: Plan, dispatched: list[Task], options: "LoweringOptions", fus
 
 
 def check_computes(stages: list[StageComputes], plan: Plan, fused: bool) -> list[StageComputes]:
+    """Refuse stage computes the plan does not allow (a stage twice, a fused compute other than the
+    plan's fused last stage, a backward compute of a forward stage); returns them unchanged."""
     names = [s.stage.name for s in stages]
     if len(set(names)) != len(names):
         raise PlanError(f"a stage is dispatched twice in one call: {names}")
@@ -188,6 +190,7 @@ def waits(tasks: list["GraphTask"], options: "LoweringOptions") -> list["GraphTa
 
 
 def check_waits(tasks: list["GraphTask"]) -> list["GraphTask"]:
+    """Refuse tasks whose waits name an unknown history or a non-positive distance; returns them unchanged."""
     for t in tasks:
         for history, back in t.waits:
             if history not in WAIT_HISTORIES or back < 1:

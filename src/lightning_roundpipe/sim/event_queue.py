@@ -55,9 +55,11 @@ class Op:
 
     @property
     def is_transfer(self) -> bool:
+        """Whether the op runs on a transfer queue."""
         return self.queue in ("upload", "download")
 
     def describe(self) -> str:
+        """The op in words, for error messages."""
         mb = f" mb{self.microbatch}" if self.microbatch >= 0 else ""
         return f"{self.kind} {self.stage}{mb} step {self.step} on worker {self.worker} {self.queue}"
 
@@ -98,6 +100,7 @@ class EventSimulator:
         self.records: list[TraceRecord] = []
 
     def add(self, op: Op) -> Op:
+        """Add an op (in submission order) and return it."""
         self._order[id(op)] = len(self.ops)
         self.ops.append(op)
         return op

@@ -163,14 +163,17 @@ class SimResult:
 
     @property
     def tokens_per_s(self) -> float:
+        """Trained tokens per second (0 for a step that cannot run)."""
         return self.tokens_per_step / self.step_s if self.step_s > 0 and math.isfinite(self.step_s) else 0.0
 
     @property
     def max_peak_gpu_bytes(self) -> int:
+        """The largest per-worker peak of device memory."""
         return max(self.peak_gpu_bytes, default=0)
 
 
 def link_of(hardware: HardwareProfile, config: SimConfig) -> LinkSpec:
+    """The host link of ``hardware``, chunked as ``config`` says."""
     return LinkSpec(hardware.host_device_bytes_per_s, hardware.latency_s, hardware.duplex, config.chunk_bytes)
 
 
@@ -197,14 +200,17 @@ class CostSizes:
         self.view = view
 
     def weight_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """One upload chunk per layer of ``[start, end)``, with its weight bytes."""
         return [(layer, layer + 1, self.view.layers[layer].weight_bytes) for layer in range(start, end)]
 
     def grad_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """One gradient download per trainable layer of ``[start, end)``, last layer first."""
         # Last layers first, as backward produces them; frozen layers send nothing.
         return [(layer, layer + 1, self.view.layers[layer].grad_bytes) for layer in reversed(range(start, end))
                 if self.view.layers[layer].grad_bytes > 0]
 
     def boundary_bytes(self, boundary: int) -> int:
+        """Bytes of the activation entering layer ``boundary``."""
         return self.view.in_bytes(boundary)
 
 

@@ -22,6 +22,7 @@ def _task_name(r: TraceRecord) -> str:
 
 
 def queue_rank(queue: str) -> int:
+    """Where a queue's row goes among a worker's rows (unknown queues last)."""
     return QUEUE_ORDER.index(queue) if queue in QUEUE_ORDER else len(QUEUE_ORDER)
 
 

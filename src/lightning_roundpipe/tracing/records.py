@@ -18,6 +18,7 @@ HOST_WORKER = -1  # TraceRecord.worker of tasks that run on the host
 
 @dataclass(frozen=True)
 class TraceRecord:
+    """One task as it ran: worker, queue, kind, stage, microbatch, bytes, start and end."""
     worker: int  # worker index, or -1 for the host (optimizer, gradient accumulation)
     queue: str  # "upload", "compute", "download" or "host"
     kind: str  # e.g. "weights", "act_in", "forward", "backward", "fused", "act_out", "grad_in", "grad_out", "wgrad", "optim"
@@ -30,9 +31,11 @@ class TraceRecord:
 
     @property
     def duration(self) -> float:
+        """Seconds the task took."""
         return self.end - self.start
 
     def as_dict(self) -> dict:
+        """The record as a plain dict."""
         return asdict(self)
 
 
@@ -67,13 +70,16 @@ class TraceRecorder:
         self.measuring = True
 
     def now(self) -> float:
+        """Seconds since the recorder's origin."""
         return time.perf_counter() - self.origin
 
     def add(self, record: TraceRecord) -> None:
+        """Keep a record (thread-safe)."""
         with self._lock:
             self._records.append(record)
 
     def records(self, step: int | None = None) -> list[TraceRecord]:
+        """The records kept, of ``step`` only when given."""
         with self._lock:
             out = list(self._records)
         return out if step is None else [r for r in out if r.step == step]

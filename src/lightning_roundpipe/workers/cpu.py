@@ -51,6 +51,7 @@ CPU_MICROBATCH_OVERHEAD_S = 0.33e-3
 
 
 class CpuWorkerPool(WorkerPool):
+    """The CPU backend: N virtual workers in this process (see the module doc)."""
     backend = "cpu"
     keeps_graphs_across_workers = True  # one process, one memory
     pins_uploads = False  # host memory is the device memory

@@ -292,6 +292,7 @@ class StreamWorkerPool(WorkerPool):
         return self.pinned_bytes
 
     def unpin(self) -> None:
+        """Unregister the host tensors this pool pinned in place."""
         for t in self._pinned:
             self.driver.unregister(t)
         self._pinned = []
@@ -313,6 +314,7 @@ def _page_aligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
 
 
 class CudaWorkerPool(StreamWorkerPool):
+    """The CUDA backend: one worker per entry of ``device_indices``, each with its own streams."""
     backend = "cuda"
     budget_option = "partition.memory_budget_bytes (default: 90% of the GPU's memory)"
 

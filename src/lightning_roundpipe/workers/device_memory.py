@@ -79,6 +79,7 @@ class DeviceMemory:
 
     @property
     def held_bytes(self) -> int:
+        """Bytes the worker holds now: weights and tensors."""
         return self.weight_bytes + self.tensor_bytes
 
     def _over_cap(self, asked: int, before: int) -> bool:
@@ -129,6 +130,7 @@ class DeviceMemory:
             self.tensor_bytes -= self._storages.pop(key, 0)
 
     def reset_peak(self) -> None:
+        """Start measuring the peaks again from what is held now."""
         with self._lock:
             self.peak_bytes, self.peak_task = self.held_bytes, None
             self.peak_weight_bytes = self.weight_bytes

@@ -53,6 +53,7 @@ class Task:
         self.submitted = time.monotonic()
 
     def key(self):
+        """The lane's ordering key: priority, then submission order."""
         return (self.priority, self.seq)
 
 
@@ -78,18 +79,23 @@ class Lane:
         )
 
     def start(self) -> None:
+        """Start the lane's thread."""
         self._thread.start()
 
     def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the lane's thread to end."""
         self._thread.join(timeout)
 
     def alive(self) -> bool:
+        """Whether the lane's thread still runs."""
         return self._thread.is_alive()
 
     def is_thread(self, thread: threading.Thread) -> bool:
+        """Whether ``thread`` is this lane's thread."""
         return thread is self._thread
 
     def submit(self, task: Task) -> None:
+        """Queue a task; the lane runs it once its dependencies are set (a strict lane in submission order)."""
         key = (0, task.seq) if self.strict_order else task.key()  # a strict lane ignores priorities
         with self.pool._lock:
             bisect.insort(self._pending, (key, task), key=lambda kt: kt[0])
@@ -101,9 +107,11 @@ class Lane:
             self.cond.notify()
 
     def pending_count(self) -> int:
+        """Tasks queued or running."""
         return len(self._pending) + (1 if self.busy else 0)
 
     def describe_pending(self) -> list[str]:
+        """The running and waiting tasks in words, for timeout messages."""
         lines = []
         if self.running is not None:
             since = time.monotonic() - self.running.done.started
@@ -114,6 +122,7 @@ class Lane:
         return lines
 
     def first_waiting(self) -> Task | None:
+        """The next task the lane would run, if any."""
         return self._pending[0][1] if self._pending else None
 
     # Called with the pool lock held. Returns (task, error, device_wait): device_wait is True when
@@ -184,6 +193,7 @@ class Worker:
 
     @property
     def peak_weight_bytes(self) -> int:
+        """The most weight bytes this worker held at once."""
         return self.memory.peak_weight_bytes
 
     def submit(
@@ -203,6 +213,7 @@ class Worker:
         return done
 
     def compute(self, fn, deps, label: TaskLabel) -> Completion:
+        """Submit ``fn`` to the compute lane after ``deps``."""
         return self.submit("compute", fn, deps, label)
 
     def track_weights(self, delta_bytes: int) -> None:
@@ -263,6 +274,7 @@ class WorkerPool:
         return len(self.workers)
 
     def start(self) -> "WorkerPool":
+        """Start every lane's thread (once); returns the pool."""
         if not self._started:
             for w in self.workers:
                 for lane in w.lanes.values():
@@ -294,6 +306,7 @@ class WorkerPool:
         return still
 
     def lanes(self):
+        """Every lane of every worker."""
         for w in self.workers:
             yield from w.lanes.values()
 
@@ -342,6 +355,7 @@ class WorkerPool:
                 lane.cond.notify()
 
     def diagnose(self, waited: Completion | None = None) -> str:
+        """What every lane runs and waits for (and what ``waited`` depends on), for timeout messages."""
         with self._cv:
             return self.diagnose_locked(waited)
 
@@ -409,9 +423,11 @@ class WorkerPool:
         return f"thread {thread.name}"
 
     def threads_alive(self) -> list[str]:
+        """Names of the lane threads still running."""
         return [f"roundpipe-w{lane.worker.index}-{lane.queue}" for lane in self.lanes() if lane.alive()]
 
     def peak_weight_bytes(self) -> list[int]:
+        """The most weight bytes each worker held at once."""
         return [w.peak_weight_bytes for w in self.workers]
 
     def peak_device_bytes(self) -> list[int]:
@@ -433,6 +449,7 @@ class WorkerPool:
     device_poll_s = 0.5  # how soon a lane looks again at a task waiting only for device work
 
     def on_lane_start(self, lane: Lane) -> None:
+        """Called on each lane's thread as it starts (a backend sets the device or thread count here)."""
         pass
 
     def on_shutdown(self, timeout: float) -> None:
@@ -443,6 +460,7 @@ class WorkerPool:
         read their timing events once per step, here; the CPU backend records as it runs)."""
 
     def execute(self, lane: Lane, task: Task) -> None:
+        """Run ``task`` on ``lane``'s thread and set its completion: each backend's own."""
         raise NotImplementedError  # each backend defines how a task runs
 
     def copy_to_device(self, worker: Worker, tensors, dtypes, read_only=False):
@@ -460,9 +478,11 @@ class WorkerPool:
         """Take back host tensors from ``copy_to_host(..., reusable=True)``; others are ignored."""
 
     def synchronize(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` until the devices finished everything issued (nothing on the CPU)."""
         pass
 
     def record(self, lane: Lane, task: Task, start: float, end: float) -> None:
+        """Put the task on the timeline when one is recorded (releases are left out)."""
         if self.trace.recording and task.done.label.kind != "release":
             lab = task.done.label
             self.trace.add(
