@@ -98,7 +98,7 @@ def main():
     callbacks = [grab] + ([DieMidStep()] if mode == "die" else [])
     trainer = L.Trainer(
         strategy=RoundPipeStrategy(microbatches=2, timeout=float(os.environ.get("RP_TIMEOUT", 60)), trace_steps=max_steps,
-                                   cpu_compute_delay_s=0.002, overlap_optimizer=os.environ.get("RP_OVERLAP", "1") == "1"),
+                                   testing={"compute_delay_s": 0.002}, overlap_optimizer=os.environ.get("RP_OVERLAP", "1") == "1"),
         accelerator="cpu", devices=2, num_nodes=2, max_steps=max_steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, gradient_clip_val=0.05,
         accumulate_grad_batches=accumulate,

@@ -179,7 +179,7 @@ def measure_case(case: Case, cfg: ValidationConfig) -> dict:
     options = RuntimeOptions(
         microbatches=case.microbatches, partition=partition_of(case, cfg.layers),
         transfer=TransferConfig(bandwidth_bytes_per_s=cfg.bandwidth_bytes_per_s, latency_s=cfg.latency_s),
-        cpu_compute_delay_s=cfg.delay_s, step_metrics=True, trace_steps=cfg.warmup + cfg.steps, seed=cfg.seed)
+        testing={"compute_delay_s": cfg.delay_s}, step_metrics=True, trace_steps=cfg.warmup + cfg.steps, seed=cfg.seed)
     runtime = RoundPipeRuntime.attach(model, "cpu", cfg.workers, options)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(cfg.seed + 1)

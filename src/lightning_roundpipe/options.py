@@ -1,10 +1,10 @@
 """Every option of RoundPipe, defined once.
 
 The dataclasses here are the only definition of the options: ``RoundPipeStrategy``'s keyword
-arguments are the fields of :class:`StrategyOptions`, ``RoundPipeRuntime`` takes
-:class:`RuntimeOptions`, the engine :class:`EngineOptions`, and the Hydra groups ``strategy``,
+arguments are the fields of ``StrategyOptions``, ``RoundPipeRuntime`` takes
+``RuntimeOptions``, the engine ``EngineOptions``, and the Hydra groups ``strategy``,
 ``partition`` and ``transfer`` under ``conf/`` extend the structured configs that
-:func:`register_configs` stores in Hydra's ``ConfigStore``. Validation lives here too, and its
+``register_configs`` stores in Hydra's ``ConfigStore``. Validation lives here too, and its
 errors name the option as the caller spelled it: ``RoundPipeStrategy(timeout=nan)`` for a
 strategy user, ``RuntimeOptions(timeout=nan)`` for a user of the Lightning-free runtime.
 """
@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import math
 import numbers
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional
 
@@ -97,6 +98,7 @@ class PartitionConfig:
     memory_budget_bytes: Optional[int] = None
 
     def validate(self, owner: str = "PartitionConfig", prefix: str = "") -> "PartitionConfig":
+        """Check every field; errors name the option as ``owner`` and ``prefix`` spell it."""
         if self.policy not in PARTITION_POLICIES:
             _fail(owner, prefix + "policy", self.policy, "partition policy must be " + ", ".join(map(repr, PARTITION_POLICIES)))
         if self.policy == "manual" and not self.manual_forward:
@@ -133,6 +135,7 @@ class TransferConfig:
     queue: str = "priority"
 
     def validate(self, owner: str = "TransferConfig", prefix: str = "") -> "TransferConfig":
+        """Check every field; errors name the option as ``owner`` and ``prefix`` spell it."""
         if self.queue not in ("priority", "fifo"):
             _fail(owner, prefix + "queue", self.queue, "transfer queue must be 'priority' or 'fifo'")
         check_priorities(owner, prefix + "priorities", self.priorities)
@@ -144,6 +147,7 @@ class TransferConfig:
 
 
 def check_priorities(owner: str, name: str, priorities: Any) -> None:
+    """Check that ``priorities`` gives a finite number for every transfer kind and nothing else."""
     if not isinstance(priorities, Mapping):
         _fail(owner, name, priorities, f"must map each of {list(TRANSFER_KINDS)} to a number")
     missing = sorted(set(TRANSFER_KINDS) - set(priorities))
@@ -158,8 +162,40 @@ def check_priorities(owner: str, name: str, priorities: Any) -> None:
 
 
 @dataclass
+class TestingOptions:
+    """Delays injected on purpose, for tests and measurements: not for training (``testing=...``).
+
+    They make a run slower or noisier so that tests see orderings a fast machine rarely shows,
+    and so that measurements have a known compute time; the results stay exact and deterministic.
+
+    compute_delay_s: CPU backend: sleep this long before each compute task.
+    jitter_s: sleep a random time in [0, jitter_s) before each task of the CPU backend (compute
+        and transfers) and before the stream work of the ``fake_cuda`` backend; its seed is ``seed``.
+    optimizer_delay_s: sleep this long before each layer's overlapped optimizer step.
+    """
+
+    __test__ = False  # a name pytest would otherwise collect as a test class
+
+    compute_delay_s: float = 0.0
+    jitter_s: float = 0.0
+    optimizer_delay_s: float = 0.0
+
+    def validate(self, owner: str = "TestingOptions", prefix: str = "") -> "TestingOptions":
+        """Check every delay is a finite number of seconds >= 0."""
+        for name in ("compute_delay_s", "jitter_s", "optimizer_delay_s"):
+            _seconds(owner, prefix + name, getattr(self, name))
+        return self
+
+
+# The flat names the testing knobs had before they moved into ``testing``: a call with one of
+# them is refused with the new spelling.
+MOVED_TO_TESTING = {"cpu_compute_delay_s": "compute_delay_s", "cpu_jitter_s": "jitter_s",
+                    "optimizer_delay_s": "optimizer_delay_s"}
+
+
+@dataclass
 class EngineOptions:
-    """How the engine runs a plan (what :class:`RuntimeOptions` hands to ``PipelineEngine``).
+    """How the engine runs a plan (what ``RuntimeOptions`` hands to ``PipelineEngine``).
 
     microbatches: number of microbatches a batch is split into (dim 0).
     recompute: True keeps only stage inputs in forward and recomputes in backward (bounded
@@ -170,7 +206,7 @@ class EngineOptions:
         each layer's input, then recomputes each layer with grad from the last to the first, so
         one layer's graph is alive instead of the whole stage's (one more forward of the stage).
     compute_dtype: dtype floating parameters are cast to on upload (None: as stored on host).
-    priorities, chunk_bytes, prefetch_depth: as in :class:`TransferConfig`.
+    priorities, chunk_bytes, prefetch_depth: as in ``TransferConfig``.
     measure_tasks: keep every compute task's trace record until the step's measurements are
         read (``StepRun.measurements``, what the cost profile and the re-planner learn from),
         even when no timeline is recorded.
@@ -186,6 +222,7 @@ class EngineOptions:
     measure_tasks: bool = True
 
     def validate(self, owner: str = "EngineOptions") -> "EngineOptions":
+        """Check every field; errors name ``owner``."""
         _integer(owner, "microbatches", self.microbatches, 1)
         _flag(owner, "recompute", self.recompute)
         _flag(owner, "layer_recompute", self.layer_recompute)
@@ -214,18 +251,17 @@ class RuntimeOptions:
         each backward stage) or "never" (keep forward graphs; CPU backend only; a second backward
         of one call recomputes).
     timeout: seconds any wait may take before it fails with an error naming what it waited for.
-    partition: how layers are cut into stages (:class:`PartitionConfig`).
-    transfer: transfer priorities, chunking, prefetch and CPU link model (:class:`TransferConfig`).
+    partition: how layers are cut into stages (``PartitionConfig``).
+    transfer: transfer priorities, chunking, prefetch and CPU link model (``TransferConfig``).
     compute_dtype: a ``torch.dtype`` weights are uploaded in (None: as stored). The strategy sets
         it from the precision plugin; no Hydra entry.
-    cpu_compute_delay_s, cpu_jitter_s: CPU backend only: injected delay / random jitter per task.
     cpu_threads_per_worker: CPU backend only: torch threads per worker's compute queue.
     cpu_memory_cap_bytes: CPU backend only: make each worker a virtual GPU of this many bytes.
         Its device memory is measured (uploaded weights and every tensor its tasks create, see
         ``workers/device_memory.py``) and a task that would take it over the cap fails with
         ``WorkerOutOfMemoryError`` naming worker, stage and microbatch; the step leaves weights
         and optimizer state as they were. None: no cap (and no measuring cost).
-    seed: seed of the CPU backend's jitter.
+    seed: seed of the injected jitter (``testing.jitter_s``).
     trace_steps: keep the timeline of the first N training steps (for export).
     step_metrics: time every step's tasks for bubble fraction, exposed transfer and tokens per second.
     overlap_optimizer: step the optimizer layer by layer on a host thread, hidden behind backward
@@ -234,7 +270,6 @@ class RuntimeOptions:
         taken at the weights from before update t-1): more overlap, NOT exact.
     pinned: pinned host memory policy for the CUDA backend: "alloc", "register" or "off" (see
         ``params/shadows.py`` for the trade-off); no effect on the CPU backend.
-    optimizer_delay_s: testing knob: sleep this long before each layer's optimizer step.
     allow_unverified: pipeline a Hugging Face family that is not verified (docs/models.md) after
         checking the pipelined against the unpipelined forward on the first microbatch.
     logits_with_loss: a Hugging Face causal LM called with ``labels`` also returns ``.logits``
@@ -260,6 +295,7 @@ class RuntimeOptions:
         (``adapters/grouped_experts.py``: pairs sorted by expert, one grouped matmul per projection,
         no host sync; exact against HF's loop; parameters and ``state_dict`` unchanged; an experts
         layout it does not map, and any unverified family, keeps HF's forward, with a warning naming it).
+    testing: delays injected for tests and measurements (``TestingOptions``); none by default.
     """
 
     microbatches: Optional[int] = None
@@ -268,8 +304,6 @@ class RuntimeOptions:
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     compute_dtype: Any = None
-    cpu_compute_delay_s: float = 0.0
-    cpu_jitter_s: float = 0.0
     cpu_threads_per_worker: int = 1
     cpu_memory_cap_bytes: Optional[int] = None
     seed: int = 0
@@ -278,13 +312,13 @@ class RuntimeOptions:
     overlap_optimizer: bool = True
     staleness: int = 0
     pinned: str = "alloc"
-    optimizer_delay_s: float = 0.0
     allow_unverified: bool = False
     logits_with_loss: bool = False
     optimizer_undo: bool = True
     batch_statistics: str = "refuse"
     schedule: str = "round_robin"
     moe_experts: str = "hf"
+    testing: TestingOptions = field(default_factory=TestingOptions)
 
     def validate(self, owner: str | None = None) -> "RuntimeOptions":
         """Check every field; ``owner`` is how the caller spelled the options (default: the class name)."""
@@ -294,8 +328,7 @@ class RuntimeOptions:
         _integer(owner, "microbatches", self.microbatches, 1, allow_none=True)
         _choice(owner, "recompute", self.recompute, RECOMPUTE_CHOICES)
         _seconds(owner, "timeout", self.timeout, positive=True)
-        for name in ("cpu_compute_delay_s", "cpu_jitter_s", "optimizer_delay_s"):
-            _seconds(owner, name, getattr(self, name))
+        self.testing = _nested(TestingOptions, self.testing, owner, "testing").validate(owner, "testing.")
         _integer(owner, "cpu_threads_per_worker", self.cpu_threads_per_worker, 1)
         _integer(owner, "cpu_memory_cap_bytes", self.cpu_memory_cap_bytes, 1, allow_none=True)
         _integer(owner, "seed", self.seed, 0)
@@ -363,11 +396,13 @@ class StrategyOptions(RuntimeOptions):
         return self
 
     def runtime_options(self) -> RuntimeOptions:
+        """The runtime's share of these options (all but the four about Lightning)."""
         return RuntimeOptions(**{f.name: getattr(self, f.name) for f in fields(RuntimeOptions)})
 
 
 def _nested(cls, value: Any, owner: str, option: str):
-    """A nested option group given as the dataclass, a dict, a Hydra config or None (a policy name for partition)."""
+    """A nested option group given as the dataclass, a dict, a Hydra config or None (a policy name for
+    partition)."""
     value = plain(value)
     if value is None:
         return cls()
@@ -385,8 +420,13 @@ def _nested(cls, value: Any, owner: str, option: str):
 
 
 def strategy_options(owner: str = "RoundPipeStrategy", **values: Any) -> StrategyOptions:
-    """Validated :class:`StrategyOptions` from keyword arguments; an unknown keyword names the known ones."""
+    """Validated ``StrategyOptions`` from keyword arguments; an unknown keyword names the known ones."""
     known = {f.name for f in fields(StrategyOptions)} - {"compute_dtype"}
+    moved = sorted(set(values) & set(MOVED_TO_TESTING))
+    if moved:
+        spelled = ", ".join(f"{MOVED_TO_TESTING[name]!r}: {values[name]!r}" for name in moved)
+        raise TypeError(f"{owner}({moved[0]}=...): the testing knobs {moved} moved into the testing options: "
+                        f"pass testing={{{spelled}}}")
     unknown = sorted(set(values) - known)
     if unknown:
         raise TypeError(f"{owner}() got unknown option(s) {unknown}; the options are {sorted(known)}")
@@ -394,14 +434,19 @@ def strategy_options(owner: str = "RoundPipeStrategy", **values: Any) -> Strateg
 
 
 def option_keywords_signature(init) -> inspect.Signature:
-    """``init``'s signature with its ``**options`` replaced by one keyword per :class:`StrategyOptions`
-    field (with its default), so IDEs, ``help``, ``inspect`` and Hydra see the real arguments."""
+    """``init``'s signature with its ``**options`` replaced by one keyword per ``StrategyOptions``
+    field, with its default and its type, so ``help``, ``inspect``, Hydra and LightningCLI
+    (jsonargparse reads this signature) see the real, typed arguments."""
     own = inspect.signature(init)
-    params = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    hints = typing.get_type_hints(init)
+    params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in own.parameters.values()
+              if p.kind is not inspect.Parameter.VAR_KEYWORD]
     defaults = StrategyOptions()
-    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=getattr(defaults, f.name))
+    option_types = typing.get_type_hints(StrategyOptions)
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=getattr(defaults, f.name),
+                                 annotation=option_types[f.name])
                for f in fields(StrategyOptions) if f.name != "compute_dtype"]
-    return own.replace(parameters=params)
+    return own.replace(parameters=params, return_annotation=None)
 
 
 # ---------------------------------------------------------------------- Hydra structured configs
@@ -410,7 +455,9 @@ def strategy_config_class():
     ``partition`` and ``transfer`` (top-level Hydra groups of their own) and ``compute_dtype``
     (set from the Trainer's precision), plus ``_target_``."""
     skipped = {"partition", "transfer", "compute_dtype"}
-    own = [(f.name, f.type, field(default=f.default)) for f in fields(StrategyOptions) if f.name not in skipped]
+    own = [(f.name, f.type, field(default=f.default) if f.default is not dataclasses.MISSING
+            else field(default_factory=f.default_factory))
+           for f in fields(StrategyOptions) if f.name not in skipped]
     target = ("_target_", str, field(default="lightning_roundpipe.RoundPipeStrategy"))
     return dataclasses.make_dataclass("RoundPipeStrategyConfig", [target, *own], namespace={"__module__": __name__})
 

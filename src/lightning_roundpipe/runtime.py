@@ -131,20 +131,20 @@ class RoundPipeRuntime:
         """Step ``optimizer`` layer by layer on a host thread, hidden behind the pipeline.
 
         Patches ``optimizer.step`` and ``optimizer.zero_grad`` in place and returns the
-        :class:`~.optim.overlap.OverlappedOptimizer` driving them. ``optimizer.step()`` then
+        ``OverlappedOptimizer`` driving them. ``optimizer.step()`` then
         submits every layer's update (in layer order) and returns at once; the next forward
         uploads a layer only once its update is done, so results equal the synchronous step bit
-        for bit (``staleness=0``). ``staleness=1`` (set in :class:`RuntimeOptions`, since the
+        for bit (``staleness=0``). ``staleness=1`` (set in ``RuntimeOptions``, since the
         pipeline then reads host shadows made at construction) is RoundPipe's one-step-delayed
         update. ``early_steps``: a layer may step during backward, as soon as its gradients are
         complete (only when nothing between backward and the step changes gradients). Call
-        :meth:`join` before reading weights or optimizer state directly; :meth:`detach` joins and
-        restores the optimizer. ``delay_per_layer_s`` (default ``options.optimizer_delay_s``)
+        ``join`` before reading weights or optimizer state directly; ``detach`` joins and
+        restores the optimizer. ``delay_per_layer_s`` (default ``options.testing.optimizer_delay_s``)
         slows every layer step (tests and benchmarks). ``undo`` (default ``options.optimizer_undo``):
         a failed step puts back every layer it stepped (costs one host copy of the weights and
         optimizer state stepped, for one step); False refuses to go on instead (see
-        :class:`~.optim.overlap.OverlappedOptimizer`), also after :meth:`detach`, until
-        :meth:`mark_restored`.
+        ``OverlappedOptimizer``), also after ``detach``, until
+        ``mark_restored``.
         """
         from .optim.overlap import OverlappedOptimizer
 
@@ -152,7 +152,7 @@ class RoundPipeRuntime:
         if staleness != self.options.staleness:
             raise OptionError(f"overlap_optimizer(staleness={staleness}): the pipeline reads weights as "
                               f"RuntimeOptions(staleness={self.options.staleness}) set them up; pass the staleness there")
-        delay = self.options.optimizer_delay_s if delay_per_layer_s is None else delay_per_layer_s
+        delay = self.options.testing.optimizer_delay_s if delay_per_layer_s is None else delay_per_layer_s
         undo = self.options.optimizer_undo if undo is None else undo
         refresh = self.shadows.refresh if self.shadows is not None else None
         sync = self.grad_sync.finalize_params if self.grad_sync is not None else None
@@ -165,7 +165,7 @@ class RoundPipeRuntime:
         return ov
 
     def join(self) -> None:
-        """Wait for every submitted layer optimizer step (see :meth:`overlap_optimizer`)."""
+        """Wait for every submitted layer optimizer step (see ``overlap_optimizer``)."""
         for ov in self.overlapped:
             ov.join()
 
@@ -271,7 +271,7 @@ class RoundPipeRuntime:
         trainable parameters are reduced whole after backward) and ``options_owner`` (how errors
         name the options, e.g. "RoundPipeStrategy") and ``progress`` (``progress(phase, done, total)``
         for the set-up: cost estimate and plan search; e.g. a
-        :class:`~lightning_roundpipe.setup_progress.RichSetupProgress`). ``path``: the module's dotted path in
+        ``RichSetupProgress``). ``path``: the module's dotted path in
         the LightningModule, for messages (a refused BERT or T5 names the ``module=`` of its block stack)."""
         options = options or RuntimeOptions()
         if kind is None:
@@ -306,6 +306,7 @@ class RoundPipeRuntime:
         return f"{self.engine.describe()}\n{self.planner.report().to_table()}" + (f"\n{note}" if note else "")
 
     def peak_weight_bytes(self) -> list[int]:
+        """The most weight bytes each worker held at once."""
         return self.pool.peak_weight_bytes()
 
     def memory_metrics(self, reset_peaks: bool = True) -> dict:
@@ -391,13 +392,14 @@ class RoundPipeRuntime:
 
     @staticmethod
     def mark_restored(module: nn.Module) -> None:
-        """``module``'s weights were restored (from a checkpoint) after a failed step with ``optimizer_undo=False``."""
+        """``module``'s weights were restored (from a checkpoint) after a failed step with
+        ``optimizer_undo=False``."""
         _partly_updated.pop(module, None)
 
 
 class HostClock:
     """Measures the host's own work around pipelined training calls for the plan keeper
-    (:meth:`~.planning.keeper.PlanKeeper.observe_host`), on the trace recorder's clock:
+    (``observe_host``), on the trace recorder's clock:
 
     * between forward and backward: from the last forward output on the host (the last forward
       download in the trace; the call's return when no task was recorded) to the moment the
@@ -419,6 +421,7 @@ class HostClock:
         self.last_end = None
 
     def forward_returned(self, run, called: float, out) -> None:
+        """Note when a pipelined call returned and how long the host spent outside the pipeline before it."""
         now = self.clock()
         entry = {"called": called, "returned": now, "outside": None if self.last_end is None else called - self.last_end}
         self.pending = {run.step: entry}  # an older call never reached backward: forget it
@@ -429,10 +432,12 @@ class HostClock:
                 leaf.register_hook(lambda grad, entry=entry: self.gradient_arrived(entry))
 
     def gradient_arrived(self, entry: dict) -> None:
-        """An output's gradient reached the pipeline (the last output's time is kept); the gradient is unchanged."""
+        """An output's gradient reached the pipeline (the last output's time is kept); the gradient is
+        unchanged."""
         entry["gradient"] = self.clock()
 
     def backward_done(self, run, records) -> None:
+        """Close the step's host timing when its backward is done and hand it to the planner."""
         entry = self.pending.pop(run.step, None)
         self.last_end = self.clock()
         if entry is None:

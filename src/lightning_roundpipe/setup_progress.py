@@ -1,7 +1,7 @@
 """Progress of long set-up work (estimating layer costs, the ``auto`` plan search, loading a checkpoint).
 
 The planning and cost code take an optional ``progress`` callback, ``progress(phase, done, total)``,
-and stay free of any display. :class:`RichSetupProgress` is the display: a ``rich.progress`` bar in
+and stay free of any display. ``RichSetupProgress`` is the display: a ``rich.progress`` bar in
 the style of Lightning's ``RichProgressBar``. It draws nothing when the console is not a terminal
 (a job writing to a log file keeps clean output) and nothing for a phase that ends within
 ``delay_s`` (the usual case on small models), so only set-up the user would wait for is shown.
@@ -39,33 +39,40 @@ class FileProgress:
         self.progress(self.phase, min(self.bytes_read, max(self.size - 1, 0)), self.size)
 
     def read(self, n: int = -1) -> bytes:
+        """Read like the wrapped file and count the bytes."""
         data = self.file.read(n)
         self._count(len(data))
         return data
 
     def readinto(self, buffer) -> int:
+        """Read into ``buffer`` like the wrapped file and count the bytes."""
         count = self.file.readinto(buffer)
         self._count(count or 0)
         return count
 
     def seek(self, offset: int, whence: int = 0) -> int:
+        """Seek in the wrapped file."""
         return self.file.seek(offset, whence)
 
     def tell(self) -> int:
+        """The wrapped file's position."""
         return self.file.tell()
 
     def readline(self, size: int = -1) -> bytes:
+        """Read a line from the wrapped file."""
         return self.file.readline(size)
 
     def seekable(self) -> bool:
+        """Always True: checkpoint files are seekable."""
         return True
 
     def readable(self) -> bool:
+        """Always True."""
         return True
 
 
 class RichSetupProgress:
-    """A :data:`ProgressCallback` drawing one ``rich`` progress bar per phase, on a terminal only.
+    """A ``ProgressCallback`` drawing one ``rich`` progress bar per phase, on a terminal only.
 
     Args:
         delay_s: a phase is drawn only once it has run this long and is not finished yet.

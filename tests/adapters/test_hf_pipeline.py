@@ -190,7 +190,7 @@ def test_overlapping_calls_never_leak_gradients_into_host_weights():
     """A fused run's eager backward may still recompute layers while the next call runs them."""
     model = tiny("qwen3")
     ids, mask, labels = batch(padded=False)
-    rt = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(microbatches=3, cpu_jitter_s=0.002))
+    rt = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(microbatches=3, testing={"jitter_s": 0.002}))
     try:
         for _ in range(15):
             model(input_ids=ids, attention_mask=mask, labels=labels)  # loss dropped, backward still running

@@ -206,7 +206,7 @@ def test_last_call_of_a_step_still_steps_layers_during_backward():
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     # several backward stages, so that layers complete one stage at a time
     runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, trace_steps=4, partition="params",
-                                                                    recompute="always", cpu_compute_delay_s=0.003))
+                                                                    recompute="always", testing={"compute_delay_s": 0.003}))
     ov = runtime.overlap_optimizer(opt, delay_per_layer_s=0.002)
     x, y = torch.randn(6, 8), torch.randn(6, 2)
     try:

@@ -52,7 +52,7 @@ def test_recompute_reproduces_forward_random_numbers(microbatches, workers):
     net = nn.Sequential(*layers)
     x, y = torch.randn(6, 8), torch.randn(6, 1)
     runtime = RoundPipeRuntime.attach(net, "cpu", workers, RuntimeOptions(microbatches=microbatches,
-                                                                          step_metrics=False, cpu_jitter_s=0.002))
+                                                                          step_metrics=False, testing={"jitter_s": 0.002}))
     try:
         torch.manual_seed(5)
         ((net(x) - y) ** 2).mean().backward()
@@ -72,7 +72,7 @@ def test_same_seed_gives_bit_identical_runs_whatever_the_timing(opt):
     for jitter in (0.0, 0.003):
         L.seed_everything(7, verbose=False)
         m = RandomModule(opt=opt)
-        fit(m, RoundPipeStrategy(microbatches=3, cpu_jitter_s=jitter), devices=3, max_steps=4, record_grads=False)
+        fit(m, RoundPipeStrategy(microbatches=3, testing={"jitter_s": jitter}), devices=3, max_steps=4, record_grads=False)
         runs.append(weights(m))
     w0 = weights(RandomModule(opt=opt))
     assert any(not torch.equal(runs[0][k], w0[k]) for k in w0)

@@ -69,13 +69,14 @@ def test_default_config_composes_to_documented_values():
         "_target_": "lightning_roundpipe.RoundPipeStrategy", "microbatches": None, "recompute": "auto",
         "timeout": 300, "module": None, "staleness": 0, "overlap_optimizer": True, "pinned": "alloc",
         # the rest of lightning_roundpipe.options.StrategyOptions, which the YAML extends (defaults)
-        "cpu_compute_delay_s": 0.0, "cpu_jitter_s": 0.0, "cpu_threads_per_worker": 1, "seed": 0, "trace_steps": 0,
-        "step_metrics": True, "optimizer_delay_s": 0.0, "workers": None, "trace_dir": None, "checkpoint_weights": "full",
+        "cpu_threads_per_worker": 1, "seed": 0, "trace_steps": 0,
+        "step_metrics": True, "workers": None, "trace_dir": None, "checkpoint_weights": "full",
         "progress_bar_metrics": False,
         "allow_unverified": False, "logits_with_loss": False, "optimizer_undo": True, "cpu_memory_cap_bytes": None,
         "batch_statistics": "refuse",
         "schedule": "round_robin",
         "moe_experts": "hf",
+        "testing": {"compute_delay_s": 0.0, "jitter_s": 0.0, "optimizer_delay_s": 0.0},
     }
     assert cfg.partition.policy == "compute"
     assert set(cfg.partition) >= {"policy", "forward_stages", "backward_stages", "manual_forward", "manual_backward", "replan_threshold"}

@@ -1,6 +1,6 @@
 """Reads of the inner model after ``optimizer_step`` returns see the updated weights (issue 20, item 3).
 
-The overlapped optimizer's layer steps are slowed (``optimizer_delay_s``) so that, without the
+The overlapped optimizer's layer steps are slowed (``testing.optimizer_delay_s``) so that, without the
 join at the end of the strategy's ``optimizer_step``, they would still be running when
 ``on_train_batch_end`` reads the weights. Parity against Lightning's default strategy, SGD and
 AdamW."""
@@ -12,7 +12,7 @@ import torch
 from _exact_models import LAYERED, WEIGHT_TOL, SeqModule, fit, weight_error, weights
 from lightning_roundpipe import RoundPipeStrategy
 
-SLOW_STEPS = {"microbatches": 2, "optimizer_delay_s": 0.02, **LAYERED}
+SLOW_STEPS = {"microbatches": 2, "testing": {"optimizer_delay_s": 0.02}, **LAYERED}
 
 
 class InnerEMA(L.Callback):

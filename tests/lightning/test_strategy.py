@@ -198,7 +198,7 @@ def test_transfer_and_partition_dicts_as_hydra_gives_them():
         partition={"policy": "manual", "manual_forward": [[0, 3], [3, 6]], "manual_backward": [[0, 2], [2, 4], [4, 6]]},
         transfer={"queue": "fifo", "chunk_bytes": 256, "prefetch_depth": 1, "bandwidth_bytes_per_s": 1e8, "latency_s": 1e-4,
                   "priorities": {"activation": 0, "weights": 0, "gradients": 0}},
-        cpu_jitter_s=0.001, seed=3,
+        testing={"jitter_s": 0.001}, seed=3,
     )
     _, g = fit(m, strategy, devices=2, max_steps=2)
     assert grad_error(g, g_ref) <= 1e-5

@@ -28,7 +28,7 @@ def run(mkw, tkw, record_grads=False, **strategy_kwargs):
 def test_overlapped_equals_synchronous_bit_for_bit(mkw, tkw):
     _, sync = run(mkw, tkw, overlap_optimizer=False)
     _, overlapped = run(mkw, tkw)
-    _, slow = run(mkw, tkw, optimizer_delay_s=0.01)  # a slow optimizer: ordering must not depend on timing
+    _, slow = run(mkw, tkw, testing={"optimizer_delay_s": 0.01})  # a slow optimizer: ordering must not depend on timing
     _, late = run(mkw, tkw, record_grads=True)  # a callback reads grads: layers step after the closure
     for k in sync:
         assert torch.equal(sync[k], overlapped[k]), k
@@ -50,7 +50,7 @@ def test_early_layer_steps_overlap_backward():
     from lightning_roundpipe.tracing.timeline import hidden_share
 
     m = SeqModule(opt="adamw", depth=10)
-    strategy = RoundPipeStrategy(microbatches=4, trace_steps=3, optimizer_delay_s=0.002, cpu_compute_delay_s=0.006,
+    strategy = RoundPipeStrategy(microbatches=4, trace_steps=3, testing={"optimizer_delay_s": 0.002, "compute_delay_s": 0.006},
                                  **LAYERED)
     records = {}
 
@@ -115,7 +115,7 @@ def _plain_training(overlap: bool, staleness: int = 0, delay: float = 0.0, steps
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(5)], nn.Linear(16, 4))
     runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=3, step_metrics=False, staleness=staleness,
-                                                                    trace_steps=steps, cpu_compute_delay_s=0.002,
+                                                                    trace_steps=steps, testing={"compute_delay_s": 0.002},
                                                                     **LAYERED))
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     ov = None

@@ -31,10 +31,10 @@ BAD = [
     ({"timeout": math.nan}, "timeout=nan"),
     ({"timeout": math.inf}, "timeout=inf"),
     ({"timeout": 0}, "timeout=0"),
-    ({"cpu_jitter_s": -0.1}, "cpu_jitter_s=-0.1"),
-    ({"cpu_compute_delay_s": -1.0}, "cpu_compute_delay_s=-1.0"),
+    ({"testing": {"jitter_s": -0.1}}, "testing.jitter_s=-0.1"),
+    ({"testing": {"compute_delay_s": -1.0}}, "testing.compute_delay_s=-1.0"),
     ({"trace_steps": -1}, "trace_steps=-1"),
-    ({"optimizer_delay_s": math.nan}, "optimizer_delay_s=nan"),
+    ({"testing": {"optimizer_delay_s": math.nan}}, "testing.optimizer_delay_s=nan"),
     ({"cpu_threads_per_worker": 0}, "cpu_threads_per_worker=0"),
     ({"step_metrics": "yes"}, "step_metrics='yes'"),
     ({"transfer": {"bandwidth_bytes_per_s": -5.0}}, "transfer.bandwidth_bytes_per_s=-5.0"),
@@ -128,7 +128,8 @@ def test_hydra_groups_extend_the_structured_configs():
     defaults = StrategyOptions()
     skipped = {"partition", "transfer", "compute_dtype"}
     assert set(strategy) == {f.name for f in dataclasses.fields(StrategyOptions)} - skipped
-    assert strategy == {k: getattr(defaults, k) for k in strategy}  # the YAML shows the defaults, never other values
+    expected = {k: getattr(defaults, k) for k in strategy} | {"testing": dataclasses.asdict(defaults.testing)}
+    assert strategy == expected  # the YAML shows the defaults, never other values
     assert OmegaConf.to_container(cfg.transfer) == dataclasses.asdict(TransferConfig())
     assert set(cfg.partition) == {f.name for f in dataclasses.fields(PartitionConfig)}
     built = RoundPipeStrategy(**strategy, partition=cfg.partition, transfer=cfg.transfer)

@@ -252,7 +252,7 @@ def test_hydra_partition_compute_group():
 def test_defaults_give_the_same_plan_and_bit_identical_weights_whatever_the_timing():
     def train(seed: int):
         net = sequential_lm()
-        runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(cpu_jitter_s=0.002, seed=seed))
+        runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(testing={"jitter_s": 0.002}, seed=seed))
         opt = runtime.overlap_optimizer(torch.optim.AdamW(net.parameters(), lr=1e-2))
         g = torch.Generator().manual_seed(3)
         try:

@@ -182,7 +182,7 @@ def _train(backend, staleness, pinned, compute_dtype, opt_name, steps=4, jitter=
     net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Dropout(0.1)) for _ in range(5)],
                         nn.Linear(16, 4))
     # The runtime pins what the uploads read (shadows or masters) per ``pinned`` on stream backends.
-    options = RuntimeOptions(microbatches=3, compute_dtype=compute_dtype, cpu_jitter_s=jitter, seed=7,
+    options = RuntimeOptions(microbatches=3, compute_dtype=compute_dtype, testing={"jitter_s": jitter}, seed=7,
                              staleness=staleness, pinned=pinned)
     runtime = RoundPipeRuntime.attach(net, backend, 2, options)
     if opt_name == "adamw":
@@ -284,7 +284,7 @@ def test_hf_fused_last_stage_on_fake_streams_matches_unpipelined(padded):
     ref.loss.backward()
     g_ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    rt = RoundPipeRuntime.attach(model, "fake_cuda", 2, RuntimeOptions(microbatches=3, cpu_jitter_s=0.002))
+    rt = RoundPipeRuntime.attach(model, "fake_cuda", 2, RuntimeOptions(microbatches=3, testing={"jitter_s": 0.002}))
     try:
         out = model(input_ids=ids, attention_mask=mask, labels=labels)
         assert abs(out.loss.item() / ref.loss.item() - 1) <= 1e-6

@@ -10,9 +10,9 @@ gets a *relay* as its instance ``forward``:
   with the very same other arguments, and hands on the output; the last block's relay returns
   the real final output.
 
-What block i < n-1 "returns" is a stand-in (:class:`PendingOutput`) with the output's shape
+What block i < n-1 "returns" is a stand-in (``PendingOutput``) with the output's shape
 and dtype: passing it to the next block is all a chain does with it, and any other use (adding
-to it, storing it and reading it later) raises :class:`BlockChainError` instead of computing
+to it, storing it and reading it later) raises ``BlockChainError`` instead of computing
 with a wrong value. So a ``forward`` that is not a plain chain is refused, never run wrongly.
 
 A block may return a tuple whose item 0 is the next block's input (``return x, attn``), when
@@ -21,17 +21,17 @@ the loop keeps item 0 and ignores the rest (``x = block(x)[0]``, ``x, _ = block(
 first two samples (no grad, random state and buffers restored): a tensor, or such a tuple. For a
 tuple, the pipeline runs only when the last block is called, so the whole pass is seen to be a
 chain first: every block "returns" a tuple of stand-ins, item 0 as above and the other items
-(:class:`IgnoredOutput`) raising on any use. A loop that uses them (T5 hands its position bias
+(``IgnoredOutput``) raising on any use. A loop that uses them (T5 hands its position bias
 from block 0 to the others) is refused before any weight is uploaded. The workers pass item 0
 on and drop the rest. Any other output (a dict, a dataclass) is refused.
 
-On a worker, a block runs through :class:`BlockLayer`, which calls the block with the carried
+On a worker, a block runs through ``BlockLayer``, which calls the block with the carried
 arguments; the relay sees that it runs on a worker and calls the block's own ``forward``.
 
 The carry between layers is ``(output, per_sample, arguments)``: ``per_sample`` holds the other
 arguments that have a batch dimension (split into microbatches with the hidden state; a gradient
 flows into them, e.g. an encoder's output fed to every decoder block), ``arguments`` an opaque
-:class:`ChainArguments` that rebuilds the rest (masks without a batch dimension, flags, None) on
+``ChainArguments`` that rebuilds the rest (masks without a batch dimension, flags, None) on
 the worker's device. The last layer returns the output alone.
 """
 
@@ -147,6 +147,7 @@ class ChainArguments:
         self._lock = threading.Lock()
 
     def constants_on(self, device: torch.device) -> list[torch.Tensor]:
+        """The constant tensor arguments on ``device``, copied there once and kept for later calls."""
         if all(c.device == device for c in self.constants):
             return self.constants
         with self._lock:
@@ -155,6 +156,8 @@ class ChainArguments:
             return self._on_device[device]
 
     def rebuild(self, per_sample, device: torch.device) -> tuple[tuple, dict]:
+        """The block's ``(args, kwargs)`` again, from this microbatch's ``per_sample`` tensors and the constants
+        on ``device``."""
         constants = self.constants_on(device) if self.constants else []
         leaves = []
         for kind, v in self.slots:
@@ -213,9 +216,11 @@ class BlockRelay:
         return self.chain.call(self.index, args, kwargs)
 
     def install(self) -> None:
+        """Route the block's calls through this relay (an instance-level ``forward``)."""
         self.block.forward = self
 
     def remove(self) -> None:
+        """Give the block back its own ``forward`` (or the one it had before), if this relay is still installed."""
         if vars(self.block).get("forward") is self:
             if self.replaced is not None:
                 self.block.forward = self.replaced
@@ -224,7 +229,8 @@ class BlockRelay:
 
 
 def _same(a, b) -> bool:
-    """The same argument again: the same object, or a tensor view of the same memory (``self.cos[:t]`` per block)."""
+    """The same argument again: the same object, or a tensor view of the same memory (``self.cos[:t]`` per
+    block)."""
     if a is b:
         return True
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
@@ -264,6 +270,8 @@ class BlockChain:
         return f"block {i} ({self.path}.{i})" if self.path else f"block {i} of the stack of {self.n} {self.block_class}"
 
     def call(self, i: int, args: tuple, kwargs: dict):
+        """Handle the container's call of block ``i``: the first call starts the pipelined chain, later ones
+        must come in order."""
         if i == 0:
             return self._start(args, kwargs)
         if self.expected != i:

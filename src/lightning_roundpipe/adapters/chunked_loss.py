@@ -12,7 +12,7 @@ are upcast to fp32 for the loss, and the logits gradient is cast back to the inp
 the two matmuls of the head's backward.
 
 Some families transform the logits before the loss (Cohere multiplies them, Granite divides
-them, Gemma2/3 soft-cap them with ``cap * tanh(logits / cap)``): :class:`LogitTransform` applies
+them, Gemma2/3 soft-cap them with ``cap * tanh(logits / cap)``): ``LogitTransform`` applies
 the same arithmetic in the same order, in the head's dtype, inside each chunk, and its derivative
 in the chunk's backward, so the transform never needs the full logits either.
 """
@@ -46,6 +46,7 @@ class LogitTransform:
 
     @property
     def is_identity(self) -> bool:
+        """Whether the transform leaves logits unchanged (no scaling, no soft-capping)."""
         return self.multiplier == 1.0 and self.divisor == 1.0 and self.softcap is None
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
@@ -65,7 +66,7 @@ class LogitTransform:
         return 1.0 - tanh * tanh
 
     def backward_(self, grad: torch.Tensor, slope: torch.Tensor | None) -> torch.Tensor:
-        """Chain rule through the transform, in place on ``grad`` (fp32); ``slope`` from :meth:`softcap_slope`."""
+        """Chain rule through the transform, in place on ``grad`` (fp32); ``slope`` from ``softcap_slope``."""
         if slope is not None:
             grad.mul_(slope)
         if self.multiplier != 1.0:
@@ -112,7 +113,7 @@ def chunked_lm_head_loss(
 ) -> torch.Tensor:
     """Summed cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels``, chunked.
 
-    Equals :func:`plain_lm_head_loss` (up to summation order) while holding at most
+    Equals ``plain_lm_head_loss`` (up to summation order) while holding at most
     ``chunk_size x vocab`` logits at a time. When autograd needs gradients (grad mode on and an
     input requires grad), they are computed in the same pass, so backward costs one multiply.
 

@@ -15,7 +15,7 @@ the aux loss are not touched (they are computed before the experts are called).
 Only the expert layouts mapped below are swapped (the fused 3-D tensors of transformers 5:
 ``gate_up_proj`` / ``down_proj`` with the experts first, the default ``act_fn(gate) * up`` gate
 over the concatenated halves, and GPT-OSS's biased, interleaved, clamped SwiGLU); any other
-experts module keeps HF's forward and is named by :func:`install_grouped_experts`.
+experts module keeps HF's forward and is named by ``install_grouped_experts``.
 The swap is an instance-level ``forward``: parameters, buffers and ``state_dict`` are unchanged.
 """
 
@@ -166,6 +166,7 @@ class GroupedExpertsForward:
         return grouped_experts_forward(self.experts, hidden_states, top_k_index, top_k_weights, self.gate, self.kernel)
 
     def remove(self) -> None:
+        """Give the experts module back its own forward, if this one is still installed."""
         if vars(self.experts).get("forward") is self:
             del self.experts.forward
 

@@ -25,13 +25,13 @@ between layers:
     ``create_sliding_window_causal_mask`` / ``create_chunked_causal_mask``), ``cos.<type>`` /
     ``sin.<type>`` instead of ``cos``/``sin`` when the rotary embedding is per layer type (Gemma3),
     ``labels`` and ``outputs`` (passed through when given), and for MoE models asked for router
-    statistics ``moe_counts`` / ``moe_probs`` / ``moe_rows`` plus ``token_mask`` (see :mod:`.hf_moe`).
+    statistics ``moe_counts`` / ``moe_probs`` / ``moe_rows`` plus ``token_mask`` (see ``hf_moe``).
 output of the last layer:
     ``{"logits": [b, s, vocab]}`` in logits mode, ``{"loss_sum": 0-dim fp32}`` in loss mode, or
     ``{"loss_sum": [1], ...}`` when the host combines the outputs (see ``CausalLMPostfix``).
     ``last_hidden`` [b, s, h] (the final norm's output) with them when the carry asks for it.
 
-Where each family keeps its modules and what its forward adds is in :mod:`.hf_families`.
+Where each family keeps its modules and what its forward adds is in ``hf_families``.
 
 Loss bookkeeping: HF's loss is the mean over the shifted, non-ignored tokens of the whole batch,
 so ``loss = sum(loss_sum over microbatches) / count_loss_tokens(labels of the whole batch)``.
@@ -58,15 +58,15 @@ PostfixMode = Literal["auto", "logits", "loss", "loss_and_logits", "loss_and_sta
 
 VERIFIED_MODEL_TYPES = frozenset(FAMILIES)
 """``config.model_type`` values whose HF forward each has a parity test (tests/adapters/test_family_parity.py);
-see :mod:`.hf_families` for what each family's forward adds."""
+see ``hf_families`` for what each family's forward adds."""
 
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "labels", "router_stats", "outputs", "with_cache",
               "last_hidden", "logits_to_keep")
 """Keys the prefix accepts in a microbatch. ``router_stats`` (bool) asks MoE layers for the
-aux-loss statistics; ``outputs`` (a :data:`PostfixMode`) tells the last layer what to return and
+aux-loss statistics; ``outputs`` (a ``PostfixMode``) tells the last layer what to return and
 travels with the carry, so a recompute in backward does what its forward did. ``with_cache``
 (bool): build the masks as the model's forward does when it holds a (fresh, empty) cache, i.e.
-when its effective ``use_cache`` is true (see :func:`.hf_runtime.forward_uses_cache`): HF's mask
+when its effective ``use_cache`` is true (see ``hf_runtime.forward_uses_cache``): HF's mask
 builders then do not look for packed sequences in ``position_ids``; without it they do.
 ``last_hidden`` (bool): the last layer returns the final norm's output too (``hidden_states[-1]``);
 ``logits_to_keep`` (int or [b, ...] tensor): the positions the head is applied to in logits modes."""
@@ -284,7 +284,7 @@ class DecoderStep(nn.Module):
 
     ``rotary_layer_type``: which per-type rotary embedding the layer reads (None: the shared one).
     ``router``: the model's MoE router description; when the carry holds router statistics, the
-    layer's router logits are added to them (see :mod:`.hf_moe`).
+    layer's router logits are added to them (see ``hf_moe``).
     """
 
     differentiable_carry_keys = DIFFERENTIABLE_CARRY_KEYS  # read by the engine: what gets a gradient
@@ -436,7 +436,7 @@ class CausalLMPostfix(nn.Module):
 
 
 def head_kind(model: nn.Module) -> str:
-    """Which of :data:`HEAD_KINDS` the model's head is (``"causal_lm"`` for anything but transformers' generic
+    """Which of ``HEAD_KINDS`` the model's head is (``"causal_lm"`` for anything but transformers' generic
     sequence / token classifiers, whose ``forward`` is the base model, then ``score`` on its last hidden state)."""
     try:
         from transformers.modeling_layers import GenericForSequenceClassification, GenericForTokenClassification

@@ -38,7 +38,7 @@ class Router:
     router_class: module class whose output ``index`` is a layer's router logits [tokens, E].
     num_experts, top_k: the ``num_experts`` / ``num_experts_per_tok`` HF's aux loss is called with.
     coefficient: what the family's forward multiplies the aux loss by before adding it to the loss
-        (``router_aux_loss_coef`` in most families, JetMoE's ``aux_loss_coef``; see :func:`aux_coefficient`);
+        (``router_aux_loss_coef`` in most families, JetMoE's ``aux_loss_coef``; see ``aux_coefficient``);
         None: the family adds no aux loss to its loss.
     """
 

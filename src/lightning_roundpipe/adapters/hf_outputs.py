@@ -1,17 +1,17 @@
 """What a Hugging Face model's forward does with its call options, reproduced for the pipelined forward.
 
-The pipelined forward (:mod:`.hf_runtime`) runs the model's layers on the workers; the options of
+The pipelined forward (``hf_runtime``) runs the model's layers on the workers; the options of
 the call decide what those layers build and what comes back, and each is read here exactly as the
 model's own forward reads it:
 
 - ``use_cache``: the model's forward creates an empty cache when its effective ``use_cache`` is on
   (the argument, else ``config.use_cache``, off under gradient checkpointing in training), and the
-  mask builders then skip the packed-sequence detection (:func:`forward_uses_cache`).
+  mask builders then skip the packed-sequence detection (``forward_uses_cache``).
 - ``output_hidden_states``: only the last hidden state (the final norm's output, what
   ``hidden_states[-1]`` is) leaves the pipeline; the others never reach the host
-  (:func:`hidden_states_request`, :class:`LastHiddenStateOnly`).
-- ``logits_to_keep``: the positions the LM head is applied to (:func:`logits_to_keep_for_batch`).
-- sequence classification: the logits of the last non-padding token of each row (:func:`pooled_logits`).
+  (``hidden_states_request``, ``LastHiddenStateOnly``).
+- ``logits_to_keep``: the positions the LM head is applied to (``logits_to_keep_for_batch``).
+- sequence classification: the logits of the last non-padding token of each row (``pooled_logits``).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def refuse_attentions(output_attentions: Any, config: Any) -> None:
 class LastHiddenStateOnly(Sequence):
     """The ``hidden_states`` of an ``output_hidden_states=True`` call: ``num_layers + 1`` entries, of
     which only the last (``[-1]``, the final norm's output) is held; reading any other raises
-    :class:`HiddenStatesNotReturnedError` with what to do."""
+    ``HiddenStatesNotReturnedError`` with what to do."""
 
     def __init__(self, last: torch.Tensor, count: int):
         self.last = last
@@ -111,7 +111,7 @@ class LastHiddenStateOnly(Sequence):
 
 
 def hidden_states_output(request: str | None, last: torch.Tensor | None, num_layers: int):
-    """The ``hidden_states`` field of the output for a :func:`hidden_states_request` answer."""
+    """The ``hidden_states`` field of the output for a ``hidden_states_request`` answer."""
     if request is None:
         return None
     if request == "last":  # what transformers returns for a selection: None where not selected

@@ -11,21 +11,21 @@ would (``CausalLMOutputWithPast``, or ``MoeCausalLMOutputWithPast`` for MoE mode
 - MoE with ``output_router_logits`` (argument or config): the last stage is an ordinary one that
   returns the loss sum and the router statistics of its microbatch; the host adds the
   statistics over microbatches and forms HF's load-balancing loss from the batch totals (see
-  :mod:`.hf_moe`), so loss and router gradients are exact. ``aux_loss`` is returned as HF does;
+  ``hf_moe``), so loss and router gradients are exact. ``aux_loss`` is returned as HF does;
   ``router_logits`` are not (they would be every layer's [tokens, experts] logits).
 - Without labels, logits come back as usual (only the ``logits_to_keep`` positions when given).
 - ``num_items_in_batch`` divides the summed loss instead of the batch's token count, as HF's loss does.
 - ``output_hidden_states``: the last hidden state comes back (with its gradient); the others and
-  ``output_attentions`` cannot, see :mod:`.hf_outputs`. Packed ``position_ids`` get the masks the
+  ``output_attentions`` cannot, see ``hf_outputs``. Packed ``position_ids`` get the masks the
   model's forward builds for its effective ``use_cache``.
 - Sequence / token classifiers (transformers' generic ones) return their logits from the last
   stage; pooling and loss run on the host with the model's own ``loss_function``.
 - Generation (``use_cache=True`` or a cache, as ``model.generate()`` calls it) runs the model's
   own forward on the host, on the real weights, after the pending optimizer steps: exact, but on
   the CPU; it is meant for a few samples in ``validation_step``. In training (peft's prefix tuning
-  passes its prefix as a cache) it warns once (see :mod:`.unpipelined_calls`).
+  passes its prefix as a cache) it warns once (see ``unpipelined_calls``).
 - An unverified family (``allow_unverified=True``) is checked on the first call: logits, loss and
-  aux loss of the first microbatch against the model's own forward (see :mod:`.hf_self_check`).
+  aux loss of the first microbatch against the model's own forward (see ``hf_self_check``).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class LogitsNotComputedError(AttributeError):
 
 
 def _withheld_class(output_class: type) -> type:
-    """``output_class`` whose ``.logits`` raises :class:`LogitsNotComputedError` instead of returning None."""
+    """``output_class`` whose ``.logits`` raises ``LogitsNotComputedError`` instead of returning None."""
     cached = _WITHHELD.get(output_class)
     if cached is None:
         def __getattribute__(self, name):

@@ -2,17 +2,17 @@
 
 An unverified family is pipelined only after two things held, before any weight changes:
 
-1. its pipeline layers could be built (:func:`build_layers`): the adapter found its modules and,
+1. its pipeline layers could be built (``build_layers``): the adapter found its modules and,
    for a Mixture-of-Experts model, its router and aux-loss settings;
 2. on the first call, the pipeline's layers run one after another on the host compute what the
-   model's own ``forward`` returns for the first microbatch (:func:`check_first_microbatch`):
+   model's own ``forward`` returns for the first microbatch (``check_first_microbatch``):
    the logits, the loss (the user's labels, or the inputs as labels when the call has none) and,
    for an MoE model, the aux loss and the loss with the aux term the family adds (the adapter
-   reads its coefficient from that forward, see :func:`.hf_moe.aux_coefficient`). Both run in
+   reads its coefficient from that forward, see ``hf_moe.aux_coefficient``). Both run in
    eval mode under no_grad.
 
 Any failure of either, an exception of the family's code or a difference above
-``PARITY_TOLERANCE``, becomes an :class:`UnsupportedModelError` that names the family and the
+``PARITY_TOLERANCE``, becomes an ``UnsupportedModelError`` that names the family and the
 failing part (the adapter function or pipeline layer that raised, or the output that differs),
 and says what to do. Nothing of the user's model is changed by the check.
 """
@@ -112,7 +112,7 @@ def check_first_microbatch(model: nn.Module, adapter: CausalLMLayers, first: dic
 
     ``first``: the microbatch's ``input_ids`` and optional ``attention_mask`` / ``position_ids``;
     ``labels``: its labels, if the call has them. Returns the relative differences by output;
-    raises :class:`UnsupportedModelError` (see the module doc) when a part fails or differs.
+    raises ``UnsupportedModelError`` (see the module doc) when a part fails or differs.
     """
     router = adapter.router
     labels = _labels_for(first, labels)
@@ -159,7 +159,7 @@ def check_first_microbatch(model: nn.Module, adapter: CausalLMLayers, first: dic
 
 def check_unverified(microbatches: int, model: nn.Module, adapter: CausalLMLayers, batch: dict,
                      labels: torch.Tensor | None) -> dict[str, float]:
-    """:func:`check_first_microbatch` on the first of ``microbatches`` microbatches of a call's ``batch``."""
+    """``check_first_microbatch`` on the first of ``microbatches`` microbatches of a call's ``batch``."""
     from ..engine.microbatch import split_microbatches
 
     whole = {**batch, **({"labels": labels} if labels is not None else {})}

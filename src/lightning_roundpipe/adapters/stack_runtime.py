@@ -1,8 +1,8 @@
 """What the runtime needs for a block stack or a declared chain: the module to patch, the layers, the forward.
 
-Block stack: the layers are the blocks (as :class:`~.block_chain.BlockLayer`), the code outside
+Block stack: the layers are the blocks (as ``BlockLayer``), the code outside
 the stack stays in the model's own ``forward`` on the host, and every block gets a relay (see
-:mod:`.block_chain`). The container's instance ``forward`` is patched too: an ``nn.Sequential``
+``block_chain``). The container's instance ``forward`` is patched too: an ``nn.Sequential``
 called directly runs the pipeline, a ``ModuleList`` stays uncallable as before.
 
 Declared chain: a module that defines ``roundpipe_layers(self)`` returning its layers in order
@@ -32,7 +32,8 @@ class StackSetupError(ValueError):
 
 
 def stack_runtime_parts(module: nn.Module, kind: str, path: str = "") -> tuple[nn.Module, list[nn.Module], Callable]:
-    """(module whose forward is patched, layers, forward factory) for ``kind`` "block_stack" or "declared_chain"."""
+    """(module whose forward is patched, layers, forward factory) for ``kind`` "block_stack" or
+    "declared_chain"."""
     if kind == "declared_chain":
         return declared_chain_parts(module)
     if kind == "block_stack":
@@ -47,6 +48,8 @@ def _unpatched(module: nn.Module, what: str) -> nn.Module:
 
 
 def block_stack_parts(container: nn.Module, path: str) -> tuple[nn.Module, list[nn.Module], Callable]:
+    """``(container, blocks, loop)`` of a block stack at ``path``: the list of blocks and how the container's
+    forward runs them; refused with ``StackSetupError`` when it is not a plain loop."""
     inner = uncompiled(container)
     if not isinstance(inner, (nn.ModuleList, nn.Sequential)):
         raise StackSetupError(f"{path or 'the stack'} is a {type(inner).__name__}, not an nn.ModuleList or nn.Sequential of blocks")
@@ -92,6 +95,7 @@ def _tokens(carry: Any) -> int | None:
 
 
 def declared_chain_parts(module: nn.Module) -> tuple[nn.Module, list[nn.Module], Callable]:
+    """``(module, blocks, loop)`` of a module that declares its own chain of blocks."""
     inner = uncompiled(module)
     name = type(inner).__name__
     declared = getattr(inner, DECLARED_CHAIN_METHOD)()

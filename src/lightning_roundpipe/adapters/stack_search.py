@@ -7,7 +7,7 @@ layers (``nn.Linear``, activations) do not count, so lists of heads or the layer
 are not taken for the model's backbone; name such a list with ``module=`` to pipeline it anyway.
 
 A *declared chain* is any module with a ``roundpipe_layers()`` method (see
-:mod:`.stack_runtime`). The search does not look inside a stack or a declared chain, so the
+``stack_runtime``). The search does not look inside a stack or a declared chain, so the
 expert lists of a Mixture-of-Experts block are never candidates.
 
 ``torch.compile`` wraps a module in an ``OptimizedModule`` holding the original as
@@ -26,11 +26,13 @@ DECLARED_CHAIN_METHOD = "roundpipe_layers"
 
 @dataclass(frozen=True)
 class StackCandidate:
+    """A place in a module where a stack of blocks was found: its path, the module and how it is pipelined."""
     path: str  # dotted attribute path from the module searched
     module: nn.Module  # the container (or the declaring module), possibly compiled
     kind: str  # "block_stack" or "declared_chain"
 
     def describe(self) -> str:
+        """The candidate as the error and log messages name it: its path and what kind of stack it is."""
         inner = uncompiled(self.module)
         if self.kind == "declared_chain":
             return f"{self.path} ({type(inner).__name__}.{DECLARED_CHAIN_METHOD})"
@@ -50,6 +52,7 @@ def compiled_inner(module: nn.Module) -> nn.Module | None:
 
 
 def uncompiled(module: nn.Module) -> nn.Module:
+    """The module under every ``torch.compile`` wrapper around it."""
     inner = compiled_inner(module)
     while inner is not None:
         module, inner = inner, compiled_inner(inner)
@@ -57,6 +60,7 @@ def uncompiled(module: nn.Module) -> nn.Module:
 
 
 def declares_chain(module: nn.Module) -> bool:
+    """Whether the module's class declares its own chain of blocks."""
     return callable(getattr(type(uncompiled(module)), DECLARED_CHAIN_METHOD, None))
 
 

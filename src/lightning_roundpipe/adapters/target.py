@@ -5,17 +5,17 @@ Found automatically when unambiguous, in this order:
 1. exactly one top-level ``nn.Sequential`` attribute (compiled or not), or exactly one Hugging
    Face causal LM (plain or peft-wrapped) that the adapter recognises;
 2. otherwise exactly one *block stack* anywhere in the model (an ``nn.ModuleList`` or nested
-   ``nn.Sequential`` of blocks, see :mod:`.stack_search`) or one module that declares its chain
+   ``nn.Sequential`` of blocks, see ``stack_search``) or one module that declares its chain
    with ``roundpipe_layers()``.
 
 Otherwise the user names it with a dotted attribute path (``RoundPipeStrategy(module="net")``):
 an ``nn.Sequential``, a causal LM, a block list, a module declaring its chain, or a model
-holding exactly one block stack. :func:`locate` does the same for a module given directly
+holding exactly one block stack. ``locate`` does the same for a module given directly
 (``RoundPipeRuntime.attach``).
 
 The module is pipelined by giving its *instance* a ``forward`` that runs the engine (for a
-block stack: every block gets a relay, see :mod:`.block_chain`); the class, the parameters and
-the ``state_dict`` are untouched, and :func:`unpatch` removes the instance attributes at
+block stack: every block gets a relay, see ``block_chain``); the class, the parameters and
+the ``state_dict`` are untouched, and ``unpatch`` removes the instance attributes at
 teardown, so the module is exactly as it was after ``fit``.
 """
 
@@ -37,7 +37,7 @@ class PipelineTargetError(ValueError):
 
 
 STACK_KINDS = ("block_stack", "declared_chain")
-"""Target kinds built by :func:`.stack_runtime.stack_runtime_parts`."""
+"""Target kinds built by ``stack_runtime.stack_runtime_parts``."""
 
 _DECLARE = (f"For a model whose forward is not such a loop, give the module a {DECLARED_CHAIN_METHOD}() method that "
             "returns its layers in order (see docs/custom_models.md)")
@@ -45,6 +45,7 @@ _DECLARE = (f"For a model whose forward is not such a loop, give the module a {D
 
 @dataclass
 class Target:
+    """The module to pipeline: its path from the LightningModule, the module itself and how it is pipelined."""
     path: str  # dotted attribute path from the LightningModule
     module: nn.Module  # the module whose forward is replaced (a stack's container for "block_stack")
     kind: str  # "sequential", "causal_lm", "block_stack" or "declared_chain"
@@ -132,6 +133,8 @@ def locate(module: nn.Module) -> Target:
 
 
 def find_target(lightning_module: nn.Module, path: str | None = None) -> Target:
+    """The module to pipeline in ``lightning_module``: the one at ``path``, else its only candidate child
+    (or its only block stack); several or none are refused, naming what was found."""
     if path:
         return _named(_resolve(lightning_module, path), path, f"RoundPipeStrategy(module={path!r})")
     found = [(name, child, _kind_of(child)) for name, child in lightning_module.named_children()]
@@ -194,12 +197,14 @@ def stack_hint(model: nn.Module, path: str | None = None) -> str:
 
 
 def patch_forward(module: nn.Module, forward: Callable) -> None:
+    """Give ``module`` an instance-level ``forward`` (the pipelined one); refused if it already has one."""
     if "forward" in vars(module):
         raise PipelineTargetError(f"{type(module).__name__} already has an instance-level forward; is it pipelined twice?")
     module.forward = forward  # instance attribute: shadows the class's forward, leaves everything else alone
 
 
 def unpatch(module: nn.Module) -> None:
+    """Undo ``patch_forward`` and remove every relay installed below ``module``."""
     vars(module).pop("forward", None)
     for m in module.modules():  # the relays a block stack's blocks got (see block_chain), grouped experts
         relay = vars(m).get("forward")

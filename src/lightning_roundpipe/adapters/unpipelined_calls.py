@@ -6,7 +6,7 @@ pipeline, because the pipeline cannot split them into stages: a call with a key/
 ``past_key_values`` on every call) or with ``use_cache=True``. That is exact, and meant for a few
 samples in ``validation_step``; in training it silently moves the whole step onto the host CPU.
 So the first such call that trains (grad enabled, module in training mode) warns with an
-:class:`UnpipelinedCallWarning` saying why and what to do, once per reason and runtime;
+``UnpipelinedCallWarning`` saying why and what to do, once per reason and runtime;
 ``generate()`` (no grad) never warns.
 """
 

@@ -146,6 +146,7 @@ def bound_layout(schedule: str, view: CostView, num_gpus: int, microbatches: int
 
 
 def stage_streamed(schedule: str) -> bool:
+    """Whether the bound schedule streams a stage's weights from the host (an offloading baseline)."""
     return schedule in STREAMED_SCHEDULES
 
 

@@ -1,7 +1,7 @@
 """Command line of the simulator: ``python -m lightning_roundpipe.sim {plan,compare,paper,scaling}``.
 
 It lives in the analysis layer because it reaches every layer below (the capacity planner, the
-bound-schedule baselines, the published runs); ``sim/__main__.py`` only runs :func:`main`.
+bound-schedule baselines, the published runs); ``sim/__main__.py`` only runs ``main``.
 
 - ``plan``: does training fit, and with which microbatches, plan and sequence length
   (exit status 0 when it fits, 1 when it does not);
@@ -51,6 +51,7 @@ def add_machine_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m lightning_roundpipe.sim`` and its subcommands."""
     hw_help = f"hardware profile name ({', '.join(available_hardware()) or 'see src/lightning_roundpipe/cost/profiles'}) or a YAML path"
     model_help = f"model preset ({', '.join(MODEL_PRESETS)})"
     local_model_help = model_help[:-1] + "), or a local Hugging Face model directory or config.json (never downloaded)"

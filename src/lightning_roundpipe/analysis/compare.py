@@ -1,8 +1,8 @@
 """RoundPipe against bound schedules with offload, and the paper's headline comparison.
 
-:func:`compare_schedules` simulates one model on one machine under RoundPipe (with the planner's
+``compare_schedules`` simulates one model on one machine under RoundPipe (with the planner's
 best plan) and under GPipe, 1F1B and interleaved 1F1B (see ``schedules.py``), all with the same
-microbatches and the same cost model. :func:`paper_table` does this for the paper's setting:
+microbatches and the same cost model. ``paper_table`` does this for the paper's setting:
 8x RTX 4090, Qwen3-1.7B/8B/32B-sized models, 4K-token sequences, and prints RoundPipe's speedup
 over the best bound schedule beside the 1.48-2.16x the paper reports. The numbers are what this
 simulator predicts under its assumptions (docs/simulator.md), whatever they say.
@@ -36,6 +36,7 @@ class ScheduleTable:
     results: dict[str, SimResult] = field(default_factory=dict)  # schedule name -> result
 
     def best_bound(self) -> SimResult | None:
+        """The fastest bound schedule that fits in memory (None when none fits)."""
         bound = [r for name, r in self.results.items() if name != "roundpipe" and r.fits]
         return max(bound, key=lambda r: r.tokens_per_s, default=None)
 
@@ -48,6 +49,7 @@ class ScheduleTable:
         return rp.tokens_per_s / best.tokens_per_s if best and best.tokens_per_s > 0 else math.inf
 
     def to_markdown(self) -> str:
+        """The comparison as a markdown table with a title line."""
         rows = []
         for name, r in self.results.items():
             if not r.fits:
@@ -81,7 +83,7 @@ def compare_schedules(
     """Simulate ``schedules`` for a model preset on a hardware profile; same costs, same microbatches.
 
     ``microbatches`` defaults to four per GPU (a multiple of the GPU count, as interleaved 1F1B
-    needs). RoundPipe uses :func:`~lightning_roundpipe.planning.capacity.best_plan` with that count.
+    needs). RoundPipe uses ``best_plan`` with that count.
     ``bound_config`` (default: ``config``) lets the bound schedules run with other simulation
     knobs, e.g. ``SimConfig(optimizer_barrier=True)`` for a synchronous offloaded optimizer.
     """

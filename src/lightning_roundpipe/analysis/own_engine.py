@@ -1,6 +1,6 @@
 """This project's engine on the reference benchmark's workload, and where it differs from the reference.
 
-The published RoundPipe measurements (:data:`~lightning_roundpipe.analysis.workload.PUBLISHED_RUNS`)
+The published RoundPipe measurements (``PUBLISHED_RUNS``)
 ran the reference implementation with its own choices: fp16 with fp16 accumulation in matmuls,
 a one-step-stale optimizer, its partitioner, 10 microbatches per call. This engine, on the same
 sequences per optimizer step and the same calls, runs by default:
@@ -9,7 +9,7 @@ sequences per optimizer step and the same calls, runs by default:
 - the exact overlapped optimizer (staleness 0): each layer steps on the host as soon as its
   gradients of the step's last call are added, and the next forward's upload of a layer waits
   for that layer's update;
-- its own partition policy and microbatch count (:class:`~lightning_roundpipe.options.RuntimeOptions`
+- its own partition policy and microbatch count (``RuntimeOptions``
   defaults, read when this runs);
 - what one Python process does per call: it submits every task of every worker
   (``dispatch_s``, the CPU backend's measured figure), issues the kernels (the profile's
@@ -17,9 +17,9 @@ sequences per optimizer step and the same calls, runs by default:
   fp32 ``.grad`` on its main thread (``host_accumulate_bytes_per_s``), and dispatches the next
   call only once ``backward()`` has returned.
 
-A :class:`Setup` holds one such way to run; :func:`waterfall` changes one cause at a time from
+A ``Setup`` holds one such way to run; ``waterfall`` changes one cause at a time from
 the reference's setup to this engine's default, simulating each, so every difference in tokens/s
-has a name and a share; :func:`best_setup` searches the options a user can set. All numbers are
+has a name and a share; ``best_setup`` searches the options a user can set. All numbers are
 simulated, with whatever hardware profile is present (``benchmarks/own_engine_reference.py``
 prints them).
 """
@@ -54,15 +54,15 @@ class Setup:
     """One way to run a workload: the options a user sets and the host work the engine does per call.
 
     ``microbatches`` / ``calls`` None: the workload's (the reference's) counts; ``microbatches``
-    :data:`ENGINE_CHOICE`: chosen as the engine chooses an open count. ``partition``: a
-    policy of :func:`~lightning_roundpipe.planning.partition.partition` or ``"planner"``.
+    ``ENGINE_CHOICE``: chosen as the engine chooses an open count. ``partition``: a
+    policy of ``partition`` or ``"planner"``.
     ``precision``: ``"fp16-acc"`` (fp16 with ``allow_fp16_accumulation``: matmuls at the
     fp16-accumulate rate) or ``"bf16-mixed"`` (fp32-accumulate rate). ``staleness``: 0 exact, 1
     one step stale. ``wait_all_grads``: the optimizer starts only when every gradient of the step
     is home (this engine's host loss scaler under fp16 checks them all for overflow first).
     ``dispatch_s`` / ``launch_s``: host seconds per task / kernel launch (None: the profile's).
-    ``host_accumulate_bytes_per_s``, ``host_loss_s``: see :class:`~lightning_roundpipe.sim.simulate.SimConfig`;
-    ``call_barrier``, ``fused_spread``: designs the engine does not have, see :mod:`.designs`.
+    ``host_accumulate_bytes_per_s``, ``host_loss_s``: see ``SimConfig``; ``call_barrier``, ``fused_spread``:
+    designs the engine does not have, see ``analysis.designs``.
     """
 
     precision: str = "fp16-acc"
@@ -114,9 +114,9 @@ ENGINE_CHOICE = "engine's choice"  # Setup.microbatches: chosen as the engine ch
 
 def default_microbatches(num_workers: int) -> int | str:
     """This engine's default microbatch count (``RuntimeOptions().microbatches``): a count, or
-    :data:`ENGINE_CHOICE` when the default is open (None: the engine picks among
+    ``ENGINE_CHOICE`` when the default is open (None: the engine picks among
     ``planning.defaults.MICROBATCHES_PER_WORKER`` x workers the fewest predicted within the tie
-    tolerance of the fastest; :func:`simulate_setup` does the same with the simulator)."""
+    tolerance of the fastest; ``simulate_setup`` does the same with the simulator)."""
     from ..options import RuntimeOptions
 
     value = RuntimeOptions().microbatches
@@ -144,7 +144,7 @@ def default_partition() -> str:
 
 def host_accumulate_rate(hardware: HardwareProfile) -> float:
     """Gradient bytes per second the main thread adds into ``.grad`` on ``hardware``'s host:
-    the profile's Adam rate times the measured :data:`ADAM_PER_ACCUMULATE`, in bf16 bytes."""
+    the profile's Adam rate times the measured ``ADAM_PER_ACCUMULATE``, in bf16 bytes."""
     return hardware.cpu_optimizer_params_per_s * ADAM_PER_ACCUMULATE * GRAD_BYTES
 
 
@@ -177,7 +177,7 @@ def simulate_setup(run: PublishedRun, hardware: str | HardwareProfile, setup: Se
                    optimizer_steps: int = 3, seq_len: int | None = None) -> SetupResult:
     """Simulate ``setup`` on the stale-optimizer workload of ``run`` (its sequences per step).
 
-    ``setup.microbatches`` :data:`ENGINE_CHOICE`: every candidate count is simulated and the
+    ``setup.microbatches`` ``ENGINE_CHOICE``: every candidate count is simulated and the
     fewest within the engine's tie tolerance of the fastest is kept, as the engine chooses."""
     hw = load_hardware(hardware)
     if setup.microbatches == ENGINE_CHOICE:
@@ -274,7 +274,7 @@ def best_setup(run: PublishedRun, hardware: str | HardwareProfile, *,
     """The exact setups a user can choose, searched: partition policy (the default and ``auto``),
     microbatches (the default and ``microbatch_factors`` x workers) and calls per optimizer step
     (``call_factors`` x the workload's, same sequences per step), with the engine's per-call host
-    work as in :func:`our_default`. Returns every fitting result, fastest first."""
+    work as in ``our_default``. Returns every fitting result, fastest first."""
     hw = load_hardware(hardware)
     base = our_default(hw)
     nw = hw.num_gpus
@@ -301,6 +301,7 @@ def inexact_variants(run: PublishedRun, hardware: str | HardwareProfile, setup: 
 
 
 def published_run(model: str) -> PublishedRun:
+    """The published run of ``model`` (``PUBLISHED_RUNS``); an unknown model is refused naming the known ones."""
     for run in PUBLISHED_RUNS:
         if run.model == model:
             return run
@@ -324,7 +325,7 @@ def host_limit_tokens(plan: Plan, costs, hardware: HardwareProfile, dispatch_s: 
 
     Per microbatch the host submits ``tasks_per_compute`` tasks for each of the plan's compute
     tasks (``dispatch_s`` each) and issues each compute task's kernels
-    (:meth:`~lightning_roundpipe.cost.hardware.HardwareProfile.launch_seconds` of its decoder
+    (``launch_seconds`` of its decoder
     layers); the workers together compute the microbatch's stages in their total time over
     ``num_workers``. The host is the limit when its time exceeds theirs:
     ``tokens < num_workers * host_s / device_s_per_token``, with ``costs`` timed for

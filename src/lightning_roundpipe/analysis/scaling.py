@@ -3,10 +3,10 @@
 For each model, the published run's RoundPipe workload (same sequences per optimizer step,
 microbatches and calls, one-step-stale optimizer) is simulated on the profile with
 ``num_gpus`` replaced. The plan is the reference's own partition for the models it published
-one for (:func:`~lightning_roundpipe.analysis.workload.reference_plan`; RoundPipe's stages are not
+one for (``reference_plan``; RoundPipe's stages are not
 bound to GPUs, so one partition serves every count) and the planner's best plan for the count
 otherwise, or always with ``planner=True``. Speedup is over the smallest count and efficiency
-is speedup over the count ratio. Every number is simulated; :data:`MEASURED_SCALING` holds the
+is speedup over the count ratio. Every number is simulated; ``MEASURED_SCALING`` holds the
 reference's measured curve on 1-8 RTX 4090 for comparison.
 """
 
@@ -30,6 +30,7 @@ MEASURED_SCALING = {
 
 @dataclass
 class ScalingRow:
+    """Simulated throughput of one model on a number of GPUs."""
     model: str
     num_gpus: int
     tokens_per_s: float
@@ -68,6 +69,7 @@ def scaling_rows(models: tuple[str, ...], hardware: str | HardwareProfile, gpu_c
 
 
 def scaling_markdown(rows: list[ScalingRow], hardware: str | HardwareProfile) -> str:
+    """The scaling rows as a markdown table, one row per model and GPU count."""
     hw = load_hardware(hardware)
     header = ("model", "GPUs", "tokens/s (simulated)", "speedup", "efficiency", "bubble", "measured (reference)", "error")
     cells = []

@@ -6,7 +6,7 @@ per optimizer step, ``calls`` forward-backward calls of ``microbatches`` microba
 ``sequences_per_step`` sequences in all. RoundPipe overlaps the optimizer one step stale;
 RoundPipe-sync waits for it and accumulates over more calls to amortise it.
 
-:func:`simulate_workload` times that on the simulator: each forward-backward call is one
+``simulate_workload`` times that on the simulator: each forward-backward call is one
 simulated step (``SimConfig.accumulation`` calls per optimizer step), the optimizer is either
 one step stale (``SimConfig.stale_optimizer``) or synchronous (``SimConfig.optimizer_barrier``:
 it starts once every gradient of the step is home and the next uploads wait for all of it),
@@ -54,10 +54,12 @@ class Workload:
 
     @property
     def sequences_per_microbatch(self) -> float:
+        """Sequences in one microbatch of one call."""
         return self.sequences_per_step / (self.calls * self.microbatches)
 
     @property
     def tokens_per_step(self) -> int:
+        """Tokens one optimizer step trains on."""
         return self.sequences_per_step * self.seq_len
 
     def sim_config(self, optimizer_steps: int = 3) -> SimConfig:
@@ -111,7 +113,7 @@ REFERENCE_PARTITIONS = {
 
 
 def reference_plan(model: str) -> Plan:
-    """The reference's partition of ``model`` as a :class:`Plan` of this project's layers.
+    """The reference's partition of ``model`` as a ``Plan`` of this project's layers.
 
     The pipelined model has the embedding first and the norm + LM head + loss last: the first
     forward and the last backward stage take the embedding with their decoder layers, and the
@@ -150,6 +152,7 @@ class WorkloadResult:
 
     @property
     def tokens_per_s(self) -> float:
+        """Trained tokens per second of the simulated step."""
         return self.workload.tokens_per_step / self.step_s
 
 

@@ -26,7 +26,7 @@ _NAMES = {
 
 
 def names() -> list[str]:
-    """The names that :func:`path` resolves."""
+    """The names that ``path`` resolves."""
     return sorted(_NAMES)
 
 

@@ -1,0 +1,1 @@
+"""The cost model: hardware profiles, per-layer costs, transformer shapes and memory."""

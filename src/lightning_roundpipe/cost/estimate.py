@@ -1,13 +1,13 @@
 """Per-layer costs before and during training.
 
-Before the first step nothing has been measured, so :func:`estimate_costs` prices every layer
+Before the first step nothing has been measured, so ``estimate_costs`` prices every layer
 from its size: matmul-dominated layers cost ``2 * params * tokens`` FLOPs forward, backward
 twice that, and the recompute inside backward as much as the forward. ``params`` there are the
 parameters a token runs through: a Mixture-of-Experts layer holds all its experts (their bytes
 are uploaded and their gradients downloaded in full) but routes each token through ``top_k`` of
-them (:mod:`.experts`). During training the
-engine measures stages, and :class:`MovingCostProfile` turns those measurements into per-layer
-moving averages; :func:`cost_change` says how far the numbers moved, so the planner re-plans
+them (``experts``). During training the
+engine measures stages, and ``MovingCostProfile`` turns those measurements into per-layer
+moving averages; ``cost_change`` says how far the numbers moved, so the planner re-plans
 only when it matters.
 """
 
@@ -73,7 +73,7 @@ def estimate_costs(
 
     * forward time: ``2 * params * tokens`` FLOPs at ``flops_per_second``, counting only
       matmul parameters (embedding tables are lookups) and of routed experts only the
-      ``top_k / num_experts`` share a token runs (:func:`.experts.routed_experts`); every layer
+      ``top_k / num_experts`` share a token runs (``experts.routed_experts``); every layer
       also pays one FLOP per output element, so parameter-free layers and embeddings are cheap
       but not free;
     * ``active_params``: the parameters one token runs through (all of them in a dense layer);
@@ -253,7 +253,7 @@ class MovingCostProfile:
                 self._observe_locked(i, k, per_microbatch * part)
 
     def profile(self) -> CostProfile:
-        """A snapshot as a :class:`CostProfile` (``measured`` once anything was observed)."""
+        """A snapshot as a ``CostProfile`` (``measured`` once anything was observed)."""
         with self._lock:
             layers = [
                 dataclasses.replace(c, forward_s=self._times["forward"][i], recompute_s=self._times["recompute"][i],
@@ -265,6 +265,6 @@ class MovingCostProfile:
                                    source="measured" if measured else self._base.source)
 
     def moved_since(self, previous: CostProfile, threshold: float = 0.2, plan: Plan | None = None) -> bool:
-        """True when some stage-relevant total changed by more than ``threshold`` (see :func:`cost_change`)."""
+        """True when some stage-relevant total changed by more than ``threshold`` (see ``cost_change``)."""
         change, _ = cost_change(previous, self.profile(), plan)
         return change > threshold

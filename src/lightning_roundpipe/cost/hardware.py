@@ -6,12 +6,12 @@ field names; sizes may be written with units (``24 GiB``, ``25 GB/s``) so the fi
 readable, and every file says where its numbers come from.
 
 The simulator reads compute speed from ``tflops`` (only when costs are estimated from a model
-shape; measured :class:`~lightning_roundpipe.cost.profile.CostProfile` times are used as they are), the
+shape; measured ``CostProfile`` times are used as they are), the
 host link from ``host_device_bytes_per_s`` and ``latency_s``, and the host optimizer from
 ``cpu_optimizer_params_per_s``, or the host memory bandwidth over the bytes an update moves when
-the profile gives ``host_memory_bytes_per_s`` and that is lower (:attr:`HardwareProfile.optimizer_params_per_s`).
+the profile gives ``host_memory_bytes_per_s`` and that is lower (``HardwareProfile.optimizer_params_per_s``).
 Profiles with datasheet rates (``tensor_tflops_*``, ``memory_bytes_per_s``) and achievable ones
-(``matmul_tflops_*``, ``attention_tflops``) are timed by :mod:`lightning_roundpipe.cost.physical`. The same fields describe the CPU backend's virtual workers
+(``matmul_tflops_*``, ``attention_tflops``) are timed by ``lightning_roundpipe.cost.physical``. The same fields describe the CPU backend's virtual workers
 (``profiles/cpu2.yaml``), whose injected bandwidth limit and latency play the role of the
 PCIe link, so a simulated step can be checked against a measured CPU run.
 """
@@ -202,7 +202,7 @@ def available_hardware() -> list[str]:
 
 
 def load_hardware(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareProfile:
-    """Load a profile by name (``"rtx4090"``) from :func:`hardware_dir`, or from a YAML file path."""
+    """Load a profile by name (``"rtx4090"``) from ``hardware_dir``, or from a YAML file path."""
     if isinstance(name_or_path, HardwareProfile):
         return name_or_path
     path = Path(name_or_path)

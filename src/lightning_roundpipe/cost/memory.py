@@ -1,15 +1,15 @@
 """Memory a RoundPipe plan needs: per worker (GPU) and on the host.
 
-GPU, per worker (:func:`roundpipe_gpu_bytes`): the largest peak of the stages it runs, each
-stage's peak (:func:`stage_peak_bytes`) being its weights and gradients with the next stage's
-prefetch, one microbatch's activation working set (:func:`stage_activation_bytes`, whose graph
-term is :meth:`CostView.stage_graph`: the one place a recompute grain changes what a stage keeps)
+GPU, per worker (``roundpipe_gpu_bytes``): the largest peak of the stages it runs, each
+stage's peak (``stage_peak_bytes``) being its weights and gradients with the next stage's
+prefetch, one microbatch's activation working set (``stage_activation_bytes``, whose graph
+term is ``CostView.stage_graph``: the one place a recompute grain changes what a stage keeps)
 and the microbatch buffers around it, plus whatever the link may still be moving. The terms were
 checked against the CPU backend's measured per-worker peaks (``docs/memory.md``); with the link
 unknown every in-flight transfer is counted, and the simulator's peak never exceeds that (tested).
 With layer-grain recompute (``recompute="layer"``) a backward or fused stage holds one layer's
 graph at a time plus the inputs of its layers after the first (the first is the input buffer):
-``max_l graph(l) + sum_{a < c < b} in(c)`` (:func:`layer_grain_graph`).
+``max_l graph(l) + sum_{a < c < b} in(c)`` (``layer_grain_graph``).
 
 Host: fp32 master weights, fp32 gradients and two fp32 Adam moments (16 bytes) per trainable
 parameter, the compute-dtype copy of every parameter that uploads read from (frozen LoRA bases
@@ -64,7 +64,7 @@ def stage_activation_bytes(plan: Plan, view: CostView, stage: Stage, recompute: 
     boundaries it saves for recompute; a backward's input gradient).
 
     ``recompute``: "stage" (a backward stage keeps its whole graph) or "layer" (one layer's graph
-    and the stage's layer inputs, :func:`layer_grain_graph`)."""
+    and the stage's layer inputs, ``layer_grain_graph``)."""
     if recompute not in RECOMPUTE_GRAINS:
         raise ValueError(f"recompute grain must be one of {RECOMPUTE_GRAINS}, got {recompute!r}")
     a, b = stage.start, stage.end
@@ -135,7 +135,7 @@ def stage_peak_bytes(plan: Plan, view: CostView, stages: list[Stage], k: int,
     """A worker's bytes at the peak of a microbatch of ``stages[k]`` (its tasks run cyclically).
 
     Always there: the stage's weights (and its gradients, which accumulate over its
-    microbatches), its working set (:meth:`CostView.stage_graph`), this microbatch's inputs, the
+    microbatches), its working set (``CostView.stage_graph``), this microbatch's inputs, the
     next microbatch's inputs uploaded ahead (after the last microbatch, the next stage's;
     ``_inputs_ahead``) and, for a forward stage, its outputs.
 
@@ -145,7 +145,7 @@ def stage_peak_bytes(plan: Plan, view: CostView, stages: list[Stage], k: int,
     it takes longer than the compute reaches its peak (``_seconds_to_peak``). With
     ``link_bytes_per_second`` None (unknown) both always are, and so are the next microbatch's
     inputs from other stages, which bounds every timing. ``recompute``: the grain of backward
-    stages (:func:`stage_activation_bytes`).
+    stages (``stage_activation_bytes``).
     """
     n = len(stages)
     prev, stage, nxt = stages[(k - 1) % n], stages[k], stages[(k + 1) % n]
@@ -177,12 +177,12 @@ def stage_peak_bytes(plan: Plan, view: CostView, stages: list[Stage], k: int,
 def roundpipe_gpu_bytes(plan: Plan, costs: CostProfile, num_workers: int, continue_round_robin: bool = True,
                         link_bytes_per_second: float | None = None, microbatches: int | None = None,
                         recompute: str = "stage", schedule: Schedule = ROUND_ROBIN) -> list[int]:
-    """Peak bytes of each worker while running ``plan``: the largest :func:`stage_peak_bytes` of its
+    """Peak bytes of each worker while running ``plan``: the largest ``stage_peak_bytes`` of its
     stages. ``link_bytes_per_second`` (default: the profile's; ``math.inf`` for the CPU backend,
     whose transfers are memory copies) decides which transfers may still be pending at a peak;
     ``microbatches`` 1 means no next microbatch is uploaded ahead (None: at least two);
     ``recompute``: the grain of backward stages, "stage" or "layer"; ``schedule``: which stages
-    share a worker (:mod:`~lightning_roundpipe.schedule.dispatch_order`)."""
+    share a worker (``dispatch_order``)."""
     view = CostView(costs)
     link = costs.link_bytes_per_second if link_bytes_per_second is None else link_bytes_per_second
     return [max((stage_peak_bytes(plan, view, stages, k, link, microbatches, recompute) for k in range(len(stages))),
@@ -202,6 +202,7 @@ class HostMemory:
 
     @property
     def total(self) -> int:
+        """All host bytes of the run added up."""
         return self.optimizer_state + self.compute_copy + self.saved_activations + self.gradient_downloads
 
     @property

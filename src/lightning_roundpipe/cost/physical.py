@@ -1,7 +1,7 @@
 """Layer time from physical rates: tensor FLOPs, attention FLOPs and memory traffic.
 
 A hardware profile may give, besides its single ``tflops``, the rates a datasheet states
-(:class:`~lightning_roundpipe.cost.hardware.HardwareProfile` fields ``tensor_tflops_fp32_acc``,
+(``HardwareProfile`` fields ``tensor_tflops_fp32_acc``,
 ``tensor_tflops_fp16_acc``, ``memory_bytes_per_s``). Then the time of a layer's work is
 
     matmul FLOPs / tensor rate (fp16 accumulate when the run enables it, else fp32 accumulate)

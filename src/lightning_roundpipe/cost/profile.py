@@ -40,6 +40,7 @@ class LayerCost:
     act_grad_bytes_per_token: int | None = None
 
     def scaled(self, factor: float) -> "LayerCost":
+        """The same layer with its compute times multiplied by ``factor``."""
         return dataclasses.replace(self, forward_s=self.forward_s * factor, recompute_s=self.recompute_s * factor,
                                    backward_s=self.backward_s * factor)
 
@@ -73,9 +74,11 @@ class CostProfile:
         return len(self.layers)
 
     def layer_params(self) -> list[int]:
+        """Parameter count per layer (from the weight bytes where it was not given)."""
         return [c.params if c.params is not None else c.weight_bytes // self.dtype_bytes for c in self.layers]
 
     def layer_trainable_params(self) -> list[int]:
+        """Trainable parameter count per layer (from the gradient bytes where it was not given)."""
         return [c.trainable_params if c.trainable_params is not None else c.grad_bytes // self.dtype_bytes
                 for c in self.layers]
 
@@ -84,6 +87,7 @@ class CostProfile:
         return [c.active_params if c.active_params is not None else p for c, p in zip(self.layers, self.layer_params())]
 
     def layer_graph_bytes_per_token(self) -> list[int]:
+        """Bytes of autograd graph each layer keeps per token (its output activation where not given)."""
         return [c.graph_bytes_per_token if c.graph_bytes_per_token is not None else c.act_bytes_per_token
                 for c in self.layers]
 
@@ -122,14 +126,17 @@ class StageCost:
 
     @property
     def compute_s(self) -> float:
+        """Compute time of the stage over all its microbatches."""
         return self.microbatches * self.microbatch_compute_s
 
     @property
     def upload_s(self) -> float:
+        """Upload time of the stage: its weights once, its inputs per microbatch."""
         return self.weight_upload_s + self.microbatches * self.microbatch_upload_s
 
     @property
     def download_s(self) -> float:
+        """Download time of the stage: its outputs per microbatch, its weight gradients once."""
         return self.microbatches * self.microbatch_download_s + self.grad_download_s
 
     @property
@@ -144,11 +151,11 @@ class StageCost:
 
 
 class StageCostModel:
-    """Stage costs of one :class:`CostProfile` for a fixed microbatch count and link speed.
+    """Stage costs of one ``CostProfile`` for a fixed microbatch count and link speed.
 
     Prefix sums make every stage cost O(stage length) at most, so a partitioner can price all
     O(layers^2) candidate stages. Activation memory: the stage input plus the working set of
-    :meth:`~.view.CostView.stage_graph` (the formula the simulator and the memory bound use).
+    ``stage_graph`` (the formula the simulator and the memory bound use).
 
     ``recompute=False`` prices backward without the recompute (the forward graph was kept).
     ``link_bytes_per_second=None`` means transfers are free.

@@ -25,7 +25,7 @@ With LoRA the adapters go on the attention projections and on every expert's thr
 (all linear layers but the router); only the routed experts' adapters compute.
 
 When the hardware profile gives physical rates (``tensor_tflops_*`` and ``memory_bytes_per_s``,
-see :mod:`lightning_roundpipe.cost.physical`), a layer's time is its projection and LM-head FLOPs
+see ``lightning_roundpipe.cost.physical``), a layer's time is its projection and LM-head FLOPs
 at the tensor rate of the accumulation used, its attention FLOPs at the fp32-accumulate rate
 (flash attention accumulates in fp32 whatever cuBLAS does), plus its element-wise traffic
 (norms, residual adds, rotary, activation, cross-entropy) at the memory bandwidth.
@@ -71,14 +71,17 @@ class ModelShape:
 
     @property
     def is_moe(self) -> bool:
+        """Whether the model has Mixture-of-Experts layers."""
         return self.num_experts > 0
 
     @property
     def q_dim(self) -> int:
+        """Width of the attention queries (heads x head dimension)."""
         return self.num_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
+        """Width of the attention keys and values (KV heads x head dimension)."""
         return self.num_kv_heads * self.head_dim
 
     def attention_shapes(self) -> list[tuple[int, int]]:
@@ -97,6 +100,7 @@ class ModelShape:
         return self.attention_shapes() + self.mlp_shapes() * routed
 
     def router_params(self) -> int:
+        """Parameters of one MoE router."""
         return self.hidden * self.num_experts
 
     def active_linear_params(self) -> int:
@@ -104,6 +108,7 @@ class ModelShape:
         return sum(a * b for a, b in self.projection_shapes()) + self.router_params()
 
     def decoder_layer_params(self) -> int:
+        """Parameters of one decoder layer (attention, MLP or experts, router, norms)."""
         experts = self.num_experts if self.is_moe else 1
         linear = (sum(a * b for a, b in self.attention_shapes()) + experts * sum(a * b for a, b in self.mlp_shapes())
                   + self.router_params())
@@ -121,6 +126,7 @@ class ModelShape:
         return sum(rank * (a + b) for a, b in self.projection_shapes())
 
     def embedding_params(self) -> int:
+        """Parameters of the token embedding."""
         return self.vocab * self.hidden
 
     def head_params(self) -> int:
@@ -198,7 +204,7 @@ def decoder_layer_work(shape: ModelShape, seq_len: int, lora_rank: int | None = 
     input gradients only), plus the adapters' own. Attention (causal, flash attention skipping
     the masked half): ``2 * seq_len * q_dim`` forward, 2.5x that backward (flash attention's
     backward recomputes the scores: five matmuls to the forward's two). Element-wise traffic:
-    :func:`elementwise_bytes_per_token`, twice that backward.
+    ``elementwise_bytes_per_token``, twice that backward.
     """
     linear = shape.active_linear_params()
     adapters = shape.active_lora_params_per_layer(lora_rank) if lora_rank else 0
@@ -247,7 +253,7 @@ def transformer_layer_costs(
     loss_chunk_tokens: int | None = None,
     name: str = "",
 ) -> CostProfile:
-    """Estimated :class:`CostProfile` of one microbatch (``microbatch_size`` sequences of ``seq_len``).
+    """Estimated ``CostProfile`` of one microbatch (``microbatch_size`` sequences of ``seq_len``).
 
     Layers: prefix (embedding), ``num_layers`` decoder layers, postfix (norm + LM head + loss).
     ``loss_chunk_tokens`` models a chunked cross-entropy that materialises the fp32 logits of only
@@ -271,7 +277,7 @@ def shape_layer_costs(
     fp16_accumulation: bool = False,
     loss_in_pipeline: bool = True,
 ) -> CostProfile:
-    """:func:`transformer_layer_costs` of a :class:`ModelShape` (dense or MoE).
+    """``transformer_layer_costs`` of a ``ModelShape`` (dense or MoE).
 
     ``microbatch_size`` may be fractional (a step of 128 sequences in 10 microbatches holds
     12.8 sequences per microbatch on average); the microbatch then holds the nearest whole
@@ -279,7 +285,7 @@ def shape_layer_costs(
     fp16-accumulate tensor rate (``torch.backends.cuda.matmul.allow_fp16_accumulation``).
     ``loss_in_pipeline`` False: the last stage returns the logits and the loss is computed
     outside (no labels travel, the logits are the last stage's output). Activation bytes come
-    from :mod:`.activations`.
+    from ``activations``.
     """
     hidden, intermediate, vocab, num_layers = shape.hidden, shape.intermediate, shape.vocab, shape.num_layers
     qk_norm = shape.qk_norm
@@ -373,6 +379,6 @@ def preset_costs(
     lora_rank: int | None = None,
     loss_chunk_tokens: int | None = None,
 ) -> CostProfile:
-    """:func:`transformer_layer_costs` for a preset name such as ``"qwen3-8b"`` (or a :class:`ModelShape`)."""
+    """``transformer_layer_costs`` for a preset name such as ``"qwen3-8b"`` (or a ``ModelShape``)."""
     return shape_layer_costs(get_model_shape(model), hardware, seq_len, microbatch_size, dtype_bytes, lora_rank,
                              loss_chunk_tokens=loss_chunk_tokens)

@@ -1,7 +1,7 @@
-"""Read-only helpers over a :class:`~lightning_roundpipe.cost.profile.CostProfile` for whole layer ranges.
+"""Read-only helpers over a ``CostProfile`` for whole layer ranges.
 
 Per-microbatch bytes and seconds of a stage ``[a, b)``. Where a layer gives no parameter
-counts or kept graph, :class:`~lightning_roundpipe.cost.profile.CostProfile` derives them.
+counts or kept graph, ``CostProfile`` derives them.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class CostView:
         return per_token * self.tokens
 
     def out_bytes(self, layer: int) -> int:
+        """Bytes of the activation layer ``layer`` passes on, for this view's tokens."""
         return self.layers[layer].act_bytes_per_token * self.tokens
 
     def out_grad_bytes(self, layer: int) -> int:
@@ -50,9 +51,11 @@ class CostView:
         return self.grad_per_token[layer] * self.tokens
 
     def weights(self, a: int, b: int) -> int:
+        """Weight bytes of layers ``[a, b)``."""
         return sum(self.layers[i].weight_bytes for i in range(a, b))
 
     def grads(self, a: int, b: int) -> int:
+        """Gradient bytes of layers ``[a, b)``."""
         return sum(self.layers[i].grad_bytes for i in range(a, b))
 
     def graph(self, a: int, b: int) -> int:
@@ -91,7 +94,7 @@ class CostView:
 
         A forward runs without autograd, so only one layer's temporaries are alive; a backward (it
         recomputes the stage) and a fused stage keep the whole stage's graph, and back-propagating
-        it adds one layer's gradients (:meth:`backward_working_set`).
+        it adds one layer's gradients (``backward_working_set``).
         """
         if kind == "forward":
             return self.forward_transient(a, b)
@@ -99,9 +102,11 @@ class CostView:
 
     # seconds of one microbatch
     def forward_s(self, a: int, b: int) -> float:
+        """Forward time of layers ``[a, b)``."""
         return sum(self.layers[i].forward_s for i in range(a, b))
 
     def backward_with_recompute_s(self, a: int, b: int) -> float:
+        """Recompute plus backward time of layers ``[a, b)``."""
         return sum(self.layers[i].recompute_s + self.layers[i].backward_s for i in range(a, b))
 
     def fused_s(self, a: int, b: int) -> float:
@@ -113,9 +118,11 @@ class CostView:
         return [c.forward_s + c.recompute_s + c.backward_s for c in self.layers]
 
     def unique_params(self) -> int:
+        """Parameters counted once (tied weights once), as the profile gives them or summed."""
         c = self.costs.unique_params
         return int(sum(self.params) if c is None else c)
 
     def unique_trainable_params(self) -> int:
+        """Trainable parameters counted once, as the profile gives them or summed."""
         c = self.costs.unique_trainable_params
         return int(sum(self.trainable) if c is None else c)

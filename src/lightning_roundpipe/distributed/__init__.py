@@ -1,0 +1,1 @@
+"""Data parallel across nodes: gradients averaged on the host."""

@@ -46,6 +46,7 @@ class _Pending:
 
 
 class GradientSync:
+    """All-reduces each layer's gradients across nodes as soon as they are complete (see the module doc)."""
     def __init__(self, layer_tables, trace: TraceRecorder, timeout_s: float, group=None):
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -65,6 +66,8 @@ class GradientSync:
 
     # ------------------------------------------------------------------ engine hook
     def on_layer_grads(self, layer_ids) -> None:
+        """Start the reduction of the units whose layers' gradients are all complete (nothing while
+        accumulating)."""
         if self.blocked:
             return
         self._done_layers.update(layer_ids)
@@ -126,6 +129,7 @@ class GradientSync:
             pending.finalized = True
 
     def finalize_params(self, params) -> None:
+        """Wait for the reductions holding ``params`` and copy the averaged gradients back."""
         ids = {id(p) for p in params}
         for unit, ps in self.unit_params.items():
             if any(id(p) in ids for p in ps):
@@ -156,6 +160,7 @@ class GradientSync:
         self.bytes_reduced = 0
 
     def close(self) -> None:
+        """Stop the watcher thread."""
         self._watch.put(None)
         self._watcher.join(5)
 

@@ -44,6 +44,7 @@ class PipelineCalls:
         self.reached_outside: set[int] = set()  # ids of parameters this backward reaches outside the pipeline
 
     def started(self, run) -> None:
+        """Record a pipelined call whose backward is still to come."""
         self._pending.add(run)
 
     def others_pending(self) -> bool:

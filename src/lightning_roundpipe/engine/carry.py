@@ -18,11 +18,14 @@ class HostCarry:
 
     @staticmethod
     def of(tree: Any) -> "HostCarry":
+        """A carry of ``tree``'s leaves and structure."""
         leaves, spec = pytree.tree_flatten(tree)
         return HostCarry(leaves, spec)
 
     def tree(self) -> Any:
+        """The carry as the original tree."""
         return pytree.tree_unflatten(self.leaves, self.spec)
 
     def nbytes(self) -> int:
+        """Bytes of the carry's tensors."""
         return sum(x.numel() * x.element_size() for x in self.leaves if isinstance(x, torch.Tensor))

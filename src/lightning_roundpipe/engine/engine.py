@@ -93,6 +93,7 @@ class PipelineEngine:
                            self.notify_grads_accumulated, self.shadows)
 
     def describe(self) -> str:
+        """The plan as text, with the number of workers."""
         return self.plan.describe(len(self.pool))
 
     @property
@@ -122,6 +123,7 @@ class PipelineEngine:
         return [t for table in self.tables for t, p in zip(table.tensors, table.is_param) if p]
 
     def trainable(self) -> bool:
+        """Whether any pipelined parameter requires a gradient."""
         return any(t.requires_grad for t in self.master_parameters())
 
     # ------------------------------------------------------------------ entry points
@@ -188,6 +190,7 @@ class PipelineEngine:
             raise
 
     def close(self) -> None:
+        """Shut the worker pool down and let go of what its lanes hold of the CPU generator."""
         self.pool.shutdown()
         # A lane still inside a layer (after a timeout) keeps running until that layer returns;
         # what it holds of the process's CPU generator must not make the next call wait for it.

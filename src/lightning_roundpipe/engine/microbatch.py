@@ -1,6 +1,6 @@
 """Split a batch pytree into microbatches along dim 0, and merge per-microbatch outputs back.
 
-Dataclass batches are split like dicts: :func:`register_batch_types` registers each dataclass
+Dataclass batches are split like dicts: ``register_batch_types`` registers each dataclass
 type found in a batch as a pytree node (its fields are the children), once per type.
 
 Tensor leaves with a batch dimension are split with ``torch.tensor_split`` (sizes differ by at
@@ -41,6 +41,7 @@ def register_batch_types(tree: Any) -> None:
 
 
 def batch_size_of(tree: Any) -> int:
+    """The batch size (dim 0) the tensors of ``tree`` share; different sizes are refused naming them."""
     leaves_with_path, _ = pytree.tree_flatten_with_path(tree)
     sizes = {}
     for path, leaf in leaves_with_path:
@@ -82,6 +83,7 @@ def effective_microbatches(batch_size: int, requested: int) -> int:
 
 
 def split_microbatches(tree: Any, num_microbatches: int) -> list[Any]:
+    """``tree`` cut into ``num_microbatches`` trees along dim 0 of its tensors (other leaves repeated)."""
     register_batch_types(tree)
     leaves, spec = pytree.tree_flatten(tree)
     n = batch_size_of(tree)

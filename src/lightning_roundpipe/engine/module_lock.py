@@ -25,7 +25,8 @@ class ModuleLock:
         self._holder: tuple | None = None  # (thread, layer, microbatch) of the call inside
 
     def acquire(self, timeout: float, layer: int, microbatch: int, task_of: Callable[[threading.Thread], str]) -> None:
-        """Take the lock for ``layer`` on ``microbatch`` within ``timeout`` seconds, or raise naming who holds it."""
+        """Take the lock for ``layer`` on ``microbatch`` within ``timeout`` seconds, or raise naming who holds
+        it."""
         if not self._lock.acquire(timeout=timeout):
             holder = self._holder
             held = ("another call" if holder is None else
@@ -38,5 +39,6 @@ class ModuleLock:
         self._holder = (threading.current_thread(), layer, microbatch)
 
     def release(self) -> None:
+        """Let the next caller in."""
         self._holder = None
         self._lock.release()

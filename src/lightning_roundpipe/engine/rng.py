@@ -18,7 +18,7 @@ serialises. On the CPU backend all workers share the process's CPU generator, so
 must have it to itself; layers known not to draw need not wait for one another:
 
 - **Exclusive** (seeded, one at a time, as on CUDA): a layer that may draw. That is one the
-  static check :func:`uses_randomness` flags, one that drew on an earlier call, and one never
+  static check ``uses_randomness`` flags, one that drew on an earlier call, and one never
   run before with these training flags (``m.training`` of each submodule; dropout draws only in
   training).
 - **Shared** (any number at once, the generator left alone): a layer whose earlier call with
@@ -26,7 +26,7 @@ must have it to itself; layers known not to draw need not wait for one another:
   an exclusive call puts back the state it found, so when a shared call ends the generator must
   be in the state it had when the shared period began; any change is an unseeded draw.
 - **An unseeded draw is never used.** Every shared call inside when the change is seen fails
-  with :class:`UnseededDraw` (the pipeline raises it; a failed step puts back what it changed),
+  with ``UnseededDraw`` (the pipeline raises it; a failed step puts back what it changed),
   its layer is marked as drawing so its later calls run seeded (running the step again is
   exact), and the generator is put back. A recompute whose seeded draws end elsewhere than its
   forward's did (the forward and the recompute drew different numbers) fails the same way.
@@ -34,7 +34,7 @@ must have it to itself; layers known not to draw need not wait for one another:
 Waits and hung layers: every wait for the gate is bounded by the pool's timeout, and its error
 names the waiting layer's task and what holds the gate. A layer that never returns keeps its
 hold (Python cannot stop its thread); when its engine closes (after the timeout that ended the
-call) the gate gives up that pool's holds (:meth:`CpuGeneratorGate.abandon`) and puts back the
+call) the gate gives up that pool's holds (``CpuGeneratorGate.abandon``) and puts back the
 generator state the holder found, so a new call does not wait for the stuck thread, and the
 thread's own exit, whenever the layer returns, leaves the generator alone. While it still runs,
 a draw it makes is another thread's draw to the new call (caught as below).
@@ -76,6 +76,7 @@ def layer_seed(base_seed: int, layer: int, microbatch: int) -> int:
 
 
 def uses_randomness(module: nn.Module) -> bool:
+    """Whether a module in training mode below ``module`` may draw random numbers (dropout and the like)."""
     for m in module.modules():
         if not m.training:
             continue
@@ -109,6 +110,7 @@ class GeneratorHold:
     abandoned: bool = False
 
     def describe(self) -> str:
+        """What holds the generator and where, for timeout messages."""
         text = _describe(self.what) if isinstance(self.what, tuple) else str(self.what)
         where = self.where() if self.where is not None else f"thread {self.thread.name}"
         return f"{text} ({where})" if where else text
@@ -122,9 +124,9 @@ class CpuGeneratorGate:
     ``enter_shared``/``exit_shared``: any number of holders, none of which may draw; each exit
     compares the generator with the state the shared period began with.
 
-    Every wait is bounded (:class:`PipelineTimeout` naming the waiter and the holders). A pool
+    Every wait is bounded (``PipelineTimeout`` naming the waiter and the holders). A pool
     shut down with a lane still inside a layer (after a timeout: Python cannot stop the thread)
-    gives up its holds with :meth:`abandon`, so that a new call does not wait for that thread:
+    gives up its holds with ``abandon``, so that a new call does not wait for that thread:
     the gate puts back the generator state the holder found, and the thread's own exit, whenever
     it comes, changes nothing.
     """
@@ -162,7 +164,7 @@ class CpuGeneratorGate:
     @contextlib.contextmanager
     def exclusive(self, what: object = "the host thread", timeout: float = DEFAULT_GATE_TIMEOUT_S, owner: object = None,
                   where: Callable[[], str] | None = None):
-        """Hold the generator alone; yields the :class:`GeneratorHold` (the same one when nested)."""
+        """Hold the generator alone; yields the ``GeneratorHold`` (the same one when nested)."""
         me = threading.current_thread()
         with self._cond:
             hold = self._exclusive
@@ -201,6 +203,8 @@ class CpuGeneratorGate:
 
     def enter_shared(self, what: tuple, timeout: float = DEFAULT_GATE_TIMEOUT_S, owner: object = None,
                      where: Callable[[], str] | None = None) -> object:
+        """Enter a shared (non-drawing) period for ``what``; returns the token ``exit_shared`` takes. Waits up
+        to ``timeout`` for an exclusive holder."""
         token, me = object(), threading.current_thread()
         with self._cond:
             hold = GeneratorHold(what, me, owner, where)
@@ -273,13 +277,16 @@ class LayerDraws:
 
     @staticmethod
     def flags(module: nn.Module) -> tuple:
+        """The training flags of every module below ``module``: what decides whether it draws."""
         return tuple(m.training for m in module.modules())
 
     def known(self, module: nn.Module, flags: tuple) -> bool | None:
+        """Whether ``module`` was seen to draw with these ``flags`` (None: not seen yet)."""
         with self._lock:
             return self._known.get(module, {}).get(flags)
 
     def note(self, module: nn.Module, flags: tuple, draws: bool) -> None:
+        """Record whether ``module`` drew with these ``flags``; once seen drawing, it stays drawing."""
         with self._lock:
             per_flags = self._known.setdefault(module, {})
             if not per_flags.get(flags):  # once seen to draw, a layer stays drawing
@@ -308,7 +315,7 @@ class CallRng:
     def __init__(self, draws: LayerDraws = LAYER_DRAWS, *, timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
                  owner: object = None, task_of: Callable[[threading.Thread], str] | None = None):
         """``timeout_s`` bounds every wait for the CPU generator; ``owner`` (the worker pool) is
-        what :meth:`CpuGeneratorGate.abandon` names; ``task_of(thread)`` names the task a thread
+        what ``CpuGeneratorGate.abandon`` names; ``task_of(thread)`` names the task a thread
         runs, for errors."""
         self.timeout_s, self.owner, self._task_of = timeout_s, owner, task_of
         self.base_seed = _peek_base_seed(timeout_s)

@@ -1,9 +1,9 @@
 """One pipelined call over a pool: the lowered task graph submitted, its phases and the host's share.
 
 The rules (which tasks, on which worker and lane, waiting for what, at which priority) are
-in :func:`lightning_roundpipe.schedule.lowering.lower`; what each task kind does with tensors
-is in :mod:`.task_work`; which device values are still to be read, in :mod:`.device_values`.
-A call reads only its :class:`~.step_context.StepContext` (never the engine), and the host
+in ``lightning_roundpipe.schedule.lowering.lower``; what each task kind does with tensors
+is in ``task_work``; which device values are still to be read, in ``device_values``.
+A call reads only its ``StepContext`` (never the engine), and the host
 adds stage gradients in dispatch order.
 """
 
@@ -109,6 +109,7 @@ class StepRun:
         return outs
 
     def fused_loss(self) -> torch.Tensor:
+        """The sum of the fused last stage's per-microbatch losses, in microbatch order."""
         total = torch.zeros((), dtype=torch.float32)
         for t in self.graph.tasks:  # fixed order: microbatch 0..M-1
             if t.kind == "loss":
@@ -177,7 +178,7 @@ class StepRun:
     # ------------------------------------------------------------------ measurements
     @property
     def measurements(self) -> list[tuple[Stage, str, float]]:
-        """(stage, kind, seconds) of every compute task of this call (:func:`.measurements.call_measurements`)."""
+        """(stage, kind, seconds) of every compute task of this call (``measurements.call_measurements``)."""
         if self._measurements is None:
             self._measurements = call_measurements(self.pool, self.step, self.work.stages, self.work.keep_graph)
         return self._measurements

@@ -1,7 +1,7 @@
 """What every call of an engine needs, built once by the engine: a step reads this, never the engine.
 
 The engine rebuilds the context when its plan or microbatch count changes
-(:meth:`~.engine.PipelineEngine.set_plan`); a call keeps the one it started with.
+(``set_plan``); a call keeps the one it started with.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..workers.pool import WorkerPool
 
 
 class TableSizes:
-    """The engine's :class:`~lightning_roundpipe.schedule.lowering.Sizes`: weight chunks from the layer tables.
+    """The engine's ``Sizes``: weight chunks from the layer tables.
 
     Activation bytes are only known when a task runs (the carries' shapes), so they are 0 here.
     """
@@ -36,13 +36,16 @@ class TableSizes:
         return self._cache[(start, end)]
 
     def weight_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """``(start, end, bytes)`` of each upload chunk of the weights of layers ``[start, end)``."""
         w = self._weights(start, end)  # chunks are runs of tensors; each waits for the whole stage's versions
         return [(start, end, w.chunk_bytes(chunk)) for chunk in w.chunks]
 
     def grad_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """``(start, end, bytes)`` of the one gradient download of layers ``[start, end)``."""
         return [(start, end, self._weights(start, end).grad_bytes)]  # one download per stage, even when frozen
 
     def boundary_bytes(self, boundary: int) -> int:
+        """Bytes of the activation at a stage boundary: not known before the step runs (0)."""
         return 0
 
 

@@ -31,7 +31,7 @@ Work = tuple[Callable[[], Any], int, list]  # (fn, bytes, extra dependencies)
 
 class TaskWork:
     """The tensors of one call: stage weights on their workers, kept graphs, host carries; and the
-    handler of each task kind (:data:`HANDLERS`).
+    handler of each task kind (``HANDLERS``).
 
     ``keep_graph``: forward stages keep their graphs for the backward (no recompute), as the call
     started; a backward compute without an activation upload runs on a kept graph.
@@ -71,6 +71,7 @@ class TaskWork:
 
     @contextlib.contextmanager
     def compute_context(self, device: torch.device, grad: bool):
+        """Grad mode and the precision plugin's autocast for compute on ``device``."""
         enabled, dtype = self.autocast.get(device.type, (False, None))
         with torch.set_grad_enabled(grad):
             if enabled:
@@ -81,6 +82,8 @@ class TaskWork:
 
     def run_layers(self, device, weights: StageWeights, start: int, end: int, carry, mb: int, save_at=(),
                    recompute: bool = False):
+        """Run layers ``[start, end)`` on ``carry`` (each under its lock and seed); returns the carries after
+        the layers in ``save_at`` and at ``end``."""
         layers = self.ctx.layers
         saved = {}
         for l in range(start, end):
@@ -97,7 +100,7 @@ class TaskWork:
         return saved
 
     def layer_calls(self, device, weights: StageWeights, mb: int) -> LayerCalls:
-        """One layer at a time, as :meth:`run_layers` runs it (seed, lock, buffer rule)."""
+        """One layer at a time, as ``run_layers`` runs it (seed, lock, buffer rule)."""
 
         def run(layer, carry, forward):
             return self.run_layers(device, weights, layer, layer + 1, carry, mb, recompute=not forward)[layer + 1]
@@ -127,13 +130,16 @@ class TaskWork:
         return self.weights[f"F{self.stages[t.stage].index}"]  # the forward kept them, with its graph
 
     def is_fused(self, stage: Stage) -> bool:
+        """Whether ``stage`` is the fused last forward stage (forward, loss and backward at once)."""
         return stage.direction == "F" and stage.index == len(self.plan.forward) - 1
 
     def wgrad_work(self, tasks: list[GraphTask]) -> list[tuple[StageWeights, Completion]]:
+        """``(stage weights, completion)`` of the weight-gradient downloads among ``tasks``."""
         return [(self.stage_weights(t), self.done[t.id]) for t in tasks if t.kind == "wgrad"]
 
     # ------------------------------------------------------------------ uploads
     def upload_weights(self, t: GraphTask, worker) -> Work:
+        """The work of a weight upload task: the stage's parameters, cast to the compute dtype, chunk by chunk."""
         ctx, stage = self.ctx, self.stages[t.stage]
         if t.stage not in self.weights:
             need_grads = stage.direction == "B" or self.keep_graph or (self.fused and self.is_fused(stage))
@@ -153,6 +159,7 @@ class TaskWork:
         return fn, weights.chunk_bytes(chunk), ctx.weight_gates(range(*t.layers))
 
     def upload_carry(self, t: GraphTask, worker) -> Work:
+        """The work of an activation or gradient upload task."""
         src = self.source(t)
 
         def fn():
@@ -169,6 +176,7 @@ class TaskWork:
 
     # ------------------------------------------------------------------ downloads
     def download_carry(self, t: GraphTask, worker, get_tree) -> Work:
+        """A download of the carry ``get_tree`` returns, to host buffers (reusable unless the caller keeps it)."""
         # The caller's outputs and input gradients are theirs to keep; every other carry is only
         # read by uploads of this call, so it may land in a reused host buffer.
         to_caller = (t.kind == "act_out" and t.boundary == self.plan.num_layers) or (t.kind == "grad_out" and t.boundary == 0)
@@ -188,19 +196,23 @@ class TaskWork:
         return fn, 0, []
 
     def download_activation(self, t: GraphTask, worker) -> Work:
+        """The work of an activation download task."""
         comp = self.done[t.deps[0]]
         return self.download_carry(t, worker, lambda: HostCarry.of(comp.value[t.boundary]))
 
     def download_input_grad(self, t: GraphTask, worker) -> Work:
+        """The work of an input-gradient download task."""
         comp = self.done[t.deps[0]]
         fused = self.graph.tasks[t.deps[0]].kind == "fused"
         return self.download_carry(t, worker, (lambda: comp.value[1]) if fused else (lambda: comp.value))
 
     def download_loss(self, t: GraphTask, worker) -> Work:
+        """The work of a fused stage's loss download task."""
         comp = self.done[t.deps[0]]
         return (lambda: self.pool.copy_to_host(worker, [comp.value[0]])), 0, []
 
     def download_weight_grads(self, t: GraphTask, worker) -> Work:
+        """The work of a weight-gradient download task: into the host gradient buffers."""
         weights = self.stage_weights(t)
         lent = self.lent_buffers if self.fused else None
 
@@ -213,6 +225,7 @@ class TaskWork:
         return fn, t.bytes, []
 
     def release(self, t: GraphTask, worker) -> Work:
+        """The work of a release task: drop the stage's device weights."""
         weights = self.stage_weights(t)
 
         def fn():
@@ -223,6 +236,7 @@ class TaskWork:
 
     # ------------------------------------------------------------------ computes
     def forward(self, t: GraphTask, worker) -> Work:
+        """The work of a forward compute task of one microbatch."""
         stage, i = self.stages[t.stage], t.microbatch
         weights, act_in = self.weights[t.stage], self.dep(t, "act_in")
         save_at = self.saves.get(t.stage, set())
@@ -269,6 +283,7 @@ class TaskWork:
         return fn, 0, []
 
     def backward(self, t: GraphTask, worker) -> Work:
+        """The work of a backward compute task of one microbatch (recompute, then back-propagate)."""
         stage, i = self.stages[t.stage], t.microbatch
         weights, a_in, g_in = self.stage_weights(t), self.dep(t, "act_in"), self.dep(t, "grad_in")
         kept = a_in is None  # on the forward's kept graph (a second backward uploads the input and recomputes)

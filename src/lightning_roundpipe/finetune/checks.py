@@ -1,6 +1,6 @@
 """Checks of the fine-tuning inputs, run before training so bad input fails fast and clearly.
 
-Each check raises :class:`FineTuneInputError` with a message that names the offending value and
+Each check raises ``FineTuneInputError`` with a message that names the offending value and
 the configuration option to change (the Hydra key of ``conf/``, e.g. ``data.seq_len``).
 """
 

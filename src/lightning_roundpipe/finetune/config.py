@@ -2,8 +2,8 @@
 
 ``conf/model/tiny_*.yaml`` locate the shipped models with ``${asset:tiny-qwen3}`` and
 ``conf/config.yaml`` puts outputs in ``${run_dir:outputs/finetune}``; call
-:func:`register_resolvers` before resolving such a config (the example job does).
-:func:`check_job_values` checks the values the job hands to Lightning and the optimizer before
+``register_resolvers`` before resolving such a config (the example job does).
+``check_job_values`` checks the values the job hands to Lightning and the optimizer before
 the job loads or runs anything, naming the key to change.
 """
 
@@ -34,7 +34,7 @@ def run_dir(fallback: str) -> str:
 
 def register_resolvers() -> None:
     """Register ``${asset:NAME}`` (the path of a shipped asset) and ``${run_dir:FALLBACK}``
-    (:func:`run_dir`); safe to call more than once."""
+    (``run_dir``); safe to call more than once."""
     if not OmegaConf.has_resolver("asset"):
         OmegaConf.register_new_resolver("asset", lambda name: str(assets.path(name)))
     if not OmegaConf.has_resolver("run_dir"):
@@ -84,7 +84,7 @@ DATA_VALUES = {
 
 
 def check_job_values(cfg: DictConfig) -> None:
-    """Raise :class:`FineTuneInputError` naming the first key of ``trainer``, ``data`` or ``optim``
+    """Raise ``FineTuneInputError`` naming the first key of ``trainer``, ``data`` or ``optim``
     whose value the run cannot use (``trainer.max_steps=abc``, ``optim.lr=-1``), before anything runs."""
     for group, rules in (("trainer", TRAINER_VALUES), ("data", DATA_VALUES)):
         values = cfg.get(group) or {}

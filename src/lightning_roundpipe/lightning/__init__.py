@@ -1,0 +1,1 @@
+"""The Lightning glue: the strategy and what only it needs."""

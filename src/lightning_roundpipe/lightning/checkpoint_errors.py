@@ -62,6 +62,7 @@ def _stored_bytes(checkpoint) -> int:
 
 
 def previous_file(path: str) -> str:
+    """What became of the destination: the previous checkpoint intact, or no file written."""
     return (f"the previous checkpoint {path} is intact" if os.path.exists(path)
             else f"no file was written at {path}")
 
@@ -89,6 +90,7 @@ def is_full_disk(err: BaseException) -> bool:
 
 
 def disk_filled(path: str, directory: str) -> CheckpointSpaceError:
+    """The error of a save that filled the disk, naming the file, the folder and what to do."""
     return CheckpointSpaceError(
         f"no space left on the device while saving the checkpoint {path}: free some space in {directory} or save "
         f"elsewhere (ModelCheckpoint(dirpath=...)). The partial file was removed and {previous_file(path)}.")

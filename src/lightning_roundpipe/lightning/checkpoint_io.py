@@ -5,7 +5,7 @@ renamed over the destination (``os.replace`` is atomic on POSIX and Windows). Th
 Lightning's own (``torch.save`` of the checkpoint dict), so it loads with plain ``torch.load``
 and into a model trained under any strategy. A local file that cannot be read (empty,
 truncated) and a disk that fills up mid-save fail with a
-:class:`~.checkpoint_errors.CheckpointError` naming the file, the cause and what to do; a save
+``CheckpointError`` naming the file, the cause and what to do; a save
 whose tensors do not fit the free space is refused before it writes. Loading a local file reports its bytes read to
 ``progress`` (a set-up progress bar, shown for large files only). A save interrupted hard enough to skip its own
 clean-up (a killed process, a power cut) leaves a ``.tmp-<name>-<random>`` file; the next save

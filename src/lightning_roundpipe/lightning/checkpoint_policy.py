@@ -101,7 +101,7 @@ def overlap_state(overlapped) -> dict | None:
 
 
 def overlap_state_of_finished(overlapped) -> dict | None:
-    """:func:`overlap_state` of a fit that has ended; None when its last step failed (nothing to
+    """``overlap_state`` of a fit that has ended; None when its last step failed (nothing to
     resume from: the runtime's ``detach`` raises what went wrong)."""
     try:
         return overlap_state(overlapped)
@@ -110,7 +110,7 @@ def overlap_state_of_finished(overlapped) -> dict | None:
 
 
 def load_overlap_state(overlapped, checkpoint: dict) -> None:
-    """Give each overlapped optimizer what :func:`overlap_state` saved; call after the weights are loaded."""
+    """Give each overlapped optimizer what ``overlap_state`` saved; call after the weights are loaded."""
     saved = (checkpoint.get(OVERLAP_KEY) or {}).get("overlapped_optimizers")
     stale = any(ov.staleness for ov in overlapped)
     if saved is None:
@@ -129,7 +129,7 @@ def load_overlap_state(overlapped, checkpoint: dict) -> None:
 
 
 def refuse_unloadable_optimizer_states(module, checkpoint: dict) -> None:
-    """Raise :class:`CheckpointError` when ``checkpoint``'s optimizer states would not load into the
+    """Raise ``CheckpointError`` when ``checkpoint``'s optimizer states would not load into the
     optimizers ``module.configure_optimizers()`` makes; call before loading anything.
 
     Each saved state is loaded into a throwaway optimizer the module configures, with every saved

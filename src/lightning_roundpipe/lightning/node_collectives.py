@@ -14,7 +14,7 @@ from lightning.fabric.utilities.types import ReduceOp
 
 class NodeCollectives:
     """Mixin for a ``ParallelStrategy`` whose ranks are nodes, not devices, and whose ``runtime``
-    (a :class:`~lightning_roundpipe.runtime.RoundPipeRuntime` or None) syncs gradients."""
+    (a ``RoundPipeRuntime`` or None) syncs gradients."""
 
     _accumulating = False  # inside Lightning's block_backward_sync (an accumulation-only step)
     last_bytes_reduced = 0  # gradient bytes all-reduced in the last backward
@@ -29,10 +29,12 @@ class NodeCollectives:
             self._accumulating = False
 
     def pre_backward(self, closure_loss) -> None:
+        """Tell the runtime a backward starts (and whether this step only accumulates)."""
         if self.runtime is not None:
             self.runtime.begin_backward(self._accumulating)
 
     def post_backward(self, closure_loss) -> None:
+        """Tell the runtime the backward ended; keeps the bytes it reduced across nodes."""
         if self.runtime is not None:
             self.last_bytes_reduced = self.runtime.end_backward()
 
@@ -40,15 +42,18 @@ class NodeCollectives:
         return self.world_size > 1 and torch.distributed.is_initialized()
 
     def reduce(self, tensor, group=None, reduce_op: ReduceOp | str | None = "mean"):
+        """Reduce a tensor across nodes (``"mean"`` by default); anything else, or one node, as it is."""
         if isinstance(tensor, torch.Tensor) and self._dist():
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     def barrier(self, name: str | None = None) -> None:
+        """Wait for every node (nothing on one node)."""
         if self._dist():
             torch.distributed.barrier()
 
     def broadcast(self, obj, src: int = 0):
+        """``obj`` from node ``src`` on every node."""
         if not self._dist():
             return obj
         holder = [obj]
@@ -57,4 +62,5 @@ class NodeCollectives:
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
+        """One sampler replica per node."""
         return {"num_replicas": self.world_size, "rank": self.global_rank}  # one replica per node, not per worker

@@ -6,7 +6,7 @@
   the workers and in recompute. Gradients come back in bf16 and are accumulated in fp32.
 - ``16-mixed``: as bf16-mixed with fp16, plus loss scaling. The scaler must unscale and check
   the gradients where they live, on the host, so a CUDA ``GradScaler`` is replaced by a host
-  one (:class:`HostScaledMixedPrecision`); on overflow the step is skipped and no layer gets a
+  one (``HostScaledMixedPrecision``); on overflow the step is skipped and no layer gets a
   new version. Lightning turns ``precision="16-mixed"`` into bf16 on ``accelerator="cpu"``; to
   get fp16 with loss scaling on the CPU backend, pass ``plugins=[HostScaledMixedPrecision()]``.
 - ``bf16-true`` / ``16-true`` (Lightning's ``HalfPrecision``): the module itself is converted, so

@@ -1,7 +1,7 @@
 """The pipeline's step and memory metrics as a Lightning Callback, so they reach every logger.
 
 After each training batch, the metrics of the step the runtime just timed
-(:func:`lightning_roundpipe.tracing.timeline.step_metrics`) are logged through
+(``lightning_roundpipe.tracing.timeline.step_metrics``) are logged through
 ``LightningModule.log``:
 
 - ``roundpipe/bubble_fraction``, ``roundpipe/exposed_transfer_s``, ``roundpipe/step_s`` (the
@@ -9,12 +9,12 @@ After each training batch, the metrics of the step the runtime just timed
   (the batch's tokens over that span, the last only when the batch has a token count). The span
   leaves out the host's loss, the optimizer's tail and the training loop, so this figure is
   above a wall-clock one such as the fine-tuning job's ``tokens_per_s``
-  (:class:`~lightning_roundpipe.finetune.TokenThroughput`): read it against the plan's prediction;
+  (``TokenThroughput``): read it against the plan's prediction;
 - memory, as torchtitan logs it every logging step: ``roundpipe/memory/host_rss_bytes`` (this
   process's resident memory, where the weights, optimizer state and activations live),
   ``roundpipe/memory/pinned_bytes`` (page-locked host memory; 0 on the CPU backend) and
   ``roundpipe/memory/w{i}_device_peak_bytes`` (the most device bytes worker ``i`` held during the
-  step; see :meth:`~lightning_roundpipe.runtime.RoundPipeRuntime.memory_metrics`).
+  step; see ``RoundPipeRuntime.memory_metrics``).
 
 They go to the loggers only; ``prog_bar=True`` (the strategy option ``progress_bar_metrics``)
 shows them in the progress bar too. The strategy adds this callback when ``step_metrics=True``

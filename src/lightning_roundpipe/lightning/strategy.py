@@ -1,7 +1,7 @@
 """RoundPipeStrategy: the Lightning glue. The machinery lives in ``runtime`` and ``engine``.
 
 The LightningModule stays on the host; the strategy finds the module to pipeline, hands it to
-a :class:`~lightning_roundpipe.runtime.RoundPipeRuntime` (which owns the pool, the engine, host
+a ``RoundPipeRuntime`` (which owns the pool, the engine, host
 state, gradient sync and their teardown), and leaves Lightning's loops, precision plugin,
 optimizer step, gradient clipping, accumulation and logging as they are: they act on host
 parameters whose ``.grad`` the pipeline filled.
@@ -14,7 +14,10 @@ from contextlib import ExitStack
 from datetime import timedelta
 
 import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -23,6 +26,7 @@ from typing_extensions import override
 
 from ..adapters.target import find_target
 from ..optim.per_layer_support import declaration_hint, why_not_per_layer
+from ..option_docs import args_section
 from ..options import OptionError, StrategyOptions, option_keywords_signature, strategy_options
 from ..runtime import RoundPipeRuntime, check_writable_dir, run_all
 from ..setup_progress import RichSetupProgress
@@ -44,14 +48,16 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
     ``Trainer(strategy="roundpipe", accelerator="cpu", devices=N)`` gives N virtual CPU workers;
     ``accelerator="gpu", devices=N`` gives N CUDA workers, all driven by one process.
 
-    The keyword arguments are the fields of :class:`~lightning_roundpipe.options.StrategyOptions`
+    The keyword arguments are the fields of ``StrategyOptions``
     (documented there; Hydra group ``strategy``), or pass a ``StrategyOptions`` as ``options``.
     """
 
     strategy_name = "roundpipe"
 
-    def __init__(self, options: StrategyOptions | None = None, *, accelerator=None, parallel_devices=None,
-                 cluster_environment=None, checkpoint_io=None, precision_plugin=None, **option_values):
+    def __init__(self, options: StrategyOptions | None = None, *, accelerator: Accelerator | None = None,
+                 parallel_devices: list[torch.device] | None = None,
+                 cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
+                 precision_plugin: Precision | None = None, **option_values):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io or AtomicCheckpointIO(progress=lambda: self.setup_progress()),
@@ -82,13 +88,16 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
 
     @property
     def num_workers(self) -> int:
+        """Number of workers: the Trainer's devices."""
         return len(self.parallel_devices or [None])
 
     @property
     def is_distributed(self) -> bool:
+        """Whether more than one node trains."""
         return self.world_size > 1
 
     def set_world_ranks(self) -> None:  # one process per node
+        """One process per node: the node rank is the global rank."""
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank)
             self.cluster_environment.set_world_size(self.num_nodes)
@@ -295,9 +304,18 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
         strategy_registry.register(cls.strategy_name, cls, description=DESCRIPTION)
 
 
+# The keyword options, typed and described, for help(), IDEs and LightningCLI (jsonargparse reads both).
 RoundPipeStrategy.__init__.__signature__ = option_keywords_signature(RoundPipeStrategy.__init__)
+RoundPipeStrategy.__init__.__doc__ = "\n".join((
+    "Validate the options (see ``docs/options.md``).", "",
+    args_section(StrategyOptions, skip={"compute_dtype"}),
+    "    options: all the options at once, instead of the keywords.",
+    *(f"    {name}: set by the Trainer." for name in
+      ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")),
+))
 
 
 def register() -> None:
+    """Register ``strategy="roundpipe"`` with Lightning (once)."""
     if RoundPipeStrategy.strategy_name not in StrategyRegistry:
         RoundPipeStrategy.register_strategies(StrategyRegistry)

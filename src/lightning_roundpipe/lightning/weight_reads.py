@@ -7,7 +7,7 @@ over the inner model's tensors could not be caught any other way; measured cost 
 while layers step during backward (a tensor hook calling ``self.parameters()``) and
 ``staleness=1``, whose update runs behind the next step by design. ``parameters``,
 ``named_parameters`` and ``state_dict`` of the LightningModule instance join first;
-:func:`restore` removes the wrappers.
+``restore`` removes the wrappers.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ READS = ("parameters", "named_parameters", "state_dict")
 
 
 def join_before_reads(module: nn.Module, join: Callable[[], None]) -> None:
+    """Make the module's weight reads (``parameters()``, ``state_dict()``, ...) call ``join`` first."""
     for name in READS:
         original = getattr(type(module), name)
 
@@ -31,5 +32,6 @@ def join_before_reads(module: nn.Module, join: Callable[[], None]) -> None:
 
 
 def restore(module: nn.Module) -> None:
+    """Undo ``join_before_reads``."""
     for name in READS:
         vars(module).pop(name, None)

@@ -11,6 +11,7 @@ from ..workers.completions import Completion, TaskLabel
 
 
 class HostLane:
+    """The host thread the overlapped optimizer's layer steps run on, one after another."""
     def __init__(self, trace: TraceRecorder, notifier=None, name: str = "roundpipe-optim"):
         """``notifier``: the worker pool whose lanes wait for these completions (uploads gated on
         a layer's new version), told when each one is set."""
@@ -44,5 +45,6 @@ class HostLane:
             done.set(value)
 
     def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread (waits up to ``timeout``)."""
         self._queue.put(None)
         self._thread.join(timeout)

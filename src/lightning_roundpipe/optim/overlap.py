@@ -6,7 +6,7 @@ so results equal the synchronous ``optimizer.step()`` bit for bit while the step
 behind the rest of backward and the next forward.
 
 When a layer may step early: during the closure's last backward (the caller says so with
-:meth:`OverlappedOptimizer.last_backward`; Lightning's strategy does, around the backward it
+``OverlappedOptimizer.last_backward``; Lightning's strategy does, around the backward it
 runs after ``training_step`` returned, so no further pipelined call can come), once the
 backward stages holding the layer's parameters have added their gradients, no other
 pipelined call of the step still owes its backward, the same backward reaches none of the
@@ -34,7 +34,7 @@ parameter's gradient and ``state[p]``: the ``torch.optim`` ones of ``per_layer_s
 weights from host shadows that are refreshed to the previous version only at the end of each
 backward, so step t's gradient is taken at the weights from before update t-1 while update
 t-1 runs on the masters behind step t's forward and backward. Those shadows are state a resume
-needs: :meth:`OverlappedOptimizer.state_dict` holds them (save it beside the optimizer's own).
+needs: ``OverlappedOptimizer.state_dict`` holds them (save it beside the optimizer's own).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class StepFailed(PipelineError):
 
 
 class OverlappedOptimizer:
+    """Steps a host optimizer layer by layer behind the pipeline (see the module doc)."""
     def __init__(self, optimizer: torch.optim.Optimizer, layer_tables, trace, *, notifier=None,
                  staleness: int = 0, delay_per_layer_s: float = 0.0,
                  after_layer_step: Callable[[list[torch.Tensor]], None] | None = None,
@@ -73,10 +74,10 @@ class OverlappedOptimizer:
         ``undo``: keep each step's before-images so a failed step is put back (default). False
         (for models whose host memory cannot hold one more copy of the weights and optimizer
         state): a failed step raises naming the layers it updated, and every later ``step``,
-        ``join`` and ``state_dict`` refuses until :meth:`mark_restored` (after loading a checkpoint).
-        ``calls``: the engine's :class:`~..engine.calls.PipelineCalls` (None: no early steps).
-        ``shadows``: the :class:`~..params.shadows.ShadowStore` uploads read (``staleness=1``
-        keeps the previous weights there; :meth:`state_dict` saves them)."""
+        ``join`` and ``state_dict`` refuses until ``mark_restored`` (after loading a checkpoint).
+        ``calls``: the engine's ``PipelineCalls`` (None: no early steps).
+        ``shadows``: the ``ShadowStore`` uploads read (``staleness=1``
+        keeps the previous weights there; ``state_dict`` saves them)."""
         reason = why_not_per_layer(optimizer)
         if reason is not None:
             raise ValueError(f"the overlapped optimizer steps layer by layer, which would not be exact for "
@@ -143,6 +144,8 @@ class OverlappedOptimizer:
 
     # ------------------------------------------------------------------ engine hooks
     def weight_gates(self, layer_ids) -> list[Completion]:
+        """The completions an upload of ``layer_ids`` waits for: their layers' pending steps (none with
+        staleness)."""
         if self.staleness:
             return []  # uploads read the shadows, which only change between steps
         gates = []
@@ -186,6 +189,7 @@ class OverlappedOptimizer:
 
     # ------------------------------------------------------------------ optimizer API
     def step(self, closure=None):
+        """Step every layer not stepped during backward; exact mode waits for the previous step first."""
         if not self.staleness:
             self.join()  # exact: the previous step's updates are in (the forward waited for them anyway)
         self._done_layers = set()
@@ -243,6 +247,7 @@ class OverlappedOptimizer:
             exc.add_note(_failure_note(undo.stepped, undo.keep))
 
     def zero_grad(self, set_to_none: bool = True):
+        """Clear the gradients, as ``torch.optim.Optimizer.zero_grad``."""
         # Submitted layer steps hold their own references to the gradients they read, so dropping
         # .grad needs no wait; zeroing in place does (exact mode reads .grad itself).
         if not self.staleness and not set_to_none:
@@ -414,7 +419,7 @@ class OverlappedOptimizer:
                                      if self.shadows.get(p) is not p}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` saved (after the model's weights are loaded)."""
+        """Restore what ``state_dict`` saved (after the model's weights are loaded)."""
         self.join()
         if int(state.get("staleness", 0)) != self.staleness:
             raise ValueError(f"the checkpoint was saved with staleness={state.get('staleness', 0)}, "

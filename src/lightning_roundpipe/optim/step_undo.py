@@ -7,7 +7,7 @@ optimizer state are exactly as before the step. So, just before a layer steps, t
 that layer's parameters and their optimizer state (every tensor: Adam's step count and moments);
 once the step's last layer has stepped the copies are no longer needed.
 
-The copies land in :class:`BeforeImages`, one buffer per layer allocated once and reused every
+The copies land in ``BeforeImages``, one buffer per layer allocated once and reused every
 step: a fresh copy per step would fault in (and zero) new pages for all of them each time,
 which costs about as much as the copy itself. They hold one copy of the parameters and of their
 optimizer state for as long as the optimizer is overlapped (a fresh copy per step held the same
@@ -65,6 +65,7 @@ class BeforeImages:
         return out
 
     def nbytes(self) -> int:
+        """Bytes of the kept before-images."""
         with self._lock:
             return sum(flat.numel() for flat, _, _ in self._groups.values())
 

@@ -1,0 +1,1 @@
+"""Host state of the parameters: masters, compute-dtype shadows, gradient buffers, versions."""

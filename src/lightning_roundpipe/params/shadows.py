@@ -62,6 +62,7 @@ class ShadowStore:
         self.registered = register_pinned(self._flat.values()) if pin else []
 
     def get(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The shadow copy of ``tensor`` uploads read, or ``tensor`` itself when it has none."""
         return self.shadows.get(id(tensor), tensor)
 
     def buffers(self) -> list[torch.Tensor]:
@@ -69,6 +70,7 @@ class ShadowStore:
         return list(self._flat.values())
 
     def refresh(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Copy the masters (or ``params``) into their shadows."""
         with torch.no_grad():
             for p in (params if params is not None else self.masters.values()):
                 s = self.shadows.get(id(p))
@@ -76,9 +78,11 @@ class ShadowStore:
                     s.copy_(p)
 
     def nbytes(self) -> int:
+        """Host bytes the shadows take."""
         return sum(b.numel() * b.element_size() for b in self._flat.values())
 
     def close(self) -> None:
+        """Unpin what this store pinned."""
         if self.registered:
             unregister_pinned(self.registered)
             self.registered = []
@@ -94,6 +98,7 @@ def register_pinned(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def unregister_pinned(tensors: Iterable[torch.Tensor]) -> None:
+    """Unpin host tensors pinned in place (``cudaHostRegister``)."""
     from ..workers.pinning import cuda_pin_registry
 
     registry = cuda_pin_registry()

@@ -37,6 +37,7 @@ class LayerTable:
 
 
 def tensor_bytes(t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    """Bytes of ``t`` in ``dtype`` (default: its own)."""
     return t.numel() * (dtype or t.dtype).itemsize
 
 
@@ -97,26 +98,32 @@ class StageWeights:
         self._params: dict[int, dict[str, torch.Tensor]] | None = None
 
     def chunk_bytes(self, chunk: list[int]) -> int:
+        """Upload bytes of the tensors of ``chunk``, in their upload dtypes."""
         return sum(tensor_bytes(self.host[i], self.dtypes[i]) for i in chunk)
 
     def store_chunk(self, chunk: list[int], device_tensors: list[torch.Tensor]) -> None:
+        """Keep the uploaded device tensors of ``chunk`` (trainable ones set to require grad)."""
         for i, t in zip(chunk, device_tensors):
             if self.grad_flags[i] and not t.requires_grad:
                 t.requires_grad_(True)
             self.device[i] = t
 
     def params_for(self, layer: int) -> dict[str, torch.Tensor]:
+        """Layer ``layer``'s parameters and buffers on the device, by name, for ``functional_call``."""
         if self._params is None:
             self._params = {l: {name: self.device[i] for name, i in entries} for l, entries in self.layout.items()}
         return self._params[layer]
 
     def trainable_indices(self) -> list[int]:
+        """Indices of the trainable tensors."""
         return [i for i, tr in enumerate(self.trainable) if tr]
 
     def device_grads(self) -> list[torch.Tensor | None]:
+        """The device gradients of the trainable tensors."""
         return [self.device[i].grad for i in self.trainable_indices()]
 
     def release(self) -> None:
+        """Drop the device tensors."""
         self.device = [None] * len(self.host)
         self._params = None
 

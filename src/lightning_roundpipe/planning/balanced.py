@@ -1,8 +1,8 @@
 """Plans for the simulator and planner: the engine's partitioner, else balanced stages.
 
-:func:`make_plan` calls :func:`~.partition.partition` with the ``auto`` policy, so the
+``make_plan`` calls ``partition`` with the ``auto`` policy, so the
 simulator times the plans the engine would run. Where that policy cannot meet the memory
-budget, or a stage count is forced, :func:`balanced_plan` cuts stages itself: forward stages balanced by forward time, backward
+budget, or a stage count is forced, ``balanced_plan`` cuts stages itself: forward stages balanced by forward time, backward
 stages by recompute + backward time, and (for a fused last stage) the start of the fused stage
 chosen to minimise the largest stage time. Equal stage times, and enough stages for every worker
 to have several, are what keep a round-robin pool busy.
@@ -35,7 +35,7 @@ def balanced_plan(costs: CostProfile, num_stages: int, fused_last: bool = False)
     """Plan with ``num_stages`` stages in all (forward + dispatched backward), of near-equal time.
 
     Forward and backward stage counts follow the share of time each pass takes, each split by
-    :func:`~lightning_roundpipe.planning.cuts.balanced_ranges`; with ``fused_last`` the fused stage
+    ``balanced_ranges``; with ``fused_last`` the fused stage
     ``[head, n)`` takes the cut that minimises the largest stage time. Counts are capped by the
     number of layers (a stage needs a layer).
     """
@@ -75,7 +75,7 @@ def make_plan(
     fused_last: bool = False,
     num_stages: int | None = None,
 ) -> Plan:
-    """The plan the engine would run (``partition("auto", ...)``), or :func:`balanced_plan` without it.
+    """The plan the engine would run (``partition("auto", ...)``), or ``balanced_plan`` without it.
 
     ``num_stages`` forces the fallback with that many stages (the planner's search); by default
     the fallback uses three stages per worker.

@@ -2,7 +2,7 @@
 
 A worker holds the stage it runs and the stage it prefetches, plus one microbatch's
 activations, so every stage's weights + weight gradients + one microbatch's activations (see
-:meth:`~lightning_roundpipe.cost.profile.StageCost.memory_bytes`) must fit in half of
+``memory_bytes``) must fit in half of
 ``memory_budget_bytes``.
 """
 
@@ -16,10 +16,13 @@ INF = float("inf")
 
 
 def stage_cap(memory_budget_bytes: int | None) -> float:
+    """Bytes one stage may hold: half the budget (a worker holds a stage and its prefetch), unlimited without
+    one."""
     return INF if memory_budget_bytes is None else memory_budget_bytes / 2
 
 
 def budget_text(memory_budget_bytes: int) -> str:
+    """The per-stage cap in words, for error messages."""
     half = memory_budget_bytes // 2
     return (
         f"at most {format_bytes(half)} ({half} bytes), half of the per-worker memory budget of "
@@ -50,6 +53,7 @@ def check_layers_fit(model: StageCostModel, memory_budget_bytes: int | None, fus
 
 
 def check_plan_fits(plan: Plan, model: StageCostModel, memory_budget_bytes: int | None) -> None:
+    """Refuse a plan with a stage over the per-stage cap, naming the stage and what to change."""
     if memory_budget_bytes is None:
         return
     cap = stage_cap(memory_budget_bytes)

@@ -1,6 +1,6 @@
 """The planner: will this training run fit, and how should it be cut and fed?
 
-:func:`plan_training` takes a model (a preset name or a :class:`ModelShape`), a hardware
+``plan_training`` takes a model (a preset name or a ``ModelShape``), a hardware
 profile and a sequence length, and answers:
 
 - whether the host can hold the training state (fp32 masters, gradients and Adam moments, or
@@ -9,11 +9,11 @@ profile and a sequence length, and answers:
   activations, under ``memory_fraction`` of its memory;
 - which plan and microbatch count give the most tokens/s (candidates: the project's
   ``partition("auto")`` when present and balanced plans with 2-6 stages per worker, each timed by
-  :func:`~lightning_roundpipe.sim.simulate.simulate_roundpipe`); the smallest microbatch count
+  ``simulate_roundpipe``); the smallest microbatch count
   within 5% of the best throughput is recommended, as it keeps the global batch small;
 - the longest sequence length that fits at all (one layer per forward stage, backward stages of
   1, 2, 4, ... layers: fewer backward stages keep fewer stage inputs on the host), with its
-  throughput; :func:`longest_fitting_seq_len` answers the same for any cost profile, plan and
+  throughput; ``longest_fitting_seq_len`` answers the same for any cost profile, plan and
   per-worker cap;
 - the recompute grain: stage grain (a backward stage's whole graph) where it fits, else layer
   grain (``recompute="layer"``: one layer's graph plus the stage's layer inputs), which lets
@@ -114,7 +114,7 @@ def best_plan(
 
     Returns ``None`` when no candidate plan fits the worker memory (or, with
     ``host_budget_bytes``, the host memory). ``recompute``: the grain of backward stages,
-    "stage" or "layer" (memory per :func:`~lightning_roundpipe.cost.memory.roundpipe_gpu_bytes`;
+    "stage" or "layer" (memory per ``roundpipe_gpu_bytes``;
     the simulations lower the plan with layer-grain computes, ``SimConfig.layer_recompute``).
     """
     nw = num_workers or hardware.num_gpus
@@ -148,7 +148,7 @@ def best_plan(
 
 @dataclass
 class TrainingPlan:
-    """The planner's answer; :meth:`to_text` renders it for people."""
+    """The planner's answer; ``to_text`` renders it for people."""
 
     model: ModelShape
     hardware: HardwareProfile
@@ -171,9 +171,11 @@ class TrainingPlan:
 
     @property
     def gpu_budget_bytes(self) -> float:
+        """The share of each GPU's memory the plan may use."""
         return self.hardware.gpu_memory_bytes * self.memory_fraction
 
     def to_text(self) -> str:
+        """The plan as the ``sim plan`` command prints it."""
         hw, shape = self.hardware, self.model
         mode = f"LoRA rank {self.lora_rank}" if self.lora_rank else "full fine-tuning"
         lines = [
@@ -364,7 +366,7 @@ def longest_seq_len(
     recompute: str = "stage",
 ) -> int | None:
     """Longest sequence (a multiple of 256 tokens, at most 1M) for which one of the least-memory plans
-    (:func:`least_memory_plans`) fits, with backward stages recomputed at ``recompute`` grain
+    (``least_memory_plans``) fits, with backward stages recomputed at ``recompute`` grain
     ("stage" or "layer")."""
     if recompute not in ("stage", "layer"):
         raise ValueError(f"recompute must be 'stage' or 'layer', got {recompute!r}")
@@ -409,7 +411,7 @@ def longest_fitting_seq_len(
     microbatches: int | None = None,
 ) -> int | None:
     """Longest sequence (a multiple of ``quantum``, at most ``max_seq_len``) at which every worker's
-    predicted peak (:func:`~lightning_roundpipe.cost.memory.roundpipe_gpu_bytes` of ``plan`` over
+    predicted peak (``roundpipe_gpu_bytes`` of ``plan`` over
     ``costs_for(seq_len)``) stays within ``cap_bytes``; None when not even ``quantum`` tokens fit.
 
     For any model and cost profile: ``costs_for`` builds the profile of one sequence length (for a

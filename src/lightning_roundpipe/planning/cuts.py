@@ -1,9 +1,9 @@
 """Cuts of a layer sequence into contiguous stages: the min-max dynamic programme and the simple policies.
 
-:class:`MinMaxCuts` splits so that the costliest stage is cheapest. One exact dynamic programme
-serves the ``params`` policy (:func:`balanced_ranges`) and the ``auto`` partitioner's starting
+``MinMaxCuts`` splits so that the costliest stage is cheapest. One exact dynamic programme
+serves the ``params`` policy (``balanced_ranges``) and the ``auto`` partitioner's starting
 points. ``cost(s, e)`` is the cost of the stage ``[s, e)``; ``inf`` marks a stage that may not exist (it
-breaks the memory budget). :func:`simple_plan` is the ``uniform`` (:func:`uniform_ranges`) and
+breaks the memory budget). ``simple_plan`` is the ``uniform`` (``uniform_ranges``) and
 ``params`` policies.
 """
 
@@ -85,7 +85,7 @@ def balanced_ranges(costs: Sequence[float], num_stages: int) -> tuple[LayerRange
     """Contiguous split of ``costs`` into ``num_stages`` non-empty ranges minimising the largest sum.
 
     Among splits with the same largest sum, the one with the smallest sum of squares wins (the
-    other stages are as even as they can be); ties prefer earlier cuts (:class:`MinMaxCuts`).
+    other stages are as even as they can be); ties prefer earlier cuts (``MinMaxCuts``).
     """
     n = len(costs)
     k = max(1, min(num_stages, n))

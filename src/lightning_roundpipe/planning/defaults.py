@@ -3,17 +3,17 @@
 * ``recompute="auto"``: keep the forward graphs (``never``: no recompute, about a quarter less
   compute) when that is allowed and fits, else recompute (``always``). Keeping graphs is allowed
   only on the CPU backend (its workers share the host's memory; on GPUs the graph would have to
-  stay on the worker that ran the forward). It fits when :func:`no_recompute_peak_bytes` (every
+  stay on the worker that ran the forward). It fits when ``no_recompute_peak_bytes`` (every
   layer's graph for the whole batch, which a worker may hold until backward, plus the two
   largest layers' weights and gradients) is at most the memory budget: ``memory_budget_bytes``
-  when set, else half the host's physical memory (:func:`host_memory_budget`).
+  when set, else half the host's physical memory (``host_memory_budget``).
 * ``microbatches=None``: the count the timing model predicts fastest for the same batch, among
   ``num_workers`` times 1, 2 and 4 (counts that split power-of-two batches evenly when the worker
   count is one), the fewest of those predicted within ``TIE_TOLERANCE`` of the fastest: more
   microbatches shorten the pipeline's fill and drain, but every one adds tasks, per-call costs
   and smaller, less efficient kernels that the model does not price, so a gain within the
   model's noise is not worth them.
-* the host's work before it is measured (:func:`estimate_host_work`): without a fused last
+* the host's work before it is measured (``estimate_host_work``): without a fused last
   stage the caller's loss runs on the merged full outputs, on the host.
 """
 

@@ -8,9 +8,9 @@ threshold (``partition.Replanner`` logs when and why). Other policies never re-p
 model's shapes and the options (same seed, same plan, bit-identical weights).
 
 Left open, the microbatch count and recompute are chosen here from the estimate
-(:mod:`.defaults`). The host's own work (the caller's loss on the merged outputs, the training
+(``defaults``). The host's own work (the caller's loss on the merged outputs, the training
 loop between steps) is estimated, then replaced by moving averages of what the runtime measures
-(:meth:`PlanKeeper.observe_host`), and priced into the plan table's predicted step.
+(``PlanKeeper.observe_host``), and priced into the plan table's predicted step.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ class PlanKeeper:
                  link_bytes_per_second: float | None, flops_per_second: float, memory_budget_bytes: int | None,
                  backend: str = "cpu", microbatch_overhead_s: float = 0.0, progress: ProgressCallback | None = None,
                  budget_option: str = "partition.memory_budget_bytes"):
-        """``microbatches`` None and ``recompute`` "auto" are chosen from the estimate (:mod:`.defaults`);
+        """``microbatches`` None and ``recompute`` "auto" are chosen from the estimate (``defaults``);
         ``recompute`` may also be "always", "never" or a bool (True: recompute). ``microbatch_overhead_s``:
-        the timing model's cost per microbatch of a stage besides its compute (:mod:`.predictor`).
+        the timing model's cost per microbatch of a stage besides its compute (``predictor``).
         ``budget_option``: the option ``memory_budget_bytes`` came from, named when a plan does not fit it.
 
         Under a memory budget the activations of the assumed microbatch may not fit where the real,
@@ -120,7 +120,8 @@ class PlanKeeper:
         self.host_measured: set[str] = set()  # the HostWork fields measured at least once
 
     def use(self, costs, microbatches: int) -> None:
-        """Plan for ``microbatches`` under ``costs`` (the estimate) and start the re-planner and host estimate afresh."""
+        """Plan for ``microbatches`` under ``costs`` (the estimate) and start the re-planner and host estimate
+        afresh."""
         p = self.cfg
         self.microbatches = microbatches
         self.plan = self.plan_for(costs, microbatches, self.recompute)
@@ -131,7 +132,7 @@ class PlanKeeper:
 
     @property
     def wants_first_batch(self) -> bool:
-        """Whether :meth:`first_batch` still has a choice to make (before the first step)."""
+        """Whether ``first_batch`` still has a choice to make (before the first step)."""
         return (self.open_microbatches or self.memory_check_pending) and not self.steps_seen
 
     def first_batch(self, batch_size: int, tokens: int) -> Plan | None:
@@ -176,11 +177,13 @@ class PlanKeeper:
             self.host_source = "measured"
 
     def report(self) -> PlanReport:
+        """The plan table's data: the plan with its costs, microbatches, recompute and host memory."""
         return build_report(self.plan, self.moving.profile(), self.num_workers, self.microbatches,
                             recompute=self.recompute, host=self.host, host_source=self.host_source,
                             microbatch_overhead_s=self.microbatch_overhead_s)
 
     def observe(self, measurements) -> None:
+        """Fold one step's measured ``(stage, kind, seconds)`` into the moving cost estimate."""
         for stage, kind, seconds in measurements:
             self.moving.observe_stage((stage.start, stage.end), kind, seconds)
 

@@ -1,15 +1,15 @@
-"""Partition policies: turn per-layer costs into a validated :class:`~lightning_roundpipe.schedule.plan.Plan`.
+"""Partition policies: turn per-layer costs into a validated ``Plan``.
 
-* ``uniform``: equal layer counts (:func:`~lightning_roundpipe.planning.cuts.simple_plan`);
+* ``uniform``: equal layer counts (``simple_plan``);
 * ``params``: equal weight bytes (the same);
 * ``manual``: the user's layer ranges, validated;
-* ``auto``: the RoundPipe partitioner (:mod:`.search`), under a per-worker memory budget
-  (:mod:`.budget`), priced by the timing model (:mod:`.predictor`);
+* ``auto``: the RoundPipe partitioner (``search``), under a per-worker memory budget
+  (``budget``), priced by the timing model (``predictor``);
 * ``compute`` (the default): the same search; the keeper runs it once on the cost estimate
   (compute from FLOPs: an embedding is a gather, an LM head a matmul) and never re-plans, so the
   plan is a function of the model's shapes and the options.
 
-Every policy returns its predictions with the plan (:class:`~lightning_roundpipe.schedule.plan.PlanFacts`).
+Every policy returns its predictions with the plan (``PlanFacts``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ POLICIES = ("compute", "auto", "uniform", "params", "manual")
 
 
 def manual_ranges(name: str, ranges) -> tuple[LayerRange, ...]:
+    """The validated ``[start, end)`` layer ranges of the manual policy's ``name`` option."""
     if ranges is None:
         raise PlanError(f"the manual policy needs {name}=[[start, end], ...] (layer ranges, end exclusive)")
     out = []
@@ -62,7 +63,7 @@ def partition(
     "compute" and "auto" search alike here, they differ in whether the keeper re-plans).
 
     Args:
-        costs: per-layer costs (estimated or measured), one :class:`~.cost.LayerCost` per layer.
+        costs: per-layer costs (estimated or measured), one ``LayerCost`` per layer.
         num_workers: size of the worker pool.
         microbatches: microbatches per step.
         memory_budget_bytes: device memory one worker may use; every stage must fit in half of
@@ -76,12 +77,12 @@ def partition(
         manual_forward, manual_backward: ``[[start, end], ...]`` for the manual policy
             (``manual_backward`` defaults to the forward cuts).
         stage_overhead_s: fixed cost per dispatched stage in the timing model.
-        microbatch_overhead_s: fixed cost per microbatch of a dispatched stage (see :mod:`.predictor`).
+        microbatch_overhead_s: fixed cost per microbatch of a dispatched stage (see ``predictor``).
         max_stages: auto only: most stages per direction of the balanced starting points
             (default ``4 * num_workers``, at least 8; more when the memory budget needs it); the
             local search may split further when that is predicted faster.
         progress: auto only: ``progress(phase, done, total)`` hears how far the plan search is
-            (see :class:`~lightning_roundpipe.setup_progress.RichSetupProgress`).
+            (see ``RichSetupProgress``).
         budget_option: the option the memory budget came from, named in a refusal's advice.
 
     Returns:

@@ -1,10 +1,10 @@
 """The partitioner's timing model: a fast list-scheduling estimate of one step of a plan.
 
-It prices the tasks of :func:`~lightning_roundpipe.schedule.lowering.lower` stage by stage
+It prices the tasks of ``lower`` stage by stage
 rather than task by task, so the search can price thousands of plans; ``tests/schedule/test_lowering.py``
 bounds its error against the simulator, which times the lowered graph itself.
 
-* stages run in dispatch order on the worker :func:`~lightning_roundpipe.schedule.plan.dispatch`
+* stages run in dispatch order on the worker ``dispatch``
   gives them; a worker runs its stages one after another, paying ``stage_overhead_s`` per stage
   (dispatch, events, launch gaps) and ``microbatch_overhead_s`` per microbatch of a stage (the
   host's submission of its tasks, the hand-overs between lanes and workers: what makes many small
@@ -19,7 +19,7 @@ bounds its error against the simulator, which times the lowered graph itself.
   (``loss.backward()`` runs after the forward returned); with one, backward microbatch i
   starts as soon as the fused stage sent back its input gradient (the engine dispatches the
   backward stages right after the fused stage, no barrier);
-* what the host does between the workers' tasks (:class:`HostWork`): without a fused last stage
+* what the host does between the workers' tasks (``HostWork``): without a fused last stage
   the backward cannot start before the host has merged the microbatch outputs, the caller has
   computed its loss on them (on the full logits of an LM head) and back-propagated it, and the
   output gradient is split again, so the barrier lasts ``between_s`` past the last forward
@@ -94,7 +94,7 @@ SCHEDULED_MICROBATCHES = 256  # beyond this many microbatches per step, the stea
 def list_schedule(stages: Sequence[StageCost], workers: Sequence[int], num_forward: int, num_workers: int,
               overhead_s: float, barrier: bool = True, host: HostWork = NO_HOST_WORK,
               microbatch_overhead_s: float = 0.0) -> tuple[float, float, float]:
-    """List scheduling of one step, stage ``k`` on ``workers[k]`` (a :class:`~..schedule.dispatch_order.Schedule`'s);
+    """List scheduling of one step, stage ``k`` on ``workers[k]`` (a ``Schedule``'s);
     returns (step seconds, busy compute seconds, forward end).
 
     ``barrier``: backward waits for the whole forward and then ``host.between_s`` for the host's
@@ -199,6 +199,7 @@ def link_speed(costs: CostProfile, link_bytes_per_second: float | None) -> float
 
 
 def check_inputs(costs: CostProfile, num_workers: int, microbatches: int) -> None:
+    """Refuse costs, worker or microbatch counts the timing model cannot price, saying why."""
     if len(costs) < 1:
         raise PlanError("the cost profile has no layers: there is nothing to partition")
     if num_workers < 1:

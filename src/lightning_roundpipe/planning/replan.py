@@ -16,8 +16,8 @@ log = logging.getLogger("lightning_roundpipe")
 class Replanner:
     """Keeps the current plan and the costs it was built from; re-plans when the costs move.
 
-    ``options`` are passed to :func:`partition` (memory budget, link, fused_last, ...); those not
-    given are taken from ``plan.facts`` where :func:`partition` recorded them. Only the ``auto``
+    ``options`` are passed to ``partition`` (memory budget, link, fused_last, ...); those not
+    given are taken from ``plan.facts`` where ``partition`` recorded them. Only the ``auto``
     policy depends on measured times, so other policies never re-plan.
     """
 

@@ -2,14 +2,14 @@
 
 ``build_report(plan, costs, num_workers, microbatches).to_table()`` prints what the
 partitioner expects before anything runs, so a user can see why the plan looks as it does
-(and compare with the measured trace later). Predictions come from :func:`.partition.predict`.
+(and compare with the measured trace later). Predictions come from ``partition.predict``.
 
 Each stage shows its compute time next to its weight bytes and parameter counts (all held, and
 the ones a token runs through): a Mixture-of-Experts stage carries the bytes of every expert but
 computes only with the ``top_k`` routed ones, so it has many bytes for little compute; a line
 under the table gives that cost shape per MoE layer.
 
-The predicted step includes the host's own work (:class:`~.predictor.HostWork`): a line under
+The predicted step includes the host's own work (``HostWork``): a line under
 the table says how much of it is the forward/backward barrier's host part (merging the outputs,
 the caller's loss on them and its backward) and how much the host's work between steps, and
 whether those seconds are estimated or measured.
@@ -44,6 +44,7 @@ class ReportRow:
 
     @property
     def layers(self) -> str:
+        """The row's layer range as ``start:end``."""
         return f"{self.start}:{self.end}"
 
 
@@ -134,7 +135,7 @@ def build_report(
     schedule: Schedule = ROUND_ROBIN,
 ) -> PlanReport:
     """Report of ``plan`` under ``costs``; the timing-model options default to those stored in
-    ``plan.facts`` by :func:`.partition.partition`, then to the partitioner's defaults. ``host``:
+    ``plan.facts`` by ``partition.partition``, then to the partitioner's defaults. ``host``:
     the host's own work, priced into the predicted step (``host_source`` says where it came from)."""
     facts = plan.facts
     link = link_speed(costs, link_bytes_per_second if link_bytes_per_second is not None else facts.link_bytes_per_second)

@@ -67,10 +67,12 @@ class Search:
         return self._stages[key]
 
     def ranges(self, cuts: tuple[int, ...]) -> tuple[LayerRange, ...]:
+        """The layer ranges that ``cuts`` (inner boundaries) make."""
         bounds = (0,) + cuts + (self.n,)
         return tuple((bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1))
 
     def plan(self, fcuts: tuple[int, ...], bcuts: tuple[int, ...]) -> Plan:
+        """The plan of forward cuts ``fcuts`` and backward cuts ``bcuts`` (the forward ones without recompute)."""
         forward = self.ranges(fcuts)
         if not self.recompute:
             backward = forward
@@ -92,6 +94,7 @@ class Search:
         return fcuts, bcuts
 
     def step_s(self, fcuts: tuple[int, ...], bcuts: tuple[int, ...]) -> float:
+        """Predicted step time of the plan of these cuts (cached)."""
         key = (fcuts, bcuts)
         if key in self.seen:
             return self.seen[key]
@@ -157,6 +160,7 @@ class Search:
         return 1 + sum(4 ** (h - 1) for h in range(1, n))
 
     def every_plan(self):
+        """Every ``(fcuts, bcuts)`` the search considers."""
         n = self.n
         if not self.recompute:
             for f in self._subsets(0, n):
@@ -173,7 +177,7 @@ class Search:
                         yield f + (h,), b
 
     def improve(self, fcuts: tuple[int, ...], bcuts: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Steepest descent over :meth:`neighbours` until no move shortens the predicted step."""
+        """Steepest descent over ``neighbours`` until no move shortens the predicted step."""
         best, best_s = (fcuts, bcuts), self.step_s(fcuts, bcuts)
         while len(self.seen) < MAX_EVALUATIONS:
             found = None

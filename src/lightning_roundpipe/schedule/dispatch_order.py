@@ -1,18 +1,18 @@
 """The schedule as an object: which worker runs each dispatched stage, and where the next call starts.
 
-A :class:`Schedule` answers two questions, and every reader asks it instead of re-deriving the
+A ``Schedule`` answers two questions, and every reader asks it instead of re-deriving the
 rule: the lowering (which worker each stage's tasks go to), the history's cursor across calls
-and steps (:class:`~.history.WorkerHistory`), the timing model and the search (which worker a
+and steps (``WorkerHistory``), the timing model and the search (which worker a
 stage waits for), the memory model (which stages share a worker over steps), the plan report,
 the engine and the simulator.
 
 - ``dispatch(plan, num_workers, cursor, fused)``: the stages of one call in dispatch order
-  (forward stages in order, then backward stages last layers first; :func:`~.plan.dispatch`),
+  (forward stages in order, then backward stages last layers first; ``dispatch``),
   each with its worker, the first one going to worker ``cursor``;
 - ``cursor_after(cursor, dispatched, num_workers)``: the cursor of the next call, after a call
   dispatched ``dispatched`` stages from ``cursor``.
 
-Schedules are named (:data:`SCHEDULES`); ``EngineOptions.schedule`` and ``RuntimeOptions.schedule``
+Schedules are named (``SCHEDULES``); ``EngineOptions.schedule`` and ``RuntimeOptions.schedule``
 select one by name.
 """
 
@@ -30,7 +30,7 @@ class Schedule(Protocol):
     name: str
 
     def dispatch(self, plan: Plan, num_workers: int, cursor: int = 0, fused: bool | None = None) -> list[Task]:
-        """One call's dispatched stages, in order, each with its worker (``fused`` as in :func:`~.plan.dispatch`)."""
+        """One call's dispatched stages, in order, each with its worker (``fused`` as in ``dispatch``)."""
 
     def cursor_after(self, cursor: int, dispatched: int, num_workers: int) -> int:
         """Where the next call's dispatch starts, after ``dispatched`` stages dispatched from ``cursor``."""
@@ -43,9 +43,11 @@ class RoundRobin:
     name: str = "round_robin"
 
     def dispatch(self, plan: Plan, num_workers: int, cursor: int = 0, fused: bool | None = None) -> list[Task]:
+        """The plan's tasks, each stage to the worker after the previous stage's, from ``cursor``."""
         return dispatch(plan, num_workers, cursor, fused)
 
     def cursor_after(self, cursor: int, dispatched: int, num_workers: int) -> int:
+        """The worker the next call starts from: after the last one this call used."""
         return (cursor + dispatched) % num_workers
 
 
@@ -58,9 +60,11 @@ class Sticky(RoundRobin):
     name: str = "sticky"
 
     def dispatch(self, plan: Plan, num_workers: int, cursor: int = 0, fused: bool | None = None) -> list[Task]:
+        """The plan's tasks dispatched round-robin from worker 0 (``cursor`` ignored)."""
         return dispatch(plan, num_workers, 0, fused)
 
     def cursor_after(self, cursor: int, dispatched: int, num_workers: int) -> int:
+        """Always worker 0: every call starts there."""
         return 0
 
 
@@ -69,7 +73,7 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (ROUND_ROBIN, Sticky())}
 
 
 def schedule_named(name: str) -> Schedule:
-    """The schedule called ``name``; a :class:`PlanError` listing the names otherwise."""
+    """The schedule called ``name``; a ``PlanError`` listing the names otherwise."""
     try:
         return SCHEDULES[name]
     except (KeyError, TypeError):

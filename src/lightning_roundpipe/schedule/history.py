@@ -1,9 +1,9 @@
 """Where the next dispatch continues, and what each worker did recently: state that spans steps.
 
-The lowering (:mod:`.lowering`) expresses a step's memory bounds as waits on a worker's
+The lowering (``lowering``) expresses a step's memory bounds as waits on a worker's
 history ("the release two back"), because the entries they name may belong to an earlier call
-or step. :class:`WorkerHistory` is that history, for any kind of handle: the engine records
-:class:`~lightning_roundpipe.workers.completions.Completion` objects, the simulator its
+or step. ``WorkerHistory`` is that history, for any kind of handle: the engine records
+``Completion`` objects, the simulator its
 operations. Readers record as they submit, in the graph's order, so both resolve a wait to
 the same task.
 """

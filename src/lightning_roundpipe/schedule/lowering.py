@@ -3,7 +3,7 @@
 This is the only place where the rules of a RoundPipe step live; the executor submits the
 graph, the simulator times it and the partitioner's test checks its predictor against that:
 
-- dispatch (:mod:`.dispatch_order`): forward stages in order, then the dispatched backward
+- dispatch (``dispatch_order``): forward stages in order, then the dispatched backward
   stages (last layers first), each to the worker the schedule names (round-robin by default:
   the next worker after ``first_worker``, the history's cursor);
 - per stage: its weights go up (in chunks), then per microbatch its input (and, in backward,
@@ -19,7 +19,7 @@ graph, the simulator times it and the partitioner's test checks its predictor ag
   without grad first and then recomputes and back-propagates them one at a time;
 - without recompute the forward keeps its graph and weights until the stage's backward, which
   then uploads neither; the backward's worker is the one that ran the forward;
-- memory bounds, as waits on the worker's history (:class:`~.history.WorkerHistory`, which
+- memory bounds, as waits on the worker's history (``WorkerHistory``, which
   also spans calls and steps): a weights upload waits for the release ``prefetch_depth + 1``
   back on its worker; an input upload waits for the compute two back (double buffering); a
   compute waits for the downloads of the compute two back;
@@ -30,7 +30,7 @@ graph, the simulator times it and the partitioner's test checks its predictor ag
 A task's ``deps`` name earlier tasks of the same graph; its ``waits`` name history entries
 (``("release", 2)``: the second most recent release recorded on its worker when it is
 submitted). Every weights upload also waits for the new weight versions of the layers it
-covers (the host optimizer), which the reader supplies. Bytes come from a :class:`Sizes` the reader passes:
+covers (the host optimizer), which the reader supplies. Bytes come from a ``Sizes`` the reader passes:
 the simulator's from a cost profile, the engine's from its weight tables (activation bytes
 there are only known when a task runs, so they are 0 in the graph).
 """
@@ -108,7 +108,7 @@ class LoweringOptions:
         backward: its first one freed the kept graphs).
     input_gradient: the input gradient of layer 0 comes home (the caller's input needs grad).
     first_serial: serial of the first stage, continuing the previous steps' (transfer priorities).
-    schedule: which worker runs each stage, and where the next call starts (:mod:`.dispatch_order`).
+    schedule: which worker runs each stage, and where the next call starts (``dispatch_order``).
     """
 
     microbatches: int = 2
@@ -149,6 +149,7 @@ class GraphTask:
         object.__setattr__(self, "kind", TaskKind(self.kind))
 
     def to_text(self) -> str:
+        """One line: id, kind, stage, microbatch, worker, lane and dependencies."""
         mb = f" mb{self.microbatch}" if self.microbatch >= 0 else ""
         at = f" @{self.boundary}" if self.boundary >= 0 else ""
         deps = f" <- {','.join(map(str, self.deps))}" if self.deps else ""
@@ -175,13 +176,15 @@ class TaskGraph:
         return iter(self.tasks)
 
     def phase(self, name: str) -> list[GraphTask]:
+        """The tasks of phase ``name``, in graph order."""
         return [t for t in self.tasks if t.phase == name]
 
     def to_text(self) -> str:
+        """The graph as text, one task per line."""
         return "\n".join(t.to_text() for t in self.tasks)
 
     def validate(self) -> "TaskGraph":
-        """Raise :class:`PlanError` naming the first malformed task; return ``self``."""
+        """Raise ``PlanError`` naming the first malformed task; return ``self``."""
         for pos, t in enumerate(self.tasks):
             if t.id != pos:
                 raise PlanError(f"task {pos} has id {t.id}: ids must be positions in submission order")
@@ -207,7 +210,7 @@ class TaskGraph:
 
 def lower(plan: Plan, num_workers: int, first_worker: int, sizes: Sizes, options: LoweringOptions) -> TaskGraph:
     """The step's task graph: ``plan`` dispatched by ``options.schedule`` from ``first_worker`` (the
-    history's cursor), then lowered by the four passes of :mod:`.passes` (see the module doc)."""
+    history's cursor), then lowered by the four passes of ``passes`` (see the module doc)."""
     if options.microbatches < 1:
         raise PlanError(f"a step needs at least one microbatch, got {options.microbatches}")
     if options.layer_recompute and not options.recompute:

@@ -1,10 +1,10 @@
-"""The lowering's four passes, each followed by its validator (the rules are in :mod:`.lowering`'s doc).
+"""The lowering's four passes, each followed by its validator (the rules are in ``lowering``'s doc).
 
-1. :func:`computes`: which compute tasks a dispatched stage runs (kind, grain, phase, worker);
-2. :func:`transfers`: the uploads and downloads around them, with their dependencies, in
+1. ``computes``: which compute tasks a dispatched stage runs (kind, grain, phase, worker);
+2. ``transfers``: the uploads and downloads around them, with their dependencies, in
    submission order (this pass numbers the tasks);
-3. :func:`waits`: the memory bounds, as waits on the worker's history;
-4. :func:`priorities`: the transfer lanes' order.
+3. ``waits``: the memory bounds, as waits on the worker's history;
+4. ``priorities``: the transfer lanes' order.
 
 Each pass only adds what its name says, so a change to one rule (a dependency, a bound, an
 order) is made and checked in one place.
@@ -58,6 +58,8 @@ def computes(plan: Plan, dispatched: list[Task], options: "LoweringOptions", fus
 
 
 def check_computes(stages: list[StageComputes], plan: Plan, fused: bool) -> list[StageComputes]:
+    """Refuse stage computes the plan does not allow (a stage twice, a fused compute other than the
+    plan's fused last stage, a backward compute of a forward stage); returns them unchanged."""
     names = [s.stage.name for s in stages]
     if len(set(names)) != len(names):
         raise PlanError(f"a stage is dispatched twice in one call: {names}")
@@ -188,6 +190,7 @@ def waits(tasks: list["GraphTask"], options: "LoweringOptions") -> list["GraphTa
 
 
 def check_waits(tasks: list["GraphTask"]) -> list["GraphTask"]:
+    """Refuse tasks whose waits name an unknown history or a non-positive distance; returns them unchanged."""
     for t in tasks:
         for history, back in t.waits:
             if history not in WAIT_HISTORIES or back < 1:

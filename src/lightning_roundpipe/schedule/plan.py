@@ -8,7 +8,7 @@ of its layers at once (the loss is computed inside the pipeline), so the last ba
 must equal it and is not dispatched again.
 
 The plan has a one-line text form, ``F 0:3 3:6 | B 0:2 2:4 4:6``, with ``| fused`` appended when
-the last stage is fused; :meth:`Plan.from_text` parses it back. Nothing here touches tensors:
+the last stage is fused; ``Plan.from_text`` parses it back. Nothing here touches tensors:
 the executor runs a plan, the simulator times it and the trace draws it.
 """
 
@@ -36,10 +36,12 @@ class Stage:
 
     @property
     def layers(self) -> range:
+        """The stage's layer indices."""
         return range(self.start, self.end)
 
     @property
     def name(self) -> str:
+        """``F<index>`` or ``B<index>``."""
         return f"{self.direction}{self.index}"
 
     def __str__(self) -> str:
@@ -93,7 +95,7 @@ class Plan:
 
     # ----------------------------------------------------------------- checks
     def validate(self) -> "Plan":
-        """Raise :class:`PlanError` naming the first problem; return ``self`` when the plan is sound."""
+        """Raise ``PlanError`` naming the first problem; return ``self`` when the plan is sound."""
         if self.num_layers < 1:
             raise PlanError(f"a plan needs at least one layer, got num_layers={self.num_layers}")
         for direction, ranges in (("forward", self.forward), ("backward", self.backward)):
@@ -126,9 +128,11 @@ class Plan:
 
     # ----------------------------------------------------------------- views
     def forward_stages(self) -> list[Stage]:
+        """The forward stages, in order."""
         return [Stage("F", i, a, b) for i, (a, b) in enumerate(self.forward)]
 
     def backward_stages(self) -> list[Stage]:
+        """The backward stages, in order of their ranges."""
         return [Stage("B", i, a, b) for i, (a, b) in enumerate(self.backward)]
 
     def dispatched_backward_stages(self) -> list[Stage]:
@@ -143,9 +147,11 @@ class Plan:
         return sorted({a for a, _ in self.backward})
 
     def same_cuts(self) -> bool:
+        """Whether forward and backward are cut the same way."""
         return self.forward == self.backward
 
     def with_facts(self, facts: PlanFacts) -> "Plan":
+        """The same plan with ``facts`` attached."""
         return Plan(self.num_layers, self.forward, self.backward, self.fused_last, facts)
 
     @property
@@ -155,12 +161,14 @@ class Plan:
 
     # ----------------------------------------------------------------- text form
     def to_text(self) -> str:
+        """The plan's text form, ``F 0:2 2:4 | B 0:1 1:4`` (``from_text`` reads it back)."""
         fwd = " ".join(f"{a}:{b}" for a, b in self.forward)
         bwd = " ".join(f"{a}:{b}" for a, b in self.backward)
         return f"F {fwd} | B {bwd}" + (" | fused" if self.fused_last else "")
 
     @classmethod
     def from_text(cls, text: str, num_layers: int | None = None) -> "Plan":
+        """Read a plan's text form; malformed text is refused with ``PlanError``."""
         parts = [p.strip() for p in text.split("|")]
         if len(parts) not in (2, 3) or not parts[0].startswith("F") or not parts[1].startswith("B"):
             raise PlanError(f"cannot parse plan text {text!r}: expected 'F a:b c:d | B a:b ... [| fused]'")

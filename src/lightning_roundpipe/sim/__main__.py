@@ -1,7 +1,7 @@
 """``python -m lightning_roundpipe.sim {plan,compare,paper,scaling}``: runs the command line of the analysis layer.
 
 A command, not a layer: nothing imports this module, so it may reach the layer above the
-simulator (:mod:`lightning_roundpipe.analysis.cli` holds the commands).
+simulator (``lightning_roundpipe.analysis.cli`` holds the commands).
 """
 
 import sys

@@ -1,11 +1,11 @@
 """What the simulated host does between forward-backward calls: accumulate, update, submit.
 
-- :class:`CallAccumulator`: gradient accumulation over ``accumulation`` calls per optimizer
+- ``CallAccumulator``: gradient accumulation over ``accumulation`` calls per optimizer
   step, and which optimizer updates the next call's weight uploads wait for. Synchronous
   (default): the update of the previous optimizer step. One-step-stale (``stale``): the one
   before it, so step k + 1 computes with the weights of step k - 1 while step k's update runs
   on the host (the reference RoundPipe's overlap; not this project's exact optimizer).
-- :func:`submission`: the host's time to submit each task (``HardwareProfile.dispatch_s``):
+- ``submission``: the host's time to submit each task (``HardwareProfile.dispatch_s``):
   one Python process submits every task of every worker, one after another, so a task cannot
   start before the host has submitted it and all tasks before it.
 """

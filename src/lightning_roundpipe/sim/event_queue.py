@@ -1,6 +1,6 @@
 """A small discrete-event engine: operations on queues, with dependencies and memory effects.
 
-Schedules (RoundPipe, GPipe, 1F1B, ...) are built as lists of :class:`Op` and run here. The
+Schedules (RoundPipe, GPipe, 1F1B, ...) are built as lists of ``Op`` and run here. The
 queues behave like the executor's:
 
 - ``compute`` queues run their operations strictly in the order they were added (a CUDA stream
@@ -14,7 +14,7 @@ queues behave like the executor's:
 
 Memory: an operation can allocate bytes on a worker when it starts and free bytes when it ends;
 the engine keeps the running total and its peak per worker. Every operation leaves one
-:class:`~lightning_roundpipe.tracing.records.TraceRecord` per uninterrupted run on its queue.
+``TraceRecord`` per uninterrupted run on its queue.
 """
 
 from __future__ import annotations
@@ -55,9 +55,11 @@ class Op:
 
     @property
     def is_transfer(self) -> bool:
+        """Whether the op runs on a transfer queue."""
         return self.queue in ("upload", "download")
 
     def describe(self) -> str:
+        """The op in words, for error messages."""
         mb = f" mb{self.microbatch}" if self.microbatch >= 0 else ""
         return f"{self.kind} {self.stage}{mb} step {self.step} on worker {self.worker} {self.queue}"
 
@@ -88,7 +90,7 @@ class _ReadyServer:
 
 
 class EventSimulator:
-    """Collects :class:`Op` s with :meth:`add` and runs them with :meth:`run`."""
+    """Collects ``Op`` s with ``add`` and runs them with ``run``."""
 
     def __init__(self, link: LinkSpec) -> None:
         self.link = link
@@ -98,6 +100,7 @@ class EventSimulator:
         self.records: list[TraceRecord] = []
 
     def add(self, op: Op) -> Op:
+        """Add an op (in submission order) and return it."""
         self._order[id(op)] = len(self.ops)
         self.ops.append(op)
         return op
@@ -115,12 +118,12 @@ class EventSimulator:
 
     # ------------------------------------------------------------------ run
     def run(self) -> None:
-        """Run every op once; fills ``start``/``end``, :attr:`records` and :attr:`peak_bytes`."""
+        """Run every op once; fills ``start``/``end``, ``records`` and ``peak_bytes``."""
         _Run(self).execute()
 
 
 class _Run:
-    """One run of an :class:`EventSimulator`'s ops: the event loop and its bookkeeping."""
+    """One run of an ``EventSimulator``'s ops: the event loop and its bookkeeping."""
 
     def __init__(self, sim: EventSimulator) -> None:
         self.sim, self.link, self.order = sim, sim.link, sim._order

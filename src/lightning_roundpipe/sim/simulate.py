@@ -3,7 +3,7 @@
 One step, as the engine runs it (see ``docs/simulator.md`` for the assumptions):
 
 - Tasks, their workers, lanes, dependencies and priorities come from
-  :func:`lightning_roundpipe.schedule.lowering.lower`, the function that gives the engine its
+  ``lightning_roundpipe.schedule.lowering.lower``, the function that gives the engine its
   tasks: forward stages in order, then the dispatched backward stages, each to the next
   worker. With ``continue_round_robin`` the next step's dispatch starts on the worker after
   the last one.
@@ -208,14 +208,17 @@ class SimResult:
 
     @property
     def tokens_per_s(self) -> float:
+        """Trained tokens per second (0 for a step that cannot run)."""
         return self.tokens_per_step / self.step_s if self.step_s > 0 and math.isfinite(self.step_s) else 0.0
 
     @property
     def max_peak_gpu_bytes(self) -> int:
+        """The largest per-worker peak of device memory."""
         return max(self.peak_gpu_bytes, default=0)
 
 
 def link_of(hardware: HardwareProfile, config: SimConfig) -> LinkSpec:
+    """The host link of ``hardware``, chunked as ``config`` says."""
     return LinkSpec(hardware.host_device_bytes_per_s, hardware.latency_s, hardware.duplex, config.chunk_bytes)
 
 
@@ -236,31 +239,34 @@ def summarize(sim: EventSimulator, schedule: str, num_workers: int, microbatches
 
 
 class CostSizes:
-    """The simulator's :class:`~lightning_roundpipe.schedule.lowering.Sizes`: per-layer transfers of a cost view."""
+    """The simulator's ``Sizes``: per-layer transfers of a cost view."""
 
     def __init__(self, view: CostView) -> None:
         self.view = view
 
     def weight_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """One upload chunk per layer of ``[start, end)``, with its weight bytes."""
         return [(layer, layer + 1, self.view.layers[layer].weight_bytes) for layer in range(start, end)]
 
     def grad_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """One gradient download per trainable layer of ``[start, end)``, last layer first."""
         # Last layers first, as backward produces them; frozen layers send nothing.
         return [(layer, layer + 1, self.view.layers[layer].grad_bytes) for layer in reversed(range(start, end))
                 if self.view.layers[layer].grad_bytes > 0]
 
     def boundary_bytes(self, boundary: int) -> int:
+        """Bytes of the activation entering layer ``boundary``."""
         return self.view.in_bytes(boundary)
 
 
 class _RoundPipeBuilder:
-    """Times the lowered graph of RoundPipe steps on an :class:`EventSimulator`.
+    """Times the lowered graph of RoundPipe steps on an ``EventSimulator``.
 
     Each graph task becomes one operation (a release takes no time: it is done when what it
-    waits for is); the history waits resolve on a :class:`WorkerHistory` of operations, as the
+    waits for is); the history waits resolve on a ``WorkerHistory`` of operations, as the
     engine resolves them on its completions. What the graph leaves to its reader is added
     here: compute seconds and memory from the cost view, the host optimizer that gates each
-    layer's next upload, and the host barriers of :class:`SimConfig`.
+    layer's next upload, and the host barriers of ``SimConfig``.
     """
 
     def __init__(self, sim: EventSimulator, plan: Plan, view: CostView, hardware: HardwareProfile,
@@ -447,7 +453,7 @@ def simulate_roundpipe(
     """Simulate RoundPipe steps of ``plan`` with ``microbatches`` microbatches per step.
 
     ``costs`` holds per-microbatch layer costs (estimated by
-    :func:`~lightning_roundpipe.cost.transformer.transformer_layer_costs` or measured by the
+    ``transformer_layer_costs`` or measured by the
     engine); ``hardware`` gives the link (``host_device_bytes_per_s``, ``latency_s``,
     ``duplex``) and the host optimizer speed. ``num_workers`` defaults to ``hardware.num_gpus``.
     To check the simulator against the CPU backend, pass a profile whose link numbers are the

@@ -1,0 +1,1 @@
+"""The timeline: records, Chrome trace, Gantt picture and metrics."""

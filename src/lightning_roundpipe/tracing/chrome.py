@@ -22,6 +22,7 @@ def _task_name(r: TraceRecord) -> str:
 
 
 def queue_rank(queue: str) -> int:
+    """Where a queue's row goes among a worker's rows (unknown queues last)."""
     return QUEUE_ORDER.index(queue) if queue in QUEUE_ORDER else len(QUEUE_ORDER)
 
 
@@ -40,7 +41,7 @@ def to_chrome_trace(records: Sequence[TraceRecord], path: str | Path | None = No
     microseconds, ``pid`` = worker index and ``tid`` = the queue's fixed id (upload 0,
     compute 1, download 2, host 3). Host tasks get their own process, ``pid`` = largest worker
     index + 1, named ``host``. ``args`` carry ``worker``, ``queue``, ``kind``, ``stage``,
-    ``microbatch``, ``bytes`` and ``step``, so :func:`from_chrome_trace` can rebuild the
+    ``microbatch``, ``bytes`` and ``step``, so ``from_chrome_trace`` can rebuild the
     records. Metadata events (``ph="M"``) name and order the rows ("worker 0" / "upload").
     Open the file at https://ui.perfetto.dev or chrome://tracing.
     """
@@ -92,7 +93,7 @@ def to_chrome_trace(records: Sequence[TraceRecord], path: str | Path | None = No
 
 
 def from_chrome_trace(trace: dict | list) -> list[TraceRecord]:
-    """Rebuild the records from a trace written by :func:`to_chrome_trace`.
+    """Rebuild the records from a trace written by ``to_chrome_trace``.
 
     Accepts the object form (``{"traceEvents": [...]}``) or a bare event list. Every complete
     event becomes a record, in event order. Times come back from microseconds, so they equal the
@@ -129,5 +130,5 @@ def from_chrome_trace(trace: dict | list) -> list[TraceRecord]:
 
 
 def load_chrome_trace(path: str | Path) -> list[TraceRecord]:
-    """:func:`from_chrome_trace` of the JSON file at ``path``."""
+    """``from_chrome_trace`` of the JSON file at ``path``."""
     return from_chrome_trace(json.loads(Path(path).read_text()))

@@ -1,7 +1,7 @@
 """How well a recorded (or simulated) step overlaps its work: pure functions of trace records.
 
-:func:`bubble_fraction`, :func:`exposed_transfer_seconds`, :func:`hidden_share`,
-:func:`step_metrics` and :func:`summarize_by_step`.
+``bubble_fraction``, ``exposed_transfer_seconds``, ``hidden_share``,
+``step_metrics`` and ``summarize_by_step``.
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def hidden_share(records: Sequence[TraceRecord], kind: str = "optim") -> float:
 def step_metrics(records: Sequence[TraceRecord], tokens: int | None) -> dict:
     """The headline numbers of one step (or of any window of records).
 
-    Keys: ``bubble_fraction`` (:func:`bubble_fraction`), ``exposed_transfer_s``
-    (:func:`exposed_transfer_seconds`), ``optim_hidden_share`` (:func:`hidden_share` of the
+    Keys: ``bubble_fraction`` (``bubble_fraction``), ``exposed_transfer_s``
+    (``exposed_transfer_seconds``), ``optim_hidden_share`` (``hidden_share`` of the
     ``"optim"`` host tasks), ``step_s`` (first start to last end over all records),
     ``tokens`` and ``tokens_per_s`` (``tokens / step_s``; ``None`` when ``tokens`` is ``None``,
     0.0 when ``step_s`` is 0).
@@ -144,7 +144,7 @@ def step_metrics(records: Sequence[TraceRecord], tokens: int | None) -> dict:
 def summarize_by_step(
     records: Sequence[TraceRecord], tokens: int | Mapping[int, int] | None = None
 ) -> dict[int, dict]:
-    """:func:`step_metrics` for each training step, keyed by step number in ascending order.
+    """``step_metrics`` for each training step, keyed by step number in ascending order.
 
     ``tokens`` is the token count of every step (an int), per step (a mapping from step to
     count; missing steps get ``None``), or ``None`` to leave throughput out.

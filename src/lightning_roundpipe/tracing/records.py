@@ -1,8 +1,8 @@
 """Per-task timeline records, written by the worker lanes while they run.
 
-One :class:`TraceRecord` per task on any queue of any worker. Times are seconds from the
+One ``TraceRecord`` per task on any queue of any worker. Times are seconds from the
 recorder's origin (``time.perf_counter`` on the CPU backend, CUDA events on the CUDA backend).
-Metrics (:mod:`.metrics`), the Chrome trace (:mod:`.chrome`) and the PNG (:mod:`.gantt`)
+Metrics (``metrics``), the Chrome trace (``chrome``) and the PNG (``gantt``)
 read them; this module only collects.
 """
 
@@ -18,6 +18,7 @@ HOST_WORKER = -1  # TraceRecord.worker of tasks that run on the host
 
 @dataclass(frozen=True)
 class TraceRecord:
+    """One task as it ran: worker, queue, kind, stage, microbatch, bytes, start and end."""
     worker: int  # worker index, or -1 for the host (optimizer, gradient accumulation)
     queue: str  # "upload", "compute", "download" or "host"
     kind: str  # e.g. "weights", "act_in", "forward", "backward", "fused", "act_out", "grad_in", "grad_out", "wgrad", "optim"
@@ -30,9 +31,11 @@ class TraceRecord:
 
     @property
     def duration(self) -> float:
+        """Seconds the task took."""
         return self.end - self.start
 
     def as_dict(self) -> dict:
+        """The record as a plain dict."""
         return asdict(self)
 
 
@@ -40,8 +43,8 @@ class TraceRecorder:
     """Thread-safe list of records.
 
     ``enabled`` asks for a timeline (step metrics, exported traces). Independently, an engine
-    that learns task times from the records calls :meth:`keep_task_times`; the lanes record
-    whenever :attr:`recording` is true, and that engine drops a step's records once it has
+    that learns task times from the records calls ``keep_task_times``; the lanes record
+    whenever ``recording`` is true, and that engine drops a step's records once it has
     read them unless a timeline was asked for.
     """
 
@@ -67,13 +70,16 @@ class TraceRecorder:
         self.measuring = True
 
     def now(self) -> float:
+        """Seconds since the recorder's origin."""
         return time.perf_counter() - self.origin
 
     def add(self, record: TraceRecord) -> None:
+        """Keep a record (thread-safe)."""
         with self._lock:
             self._records.append(record)
 
     def records(self, step: int | None = None) -> list[TraceRecord]:
+        """The records kept, of ``step`` only when given."""
         with self._lock:
             out = list(self._records)
         return out if step is None else [r for r in out if r.step == step]

@@ -1,11 +1,11 @@
 """Timelines of trace records: the command line, and the public functions in one import.
 
-The engine records one :class:`~.records.TraceRecord` per task; :mod:`.metrics` measures how
-well a step overlaps its work, :mod:`.chrome` writes and reads Chrome / Perfetto traces and
-:mod:`.gantt` draws a PNG. Everything is a pure function of the records.
+The engine records one ``TraceRecord`` per task; ``metrics`` measures how
+well a step overlaps its work, ``chrome`` writes and reads Chrome / Perfetto traces and
+``gantt`` draws a PNG. Everything is a pure function of the records.
 
 Command line: ``python -m lightning_roundpipe.tracing.timeline trace.json --png out.png`` reads a trace
-written by :func:`to_chrome_trace`, prints the per-step metrics and draws the chart.
+written by ``to_chrome_trace``, prints the per-step metrics and draws the chart.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Completions: the events that order work across queues and workers, and the errors they carry.
 
-A :class:`Completion` is set when its task's work is *issued*: on the CPU backend that means
+A ``Completion`` is set when its task's work is *issued*: on the CPU backend that means
 done; on the stream backends (CUDA and its CPU fake) it means enqueued on a stream, with a
 device event recorded after it, so another queue can order itself after it without blocking the
-host. Host code that needs the data calls :meth:`Completion.wait`, which also waits for that
+host. Host code that needs the data calls ``Completion.wait``, which also waits for that
 event. On the fake-stream backend the value itself is produced by the stream's executor, so it
-may be a :class:`Deferred` that reading ``value`` resolves.
+may be a ``Deferred`` that reading ``value`` resolves.
 
 Every wait has a timeout. Errors name the task (kind, stage, microbatch, worker, queue) and,
 for worker exceptions, carry the original traceback.
@@ -22,6 +22,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class TaskLabel:
+    """What a task is: its kind, stage, microbatch and worker, as errors and traces name it."""
     kind: str  # "weights", "act_in", "forward", "backward", "fused", "act_out", "grad_in", "grad_out", "wgrad", "release"
     stage: str = ""  # "F0", "B2", ... or "" for tasks not tied to a stage
     microbatch: int = -1
@@ -76,14 +77,17 @@ class Deferred:
         self._error: PipelineError | None = None
 
     def resolve(self, value: Any) -> None:
+        """Hand over the value and wake ``result``."""
         self._value = value
         self._ready.set()
 
     def fail(self, exc: BaseException) -> None:
+        """Hand over the error ``result`` re-raises (wrapped as a worker error)."""
         self._error = exc if isinstance(exc, PipelineError) else worker_error(self.label, exc)
         self._ready.set()
 
     def result(self) -> Any:
+        """The value, waiting at most ``timeout_s``; re-raises the work's error."""
         if not self._ready.wait(self.timeout_s):
             raise PipelineTimeout(f"the work of [{self.label}] did not run on its stream within {self.timeout_s:g}s")
         if self._error is not None:
@@ -92,6 +96,7 @@ class Deferred:
 
 
 def worker_error(label: TaskLabel, exc: BaseException) -> WorkerError:
+    """A ``WorkerError`` naming the task, with the original traceback in its message."""
     tb_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     err = WorkerError(label, exc, tb_text)
     err.__cause__ = exc
@@ -128,25 +133,29 @@ class Completion:
 
     @property
     def value(self) -> Any:
+        """The task's value (waits for a deferred one)."""
         v = self._value
         return v.result() if isinstance(v, Deferred) else v
 
     def raw_value(self) -> Any:
-        """The value without waiting: on the fake streams a :class:`Deferred` the executor fills
+        """The value without waiting: on the fake streams a ``Deferred`` the executor fills
         (holding it keeps what it will hold alive)."""
         return self._value
 
     @classmethod
     def done(cls, label: TaskLabel, value: Any = None) -> "Completion":
+        """A completion already set to ``value``."""
         c = cls(label)
         c._value = value
         c._flag.set()
         return c
 
     def is_set(self) -> bool:
+        """Whether the task finished (or failed)."""
         return self._flag.is_set()
 
     def failed(self) -> bool:
+        """Whether the task failed."""
         return self.error is not None
 
     def _notify(self) -> None:
@@ -159,6 +168,7 @@ class Completion:
         self._value = None
 
     def set(self, value: Any = None) -> None:
+        """Mark the task done with ``value`` and wake what waits for it."""
         self._value = value
         # Dependencies only explain a wait on an unfinished task; kept after, they would chain
         # every completion (and the tensors it holds) back to the first step through the history.
@@ -169,12 +179,14 @@ class Completion:
         self._notify()
 
     def fail(self, error: PipelineError) -> None:
+        """Mark the task failed with ``error`` and wake what waits for it."""
         self.error = error
         self.deps = ()
         self._flag.set()
         self._notify()
 
     def fail_from_exception(self, exc: BaseException) -> None:
+        """Fail with ``exc`` turned into the pipeline error that names this task."""
         if isinstance(exc, MemoryError) and isinstance(exc, WorkerError):
             # Out of (capped) device memory: keep the worker's traceback as text, not its frames,
             # whose locals would keep the failed task's tensors allocated as long as the error lives.

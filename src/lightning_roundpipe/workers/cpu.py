@@ -51,6 +51,7 @@ CPU_MICROBATCH_OVERHEAD_S = 0.33e-3
 
 
 class CpuWorkerPool(WorkerPool):
+    """The CPU backend: N virtual workers in this process (see the module doc)."""
     backend = "cpu"
     keeps_graphs_across_workers = True  # one process, one memory
     pins_uploads = False  # host memory is the device memory
@@ -64,7 +65,7 @@ class CpuWorkerPool(WorkerPool):
         """The CPU backend's knobs among the user's options: injected delay, jitter and link model,
         threads per worker, the virtual GPU's memory cap, the jitter's seed."""
         t = options.transfer
-        return dict(compute_delay_s=options.cpu_compute_delay_s, jitter_s=options.cpu_jitter_s,
+        return dict(compute_delay_s=options.testing.compute_delay_s, jitter_s=options.testing.jitter_s,
                     bandwidth_bytes_per_s=t.bandwidth_bytes_per_s, latency_s=t.latency_s,
                     threads_per_worker=options.cpu_threads_per_worker, seed=options.seed,
                     memory_cap_bytes=options.cpu_memory_cap_bytes)

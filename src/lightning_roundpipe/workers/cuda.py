@@ -18,16 +18,16 @@ also keep at most ``max_in_flight`` copies issued and unfinished, so a later hig
 waits behind at most that many chunks.
 
 Timing: with tracing on, a task gets a start and an end event; they are read once per step in
-:meth:`finish_step` (never one synchronize per task), so the records hold device times.
+``finish_step`` (never one synchronize per task), so the records hold device times.
 
-Pinned memory: nothing is pinned per copy. :meth:`pin_uploads` pins, once and in place, exactly
+Pinned memory: nothing is pinned per copy. ``pin_uploads`` pins, once and in place, exactly
 the host tensors the uploads read; an upload from pageable memory is a plain (staged) copy and
 of weights is counted in ``pageable_upload_bytes``. Downloads the engine marks ``reusable`` land
-in right-sized, page-aligned buffers from :class:`~.host_buffers.HostBufferPool` (pinned in place
+in right-sized, page-aligned buffers from ``HostBufferPool`` (pinned in place
 when ``pin_memory``; at most ``host_buffer_cap_bytes`` kept), which the engine hands back with
-:meth:`release_host` once the host has read them; a buffer is lent again only after the copy into
+``release_host`` once the host has read them; a buffer is lent again only after the copy into
 it has landed (its fence event), so buffers handed back after a failure are never reused early.
-Registration failures leave the tensor pageable and are counted in :attr:`pageable_reasons`.
+Registration failures leave the tensor pageable and are counted in ``pageable_reasons``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ log = logging.getLogger("lightning_roundpipe")
 
 
 class StreamWorkerPool(WorkerPool):
-    """The stream protocol over a driver (:class:`CudaStreams` or :class:`FakeStreams`)."""
+    """The stream protocol over a driver (``CudaStreams`` or ``FakeStreams``)."""
 
     device_poll_s = 5e-4
 
@@ -311,6 +311,7 @@ class StreamWorkerPool(WorkerPool):
                 torch.cuda.reset_peak_memory_stats(device)
 
     def unpin(self) -> None:
+        """Unregister the host tensors this pool pinned in place."""
         for t in self._pinned:
             self.driver.unregister(t)
         self._pinned = []
@@ -332,6 +333,7 @@ def _page_aligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
 
 
 class CudaWorkerPool(StreamWorkerPool):
+    """The CUDA backend: one worker per entry of ``device_indices``, each with its own streams."""
     backend = "cuda"
     budget_option = "partition.memory_budget_bytes (default: 90% of the GPU's memory)"
 
@@ -369,7 +371,7 @@ class CudaWorkerPool(StreamWorkerPool):
 class FakeCudaWorkerPool(StreamWorkerPool):
     """The CUDA protocol on CPU threads (see ``streams.py``): ``stream_jitter_s`` delays stream work
     at random (the race amplifier), ``seed`` fixes those delays; ``cudart`` answers pinning calls
-    (a :class:`~.pinning.FakeCudart` by default); ``copy_delay_s`` lands device-to-host copies that
+    (a ``FakeCudart`` by default); ``copy_delay_s`` lands device-to-host copies that
     long after the work that issued them."""
 
     backend = "fake_cuda"
@@ -378,7 +380,7 @@ class FakeCudaWorkerPool(StreamWorkerPool):
     @classmethod
     def options_from(cls, options) -> dict:
         """The CPU jitter knob delays stream work here (the race amplifier), with its seed."""
-        return dict(stream_jitter_s=options.cpu_jitter_s, seed=options.seed)
+        return dict(stream_jitter_s=options.testing.jitter_s, seed=options.seed)
 
     def __init__(self, num_workers: int, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
                  pin_memory: bool = True, fifo_transfers: bool = False,

@@ -1,12 +1,12 @@
 """What each worker holds "on its device", measured, and the cap that makes the CPU backend a small GPU.
 
-Every worker has a :class:`DeviceMemory` ledger with two parts:
+Every worker has a ``DeviceMemory`` ledger with two parts:
 
 - ``weight_bytes``: the stage weights uploaded and not yet released, counted by the engine's
   weights uploads and releases (all backends). On the CPU backend an upload in the host dtype
   shares the host tensor, so nothing is allocated that a tally of new storages could see.
 - ``tensor_bytes`` (CPU backend, with measuring on): every other tensor a worker's tasks
-  create, counted by :class:`AllocationTally`, a ``TorchDispatchMode`` (a thread-local mode
+  create, counted by ``AllocationTally``, a ``TorchDispatchMode`` (a thread-local mode
   stack) that the CPU backend enters around each task of the worker's compute lane and its
   activation and gradient uploads. For every output of every operator it counts the output's
   untyped storage once (a view or an in-place result shares a storage of an input and is not
@@ -18,7 +18,7 @@ Every worker has a :class:`DeviceMemory` ledger with two parts:
 
 ``peak_bytes`` is the largest ``weight_bytes + tensor_bytes`` since the last reset. With a cap
 (``cap_bytes``), an allocation or weights upload that takes the worker over it raises
-:class:`WorkerOutOfMemoryError` inside the task: the task fails as any failing task does, and
+``WorkerOutOfMemoryError`` inside the task: the task fails as any failing task does, and
 the error reaches the caller naming worker, task, bytes asked and held, and what to change.
 """
 
@@ -45,7 +45,7 @@ def _mb(n: int) -> str:
 class WorkerOutOfMemoryError(WorkerError, MemoryError):
     """A task would take its worker over the per-worker memory cap (``cpu_memory_cap_bytes``).
 
-    A :class:`WorkerError` (a task failed on a worker; ``label`` is the task, ``original`` the
+    A ``WorkerError`` (a task failed on a worker; ``label`` is the task, ``original`` the
     error itself). Attributes: ``worker``, ``stage``, ``microbatch``, ``kind`` (the task),
     ``requested_bytes`` (the allocation that did not fit), ``held_bytes`` (what the worker held
     before it, weights included), ``weight_bytes`` and ``cap_bytes``.
@@ -79,6 +79,7 @@ class DeviceMemory:
 
     @property
     def held_bytes(self) -> int:
+        """Bytes the worker holds now: weights and tensors."""
         return self.weight_bytes + self.tensor_bytes
 
     def _over_cap(self, asked: int, before: int) -> bool:
@@ -129,6 +130,7 @@ class DeviceMemory:
             self.tensor_bytes -= self._storages.pop(key, 0)
 
     def reset_peak(self) -> None:
+        """Start measuring the peaks again from what is held now."""
         with self._lock:
             self.peak_bytes, self.peak_task = self.held_bytes, None
             self.peak_weight_bytes = self.weight_bytes

@@ -11,7 +11,7 @@ first step every download reuses a buffer and the bytes held stay at the first s
 Bounded: with dynamic padding the shapes change every step, and buffers of last step's shapes
 would never be reused. Free buffers are kept in least-recently-returned order and the oldest
 are evicted (``on_evict`` unpins them) once the pool holds more than ``cap_bytes``
-(:data:`DEFAULT_CAP_BYTES`, 2 GiB, by default). The cap bounds what the pool *keeps*: buffers
+(``DEFAULT_CAP_BYTES``, 2 GiB, by default). The cap bounds what the pool *keeps*: buffers
 lent out are never taken back early, so while one step lends more than the cap the pool holds
 what is lent and keeps nothing free.
 
@@ -59,6 +59,7 @@ class HostBufferPool:
         self.taken_bytes = 0  # over all takes, new or reused
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer of ``shape`` and ``dtype``: a free one reused, else a new one."""
         key = (tuple(shape), dtype)
         with self._lock:
             buf = self._reusable_locked(key)
@@ -147,12 +148,15 @@ class HostBufferPool:
 
     @property
     def lent_count(self) -> int:
+        """Buffers lent out now."""
         return len(self._lent)
 
     def lent_bytes(self) -> int:
+        """Bytes of the buffers lent out now."""
         return self.allocated_bytes - self.free_bytes()
 
     def free_bytes(self) -> int:
+        """Bytes of the buffers waiting to be reused."""
         with self._lock:
             return sum(t.numel() * t.element_size() for q in self._free.values() for t in q)
 

@@ -14,8 +14,8 @@ launch check (``cudaGetLastError`` after a launch) reports it as that kernel's f
 - a run is unregistered when the last tensor that relied on it is unregistered.
 
 ``cudart`` is anything with ``cudaHostRegister(ptr, nbytes, flags)``, ``cudaHostUnregister(ptr)``
-and ``cudaGetLastError()`` returning CUDA error codes: :func:`torch_cudart` on a GPU,
-:class:`FakeCudart` (CUDA's page rule and errors, on the CPU) on the fake streams.
+and ``cudaGetLastError()`` returning CUDA error codes: ``torch_cudart`` on a GPU,
+``FakeCudart`` (CUDA's page rule and errors, on the CPU) on the fake streams.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ class PinRegistry:
         return gaps
 
     def covers(self, t: torch.Tensor) -> bool:
+        """Whether all of ``t``'s memory lies in registered (pinned) pages."""
         if self._key(t) in self._users:
             return True
         if t.device.type != "cpu" or t.numel() == 0:
@@ -121,6 +122,7 @@ class PinRegistry:
             self.pageable_reasons["cudaHostUnregister failed"] += 1
 
     def unregister(self, t: torch.Tensor) -> None:
+        """Drop ``t``'s registration; its pages are unpinned once no other tensor uses them."""
         key = self._key(t)
         with self._lock:
             for s in self._users.pop(key, ()):
@@ -133,6 +135,7 @@ class PinRegistry:
 
     @property
     def registered_runs(self) -> list[tuple[int, int]]:
+        """``(start, end)`` of each registered run of pages."""
         with self._lock:
             return [(s, self._runs[s][0]) for s in self._starts]
 
@@ -151,6 +154,7 @@ class FakeCudart:
 
     @property
     def last_error(self) -> int:
+        """The error code of this thread's last failed call (0: none)."""
         return getattr(self._last, "code", 0)
 
     def _fail(self, code: int) -> int:
@@ -158,6 +162,7 @@ class FakeCudart:
         return code
 
     def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        """Pin ``nbytes`` at ``ptr`` as CUDA would (page rule, overlaps refused); returns an error code."""
         self.register_calls += 1
         lo, hi = page_span(ptr, nbytes)
         if any(s < hi and lo < e for s, e in page_runs(self.pages)):
@@ -169,16 +174,19 @@ class FakeCudart:
         return 0
 
     def cudaHostUnregister(self, ptr: int) -> int:
+        """Unpin the registration starting at ``ptr``; returns an error code."""
         if self.pages.pop(ptr, None) is None:
             return self._fail(713)  # cudaErrorHostMemoryNotRegistered
         return 0
 
     def cudaGetLastError(self) -> int:
+        """Return and clear this thread's last error code."""
         code, self._last.code = self.last_error, 0
         return code
 
 
 def page_runs(pages: dict[int, int]):
+    """The page-aligned span of each registered run."""
     for s, e in list(pages.items()):
         yield page_span(s, e - s)
 

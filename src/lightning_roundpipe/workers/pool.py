@@ -1,20 +1,20 @@
 """The worker pool: N stateless workers, each with an upload, a compute and a download queue.
 
-Each queue is a :class:`Lane`: a host thread with its own list of pending tasks. A task runs
+Each queue is a ``Lane``: a host thread with its own list of pending tasks. A task runs
 once every completion it depends on is set; its own completion is then set. The compute lane
 runs its tasks strictly in submission order (so gradients accumulate in a fixed order); the two
 transfer lanes pick the highest-priority task whose inputs are ready (lower number first), so an
 activation the running stage waits for overtakes a queued weight prefetch.
 
-What "running a task" means is the backend's business (:meth:`WorkerPool.execute`): the CPU
+What "running a task" means is the backend's business (``WorkerPool.execute``): the CPU
 backend runs it on the lane thread (with optional injected delay, jitter and bandwidth cost);
 the stream backends (CUDA, and its CPU fake) issue it on the lane's stream and record an event.
 The code that orders work (the engine) is the same for all.
 
 Every wait is bounded by the pool's ``timeout_s``: a queued task whose inputs do not arrive, a
-host wait, a drain. A timeout names the task that is really stuck (:meth:`WorkerPool.blocker`
+host wait, a drain. A timeout names the task that is really stuck (``WorkerPool.blocker``
 follows the chain of unfinished dependencies to a running task or to an event nobody sets), and
-:meth:`WorkerPool.shutdown` never waits long for a lane stuck inside a task: Python cannot stop
+``WorkerPool.shutdown`` never waits long for a lane stuck inside a task: Python cannot stop
 a thread, so such a lane (a daemon thread) ends when its task returns.
 """
 
@@ -53,6 +53,7 @@ class Task:
         self.submitted = time.monotonic()
 
     def key(self):
+        """The lane's ordering key: priority, then submission order."""
         return (self.priority, self.seq)
 
 
@@ -78,18 +79,23 @@ class Lane:
         )
 
     def start(self) -> None:
+        """Start the lane's thread."""
         self._thread.start()
 
     def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the lane's thread to end."""
         self._thread.join(timeout)
 
     def alive(self) -> bool:
+        """Whether the lane's thread still runs."""
         return self._thread.is_alive()
 
     def is_thread(self, thread: threading.Thread) -> bool:
+        """Whether ``thread`` is this lane's thread."""
         return thread is self._thread
 
     def submit(self, task: Task) -> None:
+        """Queue a task; the lane runs it once its dependencies are set (a strict lane in submission order)."""
         key = (0, task.seq) if self.strict_order else task.key()  # a strict lane ignores priorities
         with self.pool._lock:
             bisect.insort(self._pending, (key, task), key=lambda kt: kt[0])
@@ -101,9 +107,11 @@ class Lane:
             self.cond.notify()
 
     def pending_count(self) -> int:
+        """Tasks queued or running."""
         return len(self._pending) + (1 if self.busy else 0)
 
     def describe_pending(self) -> list[str]:
+        """The running and waiting tasks in words, for timeout messages."""
         lines = []
         if self.running is not None:
             since = time.monotonic() - self.running.done.started
@@ -114,6 +122,7 @@ class Lane:
         return lines
 
     def first_waiting(self) -> Task | None:
+        """The next task the lane would run, if any."""
         return self._pending[0][1] if self._pending else None
 
     # Called with the pool lock held. Returns (task, error, device_wait): device_wait is True when
@@ -184,6 +193,7 @@ class Worker:
 
     @property
     def peak_weight_bytes(self) -> int:
+        """The most weight bytes this worker held at once."""
         return self.memory.peak_weight_bytes
 
     def submit(
@@ -203,11 +213,12 @@ class Worker:
         return done
 
     def compute(self, fn, deps, label: TaskLabel) -> Completion:
+        """Submit ``fn`` to the compute lane after ``deps``."""
         return self.submit("compute", fn, deps, label)
 
     def track_weights(self, delta_bytes: int) -> None:
         """Stage weights uploaded (or released, ``delta_bytes < 0``) by the task running on this
-        thread; over the worker's memory cap this raises :class:`~.device_memory.WorkerOutOfMemoryError`."""
+        thread; over the worker's memory cap this raises ``WorkerOutOfMemoryError``."""
         self.memory.track_weights(delta_bytes, self.running_label())
 
     def running_label(self) -> TaskLabel | None:
@@ -263,6 +274,7 @@ class WorkerPool:
         return len(self.workers)
 
     def start(self) -> "WorkerPool":
+        """Start every lane's thread (once); returns the pool."""
         if not self._started:
             for w in self.workers:
                 for lane in w.lanes.values():
@@ -294,6 +306,7 @@ class WorkerPool:
         return still
 
     def lanes(self):
+        """Every lane of every worker."""
         for w in self.workers:
             yield from w.lanes.values()
 
@@ -342,6 +355,7 @@ class WorkerPool:
                 lane.cond.notify()
 
     def diagnose(self, waited: Completion | None = None) -> str:
+        """What every lane runs and waits for (and what ``waited`` depends on), for timeout messages."""
         with self._cv:
             return self.diagnose_locked(waited)
 
@@ -409,9 +423,11 @@ class WorkerPool:
         return f"thread {thread.name}"
 
     def threads_alive(self) -> list[str]:
+        """Names of the lane threads still running."""
         return [f"roundpipe-w{lane.worker.index}-{lane.queue}" for lane in self.lanes() if lane.alive()]
 
     def peak_weight_bytes(self) -> list[int]:
+        """The most weight bytes each worker held at once."""
         return [w.peak_weight_bytes for w in self.workers]
 
     def peak_device_bytes(self) -> list[int]:
@@ -425,7 +441,7 @@ class WorkerPool:
         return [w.memory.held_bytes for w in self.workers]
 
     def reset_peak_device_bytes(self) -> None:
-        """Start the peaks of :meth:`peak_device_bytes` and :meth:`peak_weight_bytes` afresh from what is held now."""
+        """Start the peaks of ``peak_device_bytes`` and ``peak_weight_bytes`` afresh from what is held now."""
         for w in self.workers:
             w.memory.reset_peak()
 
@@ -446,6 +462,7 @@ class WorkerPool:
     device_poll_s = 0.5  # how soon a lane looks again at a task waiting only for device work
 
     def on_lane_start(self, lane: Lane) -> None:
+        """Called on each lane's thread as it starts (a backend sets the device or thread count here)."""
         pass
 
     def on_shutdown(self, timeout: float) -> None:
@@ -456,6 +473,7 @@ class WorkerPool:
         read their timing events once per step, here; the CPU backend records as it runs)."""
 
     def execute(self, lane: Lane, task: Task) -> None:
+        """Run ``task`` on ``lane``'s thread and set its completion: each backend's own."""
         raise NotImplementedError  # each backend defines how a task runs
 
     def copy_to_device(self, worker: Worker, tensors, dtypes, read_only=False):
@@ -466,16 +484,18 @@ class WorkerPool:
 
     def copy_to_host(self, worker: Worker, tensors, reusable: bool = False):
         """Host copies of device ``tensors``. ``reusable``: the engine will hand them back with
-        :meth:`release_host` once nothing reads them, so a backend may lend reused buffers."""
+        ``release_host`` once nothing reads them, so a backend may lend reused buffers."""
         raise NotImplementedError  # each backend defines its copies
 
     def release_host(self, tensors) -> None:
         """Take back host tensors from ``copy_to_host(..., reusable=True)``; others are ignored."""
 
     def synchronize(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` until the devices finished everything issued (nothing on the CPU)."""
         pass
 
     def record(self, lane: Lane, task: Task, start: float, end: float) -> None:
+        """Put the task on the timeline when one is recorded (releases are left out)."""
         if self.trace.recording and task.done.label.kind != "release":
             lab = task.done.label
             self.trace.add(

@@ -28,6 +28,7 @@ class StreamHolds:
         self.holds = 0  # over the pool's life
 
     def hold(self, stream: Any, event: Any, objs: list) -> None:
+        """Keep ``objs`` alive until ``event`` on ``stream`` completes."""
         if not objs:
             return
         with self._lock:

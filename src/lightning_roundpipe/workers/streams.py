@@ -1,7 +1,7 @@
 """Streams and events: the small interface the stream backend's protocol is written against.
 
-Two drivers implement it. :class:`CudaStreams` maps it onto CUDA streams and events.
-:class:`FakeStreams` runs it on the CPU so the same protocol runs in CI: each stream is an
+Two drivers implement it. ``CudaStreams`` maps it onto CUDA streams and events.
+``FakeStreams`` runs it on the CPU so the same protocol runs in CI: each stream is an
 in-order executor thread, work "issued" on a stream is queued to that thread and runs later,
 an event recorded on a stream completes when the executor reaches it, and a stream told to
 wait for an event stops there until the event completes. The lane that issues work therefore
@@ -10,7 +10,7 @@ flight, or decisions made on work that is issued but not finished, show up on th
 ``jitter_s`` inserts a random delay before each piece of work on a fake stream (never in the
 host threads): the race amplifier.
 
-Pinned memory on the fake driver is plain memory, registered through :class:`~.pinning.FakeCudart`
+Pinned memory on the fake driver is plain memory, registered through ``FakeCudart``
 (CUDA's page rule and error codes), so the pinned policies' bookkeeping and their failures run too.
 ``copy_delay_s`` makes a device-to-host copy land that long after the work that issued it has
 returned, as a non-blocking copy on a GPU does (the host holds the buffer before its data).
@@ -58,15 +58,19 @@ class CudaEvent:
         self.raw = torch.cuda.Event(enable_timing=timing, blocking=True)
 
     def record(self, stream) -> None:
+        """Record the event on ``stream``."""
         self.raw.record(stream)
 
     def query(self) -> bool:
+        """Whether the work before the event is done."""
         return self.raw.query()
 
     def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the event; False when it did not come."""
         return self.raw.query() or _poll_until(self.raw.query, timeout)
 
     def seconds_until(self, later: "CudaEvent") -> float:
+        """Seconds between this event and ``later`` (timing events)."""
         return self.raw.elapsed_time(later.raw) / 1e3
 
 
@@ -84,13 +88,16 @@ class CudaStreams:
         self._rand_lock = threading.Lock()
 
     def new_stream(self, device: torch.device):
+        """A new stream on ``device``."""
         with torch.cuda.device(device):
             return torch.cuda.Stream(device=device)
 
     def new_event(self, timing: bool = False) -> CudaEvent:
+        """A new event (``timing``: it can measure elapsed time)."""
         return CudaEvent(timing)
 
     def wait_event(self, stream, event: CudaEvent) -> None:
+        """Make ``stream`` wait for ``event``."""
         stream.wait_event(event.raw)
 
     def issue(self, stream, device: torch.device, fn: Callable[[], Any], label: TaskLabel, timeout_s: float) -> Any:
@@ -103,26 +110,33 @@ class CudaStreams:
             return fn()
 
     def current_stream(self, device: torch.device):
+        """The current stream of ``device``."""
         return torch.cuda.current_stream(device)
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        """Mark ``tensor`` as used by ``stream`` (its memory is not reused before the stream gets there)."""
         self.record_stream_calls += 1
         tensor.record_stream(stream)
 
     def to_device(self, src: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """A non-blocking copy of ``src`` to ``device`` in ``dtype``."""
         return src.to(device, dtype=dtype, non_blocking=True)
 
     def empty_host(self, shape, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        """An empty host tensor, pinned when asked."""
         return torch.empty(shape, dtype=dtype, pin_memory=pinned)
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A non-blocking copy of ``src`` into the host tensor ``dst``."""
         dst.copy_(src, non_blocking=True)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is in pinned memory."""
         return t.is_pinned()
 
     @property
     def pins(self) -> PinRegistry:
+        """The process's registry of host memory pinned in place."""
         return cuda_pin_registry()
 
     def register(self, t: torch.Tensor) -> bool:
@@ -133,6 +147,7 @@ class CudaStreams:
         return self.pins.register(t)
 
     def unregister(self, t: torch.Tensor) -> None:
+        """Unpin ``t`` (pinned in place)."""
         self.pins.unregister(t)
 
     def synchronize(self, device: torch.device, streams, timeout: float) -> bool:
@@ -146,6 +161,7 @@ class CudaStreams:
         return True
 
     def close(self, timeout: float) -> None:
+        """Nothing to stop: CUDA streams have no threads of ours."""
         pass
 
 
@@ -163,16 +179,20 @@ class FakeEvent:
         self.time = 0.0
 
     def record(self, stream: "FakeStream") -> None:
+        """Record the event on the fake ``stream``: it completes when the stream's thread gets there."""
         self._recorded = True
         stream.put(("event", self))
 
     def query(self) -> bool:
+        """Whether the event completed (never recorded counts as done, as on CUDA)."""
         return not self._recorded or self._done.is_set()  # as on CUDA: never recorded means done
 
     def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the event; False when it did not come."""
         return not self._recorded or self._done.wait(timeout)
 
     def seconds_until(self, later: "FakeEvent") -> float:
+        """Seconds between this event and ``later``."""
         return later.time - self.time
 
 
@@ -195,19 +215,23 @@ class FakeStream:
         self._after.append(fn)
 
     def put(self, item) -> None:
+        """Queue an item (work, an event or a wait) for the stream's thread."""
         with self._cond:
             self._items.append(item)
             self._cond.notify()
 
     def stop(self) -> None:
+        """Tell the stream's thread to end after what is queued."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
 
     def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the stream's thread to end."""
         self._thread.join(timeout)
 
     def alive(self) -> bool:
+        """Whether the stream's thread still runs."""
         return self._thread.is_alive()
 
     def _loop(self) -> None:
@@ -262,29 +286,35 @@ class FakeStreams:
         self.record_stream_calls = 0
 
     def pause(self) -> None:
+        """Sleep a random time in [0, jitter_s) (the race amplifier)."""
         if self.jitter_s > 0:
             with self._rand_lock:
                 delay = self._rand.uniform(0.0, self.jitter_s)
             time.sleep(delay)
 
     def new_stream(self, device: torch.device, name: str = "") -> FakeStream:
+        """A new fake stream, with its executor thread."""
         s = FakeStream(self, f"roundpipe-stream-{name or len(self._streams)}")
         self._streams.append(s)
         return s
 
     def new_event(self, timing: bool = False) -> FakeEvent:
+        """A new fake event."""
         return FakeEvent(timing)
 
     def wait_event(self, stream: FakeStream, event: FakeEvent) -> None:
+        """Make ``stream`` wait for ``event`` (nothing when it was never recorded)."""
         if event._recorded:
             stream.put(("wait", event))
 
     def issue(self, stream: FakeStream, device, fn: Callable[[], Any], label: TaskLabel, timeout_s: float) -> Deferred:
+        """Queue ``fn`` on ``stream``; returns the ``Deferred`` its result arrives in."""
         deferred = Deferred(label, timeout_s)
         stream.put(("work", fn, deferred))
         return deferred
 
     def current_stream(self, device) -> FakeStream:
+        """The stream the calling thread issues to."""
         return self.local.stream
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
@@ -301,19 +331,23 @@ class FakeStreams:
             self._stream_held[id(ev)] = (ev, nbytes, storage)
 
     def stream_held_bytes(self) -> int:
-        """Bytes of freed tensors whose memory a ``record_stream`` still holds (dropped once their stream passed)."""
+        """Bytes of freed tensors whose memory a ``record_stream`` still holds (dropped once their stream
+        passed)."""
         with self._held_lock:
             for k in [k for k, (ev, _, _) in self._stream_held.items() if ev.query()]:
                 del self._stream_held[k]
             return sum(n for _, n, _ in self._stream_held.values())
 
     def to_device(self, src: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
+        """A copy of ``src`` in ``dtype`` (the device is host memory here)."""
         return src.to(dtype=dtype, copy=True)  # runs on the stream's executor: the "copy engine"
 
     def empty_host(self, shape, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        """An empty host tensor (pinning is registered, not allocated, on this driver)."""
         return torch.empty(shape, dtype=dtype)
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` into ``dst``, landing ``copy_delay_s`` late when issued on a stream."""
         stream = getattr(self.local, "stream", None)
         if self.copy_delay_s > 0 and stream is not None:
             stream.after_current(lambda: (time.sleep(self.copy_delay_s), dst.copy_(src)))
@@ -321,15 +355,19 @@ class FakeStreams:
             dst.copy_(src)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lies in pages registered with the fake driver."""
         return self.pins.covers(t)
 
     def register(self, t: torch.Tensor) -> bool:
+        """Pin ``t`` in place with the fake driver; False when it refused."""
         return self.pins.register(t)
 
     def unregister(self, t: torch.Tensor) -> None:
+        """Unpin ``t``."""
         self.pins.unregister(t)
 
     def synchronize(self, device, streams, timeout: float) -> bool:
+        """Wait up to ``timeout`` until ``streams`` reached everything queued; False when they did not."""
         deadline = time.monotonic() + timeout
         for s in streams:
             ev = FakeEvent()
@@ -339,6 +377,7 @@ class FakeStreams:
         return True
 
     def close(self, timeout: float) -> None:
+        """Stop every stream's thread, waiting up to ``timeout`` in all."""
         for s in self._streams:
             s.stop()
         deadline = time.monotonic() + timeout
@@ -346,4 +385,5 @@ class FakeStreams:
             s.join(max(0.0, deadline - time.monotonic()))
 
     def threads_alive(self) -> list[str]:
+        """Names of the stream threads still running."""
         return [s.name for s in self._streams if s.alive()]
