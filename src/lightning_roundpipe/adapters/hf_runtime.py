@@ -201,9 +201,11 @@ class PipelinedCausalLMForward:
         return batch
 
     def hidden_states(self, hidden_request, out: dict):
+        """The output's ``hidden_states`` (only the last one, when asked for)."""
         return hidden_states_output(hidden_request, out.get("last_hidden"), self.adapter.num_decoder_layers)
 
     def logits_output(self, batch: dict, tokens: int, with_stats: bool, hidden_request):
+        """Run a call without labels: the model's output with its logits (and aux loss)."""
         batch["outputs"] = "logits"
         out = self.runtime.run(batch, tokens=tokens)
         aux = self.aux(out) if with_stats else None
@@ -211,6 +213,7 @@ class PipelinedCausalLMForward:
                                  **({"aux_loss": aux} if self.router is not None else {}))
 
     def loss_output(self, batch: dict, tokens: int, with_stats: bool, hidden_request, scale: float):
+        """Run a call with labels: the fused loss, or the last stage's loss sums combined on the host."""
         moe = {"aux_loss": None} if self.router is not None else {}
         if not with_stats and not self.logits_with_loss and hidden_request is None:
             batch["outputs"] = "loss"
@@ -230,6 +233,7 @@ class PipelinedCausalLMForward:
         return _withheld_class(self.output_class)(loss=loss, logits=None, **moe, hidden_states=hidden)
 
     def aux(self, out) -> torch.Tensor:
+        """HF's load-balancing loss from the batch's router statistics."""
         return aux_loss(out["moe_counts"].sum(0), out["moe_probs"].sum(0), out["moe_rows"].sum(),
                         self.router.num_experts)
 

@@ -11,9 +11,9 @@ bound-schedule baselines, the published runs); ``sim/__main__.py`` only runs ``m
 
 ``--num-gpus`` (every command) replaces the profile's GPU count: any count, any profile. ``plan``
 and ``compare`` take the machine's own numbers too (``--gpus``, ``--gpu-memory``, ``--host-memory``,
-``--pcie``; :mod:`~lightning_roundpipe.cost.machine`), or read them off this machine with
+``--pcie``; ``machine``), or read them off this machine with
 ``--detect``; ``--model`` there is a preset or a local Hugging Face model directory or
-``config.json`` (:mod:`~lightning_roundpipe.cost.hf_shape`). What was assumed is printed first.
+``config.json`` (``hf_shape``). What was assumed is printed first.
 """
 
 from __future__ import annotations

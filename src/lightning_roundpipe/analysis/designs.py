@@ -1,6 +1,6 @@
 """Designs the engine does not have, for the simulator to price (``SimConfig(design=...)``).
 
-The simulator runs the engine's design (:class:`~lightning_roundpipe.sim.simulate.EngineDesign`):
+The simulator runs the engine's design (``EngineDesign``):
 the next call waits for ``backward()`` to return, and one worker runs the fused last stage. The
 studies of this layer (``own_engine.py``: what would close the gap to the reference) price two
 changes the engine has not made, kept here so that the simulator models only what runs:
@@ -36,6 +36,7 @@ class PricedDesign(EngineDesign):
             raise ValueError(f"fused_spread must be a positive integer, got {self.fused_spread!r}")
 
     def fused_placement(self, plan: Plan, tasks: list[GraphTask], num_workers: int, microbatches: int):
+        """The engine's placement, or the stage spread over ``fused_spread`` workers."""
         if self.fused_spread == 1:
             return FusedOnOneWorker(microbatches)
         return FusedSpread(plan, tasks, num_workers, self.fused_spread, microbatches)
@@ -73,6 +74,7 @@ class FusedSpread(FusedOnOneWorker):
                                       deps=list(op.deps), alloc=[(w, op.bytes)])) for w in self.workers[1:]]
 
     def spreads_op(self, op: Op) -> bool:
+        """Whether simulator op ``op`` belongs to the spread stage."""
         return self.stage is not None and op.stage == self.stage
 
     def compute_deps(self, t: GraphTask, deps: list[Op]) -> list[Op]:

@@ -31,7 +31,7 @@ def names() -> list[str]:
 
 
 def path(name: str) -> Path:
-    """Absolute path of the shipped asset ``name`` (one of :func:`names`: "tiny-qwen3", "shakespeare.txt", ...).
+    """Absolute path of the shipped asset ``name`` (one of ``names``: "tiny-qwen3", "shakespeare.txt", ...).
 
     Raises ``KeyError`` for an unknown name and ``FileNotFoundError`` when the asset is missing
     (the models are made by ``scripts/make_tiny_models.py``).

@@ -1,11 +1,11 @@
-"""A :class:`~.transformer.ModelShape` read from a local Hugging Face ``config.json``.
+"""A ``ModelShape`` read from a local Hugging Face ``config.json``.
 
 ``sim plan --model`` takes a preset name, a local model directory or a ``config.json`` path;
-:func:`resolve_model_shape` decides which. Configs are read with ``transformers.AutoConfig``
+``resolve_model_shape`` decides which. Configs are read with ``transformers.AutoConfig``
 from local files only: the planner never downloads, so a hub id (``Qwen/Qwen3-8B``) that is not
 a local path is refused with the command that fetches the config first.
 
-Field names differ between families; :func:`shape_from_config` reads the common ones
+Field names differ between families; ``shape_from_config`` reads the common ones
 (``hidden_size``, ``num_attention_heads``... which most configs also map from their own names
 through ``attribute_map``) and the MoE ones of each verified family (experts:
 ``num_local_experts``, ``num_experts`` or ``n_routed_experts``; top-k: ``num_experts_per_tok``;

@@ -1,8 +1,8 @@
 """The user's machine on the command line: overrides of a hardware profile, and ``--detect``.
 
 A profile (``cost/profiles/*.yaml``) describes a machine class; a user's machine differs in the
-GPU count, the memory and the link. :func:`override_profile` replaces those fields from the
-command-line values (``--gpus 2 --host-memory 128 --pcie gen3``) and :func:`detect_machine`
+GPU count, the memory and the link. ``override_profile`` replaces those fields from the
+command-line values (``--gpus 2 --host-memory 128 --pcie gen3``) and ``detect_machine``
 reads them off the local machine: GPUs through ``torch.cuda`` when present, host RAM through
 ``psutil`` when installed, else ``os.sysconf``, and the CPU cores. Both return the lines that say
 what was assumed, so the plan is never silently about another machine.

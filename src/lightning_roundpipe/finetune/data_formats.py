@@ -50,6 +50,7 @@ def load_records(path: Path) -> datasets.Dataset:
 
 
 def require_column(records: datasets.Dataset, field: str, key: str, path: Path) -> None:
+    """Refuse, naming the config key, a records file without the field ``key`` names."""
     if field not in records.column_names:
         raise FineTuneInputError(
             f"data.{key}={field!r} is not a field of {str(path)!r} (its fields: {records.column_names}); "

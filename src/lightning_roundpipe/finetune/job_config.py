@@ -5,7 +5,7 @@ every key the job would otherwise ignore.
 takes effect), except the few the job sets itself from other groups (``strategy``, ``logger``,
 ``callbacks``); ``logger`` and ``callbacks.*`` are ``_target_`` configs instantiated with
 ``hydra.utils.instantiate`` (``conf/logger/``, ``conf/callbacks/``). A key that is neither read by
-the job nor an argument of what it builds raises :class:`FineTuneInputError` naming the key, so a
+the job nor an argument of what it builds raises ``FineTuneInputError`` naming the key, so a
 typo or a ``+key`` the job does not read never passes silently.
 """
 

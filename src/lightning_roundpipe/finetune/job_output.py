@@ -3,7 +3,7 @@ table and the summary), and user-input errors as one message on stderr instead o
 
 Lightning gives its loggers their own stderr handler and stops propagation when it is imported
 before any logging is configured, which is the case under Hydra (Hydra configures logging only when
-the job starts); :func:`route_lightning_logging` hands them back to the root logger Hydra set up.
+the job starts); ``route_lightning_logging`` hands them back to the root logger Hydra set up.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ METRICS = ("bubble_fraction", "exposed_transfer_s", "step_s", "tokens_per_s")
 
 
 def memory_log_values(memory: dict) -> dict[str, float]:
-    """The logged names and values of :meth:`RoundPipeRuntime.memory_metrics`'s result."""
+    """The logged names and values of ``RoundPipeRuntime.memory_metrics``'s result."""
     values = {"roundpipe/memory/host_rss_bytes": float(memory["host_rss_bytes"]),
               "roundpipe/memory/pinned_bytes": float(memory["pinned_bytes"])}
     for worker, peak in enumerate(memory["device_peak_bytes"]):

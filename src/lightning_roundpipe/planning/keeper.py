@@ -152,7 +152,7 @@ class PlanKeeper:
         self.open_microbatches = False
         if m == self.microbatches:
             return None
-        # Said once, in the plan table (:meth:`report`), not logged per runtime: the strategy builds
+        # Said once, in the plan table (``report``), not logged per runtime: the strategy builds
         # one runtime per Trainer call and each makes the same choice.
         self.choice_note = (f"microbatches: {m}, chosen for the first batch ({batch_size} samples); "
                             f"the estimate before any batch was seen gave {self.microbatches}")

@@ -74,15 +74,19 @@ class FusedOnOneWorker:
         self.extra_wgrads: list[Op] = []
 
     def spreads(self, t: GraphTask) -> bool:
+        """Whether ``t`` belongs to a fused stage this placement spreads over several workers."""
         return False
 
     def task(self, t: GraphTask) -> GraphTask:
+        """``t`` as it runs: on the worker this placement gives it."""
         return t
 
     def copy_weights(self, op: Op, add) -> None:
+        """Add the copies of a weight upload ``op`` that the extra workers need (with ``add``)."""
         return None
 
     def compute_deps(self, t: GraphTask, deps: list[Op]) -> list[Op]:
+        """The ops compute ``t`` waits for (pointing at its worker's copy of the weights)."""
         return deps
 
     def first_last(self, t: GraphTask) -> tuple[bool, bool]:
@@ -90,9 +94,11 @@ class FusedOnOneWorker:
         return t.microbatch == 0, t.microbatch == self.m - 1
 
     def computed(self, t: GraphTask, op: Op) -> None:
+        """Note that ``op`` computes ``t`` (a worker's last compute gates its gradient download)."""
         return None
 
     def wgrads(self, t: GraphTask, deps: list[Op], step: int, add, out: list) -> Op:
+        """The gradient download of a spread stage (never asked of the engine's placement)."""
         raise AssertionError("the engine's fused stage spreads nothing")
 
 
@@ -101,12 +107,13 @@ class EngineDesign:
 
     ``call_barrier``: with ``host_barriers``, the next call is dispatched only once this call's
     ``backward()`` has returned (the engine under autograd). ``fused_placement``: where the fused
-    last stage's microbatches run (:class:`FusedOnOneWorker`).
+    last stage's microbatches run (``FusedOnOneWorker``).
     """
 
     call_barrier = True
 
     def fused_placement(self, plan: Plan, tasks: list[GraphTask], num_workers: int, microbatches: int):
+        """Where the fused last stage's microbatches run in this step's ``tasks``."""
         return FusedOnOneWorker(microbatches)
 
 

@@ -43,7 +43,7 @@ STEP_MARKER_GID = "step-marker"  # gid of the vertical line at each step's start
 
 
 def colour_of(kind: str, spare: dict[str, str]) -> str:
-    """The fixed colour of ``kind``; a kind outside :data:`KIND_COLOURS` gets the next spare one,
+    """The fixed colour of ``kind``; a kind outside ``KIND_COLOURS`` gets the next spare one,
     remembered in ``spare`` so it keeps it across the figure."""
     base = kind[len(LAYER_PREFIX):] if kind.startswith(LAYER_PREFIX) else kind
     if base in KIND_COLOURS:
@@ -54,6 +54,7 @@ def colour_of(kind: str, spare: dict[str, str]) -> str:
 
 
 def hatch_of(kind: str) -> str | None:
+    """The hatch pattern a bar of task kind ``kind`` is drawn with (layer-grain recompute, fused), or None."""
     if kind.startswith(LAYER_PREFIX):
         return LAYER_HATCH
     return KIND_HATCHES.get(kind)
@@ -67,8 +68,8 @@ def gantt_figure(records: Sequence[TraceRecord], title: str | None = None):
     """The Gantt chart of ``records`` as a matplotlib ``Figure`` (off-screen, Agg; pyplot untouched).
 
     One row per (worker, queue), workers in index order with their upload, compute and download
-    rows, then the host. Each kind has a fixed colour (:data:`KIND_COLOURS`; compute kinds are
-    also hatched). Every bar is at least :data:`MIN_BAR_PX` pixels wide, so short transfers
+    rows, then the host. Each kind has a fixed colour (``KIND_COLOURS``; compute kinds are
+    also hatched). Every bar is at least ``MIN_BAR_PX`` pixels wide, so short transfers
     stay visible (the Chrome trace keeps the exact times). A bar wide enough for its label shows
     its stage and microbatch (``F1·0``: stage F1, microbatch 0). A dashed vertical line marks
     where each training step starts, labelled ``step N`` above the plot. The time axis is in
@@ -143,5 +144,5 @@ def gantt_figure(records: Sequence[TraceRecord], title: str | None = None):
 
 
 def save_gantt_png(records: Sequence[TraceRecord], path: str | Path, title: str | None = None) -> None:
-    """Draw the records as a Gantt chart PNG at ``path`` (:func:`gantt_figure`). Needs matplotlib."""
+    """Draw the records as a Gantt chart PNG at ``path`` (``gantt_figure``). Needs matplotlib."""
     gantt_figure(records, title).savefig(str(path), format="png", dpi=DPI)

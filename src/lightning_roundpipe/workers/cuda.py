@@ -292,7 +292,7 @@ class StreamWorkerPool(WorkerPool):
         return self.pinned_bytes
 
     def pinned_host_bytes(self) -> int:
-        """Upload sources pinned by :meth:`pin_uploads` plus the pinned download buffers kept now."""
+        """Upload sources pinned by ``pin_uploads`` plus the pinned download buffers kept now."""
         return self.pinned_bytes + self.download_pinned_bytes
 
     def step_peak_device_bytes(self) -> list[int]:

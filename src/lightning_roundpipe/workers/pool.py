@@ -450,12 +450,12 @@ class WorkerPool:
         return 0
 
     def step_peak_device_bytes(self) -> list[int]:
-        """Per worker, the most device bytes held since :meth:`reset_step_peaks`: :meth:`peak_device_bytes`
+        """Per worker, the most device bytes held since ``reset_step_peaks``: ``peak_device_bytes``
         here; a backend whose allocator knows better (CUDA) reports that."""
         return self.peak_device_bytes()
 
     def reset_step_peaks(self) -> None:
-        """Start :meth:`step_peak_device_bytes` afresh (called after each logged step)."""
+        """Start ``step_peak_device_bytes`` afresh (called after each logged step)."""
         self.reset_peak_device_bytes()
 
     # ------------------------------------------------------------------ backend hooks
