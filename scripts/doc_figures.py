@@ -1,0 +1,122 @@
+"""Regenerate the figures printed in the docs, so that they cannot go stale silently.
+
+A figure is a block of a Markdown page between ``<!-- figures:NAME -->`` and ``<!-- /figures -->``
+(each marker on a line of its own). This script runs the documented command or API call that
+makes figure NAME and writes what it printed into every such block:
+
+    python scripts/doc_figures.py            # rewrite the blocks in README.md and docs/*.md
+    python scripts/doc_figures.py --check    # rewrite nothing; exit 1 naming each stale block
+    python scripts/doc_figures.py --timeline # also redraw docs/img/timeline.png from the default job
+
+The blocks hold simulator output only (seconds, no training, no GPU), so
+``tests/docs_and_setup/test_doc_figures.py`` runs ``--check`` on every change. ``--timeline``
+trains (the default job with ``trace=true``, about a minute on 2 cores) and the picture is
+measured, so no test compares it byte for byte.
+
+Commands run in a subprocess with a fixed terminal width, as a reader would run them, and the
+block holds their output verbatim: this reads no numbers out of printed tables, so a change of
+the printed format shows up as a stale block here, not as a parse error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
+TIMELINE_PNG = REPO / "docs" / "img" / "timeline.png"
+COLUMNS = "200"  # a fixed width, so that rich output wraps the same on every machine
+COMMAND_TIMEOUT_S = 600
+BLOCK = re.compile(r"^<!-- figures:(?P<name>[\w.-]+) -->\n(?P<body>.*?)^<!-- /figures -->$", re.M | re.S)
+
+
+def command_output(argv: list[str]) -> str:
+    """What ``python ARGV...`` prints from the repository root, with this checkout's sources."""
+    env = {**os.environ, "COLUMNS": COLUMNS, "TERM": "dumb", "NO_COLOR": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=COMMAND_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"python {' '.join(argv)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return "\n".join(line.rstrip() for line in done.stdout.strip("\n").splitlines())
+
+
+def shown_output(argv: list[str]) -> Callable[[], str]:
+    """A figure that is a command's output, shown as a plain code block."""
+    return lambda: "```\n" + command_output(argv) + "\n```\n"
+
+
+# The documented command of each figure; docs/planning.md shows this one just above its block.
+FIGURES: dict[str, Callable[[], str]] = {
+    "sim-plan-qwen3-8b-rtx4090": shown_output(
+        ["-m", "lightning_roundpipe.sim", "plan", "--model", "qwen3-8b", "--hardware", "rtx4090"]),
+}
+
+
+def blocks(text: str) -> list[tuple[str, str]]:
+    """(name, current body) of each figure block of a page."""
+    return [(m["name"], m["body"]) for m in BLOCK.finditer(text)]
+
+
+def rewrite(text: str, made: dict[str, str]) -> str:
+    """The page with each block's body replaced by its figure (unknown names are an error)."""
+    def replace(m: re.Match) -> str:
+        if m["name"] not in made:
+            raise KeyError(f"no figure named {m['name']!r} in scripts/doc_figures.py (known: {sorted(FIGURES)})")
+        return f"<!-- figures:{m['name']} -->\n{made[m['name']]}<!-- /figures -->"
+    return BLOCK.sub(replace, text)
+
+
+def stale_blocks(pages=PAGES, figures=FIGURES) -> tuple[list[str], dict[Path, str]]:
+    """Which blocks differ from what their figure makes now, and every page as it should be."""
+    texts = {page: page.read_text() for page in pages}
+    names = {name for text in texts.values() for name, _ in blocks(text)}
+    unknown = sorted(names - set(figures))
+    if unknown:
+        raise KeyError(f"figure blocks without a figure in scripts/doc_figures.py: {unknown}")
+    made = {name: figures[name]() for name in sorted(names)}
+    stale = [f"{page.relative_to(REPO) if page.is_relative_to(REPO) else page}: {name}"
+             for page, text in texts.items() for name, body in blocks(text) if body != made[name]]
+    return stale, {page: rewrite(text, made) for page, text in texts.items()}
+
+
+def redraw_timeline(png: Path = TIMELINE_PNG) -> None:
+    """Run the default job with the timeline on (it draws the picture) and copy its PNG to ``png``."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        command_output(["examples/finetune.py", "trace=true", f"hydra.run.dir={run_dir}"])
+        drawn = next(Path(run_dir).rglob("roundpipe_timeline.png"), None)
+        if drawn is None:
+            raise RuntimeError(f"the default job with trace=true drew no roundpipe_timeline.png under {run_dir}")
+        shutil.copyfile(drawn, png)
+    print(f"wrote {png.relative_to(REPO)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="rewrite nothing; exit 1 if a block is stale")
+    parser.add_argument("--timeline", action="store_true", help="also redraw docs/img/timeline.png (trains)")
+    args = parser.parse_args(argv)
+    stale, pages = stale_blocks()
+    if args.check:
+        for where in stale:
+            print(f"stale figure block {where}: run python scripts/doc_figures.py", file=sys.stderr)
+        return 1 if stale else 0
+    for page, text in pages.items():
+        if page.read_text() != text:
+            page.write_text(text)
+            print(f"rewrote {page.relative_to(REPO)}")
+    if args.timeline:
+        redraw_timeline()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
