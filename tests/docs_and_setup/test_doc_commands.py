@@ -158,7 +158,7 @@ def test_the_classifier_shrinks_jobs_and_refuses_downloads():
         "python", "-m", "lightning_roundpipe.sim", "compare", "--model", "m")
 
 
-@pytest.mark.slow  # about 25 commands, most of them a 2-step job: several minutes on 2 cores
+@pytest.mark.doc_commands  # about 38 commands, most of them a 2-step job: about 20 minutes on 2 cores
 @pytest.mark.timeout(COMMAND_TIMEOUT_S + 30)
 @pytest.mark.parametrize("command", RUNNABLE, ids=[f"{c.page}:{c.line[:60]}" for c in RUNNABLE])
 def test_documented_command_runs(command, tmp_path):
