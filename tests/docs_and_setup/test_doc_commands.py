@@ -93,7 +93,7 @@ def classify(line: str) -> Decision:
     if words[:2] == ["make", "run"]:  # make run creates .venv (test_setup_commands.py), then runs the job
         args = shlex.split(words[2][len("ARGS="):]) if len(words) > 2 and words[2].startswith("ARGS=") else []
         return job(args)
-    if words[0] in ("huggingface-cli", "hf"):
+    if words[0] == "hf":
         return Decision("skip", reason="downloads weights")
     if words[0] in ("torchrun", "srun") or "train.py" in words or any(w.startswith("MASTER_ADDR=") for w in words):
         return Decision("skip", reason="several machines and the user's own train.py (tests/distributed run it on localhost)")

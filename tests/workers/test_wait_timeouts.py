@@ -27,7 +27,7 @@ ONE_ARGUMENT_IS_THE_TIMEOUT = {"wait", "join", "result", "recv", "communicate"}
 
 OURS_BOUNDED = "a method of ours whose own waits are bounded by the timeout option (checked by this test in its body)"
 ALLOWED = {
-    ("adapters/hf_runtime.py", "runtime.join()"): f"RoundPipeRuntime.join: {OURS_BOUNDED}",
+    ("adapters/hf_runtime.py", "self.runtime.join()"): f"RoundPipeRuntime.join: {OURS_BOUNDED}",
     ("lightning/strategy.py", "self.join()"): f"RoundPipeStrategy.join -> RoundPipeRuntime.join: {OURS_BOUNDED}",
     ("lightning/strategy.py", "self.runtime.join()"): f"RoundPipeRuntime.join: {OURS_BOUNDED}",
     ("optim/overlap.py", "self.join()"): f"OverlappedOptimizer.join (one deadline for all versions): {OURS_BOUNDED}",
