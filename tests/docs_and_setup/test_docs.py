@@ -59,6 +59,10 @@ def test_guide_builds_offline_with_warnings_as_errors(tmp_path):
         assert built.is_file(), name
     strategy = (site / "api/lightning_roundpipe/lightning/strategy/index.html").read_text()
     assert "RoundPipeStrategy" in strategy and "StrategyOptions" in strategy  # its docstring points to the options
+    # The signature is the run-time one, one typed keyword per option, not the source's **option_values.
+    signature = strategy[strategy.index("RoundPipeStrategy"):]
+    assert "option_values" not in strategy
+    assert "microbatches" in signature and "schedule" in signature and "Optional" in signature
     options = (site / "api/lightning_roundpipe/options/index.html").read_text()
     assert "microbatches per batch" in options  # rendered docstring of the option fields
     overview = (site / "api/index.html").read_text()
