@@ -368,6 +368,7 @@ class CudaWorkerPool(StreamWorkerPool):
                          fifo_transfers=fifo_transfers, host_buffer_cap_bytes=host_buffer_cap_bytes)
 
     def on_lane_start(self, lane: Lane) -> None:
+        super().on_lane_start(lane)
         torch.cuda.set_device(lane.worker.device)
 
 

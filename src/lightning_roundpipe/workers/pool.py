@@ -34,6 +34,7 @@ import torch
 from ..tracing.records import TraceRecord, TraceRecorder
 from .completions import Completion, PipelineTimeout, TaskLabel
 from .device_memory import DeviceMemory
+from .threads import set_intra_op_threads
 
 QUEUES = ("upload", "compute", "download")
 log = logging.getLogger("lightning_roundpipe")
@@ -634,9 +635,17 @@ class WorkerPool:
         set completions whose device work is unfinished (``ready_for``)."""
         return False
 
+    def lane_threads(self, lane: Lane) -> int:
+        """Torch intra-op threads of ``lane``'s thread, set explicitly as it starts (a new thread
+        otherwise inherits whatever the last thread set). 1 here: the stream backends' lanes only
+        launch kernels and copies, and the fake streams' executors run with ``FakeStreams.threads``
+        (1); the CPU backend gives its compute lanes ``threads_per_worker``."""
+        return 1
+
     def on_lane_start(self, lane: Lane) -> None:
-        """Called on each lane's thread as it starts (a backend sets the device or thread count here)."""
-        pass
+        """Called on each lane's thread as it starts: sets its intra-op threads (``lane_threads``);
+        a backend also sets the device here."""
+        set_intra_op_threads(self.lane_threads(lane))
 
     def on_shutdown(self, timeout: float) -> None:
         """Stop what the backend runs besides the lanes (stream executors)."""

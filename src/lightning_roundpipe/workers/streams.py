@@ -33,6 +33,7 @@ import torch
 from .completions import Deferred, TaskLabel
 from .event_waiter import EventWaiters
 from .pinning import FakeCudart, PinRegistry, cuda_pin_registry
+from .threads import set_intra_op_threads
 
 
 def _poll_until(done: Callable[[], bool], timeout: float) -> bool:
@@ -272,7 +273,7 @@ class FakeStream:
 
     def _loop(self) -> None:
         self.driver.local.stream = self
-        torch.set_num_threads(self.driver.threads)  # explicit: a new thread inherits the last thread's setting
+        set_intra_op_threads(self.driver.threads)  # explicit: a new thread inherits the last thread's setting
         while True:
             with self._cond:
                 while not self._items and not self._stopping:
