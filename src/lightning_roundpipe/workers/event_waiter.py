@@ -7,6 +7,10 @@ next: each callback comes when its event completes, with no polling. The events 
 ``blocking``, so ``synchronize`` sleeps in the driver with the GIL released: the lanes that
 launch kernels keep the interpreter while the waiter waits.
 
+One limit: an event awaited only after the waiter began blocking on a later one of the same
+stream is reported when that later one completes (the wait cannot be interrupted); events are
+mostly awaited in the order they are issued, so this is rare and costs latency, never a hang.
+
 ``synchronize`` takes no timeout. The waits that matter keep theirs: a lane task waiting on an
 event that never completes times out with the pool's ``timeout_s`` and names it, and a waiter
 thread stuck on such an event is a daemon that ``close`` leaves behind (and names in the log).
