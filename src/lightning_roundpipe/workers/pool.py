@@ -11,6 +11,12 @@ backend runs it on the lane thread (with optional injected delay, jitter and ban
 the stream backends (CUDA, and its CPU fake) issue it on the lane's stream and record an event.
 The code that orders work (the engine) is the same for all.
 
+Lanes wait on events, not polls: a task is told when each dependency becomes ready (``Lane``),
+a device event's completion is reported by the stream driver, and ``lane_counters`` counts the
+wake-ups, looks and bookkeeping time. A completion a lane task depends on must be made with
+the pool as its notifier (``Worker.submit`` and the optimizer's host lane do): nothing else
+looks at it again before its timeout.
+
 Every wait is bounded by the pool's ``timeout_s``: a queued task whose inputs do not arrive, a
 host wait, a drain. A timeout names the task that is really stuck (``WorkerPool.blocker``
 follows the chain of unfinished dependencies to a running task or to an event nobody sets), and
