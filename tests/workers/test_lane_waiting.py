@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_roundpipe.workers import LaneCounters, TaskLabel, make_pool
-from lightning_roundpipe.workers.event_waiter import StreamEventWaiter
+from lightning_roundpipe.workers.event_waiter import EventWaiters, StreamEventWaiter
 
 
 def label(kind, queue, mb=0, worker=0):
@@ -107,9 +107,10 @@ class _RawEvent:
 class _Event:
     """Stands for a ``CudaEvent``: ``raw.synchronize`` blocks until ``finish``."""
 
-    def __init__(self, order):
+    def __init__(self, order, stream=None):
         self.raw = _RawEvent()
         self.order = order
+        self.stream = stream
 
     def query(self):
         return self.raw.done.is_set()
@@ -142,6 +143,31 @@ def test_the_cuda_stream_waiter_calls_back_in_the_order_its_stream_completes_eve
         assert waiter.join(2)
 
 
+@pytest.mark.timeout(10)
+def test_the_cuda_waiters_one_thread_per_stream_and_none_after_close():
+    waiters = EventWaiters()
+    streams = (object(), object())
+    events = [_Event(order=i, stream=streams[i % 2]) for i in range(4)]
+    called = []
+    for e in events:
+        assert waiters.add(e, lambda e=e: called.append(e.order))
+    names = lambda: sorted(t.name for t in threading.enumerate() if t.name.startswith("roundpipe-event-waiter"))
+    assert len(names()) == 2  # one per stream
+    events[1].finish()  # stream 1's first: reported although stream 0 has not moved
+    deadline = time.monotonic() + 2
+    while called != [1] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert called == [1]
+    for e in events:
+        e.finish()
+    while len(called) < 4 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert sorted(called) == [0, 1, 2, 3]
+    waiters.close(2)
+    assert names() == []
+    assert waiters.add(_Event(order=9, stream=streams[0]), lambda: None) is False  # closed: the caller polls
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("backend,options,expected", [
     ("cpu", {}, {"upload": 1, "compute": 1, "download": 1}),
@@ -161,3 +187,41 @@ def test_each_backend_sets_its_lanes_intra_op_threads_explicitly(backend, option
         assert {q: c.wait(10) for q, c in got.items()} == expected
     finally:
         pool.shutdown()
+
+
+class _TorchCudaEvent:
+    """Stands for ``torch.cuda.Event`` on a machine without CUDA: completes when the test says."""
+
+    def __init__(self, enable_timing=False, blocking=False):
+        self.done = threading.Event()
+
+    def record(self, stream):
+        pass
+
+    def query(self):
+        return self.done.is_set()
+
+    def synchronize(self):
+        self.done.wait(5)
+
+
+@pytest.mark.timeout(10)
+def test_cuda_host_waits_and_lane_notifications_go_through_the_stream_waiter(monkeypatch):
+    from lightning_roundpipe.workers.streams import CudaStreams
+
+    monkeypatch.setattr(torch.cuda, "Event", _TorchCudaEvent)
+    drv = CudaStreams()
+    stream = object()
+    ev = drv.new_event()
+    ev.record(stream)
+    told = threading.Event()
+    assert drv.when_done(ev, told.set)  # pending: the waiter will call back
+    assert ev.wait(0.05) is False  # a bounded host wait that times out
+    threading.Timer(0.05, ev.raw.done.set).start()
+    assert ev.wait(2) is True and told.wait(2)
+    assert drv.when_done(ev, lambda: None) is False  # done now: no call, the lane goes on
+    drv.close(2)
+    late = drv.new_event()
+    late.record(stream)
+    threading.Timer(0.05, late.raw.done.set).start()
+    assert late.wait(2) is True  # closed driver: the wait polls, still bounded

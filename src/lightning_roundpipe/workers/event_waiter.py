@@ -1,6 +1,6 @@
 """CUDA only: tell the lanes when a device event completes, instead of lanes polling for it.
 
-One waiter thread per CUDA stream whose events a lane task waits for. Events on one stream
+One waiter thread per CUDA stream whose events a lane task or a host ``CudaEvent.wait`` waits for. Events on one stream
 complete in the order they were recorded, so the thread blocks on its stream's oldest awaited
 event (``CudaEvent.order``), runs the callbacks of every event done by then, and blocks on the
 next: each callback comes when its event completes, with no polling. The events are created
@@ -82,10 +82,13 @@ class EventWaiters:
     def __init__(self):
         self._by_stream: dict[int, tuple[Any, StreamEventWaiter]] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     def add(self, event, fn: Callable[[], None]) -> bool:
-        """Call ``fn`` when ``event`` completes; True (the call will come)."""
+        """Call ``fn`` when ``event`` completes; True (the call will come), False once closed (no call)."""
         with self._lock:
+            if self._closed:
+                return False
             entry = self._by_stream.get(id(event.stream))
             if entry is None:
                 entry = (event.stream, StreamEventWaiter(f"roundpipe-event-waiter-{len(self._by_stream)}"))
@@ -96,6 +99,7 @@ class EventWaiters:
     def close(self, timeout: float) -> None:
         """Stop every waiter, waiting up to ``timeout`` in all."""
         with self._lock:
+            self._closed = True
             waiters = [w for _, w in self._by_stream.values()]
             self._by_stream = {}
         for w in waiters:

@@ -55,15 +55,17 @@ def _poll_until(done: Callable[[], bool], timeout: float) -> bool:
 class CudaEvent:
     """A CUDA event created ``blocking`` (a synchronize yields the core) with bounded host waits.
     ``stream`` and ``order`` (a process-wide count) say where and when it was last recorded, so
-    that ``StreamEventWaiter`` can wait for a stream's events in the order they complete."""
+    that ``StreamEventWaiter`` can wait for a stream's events in the order they complete;
+    ``waiters`` (the driver's) tell a host ``wait`` when it completes, without polling."""
 
-    __slots__ = ("raw", "stream", "order")
+    __slots__ = ("raw", "stream", "order", "waiters")
     _orders = itertools.count()
 
-    def __init__(self, timing: bool):
+    def __init__(self, timing: bool, waiters: EventWaiters | None = None):
         self.raw = torch.cuda.Event(enable_timing=timing, blocking=True)
         self.stream = None
         self.order = 0
+        self.waiters = waiters
 
     def record(self, stream) -> None:
         """Record the event on ``stream``."""
@@ -76,8 +78,14 @@ class CudaEvent:
         return self.raw.query()
 
     def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` for the event; False when it did not come."""
-        return self.raw.query() or _poll_until(self.raw.query, timeout)
+        """Wait up to ``timeout`` for the event; False when it did not come. Told by the stream's
+        waiter thread when there is one (polls with growing sleeps once the driver is closed)."""
+        if self.raw.query():
+            return True
+        arrived = threading.Event()
+        if self.stream is not None and self.waiters is not None and self.waiters.add(self, arrived.set):
+            return arrived.wait(timeout) or self.raw.query()
+        return _poll_until(self.raw.query, timeout)
 
     def seconds_until(self, later: "CudaEvent") -> float:
         """Seconds between this event and ``later`` (timing events)."""
@@ -105,12 +113,12 @@ class CudaStreams:
 
     def new_event(self, timing: bool = False) -> CudaEvent:
         """A new event (``timing``: it can measure elapsed time)."""
-        return CudaEvent(timing)
+        return CudaEvent(timing, self._waiters)
 
     def when_done(self, event: CudaEvent, fn: Callable[[], None]) -> bool:
         """Have ``fn`` called, on the waiter thread of the event's stream, when ``event`` completes;
         False, and no call, when it is done already."""
-        return not event.query() and self._waiters.add(event, fn)
+        return not event.query() and self._waiters.add(event, fn)  # closed (shutdown): False, lanes stop
 
     def wait_event(self, stream, event: CudaEvent) -> None:
         """Make ``stream`` wait for ``event``."""
