@@ -4,11 +4,12 @@ backend's protocol on fake CPU streams ("fake_cuda", for CI)."""
 from .cpu import CpuWorkerPool
 from .completions import Completion, PipelineError, PipelineTimeout, TaskLabel, WorkerError
 from .device_memory import WorkerOutOfMemoryError
-from .pool import Worker, WorkerPool
+from .pool import LaneCounters, Worker, WorkerPool
 
 __all__ = [
     "Completion",
     "CpuWorkerPool",
+    "LaneCounters",
     "PipelineError",
     "PipelineTimeout",
     "TaskLabel",

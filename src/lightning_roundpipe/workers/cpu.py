@@ -10,7 +10,8 @@ measuring the effect of transfer priorities on this machine:
 - ``bandwidth_bytes_per_s`` / ``latency_s``: each transfer sleeps ``latency + bytes / bandwidth``
   (for example 25e9 for PCIe 4.0 x16), so a long weight prefetch really delays what queues
   behind it, unless priorities let it overtake;
-- ``threads_per_worker``: torch intra-op threads in each compute lane (default 1: one core each);
+- ``threads_per_worker``: torch intra-op threads in each compute lane (default 1: one core each;
+  transfer lanes get 1, see ``lane_threads``);
 - ``measure_memory``: measure each worker's device bytes (``device_memory.py``): a tally of every
   tensor its compute tasks and activation/gradient uploads create, plus its uploaded weights;
   read with ``peak_device_bytes()``. It costs a Python call per operator, so it is off unless
@@ -108,9 +109,12 @@ class CpuWorkerPool(WorkerPool):
                 self._tallies.setdefault(id(lane), AllocationTally(w.memory))
         self.measure_memory = True
 
-    def on_lane_start(self, lane: Lane) -> None:
-        if lane.queue == "compute" and self.threads_per_worker > 0:
-            torch.set_num_threads(self.threads_per_worker)
+    def lane_threads(self, lane: Lane) -> int:
+        """``threads_per_worker`` for a compute lane, 1 for a transfer lane (a copy is bound by memory
+        bandwidth; its threads would take cores from the computes). The rule for choosing
+        ``threads_per_worker``: workers x threads_per_worker at most the host's cores (the default
+        1 fits as many workers as cores); more oversubscribes the cores the workers share."""
+        return max(1, self.threads_per_worker) if lane.queue == "compute" else 1
 
     def _jitter(self) -> float:
         if self.jitter_s <= 0:

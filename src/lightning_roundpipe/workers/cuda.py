@@ -54,8 +54,6 @@ log = logging.getLogger("lightning_roundpipe")
 class StreamWorkerPool(WorkerPool):
     """The stream protocol over a driver (``CudaStreams`` or ``FakeStreams``)."""
 
-    device_poll_s = 5e-4
-
     def __init__(self, driver, devices, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
                  pin_memory: bool = True, fifo_transfers: bool = False,
                  host_buffer_cap_bytes: int = DEFAULT_CAP_BYTES):
@@ -93,6 +91,11 @@ class StreamWorkerPool(WorkerPool):
         if lane.queue == "compute" or dep.device_event is None:
             return True
         return dep.device_event.query()
+
+    def notify_when_device_done(self, dep: Completion, fn) -> bool:
+        """The driver calls ``fn`` when ``dep``'s device event completes (the fake stream's executor
+        reaching it; on CUDA a waiter thread blocked on the event): lanes never poll for it."""
+        return self.driver.when_done(dep.device_event, fn)
 
     def execute(self, lane: Lane, task: Task) -> None:
         self.holds.collect()
@@ -365,6 +368,7 @@ class CudaWorkerPool(StreamWorkerPool):
                          fifo_transfers=fifo_transfers, host_buffer_cap_bytes=host_buffer_cap_bytes)
 
     def on_lane_start(self, lane: Lane) -> None:
+        super().on_lane_start(lane)
         torch.cuda.set_device(lane.worker.device)
 
 

@@ -11,6 +11,12 @@ backend runs it on the lane thread (with optional injected delay, jitter and ban
 the stream backends (CUDA, and its CPU fake) issue it on the lane's stream and record an event.
 The code that orders work (the engine) is the same for all.
 
+Lanes wait on events, not polls: a task is told when each dependency becomes ready (``Lane``),
+a device event's completion is reported by the stream driver, and ``lane_counters`` counts the
+wake-ups, looks and bookkeeping time. A completion a lane task depends on must be made with
+the pool as its notifier (``Worker.submit`` and the optimizer's host lane do): nothing else
+looks at it again before its timeout.
+
 Every wait is bounded by the pool's ``timeout_s``: a queued task whose inputs do not arrive, a
 host wait, a drain. A timeout names the task that is really stuck (``WorkerPool.blocker``
 follows the chain of unfinished dependencies to a running task or to an event nobody sets), and
@@ -21,10 +27,12 @@ a thread, so such a lane (a daemon thread) ends when its task returns.
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import logging
 import threading
 import time
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Sequence
 
 import torch
@@ -32,15 +40,19 @@ import torch
 from ..tracing.records import TraceRecord, TraceRecorder
 from .completions import Completion, PipelineTimeout, TaskLabel
 from .device_memory import DeviceMemory
+from .threads import set_intra_op_threads
 
 QUEUES = ("upload", "compute", "download")
 log = logging.getLogger("lightning_roundpipe")
 
 
 class Task:
-    """One queued unit of work of a lane: what to run, what it waits for, where its result goes."""
+    """One queued unit of work of a lane: what to run, what it waits for, where its result goes.
 
-    __slots__ = ("fn", "deps", "done", "priority", "seq", "nbytes", "submitted", "always")
+    ``unready`` counts the dependencies not yet ready for the lane (each tells the lane when it
+    is, see ``Lane``); ``error`` is a failed dependency's error the task will fail with."""
+
+    __slots__ = ("fn", "deps", "done", "priority", "seq", "nbytes", "submitted", "always", "unready", "error", "state")
 
     def __init__(self, fn, deps, done, priority, seq, nbytes, always=False):
         self.always = always  # run even when a dependency failed (releases of memory)
@@ -51,14 +63,73 @@ class Task:
         self.seq = seq
         self.nbytes = nbytes
         self.submitted = time.monotonic()
+        self.unready = 0
+        self.error: BaseException | None = None
+        self.state = WAITING
 
     def key(self):
         """The lane's ordering key: priority, then submission order."""
         return (self.priority, self.seq)
 
 
+WAITING, READY, GONE = "waiting", "ready", "gone"  # a task's states in its lane (GONE: run, timed out or cancelled)
+
+
+@dataclass(frozen=True)
+class LaneCounters:
+    """What the pool's lanes did since the pool started (or ``reset_lane_counters``), summed over
+    every lane: read with ``WorkerPool.lane_counters()``; subtract two readings for an interval.
+
+    ``wakeups``: a lane's thread returned from its wait (woken by a task it can now run, by
+    shutdown, or by the deadline of its oldest waiting task). ``looks``: a lane looked for a task
+    to run (once per wake-up and once after each task). ``tasks_examined``: pending tasks those
+    looks examined (one at most per look: lanes index their tasks by readiness instead of scanning
+    the pending list). ``dependency_wakes``: dependencies that became ready and told their task
+    (set, or their device work finished). ``device_notifications``: of those, device events whose
+    completion the stream driver reported (no polling). ``tasks_run``: tasks the lanes ran (or
+    failed with a dependency's error). ``bookkeeping_s``: host seconds spent in this
+    bookkeeping under the pool lock (submits, notifications, looks), on whatever thread.
+    """
+
+    wakeups: int = 0
+    looks: int = 0
+    tasks_examined: int = 0
+    dependency_wakes: int = 0
+    device_notifications: int = 0
+    tasks_run: int = 0
+    bookkeeping_s: float = 0.0
+
+    def __sub__(self, earlier: "LaneCounters") -> "LaneCounters":
+        return LaneCounters(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))
+
+
+class _Tally:
+    """The mutable counts behind ``LaneCounters``, changed only under the pool lock."""
+
+    __slots__ = tuple(f.name for f in fields(LaneCounters))
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        for f in fields(LaneCounters):
+            setattr(self, f.name, f.default)
+
+    def snapshot(self) -> LaneCounters:
+        return LaneCounters(*(getattr(self, name) for name in self.__slots__))
+
+
 class Lane:
-    """One queue of one worker, served by its own thread."""
+    """One queue of one worker, served by its own thread.
+
+    Nothing is scanned or polled: each task counts its dependencies that are not ready for the
+    lane yet, and each such dependency holds the task (``Completion.waiters``, or a device-event
+    notification from the stream driver when the dependency is issued but its device work
+    unfinished). A dependency that becomes ready lowers the count; at zero the task is ready and
+    the lane is woken only if it can now run it. A strict lane keeps every task in submission
+    order and runs the first once it is ready; a priority lane keeps a heap of ready tasks. The
+    lane's wait is bounded by the deadline of its oldest waiting task (a timeout names it).
+    """
 
     def __init__(self, pool: "WorkerPool", worker: "Worker", queue: str):
         self.pool = pool
@@ -67,11 +138,12 @@ class Lane:
         # The compute lane always runs in submission order (fixed gradient accumulation order);
         # transfer lanes do too when the pool is asked for plain FIFO queues (no priorities).
         self.strict_order = queue == "compute" or pool.fifo_transfers
-        self._pending: list[tuple[tuple[int, int], Task]] = []
+        self._order: list[Task] = []  # strict lanes: every pending task, in submission order
+        self._ready: list[tuple[int, int, Task]] = []  # priority lanes: heap of ready tasks
+        self._waiting: dict[int, Task] = {}  # priority lanes: seq -> task not ready yet, oldest first
         self.busy = False
         self.running: Task | None = None  # the task this lane's thread is executing now
-        # Woken only by what concerns this lane: a task submitted to it, a completion one of its
-        # tasks waits for, shutdown. Shares the pool's lock.
+        # Woken only by what concerns this lane: a task it can now run, shutdown. Shares the pool's lock.
         self.cond = threading.Condition(pool._lock)
         self.stream: Any = None  # the stream backends give each lane its stream while they construct the pool
         self._thread = threading.Thread(
@@ -95,20 +167,83 @@ class Lane:
         return thread is self._thread
 
     def submit(self, task: Task) -> None:
-        """Queue a task; the lane runs it once its dependencies are set (a strict lane in submission order)."""
-        key = (0, task.seq) if self.strict_order else task.key()  # a strict lane ignores priorities
+        """Queue a task; the lane runs it once its dependencies are ready (a strict lane in submission order)."""
         with self.pool._lock:
-            bisect.insort(self._pending, (key, task), key=lambda kt: kt[0])
+            t0 = time.perf_counter()
             for d in task.deps:
-                if not d.is_set():
-                    if d.waiters is None:
-                        d.waiters = []
-                    d.waiters.append(self)
+                self._track(task, d)
+            if self.strict_order:
+                bisect.insort(self._order, task, key=_seq_of)
+            else:
+                self._waiting[task.seq] = task
+            self._check_ready(task)
+            self.pool._tally.bookkeeping_s += time.perf_counter() - t0
+
+    # ---------------------------------------------------------------- readiness (pool lock held)
+    def _track(self, task: Task, d: Completion) -> None:
+        """Count ``d`` against ``task`` until it is ready for this lane, and have it tell the task then."""
+        if task.error is not None:
+            return
+        if not d.is_set():
+            task.unready += 1
+            if d.waiters is None:
+                d.waiters = []
+            d.waiters.append((self, task))
+        elif d.failed():
+            if not task.always:
+                task.error = d.error
+        elif not self.pool.ready_for(self, d):  # issued, its device work unfinished: the driver tells
+            if self.pool.notify_when_device_done(d, lambda: self._device_done(task)):
+                task.unready += 1
+
+    def dependency_set(self, task: Task, d: Completion) -> None:
+        """``d``, one of ``task``'s dependencies, was set or failed (``WorkerPool.on_completion``)."""
+        if task.state is GONE:
+            return
+        self.pool._tally.dependency_wakes += 1
+        task.unready -= 1
+        self._track(task, d)  # counts it again while its device work runs
+        self._check_ready(task)
+
+    def _device_done(self, task: Task) -> None:
+        with self.pool._lock:
+            t0 = time.perf_counter()
+            tally = self.pool._tally
+            tally.device_notifications += 1
+            if task.state is not GONE:
+                tally.dependency_wakes += 1
+                task.unready -= 1
+                self._check_ready(task)
+            tally.bookkeeping_s += time.perf_counter() - t0
+
+    def _check_ready(self, task: Task) -> None:
+        if task.state is not WAITING or (task.unready > 0 and task.error is None):
+            return
+        task.state = READY
+        if self.strict_order:
+            if self._order[0] is task:  # a ready task behind the first waits for it: no wake-up
+                self.cond.notify()
+        else:
+            del self._waiting[task.seq]
+            heapq.heappush(self._ready, (task.priority, task.seq, task))
             self.cond.notify()
+
+    def take_all(self) -> list[Task]:
+        """Remove every queued (not running) task, in submission order (``cancel_pending``)."""
+        tasks = sorted(self._order + [t for _, _, t in self._ready] + list(self._waiting.values()), key=_seq_of)
+        self._order, self._ready, self._waiting = [], [], {}
+        for t in tasks:
+            t.state = GONE
+        return tasks
+
+    def _queued(self) -> list[Task]:
+        if self.strict_order:
+            return list(self._order)
+        return [t for _, _, t in sorted(self._ready, key=lambda e: e[:2])] + list(self._waiting.values())
 
     def pending_count(self) -> int:
         """Tasks queued or running."""
-        return len(self._pending) + (1 if self.busy else 0)
+        return len(self._order) + len(self._ready) + len(self._waiting) + (1 if self.busy else 0)
 
     def describe_pending(self) -> list[str]:
         """The running and waiting tasks in words, for timeout messages."""
@@ -116,56 +251,79 @@ class Lane:
         if self.running is not None:
             since = time.monotonic() - self.running.done.started
             lines.append(f"[{self.running.done.label}] running for {since:.1f}s")
-        for _, task in self._pending:
+        for task in self._queued():
             waiting = [str(d.label) for d in task.deps if not self.pool.ready_for(self, d)]
             lines.append(f"[{task.done.label}] waits for: {', '.join(waiting) or 'its turn'}")
         return lines
 
     def first_waiting(self) -> Task | None:
         """The next task the lane would run, if any."""
-        return self._pending[0][1] if self._pending else None
+        queued = self._queued()
+        return queued[0] if queued else None
 
-    # Called with the pool lock held. Returns (task, error, device_wait): device_wait is True when
-    # some task waits only for device work already issued (checked again soon, not on a notify).
-    def _pick(self, now: float):
-        device_wait = False
-        for pos, (_, task) in enumerate(self._pending):
-            failed = None if task.always else next((d for d in task.deps if d.failed()), None)
-            if failed is not None:
-                del self._pending[pos]
-                return task, failed.error, False
-            waiting = next((d for d in task.deps if not self.pool.ready_for(self, d)), None)
-            if waiting is None:
-                del self._pending[pos]
-                return task, None, False
-            if now - task.submitted > self.pool.timeout_s:
-                del self._pending[pos]
-                return task, PipelineTimeout(
-                    f"[{task.done.label}] timed out after {self.pool.timeout_s:g}s waiting for [{waiting.label}]\n"
-                    f"{self.pool.diagnose_locked(waiting)}"
-                ), False
-            device_wait = device_wait or waiting.is_set()
-            if self.strict_order:
-                break
-        return None, None, device_wait
+    # Called with the pool lock held. Returns (task, error, wait_s): a task to run (or to fail with
+    # ``error``), else how long the lane may sleep before its oldest waiting task times out.
+    def _next(self, now: float):
+        tally = self.pool._tally
+        tally.looks += 1
+        if self.strict_order:
+            head = self._order[0] if self._order else None
+            if head is not None and head.state is READY:
+                tally.tasks_examined += 1
+                del self._order[0]
+                return self._taken(head), head.error, 0.0
+            oldest = head
+        else:
+            if self._ready:
+                tally.tasks_examined += 1
+                task = heapq.heappop(self._ready)[2]
+                return self._taken(task), task.error, 0.0
+            oldest = next(iter(self._waiting.values()), None)
+        if oldest is None:
+            return None, None, self.pool.timeout_s
+        tally.tasks_examined += 1
+        # A little after the timeout: a host wait for the same work, begun after the submit, times
+        # out first and reports it from the caller's side (as the lanes' old 0.5 s look-again did).
+        left = oldest.submitted + self.pool.timeout_s + min(0.5, self.pool.timeout_s / 4) - now
+        if left > 0:
+            return None, None, left
+        if self.strict_order:
+            del self._order[0]
+        else:
+            del self._waiting[oldest.seq]
+        waiting = next((d for d in oldest.deps if not self.pool.ready_for(self, d)), None)
+        what = f"[{waiting.label}]" if waiting is not None else "its dependencies"
+        return self._taken(oldest), PipelineTimeout(
+            f"[{oldest.done.label}] timed out after {self.pool.timeout_s:g}s waiting for {what}\n"
+            f"{self.pool.diagnose_locked(waiting)}"
+        ), 0.0
+
+    @staticmethod
+    def _taken(task: Task) -> Task:
+        task.state = GONE
+        return task
 
     def _loop(self) -> None:
         self.pool.on_lane_start(self)
         cv = self.pool._cv
+        tally = self.pool._tally
         while True:
             with self.cond:
                 while True:
                     if self.pool._stopping:
                         return
-                    task, error, device_wait = self._pick(time.monotonic())
+                    t0 = time.perf_counter()
+                    task, error, wait_s = self._next(time.monotonic())
                     if task is not None:
                         self.busy = True
                         self.running = task
                         task.done.started = time.monotonic()
+                        tally.tasks_run += 1
+                        tally.bookkeeping_s += time.perf_counter() - t0
                         break
-                    # A device event completes without a notify: look again soon. Otherwise the
-                    # timeout only lets _pick notice timed-out tasks.
-                    self.cond.wait(timeout=self.pool.device_poll_s if device_wait else min(0.5, self.pool.timeout_s / 4))
+                    tally.bookkeeping_s += time.perf_counter() - t0
+                    self.cond.wait(timeout=wait_s)
+                    tally.wakeups += 1
             try:
                 if error is not None:
                     task.done.fail(error)
@@ -179,6 +337,10 @@ class Lane:
                     self.busy = False
                     self.running = None
                     cv.notify_all()  # drain() waits for idle lanes
+
+
+def _seq_of(task: Task) -> int:
+    return task.seq
 
 
 class Worker:
@@ -267,6 +429,7 @@ class WorkerPool:
         self._cv = threading.Condition(self._lock)  # drain, shutdown and cancel wait or notify here
         self._seq = itertools.count()
         self._stopping = False
+        self._tally = _Tally()  # what the lanes did (``lane_counters``), changed under the lock
         self.workers = [Worker(self, i, torch.device(d)) for i, d in enumerate(devices)]
         self._started = False
 
@@ -331,8 +494,7 @@ class WorkerPool:
         """
         with self._cv:
             for lane in self.lanes():
-                pending, lane._pending = lane._pending, []
-                for _, task in pending:
+                for task in lane.take_all():
                     if task.always:
                         try:
                             task.done.set(task.fn())
@@ -348,11 +510,25 @@ class WorkerPool:
             lane.cond.notify()
 
     def on_completion(self, completion: Completion) -> None:
-        """A completion was set or failed: wake the lanes with a task waiting for it."""
+        """A completion was set or failed: tell the tasks waiting for it (their lanes wake only
+        for a task they can now run)."""
         with self._lock:
+            t0 = time.perf_counter()
             waiters, completion.waiters = completion.waiters, None
-            for lane in waiters or ():
-                lane.cond.notify()
+            for lane, task in waiters or ():
+                lane.dependency_set(task, completion)
+            self._tally.bookkeeping_s += time.perf_counter() - t0
+
+    def lane_counters(self) -> LaneCounters:
+        """What the lanes did since the pool started or ``reset_lane_counters`` (see ``LaneCounters``):
+        wake-ups, looks, tasks examined and run, host seconds of lane bookkeeping."""
+        with self._lock:
+            return self._tally.snapshot()
+
+    def reset_lane_counters(self) -> None:
+        """Start ``lane_counters`` afresh from zero."""
+        with self._lock:
+            self._tally.clear()  # in place: each lane's loop holds it
 
     def diagnose(self, waited: Completion | None = None) -> str:
         """What every lane runs and waits for (and what ``waited`` depends on), for timeout messages."""
@@ -459,11 +635,23 @@ class WorkerPool:
         self.reset_peak_device_bytes()
 
     # ------------------------------------------------------------------ backend hooks
-    device_poll_s = 0.5  # how soon a lane looks again at a task waiting only for device work
+    def notify_when_device_done(self, dep: Completion, fn: Callable[[], None]) -> bool:
+        """Have ``fn`` called (on another thread) once the device work of ``dep``, set already, has
+        finished; False, and no call, when it has finished now. Only the stream backends ever have
+        set completions whose device work is unfinished (``ready_for``)."""
+        return False
+
+    def lane_threads(self, lane: Lane) -> int:
+        """Torch intra-op threads of ``lane``'s thread, set explicitly as it starts (a new thread
+        otherwise inherits whatever the last thread set). 1 here: the stream backends' lanes only
+        launch kernels and copies, and the fake streams' executors run with ``FakeStreams.threads``
+        (1); the CPU backend gives its compute lanes ``threads_per_worker``."""
+        return 1
 
     def on_lane_start(self, lane: Lane) -> None:
-        """Called on each lane's thread as it starts (a backend sets the device or thread count here)."""
-        pass
+        """Called on each lane's thread as it starts: sets its intra-op threads (``lane_threads``);
+        a backend also sets the device here."""
+        set_intra_op_threads(self.lane_threads(lane))
 
     def on_shutdown(self, timeout: float) -> None:
         """Stop what the backend runs besides the lanes (stream executors)."""

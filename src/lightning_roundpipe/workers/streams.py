@@ -21,6 +21,7 @@ for a stream is held, once the tensor is freed, until that stream reaches the po
 from __future__ import annotations
 
 import collections
+import itertools
 import random
 import weakref
 import threading
@@ -30,7 +31,9 @@ from typing import Any, Callable
 import torch
 
 from .completions import Deferred, TaskLabel
+from .event_waiter import EventWaiters
 from .pinning import FakeCudart, PinRegistry, cuda_pin_registry
+from .threads import set_intra_op_threads
 
 
 def _poll_until(done: Callable[[], bool], timeout: float) -> bool:
@@ -50,24 +53,39 @@ def _poll_until(done: Callable[[], bool], timeout: float) -> bool:
 
 
 class CudaEvent:
-    """A CUDA event created ``blocking`` (a synchronize yields the core) with bounded host waits."""
+    """A CUDA event created ``blocking`` (a synchronize yields the core) with bounded host waits.
+    ``stream`` and ``order`` (a process-wide count) say where and when it was last recorded, so
+    that ``StreamEventWaiter`` can wait for a stream's events in the order they complete;
+    ``waiters`` (the driver's) tell a host ``wait`` when it completes, without polling."""
 
-    __slots__ = ("raw",)
+    __slots__ = ("raw", "stream", "order", "waiters")
+    _orders = itertools.count()
 
-    def __init__(self, timing: bool):
+    def __init__(self, timing: bool, waiters: EventWaiters | None = None):
         self.raw = torch.cuda.Event(enable_timing=timing, blocking=True)
+        self.stream = None
+        self.order = 0
+        self.waiters = waiters
 
     def record(self, stream) -> None:
         """Record the event on ``stream``."""
         self.raw.record(stream)
+        self.stream = stream
+        self.order = next(CudaEvent._orders)
 
     def query(self) -> bool:
         """Whether the work before the event is done."""
         return self.raw.query()
 
     def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` for the event; False when it did not come."""
-        return self.raw.query() or _poll_until(self.raw.query, timeout)
+        """Wait up to ``timeout`` for the event; False when it did not come. Told by the stream's
+        waiter thread when there is one (polls with growing sleeps once the driver is closed)."""
+        if self.raw.query():
+            return True
+        arrived = threading.Event()
+        if self.stream is not None and self.waiters is not None and self.waiters.add(self, arrived.set):
+            return arrived.wait(timeout) or self.raw.query()
+        return _poll_until(self.raw.query, timeout)
 
     def seconds_until(self, later: "CudaEvent") -> float:
         """Seconds between this event and ``later`` (timing events)."""
@@ -82,6 +100,7 @@ class CudaStreams:
     fake = False
 
     def __init__(self, jitter_cycles: int = 0, seed: int = 0) -> None:
+        self._waiters = EventWaiters()
         self.record_stream_calls = 0
         self.jitter_cycles = int(jitter_cycles)
         self._rand = random.Random(seed)
@@ -94,7 +113,12 @@ class CudaStreams:
 
     def new_event(self, timing: bool = False) -> CudaEvent:
         """A new event (``timing``: it can measure elapsed time)."""
-        return CudaEvent(timing)
+        return CudaEvent(timing, self._waiters)
+
+    def when_done(self, event: CudaEvent, fn: Callable[[], None]) -> bool:
+        """Have ``fn`` called, on the waiter thread of the event's stream, when ``event`` completes;
+        False, and no call, when it is done already."""
+        return not event.query() and self._waiters.add(event, fn)  # closed (shutdown): False, lanes stop
 
     def wait_event(self, stream, event: CudaEvent) -> None:
         """Make ``stream`` wait for ``event``."""
@@ -161,8 +185,8 @@ class CudaStreams:
         return True
 
     def close(self, timeout: float) -> None:
-        """Nothing to stop: CUDA streams have no threads of ours."""
-        pass
+        """Stop the event waiters' threads (CUDA streams themselves have no threads of ours)."""
+        self._waiters.close(timeout)
 
 
 # ---------------------------------------------------------------------------- CPU fake
@@ -171,12 +195,33 @@ class CudaStreams:
 class FakeEvent:
     """Completes when the executor of the stream it was recorded on reaches it."""
 
-    __slots__ = ("_done", "_recorded", "time")
+    __slots__ = ("_done", "_recorded", "time", "_callbacks")
+    _callbacks_lock = threading.Lock()  # one for all events: registering and completing are a few steps
 
     def __init__(self, timing: bool = False):
         self._done = threading.Event()
         self._recorded = False
         self.time = 0.0
+        self._callbacks: list | None = None
+
+    def complete(self) -> None:
+        """Mark the event done (its stream's executor reached it) and run the callbacks of ``when_done``."""
+        self.time = time.perf_counter()
+        with FakeEvent._callbacks_lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks or ():
+            fn()
+
+    def when_done(self, fn: Callable[[], None]) -> bool:
+        """Have ``fn`` called on the executor when the event completes; False (no call) when it is done now."""
+        with FakeEvent._callbacks_lock:
+            if self.query():
+                return False
+            if self._callbacks is None:
+                self._callbacks = []
+            self._callbacks.append(fn)
+            return True
 
     def record(self, stream: "FakeStream") -> None:
         """Record the event on the fake ``stream``: it completes when the stream's thread gets there."""
@@ -236,6 +281,7 @@ class FakeStream:
 
     def _loop(self) -> None:
         self.driver.local.stream = self
+        set_intra_op_threads(self.driver.threads)  # explicit: a new thread inherits the last thread's setting
         while True:
             with self._cond:
                 while not self._items and not self._stopping:
@@ -252,9 +298,7 @@ class FakeStream:
                     if self._stopping:
                         break
             elif kind == "event":
-                event = rest[0]
-                event.time = time.perf_counter()
-                event._done.set()
+                rest[0].complete()
             else:
                 fn, deferred = rest
                 self.driver.pause()
@@ -267,12 +311,16 @@ class FakeStream:
 
 
 class FakeStreams:
-    """CPU stand-in for CUDA streams; ``jitter_s`` delays each piece of stream work at random."""
+    """CPU stand-in for CUDA streams; ``jitter_s`` delays each piece of stream work at random;
+    ``threads``: torch intra-op threads of each executor (1: the executors stand for device
+    engines, and one core each keeps N fake devices from oversubscribing the host)."""
 
     kind = "fake_cuda"
     fake = True
 
-    def __init__(self, jitter_s: float = 0.0, seed: int = 0, cudart=None, copy_delay_s: float = 0.0):
+    def __init__(self, jitter_s: float = 0.0, seed: int = 0, cudart=None, copy_delay_s: float = 0.0,
+                 threads: int = 1):
+        self.threads = max(1, int(threads))
         self.jitter_s = float(jitter_s)
         self.copy_delay_s = float(copy_delay_s)
         self.cudart = cudart if cudart is not None else FakeCudart()
@@ -301,6 +349,11 @@ class FakeStreams:
     def new_event(self, timing: bool = False) -> FakeEvent:
         """A new fake event."""
         return FakeEvent(timing)
+
+    def when_done(self, event: FakeEvent, fn: Callable[[], None]) -> bool:
+        """Have ``fn`` called (on the executor thread) when ``event`` completes; False, and no call,
+        when it is done already."""
+        return event.when_done(fn)
 
     def wait_event(self, stream: FakeStream, event: FakeEvent) -> None:
         """Make ``stream`` wait for ``event`` (nothing when it was never recorded)."""

@@ -1,0 +1,110 @@
+"""CUDA only: tell the lanes when a device event completes, instead of lanes polling for it.
+
+One waiter thread per CUDA stream whose events a lane task or a host ``CudaEvent.wait`` waits for. Events on one stream
+complete in the order they were recorded, so the thread blocks on its stream's oldest awaited
+event (``CudaEvent.order``), runs the callbacks of every event done by then, and blocks on the
+next: each callback comes when its event completes, with no polling. The events are created
+``blocking``, so ``synchronize`` sleeps in the driver with the GIL released: the lanes that
+launch kernels keep the interpreter while the waiter waits.
+
+One limit: an event awaited only after the waiter began blocking on a later one of the same
+stream is reported when that later one completes (the wait cannot be interrupted); events are
+mostly awaited in the order they are issued, so this is rare and costs latency, never a hang.
+
+``synchronize`` takes no timeout. The waits that matter keep theirs: a lane task waiting on an
+event that never completes times out with the pool's ``timeout_s`` and names it, and a waiter
+thread stuck on such an event is a daemon that ``close`` leaves behind (and names in the log).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+log = logging.getLogger("lightning_roundpipe")
+
+
+class StreamEventWaiter:
+    """The thread that waits for one stream's awaited events, oldest first."""
+
+    def __init__(self, name: str):
+        self._heap: list[tuple[int, int, Any, Callable[[], None]]] = []  # (record order, count, event, fn)
+        self._count = 0
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def add(self, event, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once ``event`` (recorded on this waiter's stream) has completed."""
+        with self._cond:
+            self._count += 1
+            heapq.heappush(self._heap, (event.order, self._count, event, fn))
+            self._cond.notify()
+
+    def stop(self) -> None:
+        """End the thread once its current wait returns."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the thread to end; whether it did."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap and not self._stopping:
+                    self._cond.wait(timeout=1.0)  # idle: woken by add() or stop()
+                if self._stopping:
+                    return
+                oldest = self._heap[0][2]
+            oldest.raw.synchronize()  # GIL released, core yielded (a blocking event); see the module doc
+            with self._cond:
+                done = []
+                while self._heap and self._heap[0][2].query():
+                    done.append(heapq.heappop(self._heap)[3])
+            for fn in done:
+                try:
+                    fn()
+                except Exception:  # a lane's bookkeeping failed: log it, keep serving the others
+                    log.exception("a device-event callback failed")
+
+
+class EventWaiters:
+    """The waiters of one driver, one per stream, created when a stream's first event is awaited."""
+
+    def __init__(self):
+        self._by_stream: dict[int, tuple[Any, StreamEventWaiter]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def add(self, event, fn: Callable[[], None]) -> bool:
+        """Call ``fn`` when ``event`` completes; True (the call will come), False once closed (no call)."""
+        with self._lock:
+            if self._closed:
+                return False
+            entry = self._by_stream.get(id(event.stream))
+            if entry is None:
+                entry = (event.stream, StreamEventWaiter(f"roundpipe-event-waiter-{len(self._by_stream)}"))
+                self._by_stream[id(event.stream)] = entry  # the stream is kept alive with its waiter
+        entry[1].add(event, fn)
+        return True
+
+    def close(self, timeout: float) -> None:
+        """Stop every waiter, waiting up to ``timeout`` in all."""
+        with self._lock:
+            self._closed = True
+            waiters = [w for _, w in self._by_stream.values()]
+            self._by_stream = {}
+        for w in waiters:
+            w.stop()
+        deadline = time.monotonic() + timeout
+        stuck = sum(not w.join(max(0.0, deadline - time.monotonic())) for w in waiters)
+        if stuck:
+            log.warning("%d CUDA event waiter(s) still wait for an event that did not complete (daemon threads)", stuck)
