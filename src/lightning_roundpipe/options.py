@@ -119,7 +119,7 @@ class TransferConfig:
         this rank: the running stage's inputs, then its weights, then the next stage's prefetch
         (which fills the gaps while inputs are not ready). Downloads by rank first: activations
         and input gradients other workers wait for before weight gradients.
-    chunk_bytes: weight uploads are cut into chunks of about this size.
+    chunk_bytes: weight uploads and weight-gradient downloads are cut into chunks of about this size.
     prefetch_depth: stages a worker uploads ahead of the one it runs (1 keeps two resident).
     bandwidth_bytes_per_s / latency_s: CPU backend only: each transfer costs latency + bytes/bandwidth
         (25e9 models PCIe 4.0 x16); None means copies cost only the memory copy.

@@ -52,6 +52,7 @@ from .chunked_loss import IDENTITY, LogitTransform, chunked_lm_head_loss
 from .hf_families import FAMILIES, UNSUPPORTED_FAMILIES, config_value, family_of, refusal_reason
 from .hf_moe import STAT_KEYS, Router, RouterTap, add_layer_stats, empty_stats, find_router, routers_in
 from .hf_outputs import slice_positions
+from .mask_facts import FACT_KEYS, builder_arguments
 
 Carry = dict[str, Any]
 PostfixMode = Literal["auto", "logits", "loss", "loss_and_logits", "loss_and_stats"]
@@ -61,7 +62,7 @@ VERIFIED_MODEL_TYPES = frozenset(FAMILIES)
 see ``hf_families`` for what each family's forward adds."""
 
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "labels", "router_stats", "outputs", "with_cache",
-              "last_hidden", "logits_to_keep")
+              "last_hidden", "logits_to_keep", *FACT_KEYS)
 """Keys the prefix accepts in a microbatch. ``router_stats`` (bool) asks MoE layers for the
 aux-loss statistics; ``outputs`` (a ``PostfixMode``) tells the last layer what to return and
 travels with the carry, so a recompute in backward does what its forward did. ``with_cache``
@@ -69,7 +70,9 @@ travels with the carry, so a recompute in backward does what its forward did. ``
 when its effective ``use_cache`` is true (see ``hf_runtime.forward_uses_cache``): HF's mask
 builders then do not look for packed sequences in ``position_ids``; without it they do.
 ``last_hidden`` (bool): the last layer returns the final norm's output too (``hidden_states[-1]``);
-``logits_to_keep`` (int or [b, ...] tensor): the positions the head is applied to in logits modes."""
+``logits_to_keep`` (int or [b, ...] tensor): the positions the head is applied to in logits modes.
+``rows_unpadded`` / ``rows_unpacked`` (``HostRows``): what the mask builders would read from the
+device, known on the host (``mask_facts``), so layer 0 builds its masks without a device sync."""
 
 PASSED_THROUGH_KEYS = ("labels", "outputs", "last_hidden", "logits_to_keep")
 """Input keys the prefix hands on unchanged to the last layer."""
@@ -214,6 +217,7 @@ class CausalLMPrefix(nn.Module):
             )
         attention_mask = carry.get("attention_mask")
         position_ids = carry.get("position_ids")
+        positions_made = position_ids is None
         hidden = self.embed_tokens(input_ids)
         if self.embedding_multiplier != 1.0:
             hidden = hidden * self.embedding_multiplier
@@ -225,14 +229,18 @@ class CausalLMPrefix(nn.Module):
         # cache changes no mask size, but it turns off the packed-sequence detection (block-diagonal masks from
         # position_ids that restart mid-row), so the same call must get the same kind of cache here.
         cache = _empty_cache(self.config) if carry.get("with_cache") else None
+        # What the builders would read from the device (a sync per mask), answered on the host: mask_facts.
+        mask_arg, positions_arg, allow_skip = builder_arguments(carry, attention_mask, position_ids, hidden.shape[1],
+                                                                positions_made, cache is not None)
         out: Carry = {}
         for kind in self.mask_kinds:
             out[MASK_KEY_BY_ATTENTION[kind]] = builders[kind](
                 config=self.config,
                 inputs_embeds=hidden,
-                attention_mask=attention_mask,
+                attention_mask=mask_arg,
                 cache=cache,
-                position_ids=position_ids,
+                position_ids=positions_arg,
+                allow_is_causal_skip=allow_skip,
             )
         if self.positions is not None:
             hidden = hidden + self.positions(position_ids).to(hidden.device)

@@ -41,6 +41,7 @@ from .grouped_experts import install_grouped_experts
 from .hf_causal_lm import CausalLMLayers, count_loss_tokens, unwrap_peft
 from .hf_moe import aux_loss
 from .hf_self_check import build_layers, check_unverified
+from .mask_facts import host_facts
 from .unpipelined_calls import CACHE_GIVEN, USE_CACHE, UnpipelinedNotice
 from .hf_outputs import (forward_uses_cache, hidden_states_output, hidden_states_request, logits_to_keep_for_batch,
                          pooled_logits, refuse_attentions)
@@ -192,6 +193,7 @@ class PipelinedCausalLMForward:
             check_unverified(int(self.runtime.options.microbatches or self.runtime.num_workers + 1), self.inner,
                              self.adapter, batch, labels)
             self.pending_check = False
+        batch.update(host_facts(attention_mask, batch.get("position_ids")))  # layer 0's masks then read no device value
         if forward_uses_cache(self.base_model, use_cache):
             batch["with_cache"] = True  # the same masks as the model's forward, which would hold a fresh cache
         if hidden_request is not None:

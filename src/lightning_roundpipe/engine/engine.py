@@ -27,7 +27,7 @@ from ..options import EngineOptions
 from .microbatch import merge_microbatches, split_microbatches
 from .calls import PipelineCalls
 from .module_lock import ModuleLock
-from .rng import CPU_GENERATOR
+from .rng import abandon_generators
 from .carry import HostCarry
 from .step import StepRun
 from .step_context import StepContext
@@ -190,13 +190,13 @@ class PipelineEngine:
             raise
 
     def close(self) -> None:
-        """Shut the worker pool down and let go of what its lanes hold of the CPU generator."""
+        """Shut the worker pool down and let go of what its lanes hold of the random generators."""
         self.pool.shutdown()
         # A lane still inside a layer (after a timeout) keeps running until that layer returns;
-        # what it holds of the process's CPU generator must not make the next call wait for it.
-        abandoned = CPU_GENERATOR.abandon(self.pool)
+        # what it holds of a generator (the CPU one, a GPU's) must not make the next call wait for it.
+        abandoned = abandon_generators(self.pool)
         if abandoned:
-            log.warning("gave up the CPU generator holds of tasks still running after the pool stopped: %s",
+            log.warning("gave up the generator holds of tasks still running after the pool stopped: %s",
                         "; ".join(abandoned))
 
 

@@ -4,7 +4,8 @@ Dataclass batches are split like dicts: ``register_batch_types`` registers each 
 type found in a batch as a pytree node (its fields are the children), once per type.
 
 Tensor leaves with a batch dimension are split with ``torch.tensor_split`` (sizes differ by at
-most one when the batch does not divide). 0-dim tensors and non-tensor leaves are handed to
+most one when the batch does not divide). ``HostRows`` leaves (per-sample facts that stay on the
+host) are split the same way. 0-dim tensors and other non-tensor leaves are handed to
 every microbatch unchanged. Leaves whose dim 0 disagree are an error: we cannot tell which of
 them is the batch.
 """
@@ -17,6 +18,23 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+
+
+class HostRows:
+    """Per-sample values (a list, one per row of the batch) that are split with the batch but are
+    not tensors, so they are never uploaded: facts about a microbatch that a layer reads on the
+    host without a device sync (``adapters/mask_facts.py``: whether its rows pad or pack)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows) -> None:
+        self.rows = list(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __repr__(self) -> str:
+        return f"HostRows({self.rows!r})"
 
 
 class MicrobatchError(ValueError):
@@ -47,6 +65,8 @@ def batch_size_of(tree: Any) -> int:
     for path, leaf in leaves_with_path:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             sizes.setdefault(int(leaf.shape[0]), pytree.keystr(path))
+        elif isinstance(leaf, HostRows):
+            sizes.setdefault(len(leaf), pytree.keystr(path))
     if not sizes:
         raise MicrobatchError("the batch has no tensor with a batch dimension (dim 0) to split into microbatches")
     if len(sizes) > 1:
@@ -92,6 +112,9 @@ def split_microbatches(tree: Any, num_microbatches: int) -> list[Any]:
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             columns.append(torch.tensor_split(leaf, m, dim=0))
+        elif isinstance(leaf, HostRows):  # the rows tensor_split gives the tensors
+            columns.append([HostRows(leaf.rows[int(i[0]):int(i[-1]) + 1] if len(i) else [])
+                            for i in torch.tensor_split(torch.arange(n), m)])
         else:
             columns.append([leaf] * m)
     return [pytree.tree_unflatten([col[i] for col in columns], spec) for i in range(m)]

@@ -13,8 +13,13 @@ call's forward is over and only if some layer actually drew random numbers. A ru
 draw nothing leaves the caller's stream exactly as a plain run would; one with dropout leaves
 it where earlier versions of this engine did (one draw per call).
 
-On CUDA each worker has its own device generator: every layer runs seeded and nothing
-serialises. On the CPU backend all workers share the process's CPU generator, so a seeded layer
+On CUDA every layer runs seeded with its device's generator, and holds that generator alone
+while it runs (``device_generator_gate``): workers on distinct GPUs never wait for one another,
+but workers sharing one GPU (``devices=[0, 0]``) share its one generator, and without the gate
+one worker's seed could land between another's seed and its draws, so forward and recompute
+would draw different masks, silently. The hold covers only the host's launch of the layer's
+kernels (a kernel takes its generator seed and offset when launched), which holds the GIL anyway.
+On the CPU backend all workers share the process's CPU generator, so a seeded layer
 must have it to itself; layers known not to draw need not wait for one another:
 
 - **Exclusive** (seeded, one at a time, as on CUDA): a layer that may draw. That is one the
@@ -117,7 +122,8 @@ class GeneratorHold:
 
 
 class CpuGeneratorGate:
-    """A reader-writer lock over torch's default CPU generator, with a check on the shared side.
+    """A reader-writer lock over torch's default CPU generator, with a check on the shared side
+    (or over another generator: ``get_state``/``set_state`` are its own, ``name`` says which in errors).
 
     ``exclusive()``: one holder (re-entrant on its thread), which may seed and draw. Waiting
     exclusive requests go before new shared ones, so a seeded layer is not starved.
@@ -131,7 +137,10 @@ class CpuGeneratorGate:
     it comes, changes nothing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, get_state: Callable[[], torch.Tensor] = torch.get_rng_state,
+                 set_state: Callable[[torch.Tensor], None] = torch.set_rng_state,
+                 name: str = "torch's CPU generator") -> None:
+        self._get_state, self._set_state, self.name = get_state, set_state, name
         self._cond = threading.Condition(threading.Lock())
         self._exclusive: GeneratorHold | None = None
         self._depth = 0
@@ -156,9 +165,10 @@ class CpuGeneratorGate:
                 if self._waiting and self._exclusive is None:
                     held = (held + "; " if held else "") + f"{self._waiting} seeded call(s) waiting to go first"
                 raise PipelineTimeout(
-                    f"{waiter.describe()} timed out after {timeout:g}s waiting for torch's CPU generator, held by "
-                    f"{held or 'nobody'}. On the CPU backend a layer that may draw random numbers has the process's "
-                    "generator to itself; the holder did not return (a hung layer?)")
+                    f"{waiter.describe()} timed out after {timeout:g}s waiting for {self.name}, held by "
+                    f"{held or 'nobody'}. A layer that may draw random numbers has its generator to itself (on the CPU "
+                    "backend the process's, on a GPU the device's, shared by the workers on that device); the "
+                    "holder did not return (a hung layer?)")
             self._cond.wait(left)
 
     @contextlib.contextmanager
@@ -172,7 +182,7 @@ class CpuGeneratorGate:
                 self._depth += 1
             else:
                 if any(h.thread is me for h in self._shared.values()):
-                    raise RuntimeError("a thread inside a shared layer call asked for the CPU generator exclusively")
+                    raise RuntimeError(f"a thread inside a shared layer call asked for {self.name} exclusively")
                 hold = GeneratorHold(what, me, owner, where)
                 self._waiting += 1
                 try:
@@ -198,7 +208,7 @@ class CpuGeneratorGate:
         with self._cond:
             if hold.abandoned:
                 return False
-            torch.set_rng_state(state)
+            self._set_state(state)
             return True
 
     def enter_shared(self, what: tuple, timeout: float = DEFAULT_GATE_TIMEOUT_S, owner: object = None,
@@ -212,7 +222,7 @@ class CpuGeneratorGate:
             if not nested:
                 self._wait_until(lambda: self._exclusive is None and not self._waiting, timeout, hold)
             if not self._shared:
-                self._expected = torch.get_rng_state()
+                self._expected = self._get_state()
             self._shared[token] = hold
         return token
 
@@ -222,11 +232,11 @@ class CpuGeneratorGate:
         with self._cond:
             if token not in self._shared:
                 return []
-            if not torch.equal(torch.get_rng_state(), self._expected):
+            if not torch.equal(self._get_state(), self._expected):
                 inside = [h.what for h in self._shared.values()]
                 for t in self._shared:
                     self._tainted.setdefault(t, inside)
-                torch.set_rng_state(self._expected)  # the draw is not used; the next check starts clean
+                self._set_state(self._expected)  # the draw is not used; the next check starts clean
             del self._shared[token]
             seen = self._tainted.pop(token, [])
             if not self._shared:
@@ -245,7 +255,7 @@ class CpuGeneratorGate:
             if hold is not None and hold.owner is owner:
                 hold.abandoned = True
                 if hold.saved is not None:
-                    torch.set_rng_state(hold.saved)
+                    self._set_state(hold.saved)
                 self._exclusive, self._depth = None, 0
                 gone.append(hold)
             for token, h in list(self._shared.items()):
@@ -255,7 +265,7 @@ class CpuGeneratorGate:
                     self._tainted.pop(token, None)
                     gone.append(h)
             if gone and not self._shared and self._expected is not None:
-                torch.set_rng_state(self._expected)  # what the shared period began with: a draw in it is not kept
+                self._set_state(self._expected)  # what the shared period began with: a draw in it is not kept
                 self._expected = None
             if gone:
                 self._cond.notify_all()
@@ -263,6 +273,34 @@ class CpuGeneratorGate:
 
 
 CPU_GENERATOR = CpuGeneratorGate()
+
+
+def cuda_generator(device: torch.device):
+    """The default generator of CUDA ``device`` (what dropout on that device draws from)."""
+    return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+
+
+_DEVICE_GATES: dict[int, CpuGeneratorGate] = {}
+_DEVICE_GATES_LOCK = threading.Lock()
+
+
+def device_generator_gate(device: torch.device) -> CpuGeneratorGate:
+    """The gate over CUDA ``device``'s generator, one per device index, shared by every worker on it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _DEVICE_GATES_LOCK:
+        gate = _DEVICE_GATES.get(index)
+        if gate is None:
+            gen = cuda_generator(torch.device("cuda", index))
+            gate = CpuGeneratorGate(gen.get_state, gen.set_state, f"the generator of cuda:{index}")
+            _DEVICE_GATES[index] = gate
+    return gate
+
+
+def abandon_generators(owner: object) -> list[str]:
+    """Give up ``owner``'s holds of every generator gate (the CPU one and each device's); who they were."""
+    with _DEVICE_GATES_LOCK:
+        gates = [CPU_GENERATOR, *_DEVICE_GATES.values()]
+    return [who for gate in gates for who in gate.abandon(owner)]
 
 
 class LayerDraws:
@@ -334,16 +372,9 @@ class CallRng:
         recomputes one the forward made, and must draw what it drew."""
         seed = layer_seed(self.base_seed, layer, microbatch)
         if device.type == "cuda":
-            gen = torch.cuda.default_generators[device.index or 0]
-            state = gen.get_state()
-            gen.manual_seed(seed)
-            offset = gen.get_offset()
-            try:
+            with self._device_layer(device, seed, (layer, microbatch, type(module).__name__ if module is not None
+                                                   else "layer")):
                 yield
-            finally:
-                if gen.get_offset() != offset:
-                    self.drew = True  # only ever set: workers running at once cannot undo each other's
-                gen.set_state(state)
             return
         flags = None if module is None else LayerDraws.flags(module)
         shared = (module is not None and self._draws.known(module, flags) is False
@@ -373,6 +404,24 @@ class CallRng:
         self._check_end((layer, microbatch), hash(end.numpy().tobytes()) if drew else None, recompute, module)
         if module is not None:
             self._draws.note(module, flags, drew or uses_randomness(module))
+
+    @contextlib.contextmanager
+    def _device_layer(self, device: torch.device, seed: int, what: tuple):
+        """One layer on a CUDA device, seeded, holding the device's generator alone (see the module doc)."""
+        gen, gate = cuda_generator(device), device_generator_gate(device)
+        with gate.exclusive(what, self.timeout_s, self.owner, self._where()) as hold:
+            state = gen.get_state()
+            if hold.saved is None:  # the outermost call of a nested hold: what abandoning it puts back
+                hold.saved = state
+            gen.manual_seed(seed)
+            offset = gen.get_offset()
+            try:
+                yield
+            finally:
+                drew = gen.get_offset() != offset
+                gate.put_back(hold, state)
+            if drew and not hold.abandoned:
+                self.drew = True  # only ever set: workers running at once cannot undo each other's
 
     @contextlib.contextmanager
     def _shared_call(self, layer: int, microbatch: int, module: nn.Module, flags: tuple, recompute: bool):

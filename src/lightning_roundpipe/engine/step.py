@@ -57,7 +57,7 @@ class StepRun:
         self.work = TaskWork(ctx, self.graph, self.done, microbatches, training=training, fused=self.fused,
                              loss_scale=loss_scale, input_requires_grad=input_requires_grad, autocast=autocast,
                              rng=self.rng, lent_buffers=self.lent_buffers)
-        self.host_work: list[tuple[StageWeights, Completion]] = []  # weight-gradient downloads, dispatch order
+        self.host_work: list[tuple[StageWeights, Completion, list, bool]] = []  # weight-gradient downloads, dispatch order
         self.output_spec = None  # the merged output's tree spec, and per leaf whether it is floating
         self.output_is_float: list[bool] = []
         self.output_sizes: list = []  # per microbatch, its output tree (to split the output's gradients)
@@ -140,11 +140,12 @@ class StepRun:
             self.host_work = self.work.wgrad_work(tasks)
             scale = None
         # Host side: gradients into .grad in dispatch order (deterministic whatever the timing).
-        for weights, wg in self.host_work:
+        for weights, wg, chunk, last in self.host_work:
             grads = self._wait(wg)
             if accumulate:
-                accumulate_host_grads(weights, grads, scale, ctx.grad_buffers)
-                ctx.grads_accumulated(weights.layer_ids)
+                accumulate_host_grads(weights, grads, scale, ctx.grad_buffers, chunk)
+                if last:  # every chunk of the stage is in: its layers' .grad are complete
+                    ctx.grads_accumulated(weights.layer_ids)
             if not self.fused:  # each backward downloads afresh: these are read once, here
                 kept = {id(p.grad) for p in weights.host if p.grad is not None}
                 self.pool.release_host([g for g in grads if g is not None and id(g) not in kept])

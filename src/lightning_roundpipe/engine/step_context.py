@@ -41,8 +41,10 @@ class TableSizes:
         return [(start, end, w.chunk_bytes(chunk)) for chunk in w.chunks]
 
     def grad_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
-        """``(start, end, bytes)`` of the one gradient download of layers ``[start, end)``."""
-        return [(start, end, self._weights(start, end).grad_bytes)]  # one download per stage, even when frozen
+        """``(start, end, bytes)`` of each gradient download of layers ``[start, end)``: runs of about
+        ``chunk_bytes`` (``StageWeights.grad_chunks``); one, empty, when nothing is trainable."""
+        w = self._weights(start, end)
+        return [(start, end, w.grad_chunk_bytes(chunk)) for chunk in w.grad_chunks]
 
     def boundary_bytes(self, boundary: int) -> int:
         """Bytes of the activation at a stage boundary: not known before the step runs (0)."""

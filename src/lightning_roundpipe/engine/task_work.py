@@ -53,6 +53,7 @@ class TaskWork:
         for t in graph:
             if t.kind == "act_save":
                 self.saves.setdefault(t.stage, set()).add(t.boundary)
+        self.wgrad_slot = self.gradient_slots(graph)
         self.host_inputs = [HostCarry.of(mb) for mb in microbatches]
         self.output_grads: list[HostCarry | None] = []
         self.graphs: dict[tuple[int, int], tuple[list, Any, list]] = {}  # kept forward graphs (no recompute)
@@ -63,6 +64,18 @@ class TaskWork:
         for stage in self.plan.backward_stages():
             self.weights.pop(stage.name, None)
         self.graph = graph
+        self.wgrad_slot = self.gradient_slots(graph)
+
+    @staticmethod
+    def gradient_slots(graph: TaskGraph) -> dict[int, tuple[int, bool]]:
+        """Per weight-gradient download: which of its stage's ``grad_chunks`` it moves, and whether it is the last."""
+        counts: dict[str, int] = {}
+        slots = {}
+        for t in graph:
+            if t.kind == "wgrad":
+                slots[t.id] = counts.get(t.stage, 0)
+                counts[t.stage] = slots[t.id] + 1
+        return {i: (slot, slot == counts[graph.tasks[i].stage] - 1) for i, slot in slots.items()}
 
     # ------------------------------------------------------------------ helpers
     def grad_keys(self, stage: Stage):
@@ -133,9 +146,15 @@ class TaskWork:
         """Whether ``stage`` is the fused last forward stage (forward, loss and backward at once)."""
         return stage.direction == "F" and stage.index == len(self.plan.forward) - 1
 
-    def wgrad_work(self, tasks: list[GraphTask]) -> list[tuple[StageWeights, Completion]]:
-        """``(stage weights, completion)`` of the weight-gradient downloads among ``tasks``."""
-        return [(self.stage_weights(t), self.done[t.id]) for t in tasks if t.kind == "wgrad"]
+    def wgrad_work(self, tasks: list[GraphTask]) -> list[tuple[StageWeights, Completion, list[int], bool]]:
+        """``(stage weights, completion, tensor indices, last of its stage)`` of the weight-gradient
+        downloads among ``tasks``."""
+        out = []
+        for t in tasks:
+            if t.kind == "wgrad":
+                weights, (slot, last) = self.stage_weights(t), self.wgrad_slot[t.id]
+                out.append((weights, self.done[t.id], weights.grad_chunks[slot], last))
+        return out
 
     # ------------------------------------------------------------------ uploads
     def upload_weights(self, t: GraphTask, worker) -> Work:
@@ -215,9 +234,10 @@ class TaskWork:
         """The work of a weight-gradient download task: into the host gradient buffers."""
         weights = self.stage_weights(t)
         lent = self.lent_buffers if self.fused else None
+        chunk = weights.grad_chunks[self.wgrad_slot[t.id][0]]  # one byte-bounded run of the stage's gradients
 
         def fn():
-            out = self.pool.copy_to_host(worker, weights.device_grads(), reusable=True)
+            out = self.pool.copy_to_host(worker, weights.device_grads(chunk), reusable=True)
             if lent is not None:
                 lent.extend(out)  # a fused call's gradients may be read by more than one backward
             return out

@@ -94,11 +94,29 @@ class StageWeights:
                 current, size = [], 0
         if current or not self.chunks:
             self.chunks.append(current)
+        # The weight gradients come home the same way: runs of trainable tensors of about chunk_bytes
+        # each (a tensor larger than that is a run of its own), so no download task is a stage's
+        # gigabytes at once. A stage with nothing trainable still has one (empty) download: it is
+        # what carries a failed microbatch's error to the host.
+        self.grad_chunks: list[list[int]] = []
+        current, size = [], 0
+        for i in self.trainable_indices():
+            current.append(i)
+            size += tensor_bytes(self.host[i], self.dtypes[i])
+            if size >= chunk_bytes:
+                self.grad_chunks.append(current)
+                current, size = [], 0
+        if current or not self.grad_chunks:
+            self.grad_chunks.append(current)
         self.device: list[torch.Tensor | None] = [None] * len(self.host)
         self._params: dict[int, dict[str, torch.Tensor]] | None = None
 
     def chunk_bytes(self, chunk: list[int]) -> int:
         """Upload bytes of the tensors of ``chunk``, in their upload dtypes."""
+        return sum(tensor_bytes(self.host[i], self.dtypes[i]) for i in chunk)
+
+    def grad_chunk_bytes(self, chunk: list[int]) -> int:
+        """Download bytes of the gradients of ``chunk`` (a list of ``grad_chunks``), in the compute dtypes."""
         return sum(tensor_bytes(self.host[i], self.dtypes[i]) for i in chunk)
 
     def store_chunk(self, chunk: list[int], device_tensors: list[torch.Tensor]) -> None:
@@ -118,9 +136,9 @@ class StageWeights:
         """Indices of the trainable tensors."""
         return [i for i, tr in enumerate(self.trainable) if tr]
 
-    def device_grads(self) -> list[torch.Tensor | None]:
-        """The device gradients of the trainable tensors."""
-        return [self.device[i].grad for i in self.trainable_indices()]
+    def device_grads(self, indices: list[int] | None = None) -> list[torch.Tensor | None]:
+        """The device gradients of the trainable tensors (of ``indices`` only, e.g. one of ``grad_chunks``)."""
+        return [self.device[i].grad for i in (self.trainable_indices() if indices is None else indices)]
 
     def release(self) -> None:
         """Drop the device tensors."""
@@ -163,14 +181,15 @@ class HostGradBuffers:
 
 
 def accumulate_host_grads(weights: StageWeights, host_grads: list[torch.Tensor | None], scale: float | None = None,
-                          buffers: HostGradBuffers | None = None) -> None:
+                          buffers: HostGradBuffers | None = None, indices: list[int] | None = None) -> None:
     """Add a stage's downloaded gradients into the masters' ``.grad`` (fp32), optionally times ``scale``.
 
     With ``buffers``, a missing ``.grad`` is filled from a persistent buffer instead of a new
     tensor; the arithmetic (a cast, then the scale, then the sum) is the same either way. A
     parameter with tensor hooks gets its gradient through autograd, which runs them (``grad_hooks.py``).
+    ``indices``: the tensors ``host_grads`` are of (one of ``weights.grad_chunks``; default: every trainable one).
     """
-    for i, g in zip(weights.trainable_indices(), host_grads):
+    for i, g in zip(weights.trainable_indices() if indices is None else indices, host_grads):
         if g is None:
             continue
         p = weights.host[i]
