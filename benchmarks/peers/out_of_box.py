@@ -78,7 +78,7 @@ class LMShape(ShapeConfig):
 
 QUICK = LMShape(hidden=256, seq_len=64, warmup=2, steps=5)
 # Issue 22's first bar: width 256, 4 microbatches (1F1B's) of 4 sequences of 128 tokens.
-BAR = LMShape(name="bar", hidden=256, seq_len=128, batch=16)
+BAR = LMShape(name="bar", hidden=256, seq_len=128, batch=16, warmup=3, steps=6)
 
 
 def build_lm(shape: LMShape, seed: int = 0) -> nn.Sequential:
