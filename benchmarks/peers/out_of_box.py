@@ -20,6 +20,7 @@ and after training (measured costs, with the host work measured), against the me
 
     python -m benchmarks.peers.out_of_box --quick              # about 2 minutes
     python -m benchmarks.peers.out_of_box --rounds 3           # the full shape
+    python -m benchmarks.peers.out_of_box --bar --systems roundpipe,1F1B --rounds 3  # issue 22's bar shape
     python -m benchmarks.peers.out_of_box --sweep --quick      # RoundPipe hand settings, each once
     python -m benchmarks.peers.out_of_box --sweep-fast --quick # the same settings in one process, plain PyTorch loop, interleaved
     python -m benchmarks.peers.out_of_box --overhead           # the CPU backend's cost per microbatch of a stage
@@ -76,6 +77,8 @@ class LMShape(ShapeConfig):
 
 
 QUICK = LMShape(hidden=256, seq_len=64, warmup=2, steps=5)
+# Issue 22's first bar: width 256, 4 microbatches (1F1B's) of 4 sequences of 128 tokens.
+BAR = LMShape(name="bar", hidden=256, seq_len=128, batch=16, warmup=3, steps=6)
 
 
 def build_lm(shape: LMShape, seed: int = 0) -> nn.Sequential:
@@ -402,11 +405,13 @@ def main(argv=None) -> None:
     p.add_argument("--before-src", default=None,
                    help="the src/ folder of another tree (e.g. main's); adds the system 'before': its defaults")
     p.add_argument("--overhead", action="store_true", help="only measure the cost per microbatch of a stage")
+    p.add_argument("--bar", action="store_true",
+                   help="issue 22's bar shape: width 256, batch 16 x 128 tokens (1F1B: 4 microbatches of 4 sequences)")
     p.add_argument("--sweep-fast", action="store_true", help="the sweep in one process (plain PyTorch loop)")
     args = p.parse_args(argv)
     if args.sweep_fast:
         torch.set_num_threads(WORKERS)
-        shape = QUICK if args.quick else LMShape()
+        shape = BAR if args.bar else QUICK if args.quick else LMShape()
         steps = sweep_in_process(shape, sweep_settings(), rounds=args.rounds or 3)
         best = min((s for n, s in steps.items() if n != "defaults"))
         for name, s in sorted(steps.items(), key=lambda kv: kv[1]):
@@ -416,7 +421,7 @@ def main(argv=None) -> None:
         print(f"cost per microbatch of a stage: {microbatch_overhead() * 1e3:.2f} ms "
               f"(load average {os.getloadavg()[0]:.2f})")
         return
-    shape = QUICK if args.quick else LMShape()
+    shape = BAR if args.bar else QUICK if args.quick else LMShape()
     rounds = args.rounds or (2 if args.quick else 3)
     print(f"model: Embedding({shape.vocab}, {shape.hidden}), {shape.blocks} MLP blocks, head Linear({shape.hidden}, "
           f"{shape.vocab}) ({shape.head_ratio:g} blocks of FLOPs); batch {shape.batch} x {shape.seq_len} tokens; "

@@ -201,8 +201,9 @@ def test_host_estimate_before_measurement_by_hand():
     costs = CostProfile([lc(1.0, 10, act=4), lc(1.0, 10, act=4000)], tokens_per_microbatch=8, dtype_bytes=4)
     work = estimate_host_work(costs, 3, fused_last=False)
     output = 4000 * 8 * 3  # bytes of the merged output: 3 microbatches of 8 tokens
-    assert work.between_s == pytest.approx(2 * output / HOST_COPY_BYTES_PER_SECOND
-                                           + (output / 4) * HOST_LOSS_SECONDS_PER_ELEMENT)
+    # only the last microbatch's 32,000 bytes are copied (read + write) after the forward; the loss
+    # reads 24,000 fp32 elements
+    assert work.between_s == pytest.approx(2 * 32_000 / HOST_COPY_BYTES_PER_SECOND + 24_000 * HOST_LOSS_SECONDS_PER_ELEMENT)
     assert estimate_host_work(costs, 3, fused_last=True) == HostWork()
 
 

@@ -26,6 +26,7 @@ from ..workers.pool import WorkerPool
 from ..options import EngineOptions
 from .microbatch import merge_microbatches, split_microbatches
 from .calls import PipelineCalls
+from .host_threads import CallerThreads, caller_thread_count
 from .module_lock import ModuleLock
 from .rng import abandon_generators
 from .carry import HostCarry
@@ -49,6 +50,8 @@ class PipelineEngine:
         self.tables = [LayerTable(layer) for layer in self.layers]
         self.layer_locks = _shared_module_locks(self.layers)
         self.plan = self._checked(plan)
+        # Read before the lanes start: the CPU backend's set one thread each (host_threads.py).
+        self.host_threads = CallerThreads(caller_thread_count())
         self.pool = pool.start()
         if self.options.measure_tasks:
             pool.trace.keep_task_times()
@@ -134,6 +137,7 @@ class PipelineEngine:
         microbatch, and the call returns ``sum(loss_sum) * loss_scale`` as one scalar (the fused
         last stage runs forward, loss and backward together when the plan says so).
         """
+        self.host_threads.for_pipeline()  # a call whose output got no backward left the caller's count
         tensor_inputs = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)]
         input_requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensor_inputs)
         training = torch.is_grad_enabled() and (input_requires_grad or self.trainable())
@@ -150,7 +154,7 @@ class PipelineEngine:
             with torch.no_grad():
                 outs = self._guarded(run.forward)
             self._call_finished(run)
-            return self._finish_outputs(outs, loss_scale)
+            return self._finish_outputs(run, outs)
         self.calls.started(run)
         out = _PipelineFunction.apply(self, run, self._anchor, *tensor_inputs)
         if loss_scale is not None:
@@ -162,14 +166,14 @@ class PipelineEngine:
         run.measurements  # read now: the trace drops the call's records once read
         self._finished = run
 
-    def _finish_outputs(self, outs: list[HostCarry], loss_scale):
+    def _finish_outputs(self, run: StepRun, outs: list[HostCarry]):
         trees = [o.tree() for o in outs]
-        if loss_scale is not None:
+        if run.loss_scale is not None:
             total = torch.zeros((), dtype=torch.float32)
             for t in trees:
                 total = total + t["loss_sum"].float()
-            return total * loss_scale
-        return merge_microbatches(trees)
+            return total * run.loss_scale
+        return run.outputs.merged(trees)  # filled while the forward ran (output_merge.py)
 
     def _guarded(self, fn, *args):
         """Run a host-side phase; on failure let every queued task finish or fail before re-raising."""
@@ -245,17 +249,19 @@ class _PipelineFunction(torch.autograd.Function):
             run.record_outputs(None, [True], [])
             return (loss,)
         outs = engine._guarded(run.forward)
-        merged = engine._finish_outputs(outs, run.loss_scale)
+        merged = engine._finish_outputs(run, outs)
         leaves, spec = pytree.tree_flatten(merged)
         if not all(isinstance(x, torch.Tensor) for x in leaves):
             raise TypeError("a pipelined module under autograd must return tensors only (a tensor, tuple or dict of tensors)")
         run.record_outputs(spec, [x.is_floating_point() for x in leaves], [o.tree() for o in outs])
         ctx.mark_non_differentiable(*[x for x in leaves if not x.is_floating_point()])
+        engine.host_threads.for_caller()  # the caller's loss runs next, every worker idle
         return tuple(leaves)
 
     @staticmethod
     def backward(ctx, *grads):
         engine, run = ctx.engine, ctx.run
+        engine.host_threads.for_pipeline()
         with engine.calls.backward(run) as weights_wanted:
             if run.fused:
                 g = grads[0]

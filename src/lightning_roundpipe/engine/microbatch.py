@@ -120,15 +120,19 @@ def split_microbatches(tree: Any, num_microbatches: int) -> list[Any]:
     return [pytree.tree_unflatten([col[i] for col in columns], spec) for i in range(m)]
 
 
-def merge_microbatches(outputs: list[Any]) -> Any:
-    """Concatenate tensor leaves along dim 0; a non-tensor leaf is taken from the first microbatch."""
+def merge_microbatches(outputs: list[Any], merged_leaves: dict[int, torch.Tensor] | None = None) -> Any:
+    """Concatenate tensor leaves along dim 0; a non-tensor leaf is taken from the first microbatch.
+
+    ``merged_leaves``: leaves (by flat index) already merged by the caller, used as they are."""
     if len(outputs) == 1:
         return outputs[0]
     flat = [pytree.tree_flatten(o) for o in outputs]
     spec = flat[0][1]
     merged = []
     for i, leaf in enumerate(flat[0][0]):
-        if isinstance(leaf, torch.Tensor):
+        if merged_leaves and i in merged_leaves:
+            merged.append(merged_leaves[i])
+        elif isinstance(leaf, torch.Tensor):
             if leaf.dim() == 0:
                 raise MicrobatchError(
                     "the pipelined module returned a 0-dim tensor per microbatch, which cannot be merged into a "

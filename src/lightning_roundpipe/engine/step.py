@@ -21,6 +21,8 @@ from ..workers.completions import Completion, TaskLabel
 from .carry import HostCarry
 from .device_values import NOT_READING, DeviceReaders
 from .measurements import call_measurements
+from .microbatch import batch_size_of
+from .output_merge import OutputAssembly
 from .rng import CallRng
 from .step_context import StepContext, TableSizes
 from .task_work import HANDLERS, TaskWork
@@ -61,6 +63,7 @@ class StepRun:
         self.output_spec = None  # the merged output's tree spec, and per leaf whether it is floating
         self.output_is_float: list[bool] = []
         self.output_sizes: list = []  # per microbatch, its output tree (to split the output's gradients)
+        self.outputs = OutputAssembly([batch_size_of(mb) for mb in microbatches])  # the caller's merged output
         self._measurements: list | None = None
 
     def record_outputs(self, spec, is_float: list[bool], sizes: list) -> None:
@@ -103,8 +106,12 @@ class StepRun:
             self.host_work = self.work.wgrad_work(tasks)
             return []
         L = self.plan.num_layers
-        outs = [t for t in tasks if t.kind == "act_out" and t.boundary == L]
-        outs = [self._wait(self.done[t.id]) for t in sorted(outs, key=lambda t: t.microbatch)]
+        homes = sorted((t for t in tasks if t.kind == "act_out" and t.boundary == L), key=lambda t: t.microbatch)
+        outs = []
+        for t in homes:  # each into its rows of the merged output while later microbatches still run
+            out = self._wait(self.done[t.id])
+            self.outputs.add(len(outs), out)
+            outs.append(out)
         self.rng.finish_forward()
         return outs
 

@@ -14,7 +14,8 @@
   and smaller, less efficient kernels that the model does not price, so a gain within the
   model's noise is not worth them.
 * the host's work before it is measured (``estimate_host_work``): without a fused last
-  stage the caller's loss runs on the merged full outputs, on the host.
+  stage the caller's loss runs on the merged full outputs, on the host, after the last
+  microbatch's output is copied into the merged one.
 """
 
 from __future__ import annotations
@@ -90,12 +91,15 @@ def choose_microbatches(costs: CostProfile, num_workers: int, step_tokens: int,
 
 
 def estimate_host_work(costs: CostProfile, microbatches: int, fused_last: bool) -> HostWork:
-    """The host's work in the forward/backward barrier before it is measured: merging the
-    microbatch outputs of the last layer into the full output (a copy: read and write) and the
-    caller's cross-entropy forward and backward on it (``HOST_LOSS_SECONDS_PER_ELEMENT``). A
-    fused last stage computes the loss on the workers: nothing."""
+    """The host's work in the forward/backward barrier before it is measured: copying the last
+    microbatch's output into its rows of the merged output (a copy: read and write; the host
+    copies the earlier ones while the workers still compute, ``engine/output_merge.py``) and the
+    caller's cross-entropy forward and backward on the whole output (``HOST_LOSS_SECONDS_PER_ELEMENT``,
+    one thread's rate: what a busy host gives; the caller's threads are measured after the first
+    step). A fused last stage computes the loss on the workers: nothing."""
     if fused_last:
         return HostWork()
     output_bytes = CostView(costs).out_bytes(len(costs) - 1) * microbatches
     elements = output_bytes / costs.dtype_bytes
-    return HostWork(between_s=2 * output_bytes / HOST_COPY_BYTES_PER_SECOND + elements * HOST_LOSS_SECONDS_PER_ELEMENT)
+    last_copy_s = 2 * output_bytes / max(1, microbatches) / HOST_COPY_BYTES_PER_SECOND
+    return HostWork(between_s=last_copy_s + elements * HOST_LOSS_SECONDS_PER_ELEMENT)
