@@ -104,6 +104,7 @@ class OverlappedOptimizer:
         self._submitted_undo: StepUndo | None = None  # the step whose layer steps ``versions`` holds
         self.keep_undo = bool(undo)
         self.before_images = BeforeImages()  # reused by every step's undo (filled only with undo=True)
+        self.images_taken_at_step = 0  # layer steps of committed steps whose before-image was not taken ahead
         self.unrestored: list[str] = []  # undo=False: layers a failed step updated, until mark_restored()
         self._view = copy.copy(optimizer)
         vars(self._view).pop("step", None)
@@ -226,10 +227,15 @@ class OverlappedOptimizer:
             self._abandon(exc)
             raise
         undo = self._undo
-        self._commit = self.lane.submit(lambda: undo.failure is None and undo.commit(), TaskLabel("undo", "commit"),
-                                        traced=False)
+        self._commit = self.lane.submit(lambda: self._committed(undo), TaskLabel("undo", "commit"), traced=False)
         self.optimizer._opt_called = True  # what LRScheduler checks to know a step happened
         return loss
+
+    def _committed(self, undo: StepUndo) -> None:
+        """On the lane after the step's last layer step: the step succeeded unless it failed meanwhile."""
+        if undo.failure is None:
+            undo.commit()
+            self.images_taken_at_step += undo.taken_at_step
 
     def _abandon(self, exc: BaseException) -> None:
         """The step failed on the host side: let the lane finish, then put back what it stepped."""

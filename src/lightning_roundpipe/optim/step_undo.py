@@ -94,6 +94,7 @@ class StepUndo:
         self.failure: BaseException | None = None
         self.restored = False
         self.finished = False  # committed or restored: nothing more is captured
+        self.taken_at_step = 0  # layer steps that found their before-image not taken ahead
 
     def nbytes(self) -> int:
         """Bytes of the copies this step holds."""
@@ -136,6 +137,8 @@ class StepUndo:
         if not self.keep:
             return
         params = list(params)
+        if any(id(p) not in self.saved for p in params):
+            self.taken_at_step += 1
         self.capture(params)
         self._stepped_ids.extend(id(p) for p in params)
 
