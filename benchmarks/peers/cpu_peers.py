@@ -308,6 +308,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-threads", type=int, default=2, help="torch threads of RoundPipe's host thread")
     p.add_argument("--sync-optimizer", action="store_true",
                    help="RoundPipe steps the optimizer after backward instead of overlapping it layer by layer")
+    p.add_argument("--overlap-optimizer", action="store_true",
+                   help="RoundPipe overlaps the optimizer even where its default would not (fewer spare cores)")
     p.add_argument("--no-optimizer-undo", action="store_true",
                    help="RoundPipe without the before-images that put a failed overlapped step back (measures their cost)")
     p.add_argument("--malloc", default="keep", choices=("keep", "default"),
@@ -333,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup=args.warmup if args.warmup is not None else 1,
         optimizer=args.optimizer,
         host_threads=args.host_threads,
-        overlap_optimizer=not args.sync_optimizer,
+        overlap_optimizer=False if args.sync_optimizer else (True if args.overlap_optimizer else None),
         optimizer_undo=not args.no_optimizer_undo,
     )
     if args.malloc == "keep":

@@ -24,6 +24,7 @@ import socket
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 import torch
 
@@ -44,8 +45,9 @@ class RunConfig:
     steps / warmup: timed steps and untimed warm-up steps per run.
     optimizer: "adamw" (torch's fused CPU kernel) or "sgd" (momentum 0.9); lr its learning rate.
     host_threads: torch threads of RoundPipe's host thread (optimizer, gradient accumulation).
-    overlap_optimizer: RoundPipe steps the optimizer layer by layer behind the next forward
-        (``RoundPipeRuntime.overlap_optimizer``, exact) instead of after backward.
+    overlap_optimizer: RoundPipe steps the optimizer layer by layer behind backward
+        (``RoundPipeRuntime.overlap_optimizer``, exact) instead of after backward; None (default):
+        as the runtime's default decides on this host (``RuntimeOptions.overlaps_optimizer``).
     optimizer_undo: RoundPipe keeps before-images so that a failed overlapped step is put back
         (``RuntimeOptions.optimizer_undo``, the default); False measures what that costs.
     seed: model initialisation seed (data uses seed + 1).
@@ -57,7 +59,7 @@ class RunConfig:
     optimizer: str = "adamw"
     lr: float = 1e-3
     host_threads: int = 2
-    overlap_optimizer: bool = True
+    overlap_optimizer: Optional[bool] = None
     optimizer_undo: bool = True
     seed: int = 0
     timeout_s: float = 300.0
@@ -231,12 +233,14 @@ def _roundpipe_process(shape: ShapeConfig, recompute: bool, config: RunConfig, f
         cpu_threads_per_worker=1,
         trace_steps=total_steps,  # keep every step's records (the default keeps only metrics)
         optimizer_undo=config.optimizer_undo,
+        overlap_optimizer=config.overlap_optimizer,
     )
+    overlap = options.overlaps_optimizer("cpu", workers)
     runtime = RoundPipeRuntime.attach(seq, "cpu", workers, options, fused_last=True)
     runtime.trace.enabled = True
     try:
         opt = make_optimizer(seq.parameters(), config)
-        if config.overlap_optimizer:
+        if overlap:
             # opt.step(closure): each layer's update starts once its gradient is complete, on a
             # host thread; the next forward uploads a layer once its update is done (exact).
             runtime.overlap_optimizer(opt)
@@ -259,7 +263,7 @@ def _roundpipe_process(shape: ShapeConfig, recompute: bool, config: RunConfig, f
                 marks.append(time.perf_counter())
                 return loss
 
-            if config.overlap_optimizer:
+            if overlap:
                 loss = opt.step(closure)
             else:
                 loss = closure()

@@ -83,15 +83,17 @@ def _hardware(gpu_bytes, host_bytes):
 
 def test_planner_picks_layer_grain_when_stage_grain_does_not_fit():
     costs = hand_costs()
-    # host: 16 B of fp32 state, 4 B compute copy and 4 B gradient buffer per parameter (8): 192 B, plus the
-    # saved stage inputs (100 B each): one layer per stage saves 3 (492 B), 2-layer backward stages 1 (292 B)
-    hw = _hardware(gpu_bytes=2000, host_bytes=400)
+    # host: 16 B of fp32 state, 4 B compute copy, 4 B gradient buffer and 12 B of undo before-images per
+    # parameter (8): 288 B, plus the saved stage inputs (100 B each): one layer per stage saves 3 (588 B),
+    # 2-layer backward stages 1 (388 B)
+    hw = _hardware(gpu_bytes=2000, host_bytes=496)
     # finest plan: host too small; 2-layer backward: 2648 B at stage grain, 1748 B at layer grain (the
     # 900 B of one layer's graph less its input: test_layer_grain_working_set_by_hand); 4-layer: 4532 / 1832
     assert fitting_recompute(costs, hw, 1, memory_fraction=1.0, fused_last=False) == "layer"
-    assert fitting_recompute(costs, _hardware(2648, 400), 1, memory_fraction=1.0, fused_last=False) == "stage"
-    assert fitting_recompute(costs, _hardware(1747, 400), 1, memory_fraction=1.0, fused_last=False) is None
-    assert fitting_recompute(costs, _hardware(1632, 492), 1, memory_fraction=1.0, fused_last=False) == "stage"  # finest
+    assert fitting_recompute(costs, _hardware(2648, 496), 1, memory_fraction=1.0, fused_last=False) == "stage"
+    assert fitting_recompute(costs, _hardware(1747, 496), 1, memory_fraction=1.0, fused_last=False) is None
+    assert fitting_recompute(costs, _hardware(1632, 588), 1, memory_fraction=1.0, fused_last=False) == "stage"  # finest
+    assert fitting_recompute(costs, _hardware(1632, 587), 1, memory_fraction=1.0, fused_last=False) is None  # undo priced
 
 
 @pytest.mark.timeout(120)

@@ -21,7 +21,8 @@ def test_pinned_bytes_of_three_fp32_linears_by_hand():
     # Saved for recompute: the input of backward stage B1 (layer 2), 8 rows x 100 fp32, per microbatch.
     assert host.saved_activations == 2 * 8 * 100 * 4
     assert host.pinned == 121_200 + 121_200 + 6_400
-    assert host.total == 16 * params + host.pinned
+    assert host.undo_images == 12 * params  # the undo's before-images: fp32 master, Adam m and v
+    assert host.total == 16 * params + host.pinned + 12 * params
     assert host.pinned_upload_bytes_per_param == 4.0
 
 

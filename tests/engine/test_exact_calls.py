@@ -87,14 +87,14 @@ def test_two_hugging_face_losses_in_one_step(opt):
     from lightning_roundpipe import RoundPipeStrategy
 
     _, g_ref = fit(TwoLosses(), "auto", max_steps=1, batch_size=4, data=data)
-    _, g = fit(TwoLosses(), RoundPipeStrategy(microbatches=2), devices=2, max_steps=1, batch_size=4, data=data)
+    _, g = fit(TwoLosses(), RoundPipeStrategy(microbatches=2, overlap_optimizer=True), devices=2, max_steps=1, batch_size=4, data=data)
     assert grad_error(g, g_ref) <= GRAD_TOL
     # no callback in these runs: layers may step during backward
     ref = TwoLosses()
     w0 = weights(ref)
     fit(ref, "auto", max_steps=3, batch_size=4, data=data, record_grads=False)
     m = TwoLosses()
-    fit(m, RoundPipeStrategy(microbatches=2), devices=2, max_steps=3, batch_size=4, data=data, record_grads=False)
+    fit(m, RoundPipeStrategy(microbatches=2, overlap_optimizer=True), devices=2, max_steps=3, batch_size=4, data=data, record_grads=False)
     assert weight_error(weights(m), weights(ref), w0) <= WEIGHT_TOL
 
 

@@ -49,7 +49,7 @@ def _fit(strategy, devices):
 @pytest.mark.timeout(90)
 def test_adalora_update_and_allocate_matches_default_strategy():
     ref, w0 = _fit("auto", 1)
-    got, _ = _fit(RoundPipeStrategy(microbatches=2, testing={"optimizer_delay_s": 0.01}), 2)
+    got, _ = _fit(RoundPipeStrategy(microbatches=2, overlap_optimizer=True, testing={"optimizer_delay_s": 0.01}), 2)
     w_ref = {n: p.detach() for n, p in ref.named_parameters() if p.requires_grad}
     w = {n: p.detach() for n, p in got.named_parameters() if p.requires_grad}
     assert len(w) == 3 * 2 * 3  # lora_A, lora_B, lora_E of q_proj and v_proj in 3 layers

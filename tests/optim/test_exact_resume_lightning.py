@@ -100,7 +100,7 @@ def test_the_checkpoint_resumes_under_the_default_strategy(tmp_path):
 @pytest.mark.timeout(120)
 def test_staleness_zero_checkpoints_have_no_extra_key(tmp_path):
     saver = ModelCheckpoint(dirpath=tmp_path, filename="exact", every_n_train_steps=SAVED_AT)
-    _fit(tmp_path, RoundPipeStrategy(microbatches=2), SAVED_AT, "sgd", callbacks=[saver])
+    _fit(tmp_path, RoundPipeStrategy(microbatches=2, overlap_optimizer=True), SAVED_AT, "sgd", callbacks=[saver])
     ckpt = torch.load(tmp_path / "exact.ckpt", weights_only=True)
     assert "roundpipe" not in ckpt
     _fit(tmp_path / "ref", "auto", SAVED_AT, "sgd",

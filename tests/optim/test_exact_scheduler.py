@@ -26,7 +26,7 @@ def test_learning_rates_match_default_strategy_without_order_warning(opt, interv
     got = LearningRates()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit(SeqModule(opt=opt, scheduler=True, scheduler_interval=interval), RoundPipeStrategy(microbatches=2),
+        fit(SeqModule(opt=opt, scheduler=True, scheduler_interval=interval), RoundPipeStrategy(microbatches=2, overlap_optimizer=True),
             devices=2, max_steps=steps, batch_size=batch_size, callbacks=[got], record_grads=False)
     assert got.lrs == ref.lrs
     assert len(set(map(tuple, ref.lrs))) > 1  # the schedule really changed the rate

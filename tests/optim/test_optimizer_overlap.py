@@ -20,7 +20,8 @@ CONFIGS = [
 def run(mkw, tkw, record_grads=False, **strategy_kwargs):
     m = SeqModule(opt="adamw", **mkw)
     w0 = weights(m)
-    fit(m, RoundPipeStrategy(microbatches=3, **strategy_kwargs), devices=2, max_steps=6, record_grads=record_grads, **tkw)
+    strategy = RoundPipeStrategy(microbatches=3, **{"overlap_optimizer": True, **strategy_kwargs})
+    fit(m, strategy, devices=2, max_steps=6, record_grads=record_grads, **tkw)
     return w0, weights(m)
 
 
@@ -93,7 +94,7 @@ def test_staleness_one_matches_delayed_reference():
     assert all(torch.allclose(got[k], expected[k], rtol=1e-5, atol=1e-6) for k in got)
     # and it is really different from the exact run
     exact = SeqModule(opt="sgd", lr=0.05)
-    fit(exact, RoundPipeStrategy(microbatches=2), devices=2, max_steps=4, record_grads=False)
+    fit(exact, RoundPipeStrategy(microbatches=2, overlap_optimizer=True), devices=2, max_steps=4, record_grads=False)
     assert any(not torch.allclose(weights(exact)[k], expected[k], atol=1e-6) for k in got)
 
 

@@ -34,6 +34,7 @@ from ..schedule.plan import Plan, Stage
 from .view import CostView
 
 FP32_STATE_BYTES_PER_TRAINABLE = 16  # master weight, gradient, Adam m and v, all fp32
+UNDO_BYTES_PER_TRAINABLE = 12  # the failed-step undo's copy: master weight, Adam m and v (optim/step_undo.py)
 
 
 def _is_backward(plan: Plan, stage: Stage) -> bool:
@@ -199,11 +200,13 @@ class HostMemory:
     saved_activations: int  # stage inputs kept for recompute, all microbatches
     gradient_downloads: int = 0  # host buffers the weight gradients land in (compute dtype)
     params: int = 0  # distinct parameters, for the per-parameter figures
+    undo_images: int = 0  # the overlapped optimizer's before-images (optimizer_undo): one more master + moments
 
     @property
     def total(self) -> int:
         """All host bytes of the run added up."""
-        return self.optimizer_state + self.compute_copy + self.saved_activations + self.gradient_downloads
+        return (self.optimizer_state + self.compute_copy + self.saved_activations + self.gradient_downloads
+                + self.undo_images)
 
     @property
     def pinned(self) -> int:
@@ -216,12 +219,15 @@ class HostMemory:
         return self.compute_copy / self.params if self.params else 0.0
 
 
-def host_bytes(costs: CostProfile, plan: Plan | None = None, microbatches: int = 1) -> HostMemory:
-    """Host memory of training with ``costs``; activations counted when a plan is given."""
+def host_bytes(costs: CostProfile, plan: Plan | None = None, microbatches: int = 1, undo: bool = True) -> HostMemory:
+    """Host memory of training with ``costs``; activations counted when a plan is given. ``undo``:
+    the overlapped optimizer keeps before-images to put a failed step back (``optimizer_undo``,
+    on by default wherever the optimizer overlaps, as it does on a GPU server)."""
     view = CostView(costs)
     acts = 0
     if plan is not None:
         acts = microbatches * sum(view.in_bytes(b) for b in plan.saved_boundaries() if b > 0)
     trainable = view.unique_trainable_params()
     return HostMemory(trainable * FP32_STATE_BYTES_PER_TRAINABLE, view.unique_params() * view.dtype_bytes, acts,
-                      gradient_downloads=trainable * view.dtype_bytes, params=view.unique_params())
+                      gradient_downloads=trainable * view.dtype_bytes, params=view.unique_params(),
+                      undo_images=trainable * UNDO_BYTES_PER_TRAINABLE if undo else 0)

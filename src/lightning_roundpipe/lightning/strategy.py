@@ -156,7 +156,7 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             target.module, backend=backend, num_workers=self.num_workers, options=self.options.runtime_options(),
             kind=target.kind, path=target.path, device_indices=indices, sync_gradients=self.world_size > 1,
             root_module=self.lightning_module, options_owner="RoundPipeStrategy", progress=self.setup_progress())
-        if fitting and self.options.overlap_optimizer and self.optimizers:
+        if fitting and self.optimizers and self.options.overlaps_optimizer(backend, self.num_workers):
             early = early_steps_allowed(trainer, self.lightning_module, self.precision_plugin)
             for opt in self.optimizers:
                 if self._steps_layer_by_layer(opt):

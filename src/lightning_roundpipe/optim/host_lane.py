@@ -27,6 +27,10 @@ class HostLane:
         self._queue.put((fn, done, traced))
         return done
 
+    def has_waiting(self) -> bool:
+        """Whether work submitted to this lane waits to run (idle work yields to it)."""
+        return not self._queue.empty()
+
     def _loop(self) -> None:
         while True:
             item = self._queue.get()

@@ -17,9 +17,11 @@ sets ``early_steps``). Otherwise every layer is submitted right after the closur
 (after clipping), in layer order, so the next forward's first layers are ready first.
 
 A failed step leaves the host weights and the optimizer state as they were (``step_undo.py``):
-each layer's before-image is copied on the lane just before it steps, into buffers reused by
-every step (``before_images``); a failure anywhere in the step (the closure raising, a layer step
-raising, a timeout) puts every stepped layer back before the error reaches the caller.
+each layer's before-image is copied on the lane ahead of its step, while the lane is idle during
+the forward (``_capture_ahead``; just before the step when the lane had no idle time), into
+buffers reused by every step (``before_images``); a failure anywhere in the step (the closure
+raising, a layer step raising, a timeout) puts every stepped layer back before the error
+reaches the caller.
 
 Every wait honours ``timeout_s`` (the runtime's ``timeout``) and names the layer step it waited for.
 
@@ -102,6 +104,7 @@ class OverlappedOptimizer:
         self._submitted_undo: StepUndo | None = None  # the step whose layer steps ``versions`` holds
         self.keep_undo = bool(undo)
         self.before_images = BeforeImages()  # reused by every step's undo (filled only with undo=True)
+        self.images_taken_at_step = 0  # layer steps of committed steps whose before-image was not taken ahead
         self.unrestored: list[str] = []  # undo=False: layers a failed step updated, until mark_restored()
         self._view = copy.copy(optimizer)
         vars(self._view).pop("step", None)
@@ -197,6 +200,8 @@ class OverlappedOptimizer:
         self._submitted = set()
         self._refuse_if_unrestored()
         self._undo = StepUndo(self.optimizer, keep=self.keep_undo, images=self.before_images)
+        if self.keep_undo:
+            self._capture_ahead(self._undo)
         loss = None
         try:
             if closure is not None:
@@ -222,10 +227,15 @@ class OverlappedOptimizer:
             self._abandon(exc)
             raise
         undo = self._undo
-        self._commit = self.lane.submit(lambda: undo.failure is None and undo.commit(), TaskLabel("undo", "commit"),
-                                        traced=False)
+        self._commit = self.lane.submit(lambda: self._committed(undo), TaskLabel("undo", "commit"), traced=False)
         self.optimizer._opt_called = True  # what LRScheduler checks to know a step happened
         return loss
+
+    def _committed(self, undo: StepUndo) -> None:
+        """On the lane after the step's last layer step: the step succeeded unless it failed meanwhile."""
+        if undo.failure is None:
+            undo.commit()
+            self.images_taken_at_step += undo.taken_at_step
 
     def _abandon(self, exc: BaseException) -> None:
         """The step failed on the host side: let the lane finish, then put back what it stepped."""
@@ -276,6 +286,31 @@ class OverlappedOptimizer:
         if self.staleness:
             return [None if p.grad is None else p.grad.clone() for _, p in params]
         return [p.grad for _, p in params]
+
+    def _capture_ahead(self, undo: StepUndo) -> None:
+        """Take the step's before-images on the lane while it has nothing else to do (the forward
+        and early backward, once the previous step's updates are in), in the order the layers
+        will step, so that a layer whose gradient is complete steps without copying first.
+
+        The lane is the only writer of these weights until they step, so an image taken ahead
+        equals one taken just before the step. Idle work: before each layer it yields to any
+        waiting layer step by going to the back of the queue, and a layer that steps first takes
+        its own image (``StepUndo.save``). A copy that fails here is taken again, and fails
+        where it is reported, when its layer steps."""
+        units = sorted(self.unit_params)
+        if self.early_steps and not self.staleness:
+            units.reverse()  # the last backward completes the last layers first
+        pending = collections.deque(units)
+        label = TaskLabel("undo", "capture ahead")
+
+        def run():
+            while pending and not undo.finished and undo.failure is None:
+                if self.lane.has_waiting():
+                    self.lane.submit(run, label, traced=False)
+                    return
+                undo.capture([p for _, p in self.unit_params[pending.popleft()]])
+
+        self.lane.submit(run, label, traced=False)
 
     def _submit(self, unit: int, hp: list[dict]) -> None:
         self._submitted.add(unit)

@@ -3,17 +3,24 @@
 Layers step one by one on the optimizer lane, some while backward still runs. If anything fails
 after some layers stepped (a worker error or timeout later in backward, ``detect_anomaly``, the
 optimizer raising for one parameter group), the promise is that the host weights and the
-optimizer state are exactly as before the step. So, just before a layer steps, the lane copies
-that layer's parameters and their optimizer state (every tensor: Adam's step count and moments);
+optimizer state are exactly as before the step. So before a layer steps, the lane copies that
+layer's parameters and their optimizer state (every tensor: Adam's step count and moments);
 once the step's last layer has stepped the copies are no longer needed.
+
+When the copies are taken: ahead, while the lane is idle (``OverlappedOptimizer`` has it
+``capture`` every layer, in stepping order, from the start of the step; nothing else writes
+those weights before they step), and just before the step only for a layer the lane reached
+first (``save``). Torch's optimizers update in place, so keeping the old values exact costs one
+copy of what the step changes whichever way it is arranged (an out-of-place update into a
+second buffer would need that buffer filled first, the same copy); taking it ahead moves it off
+the path from a complete gradient to the updated layer, into time the lane has no other work.
 
 The copies land in ``BeforeImages``, one buffer per layer allocated once and reused every
 step: a fresh copy per step would fault in (and zero) new pages for all of them each time,
 which costs about as much as the copy itself. They hold one copy of the parameters and of their
 optimizer state for as long as the optimizer is overlapped (a fresh copy per step held the same
 at the step's peak; measured: +1.13 GiB peak RSS for 100.7M parameters under AdamW, the copy
-itself, ``benchmarks/step_undo_cost.py``). The copies are taken on the optimizer lane, so they hide behind the
-pipeline with the step itself.
+itself, ``benchmarks/step_undo_cost.py``).
 
 ``keep=False`` (the opt-out for models whose host memory cannot hold that copy) keeps only the
 names of the layers stepped, so a failure can say which ones changed; the overlapped optimizer
@@ -71,38 +78,40 @@ class BeforeImages:
 
 
 class StepUndo:
-    """The before-images of one step: per stepped parameter its data and optimizer state."""
+    """The before-images of one step: per parameter its data and optimizer state, taken ahead
+    (``capture``, while the lane is idle) or just before its step (``save``); ``restore`` puts back
+    those that stepped."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, keep: bool = True, images: BeforeImages | None = None):
         self.optimizer = optimizer
         self.keep = keep
         self.images = images if images is not None else BeforeImages()
         self.hyper = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        # per stepped parameter: (parameter, its data's copy, its state before: key -> copy; None: had none)
-        self.saved: list[tuple[torch.Tensor, torch.Tensor, dict | None]] = []
-        self._saved_ids: set[int] = set()
+        # per captured parameter (by id): (parameter, its data's copy, its state before: key -> copy; None: had none)
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor, dict | None]] = {}
+        self._stepped_ids: list[int] = []  # parameters whose step ran (or began), in order
         self.stepped: list[str] = []  # names of the layer steps done, in order
         self.failure: BaseException | None = None
         self.restored = False
+        self.finished = False  # committed or restored: nothing more is captured
+        self.taken_at_step = 0  # layer steps that found their before-image not taken ahead
 
     def nbytes(self) -> int:
         """Bytes of the copies this step holds."""
         total = 0
-        for _, data, state in self.saved:
+        for _, data, state in self.saved.values():
             total += data.numel() * data.element_size()
             for v in (state or {}).values():
                 if isinstance(v, torch.Tensor):
                     total += v.numel() * v.element_size()
         return total
 
-    def save(self, params, name: str) -> None:
-        """Before-image of ``params`` (called on the lane just before their step)."""
-        self.stepped.append(name)
-        if not self.keep:
+    def capture(self, params) -> None:
+        """Before-images of those of ``params`` not captured yet (on the lane, before any of them steps)."""
+        if not self.keep or self.finished:
             return
         state = self.optimizer.state
-        params = [p for p in params if id(p) not in self._saved_ids]  # the first before-image is the one to keep
-        self._saved_ids.update(id(p) for p in params)
+        params = [p for p in params if id(p) not in self.saved]  # the first before-image is the one to keep
         tensors, plan = [], []
         for p in params:
             st = state.get(p)
@@ -119,20 +128,37 @@ class StepUndo:
             if p in state:
                 tensor_copies = {k: next(copies) for k in keys}
                 before = {k: tensor_copies[k] if k in tensor_copies else copy.deepcopy(v) for k, v in state[p].items()}
-            self.saved.append((p, data, before))
+            self.saved[id(p)] = (p, data, before)
+
+    def save(self, params, name: str) -> None:
+        """Just before ``params`` step (on the lane): their before-image unless taken ahead, and the
+        record that they stepped."""
+        self.stepped.append(name)
+        if not self.keep:
+            return
+        params = list(params)
+        if any(id(p) not in self.saved for p in params):
+            self.taken_at_step += 1
+        self.capture(params)
+        self._stepped_ids.extend(id(p) for p in params)
 
     def restore(self) -> list[torch.Tensor]:
-        """Put every saved parameter and optimizer state back; return the parameters restored.
+        """Put every parameter that stepped and its optimizer state back; return those parameters.
 
         Values are copied back into the optimizer's own state tensors where the step left one of
         the same shape (the buffers stay ours, for the next step); a state entry the step made
-        or replaced otherwise gets a fresh copy."""
+        or replaced otherwise gets a fresh copy. Images taken ahead of layers that never stepped
+        are left alone: those layers are as before."""
         if not self.keep:
             return []
         state = self.optimizer.state
-        restored = []
+        restored, seen = [], set()
         with torch.no_grad():
-            for p, data, before in reversed(self.saved):
+            for pid in reversed(self._stepped_ids):
+                if pid in seen:
+                    continue
+                seen.add(pid)
+                p, data, before = self.saved[pid]
                 p.copy_(data)
                 if before is None:
                     state.pop(p, None)
@@ -151,10 +177,12 @@ class StepUndo:
                 restored.append(p)
         for group, hyper in zip(self.optimizer.param_groups, self.hyper):
             group.update(hyper)  # a scheduler stepped after a step that failed later
-        self.saved = []
+        self.saved = {}
         self.restored = True
+        self.finished = True
         return restored
 
     def commit(self) -> None:
         """The step succeeded: the before-images are no longer needed (their buffers serve the next step)."""
-        self.saved = []
+        self.saved = {}
+        self.finished = True

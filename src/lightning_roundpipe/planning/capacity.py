@@ -193,7 +193,8 @@ class TrainingPlan:
         lines.append(
             f"Host memory: {h.total / GiB:.1f} GiB needed of {hw.host_memory_bytes / GiB:.1f} GiB "
             f"(fp32 optimizer state {h.optimizer_state / GiB:.1f}, compute-dtype copy {h.compute_copy / GiB:.1f}, "
-            f"gradient download buffers {h.gradient_downloads / GiB:.1f}, saved activations {h.saved_activations / GiB:.1f})"
+            f"gradient download buffers {h.gradient_downloads / GiB:.1f}, saved activations {h.saved_activations / GiB:.1f}, "
+            f"failed-step undo copy {h.undo_images / GiB:.1f})"
         )
         lines.append(
             f"Pinned host memory: {h.pinned / GiB:.1f} GiB of that is page-locked under a pinned policy and cannot be "
@@ -304,13 +305,14 @@ def plan_training(
     labels does, with the engine's chunked loss of ``loss_chunk_tokens`` rows (None: full
     logits). ``recompute``: "auto" (stage grain where it fits, else layer grain), "stage" or
     "layer". ``config`` tunes the simulations (default: 2 simulated steps, enough for the
-    planner's comparisons).
+    planner's comparisons, with the overlapped optimizer's failed-step undo copy priced, as a
+    GPU server runs it by default; its bytes are in the host figure too).
     """
     if recompute not in RECOMPUTE_CHOICES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, got {recompute!r}")
     shape = get_model_shape(model)
     hw = load_hardware(hardware)
-    cfg = config or SimConfig(steps=2)
+    cfg = config or SimConfig(steps=2, optimizer_undo=True)
     nw = hw.num_gpus
     options = [microbatches] if microbatches else [nw, 2 * nw, 4 * nw]
     costs = _costs(shape, hw, seq_len, microbatch_size, lora_rank, loss_chunk_tokens)

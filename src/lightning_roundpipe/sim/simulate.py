@@ -180,6 +180,13 @@ class SimConfig:
     # grain="layer"; each runs its layers but the last once more without grad and holds one
     # layer's graph plus the stage's layer inputs (cost/memory.py: layer_grain_graph).
     layer_recompute: bool = False
+    # The overlapped optimizer's failed-step undo (``optim/step_undo.py``): before each layer's
+    # update the host copies its fp32 master and Adam moments (``UNDO_COPY_BYTES_PER_PARAM``
+    # read and written) at the host copy rate (``undo_seconds``). The copy runs on the optimizer
+    # queue as idle work (after ready updates), once the layer's previous update is done, and the
+    # layer's update waits for it. False: not priced (the engine's ``optimizer_undo=False``, or a
+    # synchronous optimizer, which needs no undo).
+    optimizer_undo: bool = False
 
     def __post_init__(self) -> None:
         if self.accumulation < 1:
@@ -285,7 +292,9 @@ class _RoundPipeBuilder:
         self.history: WorkerHistory[list[Op]] = WorkerHistory(num_workers)
         # Host barriers: the op after which the last step's backward returned.
         self.step_done: Op | None = None
-        self.calls = CallAccumulator(lambda wgrads, step: add_optimizer(sim, wgrads, view, hardware, config, step),
+        last_updates: dict[int, Op] = {}  # per layer, its latest update (the undo copy waits for it)
+        self.calls = CallAccumulator(lambda wgrads, step: add_optimizer(sim, wgrads, view, hardware, config, step,
+                                                                        last_updates),
                                      config.accumulation, config.stale_optimizer)
         self.submitted: Op | None = None  # the host's last task submission (dispatch cost)
 
@@ -428,20 +437,40 @@ class _RoundPipeBuilder:
         return Op(w, "compute", t.kind, t.stage, t.microbatch, step, seconds=seconds, deps=deps, alloc=alloc, free=free)
 
 
+UNDO_COPY_BYTES_PER_PARAM = 24  # the undo copy of a parameter: fp32 master, Adam m and v, read and written
+
+
+def undo_seconds(trainable_params: int, hardware: HardwareProfile) -> float:
+    """Host seconds of the undo copy of ``trainable_params`` parameters: their copy traffic at the
+    profile's host memory bandwidth, or, without one, at the bandwidth its optimizer rate implies
+    (``optimizer_params_per_s`` x ``optimizer_bytes_per_param``)."""
+    rate = hardware.host_memory_bytes_per_s or hardware.optimizer_params_per_s * hardware.optimizer_bytes_per_param
+    return trainable_params * UNDO_COPY_BYTES_PER_PARAM / rate
+
+
 def add_optimizer(sim: EventSimulator, wgrads: dict[int, list[Op]], view: CostView, hardware: HardwareProfile,
-                  config: SimConfig, step: int) -> dict[int, list[Op]]:
+                  config: SimConfig, step: int, previous: dict[int, Op] | None = None) -> dict[int, list[Op]]:
     """Host optimizer updates of one step, in the order the gradients were added.
 
-    Returns, per layer, the updates the next step's upload of that layer must wait for.
+    ``previous``: per layer, its last update so far (read for the undo copy, then set to this
+    step's). Returns, per layer, the updates the next step's upload of that layer must wait for.
     """
     everything = [op for ops in wgrads.values() for op in ops]
     wait_for_all = config.clip_grad_norm or config.optimizer_barrier
+    previous = {} if previous is None else previous
     updates: dict[int, Op] = {}
     for layer, ops in wgrads.items():
+        deps = list(everything if wait_for_all else ops)
+        if config.optimizer_undo and view.trainable[layer]:
+            last = previous.get(layer)
+            deps.append(sim.add(Op(HOST, "host", "undo", f"L{layer}", -1, step,
+                                   seconds=undo_seconds(view.trainable[layer], hardware),
+                                   priority=1,  # idle work: ready updates go first
+                                   deps=[last] if last is not None else [])))
         seconds = view.trainable[layer] / hardware.optimizer_params_per_s
-        updates[layer] = sim.add(Op(HOST, "host", "optim", f"L{layer}", -1, step, seconds=seconds,
-                                    priority=0,  # ready updates run in arrival order
-                                    deps=list(everything if wait_for_all else ops)))
+        updates[layer] = previous[layer] = sim.add(Op(HOST, "host", "optim", f"L{layer}", -1, step, seconds=seconds,
+                                                      priority=0,  # ready updates run in arrival order
+                                                      deps=deps))
     if config.optimizer_barrier:
         every_update = list(updates.values())
         return {layer: every_update for layer in range(len(view))}
