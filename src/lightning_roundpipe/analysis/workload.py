@@ -45,6 +45,8 @@ class Workload:
     # them whole; one sequence at a time is assumed.
     loss_chunk_tokens: int | None = 2048
     lora_rank: int | None = None  # LoRA of this rank on every linear layer but the router (None: full)
+    # How MoE experts run (cost/moe_loop.py): the reference's own per-expert loop, as it was measured.
+    moe_dispatch: str | None = "reference_loop"
 
     def __post_init__(self) -> None:
         if min(self.sequences_per_step, self.microbatches, self.calls, self.seq_len) < 1:
@@ -174,7 +176,7 @@ def simulate_workload(model: str, hardware: str | HardwareProfile, workload: Wor
     hw = load_hardware(hardware)
     costs = shape_layer_costs(get_model_shape(model), hw, workload.seq_len, workload.sequences_per_microbatch,
                               lora_rank=workload.lora_rank, loss_chunk_tokens=workload.loss_chunk_tokens,
-                              fp16_accumulation=workload.fp16_accumulation)
+                              fp16_accumulation=workload.fp16_accumulation, moe_dispatch=workload.moe_dispatch)
     if plan is None:
         choice = best_plan(costs, hw, [workload.microbatches], fused_last=True)
         if choice is None:

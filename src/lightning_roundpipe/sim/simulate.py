@@ -405,6 +405,8 @@ class _RoundPipeBuilder:
         if t.lane == "compute" and span is not None and self.hw.launch_s > 0:
             n = max(0, min(t.end, span[1]) - max(t.start, span[0]))
             seconds += self.hw.launch_seconds(t.kind, n)
+            extra = self.view.costs.extra_launches_per_decoder_layer[0 if t.kind == "forward" else 1]
+            seconds += n * extra * self.hw.launch_s  # an MoE layer's expert dispatch (cost/moe_loop.py)
         return seconds
 
     def _compute(self, t: GraphTask, step: int, deps: list[Op], inputs: list[GraphTask],
