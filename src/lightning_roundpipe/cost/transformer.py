@@ -38,9 +38,9 @@ autograd keeps for its backward and its (trainable) parameter counts; the profil
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from . import activations, moe_loop
+from . import activations, attention, moe_loop
 from .profile import CostProfile, LayerCost
 from .hardware import HardwareProfile
 from .physical import LayerWork, has_physical_rates, layer_seconds
@@ -330,6 +330,10 @@ def shape_layer_costs(
     fwd, bwd = decoder_layer_work(shape, seq_len, lora_rank, dtype_bytes)
     if not has_physical_rates(hardware):
         bwd = LayerWork(bwd.matmul_flops, 2 * attn, bwd.memory_bytes)  # the estimate's FLOP count
+    else:  # flash attention's rate at this length (cost/attention.py)
+        factor = attention.attention_flops_factor(seq_len, hardware)
+        fwd = replace(fwd, attention_flops=fwd.attention_flops * factor)
+        bwd = replace(bwd, attention_flops=bwd.attention_flops * factor)
     saved = activations.decoder_graph_bytes(shape, dtype_bytes, lora_rank)
     transient = activations.decoder_backward_transient_bytes(shape, dtype_bytes)
     dispatch = moe_loop.DispatchCost(0.0, 0.0, 0, 0)

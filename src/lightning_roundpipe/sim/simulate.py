@@ -180,6 +180,10 @@ class SimConfig:
     # grain="layer"; each runs its layers but the last once more without grad and holds one
     # layer's graph plus the stage's layer inputs (cost/memory.py: layer_grain_graph).
     layer_recompute: bool = False
+    # With layer_recompute: the layer inputs were kept by the forward stage (the reference
+    # RoundPipe downloads each layer's input to the host as its forward runs), so the backward
+    # runs no pass without grad first; False: this engine's pass that keeps them.
+    layer_inputs_from_forward: bool = False
 
     def __post_init__(self) -> None:
         if self.accumulation < 1:
@@ -421,7 +425,8 @@ class _RoundPipeBuilder:
             seconds = view.backward_with_recompute_s(a, b)
         if t.grain == "layer":
             transient = layer_grain_graph(view, a, b)
-            seconds += view.forward_s(a, b - 1)  # the pass without grad that keeps the layer inputs
+            if not self.cfg.layer_inputs_from_forward:
+                seconds += view.forward_s(a, b - 1)  # the pass without grad that keeps the layer inputs
         grads_total = view.grads(a, b) if t.kind != "forward" else 0
         out_total = sum(o.bytes for o in outputs)
         in_total = sum(i.bytes for i in inputs if i.kind in ("act_in", "grad_in"))
