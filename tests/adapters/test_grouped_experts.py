@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from _family_configs import AUX_LOSS_FAMILIES, MOE_FAMILIES, family_batch, tiny_model
+from _family_configs import AUX_LOSS_FAMILIES, FAMILY_CONFIGS, MOE_FAMILIES, family_batch, tiny_model
 from lightning_roundpipe import RoundPipeRuntime, RoundPipeStrategy, RuntimeOptions
 from lightning_roundpipe.adapters import grouped_experts
 from lightning_roundpipe.adapters.grouped_experts import (GroupedExpertsForward, gate_of, grouped_experts_forward,
@@ -64,6 +64,13 @@ def test_grouped_experts_equal_the_hf_loop(family, kernel):
         assert relative(grads[name], ref_grad) <= 1e-5, name
     assert model.state_dict().keys() == state.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+
+
+def test_the_parity_covers_every_moe_family_of_the_matrix():
+    # A family whose tiny config routes over experts must be in MOE_FAMILIES, which the parity above runs.
+    routed = {family for family, values in FAMILY_CONFIGS.items() if any("expert" in key for key in values)}
+    assert routed == set(MOE_FAMILIES) == {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "gpt_oss",
+                                           "deepseek_v3"}
 
 
 @pytest.mark.timeout(60)

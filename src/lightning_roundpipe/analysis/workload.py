@@ -45,12 +45,19 @@ class Workload:
     # them whole; one sequence at a time is assumed.
     loss_chunk_tokens: int | None = 2048
     lora_rank: int | None = None  # LoRA of this rank on every linear layer but the router (None: full)
+    # How MoE experts run (cost/moe_loop.py): the reference's own per-expert loop, as it was measured.
+    moe_dispatch: str | None = "reference_loop"
+    # The reference's recompute grain: "stage", or "layer" (each layer's input kept by the forward,
+    # downloaded to the host, so the backward runs no extra pass; SimConfig.layer_inputs_from_forward).
+    recompute: str = "stage"
 
     def __post_init__(self) -> None:
         if min(self.sequences_per_step, self.microbatches, self.calls, self.seq_len) < 1:
             raise ValueError(f"a workload needs positive sizes, got {self}")
         if self.optimizer not in ("stale", "sync"):
             raise ValueError(f"optimizer must be 'stale' or 'sync', got {self.optimizer!r}")
+        if self.recompute not in ("stage", "layer"):
+            raise ValueError(f"recompute must be 'stage' or 'layer', got {self.recompute!r}")
 
     @property
     def sequences_per_microbatch(self) -> float:
@@ -69,7 +76,8 @@ class Workload:
         # no host barriers.
         return SimConfig(steps=self.calls * optimizer_steps, accumulation=self.calls,
                          stale_optimizer=self.optimizer == "stale", optimizer_barrier=self.optimizer == "sync",
-                         host_barriers=False)
+                         host_barriers=False, layer_recompute=self.recompute == "layer",
+                         layer_inputs_from_forward=self.recompute == "layer")
 
 
 @dataclass(frozen=True)
@@ -174,7 +182,7 @@ def simulate_workload(model: str, hardware: str | HardwareProfile, workload: Wor
     hw = load_hardware(hardware)
     costs = shape_layer_costs(get_model_shape(model), hw, workload.seq_len, workload.sequences_per_microbatch,
                               lora_rank=workload.lora_rank, loss_chunk_tokens=workload.loss_chunk_tokens,
-                              fp16_accumulation=workload.fp16_accumulation)
+                              fp16_accumulation=workload.fp16_accumulation, moe_dispatch=workload.moe_dispatch)
     if plan is None:
         choice = best_plan(costs, hw, [workload.microbatches], fused_last=True)
         if choice is None:

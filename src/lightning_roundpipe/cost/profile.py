@@ -69,6 +69,9 @@ class CostProfile:
     unique_params: int | None = None
     unique_trainable_params: int | None = None
     decoder_layers: tuple[int, int] | None = None
+    # Kernel launches per decoder layer beyond the profile's per-layer counts, (forward task,
+    # backward or fused task): an MoE layer's expert dispatch (cost/moe_loop.py).
+    extra_launches_per_decoder_layer: tuple[int, int] = (0, 0)
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -38,9 +38,9 @@ autograd keeps for its backward and its (trainable) parameter counts; the profil
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from . import activations
+from . import activations, attention, moe_loop
 from .profile import CostProfile, LayerCost
 from .hardware import HardwareProfile
 from .physical import LayerWork, has_physical_rates, layer_seconds
@@ -276,6 +276,7 @@ def shape_layer_costs(
     loss_chunk_tokens: int | None = None,
     fp16_accumulation: bool = False,
     loss_in_pipeline: bool = True,
+    moe_dispatch: "str | moe_loop.ExpertDispatch | None" = None,
 ) -> CostProfile:
     """``transformer_layer_costs`` of a ``ModelShape`` (dense or MoE).
 
@@ -285,7 +286,9 @@ def shape_layer_costs(
     fp16-accumulate tensor rate (``torch.backends.cuda.matmul.allow_fp16_accumulation``).
     ``loss_in_pipeline`` False: the last stage returns the logits and the loss is computed
     outside (no labels travel, the logits are the last stage's output). Activation bytes come
-    from ``activations``.
+    from ``activations``. ``moe_dispatch`` (MoE shapes): how the experts run, priced by
+    ``cost/moe_loop.py`` (``"reference_loop"``, ``"hf_eager_loop"``, ``"grouped"``); None: the
+    routed FLOPs alone.
     """
     hidden, intermediate, vocab, num_layers = shape.hidden, shape.intermediate, shape.vocab, shape.num_layers
     qk_norm = shape.qk_norm
@@ -327,10 +330,21 @@ def shape_layer_costs(
     fwd, bwd = decoder_layer_work(shape, seq_len, lora_rank, dtype_bytes)
     if not has_physical_rates(hardware):
         bwd = LayerWork(bwd.matmul_flops, 2 * attn, bwd.memory_bytes)  # the estimate's FLOP count
+    else:  # flash attention's rate at this length (cost/attention.py)
+        factor = attention.attention_flops_factor(seq_len, hardware)
+        fwd = replace(fwd, attention_flops=fwd.attention_flops * factor)
+        bwd = replace(bwd, attention_flops=bwd.attention_flops * factor)
     saved = activations.decoder_graph_bytes(shape, dtype_bytes, lora_rank)
     transient = activations.decoder_backward_transient_bytes(shape, dtype_bytes)
+    dispatch = moe_loop.DispatchCost(0.0, 0.0, 0, 0)
+    if moe_dispatch is not None and shape.is_moe:
+        dispatch = moe_loop.dispatch_cost(shape, tokens, hardware, moe_loop.for_shape(moe_dispatch, shape.name),
+                                          dtype_bytes, fp16_accumulation)
     for _ in range(num_layers):
         layers.append(layer(fwd, bwd, base + adapters, adapters if lora else base, carry))
+        layers[-1].forward_s += dispatch.forward_s
+        layers[-1].recompute_s += dispatch.forward_s
+        layers[-1].backward_s += dispatch.backward_s
         layers[-1].backward_transient_bytes_per_token = transient
         layers[-1].forward_transient_bytes_per_token = activations.decoder_forward_transient_bytes(
             shape, dtype_bytes, lora_rank)
@@ -367,7 +381,9 @@ def shape_layer_costs(
                        dtype_bytes=dtype_bytes, input_bytes_per_token=_TOKEN_ID_BYTES * (2 if loss_in_pipeline else 1),
                        unique_params=unique,
                        unique_trainable_params=(num_layers * adapters) if lora else unique,
-                       decoder_layers=(1, 1 + num_layers))  # after the embedding prefix
+                       decoder_layers=(1, 1 + num_layers),  # after the embedding prefix
+                       extra_launches_per_decoder_layer=(dispatch.forward_launches,
+                                                         dispatch.forward_launches + dispatch.backward_launches))
 
 
 def preset_costs(

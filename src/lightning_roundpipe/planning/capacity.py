@@ -6,7 +6,8 @@ profile and a sequence length, and answers:
 - whether the host can hold the training state (fp32 masters, gradients and Adam moments, or
   LoRA adapters' state plus the frozen compute-dtype base) and the saved activations;
 - whether a worker can hold two stages' weights (and a stage's gradients) plus one microbatch's
-  activations, under ``memory_fraction`` of its memory;
+  activations, under ``memory_fraction`` of what its memory leaves after the CUDA context,
+  cuBLAS workspaces and allocator pages (``cost/device_overheads.py``);
 - which plan and microbatch count give the most tokens/s (candidates: the project's
   ``partition("auto")`` when present and balanced plans with 2-6 stages per worker, each timed by
   ``simulate_roundpipe``); the smallest microbatch count
@@ -40,9 +41,10 @@ from ..cost.memory import HostMemory, host_bytes, roundpipe_gpu_bytes
 from ..cost.transformer import ModelShape, get_model_shape, preset_costs
 from .balanced import balanced_plan, make_plan
 from ..cost.activations import DEFAULT_LOSS_CHUNK_TOKENS
+from ..cost.device_overheads import extra_attention_backward_bytes_per_token, usable_gpu_bytes
 from ..sim.simulate import SimConfig, SimResult, simulate_roundpipe
 
-DEFAULT_MEMORY_FRACTION = 0.9  # of each GPU's memory; the rest is CUDA context and allocator slack
+DEFAULT_MEMORY_FRACTION = 0.9  # of what a GPU leaves after its context and workspaces (cost/device_overheads.py)
 STAGES_PER_WORKER = (2, 3, 4, 6)
 NEAR_BEST = 0.95  # recommend the smallest microbatch count within this share of the best tokens/s
 SEQ_QUANTUM = 256  # the longest-sequence search moves in steps of this many tokens
@@ -119,7 +121,7 @@ def best_plan(
     """
     nw = num_workers or hardware.num_gpus
     config = dataclasses.replace(config or SimConfig(), layer_recompute=recompute == "layer")
-    budget = hardware.gpu_memory_bytes * memory_fraction
+    budget = usable_gpu_bytes(hardware.gpu_memory_bytes, memory_fraction)
     best_per_m: dict[int, PlanChoice] = {}
 
     def time_fitting(plans_of) -> None:
@@ -172,7 +174,7 @@ class TrainingPlan:
     @property
     def gpu_budget_bytes(self) -> float:
         """The share of each GPU's memory the plan may use."""
-        return self.hardware.gpu_memory_bytes * self.memory_fraction
+        return usable_gpu_bytes(self.hardware.gpu_memory_bytes, self.memory_fraction)
 
     def to_text(self) -> str:
         """The plan as the ``sim plan`` command prints it."""
@@ -236,15 +238,22 @@ class TrainingPlan:
 
 def _costs(shape: ModelShape, hardware: HardwareProfile, seq_len: int, microbatch_size: int,
            lora_rank: int | None, loss_chunk_tokens: int | None) -> CostProfile:
-    return preset_costs(shape, hardware, seq_len, microbatch_size, lora_rank=lora_rank,
-                        loss_chunk_tokens=loss_chunk_tokens)
+    costs = preset_costs(shape, hardware, seq_len, microbatch_size, lora_rank=lora_rank,
+                         loss_chunk_tokens=loss_chunk_tokens)
+    # On a GPU the attention backward's flash-attention workspace may outgrow the MLP's gradients
+    # (cost/device_overheads.py); the backward peak is the larger of the two.
+    start, end = costs.decoder_layers
+    for layer in costs.layers[start:end]:
+        layer.backward_transient_bytes_per_token += extra_attention_backward_bytes_per_token(
+            shape, layer.backward_transient_bytes_per_token, costs.dtype_bytes)
+    return costs
 
 
 def _fit_problems(costs: CostProfile, hardware: HardwareProfile, memory_fraction: float, microbatches: int,
                   fused_last: bool, recompute: str = "stage") -> tuple[list[str], HostMemory, int]:
     """Reasons the run cannot fit with any of the least-memory plans (none when one fits), host
     memory and GPU need (of the first plan that fits, else of the finest plan)."""
-    budget = hardware.gpu_memory_bytes * memory_fraction
+    budget = usable_gpu_bytes(hardware.gpu_memory_bytes, memory_fraction)
     for plan in least_memory_plans(len(costs.layers), fused_last):
         host = host_bytes(costs, plan, microbatches)
         gpu = max(roundpipe_gpu_bytes(plan, costs, hardware.num_gpus, recompute=recompute))

@@ -187,6 +187,10 @@ class SimConfig:
     # layer's update waits for it. False: not priced (the engine's ``optimizer_undo=False``, or a
     # synchronous optimizer, which needs no undo).
     optimizer_undo: bool = False
+    # With layer_recompute: the layer inputs were kept by the forward stage (the reference
+    # RoundPipe downloads each layer's input to the host as its forward runs), so the backward
+    # runs no pass without grad first; False: this engine's pass that keeps them.
+    layer_inputs_from_forward: bool = False
 
     def __post_init__(self) -> None:
         if self.accumulation < 1:
@@ -414,6 +418,8 @@ class _RoundPipeBuilder:
         if t.lane == "compute" and span is not None and self.hw.launch_s > 0:
             n = max(0, min(t.end, span[1]) - max(t.start, span[0]))
             seconds += self.hw.launch_seconds(t.kind, n)
+            extra = self.view.costs.extra_launches_per_decoder_layer[0 if t.kind == "forward" else 1]
+            seconds += n * extra * self.hw.launch_s  # an MoE layer's expert dispatch (cost/moe_loop.py)
         return seconds
 
     def _compute(self, t: GraphTask, step: int, deps: list[Op], inputs: list[GraphTask],
@@ -428,7 +434,8 @@ class _RoundPipeBuilder:
             seconds = view.backward_with_recompute_s(a, b)
         if t.grain == "layer":
             transient = layer_grain_graph(view, a, b)
-            seconds += view.forward_s(a, b - 1)  # the pass without grad that keeps the layer inputs
+            if not self.cfg.layer_inputs_from_forward:
+                seconds += view.forward_s(a, b - 1)  # the pass without grad that keeps the layer inputs
         grads_total = view.grads(a, b) if t.kind != "forward" else 0
         out_total = sum(o.bytes for o in outputs)
         in_total = sum(i.bytes for i in inputs if i.kind in ("act_in", "grad_in"))

@@ -1,0 +1,66 @@
+"""What a real GPU holds beyond the model's tensors: the CUDA context, cuBLAS workspaces, allocator pages.
+
+The memory model (``cost/memory.py``, checked against the CPU backend's measured tensors) counts
+the tensors a worker's tasks create. On a GPU the process also holds, per device:
+
+- **the CUDA context** (``CUDA_CONTEXT_BYTES``, 500 MiB): created by the first CUDA call, it
+  holds the driver's state and the device code of the kernels loaded. A PyTorch process showed
+  a 723 MiB floor after its first tensor on a CUDA of before lazy loading
+  (discuss.pytorch.org/t/what-is-the-reason-for-pytorchs-gpu-memory-floor/73021); since CUDA
+  12.2 Linux loads modules lazily by default (``CUDA_MODULE_LOADING=LAZY``, NVIDIA developer
+  forum, "How to enable the CUDA's lazy module loading"), so only the kernels a training step
+  uses are resident. 500 MiB is assumed between the two; it is the largest of these terms.
+- **cuBLAS workspaces** (``CUBLAS_WORKSPACE_BYTES``, 8.1 MiB + 4 MiB): PyTorch gives each
+  (cuBLAS handle, stream) pair a workspace of the size ``CUBLAS_WORKSPACE_CONFIG`` names, by
+  default ``:4096:2:16:8`` = 2 x 4096 KiB + 8 x 16 KiB = 8,519,680 bytes (the fixed
+  8,519,680-byte block a first matmul allocates, discuss.pytorch.org/t/178671), and cuBLASLt
+  one of 4 MiB on SM 8.x cards of 24 GiB or more (32 MiB on SM 9.x; PyTorch PR #120925,
+  ``CUDABlas.cpp``). A worker runs its matmuls on one compute stream: one of each.
+- **allocator pages** (``ALLOCATOR_SLACK_BYTES``, 64 MiB): with
+  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (what the reference ran) each stream's
+  segment grows by mapping 2 MiB pages, so freed blocks in the middle go back page by page
+  and what is lost is the partly used page at the end of live blocks: about half a page for
+  each of the ~64 large blocks a worker holds at its peak (two stages' weights of one layer
+  each, one layer's saved activations, the carried inputs).
+- **flash attention's backward workspace** (``attention_backward_bytes_per_token``): FlashAttention-2
+  accumulates dQ in fp32 (``4 * q_dim`` bytes per token) and keeps ``softmax_d`` (``4 * heads``)
+  beside dQ, dK, dV in the compute dtype. It is alive only inside the attention backward, after
+  the MLP's gradients are gone, so it raises a layer's backward peak only where it exceeds the
+  MLP's gradients that ``cost/activations.py`` counts (``extra_attention_backward_bytes_per_token``:
+  0 for every dense and MoE preset here, e.g. 16.4 KB against 24.6 KB per token for Qwen3-1.7B).
+
+``device_reserved_bytes`` sums the fixed terms (0.56 GiB); the planner takes them off each
+GPU's memory before its ``memory_fraction`` (``planning/capacity.py``), whose remaining 10%
+stands for the memory model's own error (within -3.5% to +6.8% of measured peaks) and the
+allocator's fragmentation that page granularity does not remove.
+"""
+
+from __future__ import annotations
+
+MiB = 2**20
+CUDA_CONTEXT_BYTES = 500 * MiB
+CUBLAS_WORKSPACE_BYTES = 2 * 4096 * 1024 + 8 * 16 * 1024 + 4 * MiB  # cuBLAS handle (:4096:2:16:8) + cuBLASLt
+EXPANDABLE_PAGE_BYTES = 2 * MiB
+LIVE_LARGE_BLOCKS = 64
+ALLOCATOR_SLACK_BYTES = LIVE_LARGE_BLOCKS * EXPANDABLE_PAGE_BYTES // 2
+
+
+def device_reserved_bytes() -> int:
+    """Bytes of one GPU the model's tensors cannot use: context, cuBLAS workspaces, allocator pages."""
+    return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + ALLOCATOR_SLACK_BYTES
+
+
+def usable_gpu_bytes(gpu_memory_bytes: int, memory_fraction: float) -> float:
+    """What the planner lets a worker's tensors fill: ``memory_fraction`` of the memory left after
+    ``device_reserved_bytes``."""
+    return max(0, gpu_memory_bytes - device_reserved_bytes()) * memory_fraction
+
+
+def attention_backward_bytes_per_token(shape, dtype_bytes: int = 2) -> int:
+    """FlashAttention-2's backward working set per token: fp32 dQ accumulator and softmax_d, and dQ, dK, dV."""
+    return 4 * shape.q_dim + 4 * shape.num_heads + dtype_bytes * (shape.q_dim + 2 * shape.kv_dim)
+
+
+def extra_attention_backward_bytes_per_token(shape, mlp_gradient_bytes_per_token: int, dtype_bytes: int = 2) -> int:
+    """How far the attention backward's working set exceeds the MLP's gradients (the backward peak's other candidate)."""
+    return max(0, attention_backward_bytes_per_token(shape, dtype_bytes) - mlp_gradient_bytes_per_token)

@@ -1,0 +1,206 @@
+"""What an MoE layer's expert dispatch costs beyond its routed FLOPs: the per-expert loop or one grouped call.
+
+``cost/transformer.py`` prices a token through its ``top_k`` routed experts as if every routed
+row met its expert in one large GEMM. Real eager code does not. Two dispatches are priced here:
+
+**The per-expert loop** (Hugging Face's eager experts, and the reference RoundPipe's own
+``GptOssOptExperts`` / ``Qwen3MoeOptSparseMoeBlock``, which the published GPT-OSS-20B and
+Qwen3-235B figures ran; transformers 5 runs it only with ``experts_implementation="eager"``,
+its default is ``grouped_mm``). For every expert that got tokens the host issues a gather of
+its rows, the projections, the gate, the routing-weight multiply and an ``index_add_`` back
+into the tokens. Its terms, per MoE layer and microbatch of ``T`` tokens:
+
+- **launches**: ``E x kernels_per_expert`` kernel launches (plus a few per layer), issued from
+  Python on the host; the simulator charges them on its one host dispatch queue with the
+  profile's ``launch_s``, as it does the dense layers' launches (``HardwareProfile.launch_s``).
+  One host drives every worker, so these serialise across workers.
+- **host syncs**: ``syncs_per_expert`` device-to-host reads per expert (HF's eager loop: the
+  ``expert_idx == num_experts`` test, ``torch.where`` on the mask, and each fused weight indexed
+  with a 0-d tensor, which PyTorch turns into ``.item()``) and ``syncs_per_layer`` per layer
+  (the reference reads its token counts once, ``.cpu()``): each drains the GPU queue and costs a
+  round trip, the profile's ``latency_s``, of device time.
+- **small GEMMs**: each expert's GEMM has ``rows = T * top_k / E`` rows, and a GPU runs a GEMM in
+  waves of output tiles over its SMs: ``ceil(tiles / SMs)`` waves for ``tiles =
+  ceil(rows / 128) * ceil(cols / 128)``, so a GEMM whose tiles fill a wave badly runs at
+  ``tiles / (waves * SMs)`` of the dense rate. Dense layers' GEMMs (thousands of rows) fill
+  their waves; the loop's lose ``expert FLOPs * (1 / efficiency - 1)`` at the matmul rate.
+- **scatter in backward**: the gather ``hidden[token_idx]`` is differentiated by
+  ``index_put_`` into a zero tensor of the whole ``[T, hidden]`` input, once per expert, then
+  added into the input's gradient: ``E * T * hidden * dtype * 4`` bytes (zero-fill 1, the add
+  reads 2 and writes 1).
+
+**Both dispatches** move the routed rows: the gather (read and write a row, ``4 * hidden``
+bytes at 2-byte activations), the routing-weight multiply (``4 * hidden``) and the
+``index_add`` (read the row, read and write the output: ``6 * hidden``): ``14 * hidden`` per
+routed row forward, twice that backward. A gate other than the plain ``act(gate) * up`` moves
+more (``gate_bytes_per_intermediate``: GPT-OSS's bias add on ``2 I``, interleaved strided
+halves read as whole lines, two clamps, ``sigmoid(alpha * g)``, ``(up + 1) * glu``: 44 bytes per
+intermediate element where the dense model counts 10), and biased experts add a bias on the
+output (``4 * hidden``).
+
+**The grouped dispatch** (``moe_experts="grouped"``: the pairs sorted by expert once, each
+projection one ``grouped_mm``): a fixed handful of launches per layer, no sync, GEMMs at the
+dense rate. ``grouped_mm`` takes bf16 only: under fp16 (``fp16_accumulation``) the adapter
+falls back to a padded ``bmm`` that computes every expert on every token, ``E / top_k`` times
+the routed FLOPs, and that is what is priced (the grouped path is for bf16 runs).
+
+Not modelled, stated: the loop's fused weights indexed per expert (GPT-OSS's
+``gate_up_proj[e]``) are differentiated by ``select_backward``, which writes a zero tensor the
+size of the whole fused weight per expert and ``add_``s it into the running gradient (counted
+on the CPU: 8 ``zeros`` and 7 ``add_`` for 8 experts). At DRAM speed that is ~200 GB per
+GPT-OSS layer and microbatch (~0.2 s), which the reference's measured backward (81.8 ms per
+layer at 8,192 tokens) rules out; whatever the GPU does with these mostly-zero tensors, the
+measurements do not show this cost, so it is left out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .hardware import HardwareProfile
+from .physical import has_physical_rates, matmul_tflops
+
+# Streaming multiprocessors per GPU (the vendors' whitepapers: Ada AD102 as in the RTX 4090 128
+# SMs, GA100 as in the A100 108, GH100 SXM5 as in the H100 132). Unknown profiles: 128.
+STREAMING_MULTIPROCESSORS = {"rtx4090": 128, "a100": 108, "a100-80gb": 108, "h100": 132}
+TILE = 128  # output tile edge of a tensor-core GEMM kernel (cuBLAS/CUTLASS fp16 kernels use 128 or 256)
+DEFAULT_SMS = 128
+
+
+@dataclass(frozen=True)
+class ExpertDispatch:
+    """How one implementation runs an MoE layer's experts (kernel counts read off its source).
+
+    ``loop``: one iteration per expert (else one grouped call). Kernels and syncs per expert
+    and per layer, forward; backward kernels are those autograd launches for them.
+    ``gate_bytes_per_intermediate``: forward element-wise bytes of the expert gate per
+    intermediate element (10: ``act(gate) * up``, as ``cost/transformer.py`` counts).
+    ``biased``: the experts add biases (one more add on the output).
+    ``bf16_only``: the kernel takes bf16 only (no fp16 accumulation for the expert GEMMs).
+    """
+
+    name: str
+    loop: bool
+    forward_kernels_per_expert: int = 0
+    backward_kernels_per_expert: int = 0
+    forward_kernels_per_layer: int = 0
+    backward_kernels_per_layer: int = 0
+    syncs_per_expert: int = 0
+    syncs_per_layer: int = 0
+    gate_bytes_per_intermediate: int = 10
+    biased: bool = False
+    bf16_only: bool = False
+
+
+# Kernel counts from the code each runs (forward; backward = the gradients autograd launches):
+# - the reference's GptOssOptExperts loop body: gather rows, matmul, bias add, two clamps,
+#   alpha multiply, sigmoid, multiply, +1, multiply, matmul, bias add, weight multiply,
+#   index_add_ = 14; its backward 36 (index_select, 3 for the weight multiply, per projection
+#   2 GEMMs + bias sum + 2 select_backward kernels per indexed tensor + the accumulating add,
+#   7 for the gate chain, 4 for the two strided-slice backwards, 3 for the gather's index_put);
+#   per layer: gather of the routing weights, sort, index, divide, counts, ``.cpu()``, two zeros.
+REFERENCE_GPT_OSS_LOOP = ExpertDispatch("reference loop (GPT-OSS)", True, 14, 36, 8, 6, 0, 1,
+                                        gate_bytes_per_intermediate=44, biased=True)
+# - the reference's Qwen3MoeOptSparseMoeBlock over an nn.ModuleList of expert MLPs (transformers
+#   4.57): gather, gate and up projections, activation, multiply, down projection, weight
+#   multiply, index_add_ = 8 (backward 2.5x: input and weight gradients, the gather's index_put).
+REFERENCE_SWIGLU_LOOP = ExpertDispatch("reference loop (SwiGLU experts)", True, 8, 20, 8, 6, 0, 1)
+# - transformers 5 ``experts_implementation="eager"`` (every family's fused 3-D experts):
+#   ``expert_idx == num_experts`` (a sync), ``torch.where`` (nonzero: 2 kernels, a sync),
+#   gather, gate_up linear (``gate_up_proj[expert_idx]`` with a 0-d tensor: ``.item()``, a sync),
+#   activation, multiply, down linear (another ``.item()``), weight gather and multiply,
+#   index_add_ = 11 kernels and 4 syncs per expert; one ``nonzero`` per layer.
+HF_EAGER_LOOP = ExpertDispatch("transformers eager loop", True, 11, 28, 5, 4, 4, 1)
+# - this project's grouped forward (adapters/grouped_experts.py): sort, counts, cumsum, rank,
+#   gather, two grouped_mm, gate (2-3), weight gather and multiply, zeros, index_add ~ 16 per
+#   layer, ~40 backward, whatever the number of experts; no host sync.
+GROUPED = ExpertDispatch("grouped", False, forward_kernels_per_layer=16, backward_kernels_per_layer=40, bf16_only=True)
+
+DISPATCHES = {"grouped": GROUPED, "hf_eager_loop": HF_EAGER_LOOP, "reference_loop": None}
+
+
+def reference_loop(model_name: str) -> ExpertDispatch:
+    """The reference RoundPipe's loop for a model: GPT-OSS's own (biased, clamped gate) or the SwiGLU one."""
+    return REFERENCE_GPT_OSS_LOOP if "gpt-oss" in model_name.lower() else REFERENCE_SWIGLU_LOOP
+
+
+def for_shape(dispatch: "str | ExpertDispatch", model_name: str) -> ExpertDispatch:
+    """``"reference_loop"``, ``"hf_eager_loop"``, ``"grouped"`` or an ``ExpertDispatch``, for ``model_name``."""
+    if isinstance(dispatch, ExpertDispatch):
+        return dispatch
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"unknown expert dispatch {dispatch!r}; use one of {sorted(DISPATCHES)}")
+    found = DISPATCHES[dispatch]
+    if found is None:
+        return reference_loop(model_name)
+    if "gpt-oss" in model_name.lower() and found.gate_bytes_per_intermediate == 10:
+        # GPT-OSS's gate is the same code in every dispatch (adapters/grouped_experts.py gpt_oss_gate)
+        return ExpertDispatch(**{**found.__dict__, "gate_bytes_per_intermediate": 44, "biased": True})
+    return found
+
+
+def wave_efficiency(rows: float, cols: int, sms: int, tile: int = TILE) -> float:
+    """Share of a GEMM's last-wave-padded tile work that is useful: ``rows * cols / (waves * SMs * tile^2)``.
+
+    A GEMM of ``rows x cols`` outputs runs ``ceil(rows/tile) * ceil(cols/tile)`` tiles in waves
+    of ``sms`` tiles; ``waves = ceil(tiles / sms)``. A large GEMM tends to 1.
+    """
+    if rows <= 0:
+        return 1.0
+    tiles = math.ceil(rows / tile) * math.ceil(cols / tile)
+    waves = math.ceil(tiles / sms)
+    return rows * cols / (waves * sms * tile * tile)
+
+
+@dataclass(frozen=True)
+class DispatchCost:
+    """Seconds one MoE layer adds to a microbatch's forward and backward, and its extra launches."""
+
+    forward_s: float
+    backward_s: float
+    forward_launches: int
+    backward_launches: int  # the backward proper's own (a backward task also re-runs the forward)
+
+
+def dispatch_cost(shape, tokens: int, hardware: HardwareProfile, dispatch: ExpertDispatch, dtype_bytes: int = 2,
+                  fp16_accumulation: bool = False) -> DispatchCost:
+    """What ``dispatch`` adds to one MoE decoder layer of ``shape`` over ``tokens`` tokens (see the module doc).
+
+    Only profiles with physical rates are priced (``cost/physical.py``); others get zero.
+    """
+    if not shape.is_moe or not has_physical_rates(hardware):
+        return DispatchCost(0.0, 0.0, 0, 0)
+    e, k, h, i = shape.num_experts, shape.experts_per_token, shape.hidden, shape.expert_intermediate
+    scale = dtype_bytes / 2
+    bandwidth = hardware.memory_bytes_per_s
+    pairs = tokens * k
+    # Both dispatches: gather, routing-weight multiply and index_add of the routed rows; a gate
+    # heavier than act(gate) * up; biased experts' output bias.
+    row_bytes = (14 * h + (dispatch.gate_bytes_per_intermediate - 10) * i + (4 * h if dispatch.biased else 0)) * scale
+    forward_s = pairs * row_bytes / bandwidth
+    backward_s = 2 * forward_s
+    rate = matmul_tflops(hardware, fp16_accumulation) * 1e12
+    expert_flops = pairs * 2 * sum(a * b for a, b in shape.mlp_shapes())  # forward, routed
+    experts_hit = min(e, pairs)
+    if dispatch.loop:
+        sms = STREAMING_MULTIPROCESSORS.get(hardware.name, DEFAULT_SMS)
+        rows = pairs / e
+        # gate_up (or gate and up) to the intermediate, down back to hidden: FLOP-weighted efficiency.
+        shapes = shape.mlp_shapes()
+        flops = [a * b for a, b in shapes]
+        efficiency = sum(flops) / sum(f / wave_efficiency(rows, b, sms) for f, (_, b) in zip(flops, shapes))
+        lost = expert_flops * (1 / efficiency - 1) / rate
+        forward_s += lost + (experts_hit * dispatch.syncs_per_expert + dispatch.syncs_per_layer) * hardware.latency_s
+        backward_s += 2 * lost + experts_hit * tokens * h * dtype_bytes * 4 / bandwidth
+        forward_launches = experts_hit * dispatch.forward_kernels_per_expert + dispatch.forward_kernels_per_layer
+        backward_launches = experts_hit * dispatch.backward_kernels_per_expert + dispatch.backward_kernels_per_layer
+    else:
+        if dispatch.bf16_only and fp16_accumulation:
+            # fp16 rows: grouped_mm refuses them and the padded bmm computes every expert on
+            # every token, E / top_k times the routed FLOPs (adapters/grouped_experts.py).
+            padded = expert_flops * (e / k - 1) / rate
+            forward_s += padded
+            backward_s += 2 * padded
+        forward_launches, backward_launches = dispatch.forward_kernels_per_layer, dispatch.backward_kernels_per_layer
+    return DispatchCost(forward_s, backward_s, forward_launches, backward_launches)
