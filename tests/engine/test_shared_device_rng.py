@@ -11,7 +11,6 @@ import threading
 import pytest
 import torch
 
-from lightning_roundpipe.engine import rng as rng_module
 from lightning_roundpipe.engine.rng import CallRng, abandon_generators, layer_seed
 from lightning_roundpipe.workers.completions import PipelineTimeout
 
@@ -45,7 +44,6 @@ class DeviceGenerator:
 def two_gpus(monkeypatch):
     gens = (DeviceGenerator(), DeviceGenerator())
     monkeypatch.setattr(torch.cuda, "default_generators", gens)
-    monkeypatch.setattr(rng_module, "_DEVICE_GATES", {}, raising=False)
     return gens
 
 

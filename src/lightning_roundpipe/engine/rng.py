@@ -290,8 +290,9 @@ def device_generator_gate(device: torch.device) -> CpuGeneratorGate:
     with _DEVICE_GATES_LOCK:
         gate = _DEVICE_GATES.get(index)
         if gate is None:
-            gen = cuda_generator(torch.device("cuda", index))
-            gate = CpuGeneratorGate(gen.get_state, gen.set_state, f"the generator of cuda:{index}")
+            dev = torch.device("cuda", index)  # the generator is looked up at each use, never kept
+            gate = CpuGeneratorGate(lambda: cuda_generator(dev).get_state(),
+                                    lambda state: cuda_generator(dev).set_state(state), f"the generator of cuda:{index}")
             _DEVICE_GATES[index] = gate
     return gate
 
