@@ -5,7 +5,13 @@ closure's last backward) on the CPU backend, with ``undo=True`` and ``undo=False
 own process so peak RSS is its own, interleaved ``--repeats`` times; ``--baseline REV`` adds the
 code of a git revision (its default undo setting) as a third system. Measured, not simulated.
 
-    python benchmarks/figures/step_undo_cost.py [--steps 6] [--repeats 2] [--baseline REV]
+``--paired``: on a shared, noisy machine separate processes see different load, so the step
+time is instead compared within one process per code version, undo switched on and off on
+alternate steps (``OverlappedOptimizer.keep_undo``, read at each step): the figure is the median
+over adjacent on/off pairs of on / off, after ``PAIRED_WARMUP`` steps that allocate the state
+and the undo buffers.
+
+    python benchmarks/figures/step_undo_cost.py [--steps 6] [--repeats 2] [--baseline REV] [--paired]
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from torch import nn
 from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
 
 width, depth, steps, undo = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+paired = undo == "paired"
+undo = "on" if paired else undo
 torch.manual_seed(0)
 net = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)])
 params = sum(p.numel() for p in net.parameters())
@@ -45,7 +53,9 @@ except TypeError:  # a revision from before the undo option: undo always on
 last = getattr(ov, "last_backward", None)
 x, y = torch.randn(8, width), torch.randn(8, width)
 times = []
-for _ in range(steps):
+for i in range(steps):
+    if paired:
+        ov.keep_undo = i % 2 == 0  # on, off, on, off, ...
     def closure():
         opt.zero_grad()
         loss = ((net(x) - y) ** 2).mean()
@@ -75,6 +85,37 @@ def run(src: str, undo: str, width: int, depth: int, steps: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+PAIRED_WARMUP = 4  # steps 0-3 allocate optimizer state and undo buffers
+
+
+def _sources(tmp: str, baseline: str | None) -> dict[str, str]:
+    """``src`` of this tree, and of ``baseline`` (a git revision) extracted under ``tmp``."""
+    sources = {"this tree": os.path.join(ROOT, "src")}
+    if baseline:
+        archive = subprocess.run(["git", "-C", ROOT, "archive", baseline, "src"], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        sources[f"baseline {baseline}"] = os.path.join(tmp, "src")
+    return sources
+
+
+def paired(args) -> None:
+    """Undo on / off step time within one process per code version (see the module doc)."""
+    steps = max(args.steps, PAIRED_WARMUP + 4)
+    steps += steps % 2
+    ratios: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        sources = _sources(tmp, args.baseline)
+        for _ in range(args.repeats):
+            for name, path in sources.items():
+                t = run(path, "paired", args.width, args.depth, steps)["step_s"]
+                ratios.setdefault(name, []).extend(t[i] / t[i + 1] for i in range(PAIRED_WARMUP, steps, 2))
+    summary = {name: {"undo on / off step time, median of pairs": statistics.median(r), "pairs": len(r),
+                      "min": min(r), "max": max(r)} for name, r in ratios.items()}
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        write_json(args.json, summary)
+
+
 def main() -> None:
     ap = cli(__doc__.splitlines()[0], json_help="also write the summary to this JSON file")
     ap.add_argument("--baseline", default=None, help="also run the code of this git revision (its default undo)")
@@ -82,7 +123,10 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=24, help="layers of width x width (24 x 2048^2: 100.7M parameters)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--paired", action="store_true", help="undo on and off on alternate steps of one process")
     args = ap.parse_args()
+    if args.paired:
+        return paired(args)
     src = os.path.join(ROOT, "src")
     systems = {"undo off": (src, "off"), "undo on": (src, "on")}
     with tempfile.TemporaryDirectory() as tmp:
