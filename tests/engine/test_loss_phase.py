@@ -1,6 +1,8 @@
 """The host's loss phase: the merged output assembled while the forward runs, the caller's threads for the loss."""
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -65,6 +67,13 @@ def test_pipelined_output_is_one_tensor_filled_in_place_and_exact():
         assert [t.data_ptr() for t in run.output_sizes] == [out[2 * m:].data_ptr() for m in range(4)]
         out.sum().backward()
         assert all(p.grad is not None for l in layers for p in l.parameters())
+        # the call is freed once its output is: the rows it holds are not views of the output
+        # (a cycle through autograd's C++ graph would keep every call's memory)
+        gone = weakref.ref(run)
+        del out, run
+        eng(x).sum().backward()
+        gc.collect()
+        assert gone() is None
     finally:
         eng.close()
 

@@ -68,5 +68,9 @@ class OutputAssembly:
         """The merged output of ``trees`` (the microbatch outputs, in order): the filled tensors
         where every microbatch was placed, ``torch.cat`` for the other leaves."""
         done = self.placed == len(self.sizes)
-        filled = {i: b for i, b in self.buffers.items() if b is not None} if done else {}
+        # An alias of each filled tensor, not the tensor the rows are views of: autograd makes the
+        # returned tensor hold the call (its grad_fn), and the call holds the rows; a row whose
+        # base were that tensor would close a cycle through C++ that Python's collector cannot
+        # break, and every call's memory would stay.
+        filled = {i: b.detach() for i, b in self.buffers.items() if b is not None} if done else {}
         return merge_microbatches(trees, filled)
