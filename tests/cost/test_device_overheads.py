@@ -15,8 +15,13 @@ def test_each_fixed_term_by_hand():
     assert d.CUBLAS_WORKSPACE_BYTES == 8_519_680 + 4 * MiB  # :4096:2:16:8 and the cuBLASLt workspace
     assert d.ALLOCATOR_SLACK_BYTES == 64 * MiB  # half a 2 MiB page for each of 64 live blocks
     assert d.device_reserved_bytes() == 500 * MiB + 8_519_680 + 4 * MiB + 64 * MiB
-    assert d.usable_gpu_bytes(24 * 2**30, 0.9) == pytest.approx((24 * 2**30 - d.device_reserved_bytes()) * 0.9)
-    assert d.usable_gpu_bytes(100 * MiB, 0.9) == 0
+    assert d.device_reserved_bytes(sm90=True) == d.device_reserved_bytes() + 28 * MiB  # 32 MiB cuBLASLt on SM 9.x
+    hw = load_hardware("rtx4090")
+    assert d.usable_gpu_bytes(hw, 0.9) == pytest.approx((24 * 2**30 - d.device_reserved_bytes()) * 0.9)
+    assert d.usable_gpu_bytes(hw.replace(gpu_memory_bytes=100 * MiB), 0.9) == 0
+    assert d.usable_gpu_bytes(load_hardware("cpu2"), 0.9) == load_hardware("cpu2").gpu_memory_bytes * 0.9  # nothing reserved
+    for name, sm90 in (("rtx4090", False), ("rtx3090", False), ("a100", False), ("h100", True), ("h200", True)):
+        assert load_hardware(name).reserved_gpu_bytes == d.device_reserved_bytes(sm90), name
 
 
 def test_the_flash_attention_workspace_by_hand():

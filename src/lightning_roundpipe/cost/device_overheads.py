@@ -29,8 +29,9 @@ the tensors a worker's tasks create. On a GPU the process also holds, per device
   MLP's gradients that ``cost/activations.py`` counts (``extra_attention_backward_bytes_per_token``:
   0 for every dense and MoE preset here, e.g. 16.4 KB against 24.6 KB per token for Qwen3-1.7B).
 
-``device_reserved_bytes`` sums the fixed terms (0.56 GiB); the planner takes them off each
-GPU's memory before its ``memory_fraction`` (``planning/capacity.py``), whose remaining 10%
+``device_reserved_bytes`` sums the fixed terms (0.56 GiB; 0.59 on SM 9.x), which the GPU profiles
+carry as ``reserved_gpu_bytes``; the planner takes them off each GPU's memory before its
+``memory_fraction`` (``planning/capacity.py``), whose remaining 10%
 stands for the memory model's own error (within -3.5% to +6.8% of measured peaks) and the
 allocator's fragmentation that page granularity does not remove.
 """
@@ -40,20 +41,22 @@ from __future__ import annotations
 MiB = 2**20
 CUDA_CONTEXT_BYTES = 500 * MiB
 CUBLAS_WORKSPACE_BYTES = 2 * 4096 * 1024 + 8 * 16 * 1024 + 4 * MiB  # cuBLAS handle (:4096:2:16:8) + cuBLASLt
+CUBLASLT_SM90_EXTRA_BYTES = 28 * MiB  # SM 9.x cards get a 32 MiB cuBLASLt workspace instead of 4
 EXPANDABLE_PAGE_BYTES = 2 * MiB
 LIVE_LARGE_BLOCKS = 64
 ALLOCATOR_SLACK_BYTES = LIVE_LARGE_BLOCKS * EXPANDABLE_PAGE_BYTES // 2
 
 
-def device_reserved_bytes() -> int:
-    """Bytes of one GPU the model's tensors cannot use: context, cuBLAS workspaces, allocator pages."""
-    return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + ALLOCATOR_SLACK_BYTES
+def device_reserved_bytes(sm90: bool = False) -> int:
+    """Bytes of one GPU the model's tensors cannot use: context, cuBLAS workspaces, allocator pages
+    (``sm90``: a Hopper card's larger cuBLASLt workspace). GPU profiles carry it as ``reserved_gpu_bytes``."""
+    return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + ALLOCATOR_SLACK_BYTES + (CUBLASLT_SM90_EXTRA_BYTES if sm90 else 0)
 
 
-def usable_gpu_bytes(gpu_memory_bytes: int, memory_fraction: float) -> float:
-    """What the planner lets a worker's tensors fill: ``memory_fraction`` of the memory left after
-    ``device_reserved_bytes``."""
-    return max(0, gpu_memory_bytes - device_reserved_bytes()) * memory_fraction
+def usable_gpu_bytes(hardware, memory_fraction: float) -> float:
+    """What the planner lets a worker's tensors fill: ``memory_fraction`` of the memory left after the
+    profile's ``reserved_gpu_bytes`` (0 for the CPU backend and hand-made profiles)."""
+    return max(0.0, hardware.gpu_memory_bytes - hardware.reserved_gpu_bytes) * memory_fraction
 
 
 def attention_backward_bytes_per_token(shape, dtype_bytes: int = 2) -> int:

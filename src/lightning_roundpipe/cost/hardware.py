@@ -100,6 +100,9 @@ class HardwareProfile:
     host_memory_bytes_per_s: float | None = None
     optimizer_bytes_per_param: float = 40.0
     dispatch_s: float = 0.0  # host time to submit one task (one Python process drives all workers)
+    # Memory of one GPU the model's tensors cannot use: CUDA context, cuBLAS workspaces, allocator
+    # pages (cost/device_overheads.py). The planner takes it off before its memory_fraction.
+    reserved_gpu_bytes: float = 0.0
     # Kernel launches of decoder-layer compute tasks, issued by the host (one process, one GIL):
     # per decoder layer per microbatch, a forward task launches ``forward_launches_per_layer``
     # kernels and a backward or fused task (forward with grad + backward) ``backward_launches_per_layer``;
@@ -118,7 +121,8 @@ class HardwareProfile:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
         if self.latency_s < 0:
             problems.append(f"latency_s must not be negative, got {self.latency_s}")
-        for name in ("dispatch_s", "launch_s", "forward_launches_per_layer", "backward_launches_per_layer"):
+        for name in ("dispatch_s", "launch_s", "forward_launches_per_layer", "backward_launches_per_layer",
+                     "reserved_gpu_bytes"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must not be negative, got {getattr(self, name)}")
         if not self.optimizer_bytes_per_param > 0:
@@ -172,7 +176,7 @@ class HardwareProfile:
         for key in ("host_device_bytes_per_s", "cpu_optimizer_params_per_s", "tflops", "latency_s",
                     "tensor_tflops_fp32_acc", "tensor_tflops_fp16_acc", "memory_bytes_per_s", "dispatch_s", "launch_s",
                     "matmul_tflops_fp16_acc", "matmul_tflops_fp32_acc", "attention_tflops", "host_memory_bytes_per_s",
-                    "optimizer_bytes_per_param"):
+                    "optimizer_bytes_per_param", "reserved_gpu_bytes"):
             if key in values:
                 values[key] = parse_quantity(values[key])
         values["num_gpus"] = int(values["num_gpus"])

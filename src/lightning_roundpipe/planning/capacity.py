@@ -121,7 +121,7 @@ def best_plan(
     """
     nw = num_workers or hardware.num_gpus
     config = dataclasses.replace(config or SimConfig(), layer_recompute=recompute == "layer")
-    budget = usable_gpu_bytes(hardware.gpu_memory_bytes, memory_fraction)
+    budget = usable_gpu_bytes(hardware, memory_fraction)
     best_per_m: dict[int, PlanChoice] = {}
 
     def time_fitting(plans_of) -> None:
@@ -174,7 +174,7 @@ class TrainingPlan:
     @property
     def gpu_budget_bytes(self) -> float:
         """The share of each GPU's memory the plan may use."""
-        return usable_gpu_bytes(self.hardware.gpu_memory_bytes, self.memory_fraction)
+        return usable_gpu_bytes(self.hardware, self.memory_fraction)
 
     def to_text(self) -> str:
         """The plan as the ``sim plan`` command prints it."""
@@ -206,7 +206,9 @@ class TrainingPlan:
         need = self.choice.gpu_bytes if self.choice else self.min_gpu_bytes
         lines.append(
             f"GPU memory per worker: {need / GiB:.1f} GiB needed of {self.gpu_budget_bytes / GiB:.1f} GiB usable "
-            f"({self.memory_fraction:.0%} of {hw.gpu_memory_bytes / GiB:.1f} GiB; two stages' weights and gradients "
+            f"({self.memory_fraction:.0%} of {hw.gpu_memory_bytes / GiB:.1f} GiB"
+            + (f" less {hw.reserved_gpu_bytes / GiB:.2f} GiB of CUDA context and workspaces" if hw.reserved_gpu_bytes else "")
+            + "; two stages' weights and gradients "
             f"+ one microbatch's activations)"
         )
         for reason in self.reasons:
@@ -253,7 +255,7 @@ def _fit_problems(costs: CostProfile, hardware: HardwareProfile, memory_fraction
                   fused_last: bool, recompute: str = "stage") -> tuple[list[str], HostMemory, int]:
     """Reasons the run cannot fit with any of the least-memory plans (none when one fits), host
     memory and GPU need (of the first plan that fits, else of the finest plan)."""
-    budget = usable_gpu_bytes(hardware.gpu_memory_bytes, memory_fraction)
+    budget = usable_gpu_bytes(hardware, memory_fraction)
     for plan in least_memory_plans(len(costs.layers), fused_last):
         host = host_bytes(costs, plan, microbatches)
         gpu = max(roundpipe_gpu_bytes(plan, costs, hardware.num_gpus, recompute=recompute))
