@@ -11,7 +11,8 @@ from torch import nn
 from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.options import PartitionConfig
 from lightning_roundpipe.workers import make_pool
-from lightning_roundpipe.workers.emulated import EmulatedWorkerPool, ProfileDeviceTimes
+from lightning_roundpipe.cost.task_seconds import ProfileDeviceTimes
+from lightning_roundpipe.workers.emulated import EmulatedWorkerPool
 
 from tests._models import mlp
 
@@ -120,5 +121,23 @@ def test_a_non_positive_time_scale_is_refused():
         with pytest.raises(ValueError, match="time_scale must be positive, got -1"):
             pool.emulate(None, time_scale=-1)
         assert pool.time_scale == 1.0 and pool.device_time is None  # unchanged after the refusal
+    finally:
+        pool.shutdown()
+
+
+@pytest.mark.timeout(20)
+def test_without_a_duplex_link_a_workers_upload_and_download_take_turns():
+    from lightning_roundpipe.workers import TaskLabel
+
+    pool = make_pool("emulated", 1, duplex=False).start()
+    try:
+        pool.emulate(lambda label, nbytes: 0.1)
+        worker = pool.workers[0]
+        t0 = time.perf_counter()
+        up = worker.submit("upload", lambda: 1, [], TaskLabel("act_in", "F0", 0, 0, "upload"))
+        down = worker.submit("download", lambda: 2, [], TaskLabel("act_out", "F0", 0, 0, "download"))
+        assert (up.wait(10), down.wait(10)) == (1, 2)
+        assert time.perf_counter() - t0 >= 0.2  # one link: 0.1 s each, one after the other
+        assert pool.device_seconds == pytest.approx([0.2])
     finally:
         pool.shutdown()

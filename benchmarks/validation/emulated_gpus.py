@@ -158,17 +158,19 @@ def simulated(model: str, hw, gpus: int):
     return w, plan, costs, optimizer_step_period(result, w.calls)
 
 
-def run_row(model: str, gpus: int, profile: str, hidden: int, target_step_s: float, steps: int, warmup_calls: int) -> dict:
-    """Train the scaled model on ``gpus`` emulated GPUs; measure ``steps`` optimizer steps."""
+def run_row(model: str, gpus: int, profile: str, hidden: int, target_step_s: float | None, steps: int,
+            warmup_calls: int, time_scale: float | None = None) -> dict:
+    """Train the scaled model on ``gpus`` emulated GPUs; measure ``steps`` optimizer steps. Device
+    times are scaled by ``time_scale``, or (None) so that the simulated step lasts ``target_step_s``."""
     from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
     from lightning_roundpipe.cost.hardware import load_hardware
     from lightning_roundpipe.cost.view import CostView
     from lightning_roundpipe.options import PartitionConfig
-    from lightning_roundpipe.workers.emulated import ProfileDeviceTimes
+    from lightning_roundpipe.cost.task_seconds import ProfileDeviceTimes
 
     hw = load_hardware(profile)
     w, plan, costs, sim_step_s = simulated(model, hw, gpus)
-    scale = target_step_s / sim_step_s
+    scale = time_scale if time_scale is not None else target_step_s / sim_step_s
     net = scaled_model(model, hidden)
     options = RuntimeOptions(microbatches=w.microbatches, step_metrics=False, partition=PartitionConfig(
         policy="manual", manual_forward=[list(r) for r in plan.forward], manual_backward=[list(r) for r in plan.backward]))
@@ -272,6 +274,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--hidden", type=int, default=32, help="width of the scaled models")
     ap.add_argument("--target-step-s", type=float, default=None,
                     help="wall seconds one simulated optimizer step is scaled to (default 8; --quick: 3)")
+    ap.add_argument("--time-scale", type=float, default=None,
+                    help="one scale for every row instead of --target-step-s (1: the profile's real time)")
     ap.add_argument("--steps", type=int, default=None, help="measured optimizer steps per row (default 2; --quick: 1)")
     ap.add_argument("--launch-profiles", default=None,
                     help="profiles the launch-cost decision is taken for, from the 8-GPU rows (default rtx4090,h200; "
@@ -285,7 +289,7 @@ def main(argv=None) -> dict:
     for model in args.models.split(","):
         for g in gpus:
             t0 = time.perf_counter()
-            row = run_row(model, g, args.profile, args.hidden, target, steps, warmup_calls=1)
+            row = run_row(model, g, args.profile, args.hidden, target, steps, warmup_calls=1, time_scale=args.time_scale)
             rows.append(row)
             print(f"{model} x{g}: achieved/simulated {row['achieved_over_simulated']:.3f} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -295,8 +299,9 @@ def main(argv=None) -> dict:
     print(markdown_table(rows, COLUMNS))
     print(markdown_table(launch, LAUNCH_COLUMNS))
     print(load_line(info))
-    result = dict(rows=rows, launch_decision=launch, profile=args.profile, hidden=args.hidden, target_step_s=target, steps=steps,
-                  command="python -m benchmarks.emulated_gpus" + (" --quick" if args.quick else ""), run=info)
+    command = " ".join(["python -m benchmarks.emulated_gpus", *(sys.argv[1:] if argv is None else argv)])
+    result = dict(rows=rows, launch_decision=launch, profile=args.profile, hidden=args.hidden, target_step_s=target,
+                  time_scale=args.time_scale, steps=steps, command=command, run=info)
     if args.json:
         write_json(args.json, result)
     return result

@@ -11,8 +11,8 @@ the host nothing, as a busy GPU does; a task whose launches take longer than its
 launch-bound here as it would be on the GPU.
 
 The device time of a task comes from a ``device_time(label, nbytes) -> seconds`` callable handed
-to ``EmulatedWorkerPool.emulate``. ``ProfileDeviceTimes`` is the one the benchmarks use: the
-calibrated cost model of a real model shape (``cost/transformer.py``) on a hardware profile
+to ``EmulatedWorkerPool.emulate``. ``cost.task_seconds.ProfileDeviceTimes`` is the one the
+benchmarks use: the calibrated cost model of a real model shape (``cost/transformer.py``) on a hardware profile
 (``cost/profiles/*.yaml``), exactly as the simulator prices the same task (``sim/simulate.py``):
 compute seconds from the cost view, transfers as latency plus bytes over the host link, the bytes
 being those of the *real* shape (the scaled tensors' bytes only say which share of a stage's
@@ -31,67 +31,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
-from .completions import TaskLabel
+from .completions import PipelineTimeout, TaskLabel
 from .cuda import FakeCudaWorkerPool
 from .host_buffers import DEFAULT_CAP_BYTES
 from .pool import Lane, Task
 
 DeviceTime = Callable[[TaskLabel, int], float]
 TRANSFER_KINDS = frozenset({"weights", "act_in", "grad_in", "act_out", "act_save", "grad_out", "loss", "wgrad"})
-LOSS_BYTES = 4  # one fp32 scalar per microbatch (as schedule/lowering.py moves it)
-
-
-class ProfileDeviceTimes:
-    """Device seconds of the engine's tasks for one plan of a real model shape on a hardware profile.
-
-    ``costs``: the per-microbatch layer costs of the real shape (``shape_layer_costs``), one entry
-    per layer of ``plan``; ``hardware``: the profile (link rate, latency); ``scaled_weight_bytes``:
-    per layer, the weight bytes of the scaled-down model the engine really runs, so a weight upload
-    of some of a stage's tensors is charged that share of the stage's real bytes. Stage names are
-    the plan's ("F0" is ``plan.forward[0]``, "B2" is ``plan.backward[2]``).
-    """
-
-    def __init__(self, plan, costs, hardware, scaled_weight_bytes: Sequence[int]):
-        from ..cost.view import CostView  # the cost model, imported only when a profile is emulated
-
-        if len(scaled_weight_bytes) != plan.num_layers or len(costs.layers) != plan.num_layers:
-            raise ValueError(f"the plan has {plan.num_layers} layers, the costs {len(costs.layers)} and the scaled "
-                             f"model {len(scaled_weight_bytes)}: they must describe the same layers")
-        self.plan, self.hw, self.view = plan, hardware, CostView(costs)
-        self.scaled = list(scaled_weight_bytes)
-        self.stages = {f"F{i}": r for i, r in enumerate(plan.forward)}
-        self.stages.update({f"B{i}": r for i, r in enumerate(plan.backward)})
-
-    def link_s(self, nbytes: float) -> float:
-        """One copy of ``nbytes`` over the profile's host link."""
-        return self.hw.latency_s + nbytes / self.hw.host_device_bytes_per_s
-
-    def __call__(self, label: TaskLabel, nbytes: int) -> float:
-        kind = label.kind
-        layer_grain = kind.startswith("layer_")
-        kind = kind.removeprefix("layer_")
-        a, b = self.stages[label.stage]
-        v = self.view
-        if kind == "forward":
-            return v.forward_s(a, b)
-        if kind in ("fused", "backward"):
-            seconds = v.fused_s(a, b) if kind == "fused" else v.backward_with_recompute_s(a, b)
-            return seconds + (v.forward_s(a, b - 1) if layer_grain else 0.0)
-        if kind == "weights":
-            scaled = sum(self.scaled[a:b])
-            share = nbytes / scaled if scaled > 0 and nbytes > 0 else 1.0
-            return self.link_s(share * v.weights(a, b))
-        if kind == "wgrad":
-            return self.link_s(v.grads(a, b))
-        if kind == "loss":
-            return self.link_s(LOSS_BYTES)
-        # Activations: what enters a stage (act_in at a; grad_in is the gradient at its end, b), what
-        # leaves it (act_out at b; grad_out, the input's gradient, at a); a saved stage-internal input
-        # is a decoder boundary's activation, which every decoder boundary has the size of.
-        boundary = {"act_in": a, "grad_in": b, "act_out": b, "grad_out": a, "act_save": min(a + 1, b)}[kind]
-        return self.link_s(v.in_bytes(boundary))
 
 
 class EmulatedWorkerPool(FakeCudaWorkerPool):
@@ -145,8 +93,8 @@ class EmulatedWorkerPool(FakeCudaWorkerPool):
         link = self._links[worker] if transfer and not self.duplex else None
 
         def run():
-            if link is not None:
-                link.acquire()
+            if link is not None and not link.acquire(timeout=self.timeout_s):
+                raise PipelineTimeout(f"a transfer of worker {worker} waited {self.timeout_s:g}s for its link")
             try:
                 t0 = time.perf_counter()
                 out = fn()
