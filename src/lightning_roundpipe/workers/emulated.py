@@ -82,6 +82,7 @@ class EmulatedWorkerPool(FakeCudaWorkerPool):
         return self
 
     def execute(self, lane: Lane, task: Task) -> None:
+        """Issue ``task`` as the fake-stream pool does, its work made to last its device time."""
         label = task.done.label
         if self.device_time is not None and label.kind != "release":
             seconds = self.device_time(label, task.nbytes) * self.time_scale
