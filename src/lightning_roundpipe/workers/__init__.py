@@ -1,5 +1,6 @@
 """Worker pools: one interface; a CPU backend (virtual workers), a CUDA backend, and the CUDA
-backend's protocol on fake CPU streams ("fake_cuda", for CI)."""
+backend's protocol on fake CPU streams ("fake_cuda", for CI), and that protocol with device time from a
+hardware profile ("emulated": emulated GPUs, ``emulated.py``)."""
 
 from .cpu import CpuWorkerPool
 from .completions import Completion, PipelineError, PipelineTimeout, TaskLabel, WorkerError
@@ -23,7 +24,7 @@ __all__ = [
 ]
 
 
-BACKENDS = ("cpu", "cuda", "fake_cuda")
+BACKENDS = ("cpu", "cuda", "fake_cuda", "emulated")
 
 
 def backend_class(backend: str) -> type[WorkerPool]:
@@ -34,13 +35,18 @@ def backend_class(backend: str) -> type[WorkerPool]:
         from .cuda import CudaWorkerPool, FakeCudaWorkerPool  # the stream backends, imported when asked for
 
         return CudaWorkerPool if backend == "cuda" else FakeCudaWorkerPool
+    if backend == "emulated":
+        from .emulated import EmulatedWorkerPool  # fake streams whose work lasts a profile's device time
+
+        return EmulatedWorkerPool
     raise ValueError(f"unknown worker backend {backend!r}: use one of {', '.join(BACKENDS)}")
 
 
 def make_pool(backend: str, num_workers: int, device_indices=None, **options) -> WorkerPool:
     """Build a pool: ``backend`` is "cpu" (virtual workers), "cuda" (one worker per GPU) or
     "fake_cuda" (the CUDA backend's protocol on CPU executor threads standing for streams; its
-    own options ``stream_jitter_s`` and ``seed`` delay stream work at random). ``options`` are
+    own options ``stream_jitter_s`` and ``seed`` delay stream work at random) or "emulated" (the
+same, each stream task lasting the device time ``EmulatedWorkerPool.emulate`` gives it). ``options`` are
     the backend's constructor arguments (``backend_class(backend).options_from`` takes them from
     the user's options)."""
     return backend_class(backend).create(num_workers, device_indices, **options)

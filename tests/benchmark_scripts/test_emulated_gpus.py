@@ -1,0 +1,48 @@
+"""The emulated-GPU benchmark's measuring pieces: which thread is which part of the host, the phase
+clock's hooks (timed while entered, the original functions back afterwards), the wake-up hook."""
+
+import time
+
+import pytest
+
+from benchmarks.validation.emulated_gpus import PhaseClock, lane_wakeups, thread_group
+
+
+def test_threads_are_grouped_by_the_names_the_pool_gives_them():
+    assert [thread_group(n) for n in ("MainThread", "roundpipe-stream-w3-compute", "roundpipe-w12-upload",
+                                      "roundpipe-optim", "Thread-7")] == ["dispatch", "streams", "lanes",
+                                                                          "optimizer", "other"]
+
+
+@pytest.mark.timeout(60)
+def test_the_phase_clock_times_undo_and_accumulation_and_puts_the_functions_back(monkeypatch):
+    from lightning_roundpipe.engine import step as engine_step
+    from lightning_roundpipe.optim.step_undo import StepUndo
+
+    def busy_accumulate(*args):
+        deadline = time.thread_time() + 0.02
+        while time.thread_time() < deadline:  # CPU time of this thread, what the clock counts
+            pass
+        return args
+
+    monkeypatch.setattr(engine_step, "accumulate_host_grads", busy_accumulate)
+    originals = (StepUndo.save, StepUndo.commit, busy_accumulate)
+
+    class Undo:  # what StepUndo.commit reads and writes
+        saved = ["a before-image"]
+
+    undo = Undo()
+    with PhaseClock() as clock:
+        assert StepUndo.commit is not originals[1]
+        StepUndo.commit(undo)
+        assert engine_step.accumulate_host_grads(1, 2) == (1, 2)
+    assert undo.saved == []  # the original ran
+    assert (StepUndo.save, StepUndo.commit, engine_step.accumulate_host_grads) == originals
+    assert clock.seconds["accumulate"] >= 0.02 and clock.seconds["undo"] < 0.02
+
+
+def test_lane_wakeups_reads_the_pools_counter_where_there_is_one():
+    class Counting:
+        lane_wakeups = 7
+
+    assert lane_wakeups(object()) is None and lane_wakeups(Counting()) == 7
