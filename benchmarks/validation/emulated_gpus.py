@@ -118,10 +118,10 @@ class PhaseClock:
         self._saved = []
 
 
-def lane_wakeups(pool) -> int | None:
-    """Lane wake-ups so far, where the pool counts them (``pool.lane_wakeups``); None until it does."""
-    value = getattr(pool, "lane_wakeups", None)
-    return int(value() if callable(value) else value) if value is not None else None
+def lane_wakeups(pool):
+    """The pool's lane counters so far (``WorkerPool.lane_counters()``: wake-ups, lane bookkeeping
+    seconds); subtract two readings for an interval."""
+    return pool.lane_counters()
 
 
 def scaled_model(model: str, hidden: int):
@@ -226,7 +226,8 @@ def run_row(model: str, gpus: int, profile: str, hidden: int, target_step_s: flo
         # Parts of the optimizer thread's and the main thread's seconds above:
         host_undo_s=phases.seconds["undo"] / steps, host_accumulate_s=phases.seconds["accumulate"] / steps,
         gil_share_upper_bound=sum(cpu.values()) / wall,
-        lane_wakeups_per_s=None if after_wake is None else (after_wake - before_wake) / (wall * steps),
+        lane_wakeups_per_s=(after_wake - before_wake).wakeups / (wall * steps),
+        host_lane_bookkeeping_s=(after_wake - before_wake).bookkeeping_s / steps,
         late_device_s=late,
     )
 

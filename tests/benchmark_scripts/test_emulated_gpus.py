@@ -36,13 +36,20 @@ def test_the_phase_clock_times_undo_and_accumulation_and_puts_the_functions_back
         assert StepUndo.commit is not originals[1]
         StepUndo.commit(undo)
         assert engine_step.accumulate_host_grads(1, 2) == (1, 2)
-    assert undo.saved == []  # the original ran
+    assert not undo.saved  # the original ran: the step's before-images are let go
     assert (StepUndo.save, StepUndo.commit, engine_step.accumulate_host_grads) == originals
     assert clock.seconds["accumulate"] >= 0.02 and clock.seconds["undo"] < 0.02
 
 
-def test_lane_wakeups_reads_the_pools_counter_where_there_is_one():
-    class Counting:
-        lane_wakeups = 7
+def test_lane_wakeups_reads_the_pools_lane_counters():
+    from lightning_roundpipe.workers import TaskLabel, make_pool
 
-    assert lane_wakeups(object()) is None and lane_wakeups(Counting()) == 7
+    pool = make_pool("cpu", 1).start()
+    try:
+        before = lane_wakeups(pool)
+        pool.workers[0].compute(lambda: None, (), TaskLabel("forward", "F0", 0, 0, "compute")).wait(10)
+        pool.drain(10)
+        done = lane_wakeups(pool) - before
+    finally:
+        pool.shutdown()
+    assert done.tasks_run == 1 and done.wakeups >= 1
