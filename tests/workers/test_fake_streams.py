@@ -131,6 +131,31 @@ def test_max_in_flight_bounds_copies_issued_ahead():
         pool.shutdown()
 
 
+def test_in_flight_copies_are_bounded_in_bytes_as_well_as_in_number():
+    pool = make_pool("fake_cuda", 1, max_in_flight=8).start()
+    pool.max_in_flight_bytes = 100
+    from lightning_roundpipe.workers import TaskLabel
+
+    gate = threading.Event()
+    try:
+        w = pool.workers[0]
+        big = w.submit("download", lambda: gate.wait(5), [], TaskLabel("wgrad", "B0", 0, 0, "download"), nbytes=60)
+        small = w.submit("download", lambda: None, [], TaskLabel("wgrad", "B0", 1, 0, "download"), nbytes=30)
+        second = w.submit("download", lambda: None, [], TaskLabel("wgrad", "B0", 2, 0, "download"), nbytes=60)
+        time.sleep(0.3)
+        assert big.is_set() and small.is_set()  # 90 bytes issued: under the bound...
+        assert not second.is_set()  # ...60 more would pass it: it waits for the first copy
+        gate.set()
+        second.wait(2)
+        assert second.is_set()
+        # A single copy larger than the bound still goes (alone).
+        huge = w.submit("download", lambda: None, [], TaskLabel("wgrad", "B0", 3, 0, "download"), nbytes=1000)
+        huge.wait(2)
+        assert huge.is_set()
+    finally:
+        pool.shutdown()
+
+
 class Many(nn.Module):
     """A layer of six small Linears: its weights go up in six chunks (one tensor per chunk here)."""
 

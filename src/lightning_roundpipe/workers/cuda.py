@@ -14,8 +14,10 @@ Priorities on FIFO streams: a transfer is issued only once its dependencies' dev
 *finished* (``ready_for``), not merely been issued. Otherwise an activation upload whose input
 is still being computed on another worker sits at the head of the upload stream waiting for it,
 and the next stage's weight prefetch queues behind it instead of filling the gap. Transfer lanes
-also keep at most ``max_in_flight`` copies issued and unfinished, so a later high-priority copy
-waits behind at most that many chunks.
+also keep at most ``max_in_flight`` copies issued and unfinished, and at most
+``max_in_flight_bytes`` of them (the bytes a task declares; one copy is always let through), so a
+later high-priority copy waits behind at most that many chunks and that many bytes, however
+large a task is.
 
 Timing: with tracing on, a task gets a start and an end event; they are read once per step in
 ``finish_step`` (never one synchronize per task), so the records hold device times.
@@ -43,6 +45,8 @@ import torch
 from .completions import Completion, PipelineTimeout
 from .host_buffers import DEFAULT_CAP_BYTES, HostBufferPool
 from .pinning import PAGE, page_span
+
+IN_FLIGHT_BYTES = 64 << 20  # a transfer lane's issued, unfinished copies: two 32 MiB chunks' worth
 from .pool import Lane, Task, Worker, WorkerPool
 from .stream_holds import StreamHolds
 from .streams import CudaStreams, FakeStreams
@@ -62,6 +66,9 @@ class StreamWorkerPool(WorkerPool):
         super().__init__(devices, timeout_s=timeout_s, trace=trace, fifo_transfers=fifo_transfers)
         self.driver = driver
         self.max_in_flight = max(1, int(max_in_flight))
+        # Bytes of issued, unfinished copies a transfer lane allows (two upload chunks' worth);
+        # a single larger copy still goes alone.
+        self.max_in_flight_bytes = IN_FLIGHT_BYTES
         self.pin_memory = pin_memory  # download buffers in pinned memory
         self._in_flight: dict[int, collections.deque] = {}
         self._timings: list = []  # (lane, label, nbytes, step, start event, end event), read in finish_step
@@ -106,8 +113,9 @@ class StreamWorkerPool(WorkerPool):
         stream = lane.stream
         in_flight = self._in_flight[id(lane)]
         if lane.queue != "compute":
-            while len(in_flight) >= self.max_in_flight:
-                if not in_flight[0].wait(self.timeout_s):
+            while in_flight and (len(in_flight) >= self.max_in_flight
+                                 or sum(n for _, n in in_flight) + task.nbytes > self.max_in_flight_bytes):
+                if not in_flight[0][0].wait(self.timeout_s):
                     raise PipelineTimeout(
                         f"[{task.done.label}] timed out after {self.timeout_s:g}s: the {lane.queue} stream of worker "
                         f"{lane.worker.index} did not finish an earlier copy"
@@ -131,7 +139,7 @@ class StreamWorkerPool(WorkerPool):
         self.holds.hold(stream, end, [r for r in reads if r is not None])
         task.done.device_event = end
         if lane.queue != "compute":
-            in_flight.append(end)
+            in_flight.append((end, task.nbytes))
         if timed:
             with self._timing_lock:
                 self._timings.append((lane, task.done.label, task.nbytes, self.trace.step, start, end))
