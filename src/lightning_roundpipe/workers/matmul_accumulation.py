@@ -37,6 +37,7 @@ class Fp16Accumulation:
         self._held = True
 
     def release(self) -> None:
+        """End this run's hold; the last one puts the flag back to what it was before the first."""
         global _holders
         with _lock:
             if not self._held:
