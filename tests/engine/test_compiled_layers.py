@@ -55,9 +55,9 @@ def test_compiled_layers_match_lightnings_default_strategy(opt):
     before = len(COMPILED_LAYERS.compiles)
     g_err, w_err = parity(lambda: BlocksModule(opt), strategy_kwargs=compiled(), max_steps=3)
     assert g_err <= GRAD_TOL and w_err <= WEIGHT_TOL
-    assert len(COMPILED_LAYERS.compiles) >= before  # compiled (or reused from the first case), never skipped
-    assert COMPILED_LAYERS.compiles and all(what.startswith("Sequential") for what, _ in COMPILED_LAYERS.compiles)
-    print("compiles:", COMPILED_LAYERS.compiles)
+    # The blocks ran compiled: their first calls compiled here, or in the case before (reused, none new).
+    assert any(what.startswith("Sequential") for what, _ in COMPILED_LAYERS.compiles)
+    assert all(what.startswith("Sequential") for what, _ in COMPILED_LAYERS.compiles[before:])
 
 
 @pytest.mark.slow
@@ -122,10 +122,9 @@ def test_compiled_decoder_layers_of_a_softcapping_family_with_the_fused_chunked_
     model = tiny_model("gemma2")
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     reference = train_causal_lm(copy.deepcopy(model), "auto", 1)
-    before = len(COMPILED_LAYERS.compiles)
     pipelined = train_causal_lm(model, RoundPipeStrategy(microbatches=3, recompute=recompute, compile_layers=True), 2)
     assert any(what.startswith("DecoderStep") for what, _ in COMPILED_LAYERS.compiles)
-    print("compiles:", COMPILED_LAYERS.compiles[before:])
+    assert not any(what.startswith(("CausalLMPrefix", "CausalLMPostfix")) for what, _ in COMPILED_LAYERS.compiles)
     for name, ref in reference.items():
         update = (ref - start[name]).norm()
         assert update > 0, name
