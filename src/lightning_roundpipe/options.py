@@ -230,6 +230,7 @@ class EngineOptions:
         each layer's input, then recomputes each layer with grad from the last to the first, so
         one layer's graph is alive instead of the whole stage's (one more forward of the stage).
     compute_dtype: dtype floating parameters are cast to on upload (None: as stored on host).
+    compile_layers: run each layer through ``torch.compile`` on the workers (``engine/compiled_layers.py``).
     priorities, chunk_bytes, prefetch_depth: as in ``TransferConfig``.
     measure_tasks: keep every compute task's trace record until the step's measurements are
         read (``StepRun.measurements``, what the cost profile and the re-planner learn from),
@@ -240,6 +241,7 @@ class EngineOptions:
     recompute: bool = True
     layer_recompute: bool = False
     compute_dtype: Any = None
+    compile_layers: bool = False
     priorities: dict = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
     chunk_bytes: int = 32 << 20
     prefetch_depth: int = 1
@@ -254,6 +256,7 @@ class EngineOptions:
             _fail(owner, "layer_recompute", self.layer_recompute,
                   "layer-grain recompute is a way of recomputing: it needs recompute=True")
         _flag(owner, "measure_tasks", self.measure_tasks)
+        _flag(owner, "compile_layers", self.compile_layers)
         check_priorities(owner, "priorities", self.priorities)
         _integer(owner, "chunk_bytes", self.chunk_bytes, 1)
         _integer(owner, "prefetch_depth", self.prefetch_depth, 0)
@@ -279,6 +282,20 @@ class RuntimeOptions:
     transfer: transfer priorities, chunking, prefetch and CPU link model (``TransferConfig``).
     compute_dtype: a ``torch.dtype`` weights are uploaded in (None: as stored). The strategy sets
         it from the precision plugin; no Hydra entry.
+    compile_layers: run every layer through ``torch.compile`` (inductor) on the workers, so that its
+        element-wise chains fuse into few kernels (``engine/compiled_layers.py``). One compile per
+        layer class, grad mode and shape, reused by every layer, stage and worker of the process;
+        the first step pays it (measured on the CPU backend, 2 cores: tens of seconds for a tiny
+        decoder layer, forward and backward). Exact within fp32 rounding of the eager path; dropout
+        draws the eager layer's numbers and recompute replays them. The causal LM's prefix (masks)
+        and postfix (chunked loss) stay eager. False (default): eager layers.
+    fp16_accumulation: fp16 matmuls accumulate in fp16 on CUDA, as the RoundPipe reference trains
+        (``torch.backends.cuda.matmul.allow_fp16_accumulation``, turned on for the run and put back
+        after it; ``workers/matmul_accumulation.py``): about twice the fp16 matmul rate of a GeForce
+        GPU, NOT exact: each dot product rounds its running sum to fp16 (11-bit mantissa, range
+        +-65504), see docs/tuning.md#precision. Needs fp16 compute (``precision="16-mixed"``, whose loss
+        scaling keeps gradients in range); refused under any other precision. False (default):
+        fp32 accumulation.
     cpu_threads_per_worker: CPU backend only: torch threads per worker's compute queue.
     cpu_memory_cap_bytes: CPU backend only: make each worker a virtual GPU of this many bytes.
         Its device memory is measured (uploaded weights and every tensor its tasks create, see
@@ -333,6 +350,8 @@ class RuntimeOptions:
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     compute_dtype: Any = None
+    compile_layers: bool = False
+    fp16_accumulation: bool = False
     cpu_threads_per_worker: int = 1
     cpu_memory_cap_bytes: Optional[int] = None
     seed: int = 0
@@ -363,6 +382,8 @@ class RuntimeOptions:
         _integer(owner, "seed", self.seed, 0)
         _integer(owner, "trace_steps", self.trace_steps, 0)
         _flag(owner, "step_metrics", self.step_metrics)
+        _flag(owner, "compile_layers", self.compile_layers)
+        _flag(owner, "fp16_accumulation", self.fp16_accumulation)
         if self.overlap_optimizer is not None:
             _flag(owner, "overlap_optimizer", self.overlap_optimizer)
         _flag(owner, "allow_unverified", self.allow_unverified)
@@ -398,7 +419,8 @@ class RuntimeOptions:
         recompute = self.recompute != "never" if recompute is None else recompute
         return EngineOptions(microbatches=microbatches, recompute=recompute,
                              layer_recompute=recompute and self.recompute == "layer",
-                             compute_dtype=self.compute_dtype, priorities=dict(t.priorities),
+                             compute_dtype=self.compute_dtype, compile_layers=self.compile_layers,
+                             priorities=dict(t.priorities),
                              chunk_bytes=t.chunk_bytes, prefetch_depth=t.prefetch_depth)
 
 

@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .options import OptionError, RuntimeOptions
+from .workers.matmul_accumulation import Fp16Accumulation
 from .engine import PipelineEngine
 from .engine.buffers import expect_buffer_writes
 from .engine.microbatch import MicrobatchError, batch_size_of, register_batch_types
@@ -79,6 +80,12 @@ class RoundPipeRuntime:
         self.shadows = None
         self.grad_sync = None
         pool_class = backend_class(backend)  # what the backend declares about itself
+        if options.fp16_accumulation and options.compute_dtype is not torch.float16:
+            computes_in = options.compute_dtype or "the weights' own dtype"
+            raise OptionError(
+                f"{options_owner or type(options).__name__}(fp16_accumulation=True) makes fp16 matmuls accumulate in "
+                f"fp16, but this run computes in {computes_in}: use "
+                "precision='16-mixed' (on accelerator='cpu', plugins=[HostScaledMixedPrecision()]), or drop the option")
         if options.recompute == "never" and not pool_class.keeps_graphs_across_workers:
             raise OptionError("recompute='never' keeps forward graphs across workers and is only supported on the CPU backend")
         t = options.transfer
@@ -104,6 +111,7 @@ class RoundPipeRuntime:
 
             self.shadows = ShadowStore(masters, options.compute_dtype)
         self.pool = make_pool(backend, num_workers, device_indices=device_indices, **pool_opts)
+        self.fp16_accumulation = Fp16Accumulation() if options.fp16_accumulation else None
         try:
             self.engine = PipelineEngine(layers, self.pool, self.planner.plan, engine_opts, shadows=self.shadows,
                                          weight_gates=[self._weight_gates], schedule=schedule_named(options.schedule))
@@ -119,7 +127,8 @@ class RoundPipeRuntime:
             self.engine.step_end_hooks.append(self._after_step)
             patch_forward(module, forward(self))
         except BaseException:
-            run_all([self.grad_sync.close if self.grad_sync is not None else (lambda: None), self.pool.shutdown])
+            run_all([self.grad_sync.close if self.grad_sync is not None else (lambda: None), self.pool.shutdown,
+                     self._release_fp16_accumulation])
             raise
 
     def _weight_gates(self, layer_ids) -> list:
@@ -367,7 +376,7 @@ class RoundPipeRuntime:
         steps = [ov.close for ov in self.overlapped]
         if self.grad_sync is not None:
             steps.append(self.grad_sync.close)
-        steps += [lambda: unpatch(self.module), self.engine.close]
+        steps += [lambda: unpatch(self.module), self.engine.close, self._release_fp16_accumulation]
         try:
             run_all(steps)
         finally:
@@ -375,6 +384,10 @@ class RoundPipeRuntime:
             if updated:
                 _partly_updated[self.root] = updated
             self.overlapped, self.grad_sync, self.shadows = [], None, None
+
+    def _release_fp16_accumulation(self) -> None:
+        if self.fp16_accumulation is not None:
+            self.fp16_accumulation.release()
 
     # ------------------------------------------------------------------ partly updated modules (undo=False)
     @staticmethod

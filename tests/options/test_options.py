@@ -102,8 +102,8 @@ def test_every_public_option_is_documented():
 def test_engine_options_stay_importable_from_the_engine_with_their_fields():
     assert engine_pkg.EngineOptions is EngineOptions
     assert [f.name for f in dataclasses.fields(EngineOptions)] == [
-        "microbatches", "recompute", "layer_recompute", "compute_dtype", "priorities", "chunk_bytes", "prefetch_depth",
-        "measure_tasks"]
+        "microbatches", "recompute", "layer_recompute", "compute_dtype", "compile_layers", "priorities", "chunk_bytes",
+        "prefetch_depth", "measure_tasks"]
     with pytest.raises(OptionError, match=r"EngineOptions\(prefetch_depth=-1\)"):
         EngineOptions(prefetch_depth=-1).validate()
 

@@ -185,6 +185,8 @@ class CausalLMPrefix(nn.Module):
     rotary embedding for (Gemma3), or None for one shared rotary embedding.
     """
 
+    compiled_on_workers = False  # compile_layers: mask building is data-dependent Python; stays eager
+
     def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module, config: Any, mask_kinds: list[str],
                  embedding_multiplier: float = 1.0, embedding_dropout: float = 0.0,
                  rotary_layer_types: list[str] | None = None, num_experts: int | None = None,
@@ -355,6 +357,8 @@ class CausalLMPostfix(nn.Module):
     A non-``nn.Linear`` lm_head (e.g. peft-wrapped) falls back to full logits + plain
     cross-entropy: still exact, but without the memory bound (see ``uses_chunked_loss``).
     """
+
+    compiled_on_workers = False  # compile_layers: the chunked loss is a loop of autograd Functions; stays eager
 
     differentiable_carry_keys = DIFFERENTIABLE_CARRY_KEYS  # read by the engine: what gets a gradient
 

@@ -21,12 +21,17 @@ from ..schedule.plan import Stage
 from ..workers.completions import Completion, TaskLabel
 from .buffers import buffer_writes
 from .carry import HostCarry
+from .compiled_layers import COMPILED_LAYERS
 from .layer_recompute import LayerCalls, backward_by_layer, layer_inputs
 from .rng import CallRng
 from .stage_inputs import differentiable_inputs, kept_copy
 from .step_context import StepContext
 
 Work = tuple[Callable[[], Any], int, list]  # (fn, bytes, extra dependencies)
+
+
+def _eager_call(layer, params: dict, carry):
+    return functional_call(layer, params, (carry,))
 
 
 class TaskWork:
@@ -47,6 +52,7 @@ class TaskWork:
         self.layer_grain = training and self.opts.recompute and self.opts.layer_recompute
         self.fused, self.loss_scale, self.input_requires_grad = fused, loss_scale, input_requires_grad
         self.autocast, self.rng, self.lent_buffers = autocast, rng, lent_buffers
+        self.call_layer = COMPILED_LAYERS.call if self.opts.compile_layers else _eager_call
         self.stages = {s.name: s for s in self.plan.forward_stages() + self.plan.backward_stages()}
         self.weights: dict[str, StageWeights] = {}  # stage name -> its weights on its worker
         self.saves: dict[str, set[int]] = {}  # forward stage -> boundaries it sends home besides its output
@@ -104,7 +110,7 @@ class TaskWork:
             lock.acquire(self.pool.timeout_s, l, mb, self.pool.task_text)
             try:
                 with self.rng.layer(device, l, mb, layers[l], recompute), buffer_writes(weights, l, layers[l], self.M, keep=not recompute):
-                    carry = functional_call(layers[l], weights.params_for(l), (carry,))
+                    carry = self.call_layer(layers[l], weights.params_for(l), carry)
             finally:
                 lock.release()
             if l + 1 in save_at:

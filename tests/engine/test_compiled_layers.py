@@ -1,0 +1,131 @@
+"""``compile_layers=True``: layers run through ``torch.compile`` (inductor's CPU code) on the workers, exact.
+
+Inductor's first compile of a graph takes tens of seconds on two cores, so the default run keeps to
+one layer shape (two identical blocks) whose compiled graphs every test of the module reuses (the
+compiled forwards are process-wide); the Hugging Face families and the other recompute grains are
+marked slow.
+"""
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from _family_configs import family_batch, tiny_model
+from _exact_models import GRAD_TOL, WEIGHT_TOL, SeqModule, fit, grad_error, parity, weight_error, weights
+from lightning_roundpipe import OptionError, RoundPipeStrategy
+from lightning_roundpipe.engine.compiled_layers import COMPILED_LAYERS
+
+WIDTH = 8
+
+
+def blocks(depth=2, dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Dropout(dropout)) for _ in range(depth)]
+
+
+class BlocksModule(SeqModule):
+    """Identical blocks only (one compiled graph serves them all); the loss on the host."""
+
+    def __init__(self, opt="sgd", dropout=0.0, depth=2):
+        super().__init__(opt=opt)
+        self.net = nn.Sequential(*blocks(depth, dropout))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def quick_inductor():
+    """Inductor's plainest CPU code for these tests: scalar loops (no vector headers to compile) and no
+    compile subprocesses; about half the cold compile time on two cores, and the same numbers to check."""
+    import torch._inductor.config as inductor
+
+    with inductor.patch({"cpp.vec_isa_ok": False, "compile_threads": 1}):
+        yield
+
+
+def compiled(**kwargs):
+    return dict({"microbatches": 2, "recompute": "always", "compile_layers": True}, **kwargs)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_compiled_layers_match_lightnings_default_strategy(opt):
+    before = len(COMPILED_LAYERS.compiles)
+    g_err, w_err = parity(lambda: BlocksModule(opt), strategy_kwargs=compiled(), max_steps=3)
+    assert g_err <= GRAD_TOL and w_err <= WEIGHT_TOL
+    # The blocks ran compiled: their first calls compiled here, or in the case before (reused, none new).
+    assert any(what.startswith("Sequential") for what, _ in COMPILED_LAYERS.compiles)
+    assert all(what.startswith("Sequential") for what, _ in COMPILED_LAYERS.compiles[before:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_dropout_under_compile_draws_the_eager_numbers_and_recompute_replays_them():
+    """The compiled pipeline's steps equal the eager pipeline's (same per-layer seeds): dropout drew the same
+    masks in forward and in the recompute of backward, or the gradients would differ."""
+    runs = {}
+    for compile_layers in (False, True):
+        m = BlocksModule(dropout=0.3)
+        w0 = weights(m)
+        _, g = fit(m, RoundPipeStrategy(**compiled(compile_layers=compile_layers)), devices=2, max_steps=2)
+        runs[compile_layers] = (g, weights(m))
+    assert grad_error(runs[True][0], runs[False][0]) <= GRAD_TOL
+    assert weight_error(runs[True][1], runs[False][1], w0) <= WEIGHT_TOL
+    m = BlocksModule(dropout=0.0)
+    _, g_plain = fit(m, RoundPipeStrategy(**compiled(compile_layers=False)), devices=2, max_steps=1)
+    assert grad_error(runs[True][0], g_plain) > 0.01  # dropout really dropped
+
+
+def test_compile_layers_must_be_a_flag():
+    with pytest.raises(OptionError, match=r"RoundPipeStrategy\(compile_layers='yes'\): must be True or False"):
+        RoundPipeStrategy(compile_layers="yes")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("recompute", ["layer", "never"])
+def test_compiled_layers_parity_in_every_recompute_grain(recompute):
+    g_err, w_err = parity(lambda: BlocksModule("adamw", depth=3), devices=3, max_steps=3,
+                          strategy_kwargs=compiled(recompute=recompute, microbatches=3))
+    assert g_err <= GRAD_TOL and w_err <= WEIGHT_TOL
+
+
+class CausalLMModule(L.LightningModule):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, batch_idx):
+        ids, mask, labels = batch
+        return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def train_causal_lm(model, strategy, devices):
+    """3 SGD steps on the family batch; the trained weights."""
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(CausalLMModule(model), DataLoader(TensorDataset(*family_batch("left")), batch_size=6))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("recompute", ["always", "layer"])
+def test_compiled_decoder_layers_of_a_softcapping_family_with_the_fused_chunked_loss(recompute):
+    """Gemma2 (attention and final-logit soft-capping, alternating sliding layers): the decoder layers
+    compiled, the fused last stage's chunked loss eager, 3 SGD steps equal to Lightning's default strategy."""
+    model = tiny_model("gemma2")
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    reference = train_causal_lm(copy.deepcopy(model), "auto", 1)
+    pipelined = train_causal_lm(model, RoundPipeStrategy(microbatches=3, recompute=recompute, compile_layers=True), 2)
+    assert any(what.startswith("DecoderStep") for what, _ in COMPILED_LAYERS.compiles)
+    assert not any(what.startswith(("CausalLMPrefix", "CausalLMPostfix")) for what, _ in COMPILED_LAYERS.compiles)
+    for name, ref in reference.items():
+        update = (ref - start[name]).norm()
+        assert update > 0, name
+        assert (pipelined[name] - ref).norm() / update <= WEIGHT_TOL, name
