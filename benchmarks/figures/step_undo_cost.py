@@ -36,14 +36,14 @@ import torch
 from torch import nn
 from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
 
-width, depth, steps, undo = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+width, depth, steps, undo, workers = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 paired = undo == "paired"
 undo = "on" if paired else undo
 torch.manual_seed(0)
 net = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)])
 params = sum(p.numel() for p in net.parameters())
 opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
-runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False))
+runtime = RoundPipeRuntime.attach(net, "cpu", workers, RuntimeOptions(microbatches=2, step_metrics=False))
 try:
     ov = runtime.overlap_optimizer(opt, undo=undo == "on")
 except TypeError:  # a revision from before the undo option: undo always on
@@ -74,9 +74,9 @@ print(json.dumps({"params": params, "step_s": times, "peak_rss_bytes": resource.
 """
 
 
-def run(src: str, undo: str, width: int, depth: int, steps: int) -> dict:
+def run(src: str, undo: str, width: int, depth: int, steps: int, workers: int = 2) -> dict:
     env = dict(os.environ, PYTHONPATH=src)
-    out = subprocess.run([sys.executable, "-c", CHILD, str(width), str(depth), str(steps), undo], env=env,
+    out = subprocess.run([sys.executable, "-c", CHILD, str(width), str(depth), str(steps), undo, str(workers)], env=env,
                          capture_output=True, text=True)
     if out.returncode != 0:
         if "no undo option" in out.stderr:
@@ -107,7 +107,7 @@ def paired(args) -> None:
         sources = _sources(tmp, args.baseline)
         for _ in range(args.repeats):
             for name, path in sources.items():
-                t = run(path, "paired", args.width, args.depth, steps)["step_s"]
+                t = run(path, "paired", args.width, args.depth, steps, args.workers)["step_s"]
                 ratios.setdefault(name, []).extend(t[i] / t[i + 1] for i in range(PAIRED_WARMUP, steps, 2))
     summary = {name: {"undo on / off step time, median of pairs": statistics.median(r), "pairs": len(r),
                       "min": min(r), "max": max(r)} for name, r in ratios.items()}
@@ -123,6 +123,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=24, help="layers of width x width (24 x 2048^2: 100.7M parameters)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2, help="CPU workers (--paired only; 1 leaves the lane a core on 2)")
     ap.add_argument("--paired", action="store_true", help="undo on and off on alternate steps of one process")
     args = ap.parse_args()
     if args.paired:
