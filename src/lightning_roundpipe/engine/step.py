@@ -63,7 +63,8 @@ class StepRun:
         self.output_spec = None  # the merged output's tree spec, and per leaf whether it is floating
         self.output_is_float: list[bool] = []
         self.output_sizes: list = []  # per microbatch, its output tree (to split the output's gradients)
-        self.outputs = OutputAssembly([batch_size_of(mb) for mb in microbatches])  # the caller's merged output
+        # The caller's merged output (a call with loss_scale returns the summed losses: nothing to merge).
+        self.outputs = OutputAssembly([batch_size_of(mb) for mb in microbatches] if loss_scale is None else [])
         self._measurements: list | None = None
 
     def record_outputs(self, spec, is_float: list[bool], sizes: list) -> None:
