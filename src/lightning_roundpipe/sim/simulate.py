@@ -50,6 +50,7 @@ from ..cost.memory import layer_grain_graph
 from .accumulation import CallAccumulator, submission
 from .event_queue import HOST, EventSimulator, LinkSpec, Op
 from ..cost.hardware import HardwareProfile
+from ..cost.host_update import update_seconds
 
 # Transfer priorities by kind for the bound schedules (lower goes first): what a stage waits for,
 # then weight prefetch, then gradients going home. RoundPipe steps take theirs from the lowering.
@@ -180,6 +181,13 @@ class SimConfig:
     # grain="layer"; each runs its layers but the last once more without grad and holds one
     # layer's graph plus the stage's layer inputs (cost/memory.py: layer_grain_graph).
     layer_recompute: bool = False
+    # Which ready layer update the host optimizer runs first: "arrival" (the engine's lane: in the
+    # order the gradients were added, i.e. the last layers first) or "layer" (the lowest layer
+    # first: the next step's first uploads get their layers first).
+    optimizer_order: str = "arrival"
+    # Host bytes per parameter the optimizer copies before each layer's update to keep a failed step
+    # undoable (cost/host_update.py: ``UNDO_BYTES_PER_PARAM`` with ``optimizer_undo``; 0: not kept).
+    undo_bytes_per_param: float = 0.0
 
     def __post_init__(self) -> None:
         if self.accumulation < 1:
@@ -194,6 +202,10 @@ class SimConfig:
                 raise ValueError(f"{name} must be None or at least 0, got {value}")
         if not self.host_loss_s >= 0:
             raise ValueError(f"host_loss_s must be at least 0, got {self.host_loss_s}")
+        if self.optimizer_order not in ("arrival", "layer"):
+            raise ValueError(f"optimizer_order must be 'arrival' or 'layer', got {self.optimizer_order!r}")
+        if not self.undo_bytes_per_param >= 0:
+            raise ValueError(f"undo_bytes_per_param must be at least 0, got {self.undo_bytes_per_param}")
         if self.host_accumulate_bytes_per_s is not None and not self.host_accumulate_bytes_per_s > 0:
             raise ValueError(f"host_accumulate_bytes_per_s must be None or positive, got {self.host_accumulate_bytes_per_s}")
 
@@ -438,10 +450,11 @@ def add_optimizer(sim: EventSimulator, wgrads: dict[int, list[Op]], view: CostVi
     wait_for_all = config.clip_grad_norm or config.optimizer_barrier
     updates: dict[int, Op] = {}
     for layer, ops in wgrads.items():
-        seconds = view.trainable[layer] / hardware.optimizer_params_per_s
+        seconds = update_seconds(view.trainable[layer], hardware, config.undo_bytes_per_param)
+        # "arrival": equal priorities, so ready updates run in the order they became ready
+        priority = layer if config.optimizer_order == "layer" else 0
         updates[layer] = sim.add(Op(HOST, "host", "optim", f"L{layer}", -1, step, seconds=seconds,
-                                    priority=0,  # ready updates run in arrival order
-                                    deps=list(everything if wait_for_all else ops)))
+                                    priority=priority, deps=list(everything if wait_for_all else ops)))
     if config.optimizer_barrier:
         every_update = list(updates.values())
         return {layer: every_update for layer in range(len(view))}
