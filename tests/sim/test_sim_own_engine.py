@@ -206,3 +206,21 @@ def test_fused_stage_spread_over_two_workers_runs_its_microbatches_side_by_side(
     assert run(FUSED, 2, hw=hw, design=PricedDesign(fused_spread=2), host_accumulate_bytes_per_s=50.0).step_s == pytest.approx(7.0)
     with pytest.raises(ValueError, match="fused_spread must be a positive integer"):
         PricedDesign(fused_spread=0)
+
+
+@pytest.mark.timeout(120)
+def test_exact_gap_causes_add_up_to_the_later_start():
+    from lightning_roundpipe.cost.hardware import load_hardware
+    from lightning_roundpipe.cost.transformer import ModelShape
+    from lightning_roundpipe.analysis.exact_gap import CAUSES, exact_gap
+    from lightning_roundpipe.analysis.own_engine import Setup
+    from lightning_roundpipe.analysis.workload import PublishedRun, Workload
+
+    tiny = ModelShape("tiny", 256, 768, 4, 2, 64, 4096, 4)
+    work = Workload(32, 4, 2, seq_len=256)
+    gap = exact_gap(PublishedRun(tiny, work, replace(work, optimizer="sync"), 1.0, 1.0), load_hardware("rtx4090"), Setup())
+    assert list(gap["causes"]) == list(CAUSES)
+    assert all(v >= -1e-12 for k, v in gap["causes"].items() if k != "drain")
+    assert gap["exact_tokens_per_s"] <= gap["stale_tokens_per_s"]
+    # the exact step starts later by the causes' sum; the period grows by at most that
+    assert gap["period_difference_s"] <= sum(gap["causes"].values()) + 1e-9
