@@ -60,3 +60,15 @@ def test_reference_simulated_within_20_percent_of_the_published_figure():
     rows = paper.paper_rows("rtx4090", ("qwen3-1.7b",))
     ref = next(r for r in rows if r["system"] == paper.REFERENCE_SIMULATED)
     assert abs(ref["simulated"] / ref["measured"] - 1) < 0.2
+
+
+@pytest.mark.timeout(60)
+def test_own_engine_reference_quick_json(stub_simulator, tmp_path):
+    from benchmarks.figures.own_engine_reference import main as benchmark
+
+    path = tmp_path / "quick.json"
+    benchmark(["--quick", "--models", "qwen3-1.7b", "--json", str(path)])
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["config"] for r in rows] == ["reference_setup", "default", "best_exact", "best_exact_reference_precision"]
+    assert [r["tokens_per_s"] for r in rows] == [2000.0, 1000.0, 1000.0, 2000.0]
+    assert rows[1]["ours_over_measured"] == pytest.approx(1000 / 65_417)
