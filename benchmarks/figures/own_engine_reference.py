@@ -2,6 +2,13 @@
 
     python -m benchmarks.figures.own_engine_reference [--hardware rtx4090] [--models qwen3-1.7b ...] [--no-best]
                                               [--json own_engine_reference.json]
+    python -m benchmarks.figures.own_engine_reference --quick [--json PATH]   # minutes: the configs only
+
+``--quick`` prints only the configurations of ``lightning_roundpipe.analysis.paper`` (every one on
+the reference's partition, no plan search, two optimizer steps): ``reference_setup``,
+``default``, ``best_exact`` and ``best_exact_reference_precision``, each with its tokens/s over
+the reference's measured figure; ``--json`` then holds ``rows`` of ``model``, ``config``,
+``tokens_per_s``, ``ours_over_measured``.
 
 For each model of the published 8x RTX 4090 table (same sequences per optimizer step, same
 forward-backward calls, 2048-token sequences):
@@ -35,6 +42,7 @@ from lightning_roundpipe.analysis.own_engine import (best_setup, host_limit_toke
                                                  published_run, shared_costs, tasks_per_compute, waterfall)
 from lightning_roundpipe.cost.transformer import get_model_shape, shape_layer_costs
 from lightning_roundpipe.cost.hardware import load_hardware
+from lightning_roundpipe.analysis.paper import config_rows, model_rows
 from lightning_roundpipe.analysis.workload import PUBLISHED_RUNS
 
 
@@ -116,13 +124,34 @@ def to_markdown(reports: list[dict], hardware: str, header: bool = True, footer:
     return "\n".join(lines)
 
 
+def quick(args) -> None:
+    """``--quick``: the configurations of ``analysis.paper`` per model, printed and written as rows."""
+    start = time.perf_counter()
+    rows = []
+    for model in args.models:
+        rows += config_rows(model_rows(model, args.hardware, designs=False))
+        for r in rows:
+            if r["model"] == model:
+                ratio = f"{r['ours_over_measured']:.2f}x" if r["ours_over_measured"] is not None else "-"
+                tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else "does not fit"
+                print(f"{model:14} {r['config']:32} {tps:>10} {ratio:>6}  {r['setting']}", flush=True)
+    print(f"({time.perf_counter() - start:.0f} s)")
+    if args.json:
+        write_json(args.json, dict(hardware=args.hardware, rows=rows))
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = cli(__doc__.splitlines()[0], json_help="also write the figures to this JSON file")
+    parser = cli(__doc__.splitlines()[0], json_help="also write the figures to this JSON file",
+                 quick="only the configurations (reference setup, default, best exact, best exact at the reference's "
+                       "precision), on the reference's partition: minutes instead of half an hour")
     parser.add_argument("--hardware", default="rtx4090")
     parser.add_argument("--models", nargs="*", default=[r.model for r in PUBLISHED_RUNS])
     parser.add_argument("--no-best", action="store_true", help="skip the search for the best setups (slow)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    if args.quick:
+        quick(args)
+        return
     reports = []
     for i, model in enumerate(args.models):  # each model as soon as it is done
         reports.append(model_report(model, args.hardware, best=not args.no_best))

@@ -98,7 +98,7 @@ def test_cli_plan_fits_and_does_not_fit(capsys):
 
 
 def test_cli_paper_prints_a_markdown_table(capsys):
-    assert main(["paper", "--models", "qwen3-0.6b", "--microbatches", "8"]) == 0
+    assert main(["small-steps", "--models", "qwen3-0.6b", "--microbatches", "8"]) == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("| model "))
     assert [c.strip() for c in header.split("|")[1:6]] == ["model", "RoundPipe", "GPipe+offload", "1F1B+offload",

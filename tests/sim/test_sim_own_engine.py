@@ -119,8 +119,23 @@ def test_setup_simulates_the_reference_rows_sim_config():
     assert (cfg.steps, cfg.accumulation, cfg.stale_optimizer, cfg.optimizer_barrier) == (6, 2, True, False)
     exact = replace(Setup(), staleness=0, wait_all_grads=True, dispatch_s=1e-4).sim_config(w, 3)
     assert (exact.stale_optimizer, exact.clip_grad_norm, exact.dispatch_s) == (False, True, 1e-4)
-    with pytest.raises(ValueError, match="precision must be 'fp16-acc' or 'bf16-mixed'"):
+    with pytest.raises(ValueError, match=r"precision must be one of \['16-mixed', 'bf16-mixed', 'fp16-acc'\]"):
         Setup(precision="fp8")
+    assert cfg.host_barriers is False and cfg.optimizer_undo is False  # the reference: neither
+    ours = replace(Setup(), staleness=0, host_barriers=True, undo=True, optimizer_order="layer").sim_config(w, 3)
+    assert (ours.host_barriers, ours.optimizer_undo, ours.optimizer_order) == (True, True, "layer")
+
+
+def test_our_default_runs_under_autograd_with_the_options_undo_and_compile():
+    from lightning_roundpipe.cost.hardware import load_hardware
+    from lightning_roundpipe.options import RuntimeOptions
+    from lightning_roundpipe.analysis.own_engine import default_compiled_layers, our_default
+
+    ours = our_default(load_hardware("rtx4090"))
+    assert ours.host_barriers is True  # the next call waits for backward() to return
+    assert ours.undo == RuntimeOptions().optimizer_undo
+    assert ours.compiled_layers == default_compiled_layers()
+    assert default_compiled_layers() == (getattr(RuntimeOptions(), "compile_layers", False) in (True, "auto", "gpu"))
 
 
 def test_host_limit_tokens_by_hand():
@@ -139,7 +154,7 @@ def test_host_limit_tokens_by_hand():
     assert host_limit_tokens(plan, costs, hw, 0.5, 4.0) == pytest.approx(2 * 10.0 / 1.1)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # 13 setups simulated; 121 s on the 2-core machine under a load average of 12
 def test_waterfall_switches_one_cause_at_a_time_to_our_default():
     from lightning_roundpipe.cost.transformer import ModelShape
     from lightning_roundpipe.cost.hardware import load_hardware
@@ -191,3 +206,21 @@ def test_fused_stage_spread_over_two_workers_runs_its_microbatches_side_by_side(
     assert run(FUSED, 2, hw=hw, design=PricedDesign(fused_spread=2), host_accumulate_bytes_per_s=50.0).step_s == pytest.approx(7.0)
     with pytest.raises(ValueError, match="fused_spread must be a positive integer"):
         PricedDesign(fused_spread=0)
+
+
+@pytest.mark.timeout(120)
+def test_exact_gap_causes_add_up_to_the_later_start():
+    from lightning_roundpipe.cost.hardware import load_hardware
+    from lightning_roundpipe.cost.transformer import ModelShape
+    from lightning_roundpipe.analysis.exact_gap import CAUSES, exact_gap
+    from lightning_roundpipe.analysis.own_engine import Setup
+    from lightning_roundpipe.analysis.workload import PublishedRun, Workload
+
+    tiny = ModelShape("tiny", 256, 768, 4, 2, 64, 4096, 4)
+    work = Workload(32, 4, 2, seq_len=256)
+    gap = exact_gap(PublishedRun(tiny, work, replace(work, optimizer="sync"), 1.0, 1.0), load_hardware("rtx4090"), Setup())
+    assert list(gap["causes"]) == list(CAUSES)
+    assert all(v >= -1e-12 for k, v in gap["causes"].items() if k != "drain")
+    assert gap["exact_tokens_per_s"] <= gap["stale_tokens_per_s"]
+    # the exact step starts later by the causes' sum; the period grows by at most that
+    assert gap["period_difference_s"] <= sum(gap["causes"].values()) + 1e-9

@@ -1,4 +1,4 @@
-"""Command line of the simulator: ``python -m lightning_roundpipe.sim {plan,compare,paper,scaling}``.
+"""Command line of the simulator: ``python -m lightning_roundpipe.sim {plan,compare,paper,small-steps,scaling}``.
 
 It lives in the analysis layer because it reaches every layer below (the capacity planner, the
 bound-schedule baselines, the published runs); ``sim/__main__.py`` only runs ``main``.
@@ -6,7 +6,11 @@ bound-schedule baselines, the published runs); ``sim/__main__.py`` only runs ``m
 - ``plan``: does training fit, and with which microbatches, plan and sequence length
   (exit status 0 when it fits, 1 when it does not);
 - ``compare``: RoundPipe against GPipe, 1F1B and interleaved 1F1B with offload, as a table;
-- ``paper``: the paper's 8x RTX 4090 comparison for Qwen3-1.7B/8B/32B-sized models;
+- ``paper``: the paper's comparison on the workload it published (``analysis/paper.py``): the
+  reference measured and simulated, this engine's defaults and best exact setups, the bound
+  baselines as published; ``--json PATH`` writes the rows;
+- ``small-steps``: RoundPipe against the bound schedules for Qwen3-1.7B/8B/32B-sized models at 32
+  single-sequence microbatches per step, bf16 (``compare.paper_table``);
 - ``scaling``: predicted tokens/s of the reference workload on 1..N GPUs.
 
 ``--num-gpus`` (every command) replaces the profile's GPU count: any count, any profile. ``plan``
@@ -19,7 +23,9 @@ and ``compare`` take the machine's own numbers too (``--gpus``, ``--gpu-memory``
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from ..cost.activations import DEFAULT_LOSS_CHUNK_TOKENS
@@ -29,6 +35,8 @@ from ..cost.machine import DEFAULT_DETECT_PROFILE, apply_detection, detect_machi
 from ..cost.transformer import MODEL_PRESETS
 from ..planning.capacity import DEFAULT_MEMORY_FRACTION, plan_training
 from .compare import PAPER_MODELS, compare_schedules, paper_table
+from .paper import PUBLISHED_SEQ_LEN, paper_markdown, paper_rows
+from .workload import PUBLISHED_RUNS
 from .scaling import scaling_markdown, scaling_rows
 
 
@@ -85,7 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--lora-rank", type=_positive, default=None)
     add_machine_options(c)
 
-    r = sub.add_parser("paper", help="the paper's 8x RTX 4090 comparison (Qwen3-1.7B/8B/32B, 4K tokens)")
+    w = sub.add_parser("paper", help="the paper's comparison on its published workload (reference, ours, baselines)")
+    w.add_argument("--hardware", default="rtx4090", help=hw_help)
+    w.add_argument("--seq-len", type=_positive, default=PUBLISHED_SEQ_LEN,
+                   help=f"tokens per sequence (default {PUBLISHED_SEQ_LEN}, the published one; others have no measured figures)")
+    w.add_argument("--models", nargs="+", default=[r.model for r in PUBLISHED_RUNS], help="published models")
+    w.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the rows (model, system, simulated, measured, setting) as a JSON list")
+
+    r = sub.add_parser("small-steps", help="RoundPipe vs bound schedules, Qwen3-1.7B/8B/32B, 32 single-sequence microbatches")
     r.add_argument("--hardware", default="rtx4090", help=hw_help)
     r.add_argument("--seq-len", type=_positive, default=4096)
     r.add_argument("--microbatches", type=_positive, default=None, help="per step (default: 4 per GPU)")
@@ -155,6 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             table = compare_schedules(model, hardware, args.seq_len, microbatches=args.microbatches,
                                       lora_rank=args.lora_rank)
             print(table.to_markdown())
+            return 0
+        if args.command == "paper":
+            rows = paper_rows(hardware, tuple(args.models), args.seq_len)
+            print(paper_markdown(rows, hardware, args.seq_len))
+            if args.json:
+                Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
             return 0
         print(paper_table(hardware, tuple(args.models), args.seq_len, args.microbatches))
         return 0

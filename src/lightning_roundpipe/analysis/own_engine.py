@@ -28,14 +28,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..cost.compiled import compiled_launches
 from ..cost.memory import roundpipe_gpu_bytes
+from ..cost.precision import check_precision, fp16_accumulation
 from ..cost.transformer import get_model_shape, shape_layer_costs
 from ..planning.capacity import DEFAULT_MEMORY_FRACTION, best_plan
 from ..planning.partition import partition
 from ..schedule.plan import Plan, PlanError
 from ..cost.hardware import HardwareProfile, load_hardware
 from ..sim.simulate import SimConfig, SimResult, simulate_roundpipe
-from .workload import PUBLISHED_RUNS, PublishedRun, Workload, optimizer_step_period
+from .workload import PUBLISHED_RUNS, PublishedRun, Workload, optimizer_step_period, reference_plan
 from .designs import PricedDesign
 
 # Measured ratio of one host Adam step to the engine's gradient accumulation (cast to fp32,
@@ -47,6 +49,7 @@ from .designs import PricedDesign
 ADAM_PER_ACCUMULATE = 1.25
 GRAD_BYTES = 2  # bf16 / fp16 gradients come home in the compute dtype
 PLANNER = "planner"  # plan from the planner's candidates, timed by the simulator (fit.best_plan)
+REFERENCE = "reference"  # the reference's own partition of the model (workload.reference_plan)
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class Setup:
 
     ``microbatches`` / ``calls`` None: the workload's (the reference's) counts; ``microbatches``
     ``ENGINE_CHOICE``: chosen as the engine chooses an open count. ``partition``: a
-    policy of ``partition`` or ``"planner"``.
+    policy of ``partition``, ``"planner"`` or ``"reference"`` (the reference's own partition).
     ``precision``: ``"fp16-acc"`` (fp16 with ``allow_fp16_accumulation``: matmuls at the
     fp16-accumulate rate) or ``"bf16-mixed"`` (fp32-accumulate rate). ``staleness``: 0 exact, 1
     one step stale. ``wait_all_grads``: the optimizer starts only when every gradient of the step
@@ -63,6 +66,12 @@ class Setup:
     ``dispatch_s`` / ``launch_s``: host seconds per task / kernel launch (None: the profile's).
     ``host_accumulate_bytes_per_s``, ``host_loss_s``: see ``SimConfig``; ``call_barrier``, ``fused_spread``:
     designs the engine does not have, see ``analysis.designs``.
+    ``host_barriers``: the engine under autograd (the next call waits for ``backward()``; see
+    ``SimConfig``); the reference dispatches without them. ``compiled_layers``: decoder layers
+    through ``torch.compile`` (``cost.compiled``: fused element-wise traffic, fewer launches).
+    ``optimizer_order``: which ready layer update the host runs first (``SimConfig``; the
+    engine's lane: ``"arrival"``). ``undo``: the before-image copy that keeps a failed step
+    undoable (``cost.host_update``; the engine's ``optimizer_undo``, on by default).
     """
 
     precision: str = "fp16-acc"
@@ -78,10 +87,13 @@ class Setup:
     host_loss_s: float = 0.0
     call_barrier: bool = True
     fused_spread: int = 1
+    host_barriers: bool = False
+    compiled_layers: bool = False
+    optimizer_order: str = "arrival"
+    undo: bool = False
 
     def __post_init__(self) -> None:
-        if self.precision not in ("fp16-acc", "bf16-mixed"):
-            raise ValueError(f"precision must be 'fp16-acc' or 'bf16-mixed', got {self.precision!r}")
+        check_precision(self.precision)
         if self.staleness not in (0, 1):
             raise ValueError(f"staleness must be 0 or 1, got {self.staleness!r}")
 
@@ -90,7 +102,9 @@ class Setup:
         return replace(workload.sim_config(optimizer_steps), stale_optimizer=self.staleness == 1,
                        optimizer_barrier=False, clip_grad_norm=self.wait_all_grads, dispatch_s=self.dispatch_s,
                        launch_s=self.launch_s, host_accumulate_bytes_per_s=self.host_accumulate_bytes_per_s,
-                       host_loss_s=self.host_loss_s,
+                       host_loss_s=self.host_loss_s, host_barriers=self.host_barriers,
+                       optimizer_order=self.optimizer_order,
+                       optimizer_undo=self.undo,
                        design=PricedDesign(call_barrier=self.call_barrier, fused_spread=self.fused_spread))
 
 
@@ -153,17 +167,38 @@ def dispatch_figure() -> float:
     return load_hardware("cpu2").dispatch_s
 
 
+def default_compiled_layers() -> bool:
+    """Whether this engine compiles decoder layers by default on a GPU (``RuntimeOptions().compile_layers``:
+    True, or ``"auto"`` / ``"gpu"`` meaning on GPU workers; False or absent: eager)."""
+    from ..options import RuntimeOptions
+
+    value = getattr(RuntimeOptions(), "compile_layers", False)
+    return value is True or value in ("auto", "gpu")
+
+
+def default_undo() -> bool:
+    """Whether this engine keeps a failed step undoable by default (``RuntimeOptions().optimizer_undo``)."""
+    from ..options import RuntimeOptions
+
+    return bool(getattr(RuntimeOptions(), "optimizer_undo", False))
+
+
 def our_default(hardware: HardwareProfile) -> Setup:
-    """This engine's default configuration and per-call host work on ``hardware``."""
+    """This engine's default configuration and per-call host work on ``hardware``: driven by
+    autograd (host barriers: the next call waits for ``backward()``), the failed-step undo and
+    compiled layers as the options default."""
     nw = hardware.num_gpus
     return Setup(precision="bf16-mixed", staleness=0, partition=default_partition(),
                  microbatches=default_microbatches(nw), loss_chunk_tokens=1024, dispatch_s=dispatch_figure(),
-                 host_accumulate_bytes_per_s=host_accumulate_rate(hardware))
+                 host_accumulate_bytes_per_s=host_accumulate_rate(hardware), host_barriers=True,
+                 undo=default_undo(), compiled_layers=default_compiled_layers())
 
 
-def choose_plan(setup: Setup, costs, hardware: HardwareProfile, microbatches: int) -> Plan:
+def choose_plan(setup: Setup, costs, hardware: HardwareProfile, microbatches: int, model: str = "") -> Plan:
     """The plan ``setup.partition`` gives (raises PlanError when it does not fit the GPU)."""
     budget = int(hardware.gpu_memory_bytes * DEFAULT_MEMORY_FRACTION)
+    if setup.partition == REFERENCE:
+        return reference_plan(model)
     if setup.partition == PLANNER:
         choice = best_plan(costs, hardware, [microbatches], fused_last=True)
         if choice is None:
@@ -198,9 +233,11 @@ def simulate_setup(run: PublishedRun, hardware: str | HardwareProfile, setup: Se
     per_microbatch = work.sequences_per_step / (calls * m)
     costs = shape_layer_costs(get_model_shape(run.model), hw, seq_len, per_microbatch,
                               loss_chunk_tokens=setup.loss_chunk_tokens,
-                              fp16_accumulation=setup.precision == "fp16-acc")
+                              fp16_accumulation=fp16_accumulation(setup.precision), compiled_layers=setup.compiled_layers)
+    if setup.compiled_layers:
+        hw = compiled_launches(hw)
     try:
-        plan = choose_plan(setup, costs, hw, m)
+        plan = choose_plan(setup, costs, hw, m, run.model)
     except (PlanError, ValueError) as err:
         return SetupResult(setup, m, calls, 0.0, refused=str(err).splitlines()[0])
     need = max(roundpipe_gpu_bytes(plan, costs, hw.num_gpus))
@@ -229,9 +266,13 @@ def causes(hardware: HardwareProfile, reference_microbatches: int = 10) -> list[
     The partition policy goes last: a policy that cannot meet the memory budget refuses the run,
     and every cause before it still gets its share."""
     ours, ref = our_default(hardware), Setup()
-    return [
+    rows = [
         ("precision: bf16-mixed (fp32-accumulate matmuls) for fp16 with fp16 accumulation", dict(precision=ours.precision)),
         ("optimizer: exact (staleness 0) for one step stale", dict(staleness=ours.staleness)),
+        ("host barriers: the next call dispatched once backward() returns", dict(host_barriers=ours.host_barriers)),
+        ("failed-step undo: before-images copied on the optimizer lane", dict(undo=ours.undo)),
+        (f"layers: {'compiled' if ours.compiled_layers else 'eager'} (compile_layers default)",
+         dict(compiled_layers=ours.compiled_layers)),
         (f"microbatches: {ours.microbatches} (the default) for {reference_microbatches}", dict(microbatches=ours.microbatches)),
         (f"loss chunk: {ours.loss_chunk_tokens} tokens for {ref.loss_chunk_tokens}", dict(loss_chunk_tokens=ours.loss_chunk_tokens)),
         (f"host dispatch: {ours.dispatch_s * 1e6:.0f} us per task (CPU backend, measured)", dict(dispatch_s=ours.dispatch_s)),
@@ -239,6 +280,8 @@ def causes(hardware: HardwareProfile, reference_microbatches: int = 10) -> list[
          dict(host_accumulate_bytes_per_s=ours.host_accumulate_bytes_per_s)),
         (f"partition: '{ours.partition}' policy for the planner's plan", dict(partition=ours.partition)),
     ]
+    # a switch that changes nothing (layers eager, as the reference's) is left out
+    return [(cause, change) for cause, change in rows if "compiled_layers" not in change or ours.compiled_layers]
 
 
 def waterfall(run: PublishedRun, hardware: str | HardwareProfile, *, optimizer_steps: int = 3) -> list[Step]:

@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 from . import activations, attention, moe_loop
 from .profile import CostProfile, LayerCost
 from .hardware import HardwareProfile
+from .compiled import fused_elementwise_bytes_per_token
 from .physical import LayerWork, has_physical_rates, layer_seconds
 
 # Logits kept for the loss's backward, per token and vocabulary entry, on top of the compute-dtype
@@ -196,7 +197,7 @@ def elementwise_bytes_per_token(shape: ModelShape, dtype_bytes: int = 2) -> floa
 
 
 def decoder_layer_work(shape: ModelShape, seq_len: int, lora_rank: int | None = None,
-                       dtype_bytes: int = 2) -> tuple[LayerWork, LayerWork]:
+                       dtype_bytes: int = 2, compiled: bool = False) -> tuple[LayerWork, LayerWork]:
     """Forward and backward (recompute excluded) work of one decoder layer per token.
 
     Projections: ``2 x`` the parameters a token runs (MoE: router and routed experts only)
@@ -204,12 +205,17 @@ def decoder_layer_work(shape: ModelShape, seq_len: int, lora_rank: int | None = 
     input gradients only), plus the adapters' own. Attention (causal, flash attention skipping
     the masked half): ``2 * seq_len * q_dim`` forward, 2.5x that backward (flash attention's
     backward recomputes the scores: five matmuls to the forward's two). Element-wise traffic:
-    ``elementwise_bytes_per_token``, twice that backward.
+    ``elementwise_bytes_per_token``, twice that backward; ``compiled`` (the layer run through
+    ``torch.compile``): the fused chains' traffic of ``cost.compiled`` instead.
     """
     linear = shape.active_linear_params()
     adapters = shape.active_lora_params_per_layer(lora_rank) if lora_rank else 0
     attn = 2 * seq_len * shape.q_dim
-    elementwise = elementwise_bytes_per_token(shape, dtype_bytes)
+    if compiled:
+        mlp_width = shape.experts_per_token * shape.expert_intermediate if shape.is_moe else shape.intermediate
+        elementwise = fused_elementwise_bytes_per_token(shape.hidden, shape.q_dim + shape.kv_dim, mlp_width, dtype_bytes)
+    else:
+        elementwise = elementwise_bytes_per_token(shape, dtype_bytes)
     fwd = LayerWork(2 * linear + 2 * adapters, attn, elementwise)
     bwd = LayerWork((2 * linear if lora_rank else 4 * linear) + 4 * adapters, 2.5 * attn, 2 * elementwise)
     return fwd, bwd
@@ -277,6 +283,7 @@ def shape_layer_costs(
     fp16_accumulation: bool = False,
     loss_in_pipeline: bool = True,
     moe_dispatch: "str | moe_loop.ExpertDispatch | None" = None,
+    compiled_layers: bool = False,
 ) -> CostProfile:
     """``transformer_layer_costs`` of a ``ModelShape`` (dense or MoE).
 
@@ -288,7 +295,8 @@ def shape_layer_costs(
     outside (no labels travel, the logits are the last stage's output). Activation bytes come
     from ``activations``. ``moe_dispatch`` (MoE shapes): how the experts run, priced by
     ``cost/moe_loop.py`` (``"reference_loop"``, ``"hf_eager_loop"``, ``"grouped"``); None: the
-    routed FLOPs alone.
+    routed FLOPs alone. ``compiled_layers``: decoder layers run through ``torch.compile``, their
+    element-wise chains fused (``cost.compiled``; memory is unchanged).
     """
     hidden, intermediate, vocab, num_layers = shape.hidden, shape.intermediate, shape.vocab, shape.num_layers
     qk_norm = shape.qk_norm
@@ -327,7 +335,7 @@ def shape_layer_costs(
     adapters = shape.lora_params_per_layer(lora_rank) if lora else 0
     active_adapters = shape.active_lora_params_per_layer(lora_rank) if lora else 0
     mlp_width = shape.experts_per_token * shape.expert_intermediate if shape.is_moe else intermediate
-    fwd, bwd = decoder_layer_work(shape, seq_len, lora_rank, dtype_bytes)
+    fwd, bwd = decoder_layer_work(shape, seq_len, lora_rank, dtype_bytes, compiled=compiled_layers)
     if not has_physical_rates(hardware):
         bwd = LayerWork(bwd.matmul_flops, 2 * attn, bwd.memory_bytes)  # the estimate's FLOP count
     else:  # flash attention's rate at this length (cost/attention.py)

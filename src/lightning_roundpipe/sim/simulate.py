@@ -50,6 +50,7 @@ from ..cost.memory import layer_grain_graph
 from .accumulation import CallAccumulator, submission
 from .event_queue import HOST, EventSimulator, LinkSpec, Op
 from ..cost.hardware import HardwareProfile
+from ..cost.host_update import UNDO_BYTES_PER_PARAM, update_seconds
 
 # Transfer priorities by kind for the bound schedules (lower goes first): what a stage waits for,
 # then weight prefetch, then gradients going home. RoundPipe steps take theirs from the lowering.
@@ -181,16 +182,20 @@ class SimConfig:
     # layer's graph plus the stage's layer inputs (cost/memory.py: layer_grain_graph).
     layer_recompute: bool = False
     # The overlapped optimizer's failed-step undo (``optim/step_undo.py``): before each layer's
-    # update the host copies its fp32 master and Adam moments (``UNDO_COPY_BYTES_PER_PARAM``
-    # read and written) at the host copy rate (``undo_seconds``). The copy runs on the optimizer
-    # queue as idle work (after ready updates), once the layer's previous update is done, and the
-    # layer's update waits for it. False: not priced (the engine's ``optimizer_undo=False``, or a
-    # synchronous optimizer, which needs no undo).
+    # update the host copies its fp32 master and Adam moments (``cost/host_update.py``:
+    # ``UNDO_BYTES_PER_PARAM`` read and written) at the host copy rate (``undo_seconds``). The
+    # copy runs on the optimizer queue as idle work (after ready updates), once the layer's
+    # previous update is done, and the layer's update waits for it. False: not priced (the
+    # engine's ``optimizer_undo=False``, or a synchronous optimizer, which needs no undo).
     optimizer_undo: bool = False
     # With layer_recompute: the layer inputs were kept by the forward stage (the reference
     # RoundPipe downloads each layer's input to the host as its forward runs), so the backward
     # runs no pass without grad first; False: this engine's pass that keeps them.
     layer_inputs_from_forward: bool = False
+    # Which ready layer update the host optimizer runs first: "arrival" (the engine's lane: in the
+    # order the gradients were added, i.e. the last layers first) or "layer" (the lowest layer
+    # first: the next step's first uploads get their layers first).
+    optimizer_order: str = "arrival"
 
     def __post_init__(self) -> None:
         if self.accumulation < 1:
@@ -205,6 +210,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be None or at least 0, got {value}")
         if not self.host_loss_s >= 0:
             raise ValueError(f"host_loss_s must be at least 0, got {self.host_loss_s}")
+        if self.optimizer_order not in ("arrival", "layer"):
+            raise ValueError(f"optimizer_order must be 'arrival' or 'layer', got {self.optimizer_order!r}")
         if self.host_accumulate_bytes_per_s is not None and not self.host_accumulate_bytes_per_s > 0:
             raise ValueError(f"host_accumulate_bytes_per_s must be None or positive, got {self.host_accumulate_bytes_per_s}")
 
@@ -444,7 +451,7 @@ class _RoundPipeBuilder:
         return Op(w, "compute", t.kind, t.stage, t.microbatch, step, seconds=seconds, deps=deps, alloc=alloc, free=free)
 
 
-UNDO_COPY_BYTES_PER_PARAM = 24  # the undo copy of a parameter: fp32 master, Adam m and v, read and written
+UNDO_PRIORITY = 1 << 30  # after every ready update, whatever order the updates run in
 
 
 def undo_seconds(trainable_params: int, hardware: HardwareProfile) -> float:
@@ -452,7 +459,7 @@ def undo_seconds(trainable_params: int, hardware: HardwareProfile) -> float:
     profile's host memory bandwidth, or, without one, at the bandwidth its optimizer rate implies
     (``optimizer_params_per_s`` x ``optimizer_bytes_per_param``)."""
     rate = hardware.host_memory_bytes_per_s or hardware.optimizer_params_per_s * hardware.optimizer_bytes_per_param
-    return trainable_params * UNDO_COPY_BYTES_PER_PARAM / rate
+    return trainable_params * UNDO_BYTES_PER_PARAM / rate
 
 
 def add_optimizer(sim: EventSimulator, wgrads: dict[int, list[Op]], view: CostView, hardware: HardwareProfile,
@@ -472,12 +479,13 @@ def add_optimizer(sim: EventSimulator, wgrads: dict[int, list[Op]], view: CostVi
             last = previous.get(layer)
             deps.append(sim.add(Op(HOST, "host", "undo", f"L{layer}", -1, step,
                                    seconds=undo_seconds(view.trainable[layer], hardware),
-                                   priority=1,  # idle work: ready updates go first
+                                   priority=UNDO_PRIORITY,  # idle work: ready updates go first
                                    deps=[last] if last is not None else [])))
-        seconds = view.trainable[layer] / hardware.optimizer_params_per_s
+        seconds = update_seconds(view.trainable[layer], hardware)
+        # "arrival": equal priorities, so ready updates run in the order they became ready
+        priority = layer if config.optimizer_order == "layer" else 0
         updates[layer] = previous[layer] = sim.add(Op(HOST, "host", "optim", f"L{layer}", -1, step, seconds=seconds,
-                                                      priority=0,  # ready updates run in arrival order
-                                                      deps=deps))
+                                                      priority=priority, deps=deps))
     if config.optimizer_barrier:
         every_update = list(updates.values())
         return {layer: every_update for layer in range(len(view))}

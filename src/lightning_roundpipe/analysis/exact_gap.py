@@ -1,0 +1,50 @@
+"""Where the exact optimizer's time goes against the one-step-stale one, read off the simulated timeline.
+
+Under the stale optimizer the next optimizer step's first call starts while this step's last call
+still drains the pipeline (its uploads wait for the update two steps back). Under the exact one
+the first forward stage of the next step needs layer 0's new version, and layer 0's gradient
+comes from the last backward stage of the last call: the next step starts only after
+
+1. ``drain``: the last call's compute ends (the stale run had started the next call this much
+   earlier, on the workers the drain leaves idle);
+2. ``gradient home``: layer 0's gradient downloaded;
+3. ``host queue``: the host optimizer finishing the updates queued before layer 0's;
+4. ``first layer update``: layer 0's update (the embedding: the largest single layer);
+5. ``upload and start``: the first stage's weights uploaded and its first compute started.
+
+``exact_gap`` returns those seconds per optimizer step for a ``Setup`` (its staleness is set to
+0 and 1 in turn); their sum is how much later the next step starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..cost.hardware import HardwareProfile, load_hardware
+from .own_engine import PublishedRun, Setup, simulate_setup
+
+CAUSES = ("drain", "gradient home", "host queue", "first layer update", "upload and start")
+
+
+def exact_gap(run: PublishedRun, hardware: str | HardwareProfile, setup: Setup, *,
+              optimizer_steps: int = 2) -> dict:
+    """The causes of the exact-versus-stale difference at the first optimizer-step boundary (see
+    the module doc), with both setups' tokens/s and the period difference."""
+    hw = load_hardware(hardware)
+    stale = simulate_setup(run, hw, replace(setup, staleness=1), optimizer_steps=optimizer_steps)
+    exact = simulate_setup(run, hw, replace(setup, staleness=0), optimizer_steps=optimizer_steps)
+    last = exact.calls - 1  # the last call of the first optimizer step
+
+    def first_compute(result, call):
+        return min(r.start for r in result.call.timeline if r.queue == "compute" and r.step == call)
+
+    tl = exact.call.timeline
+    drained = max(r.end for r in tl if r.queue == "compute" and r.step == last)
+    home = max(r.end for r in tl if r.kind == "wgrad" and r.step == last)  # layer 0's is the last one home
+    update = next(r for r in tl if r.kind == "optim" and r.step == last and r.stage == "L0")
+    marks = [first_compute(stale, last + 1), drained, home, update.start, update.end, first_compute(exact, last + 1)]
+    causes = {name: b - a for name, a, b in zip(CAUSES, marks, marks[1:])}
+    period = {name: run.stale.sequences_per_step * run.stale.seq_len / r.tokens_per_s for name, r in
+              (("stale", stale), ("exact", exact))}
+    return dict(model=run.model, stale_tokens_per_s=stale.tokens_per_s, exact_tokens_per_s=exact.tokens_per_s,
+                period_difference_s=period["exact"] - period["stale"], causes=causes)

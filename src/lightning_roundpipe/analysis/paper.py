@@ -1,0 +1,156 @@
+"""The paper's comparison on the workload it published: a row per system, simulated beside measured.
+
+The reference RoundPipe's published 8x RTX 4090 figures (``workload.PUBLISHED_RUNS``: same
+sequences per optimizer step, forward-backward calls, 2048-token sequences, fp16 with fp16
+accumulation) are the yardstick. Per model, ``paper_rows`` gives:
+
+- ``reference (measured)``: the published figure;
+- ``reference (simulated)``: the reference's setup (its partition, 10 microbatches, one step
+  stale, fp16 with fp16 accumulation, no host barriers), simulated;
+- ``ours: defaults``: this engine's defaults (``own_engine.our_default``);
+- ``ours: best exact``: the faster of the defaults and the setups of ``exact_candidates`` at the
+  default precision (bf16-mixed);
+- ``ours: best exact, reference precision``: the same search with fp16 and fp16 accumulation
+  (the host loss scaler makes the optimizer wait for every gradient);
+- ``design: the same, layers step early and are undone on overflow``: that setup with the host
+  loss scaler's wait replaced by early steps that the failed-step undo puts back when the
+  scaler finds an overflow (priced; the engine does not do it);
+- the bound baselines of the paper, as published (Megatron-PP and Mobius on the same machine,
+  their measured figures; ``simulated`` null: ``benchmarks.validation.published_gpu
+  --baselines`` simulates them under assumptions of their own).
+
+Every row of ours runs on the reference's own partition, so the comparison isolates the setup
+(and stays fast: no plan search). Rows are dicts with ``model``, ``system``, ``simulated`` and
+``measured`` (None where there is none) and a ``setting`` in words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..cost.hardware import HardwareProfile, load_hardware
+from ..cost.precision import loss_scaled
+from .own_engine import REFERENCE, Setup, SetupResult, our_default, published_run, simulate_setup
+from .workload import PUBLISHED_RUNS
+
+REFERENCE_SIMULATED = "reference (simulated)"
+SPECULATIVE = "design: the same, layers step early and are undone on overflow"
+# The simulated systems by the config names of ``benchmarks.own_engine_reference --quick``.
+CONFIGS = {REFERENCE_SIMULATED: "reference_setup", "ours: defaults": "default", "ours: best exact": "best_exact",
+           "ours: best exact, reference precision": "best_exact_reference_precision"}
+# The paper's bound baselines on 8x RTX 4090, tokens/s (exp/raw-data.csv of
+# github.com/ITcarrot/RoundPipe-artifact; None: out of memory).
+PUBLISHED_BASELINES = {
+    "Megatron-PP (measured)": {"qwen3-1.7b": 39_081, "llama-3.1-8b": 16_412, "qwen3-32b": None},
+    "Mobius (measured)": {"qwen3-1.7b": 39_370, "llama-3.1-8b": 11_288, "qwen3-32b": 2_552},
+}
+PUBLISHED_SEQ_LEN = 2048
+
+
+def exact_candidates(hardware: HardwareProfile, calls: int, precision: str = "bf16-mixed") -> list[Setup]:
+    """The exact setups a user can set that the quick search tries, beside the defaults: compiled
+    layers, the reference's partition, and the step's sequences in one call of ``10 x calls``
+    microbatches (the reference's sequences per microbatch) or ``30 x calls`` (a third of them:
+    shorter fill and drain). One call means one pipeline drain per optimizer step instead of one
+    per call (the next call waits for ``backward()``). With fp16 the host loss scaler makes the optimizer
+    wait for every gradient (``precision.loss_scaled``)."""
+    base = replace(our_default(hardware), partition=REFERENCE, compiled_layers=True, precision=precision,
+                   wait_all_grads=loss_scaled(precision))
+    return [replace(base, microbatches=k * calls, calls=1) for k in (10, 30)]
+
+
+def best_of(results: list[SetupResult]) -> SetupResult:
+    """The fastest fitting result (the first when none fits)."""
+    fitting = [r for r in results if r.tokens_per_s > 0]
+    return max(fitting, key=lambda r: r.tokens_per_s) if fitting else results[0]
+
+
+def describe_setup(result: SetupResult) -> str:
+    """A setup's result in words: microbatches x calls, precision, staleness, compiled layers."""
+    if result.tokens_per_s <= 0:
+        return f"does not fit ({result.refused})"
+    s = result.setup
+    return (f"{result.microbatches} microbatches x {result.calls} calls, {s.precision}, staleness {s.staleness}"
+            + (", compiled layers" if s.compiled_layers else "") + f", {s.partition} partition")
+
+
+def model_rows(model: str, hardware: str | HardwareProfile = "rtx4090", seq_len: int = PUBLISHED_SEQ_LEN,
+               optimizer_steps: int = 2, designs: bool = True) -> list[dict]:
+    """The comparison's rows of one published model (see the module doc); ``designs`` False leaves
+    out the row of the design the engine does not have."""
+    hw = load_hardware(hardware)
+    run = published_run(model)
+    measured = run.measured_stale if seq_len == PUBLISHED_SEQ_LEN else None
+
+    def simulate(setup: Setup) -> SetupResult:
+        return simulate_setup(run, hw, setup, optimizer_steps=optimizer_steps, seq_len=seq_len)
+
+    def row(system: str, result: SetupResult | None, measured_value, setting: str) -> dict:
+        simulated = result.tokens_per_s if result is not None and result.tokens_per_s > 0 else None
+        return dict(model=model, system=system, simulated=simulated, measured=measured_value, setting=setting)
+
+    reference = simulate(Setup(partition=REFERENCE))
+    default = simulate(replace(our_default(hw), partition=REFERENCE))
+    best = best_of([default] + [simulate(s) for s in exact_candidates(hw, run.stale.calls)])
+    best_fp16 = best_of([simulate(s) for s in exact_candidates(hw, run.stale.calls, "fp16-acc")])
+    # The loss scaler's check after the whole backward replaced by early steps undone on overflow
+    # (the undo exists; the engine does not step early under a scaler): a design, priced.
+    speculative = simulate(replace(best_fp16.setup, wait_all_grads=False, undo=True)) if designs else None
+    rows = [row("reference (measured)", None, measured, "published"),
+            row(REFERENCE_SIMULATED, reference, measured, describe_setup(reference)),
+            row("ours: defaults", default, None, describe_setup(default)),
+            row("ours: best exact", best, None, describe_setup(best)),
+            row("ours: best exact, reference precision", best_fp16, None, describe_setup(best_fp16))]
+    if speculative is not None:
+        rows.append(row(SPECULATIVE, speculative, None, describe_setup(speculative) + "; not built"))
+    for system, figures in PUBLISHED_BASELINES.items():
+        value = figures.get(model) if seq_len == PUBLISHED_SEQ_LEN else None
+        rows.append(row(system, None, value, "published" if value is not None else "out of memory / not published"))
+    return rows
+
+
+def paper_rows(hardware: str | HardwareProfile = "rtx4090", models: tuple[str, ...] | None = None,
+               seq_len: int = PUBLISHED_SEQ_LEN, optimizer_steps: int = 2) -> list[dict]:
+    """``model_rows`` of each published model (default: all of ``PUBLISHED_RUNS``)."""
+    names = models or tuple(r.model for r in PUBLISHED_RUNS)
+    return [r for name in names for r in model_rows(name, hardware, seq_len, optimizer_steps)]
+
+
+def paper_markdown(rows: list[dict], hardware: str | HardwareProfile = "rtx4090",
+                   seq_len: int = PUBLISHED_SEQ_LEN) -> str:
+    """The rows as a markdown table, with each simulated row over the reference's measured figure."""
+    from ..cost.text_table import render_table
+
+    hw = load_hardware(hardware)
+    measured = {r["model"]: r["measured"] for r in rows if r["system"] == REFERENCE_SIMULATED}
+
+    def number(value) -> str:
+        return f"{value:,.0f}" if value is not None else "-"
+
+    table = []
+    for r in rows:
+        ref = measured.get(r["model"])
+        value = r["simulated"] if r["simulated"] is not None else r["measured"]
+        ratio = f"{value / ref:.2f}x" if value is not None and ref else "-"
+        table.append((r["model"], r["system"], number(r["simulated"]), number(r["measured"]), ratio, r["setting"]))
+    lines = [f"The reference's published workload on {hw.num_gpus}x {hw.name}: {seq_len}-token sequences, the "
+             f"published sequences per optimizer step and calls, full fine-tuning, fp32 Adam on the host.", "",
+             render_table(("model", "system", "simulated tokens/s", "measured tokens/s", "over the reference's measured",
+                           "setting"), table, right=(2, 3, 4), markdown=True), "",
+             "Simulated rows: the simulator with the assumptions in docs/simulator.md (hardware numbers from "
+             f"src/lightning_roundpipe/cost/profiles/{hw.name}.yaml), every row on the reference's own partition; "
+             "measured rows: the reference artifact's published figures."]
+    return "\n".join(lines)
+
+
+def config_rows(rows: list[dict]) -> list[dict]:
+    """The simulated rows of ``paper_rows`` as ``model``, ``config`` (``CONFIGS``), ``tokens_per_s``
+    and ``ours_over_measured`` (over the reference's published figure; None without one)."""
+    measured = {r["model"]: r["measured"] for r in rows if r["system"] == REFERENCE_SIMULATED}
+    out = []
+    for r in rows:
+        if r["system"] in CONFIGS:
+            ref, tps = measured.get(r["model"]), r["simulated"]
+            out.append(dict(model=r["model"], config=CONFIGS[r["system"]], tokens_per_s=tps,
+                            ours_over_measured=tps / ref if tps is not None and ref else None, setting=r["setting"]))
+    return out
