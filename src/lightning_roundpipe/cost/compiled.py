@@ -22,12 +22,12 @@ activations, forward; backward moves about twice as much, as for the eager layer
   Qwen3-1.7B, 4.7x less.
 - kernel launches per decoder layer and microbatch (eager: the profile's
   ``forward_launches_per_layer`` / ``backward_launches_per_layer``, 53 / 149 measured by
-  ``benchmarks.calibration.launch_budget``): forward 7 projections + 1 attention + 5 fused
-  element-wise kernels (the four above, q and k's counted apart) = ``FUSED_FORWARD_LAUNCHES``;
-  a backward task recomputes the forward (13) and runs 14 matmuls (input and weight gradient of
-  each projection), 3 flash-attention backward kernels (preprocess, main, dq conversion), 5 fused
-  element-wise backward kernels and 9 gradient accumulations (7 weights, 2 norm weights) =
-  ``FUSED_BACKWARD_LAUNCHES``. The launch cost itself (``launch_s``) is the profile's.
+  ``benchmarks.calibration.launch_budget``): forward 7 projections + 1 attention + 6 fused
+  element-wise kernels (the five above, q's and k's counted apart) = 14 (``FUSED_FORWARD_LAUNCHES``);
+  a backward task recomputes the forward (14) and runs 14 matmuls (input and weight gradient of
+  each projection), 3 flash-attention backward kernels (preprocess, main, dq conversion), 6 fused
+  element-wise backward kernels and 9 gradient accumulations (7 weights, 2 norm weights) = 46
+  (``FUSED_BACKWARD_LAUNCHES``). The launch cost itself (``launch_s``) is the profile's.
 
 Neither is measured on a GPU (none here): both are counts, and what a GPU run of the compiled
 layer (``RuntimeOptions.compile_layers``) measures should replace them.
@@ -42,8 +42,8 @@ FUSED_QK_BYTES = 4  # q/k norm + rotary in one kernel: read, write
 FUSED_RESIDUAL_NORM_BYTES = 8  # read two summands, write the sum and the normalised sum
 FUSED_GATED_MLP_BYTES = 6  # read gate and up, write act(gate) * up
 FUSED_RESIDUAL_BYTES = 6  # read two summands, write the sum
-FUSED_FORWARD_LAUNCHES = 7 + 1 + 5
-FUSED_BACKWARD_LAUNCHES = FUSED_FORWARD_LAUNCHES + 14 + 3 + 5 + 9
+FUSED_FORWARD_LAUNCHES = 7 + 1 + 6
+FUSED_BACKWARD_LAUNCHES = FUSED_FORWARD_LAUNCHES + 14 + 3 + 6 + 9
 
 
 def fused_elementwise_bytes_per_token(hidden: int, qk_width: int, mlp_width: int, dtype_bytes: int = 2) -> float:
