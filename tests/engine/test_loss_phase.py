@@ -1,7 +1,6 @@
-"""The host's loss phase: the merged output assembled while the forward runs, the caller's threads for the loss."""
+"""The host's loss phase: the merged output assembled while the forward runs."""
 
 import gc
-import threading
 import weakref
 
 import pytest
@@ -76,33 +75,3 @@ def test_pipelined_output_is_one_tensor_filled_in_place_and_exact():
         assert gone() is None
     finally:
         eng.close()
-
-
-def _host_thread_run(seen: dict) -> None:
-    torch.set_num_threads(2)  # the caller's; this thread has run no parallel operator yet (as in Lightning's loop)
-    layers = [nn.Linear(8, 8), nn.Linear(8, 8)]
-    eng = PipelineEngine(layers, CpuWorkerPool(2), simple_plan(2, 2), EngineOptions(microbatches=2))
-    try:
-        out = eng(torch.randn(4, 8))
-        seen["loss"] = torch.get_num_threads()
-        out.sum().backward()
-        seen["after"] = torch.get_num_threads()
-    finally:
-        eng.close()
-
-
-@pytest.mark.timeout(60)
-def test_the_caller_loss_runs_on_the_caller_threads_while_workers_are_idle():
-    """The CPU backend's lanes set one thread each; the host thread's loss gets the caller's 2 back,
-    and the pipeline's backward the count it had. The host thread is a fresh one: a thread's count
-    is fixed by its first parallel operator, which a Lightning loop has not run when the lanes start."""
-    before = torch.get_num_threads()
-    seen: dict = {}
-    host = threading.Thread(target=_host_thread_run, args=(seen,))
-    try:
-        host.start()
-        host.join(50)
-    finally:
-        torch.set_num_threads(before)
-    assert not host.is_alive()
-    assert seen == {"loss": 2, "after": 1}

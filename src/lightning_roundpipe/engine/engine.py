@@ -26,7 +26,6 @@ from ..workers.pool import WorkerPool
 from ..options import EngineOptions
 from .microbatch import merge_microbatches, split_microbatches
 from .calls import PipelineCalls
-from .host_threads import CallerThreads, caller_thread_count
 from .module_lock import ModuleLock
 from .rng import abandon_generators
 from .carry import HostCarry
@@ -50,8 +49,6 @@ class PipelineEngine:
         self.tables = [LayerTable(layer) for layer in self.layers]
         self.layer_locks = _shared_module_locks(self.layers)
         self.plan = self._checked(plan)
-        # Read before the lanes start: the CPU backend's set one thread each (host_threads.py).
-        self.host_threads = CallerThreads(caller_thread_count())
         self.pool = pool.start()
         if self.options.measure_tasks:
             pool.trace.keep_task_times()
@@ -137,7 +134,6 @@ class PipelineEngine:
         microbatch, and the call returns ``sum(loss_sum) * loss_scale`` as one scalar (the fused
         last stage runs forward, loss and backward together when the plan says so).
         """
-        self.host_threads.for_pipeline()  # a call whose output got no backward left the caller's count
         tensor_inputs = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)]
         input_requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensor_inputs)
         training = torch.is_grad_enabled() and (input_requires_grad or self.trainable())
@@ -255,13 +251,11 @@ class _PipelineFunction(torch.autograd.Function):
             raise TypeError("a pipelined module under autograd must return tensors only (a tensor, tuple or dict of tensors)")
         run.record_outputs(spec, [x.is_floating_point() for x in leaves], [o.tree() for o in outs])
         ctx.mark_non_differentiable(*[x for x in leaves if not x.is_floating_point()])
-        engine.host_threads.for_caller()  # the caller's loss runs next, every worker idle
         return tuple(leaves)
 
     @staticmethod
     def backward(ctx, *grads):
         engine, run = ctx.engine, ctx.run
-        engine.host_threads.for_pipeline()
         with engine.calls.backward(run) as weights_wanted:
             if run.fused:
                 g = grads[0]

@@ -30,11 +30,15 @@ from .predictor import HostWork
 from .search import TIE_TOLERANCE
 
 MICROBATCHES_PER_WORKER = (1, 2, 4)  # the candidate counts, in workers
-# Host costs of a caller's loss on the full output, measured on the 2-core development machine
-# (one thread, fp32, 512 x 6144 logits, best of 10): F.cross_entropy forward + backward took
-# 19.2 ms, 6.1 ns per output element (exp and log make it compute-bound: 37 times a copy of the
-# same bytes); a copy moved 24.5 GB/s (read + write). Used only until the host work is measured.
-HOST_LOSS_SECONDS_PER_ELEMENT = 6.1e-9
+# Host costs of a caller's loss on the full output, measured on the 2-core development machine.
+# F.cross_entropy forward + backward in isolation (one thread, fp32, 512 x 6144 logits on warm
+# memory, best of 10) took 6.1 ns per output element; in the loss phase itself it costs about
+# twice that: ``python -m benchmarks.peers.out_of_box --bar`` measured 151.6 ms between forward and
+# backward for 16 x 128 x 6144 logits (12.0 ns per element once the last microbatch's 1 ms copy
+# is taken off; 2026-12-02, load average 1-3 from other jobs): the phase's tensors (log-softmax,
+# the logits' gradient) are fresh every step, so their pages are first touched there. A copy moved
+# 24.5 GB/s (read + write). Used only until the host work is measured.
+HOST_LOSS_SECONDS_PER_ELEMENT = 12.0e-9
 HOST_COPY_BYTES_PER_SECOND = 24.5e9
 
 def no_recompute_peak_bytes(costs: CostProfile, microbatches: int) -> int:
