@@ -38,7 +38,6 @@ def public_modules() -> set[str]:
     return names
 
 
-@pytest.mark.slow
 def test_guide_builds_offline_with_warnings_as_errors(tmp_path):
     site = tmp_path / "site"
     dead = "http://127.0.0.1:9"  # any attempt to reach the network fails at once
