@@ -81,6 +81,8 @@ def job(args: list[str]) -> Decision:
         return Decision("run", ("python", script, *args))
     if needs_weights or any("8gpu" in a for a in args):
         return Decision("skip", reason="an 8-GPU preset on downloaded weights; its config runs as --cfg job")
+    if any(re.search(r"=(/data/|.*<\w+>)", a) for a in args):
+        return Decision("skip", reason="the reader's own data file or checkpoint path (a placeholder)")
     return Decision("run", ("python", script, *args, SHRINK))
 
 
@@ -153,6 +155,8 @@ def test_the_classifier_shrinks_jobs_and_refuses_downloads():
     assert classify("python examples/finetune.py --cfg job experiment=qwen3_8b_lora_8gpu") == Decision(
         "run", ("python", script, "--cfg", "job", "experiment=qwen3_8b_lora_8gpu"))
     assert classify("python examples/finetune.py experiment=qwen3_8b_lora_8gpu model.path=/m").kind == "skip"
+    assert classify("python examples/finetune.py data=chat_tiny data.text_path=/data/sft.jsonl").kind == "skip"
+    assert classify("python examples/finetune.py ckpt_path=outputs/<date>/<time>/last.ckpt").kind == "skip"
     assert classify("python -m benchmarks.validation.sim_validation --json x.json").argv[-1] == "--quick"
     assert classify("python -m lightning_roundpipe.sim compare --model m [--microbatches 32]").argv == (
         "python", "-m", "lightning_roundpipe.sim", "compare", "--model", "m")
