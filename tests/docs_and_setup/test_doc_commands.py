@@ -102,6 +102,8 @@ def classify(line: str) -> Decision:
     if words[:2] == ["python", "examples/finetune.py"]:
         return job(words[2:])
     if words[:3] == ["python", "-m", "lightning_roundpipe.sim"]:
+        if any(w.startswith("/models/") for w in words):  # tests/planning/test_sim_plan_inputs.py runs it on a generated one
+            return Decision("skip", reason="the reader's own downloaded model directory")
         return Decision("run", tuple(words))
     if words[:2] == ["python", "-m"] and words[2].startswith("benchmarks."):
         if words[2].endswith(("own_engine_reference", "dispatch_cost", "host_accumulate_cost")):
@@ -157,6 +159,7 @@ def test_the_classifier_shrinks_jobs_and_refuses_downloads():
     assert classify("python examples/finetune.py experiment=qwen3_8b_lora_8gpu model.path=/m").kind == "skip"
     assert classify("python examples/finetune.py data=chat_tiny data.text_path=/data/sft.jsonl").kind == "skip"
     assert classify("python examples/finetune.py ckpt_path=outputs/<date>/<time>/last.ckpt").kind == "skip"
+    assert classify("python -m lightning_roundpipe.sim plan --model /models/Qwen3-8B --gpus 2").kind == "skip"
     assert classify("python -m benchmarks.validation.sim_validation --json x.json").argv[-1] == "--quick"
     assert classify("python -m lightning_roundpipe.sim compare --model m [--microbatches 32]").argv == (
         "python", "-m", "lightning_roundpipe.sim", "compare", "--model", "m")
