@@ -12,8 +12,10 @@ object's ``inspect.signature`` differs from the source's, replaces the parameter
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
+from pathlib import Path
 
 import griffe
 
@@ -62,12 +64,18 @@ def runtime_parameters(signature: inspect.Signature) -> griffe.Parameters:
     ))
 
 
+@functools.lru_cache(maxsize=None)
+def sets_signatures(path: Path) -> bool:
+    """Whether the module at ``path`` assigns a ``__signature__`` (read once per module, not per function)."""
+    return "__signature__ =" in path.read_text(encoding="utf-8")
+
+
 class RuntimeSignatures(griffe.Extension):
     """Replace a function's parameters by its ``__signature__`` where its module sets one."""
 
     def on_function(self, *, func: griffe.Function, **kwargs) -> None:
         module = func.module
-        if not module.filepath or "__signature__ =" not in module.filepath.read_text(encoding="utf-8"):
+        if not module.filepath or not sets_signatures(Path(module.filepath)):
             return
         live = runtime_object(func.path)
         if live is None or getattr(live, "__signature__", None) is None:

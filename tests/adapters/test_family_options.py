@@ -98,16 +98,19 @@ def test_logits_with_labels_raise_on_access_or_come_back_with_the_option():
 
 
 class CausalLMModule(L.LightningModule):
-    def __init__(self, model):
+    """A causal LM trained on (ids, mask, labels) batches with SGD at ``lr``."""
+
+    def __init__(self, model, lr=0.5):
         super().__init__()
         self.model = model
+        self.lr = lr
 
     def training_step(self, batch, batch_idx):
         ids, mask, labels = batch
         return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.5)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

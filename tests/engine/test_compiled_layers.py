@@ -18,6 +18,7 @@ from _family_configs import family_batch, tiny_model
 from _exact_models import GRAD_TOL, WEIGHT_TOL, SeqModule, fit, grad_error, parity, weight_error, weights
 from lightning_roundpipe import OptionError, RoundPipeStrategy
 from lightning_roundpipe.engine.compiled_layers import COMPILED_LAYERS
+from tests.adapters.test_family_options import CausalLMModule
 
 WIDTH = 8
 
@@ -92,24 +93,11 @@ def test_compiled_layers_parity_in_every_recompute_grain(recompute):
     assert g_err <= GRAD_TOL and w_err <= WEIGHT_TOL
 
 
-class CausalLMModule(L.LightningModule):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def training_step(self, batch, batch_idx):
-        ids, mask, labels = batch
-        return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def train_causal_lm(model, strategy, devices):
     """3 SGD steps on the family batch; the trained weights."""
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=3, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(CausalLMModule(model), DataLoader(TensorDataset(*family_batch("left")), batch_size=6))
+    trainer.fit(CausalLMModule(model, lr=0.1), DataLoader(TensorDataset(*family_batch("left")), batch_size=6))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
