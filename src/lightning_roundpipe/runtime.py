@@ -136,7 +136,7 @@ class RoundPipeRuntime:
 
     def overlap_optimizer(self, optimizer: torch.optim.Optimizer, *, staleness: int | None = None,
                           delay_per_layer_s: float | None = None, early_steps: bool = True,
-                          undo: bool | None = None):
+                          undo: bool | None = None, loss_scaler=None):
         """Step ``optimizer`` layer by layer on a host thread, hidden behind the pipeline.
 
         Patches ``optimizer.step`` and ``optimizer.zero_grad`` in place and returns the
@@ -153,7 +153,10 @@ class RoundPipeRuntime:
         a failed step puts back every layer it stepped (costs one host copy of the weights and
         optimizer state stepped, for one step); False refuses to go on instead (see
         ``OverlappedOptimizer``), also after ``detach``, until
-        ``mark_restored``.
+        ``mark_restored``. ``loss_scaler``: the enabled ``torch.amp.GradScaler`` of an fp16 run;
+        each layer then unscales and checks its gradients before it steps, early steps included,
+        and a step with an overflow anywhere is skipped whole (``OverlappedOptimizer``); call the
+        scaler's ``update()`` after each ``step``.
         """
         from .optim.overlap import OverlappedOptimizer
 
@@ -168,7 +171,7 @@ class RoundPipeRuntime:
         ov = OverlappedOptimizer(optimizer, self.engine.tables, self.trace, notifier=self.pool, staleness=staleness,
                                  delay_per_layer_s=delay, after_layer_step=refresh, refresh_shadows=refresh,
                                  early_steps=early_steps, before_layer_step=sync, timeout_s=self.options.timeout,
-                                 calls=self.engine.calls, shadows=self.shadows, undo=undo)
+                                 calls=self.engine.calls, shadows=self.shadows, undo=undo, loss_scaler=loss_scaler)
         self.engine.grad_hooks.append(ov.on_layer_grads)
         self.overlapped.append(ov)
         return ov

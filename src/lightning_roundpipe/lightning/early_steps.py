@@ -1,8 +1,8 @@
 """When the overlapped optimizer may step a layer during backward, under Lightning.
 
 A layer's update can start as soon as its gradients are on the host only if nothing between
-``backward()`` and ``optimizer.step()`` can still change gradients: no clipping, no AMP
-scaler, manual optimization, or user code that Lightning runs there and that may edit
+``backward()`` and ``optimizer.step()`` can still change gradients: no clipping, no
+manual optimization, or user code that Lightning runs there and that may edit
 ``.grad``: the LightningModule's ``on_after_backward``, ``on_before_optimizer_step``,
 ``configure_gradient_clipping``, its own ``backward`` or an ``optimizer_step`` override (whose
 closure may edit gradients after the backward), and a callback's ``on_after_backward`` or
@@ -11,6 +11,13 @@ closure may edit gradients after the backward), and a callback's ``on_after_back
 Tensor hooks on the host parameters (``register_hook``, ``register_post_accumulate_grad_hook``)
 need no such care: the engine runs them as it adds each stage's gradients
 (``params/grad_hooks.py``), before the layer counts as complete.
+
+A loss scaler (fp16, ``16-mixed``) does not stop early steps when the precision plugin is the
+host-scaled one (``precision.py``) and the failed-step undo is on: each layer unscales and
+checks its own gradients before it steps, and a step that overflows anywhere puts back the
+layers that stepped early. Any other plugin with a scaler (its ``unscale_`` reads every
+gradient), or ``optimizer_undo=False`` (nothing to put back with), keeps layers stepping after
+the closure, where the scaler has checked every gradient first.
 """
 
 from __future__ import annotations
@@ -18,14 +25,29 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from .precision import HostScaledMixedPrecision
+
 MODULE_GRADIENT_HOOKS = ("on_before_optimizer_step", "on_after_backward", "configure_gradient_clipping",
                          "backward", "optimizer_step")
 CALLBACK_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
 
 
-def early_steps_allowed(trainer: "pl.Trainer", module: "pl.LightningModule", precision_plugin) -> bool:
-    """True when nothing after ``backward()`` can change the gradients the layer steps use."""
-    if trainer.gradient_clip_val or getattr(precision_plugin, "scaler", None) is not None:
+def layer_loss_scaler(precision_plugin, undo: bool):
+    """The scaler layers unscale their gradients with as they step early (None: no scaler, or one
+    whose check must see every gradient first; see the module doc)."""
+    scaler = getattr(precision_plugin, "scaler", None)
+    if scaler is None or not undo or not isinstance(precision_plugin, HostScaledMixedPrecision):
+        return None
+    return scaler if scaler.is_enabled() else None
+
+
+def early_steps_allowed(trainer: "pl.Trainer", module: "pl.LightningModule", precision_plugin,
+                        undo: bool = True) -> bool:
+    """True when nothing after ``backward()`` can change the gradients the layer steps use (a loss
+    scaler only when ``layer_loss_scaler`` gives it; ``undo``: the failed-step undo is on)."""
+    if trainer.gradient_clip_val:
+        return False
+    if getattr(precision_plugin, "scaler", None) is not None and layer_loss_scaler(precision_plugin, undo) is None:
         return False
     if not module.automatic_optimization:
         return False
@@ -33,3 +55,10 @@ def early_steps_allowed(trainer: "pl.Trainer", module: "pl.LightningModule", pre
         return False
     return not any(is_overridden(hook, cb, parent=pl.Callback)
                    for cb in trainer.callbacks for hook in CALLBACK_GRADIENT_HOOKS)
+
+
+def unscales_inside_step(optimizer) -> bool:
+    """Whether ``optimizer`` unscales loss-scaled gradients in its own ``step`` (fused Adam and the
+    like), so ``GradScaler.step`` leaves the unscaling to it: stepped whole, not layer by layer."""
+    # No public query exists: GradScaler.step and Lightning read this same attribute.
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))

@@ -6,9 +6,17 @@
   the workers and in recompute. Gradients come back in bf16 and are accumulated in fp32.
 - ``16-mixed``: as bf16-mixed with fp16, plus loss scaling. The scaler must unscale and check
   the gradients where they live, on the host, so a CUDA ``GradScaler`` is replaced by a host
-  one (``HostScaledMixedPrecision``); on overflow the step is skipped and no layer gets a
-  new version. Lightning turns ``precision="16-mixed"`` into bf16 on ``accelerator="cpu"``; to
-  get fp16 with loss scaling on the CPU backend, pass ``plugins=[HostScaledMixedPrecision()]``.
+  one (``HostScaledMixedPrecision``); on overflow the step is skipped whole. Lightning turns
+  ``precision="16-mixed"`` into bf16 on ``accelerator="cpu"``; to get fp16 with loss scaling
+  on the CPU backend, pass ``plugins=[HostScaledMixedPrecision()]``.
+
+  Where the overlapped optimizer may step layers early (``early_steps.py``), the strategy hands
+  it the scaler (``steps_early``): the plugin then runs the closure inside the overlapped
+  ``step``, each layer unscales and checks its own gradients before it steps, and an overflow
+  anywhere puts back the layers that stepped (``optim/overlap.py``); then ``update()`` as
+  Lightning's ``MixedPrecision`` does. Otherwise (clipping, a gradient hook, ``optimizer_undo=False``)
+  the plugin is Lightning's: the whole backward, ``unscale_``, the hooks and clipping, then
+  ``GradScaler.step``, whose ``optimizer.step()`` submits every layer.
 - ``bf16-true`` / ``16-true`` (Lightning's ``HalfPrecision``): the module itself is converted, so
   masters, gradients and optimizer state are in that dtype on the host (no fp32 masters).
 """
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from typing_extensions import override
 
 
 class HostScaledMixedPrecision(MixedPrecision):
@@ -24,6 +33,40 @@ class HostScaledMixedPrecision(MixedPrecision):
 
     def __init__(self, device: str = "cpu", init_scale: float = 2.0**16):
         super().__init__("16-mixed", device, scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))
+        self.early = {}  # id(optimizer) -> the OverlappedOptimizer that steps its layers early (steps_early)
+
+    def steps_early(self, overlapped) -> None:
+        """Drive ``overlapped`` (an ``OverlappedOptimizer`` built with this plugin's scaler) through its
+        own loss-scaled step; ``None`` forgets every one (the fit is over)."""
+        if overlapped is None:
+            self.early = {}
+        else:
+            self.early[id(overlapped.optimizer)] = overlapped
+
+    @override
+    def optimizer_step(self, optimizer, model, closure, **kwargs):
+        """``MixedPrecision.optimizer_step`` with the closure run inside the overlapped step, so layers
+        step during backward: the same hooks, the same unscaling, the same skip and ``update``."""
+        overlapped = self.early.get(id(optimizer))
+        if overlapped is None or overlapped.optimizer is not optimizer or kwargs:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        results = []
+
+        def closure_then_hooks():
+            result = closure()
+            results.append(result)
+            if result is None and model.automatic_optimization:
+                overlapped.skip_step()  # backward was skipped: MixedPrecision neither steps nor updates
+            # The hooks between backward and the step (none overridden, or layers would not step early).
+            self._after_closure(model, optimizer)
+            return result
+
+        optimizer.step(closure=closure_then_hooks)
+        result = results[0] if results else None
+        if result is None and model.automatic_optimization:
+            return result
+        self.scaler.update()
+        return None  # what GradScaler.step returns here: optimizer.step() without a closure
 
 
 def compute_dtype_of(plugin: Precision) -> torch.dtype | None:

@@ -34,9 +34,9 @@ from . import weight_reads
 from .checkpoint_io import AtomicCheckpointIO
 from .checkpoint_policy import (checkpoint_state, load_checkpoint_state, load_overlap_state, overlap_state,
                                 overlap_state_of_finished, refuse_unloadable_optimizer_states)
-from .early_steps import early_steps_allowed
+from .early_steps import early_steps_allowed, layer_loss_scaler, unscales_inside_step
 from .node_collectives import NodeCollectives
-from .precision import compute_dtype_of, translate
+from .precision import HostScaledMixedPrecision, compute_dtype_of, translate
 from .step_metrics import RoundPipeStepMetrics
 
 DESCRIPTION = "RoundPipe: weights in host RAM, layer stages dispatched round-robin to stateless workers"
@@ -156,11 +156,19 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             target.module, backend=backend, num_workers=self.num_workers, options=self.options.runtime_options(),
             kind=target.kind, path=target.path, device_indices=indices, sync_gradients=self.world_size > 1,
             root_module=self.lightning_module, options_owner="RoundPipeStrategy", progress=self.setup_progress())
+        plugin = self.precision_plugin
+        if isinstance(plugin, HostScaledMixedPrecision):
+            plugin.steps_early(None)  # a previous fit's optimizers
         if fitting and self.optimizers and self.options.overlaps_optimizer(backend, self.num_workers):
-            early = early_steps_allowed(trainer, self.lightning_module, self.precision_plugin)
+            undo = self.options.optimizer_undo
+            early = early_steps_allowed(trainer, self.lightning_module, plugin, undo)
+            # fp16: with early steps, each layer unscales and checks its gradients before it steps (precision.py)
+            scaler = layer_loss_scaler(plugin, undo) if early and not self.options.staleness else None
             for opt in self.optimizers:
                 if self._steps_layer_by_layer(opt):
-                    self.runtime.overlap_optimizer(opt, early_steps=early)
+                    ov = self.runtime.overlap_optimizer(opt, early_steps=early, loss_scaler=scaler)
+                    if scaler is not None:
+                        plugin.steps_early(ov)
             weight_reads.join_before_reads(self.lightning_module, self.join)
         if self.options.step_metrics and not any(isinstance(cb, RoundPipeStepMetrics) for cb in trainer.callbacks):
             trainer.callbacks.append(RoundPipeStepMetrics(prog_bar=self.options.progress_bar_metrics))
@@ -172,6 +180,9 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
         steps it whole after backward (exact, not overlapped), and staleness=1, which needs the
         overlap, is refused."""
         reason = why_not_per_layer(optimizer)
+        if reason is None and getattr(self.precision_plugin, "scaler", None) is not None and unscales_inside_step(optimizer):
+            reason = ("it unscales the loss-scaled gradients inside its own step (a fused optimizer), from the scale "
+                      "GradScaler.step hands the whole optimizer")
         if reason is None:
             return True
         name = type(optimizer).__name__
@@ -278,6 +289,8 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
         steps = []
         if module is not None:
             steps.append(lambda: weight_reads.restore(module))
+        if isinstance(self.precision_plugin, HostScaledMixedPrecision):
+            steps.append(lambda: self.precision_plugin.steps_early(None))  # the overlapped optimizers go with the runtime
         if runtime is not None:
             steps.append(lambda: self._keep_overlap_state(runtime))
             if self.options.trace_steps and self._trace_dir:

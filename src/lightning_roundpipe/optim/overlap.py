@@ -11,10 +11,18 @@ runs after ``training_step`` returned, so no further pipelined call can come), o
 backward stages holding the layer's parameters have added their gradients, no other
 pipelined call of the step still owes its backward, the same backward reaches none of the
 layer's parameters outside the pipeline (``engine.calls``), and nothing between backward and
-the step can change gradients (no clipping, no loss scaler, no ``on_before_optimizer_step``,
+the step can change gradients (no clipping, no ``on_before_optimizer_step``,
 ``on_after_backward`` or ``configure_gradient_clipping`` override: the strategy decides and
 sets ``early_steps``). Otherwise every layer is submitted right after the closure returns
 (after clipping), in layer order, so the next forward's first layers are ready first.
+
+Under a loss scaler (``loss_scaler``, fp16): layers still step early. Each layer's step first
+unscales and checks its own gradients on the lane, exactly as ``GradScaler.unscale_`` would
+(``loss_scale.py``), and steps only while no gradient of the step has overflowed. Once every
+layer is checked, an overflow anywhere (also in a layer not stepped yet) puts back every layer
+that stepped, from the before-images the undo keeps, so the step is skipped whole, as
+``GradScaler.step`` skips ``optimizer.step()``; the overflow is recorded for the scaler's
+``update()``. ``step`` returns once the step is decided.
 
 A failed step leaves the host weights and the optimizer state as they were (``step_undo.py``):
 each layer's before-image is copied on the lane ahead of its step, while the lane is idle during
@@ -54,7 +62,10 @@ from ..params.weights import group_by_lowest_layer
 from ..workers.completions import Completion, PipelineError, PipelineTimeout, TaskLabel
 from .host_lane import HostLane
 from .per_layer_support import declaration_hint, why_not_per_layer
+from .loss_scale import StepUnscale
 from .step_undo import BeforeImages, StepUndo
+
+REST = -1  # the key of the parameters outside the pipeline among ``versions`` (loss-scaled steps)
 
 
 class StepFailed(PipelineError):
@@ -68,7 +79,8 @@ class OverlappedOptimizer:
                  after_layer_step: Callable[[list[torch.Tensor]], None] | None = None,
                  before_layer_step: Callable[[list[torch.Tensor]], None] | None = None,
                  refresh_shadows: Callable[[], None] | None = None, early_steps: bool = True,
-                 timeout_s: float = 300.0, calls=None, shadows=None, undo: bool = True):
+                 timeout_s: float = 300.0, calls=None, shadows=None, undo: bool = True,
+                 loss_scaler: "torch.amp.GradScaler | None" = None):
         """``before_layer_step``: called with a layer's parameters just before it steps (e.g. to wait
         for the node all-reduce). ``refresh_shadows``: copies the masters into the upload shadows
         (``staleness=1``). ``early_steps``: layers may step during the step's last backward.
@@ -79,7 +91,17 @@ class OverlappedOptimizer:
         ``join`` and ``state_dict`` refuses until ``mark_restored`` (after loading a checkpoint).
         ``calls``: the engine's ``PipelineCalls`` (None: no early steps).
         ``shadows``: the ``ShadowStore`` uploads read (``staleness=1``
-        keeps the previous weights there; ``state_dict`` saves them)."""
+        keeps the previous weights there; ``state_dict`` saves them).
+        ``loss_scaler``: the (enabled) ``torch.amp.GradScaler`` that scaled the loss whose gradients
+        this optimizer steps with; ``step(closure)`` then unscales and checks each layer's
+        gradients on the lane before it steps, and skips the whole step when any overflowed,
+        putting back the layers that stepped early and recording the overflow for the scaler's
+        ``update()`` (see "Under a loss scaler" in the module doc). Needs ``staleness=0`` and ``undo``."""
+        if loss_scaler is not None and (staleness or not undo):
+            raise ValueError("the overlapped optimizer unscales layer by layer under a loss scaler only with staleness=0 "
+                             "and undo=True (layers that stepped early are put back when a later layer overflows); "
+                             "without them, run the scaler's unscale_ and step after backward (early_steps=False, no "
+                             "loss_scaler)")
         reason = why_not_per_layer(optimizer)
         if reason is not None:
             raise ValueError(f"the overlapped optimizer steps layer by layer, which would not be exact for "
@@ -103,6 +125,11 @@ class OverlappedOptimizer:
         self._commit: Completion | None = None
         self._submitted_undo: StepUndo | None = None  # the step whose layer steps ``versions`` holds
         self.keep_undo = bool(undo)
+        self.loss_scaler = loss_scaler
+        self._unscale: StepUnscale | None = None  # the step in flight's unscaling (loss_scaler set)
+        self._skip = False  # skip_step() was called during this step's closure
+        self.early_layer_steps = 0  # layer steps submitted during a backward (since construction)
+        self.skipped_steps = 0  # loss_scaler: steps skipped whole (an overflow, or skip_step())
         self.before_images = BeforeImages()  # reused by every step's undo (filled only with undo=True)
         self.images_taken_at_step = 0  # layer steps of committed steps whose before-image was not taken ahead
         self.unrestored: list[str] = []  # undo=False: layers a failed step updated, until mark_restored()
@@ -178,6 +205,7 @@ class OverlappedOptimizer:
                 continue
             if any(id(p) in calls.reached_outside for _, p in self.unit_params[unit]):
                 continue  # autograd adds a contribution from outside the pipeline: step after the closure
+            self.early_layer_steps += 1
             self._submit(unit, self._snapshot())
 
     @contextlib.contextmanager
@@ -192,7 +220,8 @@ class OverlappedOptimizer:
 
     # ------------------------------------------------------------------ optimizer API
     def step(self, closure=None):
-        """Step every layer not stepped during backward; exact mode waits for the previous step first."""
+        """Step every layer not stepped during backward; exact mode waits for the previous step first.
+        Under a ``loss_scaler`` it returns once the step is decided: done, or skipped whole."""
         if not self.staleness:
             self.join()  # exact: the previous step's updates are in (the forward waited for them anyway)
         self._done_layers = set()
@@ -200,8 +229,12 @@ class OverlappedOptimizer:
         self._submitted = set()
         self._refuse_if_unrestored()
         self._undo = StepUndo(self.optimizer, keep=self.keep_undo, images=self.before_images)
+        self._unscale = StepUnscale(self.loss_scaler) if self.loss_scaler is not None else None
+        self._skip = False
         if self.keep_undo:
             self._capture_ahead(self._undo)
+        if self._unscale is not None:
+            return self._scaled_step(closure)
         loss = None
         try:
             if closure is not None:
@@ -236,6 +269,59 @@ class OverlappedOptimizer:
         if undo.failure is None:
             undo.commit()
             self.images_taken_at_step += undo.taken_at_step
+
+    def skip_step(self) -> None:
+        """Under a ``loss_scaler``, called during ``step``'s closure: this step takes no update at all
+        (what ``GradScaler`` users get by not calling ``scaler.step``, e.g. Lightning when
+        ``training_step`` returned None); any layer stepped early is put back."""
+        self._skip = True
+
+    def _scaled_step(self, closure):
+        """``step`` under a loss scaler: every layer unscales and checks its gradients on the lane just
+        before it steps (early, during the closure's last backward, or after it), and steps only while
+        no gradient of the step has overflowed; then the step is decided on the lane: an overflow (or
+        ``skip_step``) puts back every layer that stepped, otherwise the step commits. The caller
+        then runs the scaler's ``update()``."""
+        undo, unscale = self._undo, self._unscale
+        loss = None
+        try:
+            if closure is not None:
+                self.in_step = True
+                try:
+                    with torch.enable_grad():
+                        loss = closure()
+                finally:
+                    self.in_step = False
+            if not self._skip:
+                hp = self._snapshot()
+                for unit in sorted(self.unit_params):
+                    if unit not in self._submitted:
+                        self._submit(unit, hp)
+                if self.rest:  # the caller's next code uses them: step() returns only once they are decided too
+                    self._submit_params(REST, self.rest, "parameters outside the pipeline", hp, "rest")
+        except BaseException as exc:
+            self._abandon(exc)
+            raise
+        self._commit = self.lane.submit(lambda: self._decide(undo, unscale), TaskLabel("undo", "commit"), traced=False)
+        self.join()  # every layer's check is in: the step is done, or skipped whole with every layer as before
+        if self._skip:
+            self.skipped_steps += 1
+            return loss
+        unscale.record(self.loss_scaler)
+        if unscale.overflowed():
+            self.skipped_steps += 1
+        else:
+            self.optimizer._opt_called = True  # what LRScheduler checks; GradScaler skips step() on overflow
+        return loss
+
+    def _decide(self, undo: StepUndo, unscale: StepUnscale) -> None:
+        """On the lane after every layer of a loss-scaled step was checked: commit, or put back."""
+        if undo.failure is not None:
+            return  # the failure put the stepped layers back already
+        if self._skip or unscale.overflowed():
+            self._restore(undo)
+        else:
+            self._committed(undo)
 
     def _abandon(self, exc: BaseException) -> None:
         """The step failed on the host side: let the lane finish, then put back what it stepped."""
@@ -314,11 +400,13 @@ class OverlappedOptimizer:
 
     def _submit(self, unit: int, hp: list[dict]) -> None:
         self._submitted.add(unit)
-        params = self.unit_params[unit]
-        grads = self._grads_of(params)
         layers = sorted(self.unit_layers[unit])
         name = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
-        undo = self._undo
+        self._submit_params(unit, self.unit_params[unit], name, hp, f"L{layers[0]}-{layers[-1]}")
+
+    def _submit_params(self, key: int, params, name: str, hp: list[dict], stage: str) -> None:
+        grads = self._grads_of(params)
+        undo, unscale = self._undo, self._unscale
 
         def run():
             if undo.failure is not None:
@@ -329,6 +417,10 @@ class OverlappedOptimizer:
                     time.sleep(self.delay_per_layer_s)
                 if self.before_layer_step is not None:
                     self.before_layer_step([p for _, p in params])
+                if unscale is not None:
+                    unscale.unscale(grads)
+                    if self._skip or unscale.overflowed():
+                        return  # the step is skipped whole: this layer does not step, and those that did go back
                 undo.save([p for _, p in params], name)
                 self._run_view(params, hp, grads)
                 if self.after_layer_step is not None and not self.staleness:
@@ -343,7 +435,7 @@ class OverlappedOptimizer:
                 raise
 
         self._submitted_undo = undo
-        self.versions[unit] = self.lane.submit(run, TaskLabel("optim", f"L{layers[0]}-{layers[-1]}", queue="optimizer"))
+        self.versions[key] = self.lane.submit(run, TaskLabel("optim", stage, queue="optimizer"))
 
     def _restore(self, undo: StepUndo) -> None:
         """On the lane (nothing else writes the weights now): put back every layer the step changed."""

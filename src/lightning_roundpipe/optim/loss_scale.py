@@ -1,0 +1,78 @@
+"""Loss-scaled gradients unscaled and checked layer by layer, as torch's ``GradScaler`` does them all at once.
+
+``GradScaler.unscale_`` multiplies every gradient of the optimizer by ``1/scale`` (the
+reciprocal taken in fp64, then rounded to fp32) and records whether any gradient held an inf
+or a NaN, with one ``torch._amp_foreach_non_finite_check_and_unscale_`` per device and dtype.
+That op is element-wise and only ever sets the found-inf flag, so running it on each layer's
+gradients as the layer becomes complete, into one flag per device for the whole step, gives
+the same unscaled values and the same flag: this is what lets a layer step before the others
+have their gradients (``overlap.py``), and put back if a later layer overflows.
+
+``StepUnscale.record`` then hands the step's flag to the scaler through its public
+``unscale_`` (on a one-element stand-in gradient that is inf exactly when the step overflowed),
+so ``GradScaler.update`` backs off, or counts a good step towards growth, exactly as after
+``GradScaler.step``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class StepUnscale:
+    """One optimizer step's unscaling: ``1/scale`` fixed at the step's start, a found-inf flag per device."""
+
+    def __init__(self, scaler: "torch.amp.GradScaler"):
+        # GradScaler: self._scale.double().reciprocal().float(); get_scale() is that fp32 value, exactly.
+        self.inv_scale = torch.tensor(scaler.get_scale(), dtype=torch.float64).reciprocal().float()
+        self._found: dict[torch.device, torch.Tensor] = {}
+        self._inv: dict[torch.device, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._stand_in = None  # kept alive until the scaler's update(): it keys its record by id
+
+    def unscale(self, grads) -> None:
+        """Unscale ``grads`` (host gradient tensors, None skipped) in place and note any inf or NaN,
+        grouped by device and dtype as ``GradScaler`` groups them."""
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in grads:
+            if g is None:
+                continue
+            if g.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients.")  # GradScaler's own refusal
+            values = g._values() if g.is_sparse else g  # noqa: SLF001 (torch's sparse API, as GradScaler)
+            groups.setdefault((values.device, values.dtype), []).append(values)
+        with torch.no_grad(), self._lock:
+            for (device, _), tensors in groups.items():
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, self._flag(device), self._inv_on(device))
+
+    def _flag(self, device: torch.device) -> torch.Tensor:
+        if device not in self._found:
+            self._found[device] = torch.zeros((), dtype=torch.float32, device=device)
+        return self._found[device]
+
+    def _inv_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv:
+            self._inv[device] = self.inv_scale.to(device)
+        return self._inv[device]
+
+    def overflowed(self) -> bool:
+        """Whether any gradient unscaled so far held an inf or a NaN."""
+        with self._lock:
+            return any(bool(f.item()) for f in self._found.values())
+
+    def record(self, scaler: "torch.amp.GradScaler") -> None:
+        """Tell ``scaler`` what this step found, so its next ``update()`` acts as after ``GradScaler.step``."""
+        value = float("inf") if self.overflowed() else 0.0
+        holder = torch.zeros(1, dtype=torch.float32, device=self.inv_scale.device)
+        holder.grad = torch.full((1,), value, dtype=torch.float32, device=holder.device)
+        self._stand_in = _OneGradient(holder)
+        scaler.unscale_(self._stand_in)
+
+
+class _OneGradient:
+    """The stand-in optimizer ``record`` unscales: one parameter, whose gradient carries the step's flag."""
+
+    def __init__(self, param: torch.Tensor):
+        self.param_groups = [{"params": [param]}]
