@@ -149,3 +149,31 @@ def test_the_strategy_steps_layers_early_under_the_host_scaler_only_where_it_can
     probe([HostScaledMixedPrecision()], gradient_clip_val=1.0)  # clipping reads every unscaled gradient first
     probe([HostScaledMixedPrecision()], strategy={"optimizer_undo": False})  # nothing to put back an early step with
     assert seen == [[(True, True)], [(True, False)], [(False, False)], [(False, False)]]
+
+
+class FusedAdamW(SeqModule):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, fused=True)  # unscales inside its own step
+
+
+@pytest.mark.timeout(60)
+def test_a_fused_optimizer_under_the_scaler_is_stepped_whole_as_the_default_strategy_steps_it():
+    def train(strategy, devices):
+        m, cb, seen = FusedAdamW(), InfAtStep(), {}
+
+        class Overlapped(L.Callback):
+            def on_train_end(self, trainer, pl_module):
+                runtime = getattr(trainer.strategy, "runtime", None)
+                seen["overlapped"] = list(runtime.overlapped) if runtime is not None else None
+
+        fit(m, strategy, devices=devices, max_steps=3, plugins=[HostScaledMixedPrecision()],
+            callbacks=[cb, Overlapped()], record_grads=False)
+        return m, cb, seen["overlapped"]
+
+    ours, cb, overlapped = train(RoundPipeStrategy(microbatches=2, **LAYERED), 2)
+    assert overlapped == []  # stepped whole by Lightning: GradScaler.step hands it the scale and the inf flag
+    ref, ref_cb, _ = train("auto", 1)
+    assert cb.scales == ref_cb.scales == [2.0**16, 2.0**15, 2.0**15]
+    assert cb.step_calls == ref_cb.step_calls == {0: 1, 1: 1, 2: 1}  # the fused step runs, skipping on found_inf
+    assert all(torch.equal(cb.before[0][k], cb.after[0][k]) for k in cb.before[0])
+    assert close(weights(ours), weights(ref))
