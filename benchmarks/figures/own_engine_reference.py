@@ -129,7 +129,7 @@ def quick(args) -> None:
     start = time.perf_counter()
     rows = []
     for model in args.models:
-        rows += config_rows(model_rows(model, args.hardware, designs=False))
+        rows += config_rows(model_rows(model, args.hardware))
         for r in rows:
             if r["model"] == model:
                 ratio = f"{r['ours_over_measured']:.2f}x" if r["ours_over_measured"] is not None else "-"

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from lightning_roundpipe.analysis import paper
 from lightning_roundpipe.analysis.cli import main
-from lightning_roundpipe.analysis.own_engine import SetupResult
+from lightning_roundpipe.analysis.own_engine import Setup, SetupResult
+from lightning_roundpipe.cost.hardware import load_hardware
 
 SYSTEMS = ["reference (measured)", "reference (simulated)", "ours: defaults", "ours: best exact",
-           "ours: best exact, reference precision", "design: the same, layers step early and are undone on overflow",
+           "ours: best exact, reference precision",
            "Megatron-PP (measured)", "Mobius (measured)"]
 
 
@@ -72,3 +74,16 @@ def test_own_engine_reference_quick_json(stub_simulator, tmp_path):
     assert [r["config"] for r in rows] == ["reference_setup", "default", "best_exact", "best_exact_reference_precision"]
     assert [r["tokens_per_s"] for r in rows] == [2000.0, 1000.0, 1000.0, 2000.0]
     assert rows[1]["ours_over_measured"] == pytest.approx(1000 / 65_417)
+
+
+@pytest.mark.timeout(30)
+def test_exact_candidates_step_early_under_the_loss_scaler_as_the_engine_does(monkeypatch):
+    """With the failed-step undo (the default) layers step early under fp16's loss scaler; without it the
+    optimizer waits for every gradient."""
+    hw = load_hardware("rtx4090")
+    fp16 = paper.exact_candidates(hw, 2, "fp16-acc")
+    assert [(s.microbatches, s.calls, s.undo, s.wait_all_grads) for s in fp16] == [(20, 1, True, False),
+                                                                                    (60, 1, True, False)]
+    monkeypatch.setattr(paper, "our_default", lambda hardware: replace(Setup(), undo=False))
+    assert all(s.wait_all_grads for s in paper.exact_candidates(hw, 2, "fp16-acc"))
+    assert not any(s.wait_all_grads for s in paper.exact_candidates(hw, 2, "bf16-mixed"))

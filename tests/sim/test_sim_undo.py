@@ -50,3 +50,26 @@ def test_undo_copy_by_hand():
     # (6-16 ms) goes before L0's copy (16-22 ms; idle work yields), then L0's update: 2 x 6 + 2 x 10 ms.
     assert on.step_s == pytest.approx(32e-3)
     assert (undo[(0, "L0")].start, undo[(0, "L1")].start) == pytest.approx((16e-3, 0.0))
+
+
+@pytest.mark.timeout(30)
+def test_loss_scaled_steps_by_hand():
+    """fp16's loss scaler: with the undo, layers step early as in bf16 (the undo puts them back on overflow);
+    without it, every gradient is checked before any layer steps."""
+    from lightning_roundpipe.cost.precision import waits_for_every_gradient
+
+    assert not waits_for_every_gradient("fp16-acc", undo=True) and waits_for_every_gradient("16-mixed", undo=False)
+    assert not waits_for_every_gradient("bf16-mixed", undo=False)
+    plan = Plan(2, ((0, 1), (1, 2)), ((0, 1), (1, 2)))
+
+    def step(undo):
+        config = SimConfig(steps=2, optimizer_undo=undo, clip_grad_norm=waits_for_every_gradient("fp16-acc", undo))
+        return simulate_roundpipe(plan, _costs(), HW, 1, num_workers=1, config=config)
+
+    early, waiting = step(True), step(False)
+    assert early.step_s == pytest.approx(_run(True).step_s) == pytest.approx(32e-3)  # as test_undo_copy_by_hand
+    # Without the undo L1's update waits for B0's gradient too (home at 8.0127 ms: 2 x 1 ms forward, 2 x 3 ms
+    # backward, the download), then the two 10 ms updates run one after the other.
+    optim = {r.stage: r for r in waiting.timeline if r.kind == "optim" and r.step == 0}
+    assert optim["L1"].start == pytest.approx(8.0128e-3, abs=1e-6) and optim["L0"].start == pytest.approx(optim["L1"].end)
+    assert waiting.step_s == pytest.approx(8.0127e-3 + 20e-3, abs=1e-6)

@@ -11,10 +11,8 @@ accumulation) are the yardstick. Per model, ``paper_rows`` gives:
 - ``ours: best exact``: the faster of the defaults and the setups of ``exact_candidates`` at the
   default precision (bf16-mixed);
 - ``ours: best exact, reference precision``: the same search with fp16 and fp16 accumulation
-  (the host loss scaler makes the optimizer wait for every gradient);
-- ``design: the same, layers step early and are undone on overflow``: that setup with the host
-  loss scaler's wait replaced by early steps that the failed-step undo puts back when the
-  scaler finds an overflow (priced; the engine does not do it);
+  (under the host loss scaler layers still step early, each checking its own gradients; an
+  overflow is put back by the failed-step undo: ``cost.precision.waits_for_every_gradient``);
 - the bound baselines of the paper, as published (Megatron-PP and Mobius on the same machine,
   their measured figures; ``simulated`` null: ``benchmarks.validation.published_gpu
   --baselines`` simulates them under assumptions of their own).
@@ -29,12 +27,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..cost.hardware import HardwareProfile, load_hardware
-from ..cost.precision import loss_scaled
+from ..cost.precision import waits_for_every_gradient
 from .own_engine import REFERENCE, Setup, SetupResult, our_default, published_run, simulate_setup
 from .workload import PUBLISHED_RUNS
 
 REFERENCE_SIMULATED = "reference (simulated)"
-SPECULATIVE = "design: the same, layers step early and are undone on overflow"
 # The simulated systems by the config names of ``benchmarks.own_engine_reference --quick``.
 CONFIGS = {REFERENCE_SIMULATED: "reference_setup", "ours: defaults": "default", "ours: best exact": "best_exact",
            "ours: best exact, reference precision": "best_exact_reference_precision"}
@@ -52,10 +49,12 @@ def exact_candidates(hardware: HardwareProfile, calls: int, precision: str = "bf
     layers, the reference's partition, and the step's sequences in one call of ``10 x calls``
     microbatches (the reference's sequences per microbatch) or ``30 x calls`` (a third of them:
     shorter fill and drain). One call means one pipeline drain per optimizer step instead of one
-    per call (the next call waits for ``backward()``). With fp16 the host loss scaler makes the optimizer
-    wait for every gradient (``precision.loss_scaled``)."""
-    base = replace(our_default(hardware), partition=REFERENCE, compiled_layers=True, precision=precision,
-                   wait_all_grads=loss_scaled(precision))
+    per call (the next call waits for ``backward()``). With fp16 layers step early under the host loss
+    scaler as without it, the failed-step undo putting them back on overflow; only without the undo
+    does the optimizer wait for every gradient (``precision.waits_for_every_gradient``)."""
+    default = our_default(hardware)
+    base = replace(default, partition=REFERENCE, compiled_layers=True, precision=precision,
+                   wait_all_grads=waits_for_every_gradient(precision, default.undo))
     return [replace(base, microbatches=k * calls, calls=1) for k in (10, 30)]
 
 
@@ -75,9 +74,8 @@ def describe_setup(result: SetupResult) -> str:
 
 
 def model_rows(model: str, hardware: str | HardwareProfile = "rtx4090", seq_len: int = PUBLISHED_SEQ_LEN,
-               optimizer_steps: int = 2, designs: bool = True) -> list[dict]:
-    """The comparison's rows of one published model (see the module doc); ``designs`` False leaves
-    out the row of the design the engine does not have."""
+               optimizer_steps: int = 2) -> list[dict]:
+    """The comparison's rows of one published model (see the module doc)."""
     hw = load_hardware(hardware)
     run = published_run(model)
     measured = run.measured_stale if seq_len == PUBLISHED_SEQ_LEN else None
@@ -93,16 +91,11 @@ def model_rows(model: str, hardware: str | HardwareProfile = "rtx4090", seq_len:
     default = simulate(replace(our_default(hw), partition=REFERENCE))
     best = best_of([default] + [simulate(s) for s in exact_candidates(hw, run.stale.calls)])
     best_fp16 = best_of([simulate(s) for s in exact_candidates(hw, run.stale.calls, "fp16-acc")])
-    # The loss scaler's check after the whole backward replaced by early steps undone on overflow
-    # (the undo exists; the engine does not step early under a scaler): a design, priced.
-    speculative = simulate(replace(best_fp16.setup, wait_all_grads=False, undo=True)) if designs else None
     rows = [row("reference (measured)", None, measured, "published"),
             row(REFERENCE_SIMULATED, reference, measured, describe_setup(reference)),
             row("ours: defaults", default, None, describe_setup(default)),
             row("ours: best exact", best, None, describe_setup(best)),
             row("ours: best exact, reference precision", best_fp16, None, describe_setup(best_fp16))]
-    if speculative is not None:
-        rows.append(row(SPECULATIVE, speculative, None, describe_setup(speculative) + "; not built"))
     for system, figures in PUBLISHED_BASELINES.items():
         value = figures.get(model) if seq_len == PUBLISHED_SEQ_LEN else None
         rows.append(row(system, None, value, "published" if value is not None else "out of memory / not published"))

@@ -10,9 +10,13 @@
   rate on a GeForce RTX 4090, the same on data-centre GPUs), with the host loss scaler. Flash
   attention accumulates in fp32 whatever the flag says, so attention keeps its rate.
 
-fp16 (``16-mixed``, ``fp16-acc``) needs the loss scaler, whose overflow check reads every
-gradient of the step before any layer may step (``loss_scaled``): the optimizer cannot step
-layers early during backward.
+fp16 (``16-mixed``, ``fp16-acc``) needs the loss scaler (``loss_scaled``), whose overflow check
+covers every gradient of the step. The engine's overlapped optimizer still steps each layer
+early, during backward: the layer unscales and checks its own gradients first, and an overflow
+found later puts back the layers that stepped, from the failed-step undo's before-images
+(``optim/overlap.py``). Without the undo (``optimizer_undo=False``) there is nothing to put
+them back with, so every gradient is checked before any layer steps
+(``waits_for_every_gradient``).
 """
 
 from __future__ import annotations
@@ -33,5 +37,12 @@ def fp16_accumulation(precision: str) -> bool:
 
 
 def loss_scaled(precision: str) -> bool:
-    """Whether ``precision`` computes in fp16, so the host loss scaler checks every gradient first."""
+    """Whether ``precision`` computes in fp16, so the host loss scaler checks every gradient of a step."""
     return check_precision(precision) != "bf16-mixed"
+
+
+def waits_for_every_gradient(precision: str, undo: bool) -> bool:
+    """Whether the engine's optimizer waits for every gradient of the step before any layer steps:
+    under the loss scaler without the failed-step undo, which early steps need to be put back
+    on overflow (see the module doc)."""
+    return loss_scaled(precision) and not undo
