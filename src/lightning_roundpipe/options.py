@@ -324,6 +324,9 @@ class RuntimeOptions:
         optimizer state; costs one host copy of what a step changes). False (host memory too
         small for that copy): a failed step raises naming the layers it updated, and training or
         saving the module is refused until a checkpoint is loaded (``fit(ckpt_path=...)``).
+        Under fp16's loss scaler the copy is also what lets layers step during backward (an
+        overflow puts them back); with False they step after backward, once every gradient is
+        checked.
     batch_statistics: what a pipelined BatchNorm in training mode (or an InstanceNorm tracking
         running statistics) does with more than one microbatch. "refuse" (default): the call is
         refused before it runs, naming the layer (exact by default: use ``microbatches=1`` or eval
