@@ -177,3 +177,24 @@ def test_a_fused_optimizer_under_the_scaler_is_stepped_whole_as_the_default_stra
     assert cb.step_calls == ref_cb.step_calls == {0: 1, 1: 1, 2: 1}  # the fused step runs, skipping on found_inf
     assert all(torch.equal(cb.before[0][k], cb.after[0][k]) for k in cb.before[0])
     assert close(weights(ours), weights(ref))
+
+
+@pytest.mark.timeout(60)
+def test_early_steps_under_the_scaler_with_gradient_accumulation_match_the_late_steps_bit_for_bit():
+    """Two batches per optimizer step: the first batch's backward only accumulates; layers step early in the last."""
+    def train(callbacks=()):
+        m, plugin, seen = SeqModule(opt="adamw"), HostScaledMixedPrecision(init_scale=1000.1), {}
+
+        class Scales(L.Callback):
+            def on_train_batch_end(self, trainer, *args):
+                seen.setdefault("scales", []).append(trainer.precision_plugin.scaler.get_scale())
+                seen["ov"] = trainer.strategy.runtime.overlapped[0]
+
+        fit(m, RoundPipeStrategy(microbatches=2, **LAYERED), devices=2, max_steps=3, plugins=[plugin],
+            callbacks=[Scales(), *callbacks], record_grads=False, accumulate_grad_batches=2)
+        return weights(m), seen
+
+    (w, seen), (w_late, seen_late) = train(), train([LateSteps()])
+    assert seen["ov"].early_layer_steps > 0 and seen_late["ov"].early_layer_steps == 0
+    assert seen["scales"] == seen_late["scales"] and len(seen["scales"]) >= 5  # per batch
+    assert all(torch.equal(w[k], w_late[k]) for k in w)  # an init_scale fp32 cannot hold: rounded as GradScaler does

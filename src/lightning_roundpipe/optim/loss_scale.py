@@ -25,8 +25,10 @@ class StepUnscale:
     """One optimizer step's unscaling: ``1/scale`` fixed at the step's start, a found-inf flag per device."""
 
     def __init__(self, scaler: "torch.amp.GradScaler"):
-        # GradScaler: self._scale.double().reciprocal().float(); get_scale() is that fp32 value, exactly.
-        self.inv_scale = torch.tensor(scaler.get_scale(), dtype=torch.float64).reciprocal().float()
+        # GradScaler: self._scale.double().reciprocal().float(), its scale an fp32 tensor. get_scale() is
+        # that value (or, before the first scale(), the init_scale the tensor will be made from).
+        scale = torch.tensor(scaler.get_scale(), dtype=torch.float32)
+        self.inv_scale = scale.double().reciprocal().float()
         self._found: dict[torch.device, torch.Tensor] = {}
         self._inv: dict[torch.device, torch.Tensor] = {}
         self._lock = threading.Lock()
