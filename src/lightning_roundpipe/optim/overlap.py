@@ -61,8 +61,8 @@ import torch
 from ..params.weights import group_by_lowest_layer
 from ..workers.completions import Completion, PipelineError, PipelineTimeout, TaskLabel
 from .host_lane import HostLane
-from .per_layer_support import declaration_hint, why_not_per_layer
 from .loss_scale import StepUnscale
+from .per_layer_support import declaration_hint, why_not_per_layer
 from .step_undo import BeforeImages, StepUndo
 
 REST = -1  # the key of the parameters outside the pipeline among ``versions`` (loss-scaled steps)
