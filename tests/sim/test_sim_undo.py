@@ -3,6 +3,7 @@
 import pytest
 
 from lightning_roundpipe.cost.hardware import HardwareProfile
+from lightning_roundpipe.cost.host_update import unscale_seconds
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.schedule.plan import Plan
 from lightning_roundpipe.sim.simulate import SimConfig, simulate_roundpipe, undo_seconds
@@ -73,3 +74,9 @@ def test_loss_scaled_steps_by_hand():
     optim = {r.stage: r for r in waiting.timeline if r.kind == "optim" and r.step == 0}
     assert optim["L1"].start == pytest.approx(8.0128e-3, abs=1e-6) and optim["L0"].start == pytest.approx(optim["L1"].end)
     assert waiting.step_s == pytest.approx(8.0127e-3 + 20e-3, abs=1e-6)
+    # Each update first unscales its fp32 gradient: 1,000 x 8 B read and written at 1e5 x 40 B/s, 2 ms.
+    assert unscale_seconds(1000, HW) == pytest.approx(2e-3)
+    config = SimConfig(steps=2, optimizer_undo=True, host_unscale=True)
+    unscaled = simulate_roundpipe(plan, _costs(), HW, 1, num_workers=1, config=config)
+    assert [r.duration for r in unscaled.timeline if r.kind == "optim"] == pytest.approx([12e-3] * 4)
+    assert unscaled.step_s == pytest.approx(2 * 6e-3 + 2 * 12e-3)  # the host never idles, as with the undo alone

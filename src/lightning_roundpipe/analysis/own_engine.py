@@ -72,6 +72,8 @@ class Setup:
     ``optimizer_order``: which ready layer update the host runs first (``SimConfig``; the
     engine's lane: ``"arrival"``). ``undo``: the before-image copy that keeps a failed step
     undoable (``cost.host_update``; the engine's ``optimizer_undo``, on by default).
+    ``host_unscale``: each layer's update first unscales and checks its gradient (this engine's
+    host loss scaler under fp16, ``cost.host_update.unscale_seconds``).
     """
 
     precision: str = "fp16-acc"
@@ -91,6 +93,7 @@ class Setup:
     compiled_layers: bool = False
     optimizer_order: str = "arrival"
     undo: bool = False
+    host_unscale: bool = False
 
     def __post_init__(self) -> None:
         check_precision(self.precision)
@@ -104,7 +107,7 @@ class Setup:
                        launch_s=self.launch_s, host_accumulate_bytes_per_s=self.host_accumulate_bytes_per_s,
                        host_loss_s=self.host_loss_s, host_barriers=self.host_barriers,
                        optimizer_order=self.optimizer_order,
-                       optimizer_undo=self.undo,
+                       optimizer_undo=self.undo, host_unscale=self.host_unscale,
                        design=PricedDesign(call_barrier=self.call_barrier, fused_spread=self.fused_spread))
 
 

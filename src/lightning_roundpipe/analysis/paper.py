@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..cost.hardware import HardwareProfile, load_hardware
-from ..cost.precision import waits_for_every_gradient
+from ..cost.precision import loss_scaled, waits_for_every_gradient
 from .own_engine import REFERENCE, Setup, SetupResult, our_default, published_run, simulate_setup
 from .workload import PUBLISHED_RUNS
 
@@ -51,10 +51,11 @@ def exact_candidates(hardware: HardwareProfile, calls: int, precision: str = "bf
     shorter fill and drain). One call means one pipeline drain per optimizer step instead of one
     per call (the next call waits for ``backward()``). With fp16 layers step early under the host loss
     scaler as without it, the failed-step undo putting them back on overflow; only without the undo
-    does the optimizer wait for every gradient (``precision.waits_for_every_gradient``)."""
+    does the optimizer wait for every gradient (``precision.waits_for_every_gradient``); each layer's update
+    then unscales its gradient first (``host_unscale``)."""
     default = our_default(hardware)
     base = replace(default, partition=REFERENCE, compiled_layers=True, precision=precision,
-                   wait_all_grads=waits_for_every_gradient(precision, default.undo))
+                   wait_all_grads=waits_for_every_gradient(precision, default.undo), host_unscale=loss_scaled(precision))
     return [replace(base, microbatches=k * calls, calls=1) for k in (10, 30)]
 
 

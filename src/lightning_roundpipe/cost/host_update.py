@@ -9,6 +9,10 @@ parameter: ``UNDO_BYTES_PER_PARAM`` more host memory traffic on the same lane. T
 prices that copy as its own idle-time operation (``SimConfig.optimizer_undo``); ``update_seconds``
 with ``undo_bytes_per_param`` is the copy paid inside the update, for the worst case. Priced at the host memory bandwidth when the profile gives
 it, else at the bytes' share of the update's 40 (a copy moves bytes as Adam does).
+
+Under fp16's loss scaler each layer's update first unscales its fp32 gradient in place and
+checks it for inf/NaN (``optim/loss_scale.py``): ``UNSCALE_BYTES_PER_PARAM`` more, read and
+written on the same lane, just before the step (``unscale_seconds``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 from .hardware import HardwareProfile
 
 UNDO_BYTES_PER_PARAM = 24.0  # read + write of the fp32 parameter, exp_avg and exp_avg_sq
+UNSCALE_BYTES_PER_PARAM = 8.0  # read + write of the fp32 gradient (multiplied by 1/scale, checked)
 
 
 def update_seconds(params: float, hardware: HardwareProfile, undo_bytes_per_param: float = 0.0) -> float:
@@ -26,3 +31,10 @@ def update_seconds(params: float, hardware: HardwareProfile, undo_bytes_per_para
         bandwidth = hardware.host_memory_bytes_per_s or hardware.optimizer_params_per_s * hardware.optimizer_bytes_per_param
         seconds += params * undo_bytes_per_param / bandwidth
     return seconds
+
+
+def unscale_seconds(params: float, hardware: HardwareProfile) -> float:
+    """Host seconds to unscale and check the fp32 gradients of ``params`` parameters (fp16's loss
+    scaler), at the host memory bandwidth or the one the optimizer rate implies."""
+    bandwidth = hardware.host_memory_bytes_per_s or hardware.optimizer_params_per_s * hardware.optimizer_bytes_per_param
+    return params * UNSCALE_BYTES_PER_PARAM / bandwidth

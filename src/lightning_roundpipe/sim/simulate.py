@@ -50,7 +50,7 @@ from ..cost.memory import layer_grain_graph
 from .accumulation import CallAccumulator, submission
 from .event_queue import HOST, EventSimulator, LinkSpec, Op
 from ..cost.hardware import HardwareProfile
-from ..cost.host_update import UNDO_BYTES_PER_PARAM, update_seconds
+from ..cost.host_update import UNDO_BYTES_PER_PARAM, unscale_seconds, update_seconds
 
 # Transfer priorities by kind for the bound schedules (lower goes first): what a stage waits for,
 # then weight prefetch, then gradients going home. RoundPipe steps take theirs from the lowering.
@@ -188,6 +188,9 @@ class SimConfig:
     # previous update is done, and the layer's update waits for it. False: not priced (the
     # engine's ``optimizer_undo=False``, or a synchronous optimizer, which needs no undo).
     optimizer_undo: bool = False
+    # fp16's host loss scaler in the overlapped optimizer: each layer's update first unscales and
+    # checks its fp32 gradient (``cost/host_update.py``: ``unscale_seconds``), inside the update.
+    host_unscale: bool = False
     # With layer_recompute: the layer inputs were kept by the forward stage (the reference
     # RoundPipe downloads each layer's input to the host as its forward runs), so the backward
     # runs no pass without grad first; False: this engine's pass that keeps them.
@@ -482,6 +485,8 @@ def add_optimizer(sim: EventSimulator, wgrads: dict[int, list[Op]], view: CostVi
                                    priority=UNDO_PRIORITY,  # idle work: ready updates go first
                                    deps=[last] if last is not None else [])))
         seconds = update_seconds(view.trainable[layer], hardware)
+        if config.host_unscale:
+            seconds += unscale_seconds(view.trainable[layer], hardware)
         # "arrival": equal priorities, so ready updates run in the order they became ready
         priority = layer if config.optimizer_order == "layer" else 0
         updates[layer] = previous[layer] = sim.add(Op(HOST, "host", "optim", f"L{layer}", -1, step, seconds=seconds,
