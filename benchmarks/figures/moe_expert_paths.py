@@ -8,7 +8,9 @@ the reference's own partition, on fewer the planner's plan). Per GPU count it pr
 reference's loop (``cost/moe_loop.py`` ``reference_loop``, measured 18,122 on 8 GPUs), the
 grouped path (``grouped_mm``, bf16 only: at bf16, and under fp16 its capacity = tokens
 fallback), the padded path (``moe_experts="padded_bmm"``, fp16) at each assumed load imbalance
-(the busiest expert's load over the mean), the routed-FLOP bound (no dispatch cost), and the
+(the busiest expert's load over the mean), the bound of a segmented GEMM that took fp16 (the
+grouped path's terms at the fp16-accumulate rate: no padding, no host read), the routed-FLOP
+bound (no dispatch cost, not even the rows' gather and scatter), and the
 imbalance at which the padded path falls to 1.3x the loop. Then the per-layer terms of one
 microbatch (16,384 tokens) on one GPU. Every figure is simulated.
 """
@@ -56,6 +58,9 @@ def path_rows(gpus: int, imbalances: list[float]) -> list[dict]:
             dict(gpus=gpus, path="grouped, fp16 (capacity = tokens fallback)", tokens_per_s=tokens_per_s(gpus, "grouped"))]
     rows += [dict(gpus=gpus, path=f"padded_bmm, fp16, imbalance {x:g}", tokens_per_s=tokens_per_s(gpus, padded(x)))
              for x in imbalances]
+    segmented = dataclasses.replace(moe_loop.for_shape("grouped", MODEL), bf16_only=False)
+    rows.append(dict(gpus=gpus, path="bound: a segmented GEMM taking fp16 (not built; no padding, no host read)",
+                     tokens_per_s=tokens_per_s(gpus, segmented)))
     rows.append(dict(gpus=gpus, path="routed FLOPs only (no dispatch cost)", tokens_per_s=tokens_per_s(gpus, None)))
     for row in rows:
         row["over_loop"] = row["tokens_per_s"] / loop
