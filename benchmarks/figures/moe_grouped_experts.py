@@ -1,4 +1,4 @@
-"""One MoE experts layer on the CPU: HF's per-expert loop vs transformers' grouped_mm vs ``moe_experts="grouped"``.
+"""One MoE experts layer on the CPU: HF's per-expert loop vs transformers' grouped_mm vs ``moe_experts="grouped"`` / ``"padded_bmm"``.
 
     python -m benchmarks.figures.moe_grouped_experts [--tokens 2048] [--experts 16] [--top-k 2] [--hidden 256]
                                              [--intermediate 512] [--repeats 7] [--threads 1] [--json PATH]
@@ -6,7 +6,8 @@
 A Qwen3-MoE experts module of the given shape (fp32), a top-k routing from random router
 logits, and forward + backward of: HF's eager loop (``experts_implementation="eager"``),
 transformers 5's own ``grouped_mm`` path (its default), and this project's grouped forward
-with its two kernels (``grouped_mm``; ``bmm``, the padded fallback). The runs alternate in one
+with its kernels (``grouped_mm``; ``bmm``, the capacity = tokens fallback; ``padded_bmm``, the
+``moe_experts="padded_bmm"`` path: capacity the busiest expert's count). The runs alternate in one
 process, so load on the machine hits them alike; the median of ``--repeats`` is printed with
 each time over the loop's, and the output and gradient differences against the loop.
 """
@@ -54,7 +55,8 @@ def runners(experts):
 
     return {"hf_loop": hf("eager"), "hf_grouped_mm": hf("grouped_mm"),
             "grouped": lambda h, i, w: grouped_experts_forward(experts, h, i, w, gate, "grouped_mm"),
-            "grouped_bmm": lambda h, i, w: grouped_experts_forward(experts, h, i, w, gate, "bmm")}
+            "grouped_bmm": lambda h, i, w: grouped_experts_forward(experts, h, i, w, gate, "bmm"),
+            "padded_bmm": lambda h, i, w: grouped_experts_forward(experts, h, i, w, gate, "padded_bmm")}
 
 
 def step(experts, run, hidden, index, weights):

@@ -30,7 +30,7 @@ RECOMPUTE_CHOICES = ("auto", "always", "layer", "never")
 TRANSFER_KINDS = tuple(DEFAULT_PRIORITIES)  # the kinds a transfer priority is given for
 PINNED_POLICIES = ("alloc", "register", "off")
 BATCH_STATISTICS = ("refuse", "per_microbatch")
-MOE_EXPERT_PATHS = ("hf", "grouped")
+MOE_EXPERT_PATHS = ("hf", "grouped", "padded_bmm")
 
 
 class OptionError(ValueError):
@@ -343,7 +343,11 @@ class RuntimeOptions:
         path where it can, "eager" is the per-expert loop, a host sync per expert) or "grouped"
         (``adapters/grouped_experts.py``: pairs sorted by expert, one grouped matmul per projection,
         no host sync; exact against HF's loop; parameters and ``state_dict`` unchanged; an experts
-        layout it does not map, and any unverified family, keeps HF's forward, with a warning naming it).
+        layout it does not map, and any unverified family, keeps HF's forward, with a warning naming it)
+        or "padded_bmm" (the same swap; the sorted pairs padded to the busiest expert's count, read once
+        on the host per layer call, and one ``torch.bmm`` per projection: takes fp16 and honours
+        ``fp16_accumulation``, where ``grouped_mm`` is bf16 only; exact against HF's loop, the empty
+        slots adding exact zeros to the gradients; it computes ``experts x capacity`` rows, not ``pairs``).
     testing: delays injected for tests and measurements (``TestingOptions``); none by default.
     """
 

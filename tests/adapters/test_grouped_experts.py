@@ -1,7 +1,8 @@
-"""``moe_experts="grouped"``: the grouped experts forward against Hugging Face's per-expert loop.
+"""``moe_experts="grouped"`` and ``"padded_bmm"``: the grouped experts forward against Hugging Face's per-expert loop.
 
 For every MoE family of the matrix: loss (aux term included), logits and every gradient of the
-whole model equal HF's eager loop (1e-6 / 1e-5 relative, fp32 CPU), with both matmul kernels;
+whole model equal HF's eager loop (1e-6 / 1e-5 relative, fp32 CPU), with every matmul kernel
+(``grouped_mm``, the capacity = tokens ``bmm``, and the padded path's one ``bmm`` per projection);
 parameters and ``state_dict`` are untouched by the swap. Under the Lightning Trainer, two families
 train like the default strategy (SGD and AdamW). The grouped forward reads no tensor on the host.
 """
@@ -44,16 +45,15 @@ def relative(a, b):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kernel", ["grouped_mm", "bmm"])
+@pytest.mark.parametrize("kernel", ["grouped_mm", "bmm", "padded_bmm"])
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_grouped_experts_equal_the_hf_loop(family, kernel):
     model = hf_loop_model(family)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     ref, ref_grads = loss_logits_grads(model, family)
-    installed, kept = install_grouped_experts(model)
+    installed, kept = install_grouped_experts(model, kernel)
     assert kept == [] and len(installed) == sum(type(m).__name__.endswith("Experts") for m in model.modules()) > 0
-    for forward in installed:
-        forward.kernel = kernel
+    assert {forward.kernel for forward in installed} == {kernel}
     got, grads = loss_logits_grads(model, family)
     assert abs(got.loss.item() / ref.loss.item() - 1) <= 1e-6
     if family in AUX_LOSS_FAMILIES:
@@ -74,7 +74,8 @@ def test_the_parity_covers_every_moe_family_of_the_matrix():
 
 
 @pytest.mark.timeout(60)
-def test_lora_on_the_expert_tensors_reaches_the_grouped_forward():
+@pytest.mark.parametrize("kernel", ["grouped_mm", pytest.param("padded_bmm", marks=pytest.mark.slow)])
+def test_lora_on_the_expert_tensors_reaches_the_grouped_forward(kernel):
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(hf_loop_model("qwen3_moe"), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
@@ -84,7 +85,7 @@ def test_lora_on_the_expert_tensors_reaches_the_grouped_forward():
             if "lora_B" in name:
                 param.normal_(0.0, 0.3)
     ref, ref_grads = loss_logits_grads(model, "qwen3_moe")
-    installed, kept = install_grouped_experts(model)
+    installed, kept = install_grouped_experts(model, kernel)
     assert len(installed) == 3 and kept == []
     got, grads = loss_logits_grads(model, "qwen3_moe")
     assert abs(got.loss.item() / ref.loss.item() - 1) <= 1e-6
@@ -195,7 +196,8 @@ def test_an_unverified_family_keeps_hf_experts_forward(caplog):
 
 
 def test_an_unknown_moe_experts_value_is_refused():
-    with pytest.raises(OptionError, match=r"RoundPipeStrategy\(moe_experts='fast'\): use one of 'hf', 'grouped'"):
+    with pytest.raises(OptionError,
+                       match=r"RoundPipeStrategy\(moe_experts='fast'\): use one of 'hf', 'grouped', 'padded_bmm'"):
         RoundPipeStrategy(moe_experts="fast")
 
 
@@ -254,3 +256,5 @@ def test_the_hydra_strategy_entry_defaults_to_hf_and_takes_grouped():
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
         assert compose(config_name="config").strategy.moe_experts == "hf"
         assert compose(config_name="config", overrides=["strategy.moe_experts=grouped"]).strategy.moe_experts == "grouped"
+        padded = compose(config_name="config", overrides=["strategy.moe_experts=padded_bmm"]).strategy.moe_experts
+        assert padded == "padded_bmm" and RoundPipeStrategy(moe_experts=padded)

@@ -6,7 +6,8 @@ import pytest
 
 from lightning_roundpipe.cost import moe_loop
 from lightning_roundpipe.cost.hardware import HardwareProfile
-from lightning_roundpipe.cost.moe_loop import ExpertDispatch, dispatch_cost, wave_efficiency
+from lightning_roundpipe.cost.moe_loop import (ExpertDispatch, batched_wave_efficiency, dispatch_cost, expected_capacity,
+                                               wave_efficiency)
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.cost.transformer import ModelShape, get_model_shape, shape_layer_costs
 from lightning_roundpipe.schedule.plan import Plan
@@ -48,17 +49,64 @@ def test_the_grouped_dispatch_by_hand():
     bf16 = dispatch_cost(SHAPE, 64, HW, moe_loop.GROUPED)
     moved = 128 * 14 * 128 / 1e12
     assert (bf16.forward_s, bf16.backward_s) == (pytest.approx(moved), pytest.approx(2 * moved))
-    assert (bf16.forward_launches, bf16.backward_launches) == (16, 40)
+    assert (bf16.forward_launches, bf16.backward_launches) == (23, 19)
     # fp16 rows: grouped_mm refuses them, the padded bmm computes E / top_k = 2x the routed FLOPs
     fp16 = dispatch_cost(SHAPE, 64, HW, moe_loop.GROUPED, fp16_accumulation=True)
     assert fp16.forward_s == pytest.approx(moved + EXPERT_FLOPS * (4 / 2 - 1) / 200e12)
     assert fp16.backward_s == pytest.approx(2 * moved + 2 * EXPERT_FLOPS / 200e12)
 
 
+def test_the_padded_capacity_and_batched_waves_by_hand():
+    # 128 pairs over 4 experts: mean 32, x1.25 = 40 rows, rounded up to a 128-row tile; never above the tokens
+    assert expected_capacity(128, 4, 64, 1.25) == 128
+    assert expected_capacity(65536, 32, 16384, 1.25) == 2560  # GPT-OSS: 2,048 mean x 1.25, a multiple of 128
+    assert expected_capacity(65536, 32, 16384, 1.0) == 2048
+    assert expected_capacity(65536, 32, 16384, 9.0) == 16384  # capped by the tokens
+    assert expected_capacity(100, 4, 64, 1.0, multiple=8) == 32  # 25 -> 32
+    # 4 GEMMs of 128 x 256 outputs: 4 x 1 x 2 = 8 tiles, one wave of 128 SMs; 128 useful rows of 512
+    assert batched_wave_efficiency(128, 4, 128, 256, 128) == pytest.approx(128 * 256 / (128 * 128 * 128))
+    # 32 x 2560 x 2880: 32 x 20 x 23 = 14,720 tiles, 115 waves of 128 exactly; 65,536 useful rows
+    assert batched_wave_efficiency(65536, 32, 2560, 2880, 128) == pytest.approx(65536 * 2880 / (115 * 128 * 128 * 128))
+    assert batched_wave_efficiency(0, 4, 128, 256, 128) == 1.0
+
+
+def test_the_padded_dispatch_by_hand():
+    padded = dataclasses.replace(moe_loop.PADDED_BMM, load_imbalance=1.25)
+    cost = dispatch_cost(SHAPE, 64, HW, padded, fp16_accumulation=True)
+    moved = 128 * 14 * 128 / 1e12  # both dispatches' rows, as above
+    # capacity 128 per expert (40 rounded up): 512 slots, 384 empty. Each GEMM runs 4 x 1 x 2 tiles (256 columns)
+    # or 4 x 1 x 1 (128), one wave of 128 SMs x 128^2 either way, for 128 useful rows x its columns
+    eff_256 = 128 * 256 / (128 * 128 * 128)
+    eff_128 = 128 * 128 / (128 * 128 * 128)
+    efficiency = 3 / (2 / eff_256 + 1 / eff_128)
+    lost = EXPERT_FLOPS * (1 / efficiency - 1) / 200e12  # fp16 accumulation: bmm takes fp16
+    block = (512 * 2 * 128 + 128 * 8 * 128 + 384 * 10 * 256) / 1e12  # zero fill, copy in and out, gate on empty slots
+    assert cost.forward_s == pytest.approx(moved + lost + block + 1e-5)  # one host read per layer
+    assert cost.backward_s == pytest.approx(2 * moved + 2 * lost + 2 * block)
+    assert (cost.forward_launches, cost.backward_launches) == (28, 22)
+    assert cost.graph_bytes_per_token == 384 * (128 + 3 * 256) * 2 / 64  # the empty slots' saved block tensors
+    bf16 = dispatch_cost(SHAPE, 64, HW, padded)  # at bf16 the same work at the fp32-accumulate rate
+    assert bf16.forward_s == pytest.approx(moved + EXPERT_FLOPS * (1 / efficiency - 1) / 100e12 + block + 1e-5)
+
+
+def test_the_padded_dispatch_s_empty_slots_enter_the_layer_s_graph_bytes():
+    plain = shape_layer_costs(SHAPE, HW, 64)
+    padded = shape_layer_costs(SHAPE, HW, 64, moe_dispatch="padded_bmm")
+    extra = dispatch_cost(SHAPE, 64, HW, moe_loop.PADDED_BMM).graph_bytes_per_token
+    assert extra == 384 * (128 + 3 * 256) * 2 / 64
+    assert [b.graph_bytes_per_token - a.graph_bytes_per_token for a, b in zip(plain.layers, padded.layers)] == \
+        [0, extra, extra, 0]
+    assert padded.extra_launches_per_decoder_layer == (28, 28 + 22)
+
+
 def test_gpt_oss_gate_and_biases_move_more_bytes():
     gpt = dataclasses.replace(get_model_shape("gpt-oss-20b"))
     dispatch = moe_loop.for_shape("grouped", gpt.name)
     assert (dispatch.gate_bytes_per_intermediate, dispatch.biased) == (44, True)
+    assert (dispatch.forward_kernels_per_layer, dispatch.backward_kernels_per_layer) == (32, 33)
+    padded = moe_loop.for_shape("padded_bmm", gpt.name)
+    assert (padded.forward_kernels_per_layer, padded.backward_kernels_per_layer, padded.biased) == (35, 38, True)
+    assert padded.padded and padded.syncs_per_layer == 1 and not padded.bf16_only
     cost = dispatch_cost(gpt, 100, HW, dispatch)
     assert cost.forward_s == pytest.approx(400 * (14 * 2880 + 34 * 2880 + 4 * 2880) / 1e12)
     assert moe_loop.for_shape("reference_loop", gpt.name) is moe_loop.REFERENCE_GPT_OSS_LOOP

@@ -6,11 +6,23 @@ matmuls and an ``index_add_``. Here the
 (token, expert) pairs are sorted by expert once, and each projection is ONE grouped matmul over
 the sorted rows (``torch.nn.functional.grouped_mm`` with device-side group ends); the routing
 weights and the scatter back to tokens are one multiply and one ``index_add``. Nothing reads a
-tensor's value on the host.
+tensor's value on the host (the padded path below reads one number per layer call).
 
 Exactness: every row meets the same expert weights as in HF's loop, and ``index_add`` adds a
 token's expert outputs in ascending expert order, as the loop does. The router, its logits and
 the aux loss are not touched (they are computed before the experts are called).
+
+**The padded path** (``moe_experts="padded_bmm"``, kernel ``"padded_bmm"``): the sorted pairs are
+placed in ``capacity`` slots per expert, where ``capacity`` is the busiest expert's pair count
+rounded up to ``CAPACITY_MULTIPLE`` (ONE host read per layer call, ``counts.max().item()``: the
+reference RoundPipe's loop reads its counts once per layer too), and each projection is ONE
+``torch.bmm`` over ``[experts, capacity, in]``. ``bmm`` takes fp16 and cuBLAS runs it with fp16
+accumulation when ``torch.backends.cuda.matmul.allow_fp16_accumulation`` is on (the reference's
+precision); ``grouped_mm`` takes bf16 only. The gate and the biases run on the padded block (a
+per-expert broadcast of the bias), and the real rows are read back by their slots before the
+routing weights. Exactness: a real row meets its expert's matrix and bias exactly as in the
+loop; an empty slot's input row is zero, and since the outputs of empty slots are never read
+back, their gradient is exactly zero, so they add exact zeros to every weight and bias gradient.
 
 Only the expert layouts mapped below are swapped (the fused 3-D tensors of transformers 5:
 ``gate_up_proj`` / ``down_proj`` with the experts first, the default ``act_fn(gate) * up`` gate
@@ -61,6 +73,15 @@ def grouped_kernel_fits(rows: torch.Tensor, weight: torch.Tensor) -> bool:
     return rows.device.type == "cpu"
 
 
+CAPACITY_MULTIPLE = 128  # the padded path's slots per expert are a multiple of a GEMM output tile's rows
+
+
+def padded_capacity(counts: torch.Tensor, multiple: int = CAPACITY_MULTIPLE) -> int:
+    """The busiest expert's pair count rounded up to ``multiple``: the one host read of the padded path."""
+    busiest = int(counts.max().item()) if counts.numel() else 0
+    return -(-busiest // multiple) * multiple
+
+
 def padded_matmul(rows: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, capacity: int) -> torch.Tensor:
     """The fallback: rows placed in ``capacity`` slots per group, one ``torch.bmm``, rows read back.
 
@@ -81,12 +102,15 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, transposed: bool, r
     if route["kernel"] == "grouped_mm" and rows.is_cuda and not torch.compiler.is_compiling():
         warnings.warn(f"moe_experts='grouped': grouped_mm does not take {rows.dtype} rows of {rows.shape[-1]} on "
                       "this GPU (it takes bf16, 16-byte aligned, on SM80+); the padded bmm fallback computes "
-                      "num_experts x tokens rows, slower than moe_experts='hf' here", stacklevel=2)
+                      "num_experts x tokens rows, slower than moe_experts='hf' here; moe_experts='padded_bmm' "
+                      "takes fp16 (one host read per layer)", stacklevel=2)
     return padded_matmul(rows, matrix, route["slots"], route["capacity"])
 
 
 def sort_by_expert(top_k_index: torch.Tensor, num_experts: int, kernel: str) -> dict:
-    """The pairs' order by expert (stable: token order inside a group), their tokens and the group ends."""
+    """The pairs' order by expert (stable: token order inside a group), their tokens, the group ends, and
+    each pair's slot in ``capacity`` rows per expert (the tokens; for ``"padded_bmm"`` the busiest
+    expert's count rounded up, read once on the host)."""
     tokens, top_k = top_k_index.shape
     experts = top_k_index.reshape(-1)
     order = torch.sort(experts, stable=True).indices
@@ -96,8 +120,9 @@ def sort_by_expert(top_k_index: torch.Tensor, num_experts: int, kernel: str) -> 
     ends = counts.cumsum(0)
     starts = ends - counts
     rank = torch.arange(order.numel(), device=order.device) - starts.index_select(0, sorted_experts)
+    capacity = padded_capacity(counts) if kernel == "padded_bmm" else tokens
     return {"order": order, "token": order // top_k, "experts": sorted_experts, "ends": ends.to(torch.int32),
-            "slots": sorted_experts * tokens + rank, "capacity": tokens, "kernel": kernel}
+            "slots": sorted_experts * capacity + rank, "capacity": capacity, "kernel": kernel}
 
 
 def concatenated_gate(experts: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
@@ -138,9 +163,12 @@ def grouped_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top
                             kernel: str = "grouped_mm") -> torch.Tensor:
     """HF's experts call (``hidden [tokens, H]``, ``top_k_index`` / ``top_k_weights [tokens, k]``), grouped.
 
-    ``kernel``: "grouped_mm" (when the operands fit it, else the padded ``bmm``) or "bmm" (always padded).
+    ``kernel``: "grouped_mm" (when the operands fit it, else the padded ``bmm`` at capacity = tokens),
+    "bmm" (always that), or "padded_bmm" (``padded_experts_forward``: capacity the busiest expert's count).
     """
     route = sort_by_expert(top_k_index, experts.num_experts, kernel)
+    if kernel == "padded_bmm":
+        return padded_experts_forward(experts, hidden_states, route, top_k_weights, gate)
     rows = hidden_states.index_select(0, route["token"])
     transposed = bool(experts.is_transposed)
     projected = grouped_linear(rows, experts.gate_up_proj, transposed, route)
@@ -149,6 +177,27 @@ def grouped_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top
     projected = grouped_linear(gate(experts, projected), experts.down_proj, transposed, route)
     if experts.has_bias:
         projected = projected + experts.down_proj_bias.index_select(0, route["experts"])
+    weights = top_k_weights.reshape(-1).index_select(0, route["order"]).unsqueeze(-1)
+    weighted = (projected * weights).to(hidden_states.dtype)
+    return torch.zeros_like(hidden_states).index_add(0, route["token"], weighted)
+
+
+def padded_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, route: dict, top_k_weights: torch.Tensor,
+                           gate: Callable) -> torch.Tensor:
+    """The padded path (module doc): one ``[experts, capacity, .]`` block through both projections and the gate."""
+    groups, capacity, width = experts.num_experts, route["capacity"], hidden_states.shape[-1]
+    transposed = bool(experts.is_transposed)
+    rows = hidden_states.index_select(0, route["token"])
+    block = rows.new_zeros(groups * capacity, width).index_copy(0, route["slots"], rows).view(groups, capacity, width)
+    gate_up = experts.gate_up_proj if transposed else experts.gate_up_proj.transpose(1, 2)  # [E, in, out] views
+    down = experts.down_proj if transposed else experts.down_proj.transpose(1, 2)
+    block = torch.bmm(block, gate_up)
+    if experts.has_bias:
+        block = block + experts.gate_up_proj_bias.unsqueeze(1)
+    block = torch.bmm(gate(experts, block), down)
+    if experts.has_bias:
+        block = block + experts.down_proj_bias.unsqueeze(1)
+    projected = block.reshape(groups * capacity, block.shape[-1]).index_select(0, route["slots"])
     weights = top_k_weights.reshape(-1).index_select(0, route["order"]).unsqueeze(-1)
     weighted = (projected * weights).to(hidden_states.dtype)
     return torch.zeros_like(hidden_states).index_add(0, route["token"], weighted)
@@ -171,8 +220,9 @@ class GroupedExpertsForward:
             del self.experts.forward
 
 
-def install_grouped_experts(model: nn.Module) -> tuple[list[GroupedExpertsForward], list[str]]:
-    """Swap every mapped experts module of ``model`` to the grouped forward.
+def install_grouped_experts(model: nn.Module, kernel: str = "grouped_mm") -> tuple[list[GroupedExpertsForward], list[str]]:
+    """Swap every mapped experts module of ``model`` to the grouped forward with ``kernel``
+    (``grouped_experts_forward``; ``"padded_bmm"`` for ``moe_experts="padded_bmm"``).
 
     Returns (the installed forwards, the names of experts modules whose layout is not mapped
     and that keep HF's forward); ``target.unpatch`` (the runtime's detach) removes them. An
@@ -188,7 +238,7 @@ def install_grouped_experts(model: nn.Module) -> tuple[list[GroupedExpertsForwar
         if gate is None or "forward" in vars(module):
             kept.append(name)
             continue
-        forward = GroupedExpertsForward(module, gate)
+        forward = GroupedExpertsForward(module, gate, kernel)
         module.forward = forward  # instance attribute: shadows HF's dispatching forward, nothing else changes
         installed.append(forward)
     return installed, kept

@@ -83,11 +83,14 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
     """(module whose forward is patched, layers, forward factory) for a causal LM.
 
     ``options``: the runtime's options; reads ``allow_unverified``, ``logits_with_loss`` and ``moe_experts``
-    when present (``moe_experts="grouped"`` swaps the experts' forward when the runtime patches the model).
+    when present (``moe_experts="grouped"`` or ``"padded_bmm"`` swaps the experts' forward when the runtime
+    patches the model; ``adapters/grouped_experts.py``).
     """
     allow_unverified = bool(getattr(options, "allow_unverified", False))
     logits_with_loss = bool(getattr(options, "logits_with_loss", False))
-    grouped_experts = getattr(options, "moe_experts", "hf") == "grouped"
+    experts_path = getattr(options, "moe_experts", "hf")
+    grouped_experts = experts_path in ("grouped", "padded_bmm")
+    kernel = "padded_bmm" if experts_path == "padded_bmm" else "grouped_mm"
     adapter = build_layers(module, lambda: CausalLMLayers.from_model(module, allow_unverified=allow_unverified),
                            allow_unverified)
     inner = unwrap_peft(module)
@@ -98,13 +101,13 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
     def make_forward(runtime) -> Callable:
         if grouped_experts and not adapter.verified:
             # the self-check compares with the unpipelined model, which would run the same swapped experts
-            log.warning("moe_experts='grouped': %s is not a verified family; its experts keep Hugging Face's forward",
-                        type(inner).__name__)
+            log.warning("moe_experts=%r: %s is not a verified family; its experts keep Hugging Face's forward",
+                        experts_path, type(inner).__name__)
         elif grouped_experts:  # undone by target.unpatch when the runtime detaches
-            _, kept = install_grouped_experts(inner)
+            _, kept = install_grouped_experts(inner, kernel)
             if kept:
-                log.warning("moe_experts='grouped': %s keep Hugging Face's experts forward (their layout is not mapped)",
-                            ", ".join(kept))
+                log.warning("moe_experts=%r: %s keep Hugging Face's experts forward (their layout is not mapped)",
+                            experts_path, ", ".join(kept))
         return PipelinedCausalLMForward(runtime, adapter, inner, unpipelined_forward, keep_option, logits_with_loss)
 
     return inner, adapter.layers, make_forward

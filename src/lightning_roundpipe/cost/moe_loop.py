@@ -44,6 +44,27 @@ dense rate. ``grouped_mm`` takes bf16 only: under fp16 (``fp16_accumulation``) t
 falls back to a padded ``bmm`` that computes every expert on every token, ``E / top_k`` times
 the routed FLOPs, and that is what is priced (the grouped path is for bf16 runs).
 
+**The padded dispatch** (``moe_experts="padded_bmm"``: the sorted pairs placed in ``C`` slots per
+expert, ``C`` the busiest expert's count rounded up to 128 rows, read once on the host; each
+projection one ``torch.bmm`` over ``[E, C, .]``, which takes fp16 and runs at the
+fp16-accumulate rate under ``fp16_accumulation``). Its terms beyond both dispatches' rows:
+
+- **padding**: the expected capacity is ``C = ceil(imbalance * pairs / E / 128) * 128`` (at most
+  the tokens rounded up), ``imbalance`` the busiest expert's load over the mean
+  (``ExpertDispatch.load_imbalance``, an assumption: routing statistics of the trained model on
+  the workload's data are not known here); the batched GEMM runs ``E * ceil(C/128) *
+  ceil(cols/128)`` output tiles in waves over the SMs, so it does ``pairs * cols`` useful work of
+  ``waves * SMs * 128^2`` tile work: ``expert FLOPs * (1 / efficiency - 1)`` extra at the matmul
+  rate forward, twice that backward (the data and weight gradients run over the same block);
+- **the block's traffic**: the zero-filled ``[E C, H]`` input (``2 H`` bytes a slot), the
+  ``index_copy`` of the routed rows into it and their ``index_select`` out of the output block
+  (``4 H`` each per routed row), and the gate (``gate_bytes_per_intermediate * I``) and output
+  bias (``4 H``) on every empty slot; twice that backward;
+- **one host read per layer call** (``counts.max().item()``) at ``latency_s``, paid again by the
+  recompute's forward;
+- **memory**: the saved block tensors (the input, the gate's input and output, ``H + 3 I``
+  elements a slot) of the empty slots, per token of the microbatch.
+
 Not modelled, stated: the loop's fused weights indexed per expert (GPT-OSS's
 ``gate_up_proj[e]``) are differentiated by ``select_backward``, which writes a zero tensor the
 size of the whole fused weight per expert and ``add_``s it into the running gradient (counted
@@ -78,6 +99,8 @@ class ExpertDispatch:
     intermediate element (10: ``act(gate) * up``, as ``cost/transformer.py`` counts).
     ``biased``: the experts add biases (one more add on the output).
     ``bf16_only``: the kernel takes bf16 only (no fp16 accumulation for the expert GEMMs).
+    ``padded``: the GEMMs run over ``E x capacity`` slots (the padded dispatch), with the busiest
+    expert's load ``load_imbalance`` times the mean.
     """
 
     name: str
@@ -91,6 +114,8 @@ class ExpertDispatch:
     gate_bytes_per_intermediate: int = 10
     biased: bool = False
     bf16_only: bool = False
+    padded: bool = False
+    load_imbalance: float = 1.0
 
 
 # Kernel counts from the code each runs (forward; backward = the gradients autograd launches):
@@ -112,12 +137,24 @@ REFERENCE_SWIGLU_LOOP = ExpertDispatch("reference loop (SwiGLU experts)", True, 
 #   activation, multiply, down linear (another ``.item()``), weight gather and multiply,
 #   index_add_ = 11 kernels and 4 syncs per expert; one ``nonzero`` per layer.
 HF_EAGER_LOOP = ExpertDispatch("transformers eager loop", True, 11, 28, 5, 4, 4, 1)
-# - this project's grouped forward (adapters/grouped_experts.py): sort, counts, cumsum, rank,
-#   gather, two grouped_mm, gate (2-3), weight gather and multiply, zeros, index_add ~ 16 per
-#   layer, ~40 backward, whatever the number of experts; no host sync.
-GROUPED = ExpertDispatch("grouped", False, forward_kernels_per_layer=16, backward_kernels_per_layer=40, bf16_only=True)
+# - this project's grouped forward (adapters/grouped_experts.py), counted with a dispatch mode
+#   on the CPU (aten calls that are not views; qwen3_moe-style gate): sort, counts, cumsum, rank,
+#   gather, two grouped_mm, gate, weight gather and multiply, zeros, index_add = 23 per layer, 19
+#   backward, whatever the number of experts; no host sync.
+GROUPED = ExpertDispatch("grouped", False, forward_kernels_per_layer=23, backward_kernels_per_layer=19, bf16_only=True)
+# - its padded path (``moe_experts="padded_bmm"``), counted the same way: + max and the host
+#   read, the block's zeros and index_copy, two bmm, the index_select out = 28 per layer, 22
+#   backward; one host read per layer. The imbalance assumed: 1.25, the capacity factor the Switch
+#   Transformer paper (Fedus et al. 2021, JMLR 23) trained with under a load-balancing loss as
+#   GPT-OSS has; the uniform-router floor is ~1.05 at the reference workload's 2,048 pairs per
+#   expert (the mean plus ~2 standard deviations of 32 counts); docs/simulator.md sweeps it.
+PADDED_LOAD_IMBALANCE = 1.25
+PADDED_BMM = ExpertDispatch("padded bmm", False, forward_kernels_per_layer=28, backward_kernels_per_layer=22,
+                            syncs_per_layer=1, padded=True, load_imbalance=PADDED_LOAD_IMBALANCE)
+# GPT-OSS's biased, clamped gate adds kernels to both (counted the same way): grouped 32 / 33, padded 35 / 38.
+GPT_OSS_GATE_KERNELS = {"grouped": (32, 33), "padded bmm": (35, 38)}
 
-DISPATCHES = {"grouped": GROUPED, "hf_eager_loop": HF_EAGER_LOOP, "reference_loop": None}
+DISPATCHES = {"grouped": GROUPED, "padded_bmm": PADDED_BMM, "hf_eager_loop": HF_EAGER_LOOP, "reference_loop": None}
 
 
 def reference_loop(model_name: str) -> ExpertDispatch:
@@ -126,7 +163,8 @@ def reference_loop(model_name: str) -> ExpertDispatch:
 
 
 def for_shape(dispatch: "str | ExpertDispatch", model_name: str) -> ExpertDispatch:
-    """``"reference_loop"``, ``"hf_eager_loop"``, ``"grouped"`` or an ``ExpertDispatch``, for ``model_name``."""
+    """``"reference_loop"``, ``"hf_eager_loop"``, ``"grouped"``, ``"padded_bmm"`` or an ``ExpertDispatch``,
+    for ``model_name``."""
     if isinstance(dispatch, ExpertDispatch):
         return dispatch
     if dispatch not in DISPATCHES:
@@ -136,7 +174,10 @@ def for_shape(dispatch: "str | ExpertDispatch", model_name: str) -> ExpertDispat
         return reference_loop(model_name)
     if "gpt-oss" in model_name.lower() and found.gate_bytes_per_intermediate == 10:
         # GPT-OSS's gate is the same code in every dispatch (adapters/grouped_experts.py gpt_oss_gate)
-        return ExpertDispatch(**{**found.__dict__, "gate_bytes_per_intermediate": 44, "biased": True})
+        forward, backward = GPT_OSS_GATE_KERNELS.get(found.name, (found.forward_kernels_per_layer,
+                                                                 found.backward_kernels_per_layer))
+        return ExpertDispatch(**{**found.__dict__, "gate_bytes_per_intermediate": 44, "biased": True,
+                                 "forward_kernels_per_layer": forward, "backward_kernels_per_layer": backward})
     return found
 
 
@@ -153,14 +194,39 @@ def wave_efficiency(rows: float, cols: int, sms: int, tile: int = TILE) -> float
     return rows * cols / (waves * sms * tile * tile)
 
 
+def batched_wave_efficiency(useful_rows: float, batch: int, rows: int, cols: int, sms: int, tile: int = TILE) -> float:
+    """Share of a batched GEMM's tile work that is useful: ``useful_rows * cols / (waves * SMs * tile^2)``.
+
+    ``batch`` GEMMs of ``rows x cols`` outputs run ``batch * ceil(rows/tile) * ceil(cols/tile)``
+    tiles in ``waves = ceil(tiles / sms)``; only ``useful_rows`` of the ``batch * rows`` rows are
+    wanted (the padded dispatch's routed pairs).
+    """
+    if useful_rows <= 0:
+        return 1.0
+    tiles = batch * math.ceil(rows / tile) * math.ceil(cols / tile)
+    waves = math.ceil(tiles / sms)
+    return useful_rows * cols / (waves * sms * tile * tile)
+
+
+def expected_capacity(pairs: int, experts: int, tokens: int, load_imbalance: float, multiple: int = TILE) -> int:
+    """The padded dispatch's slots per expert: the busiest expert's expected load, ``load_imbalance``
+    times the mean ``pairs / experts``, rounded up to ``multiple`` (the adapter's
+    ``CAPACITY_MULTIPLE``), and no more than the tokens rounded up (a token picks an expert once)."""
+    def rounded(rows: float) -> int:
+        return math.ceil(rows / multiple) * multiple
+    return min(rounded(load_imbalance * pairs / experts), rounded(tokens))
+
+
 @dataclass(frozen=True)
 class DispatchCost:
-    """Seconds one MoE layer adds to a microbatch's forward and backward, and its extra launches."""
+    """Seconds one MoE layer adds to a microbatch's forward and backward, its extra launches, and
+    (the padded dispatch) the extra graph bytes per token its empty slots keep for the backward."""
 
     forward_s: float
     backward_s: float
     forward_launches: int
     backward_launches: int  # the backward proper's own (a backward task also re-runs the forward)
+    graph_bytes_per_token: int = 0
 
 
 def dispatch_cost(shape, tokens: int, hardware: HardwareProfile, dispatch: ExpertDispatch, dtype_bytes: int = 2,
@@ -195,6 +261,23 @@ def dispatch_cost(shape, tokens: int, hardware: HardwareProfile, dispatch: Exper
         backward_s += 2 * lost + experts_hit * tokens * h * dtype_bytes * 4 / bandwidth
         forward_launches = experts_hit * dispatch.forward_kernels_per_expert + dispatch.forward_kernels_per_layer
         backward_launches = experts_hit * dispatch.backward_kernels_per_expert + dispatch.backward_kernels_per_layer
+    elif dispatch.padded:
+        sms = STREAMING_MULTIPROCESSORS.get(hardware.name, DEFAULT_SMS)
+        capacity = expected_capacity(pairs, e, tokens, dispatch.load_imbalance)
+        slots = e * capacity
+        shapes = shape.mlp_shapes()
+        flops = [a * b for a, b in shapes]
+        efficiency = sum(flops) / sum(f / batched_wave_efficiency(pairs, e, capacity, b, sms)
+                                      for f, (_, b) in zip(flops, shapes))
+        lost = expert_flops * (1 / efficiency - 1) / rate
+        empty = slots - pairs
+        block_bytes = (slots * 2 * h + pairs * 8 * h
+                       + empty * (dispatch.gate_bytes_per_intermediate * i + (4 * h if dispatch.biased else 0))) * scale
+        forward_s += lost + block_bytes / bandwidth + dispatch.syncs_per_layer * hardware.latency_s
+        backward_s += 2 * lost + 2 * block_bytes / bandwidth
+        graph = math.ceil(empty * (h + 3 * i) * dtype_bytes / tokens)
+        return DispatchCost(forward_s, backward_s, dispatch.forward_kernels_per_layer,
+                            dispatch.backward_kernels_per_layer, graph)
     else:
         if dispatch.bf16_only and fp16_accumulation:
             # fp16 rows: grouped_mm refuses them and the padded bmm computes every expert on

@@ -294,7 +294,7 @@ def shape_layer_costs(
     ``loss_in_pipeline`` False: the last stage returns the logits and the loss is computed
     outside (no labels travel, the logits are the last stage's output). Activation bytes come
     from ``activations``. ``moe_dispatch`` (MoE shapes): how the experts run, priced by
-    ``cost/moe_loop.py`` (``"reference_loop"``, ``"hf_eager_loop"``, ``"grouped"``); None: the
+    ``cost/moe_loop.py`` (``"reference_loop"``, ``"hf_eager_loop"``, ``"grouped"``, ``"padded_bmm"``); None: the
     routed FLOPs alone. ``compiled_layers``: decoder layers run through ``torch.compile``, their
     element-wise chains fused (``cost.compiled``; memory is unchanged).
     """
@@ -348,6 +348,7 @@ def shape_layer_costs(
     if moe_dispatch is not None and shape.is_moe:
         dispatch = moe_loop.dispatch_cost(shape, tokens, hardware, moe_loop.for_shape(moe_dispatch, shape.name),
                                           dtype_bytes, fp16_accumulation)
+    saved += dispatch.graph_bytes_per_token  # the padded dispatch's empty slots (cost/moe_loop.py)
     for _ in range(num_layers):
         layers.append(layer(fwd, bwd, base + adapters, adapters if lora else base, carry))
         layers[-1].forward_s += dispatch.forward_s
