@@ -320,6 +320,15 @@ class RuntimeOptions:
         checking the pipelined against the unpipelined forward on the first microbatch.
     logits_with_loss: a Hugging Face causal LM called with ``labels`` also returns ``.logits``
         (costs the full logits; without it, reading them raises an error saying so).
+    overlap_calls: with gradient accumulation, the next call's forward starts while the previous
+        call's backward still drains (exact: the same weights and gradients, bit for bit). A
+        backward that only accumulates (Lightning's ``accumulate_grad_batches`` before the last
+        batch, or ``RoundPipeRuntime.returning_early``) returns once its stages are submitted;
+        its weight gradients are added to ``.grad`` at the next pipelined call, optimizer step,
+        ``join`` or checkpoint, and its failure raises there. Where something may read ``.grad``
+        in between (an ``on_after_backward`` or ``on_train_batch_end``/``_start`` override,
+        parameter hooks, an input needing a gradient, manual optimization) the backward waits,
+        as with False. See docs/design.md, "Backward that returns early".
     optimizer_undo: a failed overlapped step puts back every layer it stepped (weights and
         optimizer state; costs one host copy of what a step changes). False (host memory too
         small for that copy): a failed step raises naming the layers it updated, and training or
@@ -369,6 +378,7 @@ class RuntimeOptions:
     pinned: str = "alloc"
     allow_unverified: bool = False
     logits_with_loss: bool = False
+    overlap_calls: bool = True
     optimizer_undo: bool = True
     batch_statistics: str = "refuse"
     schedule: str = "round_robin"
@@ -396,6 +406,7 @@ class RuntimeOptions:
         _flag(owner, "allow_unverified", self.allow_unverified)
         _flag(owner, "logits_with_loss", self.logits_with_loss)
         _flag(owner, "optimizer_undo", self.optimizer_undo)
+        _flag(owner, "overlap_calls", self.overlap_calls)
         if self.staleness not in (0, 1) or isinstance(self.staleness, bool):
             _fail(owner, "staleness", self.staleness, "use 0 (exact) or 1 (one-step-delayed update)")
         if self.staleness and self.overlap_optimizer is False:

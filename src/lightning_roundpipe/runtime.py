@@ -12,6 +12,7 @@ Free of Lightning, so the same set-up serves the strategy and plain PyTorch user
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import weakref
@@ -174,12 +175,30 @@ class RoundPipeRuntime:
                                  calls=self.engine.calls, shadows=self.shadows, undo=undo, loss_scaler=loss_scaler)
         self.engine.grad_hooks.append(ov.on_layer_grads)
         self.overlapped.append(ov)
+        _finish_backward_before_grad_reads(optimizer, self.engine.finish_backward)
         return ov
 
     def join(self) -> None:
-        """Wait for every submitted layer optimizer step (see ``overlap_optimizer``)."""
+        """Finish an owed backward tail (``returning_early``), then wait for every submitted layer
+        optimizer step (see ``overlap_optimizer``)."""
+        self.engine.finish_backward()
         for ov in self.overlapped:
             ov.join()
+
+    def returning_early(self):
+        """Around a backward that only accumulates (another pipelined call follows before anything
+        reads ``.grad``): it may return before its weight gradients are in ``.grad``, so the next
+        call's forward overlaps its drain (``options.overlap_calls``; a no-op when False). The next
+        pipelined call, ``finish_backward``, ``join`` or an overlapped optimizer's ``step`` /
+        ``zero_grad`` adds them, in the order a waiting backward would (exact). Read ``.grad``
+        yourself only after one of those."""
+        if not self.options.overlap_calls:
+            return contextlib.nullcontext()
+        return self.engine.returning_early()
+
+    def finish_backward(self) -> None:
+        """Add an owed backward tail's weight gradients to ``.grad`` now (``returning_early``); raise its failure."""
+        self.engine.finish_backward()
 
     def run(self, inputs, loss_scale: float | None = None, tokens: int | None = None):
         """One pipelined call (what the patched forward does); keeps the step's bookkeeping."""
@@ -376,7 +395,7 @@ class RoundPipeRuntime:
 
         Every step runs even when an earlier one raises (a failed layer step re-raises on join);
         the first error is raised at the end."""
-        steps = [ov.close for ov in self.overlapped]
+        steps = [self.engine.finish_backward] + [ov.close for ov in self.overlapped]
         if self.grad_sync is not None:
             steps.append(self.grad_sync.close)
         steps += [lambda: unpatch(self.module), self.engine.close, self._release_fp16_accumulation]
@@ -491,6 +510,34 @@ def run_all(steps) -> None:
                 log.warning("also failed during teardown: %r", exc)
     if first is not None:
         raise first
+
+
+def _finish_backward_before_grad_reads(optimizer: torch.optim.Optimizer, finish: Callable[[], None]) -> None:
+    """The overlapped optimizer's ``step`` and ``zero_grad`` (patched on the instance) first finish an
+    owed backward tail: ``step`` after its closure (whose forward finishes it anyway, overlapped) and
+    before any layer is stepped, ``zero_grad`` before it clears. ``OverlappedOptimizer.close`` drops
+    these wrappers with its own patches."""
+    step, zero_grad = optimizer.step, optimizer.zero_grad
+
+    def step_after_tail(closure=None):
+        if closure is None:
+            finish()
+            return step()
+
+        def closure_then_tail():
+            loss = closure()
+            finish()
+            return loss
+
+        return step(closure_then_tail)
+
+    def zero_grad_after_tail(set_to_none: bool = True):
+        finish()
+        return zero_grad(set_to_none)
+
+    step_after_tail._wrapped_by_lr_sched = True  # as OverlappedOptimizer marks its step (see there)
+    optimizer.step = step_after_tail
+    optimizer.zero_grad = zero_grad_after_tail
 
 
 def _unique_parameters(layers) -> list:

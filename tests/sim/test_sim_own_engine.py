@@ -68,6 +68,19 @@ def test_asynchronous_backward_lets_the_next_call_start_on_the_device():
     assert second == 6.0
 
 
+def test_a_step_barrier_lets_only_the_accumulation_calls_start_before_backward_returns():
+    # call_barrier="step" (the engine's overlap_calls): two calls per optimizer step. Call 1 only
+    # accumulates after call 0, so it starts when the worker is free (6 s); call 2 opens the next
+    # step and waits for call 1's backward() to return: its fused microbatches [6, 9], [9, 12],
+    # the host's loss [12, 14]. Call 3 again starts on the free worker (20 s).
+    result = run(FUSED, 2, design=PricedDesign(call_barrier="step"), steps=4, accumulation=2, host_loss_s=2.0)
+    starts = [min(r.start for r in result.timeline if r.step == s and r.kind == "fused") for s in range(4)]
+    assert starts == [0.0, 6.0, 14.0, 20.0]
+    every_call = run(FUSED, 2, design=PricedDesign(call_barrier=True), steps=4, accumulation=2, host_loss_s=2.0)
+    assert [min(r.start for r in every_call.timeline if r.step == s and r.kind == "fused") for s in range(4)] == \
+        [0.0, 8.0, 16.0, 24.0]
+
+
 def test_gradient_accumulation_on_the_host_gates_the_optimizer_and_the_next_call():
     # Fused microbatches [0, 3], [3, 6]; the 100-byte gradient home at 6; the main thread adds it
     # into .grad at 50 B/s: [6, 8]; the exact optimizer (300 params at 100/s) [8, 11]; the next

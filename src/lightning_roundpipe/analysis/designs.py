@@ -6,7 +6,9 @@ studies of this layer (``own_engine.py``: what would close the gap to the refere
 changes the engine has not made, kept here so that the simulator models only what runs:
 
 - ``call_barrier=False``: an asynchronous ``backward()``; the next call's tasks are submitted right
-  after this call's (the forward/backward barrier stays);
+  after this call's (the forward/backward barrier stays). ``call_barrier="step"`` is what the
+  engine does with ``overlap_calls`` (the default): only the first call of an optimizer step
+  waits for the previous ``backward()``; the accumulation calls go on (``EngineDesign``);
 - ``fused_spread=k``: the fused last stage's microbatches round-robin on ``k`` workers (microbatch
   i to the stage's worker - i mod k, i.e. the workers of the stages just before it, in their
   compute order); each uploads the stage's weights and sends its own gradient of them home, which
@@ -28,7 +30,7 @@ from ..sim.simulate import EngineDesign, FusedOnOneWorker
 class PricedDesign(EngineDesign):
     """The engine's design with the changes above (defaults: none)."""
 
-    call_barrier: bool = True
+    call_barrier: bool | str = True  # True, "step" or False (EngineDesign)
     fused_spread: int = 1
 
     def __post_init__(self) -> None:

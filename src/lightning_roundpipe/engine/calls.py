@@ -47,6 +47,10 @@ class PipelineCalls:
         """Record a pipelined call whose backward is still to come."""
         self._pending.add(run)
 
+    def finished(self, run) -> None:
+        """``run`` added its weight gradients (an owed backward tail finished, or failed)."""
+        self._pending.discard(run)
+
     def others_pending(self) -> bool:
         """True while a call other than the one in backward has not added its weight gradients."""
         return any(r is not self.current for r in list(self._pending))

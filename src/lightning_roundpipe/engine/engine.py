@@ -5,11 +5,18 @@ previous one's output) and returns the merged output. When grad is enabled and s
 a gradient, the output is attached to a custom autograd Function, so ``loss.backward()`` runs
 the pipelined backward and leaves the weight gradients in the host parameters' ``.grad``, as
 a plain run would. Knows nothing of Lightning.
+
+Inside ``returning_early()`` a backward may return as soon as its stages are submitted, before
+the weight-gradient tail (downloads added into ``.grad``) is done, so the next call's forward
+starts while the pipeline still drains; the next engine entry, or ``finish_backward()``,
+finishes that tail (see "Backward that returns early" in docs/design.md for when a caller
+may ask for it).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 from typing import Any, Callable, Sequence
@@ -31,6 +38,7 @@ from .rng import abandon_generators
 from .carry import HostCarry
 from .step import StepRun
 from .step_context import StepContext
+from ..params.grad_hooks import has_grad_hooks
 from ..params.weights import HostGradBuffers, LayerTable
 
 
@@ -64,6 +72,8 @@ class PipelineEngine:
         self.step_end_hooks: list = []  # called with the StepRun after each training backward
         self.shadows = shadows  # a ShadowStore: uploads read compute-dtype copies of the masters
         self.grad_buffers = HostGradBuffers()  # .grad tensors reused across steps (no fresh pages per step)
+        self.owed_tail: StepRun | None = None  # a call whose backward returned before its tail was done
+        self._early_returns = 0  # depth of returning_early()
         self.context = self._context()
 
     # ------------------------------------------------------------------ plan
@@ -143,6 +153,8 @@ class PipelineEngine:
         if not self.pool.trace.enabled:
             # A training call whose backward never ran leaves its task times unread.
             self.pool.trace.discard_before(self.step_count - UNREAD_CALLS_KEPT)
+        if not training:
+            self.finish_backward()  # an owed tail first: evaluation overlaps nothing
         run = StepRun(self.context, microbatches, step=self.step_count, autocast=self.autocast_state(),
                       training=training, loss_scale=loss_scale, input_requires_grad=input_requires_grad)
         self.last_run = run
@@ -156,6 +168,49 @@ class PipelineEngine:
         if loss_scale is not None:
             return out[0]
         return pytree.tree_unflatten(list(out), run.output_spec)
+
+    # ------------------------------------------------------------------ backward that returns early
+    @contextlib.contextmanager
+    def returning_early(self):
+        """Backwards run inside may return before their weight-gradient tail is done (``may_return_early``).
+
+        For a caller that knows nothing reads the weights' ``.grad`` (nor a parameter hook runs)
+        before its next engine call, ``finish_backward`` or optimizer step: Lightning's
+        accumulation-only backwards (``lightning/strategy.py``)."""
+        self._early_returns += 1
+        try:
+            yield
+        finally:
+            self._early_returns -= 1
+
+    def may_return_early(self, run: StepRun) -> bool:
+        """Whether this backward of ``run`` (one that adds weight gradients) may leave its tail owed:
+        inside ``returning_early``, no pipelined input wants a gradient (autograd would read it at
+        once; the anchor's gradient is always None), and no pipelined parameter has a tensor hook
+        (hooks run as the tail adds each stage's gradients, and may expect to run inside backward)."""
+        if not self._early_returns or run.input_requires_grad:
+            return False
+        return not any(has_grad_hooks(p) for p in self.master_parameters() if p.requires_grad)
+
+    def finish_backward(self) -> None:
+        """Finish the backward tail still owed, if any: its weight gradients into ``.grad`` (in
+        dispatch order, as a backward that waits adds them) and its step-end hooks. A failure of
+        the tail raises here, the error a waiting backward would have raised. Every engine entry
+        calls this (a training forward right after submitting its own tasks)."""
+        run = self.owed_tail
+        if run is None:
+            return
+        self.owed_tail = None
+        try:
+            self._guarded(run.finish_backward)
+        finally:
+            self.calls.finished(run)
+        self._backward_done(run)
+
+    def _backward_done(self, run: StepRun) -> None:
+        self._call_finished(run)
+        for hook in self.step_end_hooks:
+            hook(run)
 
     def _call_finished(self, run: StepRun) -> None:
         """Every compute of ``run`` has run: its measurements are the engine's latest."""
@@ -191,6 +246,7 @@ class PipelineEngine:
 
     def close(self) -> None:
         """Shut the worker pool down and let go of what its lanes hold of the random generators."""
+        self.owed_tail = None  # an owed tail left unfinished is dropped (its gradients are not needed)
         self.pool.shutdown()
         # A lane still inside a layer (after a timeout) keeps running until that layer returns;
         # what it holds of a generator (the CPU one, a GPU's) must not make the next call wait for it.
@@ -240,11 +296,11 @@ class _PipelineFunction(torch.autograd.Function):
     def forward(ctx, engine: PipelineEngine, run: StepRun, anchor, *tensor_inputs):
         ctx.engine, ctx.run = engine, run
         if run.fused:
-            engine._guarded(run.forward)
+            engine._guarded(run.forward, engine.finish_backward)
             loss = engine._guarded(run.fused_loss)
             run.record_outputs(None, [True], [])
             return (loss,)
-        outs = engine._guarded(run.forward)
+        outs = engine._guarded(run.forward, engine.finish_backward)
         merged = engine._finish_outputs(run, outs)
         leaves, spec = pytree.tree_flatten(merged)
         if not all(isinstance(x, torch.Tensor) for x in leaves):
@@ -256,17 +312,21 @@ class _PipelineFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         engine, run = ctx.engine, ctx.run
+        engine.finish_backward()  # another call's owed tail first: its gradients go into .grad before this call's
         with engine.calls.backward(run) as weights_wanted:
+            early = weights_wanted and engine.may_return_early(run)
             if run.fused:
                 g = grads[0]
-                input_grads = engine._guarded(run.backward, None, None if g is None else float(g), weights_wanted)
+                engine._guarded(run.submit_backward, None, None if g is None else float(g))
             else:
-                per_mb = _split_output_grads(run, grads)
-                input_grads = engine._guarded(run.backward, per_mb, None, weights_wanted)
-        engine._call_finished(run)
-        for hook in engine.step_end_hooks:
-            hook(run)
+                engine._guarded(run.submit_backward, _split_output_grads(run, grads))
+            input_grads = None if early else engine._guarded(run.finish_backward, weights_wanted)
         n_inputs = len(ctx.needs_input_grad) - 3
+        if early:
+            engine.calls.started(run)  # still owes the weights its gradients, until finish_backward
+            engine.owed_tail = run
+            return (None,) * (3 + n_inputs)
+        engine._backward_done(run)
         merged_inputs = [None] * n_inputs
         if run.input_requires_grad and input_grads and input_grads[0] is not None:
             merged = merge_microbatches(input_grads)

@@ -66,6 +66,7 @@ class StepRun:
         # The caller's merged output (a call with loss_scale returns the summed losses: nothing to merge).
         self.outputs = OutputAssembly([batch_size_of(mb) for mb in microbatches] if loss_scale is None else [])
         self._measurements: list | None = None
+        self.grad_scale: float | None = None  # what the fused run's results are multiplied by (submit_backward)
 
     def record_outputs(self, spec, is_float: list[bool], sizes: list) -> None:
         """What the forward returned to autograd, for splitting the gradients its backward gets."""
@@ -96,13 +97,17 @@ class StepRun:
         self.work.graphs.clear()
 
     # ------------------------------------------------------------------ forward
-    def forward(self) -> list[HostCarry]:
+    def forward(self, after_submit=None) -> list[HostCarry]:
         """Submit the forward phase; return each microbatch's output carry (host).
 
         A fused run's forward phase holds the backward stages too (backward is linear in the
-        loss's gradient, so they run for a gradient of 1 while the host goes on)."""
+        loss's gradient, so they run for a gradient of 1 while the host goes on).
+        ``after_submit``: called once the phase is submitted, before anything is waited for (the
+        engine finishes the previous call's backward tail there, while this forward runs)."""
         tasks = self.graph.phase("forward")
         self._submit(tasks)
+        if after_submit is not None:
+            after_submit()
         if self.fused:
             self.host_work = self.work.wgrad_work(tasks)
             return []
@@ -133,20 +138,31 @@ class StepRun:
         ``accumulate=False`` (``torch.autograd.grad`` for the inputs only): leave ``.grad`` alone.
 
         Ordinary runs submit the backward phase now. A fused run submitted it already: here its
-        results are only multiplied by ``incoming_scale``.
+        results are only multiplied by ``incoming_scale``. The same as ``submit_backward`` then
+        ``finish_backward``.
         """
-        ctx = self.ctx
+        self.submit_backward(output_grads, incoming_scale)
+        return self.finish_backward(accumulate)
+
+    def submit_backward(self, output_grads: list[HostCarry | None], incoming_scale: float | None = None) -> None:
+        """Submit the backward phase (a fused run's is submitted already); return without waiting."""
         if self.fused:
-            scale = incoming_scale
-        else:
-            self.work.output_grads = list(output_grads)
-            if self.backwards:  # a second backward of this call (retain_graph=True)
-                self._relower_backward()  # the first one freed the kept graphs: recompute from the stage inputs
-            tasks = self.graph.phase("backward")
-            self._submit(tasks)
-            self.backwards += 1
-            self.host_work = self.work.wgrad_work(tasks)
-            scale = None
+            self.grad_scale = incoming_scale
+            return
+        self.work.output_grads = list(output_grads)
+        if self.backwards:  # a second backward of this call (retain_graph=True)
+            self._relower_backward()  # the first one freed the kept graphs: recompute from the stage inputs
+        tasks = self.graph.phase("backward")
+        self._submit(tasks)
+        self.backwards += 1
+        self.host_work = self.work.wgrad_work(tasks)
+        self.grad_scale = None
+
+    def finish_backward(self, accumulate: bool = True) -> list[list | None]:
+        """The host's tail of a submitted backward: wait for every stage's weight gradients and add
+        them to ``.grad`` in dispatch order, then bring the input gradients home (if asked for)."""
+        ctx = self.ctx
+        scale = self.grad_scale
         # Host side: gradients into .grad in dispatch order (deterministic whatever the timing).
         for weights, wg, chunk, last in self.host_work:
             grads = self._wait(wg)

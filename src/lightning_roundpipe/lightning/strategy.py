@@ -34,6 +34,7 @@ from . import weight_reads
 from .checkpoint_io import AtomicCheckpointIO
 from .checkpoint_policy import (checkpoint_state, load_checkpoint_state, load_overlap_state, overlap_state,
                                 overlap_state_of_finished, refuse_unloadable_optimizer_states)
+from .call_overlap import calls_may_overlap
 from .early_steps import early_steps_allowed, layer_loss_scaler, unscales_inside_step
 from .node_collectives import NodeCollectives
 from .precision import HostScaledMixedPrecision, compute_dtype_of, translate
@@ -70,6 +71,8 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
         self._trace_dir: str | None = None
         self._announced: str | None = None  # the plan table last printed
         self._overlap_after_fit: dict | None = None  # staleness=1: what a save after fit still needs
+        # Whether accumulation-only backwards of this fit return before their tail (call_overlap.py; set in setup).
+        self.calls_overlap = False
 
     # ------------------------------------------------------------------ devices and nodes
     @property
@@ -170,6 +173,8 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
                     if scaler is not None:
                         plugin.steps_early(ov)
             weight_reads.join_before_reads(self.lightning_module, self.join)
+        self.calls_overlap = bool(fitting and self.options.overlap_calls
+                                   and calls_may_overlap(trainer, self.lightning_module))
         if self.options.step_metrics and not any(isinstance(cb, RoundPipeStepMetrics) for cb in trainer.callbacks):
             trainer.callbacks.append(RoundPipeStepMetrics(prog_bar=self.options.progress_bar_metrics))
         # The plan table once the plan that will run is known (after the first batch chose an open microbatch count).
@@ -267,11 +272,24 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
         with ExitStack() as stack:
             for ov in self.runtime.overlapped if self.runtime is not None else ():
                 stack.enter_context(ov.last_backward())
+            if self._accumulating and self.calls_overlap and self.runtime is not None:
+                # Accumulation only: the next batch's forward finishes this backward's tail (call_overlap.py).
+                stack.enter_context(self.runtime.returning_early())
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        runtime = self.runtime
+
+        def closure_then_tail():
+            # The step's own batch finished an owed tail when it entered the engine; a training_step
+            # that never called the pipelined module did not: clipping, hooks and the step read .grad next.
+            result = closure()
+            if runtime is not None:
+                runtime.finish_backward()
+            return result
+
+        out = super().optimizer_step(optimizer, closure_then_tail, model, **kwargs)
         if self.runtime is not None:
             if not self.options.staleness:
                 # Every read after the step returns sees the new weights (an EMA or a logger over the

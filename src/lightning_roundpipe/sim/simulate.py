@@ -107,7 +107,10 @@ class EngineDesign:
     """The engine's design where the simulator could price another (``SimConfig.design``).
 
     ``call_barrier``: with ``host_barriers``, the next call is dispatched only once this call's
-    ``backward()`` has returned (the engine under autograd). ``fused_placement``: where the fused
+    ``backward()`` has returned (the engine under autograd). ``"step"``: only the first call of an
+    optimizer step waits so; the calls that only accumulate go on as soon as the previous call's
+    backward is submitted (the engine's ``overlap_calls``, docs/design.md "Backward that returns
+    early"). False: no call waits. ``fused_placement``: where the fused
     last stage's microbatches run (``FusedOnOneWorker``).
     """
 
@@ -332,7 +335,10 @@ class _RoundPipeBuilder:
         backward_stages = {t.stage for t in tasks if t.kind in ("fused", "backward")}
         host_output = {t.microbatch: t.id for t in tasks if t.kind == "act_out" and t.boundary == plan.num_layers}
         barriers = cfg.host_barriers
-        gate = [self.step_done] if barriers and cfg.design.call_barrier and self.step_done is not None else []
+        barrier = cfg.design.call_barrier
+        first_of_step = self.calls.calls % self.calls.accumulation == 0
+        waits = barrier is True or (barrier == "step" and first_of_step)
+        gate = [self.step_done] if barriers and waits and self.step_done is not None else []
         wgrads: list[tuple[int, Op]] = []
         losses: list[Op] = []
         backward_done: list[Op] = []

@@ -142,7 +142,7 @@ class StreamWorkerPool(WorkerPool):
             in_flight.append((end, task.nbytes))
         if timed:
             with self._timing_lock:
-                self._timings.append((lane, task.done.label, task.nbytes, self.trace.step, start, end))
+                self._timings.append((lane, task.done.label, task.nbytes, task.step, start, end))
         task.done.set(value)
 
     def _release(self, task: Task) -> None:

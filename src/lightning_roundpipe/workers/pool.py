@@ -52,10 +52,12 @@ class Task:
     ``unready`` counts the dependencies not yet ready for the lane (each tells the lane when it
     is, see ``Lane``); ``error`` is a failed dependency's error the task will fail with."""
 
-    __slots__ = ("fn", "deps", "done", "priority", "seq", "nbytes", "submitted", "always", "unready", "error", "state")
+    __slots__ = ("fn", "deps", "done", "priority", "seq", "nbytes", "submitted", "always", "unready", "error", "state",
+                 "step")
 
-    def __init__(self, fn, deps, done, priority, seq, nbytes, always=False):
+    def __init__(self, fn, deps, done, priority, seq, nbytes, always=False, step=0):
         self.always = always  # run even when a dependency failed (releases of memory)
+        self.step = step  # the trace's step when submitted: a call's late tasks may run during the next call
         self.fn = fn
         self.deps = deps
         self.done = done
@@ -371,7 +373,8 @@ class Worker:
         """Queue ``fn`` on one of this worker's lanes, to run once every completion in ``deps`` is set."""
         deps = [d for d in deps if d is not None]
         done = Completion(label, self.pool, tuple(deps))
-        self.lanes[queue].submit(Task(fn, deps, done, priority, next(self.pool._seq), nbytes, always))
+        self.lanes[queue].submit(Task(fn, deps, done, priority, next(self.pool._seq), nbytes, always,
+                                      self.pool.trace.step))
         return done
 
     def compute(self, fn, deps, label: TaskLabel) -> Completion:
@@ -687,5 +690,5 @@ class WorkerPool:
         if self.trace.recording and task.done.label.kind != "release":
             lab = task.done.label
             self.trace.add(
-                TraceRecord(lane.worker.index, lane.queue, lab.kind, lab.stage, lab.microbatch, task.nbytes, start, end, self.trace.step)
+                TraceRecord(lane.worker.index, lane.queue, lab.kind, lab.stage, lab.microbatch, task.nbytes, start, end, task.step)
             )
