@@ -6,8 +6,8 @@ allocates the same large tensors every step: a language model's merged logits, t
 log-softmax and the logits' gradient (50 MB each on issue 22's bar model, 16 x 128 x 6144
 floats). Each comes back as new pages, and every page faults on first touch: on the 2-core
 development machine a copy into the merged logits plus ``F.cross_entropy`` forward and backward
-on them took 147-150 ms with 49,156 page faults and 40-63 ms with 0-12,288 once freed blocks
-were reused (one thread, medians of 10, 2026-12-02, load average 6 from other jobs,
+on them took 153-162 ms with 49,156 page faults and 60-81 ms with none once freed blocks were
+reused (one thread, medians of 10, 2026-12-02, load average 9 from other jobs,
 ``python benchmarks/figures/host_allocator_faults.py``). That host work runs while every
 worker waits.
 
