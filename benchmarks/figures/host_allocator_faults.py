@@ -5,7 +5,7 @@ copy into a fresh merged-logits tensor (16 x 128 x 6144 floats, issue 22's bar m
 ``F.cross_entropy`` forward and backward on it, one thread, 10 times; the median time and minor
 page faults are printed per mode, with the load average.
 
-    python benchmarks/figures/host_allocator_faults.py
+    python -m benchmarks.figures.host_allocator_faults
 """
 
 from __future__ import annotations
