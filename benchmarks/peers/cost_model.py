@@ -13,6 +13,13 @@ costs ``c_l = f_l + b_l (+ f_l when recomputed)``, and the whole step ``m * W`` 
   microbatches and the pipeline fills and drains once. The split is the best contiguous one
   (smallest ``max(C_r)``, ``planning.cuts.balanced_ranges``), as one would pick by hand.
 - **RoundPipe, balance bound**: ``m * W / p``: every worker busy all the time.
+- **The optimizer** (``optimizer_s``: one step of the run's optimizer over each layer's
+  parameters, measured, ``cpu_peers.measure_optimizer_costs``) is on every system's critical
+  path after its backward: a bound schedule's ranks step their own layers at once (the slowest
+  rank's share, ``bound_optimizer_s``); RoundPipe's host steps every layer after backward when
+  it steps whole (its default on 2 CPU workers and 2 cores, ``RuntimeOptions.overlaps_optimizer``),
+  and nothing when the optimizer is overlapped behind backward (``roundpipe_optimizer_s``); the
+  balance bound spreads the whole step over the workers.
 - **RoundPipe, plan model**: the project's list-scheduling model (``partition.predict``) of the
   plan actually run, with free dispatch and free copies: round-robin stages, per-microbatch
   dependencies; the fused head's backward stages start per microbatch as soon as the fused
@@ -54,6 +61,17 @@ def bound_step_s(timings: Sequence[LayerTiming], ranges: Sequence[tuple[int, int
     """Modelled step of GPipe / 1F1B: ``sum(C_r) + (m - 1) * max(C_r)``."""
     rc = rank_costs(timings, ranges, recompute)
     return sum(rc) + (microbatches - 1) * max(rc)
+
+
+def bound_optimizer_s(optimizer_s: Sequence[float], ranges: Sequence[tuple[int, int]]) -> float:
+    """The bound schedules' optimizer: every rank steps its own layers at once, the slowest sets the time."""
+    return max(sum(optimizer_s[a:b]) for a, b in ranges) if optimizer_s else 0.0
+
+
+def roundpipe_optimizer_s(optimizer_s: Sequence[float], overlapped: bool) -> float:
+    """RoundPipe's optimizer on the step's critical path: the whole step on the host after backward,
+    or nothing when it is overlapped layer by layer behind backward."""
+    return 0.0 if overlapped else sum(optimizer_s)
 
 
 def balance_bound_s(timings: Sequence[LayerTiming], microbatches: int, workers: int, recompute: bool) -> float:

@@ -35,9 +35,10 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 import torch
 
 from benchmarks.peers import cost_model
-from benchmarks.peers.cpu_runners import RunConfig, RunResult, plain_run, roundpipe_run, torch_pipeline_run
+from benchmarks.peers.cpu_runners import RunConfig, RunResult, make_optimizer, plain_run, roundpipe_run, torch_pipeline_run
 from benchmarks.peers.models import ShapeConfig, build_layers, head_to_block_flops, measure_layer_costs, param_bytes
 from benchmarks.harness import cli, markdown_table, write_json
+from lightning_roundpipe.options import RuntimeOptions
 
 # (key in a row dict, column title, format)
 CPU_COLUMNS: list[tuple[str, str, str]] = [
@@ -200,9 +201,44 @@ def format_targets(targets: Sequence[dict]) -> str:
 
 
 # ------------------------------------------------------------------ one shape
-def prepare_shape(shape: ShapeConfig, policies: Sequence[bool], seed: int = 0, log=print) -> dict:
-    """Measure the layer costs; derive the bound split, RoundPipe's plan and the model numbers."""
+def measure_optimizer_costs(shape: ShapeConfig, config: RunConfig, threads: int, reps: int = 5) -> list[float]:
+    """Seconds of one step of the run's optimizer (``make_optimizer``) over each layer's parameters
+    with ``threads`` threads: the fastest of ``reps`` steps after two warm-up steps (other work on a
+    shared machine only adds time)."""
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        blocks, head = build_layers(shape, config.seed)
+        out = []
+        for layer in [*blocks, head]:
+            params = [p for p in layer.parameters() if p.requires_grad]
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt = make_optimizer(params, config)
+            best = float("inf")
+            for i in range(2 + reps):
+                t0 = time.perf_counter()
+                opt.step()
+                if i >= 2:
+                    best = min(best, time.perf_counter() - t0)
+            out.append(best)
+        return out
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def prepare_shape(shape: ShapeConfig, policies: Sequence[bool], seed: int = 0, log=print,
+                  config: RunConfig | None = None) -> dict:
+    """Measure the layer costs; derive the bound split, RoundPipe's plan and the model numbers.
+
+    ``config``: how the systems train (default ``RunConfig()``): its optimizer is priced into every
+    modelled step (``cost_model``: each bound rank steps its own layers on one thread; RoundPipe's
+    host steps them all after backward on ``config.host_threads`` threads unless it overlaps)."""
+    config = config or RunConfig(seed=seed)
     timings = measure_layer_costs(shape, reps=5, threads=1, seed=seed)
+    rank_opt = measure_optimizer_costs(shape, config, threads=1)
+    host_opt = measure_optimizer_costs(shape, config, threads=config.host_threads)
+    overlapped = RuntimeOptions(overlap_optimizer=config.overlap_optimizer).overlaps_optimizer("cpu", WORKERS)
     blocks, head = build_layers(shape, seed)
     weight_bytes = [param_bytes(b) for b in blocks] + [param_bytes(head)]
     block_cost = sum(t.forward_s + t.backward_s for t in timings[:-1]) / shape.blocks
@@ -211,6 +247,8 @@ def prepare_shape(shape: ShapeConfig, policies: Sequence[bool], seed: int = 0, l
         "head_to_block_flops": head_to_block_flops(shape),
         "head_to_block_measured": (timings[-1].forward_s + timings[-1].backward_s) / block_cost,
         "layer_timings_s": [[t.forward_s, t.backward_s] for t in timings],
+        "optimizer_s": {"rank_one_thread": rank_opt, "host": host_opt, "host_threads": config.host_threads,
+                        "roundpipe_overlapped": overlapped},
         "policies": {},
     }
     log(f"\n## {shape.name}: H={shape.hidden}, {shape.blocks} blocks, vocab {shape.vocab}, "
@@ -219,24 +257,31 @@ def prepare_shape(shape: ShapeConfig, policies: Sequence[bool], seed: int = 0, l
     for rec in policies:
         ranges = cost_model.bound_split(timings, WORKERS, rec)
         rp = cost_model.roundpipe_plan(timings, shape, weight_bytes, WORKERS, rec)
+        bound_opt = cost_model.bound_optimizer_s(rank_opt, ranges)
+        rp_opt = cost_model.roundpipe_optimizer_s(host_opt, overlapped)
         pol = {
             "bound_ranges": [list(r) for r in ranges],
             "bound_rank_costs_s": cost_model.rank_costs(timings, ranges, rec),
-            "bound_model_step_s": cost_model.bound_step_s(timings, ranges, shape.microbatches, rec),
+            "bound_optimizer_s": bound_opt,
+            "roundpipe_optimizer_s": rp_opt,
+            "bound_model_step_s": cost_model.bound_step_s(timings, ranges, shape.microbatches, rec) + bound_opt,
             "bound_model_bubble": cost_model.bound_bubble(timings, ranges, shape.microbatches, rec),
-            "balance_bound_step_s": cost_model.balance_bound_s(timings, shape.microbatches, WORKERS, rec),
+            "balance_bound_step_s": (cost_model.balance_bound_s(timings, shape.microbatches, WORKERS, rec)
+                                     + sum(rank_opt) / WORKERS),
             "roundpipe_plan": rp.plan.to_text(),
             "roundpipe_forward": rp.forward,
             "roundpipe_backward": rp.backward,
-            "roundpipe_model_step_s": rp.step_s,
+            "roundpipe_model_step_s": rp.step_s + rp_opt,
             "roundpipe_model_bubble": rp.bubble,
         }
         # A check on the partitioner: the best plan by exhaustive search under the same model.
         t, fwd, bwd = cost_model.best_plan(timings, shape.microbatches, WORKERS, rec)
-        pol["search_model_step_s"], pol["search_forward"], pol["search_backward"] = t, fwd, bwd
+        pol["search_model_step_s"], pol["search_forward"], pol["search_backward"] = t + rp_opt, fwd, bwd
         info["policies"]["on" if rec else "off"] = pol
         log(f"  recompute {'on' if rec else 'off'}: bound split {ranges} (model {pol['bound_model_step_s']:.3f}s), "
             f"RoundPipe plan {rp.plan.to_text()} (model {rp.step_s:.3f}s), balance bound {pol['balance_bound_step_s']:.3f}s")
+        log(f"    optimizer priced in: 1F1B ranks {bound_opt * 1e3:.1f} ms (slowest rank, one thread), RoundPipe "
+            f"{rp_opt * 1e3:.1f} ms ({'overlapped' if overlapped else f'whole step on the host, {config.host_threads} threads'})")
         log(f"    best plan by exhaustive search: {pol['search_forward']} / {pol['search_backward']} "
             f"({pol['search_model_step_s']:.3f}s)")
     return info
@@ -344,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     print(f"# RoundPipe vs peers on CPU ({os.cpu_count()} cores, torch {torch.__version__}); "
           f"load average before: {load_before[0]:.2f}")
-    infos = {shape.name: prepare_shape(shape, policies, config.seed) for shape in shapes}
+    infos = {shape.name: prepare_shape(shape, policies, config.seed, config=config) for shape in shapes}
     specs = [(shape, rec, system) for shape in shapes for rec in policies for system in systems]
     attempts: dict[int, list[dict]] = {i: [] for i in range(len(specs))}
     run_times: list[float] = []

@@ -297,6 +297,12 @@ class RuntimeOptions:
         scaling keeps gradients in range); refused under any other precision. False (default):
         fp32 accumulation.
     cpu_threads_per_worker: CPU backend only: torch threads per worker's compute queue.
+    cpu_reuse_freed_memory: CPU backend only: keep freed host memory in the process's allocator
+        for the next step (glibc's mmap and trim thresholds raised to 1 GiB, for the whole process
+        and its life; ``workers/host_allocator.py``), so that the large tensors every step
+        allocates afresh (merged logits, the loss's log-softmax and gradient) do not page-fault
+        on every first touch while the workers wait. Costs up to 1 GiB of freed memory kept. No
+        effect where the C library is not glibc. False: glibc's own thresholds.
     cpu_memory_cap_bytes: CPU backend only: make each worker a virtual GPU of this many bytes.
         Its device memory is measured (uploaded weights and every tensor its tasks create, see
         ``workers/device_memory.py``) and a task that would take it over the cap fails with
@@ -369,6 +375,7 @@ class RuntimeOptions:
     compile_layers: bool = False
     fp16_accumulation: bool = False
     cpu_threads_per_worker: int = 1
+    cpu_reuse_freed_memory: bool = True
     cpu_memory_cap_bytes: Optional[int] = None
     seed: int = 0
     trace_steps: int = 0
@@ -395,6 +402,7 @@ class RuntimeOptions:
         _seconds(owner, "timeout", self.timeout, positive=True)
         self.testing = _nested(TestingOptions, self.testing, owner, "testing").validate(owner, "testing.")
         _integer(owner, "cpu_threads_per_worker", self.cpu_threads_per_worker, 1)
+        _flag(owner, "cpu_reuse_freed_memory", self.cpu_reuse_freed_memory)
         _integer(owner, "cpu_memory_cap_bytes", self.cpu_memory_cap_bytes, 1, allow_none=True)
         _integer(owner, "seed", self.seed, 0)
         _integer(owner, "trace_steps", self.trace_steps, 0)

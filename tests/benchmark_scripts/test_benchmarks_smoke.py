@@ -63,6 +63,14 @@ def test_bound_schedule_model_numbers():
     assert cost_model.bound_bubble(t, ranges, 4, True) == pytest.approx(1 - 4 * 21.0 / (2 * 57.0))
 
 
+def test_the_optimizer_is_priced_per_rank_for_bound_schedules_and_whole_on_roundpipes_host():
+    opt = [0.5, 0.5, 0.5, 2.0]  # seconds of one optimizer step over each layer's parameters
+    assert cost_model.bound_optimizer_s(opt, [(0, 3), (3, 4)]) == 2.0  # the ranks step at once: the slowest
+    assert cost_model.bound_optimizer_s(opt, [(0, 2), (2, 4)]) == 2.5
+    assert cost_model.roundpipe_optimizer_s(opt, overlapped=False) == 3.5  # whole, after backward
+    assert cost_model.roundpipe_optimizer_s(opt, overlapped=True) == 0.0  # hidden behind backward
+
+
 def test_round_robin_model_matches_the_projects_timing_model():
     shape = ShapeConfig("unit", hidden=8, blocks=3, head_ratio=3.0, seq_len=4, batch=4, microbatches=4)
     t = unit_timings()

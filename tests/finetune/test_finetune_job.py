@@ -69,7 +69,7 @@ def test_default_config_composes_to_documented_values():
         "_target_": "lightning_roundpipe.RoundPipeStrategy", "microbatches": None, "recompute": "auto",
         "timeout": 300, "module": None, "staleness": 0, "overlap_optimizer": None, "pinned": "alloc",
         # the rest of lightning_roundpipe.options.StrategyOptions, which the YAML extends (defaults)
-        "cpu_threads_per_worker": 1, "seed": 0, "trace_steps": 0,
+        "cpu_threads_per_worker": 1, "cpu_reuse_freed_memory": True, "seed": 0, "trace_steps": 0,
         "step_metrics": True, "workers": None, "trace_dir": None, "checkpoint_weights": "full",
         "progress_bar_metrics": False,
         "allow_unverified": False, "logits_with_loss": False, "optimizer_undo": True, "overlap_calls": True, "cpu_memory_cap_bytes": None,

@@ -207,9 +207,9 @@ def test_host_estimate_before_measurement_by_hand():
     assert estimate_host_work(costs, 3, fused_last=True) == HostWork()
     # issue 22's bar shape: 4 microbatches of 512 tokens of 6144 fp32 logits (24,576 bytes a token):
     # the last microbatch's 12.58 MB copied (read + write) at 24.5 GB/s, 1.03 ms, and the loss on
-    # 12.58M elements at 12 ns, 151.0 ms (the out_of_box --bar run measured 151.6 ms)
+    # 12.58M elements at 5.5 ns (one thread, freed memory reused), 69.2 ms
     bar = CostProfile([lc(1.0, 10, act=4), lc(1.0, 10, act=24_576)], tokens_per_microbatch=512, dtype_bytes=4)
-    assert estimate_host_work(bar, 4, fused_last=False).between_s == pytest.approx(0.1520, rel=1e-3)
+    assert estimate_host_work(bar, 4, fused_last=False).between_s == pytest.approx(0.07023, rel=1e-3)
 
 
 @pytest.mark.timeout(60)

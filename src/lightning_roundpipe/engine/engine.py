@@ -30,6 +30,7 @@ from ..schedule.history import WorkerHistory
 from ..schedule.plan import Plan, PlanError
 from ..workers.completions import Completion, WorkerError
 from ..workers.pool import WorkerPool
+from ..workers.threads import intra_op_threads
 from ..options import EngineOptions
 from .microbatch import merge_microbatches, split_microbatches
 from .calls import PipelineCalls
@@ -44,6 +45,11 @@ from ..params.weights import HostGradBuffers, LayerTable
 
 log = logging.getLogger("lightning_roundpipe")
 UNREAD_CALLS_KEPT = 16  # calls whose task times may still be read (several calls per step before backward)
+
+
+# Intra-op threads of the host thread during a call's pipelined phases (submitting, merging
+# outputs, accumulating gradients): the workers use the cores then (``workers/threads.py``).
+HOST_PHASE_THREADS = 1
 
 
 class PipelineEngine:
@@ -227,9 +233,13 @@ class PipelineEngine:
         return run.outputs.merged(trees)  # filled while the forward ran (output_merge.py)
 
     def _guarded(self, fn, *args):
-        """Run a host-side phase; on failure let every queued task finish or fail before re-raising."""
+        """Run a host-side phase; on failure let every queued task finish or fail before re-raising.
+
+        The host thread runs it on one intra-op thread (``HOST_PHASE_THREADS``): the workers
+        compute meanwhile; the caller's own count is back for its loss and optimizer."""
         try:
-            return fn(*args)
+            with intra_op_threads(HOST_PHASE_THREADS):
+                return fn(*args)
         except BaseException as exc:
             if isinstance(exc, WorkerError):
                 # Failed tasks fail their dependants at once, so the queues empty quickly.

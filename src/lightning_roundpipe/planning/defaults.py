@@ -32,13 +32,16 @@ from .search import TIE_TOLERANCE
 MICROBATCHES_PER_WORKER = (1, 2, 4)  # the candidate counts, in workers
 # Host costs of a caller's loss on the full output, measured on the 2-core development machine.
 # F.cross_entropy forward + backward in isolation (one thread, fp32, 512 x 6144 logits on warm
-# memory, best of 10) took 6.1 ns per output element; in the loss phase itself it costs about
-# twice that: ``python -m benchmarks.peers.out_of_box --bar`` measured 151.6 ms between forward and
-# backward for 16 x 128 x 6144 logits (12.0 ns per element once the last microbatch's 1 ms copy
-# is taken off; 2026-12-02, load average 1-3 from other jobs): the phase's tensors (log-softmax,
-# the logits' gradient) are fresh every step, so their pages are first touched there. A copy moved
-# 24.5 GB/s (read + write). Used only until the host work is measured.
-HOST_LOSS_SECONDS_PER_ELEMENT = 12.0e-9
+# memory, best of 10) took 6.1 ns per output element. In the loss phase the tensors (merged
+# logits, log-softmax, the logits' gradient) are fresh every step: with glibc's own thresholds
+# each page faulted on first touch and the phase cost 12 ns per element (151.6 ms for 16 x 128 x
+# 6144 logits). With freed memory kept for reuse (the CPU backend's ``cpu_reuse_freed_memory``,
+# ``workers/host_allocator.py``), the copy into the merged logits plus the loss took 60-81 ms on
+# one thread (``python benchmarks/figures/host_allocator_faults.py``, 2026-12-02, load average 9
+# from other jobs), about 5.5 ns per element: the estimate below. The phase measured 33 ms
+# between forward and backward (the caller's two threads; ``python -m benchmarks.peers.out_of_box
+# --bar``, load 6-9). A copy moved 24.5 GB/s (read + write). Used only until the host work is measured.
+HOST_LOSS_SECONDS_PER_ELEMENT = 5.5e-9
 HOST_COPY_BYTES_PER_SECOND = 24.5e9
 
 def no_recompute_peak_bytes(costs: CostProfile, microbatches: int) -> int:

@@ -39,6 +39,7 @@ import time
 import torch
 
 from .device_memory import AllocationTally
+from .host_allocator import keep_freed_memory
 from .pool import Lane, Task, WorkerPool, Worker
 
 TALLIED_UPLOADS = ("act_in", "grad_in")  # weights are counted by the engine's uploads and releases
@@ -69,7 +70,7 @@ class CpuWorkerPool(WorkerPool):
         return dict(compute_delay_s=options.testing.compute_delay_s, jitter_s=options.testing.jitter_s,
                     bandwidth_bytes_per_s=t.bandwidth_bytes_per_s, latency_s=t.latency_s,
                     threads_per_worker=options.cpu_threads_per_worker, seed=options.seed,
-                    memory_cap_bytes=options.cpu_memory_cap_bytes)
+                    memory_cap_bytes=options.cpu_memory_cap_bytes, reuse_freed_memory=options.cpu_reuse_freed_memory)
 
     def __init__(
         self,
@@ -85,6 +86,7 @@ class CpuWorkerPool(WorkerPool):
         fifo_transfers: bool = False,
         measure_memory: bool = False,
         memory_cap_bytes: int | None = None,
+        reuse_freed_memory: bool = False,
     ):
         super().__init__([torch.device("cpu")] * num_workers, timeout_s=timeout_s, trace=trace,
                          fifo_transfers=fifo_transfers)
@@ -95,6 +97,8 @@ class CpuWorkerPool(WorkerPool):
         self.threads_per_worker = int(threads_per_worker)
         self._rand = random.Random(seed)
         self._rand_lock = threading.Lock()
+        # The step's large host tensors reused instead of page-faulting afresh (host_allocator.py).
+        self.reuses_freed_memory = keep_freed_memory() if reuse_freed_memory else False
         self.measure_memory = False
         self._tallies: dict[int, AllocationTally] = {}  # id(lane) -> the tally its tasks run under
         if measure_memory or memory_cap_bytes is not None:

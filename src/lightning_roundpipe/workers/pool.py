@@ -40,7 +40,7 @@ import torch
 from ..tracing.records import TraceRecord, TraceRecorder
 from .completions import Completion, PipelineTimeout, TaskLabel
 from .device_memory import DeviceMemory
-from .threads import set_intra_op_threads
+from .threads import keep_intra_op_threads, set_intra_op_threads
 
 QUEUES = ("upload", "compute", "download")
 log = logging.getLogger("lightning_roundpipe")
@@ -425,6 +425,9 @@ class WorkerPool:
                  fifo_transfers: bool = False):
         if len(devices) < 1:
             raise ValueError("a worker pool needs at least one worker")
+        # The caller's thread keeps its intra-op count (threads.py): the lanes and stream executors
+        # started from here set theirs, and the caller's loss must not run on a lane's one thread.
+        self.caller_threads = keep_intra_op_threads()
         self.timeout_s = float(timeout_s)
         self.fifo_transfers = fifo_transfers
         self.trace = trace if trace is not None else TraceRecorder()
