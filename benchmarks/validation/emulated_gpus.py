@@ -189,10 +189,18 @@ def run_row(model: str, gpus: int, profile: str, hidden: int, target_step_s: flo
     def call():
         net(input_ids=ids, labels=ids).loss.backward()
 
+    def last_call():
+        # As Lightning's strategy runs a step's last batch: inside ``optimizer.step(closure)``, its
+        # backward in ``last_backward`` so that each layer steps once its gradient is complete.
+        loss = net(input_ids=ids, labels=ids).loss
+        with optimizer.last_backward():
+            loss.backward()
+        return loss
+
     def step():
-        for _ in range(w.calls):
+        for _ in range(w.calls - 1):
             call()
-        optimizer.step()
+        optimizer.step(last_call)
         optimizer.zero_grad()
 
     try:

@@ -388,6 +388,7 @@ class FakeCudaWorkerPool(StreamWorkerPool):
 
     backend = "fake_cuda"
     keeps_graphs_across_workers = True  # CPU threads standing for streams: one memory
+    driver_class = FakeStreams  # the emulated backend's driver adds a device clock per stream
 
     @classmethod
     def options_from(cls, options) -> dict:
@@ -398,6 +399,6 @@ class FakeCudaWorkerPool(StreamWorkerPool):
                  pin_memory: bool = True, fifo_transfers: bool = False,
                  stream_jitter_s: float = 0.0, seed: int = 0, host_buffer_cap_bytes: int = DEFAULT_CAP_BYTES,
                  cudart=None, copy_delay_s: float = 0.0):
-        super().__init__(FakeStreams(stream_jitter_s, seed, cudart, copy_delay_s), [torch.device("cpu")] * num_workers,
+        super().__init__(self.driver_class(stream_jitter_s, seed, cudart, copy_delay_s), [torch.device("cpu")] * num_workers,
                          timeout_s=timeout_s, trace=trace, max_in_flight=max_in_flight, pin_memory=pin_memory,
                          fifo_transfers=fifo_transfers, host_buffer_cap_bytes=host_buffer_cap_bytes)

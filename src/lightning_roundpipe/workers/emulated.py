@@ -3,12 +3,17 @@
 The ``fake_cuda`` backend runs the CUDA protocol on CPU executor threads standing for streams.
 This backend is that protocol unchanged (dispatch, lanes, events, completions, the overlapped
 optimizer, undo, gradient accumulation and the loss are all the real host code), with one
-addition: each piece of stream work lasts at least the device time of its task. The work itself
-runs first on the stream's thread (the real tensor work on a model scaled down in width, which
-stands for the host's cost of launching the task's kernels), then the thread sleeps for what is
-left of the task's device time. ``time.sleep`` releases the GIL, so a busy emulated device costs
-the host nothing, as a busy GPU does; a task whose launches take longer than its device time is
-launch-bound here as it would be on the GPU.
+addition: each stream keeps a device clock, and the events recorded on it complete when that
+clock says the device got there, not when the executor thread does. The work of a task runs on
+the stream's thread (the real tensor work on a model scaled down in width, which stands for the
+host's cost of launching the task's kernels) and moves the stream's clock to
+``max(launches done, max(clock, launch start) + device time)``; the thread then goes on to the
+next item at once, as a host goes on launching while a GPU runs what it was given, and a clock
+thread completes each event at its time (``EmulatedStreams``). A stream told to wait for another
+stream's event waits until that stream's executor has passed it (its data is there) and moves its
+own clock to that event's time. A busy emulated device therefore costs the host nothing, as a
+busy GPU does, and a task whose launches take longer than its device time is launch-bound here as
+it would be on the GPU (the excess is counted in ``late_seconds``).
 
 The device time of a task comes from a ``device_time(label, nbytes) -> seconds`` callable handed
 to ``EmulatedWorkerPool.emulate``. ``cost.task_seconds.ProfileDeviceTimes`` is the one the
@@ -19,27 +24,158 @@ being those of the *real* shape (the scaled tensors' bytes only say which share 
 weights a chunk carries). Without ``emulate`` every task takes its real time (``fake_cuda``).
 
 ``time_scale`` multiplies every device time: the published workloads take 20-370 s per optimizer
-step on the profiles' GPUs, so benchmarks on a small host run them faster than life. Host work is
-not scaled, so a scale below 1 makes the host's share look ``1 / time_scale`` times larger than
+step on the profiles' GPUs, so benchmarks on a small host may run them faster than life. Host work
+is not scaled, so a scale below 1 makes the host's share look ``1 / time_scale`` times larger than
 it would be (``docs/emulated_gpus.md``).
 
 On a profile whose link is not ``duplex`` a worker's uploads and downloads take turns on one
-link (a lock per worker held while a transfer's time passes).
+link (one clock per worker that both transfer streams advance).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
 import time
 from typing import Callable
 
-from .completions import PipelineTimeout, TaskLabel
+from .completions import TaskLabel
 from .cuda import FakeCudaWorkerPool
 from .host_buffers import DEFAULT_CAP_BYTES
 from .pool import Lane, Task
+from .streams import FakeEvent, FakeStream, FakeStreams
 
 DeviceTime = Callable[[TaskLabel, int], float]
 TRANSFER_KINDS = frozenset({"weights", "act_in", "grad_in", "act_out", "act_save", "grad_out", "loss", "wgrad"})
+
+
+class EmulatedEvent(FakeEvent):
+    """A fake event with the emulated device's two moments: ``passed`` is set when the executor of
+    its stream reaches it (the work before it has run: its data is there), ``due`` is when the
+    stream's device clock gets there (when it completes)."""
+
+    __slots__ = ("passed", "due")
+
+    def __init__(self, timing: bool = False):
+        super().__init__(timing)
+        self.passed = threading.Event()
+        self.due = 0.0
+
+
+class LinkClock:
+    """When a worker's one host link is next free (profiles whose link is not duplex)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.clock = 0.0
+
+
+class EmulatedStream(FakeStream):
+    """A fake stream with a device clock: ``clock`` is when its device has done everything it was
+    given so far (``time.perf_counter`` seconds); ``timed`` counts its events the clock thread has
+    yet to complete (so that its events complete in order)."""
+
+    def __init__(self, driver: "EmulatedStreams", name: str):
+        self.clock = 0.0
+        self.timed = 0
+        super().__init__(driver, name)
+
+    def advance(self, launched_at: float, seconds: float, link: LinkClock | None = None) -> float:
+        """The work launched from ``launched_at`` until now lasts ``seconds`` on the device: it starts
+        when the device is free (and the link, for a transfer sharing one) and ends no earlier than
+        its launches. Returns the seconds its launches ran past its device time (launch-bound)."""
+        now = time.perf_counter()
+        start = max(self.clock, launched_at)
+        if link is None:
+            self.clock = max(now, start + seconds)
+        else:
+            with link.lock:
+                start = max(start, link.clock)
+                self.clock = link.clock = max(now, start + seconds)
+        return max(0.0, now - (start + seconds))
+
+    def wait_for(self, event: FakeEvent) -> None:
+        """Wait until the other stream's executor has passed ``event`` (its data is there); the
+        device then waits for the event's time."""
+        if not isinstance(event, EmulatedEvent):
+            super().wait_for(event)
+            return
+        while not event.passed.wait(0.1):
+            if self.stopping():
+                return
+        self.clock = max(self.clock, event.due)
+
+    def reach(self, event: FakeEvent) -> None:
+        """Complete ``event`` when the device clock gets there: now if it is there and no earlier
+        event of this stream is still waiting, else on the driver's clock thread."""
+        now = time.perf_counter()
+        due = max(self.clock, now)
+        if isinstance(event, EmulatedEvent):
+            event.due = due
+            event.passed.set()
+        if not self.driver.complete_at(due, event, self, now):
+            event.complete()
+
+
+class EmulatedStreams(FakeStreams):
+    """The fake-stream driver of the emulated backend: ``EmulatedStream``s, ``EmulatedEvent``s and
+    one clock thread that completes events at their device time."""
+
+    stream_class = EmulatedStream
+    event_class = EmulatedEvent
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._due: list = []  # heap of (due, order, event, stream)
+        self._order = itertools.count()
+        self._due_cond = threading.Condition()
+        self._closing = False
+        self._clock_thread = threading.Thread(target=self._complete_due, name="roundpipe-stream-clock", daemon=True)
+        self._clock_thread.start()
+
+    def complete_at(self, due: float, event: FakeEvent, stream: EmulatedStream, now: float) -> bool:
+        """Have the clock thread complete ``event`` at ``due``; False (the caller completes it now)
+        when it is due already and nothing of ``stream`` is still waiting, or the driver is closed."""
+        with self._due_cond:
+            if self._closing or (due <= now and stream.timed == 0):
+                return False
+            stream.timed += 1
+            heapq.heappush(self._due, (due, next(self._order), event, stream))
+            self._due_cond.notify()
+            return True
+
+    def _complete_due(self) -> None:
+        cond = self._due_cond
+        while True:
+            with cond:
+                while True:
+                    if self._due:
+                        left = self._due[0][0] - time.perf_counter()
+                        if left <= 0 or self._closing:
+                            _, _, event, stream = heapq.heappop(self._due)
+                            break
+                        cond.wait(left)
+                    elif self._closing:
+                        return
+                    else:
+                        cond.wait()
+            event.complete()
+            with cond:
+                stream.timed -= 1
+
+    def close(self, timeout: float) -> None:
+        """Stop the streams, then the clock thread (completing what it still holds)."""
+        super().close(timeout)
+        with self._due_cond:
+            self._closing = True
+            self._due_cond.notify()
+        self._clock_thread.join(timeout)
+
+    def threads_alive(self) -> list[str]:
+        """Names of the stream threads (and the clock thread) still running."""
+        clock = [self._clock_thread.name] if self._clock_thread.is_alive() else []
+        return super().threads_alive() + clock
 
 
 class EmulatedWorkerPool(FakeCudaWorkerPool):
@@ -49,6 +185,7 @@ class EmulatedWorkerPool(FakeCudaWorkerPool):
     per worker, the device time charged so far (what the tests check against hand-computed steps)."""
 
     backend = "emulated"
+    driver_class = EmulatedStreams
 
     def __init__(self, num_workers: int, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
                  pin_memory: bool = True, fifo_transfers: bool = False, stream_jitter_s: float = 0.0, seed: int = 0,
@@ -65,7 +202,7 @@ class EmulatedWorkerPool(FakeCudaWorkerPool):
         self.device_time: DeviceTime | None = None
         self.device_seconds = [0.0] * num_workers
         self.late_seconds = [0.0] * num_workers  # real work that ran past its device time (launch-bound)
-        self._links = [threading.Lock() for _ in range(num_workers)]
+        self._links = [LinkClock() for _ in range(num_workers)]
         self._charge_lock = threading.Lock()
 
     def emulate(self, device_time: DeviceTime | None, time_scale: float | None = None,
@@ -90,24 +227,17 @@ class EmulatedWorkerPool(FakeCudaWorkerPool):
         super().execute(lane, task)
 
     def _timed(self, fn, seconds: float, worker: int, transfer: bool):
-        """``fn`` lasting at least ``seconds`` on the stream thread that runs it (sleeping, GIL released)."""
+        """``fn``, then its stream's device clock moved on by ``seconds`` (see the module doc)."""
         link = self._links[worker] if transfer and not self.duplex else None
+        local = self.driver.local
 
         def run():
-            if link is not None and not link.acquire(timeout=self.timeout_s):
-                raise PipelineTimeout(f"a transfer of worker {worker} waited {self.timeout_s:g}s for its link")
-            try:
-                t0 = time.perf_counter()
-                out = fn()
-                left = seconds - (time.perf_counter() - t0)
-                if left > 0:
-                    time.sleep(left)
-                with self._charge_lock:
-                    self.device_seconds[worker] += seconds
-                    self.late_seconds[worker] += max(0.0, -left)
-                return out
-            finally:
-                if link is not None:
-                    link.release()
+            launched_at = time.perf_counter()
+            out = fn()
+            late = local.stream.advance(launched_at, seconds, link)
+            with self._charge_lock:
+                self.device_seconds[worker] += seconds
+                self.late_seconds[worker] += late
+            return out
 
         return run

@@ -148,6 +148,11 @@ class FakeCudart:
     def __init__(self, fail_with: int = 0) -> None:
         self.fail_with = int(fail_with)
         self.pages: dict[int, int] = {}  # registered start -> end
+        # The page spans of ``pages``, disjoint (overlaps are refused), by start: a registration
+        # checks its neighbour in O(log n), not every run (thousands of download buffers).
+        self._span_starts: list[int] = []
+        self._span_ends: dict[int, int] = {}
+        self._pages_lock = threading.Lock()
         self._last = threading.local()
         self.register_calls = 0
         self.overlapping_calls = 0  # registrations that touched an already registered page
@@ -163,20 +168,30 @@ class FakeCudart:
 
     def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
         """Pin ``nbytes`` at ``ptr`` as CUDA would (page rule, overlaps refused); returns an error code."""
-        self.register_calls += 1
         lo, hi = page_span(ptr, nbytes)
-        if any(s < hi and lo < e for s, e in page_runs(self.pages)):
-            self.overlapping_calls += 1
-            return self._fail(ALREADY_REGISTERED)
-        if self.fail_with:
-            return self._fail(self.fail_with)
-        self.pages[ptr] = ptr + nbytes
+        with self._pages_lock:
+            self.register_calls += 1
+            # Spans are disjoint, so the one starting last before ``hi`` also ends last.
+            i = bisect.bisect_left(self._span_starts, hi) - 1
+            if i >= 0 and self._span_ends[self._span_starts[i]] > lo:
+                self.overlapping_calls += 1
+                return self._fail(ALREADY_REGISTERED)
+            if self.fail_with:
+                return self._fail(self.fail_with)
+            self.pages[ptr] = ptr + nbytes
+            self._span_starts.insert(i + 1, lo)
+            self._span_ends[lo] = hi
         return 0
 
     def cudaHostUnregister(self, ptr: int) -> int:
         """Unpin the registration starting at ``ptr``; returns an error code."""
-        if self.pages.pop(ptr, None) is None:
-            return self._fail(713)  # cudaErrorHostMemoryNotRegistered
+        with self._pages_lock:
+            end = self.pages.pop(ptr, None)
+            if end is None:
+                return self._fail(713)  # cudaErrorHostMemoryNotRegistered
+            lo = page_span(ptr, end - ptr)[0]
+            del self._span_starts[bisect.bisect_left(self._span_starts, lo)]
+            del self._span_ends[lo]
         return 0
 
     def cudaGetLastError(self) -> int:

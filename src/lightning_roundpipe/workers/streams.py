@@ -228,6 +228,10 @@ class FakeEvent:
         self._recorded = True
         stream.put(("event", self))
 
+    def recorded(self) -> bool:
+        """Whether the event was ever recorded on a stream."""
+        return self._recorded
+
     def query(self) -> bool:
         """Whether the event completed (never recorded counts as done, as on CUDA)."""
         return not self._recorded or self._done.is_set()  # as on CUDA: never recorded means done
@@ -279,6 +283,20 @@ class FakeStream:
         """Whether the stream's thread still runs."""
         return self._thread.is_alive()
 
+    def wait_for(self, event: "FakeEvent") -> None:
+        """A wait item: stop here until ``event`` completes (or the stream is stopped)."""
+        while not event.wait(0.1):
+            if self._stopping:
+                break
+
+    def reach(self, event: "FakeEvent") -> None:
+        """An event item: the work queued before it has run, so it completes now."""
+        event.complete()
+
+    def stopping(self) -> bool:
+        """Whether the stream was told to stop."""
+        return self._stopping
+
     def _loop(self) -> None:
         self.driver.local.stream = self
         set_intra_op_threads(self.driver.threads)  # explicit: a new thread inherits the last thread's setting
@@ -293,12 +311,9 @@ class FakeStream:
                     return
                 kind, *rest = self._items.popleft()
             if kind == "wait":
-                event = rest[0]
-                while not event.wait(0.1):
-                    if self._stopping:
-                        break
+                self.wait_for(rest[0])
             elif kind == "event":
-                rest[0].complete()
+                self.reach(rest[0])
             else:
                 fn, deferred = rest
                 self.driver.pause()
@@ -317,6 +332,8 @@ class FakeStreams:
 
     kind = "fake_cuda"
     fake = True
+    stream_class = FakeStream  # what ``new_stream`` makes (the emulated driver's streams keep a device clock)
+    event_class = FakeEvent
 
     def __init__(self, jitter_s: float = 0.0, seed: int = 0, cudart=None, copy_delay_s: float = 0.0,
                  threads: int = 1):
@@ -342,13 +359,13 @@ class FakeStreams:
 
     def new_stream(self, device: torch.device, name: str = "") -> FakeStream:
         """A new fake stream, with its executor thread."""
-        s = FakeStream(self, f"roundpipe-stream-{name or len(self._streams)}")
+        s = self.stream_class(self, f"roundpipe-stream-{name or len(self._streams)}")
         self._streams.append(s)
         return s
 
     def new_event(self, timing: bool = False) -> FakeEvent:
         """A new fake event."""
-        return FakeEvent(timing)
+        return self.event_class(timing)
 
     def when_done(self, event: FakeEvent, fn: Callable[[], None]) -> bool:
         """Have ``fn`` called (on the executor thread) when ``event`` completes; False, and no call,
@@ -357,7 +374,7 @@ class FakeStreams:
 
     def wait_event(self, stream: FakeStream, event: FakeEvent) -> None:
         """Make ``stream`` wait for ``event`` (nothing when it was never recorded)."""
-        if event._recorded:
+        if event.recorded():
             stream.put(("wait", event))
 
     def issue(self, stream: FakeStream, device, fn: Callable[[], Any], label: TaskLabel, timeout_s: float) -> Deferred:
