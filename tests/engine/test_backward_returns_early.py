@@ -236,3 +236,22 @@ def test_an_input_wanting_a_gradient_or_a_parameter_hook_makes_backward_wait():
         assert eng.owed_tail is None and len(seen) == 1
     finally:
         eng.close()
+
+
+@pytest.mark.timeout(60)
+def test_overlapped_calls_keep_each_worker_within_two_stages_of_weights():
+    """The next call's uploads wait on the worker's history, which spans calls: a worker never holds
+    more than prefetch_depth + 1 = 2 stages' weights, while the previous backward still drains."""
+    layers = mlp(depth=5, width=16) + [nn.Linear(16, 16)]  # 6 equal layers of 272 fp32 parameters
+    eng = make_engine(layers, workers=3, microbatches=2, jitter=0.003)
+    stage_bytes = max(sum(p.numel() * p.element_size() for layer in layers[s.start:s.end] for p in layer.parameters())
+                      for s in eng.plan.forward_stages() + eng.plan.backward_stages())
+    try:
+        for step in range(2):
+            accumulate(eng, [x.repeat(1, 2) for x in batches(4, seed=step)], early=True, fused=False)
+        peaks = eng.pool.peak_weight_bytes()
+        assert max(peaks) > stage_bytes  # prefetching really held two stages somewhere
+        assert all(peak <= 2 * stage_bytes for peak in peaks), (peaks, stage_bytes)
+        assert eng.pool.held_device_bytes() == [0, 0, 0]
+    finally:
+        eng.close()
