@@ -14,6 +14,15 @@ comes from the last backward stage of the last call: the next step starts only a
 
 ``exact_gap`` returns those seconds per optimizer step for a ``Setup`` (its staleness is set to
 0 and 1 in turn); their sum is how much later the next step starts.
+
+``step_breakdown`` splits one simulated optimizer step's period into what adds up to it per
+worker, averaged over the workers: compute, fill (a worker's first compute after the step's
+first), drain (its last compute before the step's last), idle inside (gaps between its first and
+last compute) and the boundary (the step's last compute to the next step's first: the exact
+optimizer's wait for layer 0, the call barrier). It also gives the busiest worker's compute.
+With one call per step and the call barrier, the stale and the exact run of a setup have the
+same period; what then separates a setup from the reference is how evenly its stages load the
+workers in one call, which ``max_compute`` against ``compute`` shows.
 """
 
 from __future__ import annotations
@@ -21,9 +30,39 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..cost.hardware import HardwareProfile, load_hardware
-from .own_engine import PublishedRun, Setup, simulate_setup
+from .own_engine import PublishedRun, Setup, SetupResult, simulate_setup
 
 CAUSES = ("drain", "gradient home", "host queue", "first layer update", "upload and start")
+PARTS = ("compute", "fill", "drain", "idle inside", "boundary")  # step_breakdown's, adding up to the period
+
+
+def step_breakdown(result: SetupResult, optimizer_step: int = 0) -> dict:
+    """Seconds of optimizer step ``optimizer_step`` of a simulated setup (it needs the step after it),
+    per worker averaged over the workers: ``PARTS``, which add up to ``period``, and ``max_compute``
+    (the busiest worker's), with the boundary's causes at a call barrier: ``gradient home`` (the
+    step's last compute to its last weight gradient home), ``first layer update`` (layer 0's update
+    ending after that) and ``upload and start`` (the rest)."""
+    calls, tl = result.calls, result.call.timeline
+    steps = range(optimizer_step * calls, (optimizer_step + 1) * calls)
+    compute = [r for r in tl if r.queue == "compute" and r.step in steps]
+    workers = sorted({r.worker for r in tl if r.queue == "compute"})
+    first = min(r.start for r in compute)
+    last = max(r.end for r in compute)
+    following = min(r.start for r in tl if r.queue == "compute" and r.step == steps[-1] + 1)
+    busy = {w: sum(r.end - r.start for r in compute if r.worker == w) for w in workers}
+    starts = {w: min((r.start for r in compute if r.worker == w), default=last) for w in workers}
+    ends = {w: max((r.end for r in compute if r.worker == w), default=last) for w in workers}
+    n = len(workers)
+    parts = {"compute": sum(busy.values()) / n,
+             "fill": sum(starts[w] - first for w in workers) / n,
+             "drain": sum(last - ends[w] for w in workers) / n,
+             "idle inside": sum(ends[w] - starts[w] - busy[w] for w in workers) / n,
+             "boundary": following - last}
+    home = max((r.end for r in tl if r.kind == "wgrad" and r.step == steps[-1]), default=last)
+    update = next((r.end for r in tl if r.kind == "optim" and r.step == steps[-1] and r.stage == "L0"), home)
+    boundary = {"gradient home": max(0.0, home - last), "first layer update": max(0.0, update - max(home, last)),
+                "upload and start": following - max(update, home, last)}
+    return dict(period=following - first, parts=parts, max_compute=max(busy.values()), boundary=boundary)
 
 
 def exact_gap(run: PublishedRun, hardware: str | HardwareProfile, setup: Setup, *,
