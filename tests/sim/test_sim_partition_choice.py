@@ -88,3 +88,19 @@ def test_best_exact_tries_the_planners_partition():
     assert [(c.partition, c.microbatches, c.calls) for c in candidates] == [
         ("reference", 20, 1), ("reference", 60, 1), (paper.PLANNED_PARTITION, 60, 1)]
     assert all(c.staleness == 0 and c.compiled_layers for c in candidates)
+
+
+def test_breakdown_table_prints_every_part(monkeypatch, capsys):
+    from lightning_roundpipe.analysis import exact_gap
+
+    parts = dict(zip(PARTS, (16.15, 0.53, 0.37, 0.86, 0.29)))
+    monkeypatch.setattr(exact_gap, "breakdown_rows", lambda model: [
+        dict(model=model, setup="best exact, planner's partition", tokens_per_s=58263.4, period=18.2, parts=parts,
+             max_compute=16.17, boundary={})])
+    exact_gap.main(["qwen3-1.7b"])
+    lines = capsys.readouterr().out.splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    assert cells[0] == ["model", "setup", "tokens/s", "compute", "fill", "drain", "idle inside", "boundary",
+                        "busiest worker"]
+    assert cells[2] == ["qwen3-1.7b", "best exact, planner's partition", "58,263", "16.15", "0.53", "0.37", "0.86",
+                        "0.29", "16.17"]

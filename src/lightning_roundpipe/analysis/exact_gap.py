@@ -87,3 +87,44 @@ def exact_gap(run: PublishedRun, hardware: str | HardwareProfile, setup: Setup, 
               (("stale", stale), ("exact", exact))}
     return dict(model=run.model, stale_tokens_per_s=stale.tokens_per_s, exact_tokens_per_s=exact.tokens_per_s,
                 period_difference_s=period["exact"] - period["stale"], causes=causes)
+
+
+def breakdown_rows(model: str, hardware: str | HardwareProfile = "rtx4090", optimizer_steps: int = 2) -> list[dict]:
+    """``step_breakdown`` of the setups ``docs/simulator.md`` compares for one published model: the
+    reference's setup at bf16-mixed, the best exact candidates on the reference's partition (exact
+    and one step stale) and on the planner's (``paper.exact_candidates``, 30 x calls microbatches)."""
+    from .own_engine import REFERENCE, published_run
+    from .paper import exact_candidates
+
+    hw = load_hardware(hardware)
+    run = published_run(model)
+    _, reference_partition, planned = exact_candidates(hw, run.stale.calls)
+    setups = {"reference setup at bf16": Setup(partition=REFERENCE, precision="bf16-mixed"),
+              "best exact, reference partition": reference_partition,
+              "the same, one step stale": replace(reference_partition, staleness=1),
+              "best exact, planner's partition": planned}
+    rows = []
+    for name, setup in setups.items():
+        result = simulate_setup(run, hw, setup, optimizer_steps=optimizer_steps)
+        rows.append(dict(model=model, setup=name, tokens_per_s=result.tokens_per_s, **step_breakdown(result)))
+    return rows
+
+
+def main(models: list[str] | None = None) -> None:
+    """Print ``breakdown_rows`` of every published model (or of ``models``) as a markdown table."""
+    from ..cost.text_table import render_table
+    from .workload import PUBLISHED_RUNS
+
+    table = []
+    for model in models or [r.model for r in PUBLISHED_RUNS]:
+        for r in breakdown_rows(model):
+            table.append((r["model"], r["setup"], f"{r['tokens_per_s']:,.0f}",
+                          *(f"{r['parts'][p]:.2f}" for p in PARTS), f"{r['max_compute']:.2f}"))
+    print(render_table(("model", "setup", "tokens/s", *PARTS, "busiest worker"), table,
+                       right=tuple(range(2, 4 + len(PARTS))), markdown=True))
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:] or None)
