@@ -14,6 +14,15 @@ comes from the last backward stage of the last call: the next step starts only a
 
 ``exact_gap`` returns those seconds per optimizer step for a ``Setup`` (its staleness is set to
 0 and 1 in turn); their sum is how much later the next step starts.
+
+``step_breakdown`` splits one simulated optimizer step's period into what adds up to it per
+worker, averaged over the workers: compute, fill (a worker's first compute after the step's
+first), drain (its last compute before the step's last), idle inside (gaps between its first and
+last compute) and the boundary (the step's last compute to the next step's first: the exact
+optimizer's wait for layer 0, the call barrier). It also gives the busiest worker's compute.
+With one call per step and the call barrier, the stale and the exact run of a setup have the
+same period; what then separates a setup from the reference is how evenly its stages load the
+workers in one call, which ``max_compute`` against ``compute`` shows.
 """
 
 from __future__ import annotations
@@ -21,9 +30,39 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..cost.hardware import HardwareProfile, load_hardware
-from .own_engine import PublishedRun, Setup, simulate_setup
+from .own_engine import PublishedRun, Setup, SetupResult, simulate_setup
 
 CAUSES = ("drain", "gradient home", "host queue", "first layer update", "upload and start")
+PARTS = ("compute", "fill", "drain", "idle inside", "boundary")  # step_breakdown's, adding up to the period
+
+
+def step_breakdown(result: SetupResult, optimizer_step: int = 0) -> dict:
+    """Seconds of optimizer step ``optimizer_step`` of a simulated setup (it needs the step after it),
+    per worker averaged over the workers: ``PARTS``, which add up to ``period``, and ``max_compute``
+    (the busiest worker's), with the boundary's causes at a call barrier: ``gradient home`` (the
+    step's last compute to its last weight gradient home), ``first layer update`` (layer 0's update
+    ending after that) and ``upload and start`` (the rest)."""
+    calls, tl = result.calls, result.call.timeline
+    steps = range(optimizer_step * calls, (optimizer_step + 1) * calls)
+    compute = [r for r in tl if r.queue == "compute" and r.step in steps]
+    workers = sorted({r.worker for r in tl if r.queue == "compute"})
+    first = min(r.start for r in compute)
+    last = max(r.end for r in compute)
+    following = min(r.start for r in tl if r.queue == "compute" and r.step == steps[-1] + 1)
+    busy = {w: sum(r.end - r.start for r in compute if r.worker == w) for w in workers}
+    starts = {w: min((r.start for r in compute if r.worker == w), default=last) for w in workers}
+    ends = {w: max((r.end for r in compute if r.worker == w), default=last) for w in workers}
+    n = len(workers)
+    parts = {"compute": sum(busy.values()) / n,
+             "fill": sum(starts[w] - first for w in workers) / n,
+             "drain": sum(last - ends[w] for w in workers) / n,
+             "idle inside": sum(ends[w] - starts[w] - busy[w] for w in workers) / n,
+             "boundary": following - last}
+    home = max((r.end for r in tl if r.kind == "wgrad" and r.step == steps[-1]), default=last)
+    update = next((r.end for r in tl if r.kind == "optim" and r.step == steps[-1] and r.stage == "L0"), home)
+    boundary = {"gradient home": max(0.0, home - last), "first layer update": max(0.0, update - max(home, last)),
+                "upload and start": following - max(update, home, last)}
+    return dict(period=following - first, parts=parts, max_compute=max(busy.values()), boundary=boundary)
 
 
 def exact_gap(run: PublishedRun, hardware: str | HardwareProfile, setup: Setup, *,
@@ -48,3 +87,44 @@ def exact_gap(run: PublishedRun, hardware: str | HardwareProfile, setup: Setup, 
               (("stale", stale), ("exact", exact))}
     return dict(model=run.model, stale_tokens_per_s=stale.tokens_per_s, exact_tokens_per_s=exact.tokens_per_s,
                 period_difference_s=period["exact"] - period["stale"], causes=causes)
+
+
+def breakdown_rows(model: str, hardware: str | HardwareProfile = "rtx4090", optimizer_steps: int = 2) -> list[dict]:
+    """``step_breakdown`` of the setups ``docs/simulator.md`` compares for one published model: the
+    reference's setup at bf16-mixed, the best exact candidates on the reference's partition (exact
+    and one step stale) and on the planner's (``paper.exact_candidates``, 30 x calls microbatches)."""
+    from .own_engine import REFERENCE, published_run
+    from .paper import exact_candidates
+
+    hw = load_hardware(hardware)
+    run = published_run(model)
+    _, reference_partition, planned = exact_candidates(hw, run.stale.calls)
+    setups = {"reference setup at bf16": Setup(partition=REFERENCE, precision="bf16-mixed"),
+              "best exact, reference partition": reference_partition,
+              "the same, one step stale": replace(reference_partition, staleness=1),
+              "best exact, planner's partition": planned}
+    rows = []
+    for name, setup in setups.items():
+        result = simulate_setup(run, hw, setup, optimizer_steps=optimizer_steps)
+        rows.append(dict(model=model, setup=name, tokens_per_s=result.tokens_per_s, **step_breakdown(result)))
+    return rows
+
+
+def main(models: list[str] | None = None) -> None:
+    """Print ``breakdown_rows`` of every published model (or of ``models``) as a markdown table."""
+    from ..cost.text_table import render_table
+    from .workload import PUBLISHED_RUNS
+
+    table = []
+    for model in models or [r.model for r in PUBLISHED_RUNS]:
+        for r in breakdown_rows(model):
+            table.append((r["model"], r["setup"], f"{r['tokens_per_s']:,.0f}",
+                          *(f"{r['parts'][p]:.2f}" for p in PARTS), f"{r['max_compute']:.2f}"))
+    print(render_table(("model", "setup", "tokens/s", *PARTS, "busiest worker"), table,
+                       right=tuple(range(2, 4 + len(PARTS))), markdown=True))
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:] or None)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..cost.compiled import compiled_launches
+from ..cost.profile import CostProfile
 from ..cost.memory import roundpipe_gpu_bytes
 from ..cost.precision import check_precision, fp16_accumulation
 from ..cost.transformer import get_model_shape, shape_layer_costs
@@ -50,6 +51,11 @@ ADAM_PER_ACCUMULATE = 1.25
 GRAD_BYTES = 2  # bf16 / fp16 gradients come home in the compute dtype
 PLANNER = "planner"  # plan from the planner's candidates, timed by the simulator (fit.best_plan)
 REFERENCE = "reference"  # the reference's own partition of the model (workload.reference_plan)
+# What a GPU backend's first plan assumes before anything is measured (``workers/pool.py``:
+# ``WorkerPool.assumed_flops_per_s`` and ``assumed_link_bytes_per_s``; the analysis layer does not
+# import the workers, so ``tests/sim/test_sim_partition_choice.py`` pins them equal).
+ENGINE_ESTIMATE_FLOPS_PER_S = 1e14
+ENGINE_ESTIMATE_LINK_BYTES_PER_S = 25e9
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,10 @@ class Setup:
 
     ``microbatches`` / ``calls`` None: the workload's (the reference's) counts; ``microbatches``
     ``ENGINE_CHOICE``: chosen as the engine chooses an open count. ``partition``: a
-    policy of ``partition``, ``"planner"`` or ``"reference"`` (the reference's own partition).
+    policy of ``partition``, ``"planner"`` or ``"reference"`` (the reference's own partition);
+    ``"compute"`` (the engine's default) is searched on the engine's own FLOP estimate
+    (``engine_estimate``), as the engine plans it once before anything is measured, and ``"auto"``
+    on the simulated costs, standing for the measured costs the engine's ``auto`` policy re-plans from.
     ``precision``: ``"fp16-acc"`` (fp16 with ``allow_fp16_accumulation``: matmuls at the
     fp16-accumulate rate) or ``"bf16-mixed"`` (fp32-accumulate rate). ``staleness``: 0 exact, 1
     one step stale. ``wait_all_grads``: the optimizer starts only when every gradient of the step
@@ -197,8 +206,36 @@ def our_default(hardware: HardwareProfile) -> Setup:
                  undo=default_undo(), compiled_layers=default_compiled_layers())
 
 
+def engine_estimate(costs: CostProfile) -> CostProfile:
+    """The costs a GPU run of the engine plans its first plan on, rebuilt from a shape's ``costs``.
+
+    The engine's keeper (``planning/keeper.py``) estimates every layer with
+    ``cost.estimate.estimate_costs`` for ``ASSUMED_TOKENS_PER_MICROBATCH`` tokens per microbatch,
+    whatever the batch: forward ``(2 x matmul parameters + output elements) x tokens`` FLOPs at
+    ``ENGINE_ESTIMATE_FLOPS_PER_S``, recompute the forward again, backward twice the forward, the
+    link at ``ENGINE_ESTIMATE_LINK_BYTES_PER_S``. The same rule applied to a shape's layers: the
+    layers before ``costs.decoder_layers`` are the embedding (a lookup: no matmul parameters), every
+    other layer's active parameters are matmul parameters (a norm's few weights are counted too:
+    under 1e-4 of a layer), and a layer's output elements are its output activation's. Weight,
+    gradient and activation bytes are kept."""
+    from ..planning.keeper import ASSUMED_TOKENS_PER_MICROBATCH
+
+    tokens = ASSUMED_TOKENS_PER_MICROBATCH
+    lookups = costs.decoder_layers[0] if costs.decoder_layers is not None else 0
+    layers = []
+    for index, layer in enumerate(costs.layers):
+        active = layer.active_params if layer.active_params is not None else (layer.params or 0)
+        matmul = 0 if index < lookups else active
+        outputs = layer.act_bytes_per_token // max(1, costs.dtype_bytes)
+        forward = (2.0 * matmul + outputs) * tokens / ENGINE_ESTIMATE_FLOPS_PER_S
+        layers.append(replace(layer, forward_s=forward, recompute_s=forward, backward_s=2.0 * forward))
+    return replace(costs, layers=layers, tokens_per_microbatch=tokens, measured=False, source="estimate",
+                   link_bytes_per_second=ENGINE_ESTIMATE_LINK_BYTES_PER_S)
+
+
 def choose_plan(setup: Setup, costs, hardware: HardwareProfile, microbatches: int, model: str = "") -> Plan:
-    """The plan ``setup.partition`` gives (raises PlanError when it does not fit the GPU)."""
+    """The plan ``setup.partition`` gives (raises PlanError when it does not fit the GPU); ``"compute"``
+    is searched on ``engine_estimate(costs)``, as the engine does (see ``Setup``)."""
     budget = int(hardware.gpu_memory_bytes * DEFAULT_MEMORY_FRACTION)
     if setup.partition == REFERENCE:
         return reference_plan(model)
@@ -207,6 +244,9 @@ def choose_plan(setup: Setup, costs, hardware: HardwareProfile, microbatches: in
         if choice is None:
             raise PlanError("no candidate plan fits the GPU memory")
         return choice.plan
+    if setup.partition == "compute":
+        return partition("compute", engine_estimate(costs), hardware.num_gpus, microbatches, memory_budget_bytes=budget,
+                         link_bytes_per_second=ENGINE_ESTIMATE_LINK_BYTES_PER_S, fused_last=True)
     return partition(setup.partition, costs, hardware.num_gpus, microbatches, memory_budget_bytes=budget,
                      link_bytes_per_second=hardware.host_device_bytes_per_s, fused_last=True)
 

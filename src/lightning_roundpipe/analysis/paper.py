@@ -17,9 +17,15 @@ accumulation) are the yardstick. Per model, ``paper_rows`` gives:
   their measured figures; ``simulated`` null: ``benchmarks.validation.published_gpu
   --baselines`` simulates them under assumptions of their own).
 
-Every row of ours runs on the reference's own partition, so the comparison isolates the setup
-(and stays fast: no plan search). Rows are dicts with ``model``, ``system``, ``simulated`` and
-``measured`` (None where there is none) and a ``setting`` in words.
+``ours: defaults`` runs the partition the engine's default ``compute`` policy gives (searched on
+the engine's own FLOP estimate, ``own_engine.engine_estimate``). The best exact search tries the
+reference's partition and the planner's own (``auto``: the same search on the simulated costs,
+what the engine's ``auto`` policy re-plans to from measured costs). The reference's partition is
+cut for a stale optimizer over several overlapping calls; in one call of an exact step it leaves
+one worker with the fused LM-head stage and a backward stage (qwen3-1.7b: 25.2 s busy against
+16.2 s on average, a 39% bubble; see ``docs/reference_workload.md``). Rows are dicts with
+``model``, ``system``, ``simulated`` and ``measured`` (None where there is none) and a ``setting``
+in words.
 """
 
 from __future__ import annotations
@@ -44,19 +50,25 @@ PUBLISHED_BASELINES = {
 PUBLISHED_SEQ_LEN = 2048
 
 
+PLANNED_PARTITION = "auto"  # the planner's own partition, searched on the simulated (measured) costs
+
+
 def exact_candidates(hardware: HardwareProfile, calls: int, precision: str = "bf16-mixed") -> list[Setup]:
     """The exact setups a user can set that the quick search tries, beside the defaults: compiled
-    layers, the reference's partition, and the step's sequences in one call of ``10 x calls``
-    microbatches (the reference's sequences per microbatch) or ``30 x calls`` (a third of them:
-    shorter fill and drain). One call means one pipeline drain per optimizer step instead of one
-    per call (the next call waits for ``backward()``). With fp16 layers step early under the host loss
-    scaler as without it, the failed-step undo putting them back on overflow; only without the undo
-    does the optimizer wait for every gradient (``precision.waits_for_every_gradient``); each layer's update
-    then unscales its gradient first (``host_unscale``)."""
+    layers, the step's sequences in one call of ``10 x calls`` microbatches (the reference's
+    sequences per microbatch) or ``30 x calls`` (a third of them: shorter fill and drain), on the
+    reference's partition, and the ``30 x calls`` count on the planner's own partition
+    (``PLANNED_PARTITION``; one plan search, the slow part of ``sim paper``). One call means one
+    pipeline drain per optimizer step instead of one per call (the next call waits for
+    ``backward()``). With fp16 layers step early under the host loss scaler as without it, the
+    failed-step undo putting them back on overflow; only without the undo does the optimizer wait
+    for every gradient (``precision.waits_for_every_gradient``); each layer's update then unscales
+    its gradient first (``host_unscale``)."""
     default = our_default(hardware)
     base = replace(default, partition=REFERENCE, compiled_layers=True, precision=precision,
                    wait_all_grads=waits_for_every_gradient(precision, default.undo), host_unscale=loss_scaled(precision))
-    return [replace(base, microbatches=k * calls, calls=1) for k in (10, 30)]
+    one_call = [replace(base, microbatches=k * calls, calls=1) for k in (10, 30)]
+    return one_call + [replace(one_call[-1], partition=PLANNED_PARTITION)]
 
 
 def best_of(results: list[SetupResult]) -> SetupResult:
@@ -89,7 +101,7 @@ def model_rows(model: str, hardware: str | HardwareProfile = "rtx4090", seq_len:
         return dict(model=model, system=system, simulated=simulated, measured=measured_value, setting=setting)
 
     reference = simulate(Setup(partition=REFERENCE))
-    default = simulate(replace(our_default(hw), partition=REFERENCE))
+    default = simulate(our_default(hw))
     best = best_of([default] + [simulate(s) for s in exact_candidates(hw, run.stale.calls)])
     best_fp16 = best_of([simulate(s) for s in exact_candidates(hw, run.stale.calls, "fp16-acc")])
     rows = [row("reference (measured)", None, measured, "published"),
@@ -132,7 +144,7 @@ def paper_markdown(rows: list[dict], hardware: str | HardwareProfile = "rtx4090"
              render_table(("model", "system", "simulated tokens/s", "measured tokens/s", "over the reference's measured",
                            "setting"), table, right=(2, 3, 4), markdown=True), "",
              "Simulated rows: the simulator with the assumptions in docs/simulator.md (hardware numbers from "
-             f"src/lightning_roundpipe/cost/profiles/{hw.name}.yaml), every row on the reference's own partition; "
+             f"src/lightning_roundpipe/cost/profiles/{hw.name}.yaml), each row on the partition its setting names; "
              "measured rows: the reference artifact's published figures."]
     return "\n".join(lines)
 
