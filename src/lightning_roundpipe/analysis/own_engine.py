@@ -96,7 +96,7 @@ class Setup:
     launch_s: float | None = None
     host_accumulate_bytes_per_s: float | None = None
     host_loss_s: float = 0.0
-    call_barrier: bool = True
+    call_barrier: bool | str = True
     fused_spread: int = 1
     host_barriers: bool = False
     compiled_layers: bool = False
@@ -195,15 +195,27 @@ def default_undo() -> bool:
     return bool(getattr(RuntimeOptions(), "optimizer_undo", False))
 
 
+def default_call_barrier() -> bool | str:
+    """The simulator's call barrier for this engine's default ``overlap_calls``
+    (``RuntimeOptions().overlap_calls``): ``"step"`` when on (only the first call of an optimizer
+    step waits for the previous ``backward()``; an accumulation-only backward returns once its
+    stages are submitted), True when off (every call waits)."""
+    from ..options import RuntimeOptions
+
+    return "step" if getattr(RuntimeOptions(), "overlap_calls", False) else True
+
+
 def our_default(hardware: HardwareProfile) -> Setup:
     """This engine's default configuration and per-call host work on ``hardware``: driven by
-    autograd (host barriers: the next call waits for ``backward()``), the failed-step undo and
-    compiled layers as the options default."""
+    autograd (host barriers; with ``overlap_calls`` on, as by default, only a step's first call
+    waits for the previous ``backward()``), the failed-step undo and compiled layers as the
+    options default."""
     nw = hardware.num_gpus
     return Setup(precision="bf16-mixed", staleness=0, partition=default_partition(),
                  microbatches=default_microbatches(nw), loss_chunk_tokens=1024, dispatch_s=dispatch_figure(),
                  host_accumulate_bytes_per_s=host_accumulate_rate(hardware), host_barriers=True,
-                 undo=default_undo(), compiled_layers=default_compiled_layers())
+                 undo=default_undo(), compiled_layers=default_compiled_layers(),
+                 call_barrier=default_call_barrier())
 
 
 def engine_estimate(costs: CostProfile) -> CostProfile:
