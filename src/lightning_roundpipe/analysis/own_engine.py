@@ -324,7 +324,9 @@ def causes(hardware: HardwareProfile, reference_microbatches: int = 10) -> list[
     rows = [
         ("precision: bf16-mixed (fp32-accumulate matmuls) for fp16 with fp16 accumulation", dict(precision=ours.precision)),
         ("optimizer: exact (staleness 0) for one step stale", dict(staleness=ours.staleness)),
-        ("host barriers: the next call dispatched once backward() returns", dict(host_barriers=ours.host_barriers)),
+        ("host barriers: the next call dispatched once backward() returns"
+         + (" (a step's first call; overlap_calls)" if ours.call_barrier == "step" else ""),
+         dict(host_barriers=ours.host_barriers, call_barrier=ours.call_barrier)),
         ("failed-step undo: before-images copied on the optimizer lane", dict(undo=ours.undo)),
         (f"layers: {'compiled' if ours.compiled_layers else 'eager'} (compile_layers default)",
          dict(compiled_layers=ours.compiled_layers)),
