@@ -180,8 +180,20 @@ def scaled_model(model: str, hidden: int):
     return Qwen3ForCausalLM(Qwen3Config(**cfg))
 
 
+_SIMULATED: dict = {}  # (model, profile, gpus) -> simulated(): a row and its launch decision share one simulation
+
+
 def simulated(model: str, hw, gpus: int):
-    """(plan, costs, simulated optimizer-step seconds) of the reference workload on ``gpus`` GPUs of ``hw``."""
+    """(workload, plan, costs, simulated optimizer-step seconds) of the reference workload on ``gpus``
+    GPUs of ``hw`` (simulated once per model, profile and GPU count)."""
+    key = (model, hw.replace(num_gpus=gpus), gpus)
+    if key not in _SIMULATED:
+        _SIMULATED[key] = simulate_reference(model, hw, gpus)
+    return _SIMULATED[key]
+
+
+def simulate_reference(model: str, hw, gpus: int):
+    """``simulated`` without the cache."""
     from lightning_roundpipe.analysis.workload import PUBLISHED_RUNS, optimizer_step_period, reference_plan
     from lightning_roundpipe.cost.transformer import get_model_shape, shape_layer_costs
     from lightning_roundpipe.sim.simulate import SimConfig, simulate_roundpipe
