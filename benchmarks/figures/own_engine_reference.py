@@ -30,6 +30,9 @@ they change. Every tokens/s figure it prints is simulated except the "measured" 
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
+import os
 import sys
 import time
 from pathlib import Path
@@ -124,17 +127,36 @@ def to_markdown(reports: list[dict], hardware: str, header: bool = True, footer:
     return "\n".join(lines)
 
 
+def quick_model_rows(model: str, hardware: str) -> list[dict]:
+    """The ``--quick`` rows of one model (a separate process per model: see ``quick``)."""
+    return config_rows(model_rows(model, hardware))
+
+
 def quick(args) -> None:
-    """``--quick``: the configurations of ``analysis.paper`` per model, printed and written as rows."""
+    """``--quick``: the configurations of ``analysis.paper`` per model, printed and written as rows.
+
+    The models' simulations are independent, so they run in worker processes, up to one per core
+    (forked: the imports are not paid again); each model's rows print in order as they come."""
     start = time.perf_counter()
+    processes = min(len(args.models), os.cpu_count() or 1)
+    if processes > 1 and "fork" in multiprocessing.get_all_start_methods():
+        pool = multiprocessing.get_context("fork").Pool(processes)
+        results = pool.imap(functools.partial(quick_model_rows, hardware=args.hardware), args.models)
+    else:
+        pool = None
+        results = (quick_model_rows(model, args.hardware) for model in args.models)
     rows = []
-    for model in args.models:
-        rows += config_rows(model_rows(model, args.hardware))
-        for r in rows:
-            if r["model"] == model:
+    try:
+        for model, model_rows_ in zip(args.models, results):
+            rows += model_rows_
+            for r in model_rows_:
                 ratio = f"{r['ours_over_measured']:.2f}x" if r["ours_over_measured"] is not None else "-"
                 tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else "does not fit"
                 print(f"{model:14} {r['config']:32} {tps:>10} {ratio:>6}  {r['setting']}", flush=True)
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
     print(f"({time.perf_counter() - start:.0f} s)")
     if args.json:
         write_json(args.json, dict(hardware=args.hardware, rows=rows))

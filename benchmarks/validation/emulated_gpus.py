@@ -7,10 +7,11 @@ microbatches per call, calls per optimizer step, the reference's own stage parti
 ``emulated`` backend (``workers/emulated.py``): the real host code throughout (dispatch, lanes,
 completions, the overlapped exact optimizer with undo, gradient accumulation over calls, the
 fused loss), every stream task lasting the device time the calibrated cost model gives the real
-shape on the profile, times a per-row ``time_scale`` that makes one simulated optimizer step last
-``--target-step-s`` (the real steps last 20-370 s). The host optimizer, whose work scales with the
-parameter count, is charged at the profile's host rate (the same scale); the rest of the host
-work is real, on the scaled model (see docs/emulated_gpus.md).
+shape on the profile (in the profile's real time by default; ``--target-step-s`` or ``--time-scale``
+scale every device time). The host optimizer, whose work scales with the parameter count, is
+charged at the profile's host rate, and so is the undo's copy of the real shape (``--undo``); the
+rest of the host work is real, on the scaled model (see docs/emulated_gpus.md). The step is driven
+as Lightning's strategy drives it: the last call inside ``optimizer.step(closure)``.
 
 Per row: achieved and simulated tokens/s (in the profile's time: wall seconds divided by the
 scale), their ratio, and host CPU seconds per optimizer step per thread group (``/proc`` thread
@@ -19,8 +20,8 @@ the stream threads (the real tensor work of the scaled model: what stands for ke
 the optimizer thread (updates and undo's before-images); the process's CPU seconds per wall second
 (an upper bound of the GIL's share), and lane wake-ups per second where the pool counts them.
 
-    python -m benchmarks.emulated_gpus --quick --json emulated_gpus.json   # 8 GPUs, under 5 min
-    python -m benchmarks.emulated_gpus --json emulated_gpus.json           # 1, 2, 4, 8 GPUs
+    python -m benchmarks.emulated_gpus --quick --json emulated_gpus.json   # 8 GPUs, real time, ~4-5 min
+    python -m benchmarks.emulated_gpus --json emulated_gpus.json           # 1, 2, 4, 8 GPUs (~45 min)
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ COLUMNS = [("model", "model", "{}"), ("gpus", "GPUs", "{}"), ("time_scale", "sca
            ("achieved_over_simulated", "achieved/sim", "{:.2f}"), ("host_dispatch_s", "main s", "{:.2f}"),
            ("host_lanes_s", "lanes s", "{:.2f}"), ("host_streams_s", "streams s", "{:.2f}"),
            ("host_optimizer_s", "optim+undo s", "{:.2f}"),
-           ("host_undo_s", "undo s", "{:.3f}"), ("host_accumulate_s", "accum s", "{:.3f}"), ("gil_share_upper_bound", "CPU/wall", "{:.2f}"),
+           ("host_undo_s", "undo s", "{:.3f}"), ("undo_charged_s", "undo copy s", "{:.2f}"), ("host_accumulate_s", "accum s", "{:.3f}"), ("gil_share_upper_bound", "CPU/wall", "{:.2f}"),
            ("late_device_s", "launch-bound s", "{:.2f}")]
 
 
@@ -82,7 +83,8 @@ def thread_group(name: str) -> str:
 
 class PhaseClock:
     """Thread CPU seconds spent inside the host phases that have no thread of their own: the undo's
-    before-images and commit (``StepUndo.save`` / ``commit``, on the optimizer thread) and the
+    before-images and commit (``StepUndo.capture`` / ``commit``, on the optimizer thread, whether
+    taken ahead or at the layer's step) and the
     accumulation of downloaded gradients into ``.grad`` (``accumulate_host_grads``, on the main
     thread). Wraps those public functions while it is entered; a measurement hook, restored on exit."""
 
@@ -105,7 +107,7 @@ class PhaseClock:
         from lightning_roundpipe.engine import step as engine_step
         from lightning_roundpipe.optim.step_undo import StepUndo
 
-        for owner, name, phase in ((StepUndo, "save", "undo"), (StepUndo, "commit", "undo"),
+        for owner, name, phase in ((StepUndo, "capture", "undo"), (StepUndo, "commit", "undo"),
                                    (engine_step, "accumulate_host_grads", "accumulate")):
             original = getattr(owner, name)
             self._saved.append((owner, name, original))
@@ -116,6 +118,43 @@ class PhaseClock:
         for owner, name, original in reversed(self._saved):
             setattr(owner, name, original)
         self._saved = []
+
+
+class UndoCharge:
+    """While entered, each before-image the undo takes (``StepUndo.capture``) also lasts
+    ``seconds_per_param`` per parameter it copies (a sleep on the optimizer thread, which a real
+    copy's memory traffic would keep as busy): the copy of the real shape's parameters and Adam
+    moments at the profile's host rate, as the simulator prices it (``SimConfig.optimizer_undo``).
+    A measurement hook, restored on exit."""
+
+    def __init__(self, seconds_per_param: float) -> None:
+        self.seconds_per_param = seconds_per_param
+        self.charged_s = 0.0
+        self._original = None
+
+    def __enter__(self) -> "UndoCharge":
+        from lightning_roundpipe.optim.step_undo import StepUndo
+
+        original = self._original = StepUndo.capture
+        charge = self
+
+        def capture(undo, params):
+            params = list(params)
+            before = set(undo.saved)
+            original(undo, params)
+            copied = sum(p.numel() for p in params if id(p) in undo.saved and id(p) not in before)
+            seconds = copied * charge.seconds_per_param
+            if seconds > 0:
+                time.sleep(seconds)
+                charge.charged_s += seconds
+
+        StepUndo.capture = capture
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from lightning_roundpipe.optim.step_undo import StepUndo
+
+        StepUndo.capture = self._original
 
 
 def lane_wakeups(pool):
@@ -141,8 +180,20 @@ def scaled_model(model: str, hidden: int):
     return Qwen3ForCausalLM(Qwen3Config(**cfg))
 
 
+_SIMULATED: dict = {}  # (model, profile, gpus) -> simulated(): a row and its launch decision share one simulation
+
+
 def simulated(model: str, hw, gpus: int):
-    """(plan, costs, simulated optimizer-step seconds) of the reference workload on ``gpus`` GPUs of ``hw``."""
+    """(workload, plan, costs, simulated optimizer-step seconds) of the reference workload on ``gpus``
+    GPUs of ``hw`` (simulated once per model, profile and GPU count)."""
+    key = (model, hw.replace(num_gpus=gpus), gpus)
+    if key not in _SIMULATED:
+        _SIMULATED[key] = simulate_reference(model, hw, gpus)
+    return _SIMULATED[key]
+
+
+def simulate_reference(model: str, hw, gpus: int):
+    """``simulated`` without the cache."""
     from lightning_roundpipe.analysis.workload import PUBLISHED_RUNS, optimizer_step_period, reference_plan
     from lightning_roundpipe.cost.transformer import get_model_shape, shape_layer_costs
     from lightning_roundpipe.sim.simulate import SimConfig, simulate_roundpipe
@@ -159,14 +210,17 @@ def simulated(model: str, hw, gpus: int):
 
 
 def run_row(model: str, gpus: int, profile: str, hidden: int, target_step_s: float | None, steps: int,
-            warmup_calls: int, time_scale: float | None = None) -> dict:
+            warmup_calls: int, time_scale: float | None = None, undo: str = "charged") -> dict:
     """Train the scaled model on ``gpus`` emulated GPUs; measure ``steps`` optimizer steps. Device
-    times are scaled by ``time_scale``, or (None) so that the simulated step lasts ``target_step_s``."""
+    times are scaled by ``time_scale``, or (None) so that the simulated step lasts ``target_step_s``.
+    ``undo``: "charged" (the before-images also take the real shape's copy time at the profile's
+    host rate, ``UndoCharge``), "scaled" (only the copy of the scaled model) or "off" (no undo)."""
     from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
     from lightning_roundpipe.cost.hardware import load_hardware
     from lightning_roundpipe.cost.view import CostView
     from lightning_roundpipe.options import PartitionConfig
     from lightning_roundpipe.cost.task_seconds import ProfileDeviceTimes
+    from lightning_roundpipe.cost.host_update import UNDO_BYTES_PER_PARAM, update_seconds
 
     hw = load_hardware(profile)
     w, plan, costs, sim_step_s = simulated(model, hw, gpus)
@@ -179,11 +233,15 @@ def run_row(model: str, gpus: int, profile: str, hidden: int, target_step_s: flo
         raise RuntimeError(f"the engine runs {rt.planner.plan.to_text()}, the simulator {plan.to_text()}")
     scaled_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in rt.layers]
     rt.pool.emulate(ProfileDeviceTimes(plan, costs, hw, scaled_bytes), time_scale=scale, duplex=hw.duplex)
-    optimizer = rt.overlap_optimizer(torch.optim.AdamW(net.parameters(), lr=1e-4))
+    optimizer = rt.overlap_optimizer(torch.optim.AdamW(net.parameters(), lr=1e-4), undo=undo != "off")
     # The host optimizer's time is the real parameter count at the profile's host rate (sim/simulate.py
     # add_optimizer), spread over the update units the overlapped optimizer steps.
     optimizer_s = sum(CostView(costs).trainable) / hw.optimizer_params_per_s
     optimizer.delay_per_layer_s = optimizer_s * scale / max(1, len(optimizer.unit_layers))
+    trainable = sum(CostView(costs).trainable)
+    undo_s = update_seconds(trainable, hw, UNDO_BYTES_PER_PARAM) - update_seconds(trainable, hw)
+    scaled_params = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    charge = UndoCharge(undo_s * scale / scaled_params if undo == "charged" else 0.0)
     ids = torch.randint(0, net.config.vocab_size, (w.microbatches, SEQ_TOKENS), generator=torch.Generator().manual_seed(0))
 
     def call():
@@ -210,7 +268,7 @@ def run_row(model: str, gpus: int, profile: str, hidden: int, target_step_s: flo
         rt.join()
         before_cpu, before_wake = thread_cpu_seconds(), lane_wakeups(rt.pool)
         late_before = sum(rt.pool.late_seconds)
-        with PhaseClock() as phases:
+        with PhaseClock() as phases, charge:
             t0 = time.perf_counter()
             for _ in range(steps):
                 step()
@@ -232,8 +290,14 @@ def run_row(model: str, gpus: int, profile: str, hidden: int, target_step_s: flo
         host_streams_s=cpu.get("streams", 0.0), host_optimizer_s=cpu.get("optimizer", 0.0),
         host_other_s=cpu.get("other", 0.0),
         # Parts of the optimizer thread's and the main thread's seconds above:
+        undo=undo, undo_charged_s=charge.charged_s / steps / scale,
         host_undo_s=phases.seconds["undo"] / steps, host_accumulate_s=phases.seconds["accumulate"] / steps,
         gil_share_upper_bound=sum(cpu.values()) / wall,
+        # The best ratio the host's CPU alone allows: its CPU seconds per step against the simulated
+        # step (in wall seconds) times the usable cores, and times one core for GIL-serialised Python.
+        host_cpu_per_step_s=sum(cpu.values()),
+        cpu_bound_cores=min(1.0, (os.cpu_count() or 1) * sim_step_s * scale / max(sum(cpu.values()), 1e-9)),
+        cpu_bound_gil=min(1.0, sim_step_s * scale / max(sum(cpu.values()), 1e-9)),
         lane_wakeups_per_s=(after_wake - before_wake).wakeups / (wall * steps),
         host_lane_bookkeeping_s=(after_wake - before_wake).bookkeeping_s / steps,
         late_device_s=late,
@@ -276,29 +340,36 @@ def launch_decision(row: dict, profile: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = cli(__doc__.split("\n")[0], quick="8 GPUs only, shorter steps (under 5 minutes on 2 cores)")
+    ap = cli(__doc__.split("\n")[0], quick="8 GPUs only, one measured step, in the profile's real time "
+                                          "(about 4 minutes on 2 cores)")
     ap.add_argument("--profile", default="rtx4090", help="hardware profile of the emulated GPUs (cost/profiles)")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--gpus", default=None, help="comma-separated GPU counts (default 1,2,4,8; --quick: 8)")
     ap.add_argument("--hidden", type=int, default=32, help="width of the scaled models")
     ap.add_argument("--target-step-s", type=float, default=None,
-                    help="wall seconds one simulated optimizer step is scaled to (default 8; --quick: 3)")
+                    help="scale every row's device time so that one simulated optimizer step lasts this many wall "
+                         "seconds (default: none, the profile's real time)")
     ap.add_argument("--time-scale", type=float, default=None,
-                    help="one scale for every row instead of --target-step-s (1: the profile's real time)")
+                    help="one scale for every row (default 1: the profile's real time)")
     ap.add_argument("--steps", type=int, default=None, help="measured optimizer steps per row (default 2; --quick: 1)")
+    ap.add_argument("--undo", choices=("charged", "scaled", "off"), default="charged",
+                    help="the failed-step undo's before-images: charged at the real shape's copy time (default), "
+                         "only the scaled model's copy, or no undo")
     ap.add_argument("--launch-profiles", default=None,
                     help="profiles the launch-cost decision is taken for, from the 8-GPU rows (default rtx4090,h200; "
                          "--quick: rtx4090)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # tiny tensors: intra-op threads only add contention with the lanes
     gpus = [int(g) for g in (args.gpus or ("8" if args.quick else "1,2,4,8")).split(",")]
-    target = args.target_step_s or (3.0 if args.quick else 8.0)
+    target = args.target_step_s
+    time_scale = args.time_scale if args.time_scale is not None or target is not None else 1.0
     steps = args.steps or (1 if args.quick else 2)
     rows, load_before, started = [], os.getloadavg(), time.perf_counter()
     for model in args.models.split(","):
         for g in gpus:
             t0 = time.perf_counter()
-            row = run_row(model, g, args.profile, args.hidden, target, steps, warmup_calls=1, time_scale=args.time_scale)
+            row = run_row(model, g, args.profile, args.hidden, target, steps, warmup_calls=1, time_scale=time_scale,
+                          undo=args.undo)
             rows.append(row)
             print(f"{model} x{g}: achieved/simulated {row['achieved_over_simulated']:.3f} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -310,7 +381,7 @@ def main(argv=None) -> dict:
     print(load_line(info))
     command = " ".join(["python -m benchmarks.emulated_gpus", *(sys.argv[1:] if argv is None else argv)])
     result = dict(rows=rows, launch_decision=launch, profile=args.profile, hidden=args.hidden, target_step_s=target,
-                  time_scale=args.time_scale, steps=steps, command=command, run=info)
+                  time_scale=time_scale, steps=steps, undo=args.undo, command=command, run=info)
     if args.json:
         write_json(args.json, result)
     return result

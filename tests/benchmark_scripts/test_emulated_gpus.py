@@ -53,3 +53,24 @@ def test_lane_wakeups_reads_the_pools_lane_counters():
     finally:
         pool.shutdown()
     assert done.tasks_run == 1 and done.wakeups >= 1
+
+
+@pytest.mark.timeout(30)
+def test_the_undo_charge_sleeps_per_parameter_copied_once_and_puts_capture_back():
+    import torch
+
+    from benchmarks.validation.emulated_gpus import UndoCharge
+    from lightning_roundpipe.optim.step_undo import StepUndo
+
+    p = torch.nn.Parameter(torch.ones(1000))
+    undo = StepUndo(torch.optim.SGD([p], lr=0.1))
+    original = StepUndo.capture
+    with UndoCharge(2e-5) as charge:  # 1,000 parameters: 0.02 s
+        t0 = time.perf_counter()
+        StepUndo.capture(undo, [p])
+        StepUndo.capture(undo, [p])  # already captured: nothing copied, nothing charged
+        took = time.perf_counter() - t0
+    assert StepUndo.capture is original
+    assert charge.charged_s == pytest.approx(0.02)
+    assert took >= 0.02
+    assert torch.equal(undo.saved[id(p)][1], torch.ones(1000))  # the real before-image was taken too

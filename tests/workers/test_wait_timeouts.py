@@ -43,6 +43,9 @@ ALLOWED = {
     ("distributed/gradient_sync.py", "self._watch.get()"):
         "the all-reduce watcher's idle wait for its next reduction; close() puts None to end it, and the host waits "
         "on each reduction with timeout_s",
+    ("workers/emulated.py", "cond.wait()"):
+        "the emulated streams' clock thread's idle wait for its next event to complete; complete_at() and close() "
+        "wake it, and callers wait on the events with timeouts",
     ("workers/streams.py", "self._cond.wait()"):
         "a fake stream executor's idle wait for its next item; stop() wakes it, and callers wait on the items' "
         "events with timeouts",

@@ -42,12 +42,13 @@ from dataclasses import dataclass, field
 from ..cost.profile import CostProfile
 from ..schedule.dispatch_order import schedule_named
 from ..schedule.history import WorkerHistory
-from ..schedule.lowering import DEFAULT_PRIORITIES, GraphTask, LoweringOptions, lower
+from ..schedule.lowering import DEFAULT_PRIORITIES, GraphTask, LoweringOptions
 from ..schedule.plan import Plan, PlanError
 from ..tracing.records import TraceRecord
 from ..cost.view import CostView
 from ..cost.memory import layer_grain_graph
 from .accumulation import CallAccumulator, submission
+from .lowered_steps import LoweredSteps
 from .event_queue import HOST, EventSimulator, LinkSpec, Op
 from ..cost.hardware import HardwareProfile
 from ..cost.host_update import UNDO_BYTES_PER_PARAM, unscale_seconds, update_seconds
@@ -314,6 +315,10 @@ class _RoundPipeBuilder:
                                                                         last_updates),
                                      config.accumulation, config.stale_optimizer)
         self.submitted: Op | None = None  # the host's last task submission (dispatch cost)
+        # Each step's graph: lowered once per start worker (``lowered_steps.py``).
+        self.lowered = LoweredSteps(plan, num_workers, self.sizes, LoweringOptions(
+            microbatches=microbatches, training=True, fused=plan.fused_last, recompute=True,
+            layer_recompute=config.layer_recompute, schedule=schedule_named(config.schedule)))
 
     def add(self, op: Op) -> Op:
         return self.sim.add(op)
@@ -321,10 +326,7 @@ class _RoundPipeBuilder:
     def step(self, step: int) -> None:
         cfg, plan, view, m = self.cfg, self.plan, self.view, self.m
         first = self.history.next_worker if cfg.continue_round_robin else 0
-        graph = lower(plan, self.nw, first, self.sizes,
-                      LoweringOptions(microbatches=m, training=True, fused=plan.fused_last, recompute=True,
-                                      layer_recompute=cfg.layer_recompute,
-                                      first_serial=self.history.next_serial, schedule=schedule_named(cfg.schedule)))
+        graph = self.lowered.graph(first, self.history.next_serial)
         self.history.advance(graph)
         tasks = graph.tasks
         done: dict[int, list[Op]] = {}  # task id -> the ops that finish it

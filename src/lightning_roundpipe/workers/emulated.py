@@ -95,11 +95,11 @@ class EmulatedStream(FakeStream):
                 self.clock = link.clock = max(now, start + seconds)
         return max(0.0, now - (start + seconds))
 
-    def wait_for(self, event: FakeEvent) -> None:
+    def stop_at(self, event: FakeEvent) -> None:
         """Wait until the other stream's executor has passed ``event`` (its data is there); the
         device then waits for the event's time."""
         if not isinstance(event, EmulatedEvent):
-            super().wait_for(event)
+            super().stop_at(event)
             return
         while not event.passed.wait(0.1):
             if self.stopping():

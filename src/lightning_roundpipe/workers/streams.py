@@ -283,7 +283,7 @@ class FakeStream:
         """Whether the stream's thread still runs."""
         return self._thread.is_alive()
 
-    def wait_for(self, event: "FakeEvent") -> None:
+    def stop_at(self, event: "FakeEvent") -> None:
         """A wait item: stop here until ``event`` completes (or the stream is stopped)."""
         while not event.wait(0.1):
             if self._stopping:
@@ -311,7 +311,7 @@ class FakeStream:
                     return
                 kind, *rest = self._items.popleft()
             if kind == "wait":
-                self.wait_for(rest[0])
+                self.stop_at(rest[0])
             elif kind == "event":
                 self.reach(rest[0])
             else:
