@@ -130,3 +130,24 @@ def weight_error(w, w_ref, w_init):
             for k in w_ref if (w_ref[k] - w_init[k]).norm() > 0]
     assert errs, "no weight moved"
     return max(errs)
+
+
+class InjectedBackwardFailure(RuntimeError):
+    """What ``FailingBackward`` raises."""
+
+
+class FailingBackward(torch.autograd.Function):
+    """Identity whose backward counts its runs in ``state["backwards"]`` and raises
+    ``InjectedBackwardFailure`` on run number ``state["fail_at"]`` (1: the first)."""
+
+    @staticmethod
+    def forward(ctx, x, state):
+        ctx.state = state
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.state["backwards"] += 1
+        if ctx.state["backwards"] == ctx.state["fail_at"]:
+            raise InjectedBackwardFailure(f"injected failure in backward number {ctx.state['fail_at']}")
+        return g, None

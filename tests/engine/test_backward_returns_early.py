@@ -19,7 +19,7 @@ from lightning_roundpipe import CpuWorkerPool, EngineOptions, PipelineEngine, Wo
 from lightning_roundpipe.planning.cuts import simple_plan
 from lightning_roundpipe.workers.pool import Worker
 
-from _models import mlp
+from _models import FailingBackward, InjectedBackwardFailure, mlp
 
 
 class LossHead(nn.Module):
@@ -123,22 +123,6 @@ def test_the_next_forward_starts_before_the_previous_backward_ends_only_when_ret
     assert (first_forward < last_backward) is early, (first_forward, last_backward)
 
 
-class Injected(RuntimeError):
-    pass
-
-
-class FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, state):
-        ctx.state = state
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.state["backwards"] += 1
-        if ctx.state["backwards"] == ctx.state["fail_at"]:
-            raise Injected("injected failure in the backward of call 1")
-        return g, None
 
 
 class Boom(nn.Module):
@@ -171,7 +155,7 @@ def failed_first_backward(early):
         else:
             with pytest.raises(WorkerError) as info:
                 loss.backward()
-        assert isinstance(info.value.original, Injected)
+        assert isinstance(info.value.original, InjectedBackwardFailure)
         assert eng.owed_tail is None
         after = [None if p.grad is None else p.grad.clone() for p in params]
         # The engine runs on: a clean call and backward give the plain module's gradients.
@@ -196,7 +180,7 @@ def failed_first_backward(early):
 def test_a_failed_owed_tail_raises_the_waiting_error_at_the_next_entry_and_leaves_grad_as_waiting_does():
     waited_error, waited_grads = failed_first_backward(early=False)
     early_error, early_grads = failed_first_backward(early=True)
-    assert "injected failure in the backward of call 1" in str(early_error)
+    assert "injected failure in backward number 1" in str(early_error)
     assert str(early_error) == str(waited_error)
     # The failed stage's layer gets nothing; what reached .grad before it is the same on both paths.
     assert early_grads[0] is None and early_grads[1] is None

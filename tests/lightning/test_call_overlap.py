@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from _models import SeqModule, fit, make_data, weight_error, weights
+from _models import FailingBackward, InjectedBackwardFailure, SeqModule, fit, make_data, weight_error, weights
 from lightning_roundpipe import RoundPipeStrategy, WorkerError
 
 
@@ -67,28 +67,12 @@ def test_the_next_batch_forward_starts_before_the_previous_backward_ends(overlap
     assert (first_forward < last_backward) is overlap_calls, (first_forward, last_backward)
 
 
-class Injected(RuntimeError):
-    pass
-
-
-class FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, state):
-        ctx.state = state
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.state["backwards"] += 1
-        if ctx.state["backwards"] == 1:
-            raise Injected("injected failure in the first backward")
-        return g, None
 
 
 class FailsFirstBackward(SeqModule):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.state = {"backwards": 0}
+        self.state = {"backwards": 0, "fail_at": 1}
         first = self.net[0]
         self.net[0] = nn.Sequential(first, _Apply(self.state))
 
@@ -110,7 +94,7 @@ def test_a_failed_tail_fails_the_fit_with_the_waiting_error_and_leaves_weights_a
         w0 = weights(module)
         with pytest.raises(WorkerError) as info:
             roundpipe_fit(module, overlap_calls, accumulate_grad_batches=2)
-        assert isinstance(info.value.original, Injected)
+        assert isinstance(info.value.original, InjectedBackwardFailure)
         # Overlapped: raised by the next batch's forward, which finished the failed tail; else by backward.
         raised_in = [entry.name for entry in info.traceback]
         assert ("finish_backward" in raised_in and "training_step" in raised_in) is overlap_calls, raised_in
@@ -120,7 +104,7 @@ def test_a_failed_tail_fails_the_fit_with_the_waiting_error_and_leaves_weights_a
         opt = module.trainer.optimizers[0] if module.trainer.optimizers else None
         assert opt is None or not opt.state  # the optimizer state is as before: empty
     assert errors[True] == errors[False]
-    assert "injected failure in the first backward" in errors[True]
+    assert "injected failure in backward number 1" in errors[True]
 
 
 class HookSeesGrads(SeqModule):

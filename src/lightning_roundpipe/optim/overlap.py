@@ -235,15 +235,8 @@ class OverlappedOptimizer:
             self._capture_ahead(self._undo)
         if self._unscale is not None:
             return self._scaled_step(closure)
-        loss = None
         try:
-            if closure is not None:
-                self.in_step = True
-                try:
-                    with torch.enable_grad():
-                        loss = closure()
-                finally:
-                    self.in_step = False
+            loss = self._run_closure(closure)
             if self.staleness:
                 # The previous update ran behind this step's forward and backward, which read the
                 # shadows; now publish it to the shadows, then start this step's update.
@@ -264,6 +257,18 @@ class OverlappedOptimizer:
         self.optimizer._opt_called = True  # what LRScheduler checks to know a step happened
         return loss
 
+    def _run_closure(self, closure):
+        """The caller's closure (forward and backward), with grad on and ``in_step`` set while it
+        runs (layers then step early as their gradients complete); None without a closure."""
+        if closure is None:
+            return None
+        self.in_step = True
+        try:
+            with torch.enable_grad():
+                return closure()
+        finally:
+            self.in_step = False
+
     def _committed(self, undo: StepUndo) -> None:
         """On the lane after the step's last layer step: the step succeeded unless it failed meanwhile."""
         if undo.failure is None:
@@ -283,15 +288,8 @@ class OverlappedOptimizer:
         ``skip_step``) puts back every layer that stepped, otherwise the step commits. The caller
         then runs the scaler's ``update()``."""
         undo, unscale = self._undo, self._unscale
-        loss = None
         try:
-            if closure is not None:
-                self.in_step = True
-                try:
-                    with torch.enable_grad():
-                        loss = closure()
-                finally:
-                    self.in_step = False
+            loss = self._run_closure(closure)
             if not self._skip:
                 hp = self._snapshot()
                 for unit in sorted(self.unit_params):
