@@ -284,11 +284,18 @@ class RuntimeOptions:
         it from the precision plugin; no Hydra entry.
     compile_layers: run every layer through ``torch.compile`` (inductor) on the workers, so that its
         element-wise chains fuse into few kernels (``engine/compiled_layers.py``). One compile per
-        layer class, grad mode and shape, reused by every layer, stage and worker of the process;
-        the first step pays it (measured on the CPU backend, 2 cores: tens of seconds for a tiny
-        decoder layer, forward and backward). Exact within fp32 rounding of the eager path; dropout
-        draws the eager layer's numbers and recompute replays them. The causal LM's prefix (masks)
-        and postfix (chunked loss) stay eager. False (default): eager layers.
+        layer class, grad mode and shape, reused by every layer, stage and worker of the process
+        (a second shape compiles once more with dynamic dimensions, torch's automatic dynamic
+        shapes); the first step pays it (measured on the CPU backend, 2 cores: tens of seconds for
+        a tiny decoder layer, forward and backward), inside the pool's ``timeout``. Exact within
+        fp32 rounding of the eager path (summation order only, DESIGN's "exact by default");
+        dropout draws the eager layer's numbers and recompute replays them. The causal LM's prefix
+        (masks) and postfix (chunked loss) stay eager. None (default): the backend's rule
+        (``WorkerPool.default_compile_layers``): on the CUDA backend when inductor can generate
+        GPU code there (Triton installed, every GPU of compute capability 7.0 or newer), where the
+        simulator predicts 11-30% more tokens/s on the reference workload (docs/tuning.md);
+        eager on the CPU, fake-stream and emulated backends, whose tests and benchmarks stay eager.
+        True: compile on any backend; False: eager layers.
     fp16_accumulation: fp16 matmuls accumulate in fp16 on CUDA, as the RoundPipe reference trains
         (``torch.backends.cuda.matmul.allow_fp16_accumulation``, turned on for the run and put back
         after it; ``workers/matmul_accumulation.py``): about twice the fp16 matmul rate of a GeForce
@@ -372,7 +379,7 @@ class RuntimeOptions:
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     compute_dtype: Any = None
-    compile_layers: bool = False
+    compile_layers: Optional[bool] = None
     fp16_accumulation: bool = False
     cpu_threads_per_worker: int = 1
     cpu_reuse_freed_memory: bool = True
@@ -407,7 +414,8 @@ class RuntimeOptions:
         _integer(owner, "seed", self.seed, 0)
         _integer(owner, "trace_steps", self.trace_steps, 0)
         _flag(owner, "step_metrics", self.step_metrics)
-        _flag(owner, "compile_layers", self.compile_layers)
+        if self.compile_layers is not None:
+            _flag(owner, "compile_layers", self.compile_layers)
         _flag(owner, "fp16_accumulation", self.fp16_accumulation)
         if self.overlap_optimizer is not None:
             _flag(owner, "overlap_optimizer", self.overlap_optimizer)
@@ -435,17 +443,24 @@ class RuntimeOptions:
             return True
         return overlap_optimizer_default(backend, num_workers, self.cpu_threads_per_worker, cores)
 
+    def compiles_layers(self, backend_default: bool) -> bool:
+        """Whether layers run compiled: ``compile_layers`` when set, else ``backend_default`` (the
+        pool class's ``default_compile_layers()``)."""
+        return bool(backend_default) if self.compile_layers is None else self.compile_layers
+
     def engine_options(self, num_workers: int, microbatches: int | None = None,
-                       recompute: bool | None = None) -> EngineOptions:
-        """The engine's share of these options. ``microbatches`` / ``recompute``: the choices made
-        for ``None`` / "auto" (the plan keeper makes them); without them, one more microbatch than
-        workers and recompute unless "never"."""
+                       recompute: bool | None = None, compile_layers: bool | None = None) -> EngineOptions:
+        """The engine's share of these options. ``microbatches`` / ``recompute`` / ``compile_layers``:
+        the choices made for ``None`` / "auto" / ``None`` (the plan keeper and the backend make them);
+        without them, one more microbatch than workers, recompute unless "never", and eager layers
+        unless ``compile_layers=True``."""
         t = self.transfer
         microbatches = microbatches or self.microbatches or num_workers + 1
         recompute = self.recompute != "never" if recompute is None else recompute
         return EngineOptions(microbatches=microbatches, recompute=recompute,
                              layer_recompute=recompute and self.recompute == "layer",
-                             compute_dtype=self.compute_dtype, compile_layers=self.compile_layers,
+                             compute_dtype=self.compute_dtype,
+                             compile_layers=self.compiles_layers(False) if compile_layers is None else compile_layers,
                              priorities=dict(t.priorities),
                              chunk_bytes=t.chunk_bytes, prefetch_depth=t.prefetch_depth)
 

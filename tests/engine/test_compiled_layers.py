@@ -117,3 +117,74 @@ def test_compiled_decoder_layers_of_a_softcapping_family_with_the_fused_chunked_
         update = (ref - start[name]).norm()
         assert update > 0, name
         assert (pipelined[name] - ref).norm() / update <= WEIGHT_TOL, name
+
+
+def test_compile_layers_defaults_to_the_backends_rule_eager_on_cpu():
+    """``compile_layers=None`` (the default) asks the backend: the CPU backend keeps eager layers, so
+    nothing compiles; ``compile_layers=True`` still compiles there (the tests above)."""
+    from lightning_roundpipe.options import RuntimeOptions
+    from lightning_roundpipe.workers import backend_class
+
+    assert RuntimeOptions().compile_layers is None
+    assert RuntimeOptions().compiles_layers(True) is True and RuntimeOptions().compiles_layers(False) is False
+    assert RuntimeOptions(compile_layers=False).compiles_layers(True) is False
+    assert RuntimeOptions(compile_layers=True).compiles_layers(False) is True
+    for backend in ("cpu", "fake_cuda", "emulated"):
+        assert backend_class(backend).default_compile_layers() is False, backend
+    class EngineOptionsSeen(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            self.compile_layers = trainer.strategy.runtime.engine.options.compile_layers
+
+    seen = EngineOptionsSeen()
+    before = len(COMPILED_LAYERS.compiles)
+    fit(BlocksModule(), RoundPipeStrategy(microbatches=2), devices=2, max_steps=1, callbacks=[seen])
+    assert seen.compile_layers is False
+    assert len(COMPILED_LAYERS.compiles) == before
+
+
+@pytest.mark.parametrize("cuda, triton, capabilities, expected", [
+    (True, True, [(8, 9), (8, 9)], True),   # two RTX 4090s
+    (True, True, [(9, 0)], True),           # H100 / H200
+    (True, True, [(8, 9), (6, 1)], False),  # one Pascal GPU among them: Triton does not run there
+    (True, False, [(8, 9)], False),         # no triton package: inductor cannot generate GPU code
+    (False, True, [], False),               # no CUDA
+])
+def test_the_cuda_backend_compiles_by_default_where_inductor_generates_gpu_code(monkeypatch, cuda, triton,
+                                                                                 capabilities, expected):
+    import importlib.util
+
+    from lightning_roundpipe.workers import cuda as cuda_backend
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: capabilities[i])
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if triton else None) if name == "triton" else real_find_spec(name, *a))
+    indices = list(range(len(capabilities))) or None
+    assert cuda_backend.inductor_generates_gpu_code(indices) is expected
+    assert cuda_backend.CudaWorkerPool.default_compile_layers(indices) is expected
+
+
+@pytest.mark.timeout(600)
+def test_a_third_shape_reuses_the_dynamic_graph_the_second_compiled():
+    """torch's automatic dynamic shapes (``dynamic=None``): the first microbatch shape compiles a static
+    graph, the second one a graph with that dimension dynamic, and every later shape runs that graph:
+    two graphs for four sequence lengths, not four (dynamic padding does not compile every step)."""
+    from torch._dynamo.utils import counters  # dynamo's own count of the graphs it compiled
+
+    from lightning_roundpipe.engine.compiled_layers import CompiledLayers
+
+    class ShapeProbe(nn.Sequential):
+        """A class of its own: dynamo remembers dynamic dimensions per code name, and the other tests'
+        Sequential blocks already ran at several shapes."""
+
+    torch.manual_seed(0)
+    layer = ShapeProbe(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+    params = dict(layer.named_parameters())
+    layers = CompiledLayers()
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for length in (5, 7, 9, 11):
+            x = torch.randn(2, length, WIDTH)
+            torch.testing.assert_close(layers.call(layer, params, x), layer(x), rtol=1e-6, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] - before == 2

@@ -1,4 +1,4 @@
-"""Layers run through ``torch.compile`` on the workers (``compile_layers=True``).
+"""Layers run through ``torch.compile`` on the workers (``compile_layers``: True, or None on GPUs).
 
 Eager Hugging Face layers launch one kernel per element-wise operation (RMSNorm's fp32 round
 trip, rotary, residual adds, activations); inductor fuses those chains. What is compiled is the eager path's own call,
@@ -11,9 +11,11 @@ per (layer class, grad mode, autocast, shapes), with a forward and a backward gr
 Exact within fp32 rounding of the eager path: inductor may sum in another order (a norm's mean),
 nothing else changes. Random numbers: ``fallback_random`` makes inductor call the eager random
 ops on the same generator, so dropout draws what the eager layer draws, and the engine's per-layer
-seeds replay it in recompute exactly as for eager layers. Shapes are static (``dynamic=False``):
-a new microbatch shape compiles anew (dynamo's recompile limit bounds how often; past it the layer
-runs eagerly, still exact).
+seeds replay it in recompute exactly as for eager layers. Shapes follow torch's automatic dynamic
+shapes (``dynamic=None``): the first shape compiles static, a second one (another padded length,
+a shorter last microbatch) compiles once more with those dimensions dynamic, which then serves
+every later shape, so dynamic padding does not compile every step (dynamo's recompile limit bounds
+the rest; past it the layer runs eagerly, still exact).
 
 A layer class may keep its eager forward by setting ``compiled_on_workers = False`` (the causal
 LM's prefix builds masks in Python, data-dependent; its postfix's chunked loss is a loop of
@@ -61,7 +63,7 @@ class CompiledLayers:
         with self._lock:
             fn = self._forwards.get(cls)
             if fn is None:
-                fn = torch.compile(_call_for(cls), dynamic=False, options=dict(INDUCTOR_OPTIONS))
+                fn = torch.compile(_call_for(cls), dynamic=None, options=dict(INDUCTOR_OPTIONS))
                 self._forwards[cls] = fn
             return fn
 

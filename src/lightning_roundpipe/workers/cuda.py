@@ -343,6 +343,22 @@ def _page_aligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     return raw[off:off + nbytes].view(dtype).view(tuple(shape))
 
 
+TRITON_MIN_CAPABILITY = (7, 0)  # the oldest GPUs inductor's Triton kernels run on (Volta)
+
+
+def inductor_generates_gpu_code(device_indices=None) -> bool:
+    """Whether ``torch.compile``'s inductor can generate kernels for these GPUs (default: GPU 0):
+    CUDA available, the ``triton`` package installed (inductor's GPU code generator, shipped with
+    torch's CUDA wheels) and every GPU of compute capability ``TRITON_MIN_CAPABILITY`` or newer.
+    Where it cannot, ``compile_layers=None`` keeps eager layers instead of failing at the first step."""
+    import importlib.util
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+        return False
+    indices = list(device_indices) if device_indices is not None else [0]
+    return all(torch.cuda.get_device_capability(int(i)) >= TRITON_MIN_CAPABILITY for i in indices)
+
+
 class CudaWorkerPool(StreamWorkerPool):
     """The CUDA backend: one worker per entry of ``device_indices``, each with its own streams."""
     backend = "cuda"
@@ -357,6 +373,11 @@ class CudaWorkerPool(StreamWorkerPool):
     def options_from(cls, options) -> dict:
         """Download buffers are pinned unless the pinned policy is "off"."""
         return dict(pin_memory=options.pinned != "off")
+
+    @classmethod
+    def default_compile_layers(cls, device_indices=None) -> bool:
+        """Compiled layers by default where inductor generates GPU code (``inductor_generates_gpu_code``)."""
+        return inductor_generates_gpu_code(device_indices)
 
     @classmethod
     def memory_budget_bytes(cls, device_indices, options) -> int | None:

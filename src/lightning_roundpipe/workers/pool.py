@@ -417,6 +417,12 @@ class WorkerPool:
         return {}
 
     @classmethod
+    def default_compile_layers(cls, device_indices=None) -> bool:
+        """Whether ``compile_layers=None`` compiles layers on this backend's ``device_indices``: no
+        (eager; the CPU and fake-stream backends keep their tests and benchmarks on the eager path)."""
+        return False
+
+    @classmethod
     def memory_budget_bytes(cls, device_indices, options) -> int | None:
         """Per-worker budget of the partitioner and of ``recompute="auto"`` when the user set none."""
         return options.cpu_memory_cap_bytes
