@@ -104,7 +104,9 @@ class RoundPipeRuntime:
             budget_option=("partition.memory_budget_bytes" if options.partition.memory_budget_bytes is not None
                            else pool_class.budget_option),
         )
-        engine_opts = options.engine_options(num_workers, self.planner.microbatches, self.planner.recompute)
+        engine_opts = options.engine_options(
+            num_workers, self.planner.microbatches, self.planner.recompute,
+            compile_layers=options.compiles_layers(pool_class.default_compile_layers(device_indices)))
         self.host_clock = HostClock(self.planner, self.trace.now)
         masters = _unique_parameters(layers)
         if options.compute_dtype is not None or options.staleness:
@@ -219,7 +221,7 @@ class RoundPipeRuntime:
 
     def _choose_microbatches(self, inputs) -> None:
         """An open microbatch count is chosen again for the first batch seen (its size was unknown at set-up),
-        and a memory budget checked against its microbatches."""
+        attention priced for its sequence length, and a memory budget checked against its microbatches."""
         if not self.planner.wants_first_batch:
             return
         leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim()]

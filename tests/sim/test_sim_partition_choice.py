@@ -40,6 +40,20 @@ def test_engine_estimate_by_hand():
     assert [c.backward_s for c in est.layers] == pytest.approx([2 * e for e in expected], rel=1e-12)
     assert [c.weight_bytes for c in est.layers] == [200, 1000, 400]
     assert est.tokens_per_microbatch == t and est.link_bytes_per_second == 25e9 and not est.measured
+    # attention (FLOPs per token, ``cost.attention_blocks``) adds to the decoder layers only
+    priced = engine_estimate(costs, attention_flops_per_token=1000.0)
+    assert [c.forward_s for c in priced.layers] == pytest.approx([expected[0], (2 * 300 + 8 + 1000) * t / f, expected[2]],
+                                                                 rel=1e-12)
+
+
+def test_the_compute_policy_prices_attention_for_the_runs_sequences(monkeypatch):
+    from lightning_roundpipe.cost.attention_blocks import attention_flops_per_token
+
+    seen = []
+    real = own_engine.engine_estimate
+    monkeypatch.setattr(own_engine, "engine_estimate", lambda costs, attention=0.0: seen.append(attention) or real(costs, attention))
+    assert simulate_setup(tiny_run(), load_hardware("rtx4090"), Setup(partition="compute"), optimizer_steps=2).tokens_per_s > 0
+    assert seen == [attention_flops_per_token([(TINY.q_dim, None)], 256)] == [4 * 256 * 128]
 
 
 TINY = ModelShape("tiny", 256, 768, 4, 2, 64, 4096, 4)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..cost.attention_blocks import attention_flops_per_token
 from ..cost.compiled import compiled_launches
 from ..cost.profile import CostProfile
 from ..cost.memory import roundpipe_gpu_bytes
@@ -181,11 +182,13 @@ def dispatch_figure() -> float:
 
 def default_compiled_layers() -> bool:
     """Whether this engine compiles decoder layers by default on a GPU (``RuntimeOptions().compile_layers``:
-    True, or ``"auto"`` / ``"gpu"`` meaning on GPU workers; False or absent: eager)."""
+    True, or None meaning the CUDA backend's rule, ``workers.cuda.inductor_generates_gpu_code``,
+    which holds on the simulated GPUs: Triton ships with torch's CUDA wheels and every profile is
+    sm70 or newer; False: eager)."""
     from ..options import RuntimeOptions
 
-    value = getattr(RuntimeOptions(), "compile_layers", False)
-    return value is True or value in ("auto", "gpu")
+    value = RuntimeOptions().compile_layers
+    return value is None or value is True
 
 
 def default_undo() -> bool:
@@ -218,36 +221,43 @@ def our_default(hardware: HardwareProfile) -> Setup:
                  call_barrier=default_call_barrier())
 
 
-def engine_estimate(costs: CostProfile) -> CostProfile:
+def engine_estimate(costs: CostProfile, attention_flops_per_token: float = 0.0) -> CostProfile:
     """The costs a GPU run of the engine plans its first plan on, rebuilt from a shape's ``costs``.
 
     The engine's keeper (``planning/keeper.py``) estimates every layer with
     ``cost.estimate.estimate_costs`` for ``ASSUMED_TOKENS_PER_MICROBATCH`` tokens per microbatch,
-    whatever the batch: forward ``(2 x matmul parameters + output elements) x tokens`` FLOPs at
-    ``ENGINE_ESTIMATE_FLOPS_PER_S``, recompute the forward again, backward twice the forward, the
-    link at ``ENGINE_ESTIMATE_LINK_BYTES_PER_S``. The same rule applied to a shape's layers: the
-    layers before ``costs.decoder_layers`` are the embedding (a lookup: no matmul parameters), every
-    other layer's active parameters are matmul parameters (a norm's few weights are counted too:
-    under 1e-4 of a layer), and a layer's output elements are its output activation's. Weight,
-    gradient and activation bytes are kept."""
+    whatever the batch: forward ``(2 x matmul parameters + output elements + attention) x tokens``
+    FLOPs at ``ENGINE_ESTIMATE_FLOPS_PER_S``, recompute the forward again, backward twice the
+    forward, the link at ``ENGINE_ESTIMATE_LINK_BYTES_PER_S``; attention is priced for the first
+    batch's sequence length (``cost.attention_blocks``). The same rule applied to a shape's layers:
+    the layers before ``costs.decoder_layers`` are the embedding (a lookup: no matmul parameters),
+    every other layer's active parameters are matmul parameters (a norm's few weights are counted
+    too: under 1e-4 of a layer), the decoder layers (``costs.decoder_layers``) add
+    ``attention_flops_per_token`` (``attention_flops_per_token([(q_dim, None)], seq_len)``: the
+    simulator costs every layer's attention as full causal), and a layer's output elements are its
+    output activation's. Weight, gradient and activation bytes are kept."""
     from ..planning.keeper import ASSUMED_TOKENS_PER_MICROBATCH
 
     tokens = ASSUMED_TOKENS_PER_MICROBATCH
     lookups = costs.decoder_layers[0] if costs.decoder_layers is not None else 0
+    decoders = range(*costs.decoder_layers) if costs.decoder_layers is not None else range(0)
     layers = []
     for index, layer in enumerate(costs.layers):
         active = layer.active_params if layer.active_params is not None else (layer.params or 0)
         matmul = 0 if index < lookups else active
         outputs = layer.act_bytes_per_token // max(1, costs.dtype_bytes)
-        forward = (2.0 * matmul + outputs) * tokens / ENGINE_ESTIMATE_FLOPS_PER_S
+        attention = attention_flops_per_token if index in decoders else 0.0
+        forward = (2.0 * matmul + outputs + attention) * tokens / ENGINE_ESTIMATE_FLOPS_PER_S
         layers.append(replace(layer, forward_s=forward, recompute_s=forward, backward_s=2.0 * forward))
     return replace(costs, layers=layers, tokens_per_microbatch=tokens, measured=False, source="estimate",
                    link_bytes_per_second=ENGINE_ESTIMATE_LINK_BYTES_PER_S)
 
 
-def choose_plan(setup: Setup, costs, hardware: HardwareProfile, microbatches: int, model: str = "") -> Plan:
+def choose_plan(setup: Setup, costs, hardware: HardwareProfile, microbatches: int, model: str = "",
+                seq_len: int | None = None) -> Plan:
     """The plan ``setup.partition`` gives (raises PlanError when it does not fit the GPU); ``"compute"``
-    is searched on ``engine_estimate(costs)``, as the engine does (see ``Setup``)."""
+    is searched on ``engine_estimate(costs)``, as the engine does (see ``Setup``), attention priced
+    for ``seq_len``-token sequences of ``model`` (none without them)."""
     budget = int(hardware.gpu_memory_bytes * DEFAULT_MEMORY_FRACTION)
     if setup.partition == REFERENCE:
         return reference_plan(model)
@@ -257,7 +267,9 @@ def choose_plan(setup: Setup, costs, hardware: HardwareProfile, microbatches: in
             raise PlanError("no candidate plan fits the GPU memory")
         return choice.plan
     if setup.partition == "compute":
-        return partition("compute", engine_estimate(costs), hardware.num_gpus, microbatches, memory_budget_bytes=budget,
+        attention = (attention_flops_per_token([(get_model_shape(model).q_dim, None)], seq_len)
+                     if model and seq_len else 0.0)
+        return partition("compute", engine_estimate(costs, attention), hardware.num_gpus, microbatches, memory_budget_bytes=budget,
                          link_bytes_per_second=ENGINE_ESTIMATE_LINK_BYTES_PER_S, fused_last=True)
     return partition(setup.partition, costs, hardware.num_gpus, microbatches, memory_budget_bytes=budget,
                      link_bytes_per_second=hardware.host_device_bytes_per_s, fused_last=True)
@@ -292,7 +304,7 @@ def simulate_setup(run: PublishedRun, hardware: str | HardwareProfile, setup: Se
     if setup.compiled_layers:
         hw = compiled_launches(hw)
     try:
-        plan = choose_plan(setup, costs, hw, m, run.model)
+        plan = choose_plan(setup, costs, hw, m, run.model, seq_len)
     except (PlanError, ValueError) as err:
         return SetupResult(setup, m, calls, 0.0, refused=str(err).splitlines()[0])
     need = max(roundpipe_gpu_bytes(plan, costs, hw.num_gpus))

@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
+from .attention_blocks import attention_blocks, attention_flops_per_token
 from .experts import inactive_parameters
 from .profile import CostProfile, LayerCost
 from ..schedule.plan import Plan
@@ -68,6 +69,7 @@ def estimate_costs(
     flops_per_second: float = 5e10,
     link_bytes_per_second: float | None = None,
     progress: ProgressCallback | None = None,
+    context_tokens: int | None = None,
 ) -> CostProfile:
     """Estimate every layer's costs for microbatches of ``example_tokens`` tokens.
 
@@ -75,7 +77,9 @@ def estimate_costs(
       matmul parameters (embedding tables are lookups) and of routed experts only the
       ``top_k / num_experts`` share a token runs (``experts.routed_experts``); every layer
       also pays one FLOP per output element, so parameter-free layers and embeddings are cheap
-      but not free;
+      but not free; with ``context_tokens`` (the tokens of one sequence), an attention block
+      adds its scores and weighted sums for causal sequences of that length
+      (``attention_blocks``: ``4 x q_dim x min(context / 2, window)`` FLOPs per token);
     * ``active_params``: the parameters one token runs through (all of them in a dense layer);
     * recompute time equals the forward, backward time is twice the forward;
     * ``weight_bytes``: parameters in the compute dtype (the worker uploads them cast), buffers
@@ -112,7 +116,9 @@ def estimate_costs(
         else:
             act_bytes = _output_features(layer) * dtype_bytes
         output_elements = act_bytes // dtype_bytes
-        forward_s = (2.0 * matmul_params * example_tokens + output_elements * example_tokens) / flops_per_second
+        attention = attention_flops_per_token(attention_blocks(layer), context_tokens) if context_tokens else 0.0
+        forward_s = (2.0 * matmul_params * example_tokens + output_elements * example_tokens
+                     + attention * example_tokens) / flops_per_second
         out.append(LayerCost(forward_s, forward_s, 2.0 * forward_s, int(weight_bytes), int(grad_bytes), act_bytes,
                              params=sum(p.numel() for p in params),
                              trainable_params=sum(p.numel() for p in params if p.requires_grad),

@@ -1,11 +1,13 @@
 """Keeps the plan of a running pipeline: the first plan from estimates, re-plans from measurements.
 
 Before any step the costs are estimated from sizes and FLOPs (``cost_estimate``), so the first
-step already runs a reasonable plan. Each training step's measured stage times feed per-layer
+step already runs a reasonable plan; attention is priced for the first batch's sequence length
+(assumed ``ASSUMED_TOKENS_PER_MICROBATCH`` tokens until it is seen). Each training step's measured stage times feed per-layer
 moving averages; with the ``auto`` policy the plan is rebuilt when they move by more than the
 threshold (``partition.Replanner`` logs when and why). Other policies never re-plan: the default
 ``compute`` policy runs the same search on the estimate once, so the plan depends only on the
-model's shapes and the options (same seed, same plan, bit-identical weights).
+model's shapes, the options and the first batch's shape (same seed and data, same plan,
+bit-identical weights).
 
 Left open, the microbatch count and recompute are chosen here from the estimate
 (``defaults``). The host's own work (the caller's loss on the merged outputs, the training
@@ -20,6 +22,7 @@ import logging
 import torch
 from torch import nn
 
+from ..cost.attention_blocks import attention_blocks
 from ..cost.estimate import MovingCostProfile, estimate_costs
 from .defaults import (MICROBATCHES_PER_WORKER, choose_microbatches, choose_recompute, estimate_host_work,
                        host_memory_budget, rescaled)
@@ -71,8 +74,17 @@ class PlanKeeper:
         self.cfg = partition_cfg
         self.fused_last = fused_last
         dtype = compute_dtype or next((p.dtype for l in layers for p in l.parameters()), torch.float32)
-        costs = estimate_costs(layers, ASSUMED_TOKENS_PER_MICROBATCH, None, dtype, flops_per_second=flops_per_second,
-                               link_bytes_per_second=link_bytes_per_second, progress=progress)
+        # Attention is priced for sequences of the assumed microbatch's length until the first batch shows the real one.
+        self.context_tokens = ASSUMED_TOKENS_PER_MICROBATCH
+
+        def estimate(progress=None):
+            return estimate_costs(layers, ASSUMED_TOKENS_PER_MICROBATCH, None, dtype, flops_per_second=flops_per_second,
+                                  link_bytes_per_second=link_bytes_per_second, progress=progress,
+                                  context_tokens=self.context_tokens)
+
+        self.estimate = estimate
+        costs = estimate(progress)
+        self.context_pending = any(attention_blocks(layer) for layer in layers)  # the first batch's sequence length prices attention
         self.moving = MovingCostProfile(costs)
         n = len(layers)
         p = partition_cfg
@@ -133,14 +145,23 @@ class PlanKeeper:
     @property
     def wants_first_batch(self) -> bool:
         """Whether ``first_batch`` still has a choice to make (before the first step)."""
-        return (self.open_microbatches or self.memory_check_pending) and not self.steps_seen
+        return (self.open_microbatches or self.memory_check_pending or self.context_pending) and not self.steps_seen
 
     def first_batch(self, batch_size: int, tokens: int) -> Plan | None:
         """The microbatch count left open, chosen again for the first batch (``batch_size`` samples,
-        ``tokens`` rows of work), and a memory budget checked against its real microbatches; returns
-        the new plan when it changed (once, before any step)."""
+        ``tokens`` rows of work), attention re-priced for its sequences of ``tokens / batch_size``
+        tokens (``cost.attention_blocks``), and a memory budget checked against its real
+        microbatches; returns the new plan when it changed (once, before any step)."""
         if not self.wants_first_batch:
             return None
+        repriced = False
+        if self.context_pending:  # attention priced for the first batch's sequences (``tokens / batch_size`` each)
+            self.context_pending = False
+            context = max(1, tokens // max(1, batch_size))
+            if context != self.context_tokens:
+                self.context_tokens = context
+                self.moving = MovingCostProfile(self.estimate())
+                repriced = True
         costs = self.moving.profile()  # still the estimate: nothing has been measured yet
         m = (choose_microbatches(costs, self.num_workers, tokens, self.predicted_step, most=batch_size)
              if self.open_microbatches else self.microbatches)
@@ -151,7 +172,11 @@ class PlanKeeper:
             return self.plan
         self.open_microbatches = False
         if m == self.microbatches:
-            return None
+            if not repriced:
+                return None
+            before = self.plan
+            self.use(costs, m)
+            return self.plan if self.plan != before else None
         # Said once, in the plan table (``report``), not logged per runtime: the strategy builds
         # one runtime per Trainer call and each makes the same choice.
         self.choice_note = (f"microbatches: {m}, chosen for the first batch ({batch_size} samples); "
