@@ -33,6 +33,17 @@ def mlp(depth=6, width=16, dropout=0.0, seed=0):
     return layers
 
 
+class LossHead(nn.Module):
+    """Last layer of a fused plan: returns the microbatch's summed loss."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        return {"loss_sum": (self.proj(x) ** 2).sum()}
+
+
 class SeqModule(L.LightningModule):
     """An MLP in an nn.Sequential: the usual way a user would write it."""
 

@@ -14,6 +14,7 @@ shared host are noisy: read the ratio, with the load average printed beside it.
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
@@ -23,30 +24,19 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.figures.tanh_mlp import TanhMLP  # noqa: E402
 from benchmarks.harness import cli, markdown_table, write_json  # noqa: E402
 from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
 
-class Module(L.LightningModule):
-    def __init__(self, width: int, depth: int):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)])
-
-    def training_step(self, batch, i):
-        (x,) = batch
-        return self.net(x).pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
+SGD = functools.partial(torch.optim.SGD, lr=1e-3)
 
 
 class AlternateSteps(L.Callback):
@@ -73,7 +63,7 @@ class AlternateSteps(L.Callback):
 
 def fit(width: int, depth: int, batch: int, accumulate: int, steps: int, microbatches: int, overlap_calls=True,
         callbacks=()):
-    module = Module(width, depth)
+    module = TanhMLP(width, depth, SGD)
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(batch * accumulate * steps, width, generator=g))
     trainer = L.Trainer(strategy=RoundPipeStrategy(microbatches=microbatches, overlap_calls=overlap_calls),

@@ -17,16 +17,17 @@ median step time (steps after the first two of each fit) and the ratio join / no
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 import warnings
 
 import lightning as L
 
+from benchmarks.figures.tanh_mlp import TanhMLP
 from benchmarks.harness import cli, write_json
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_roundpipe import RoundPipeStrategy
@@ -41,18 +42,7 @@ class NoJoinStrategy(RoundPipeStrategy):
         return ParallelStrategy.optimizer_step(self, optimizer, closure, model, **kwargs)
 
 
-class Module(L.LightningModule):
-    def __init__(self, width: int, depth: int):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)])
-
-    def training_step(self, batch, i):
-        (x,) = batch
-        return self.net(x).pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-4, foreach=True)
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4, foreach=True)
 
 
 class StepTimer(L.Callback):
@@ -76,7 +66,7 @@ def one_fit(strategy_cls, width, depth, batch, steps, clip) -> list[float]:
     trainer = L.Trainer(strategy=strategy_cls(microbatches=2, partition="params"), accelerator="cpu", devices=2,
                         max_steps=steps + 2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[timer], gradient_clip_val=1.0 if clip else None)
-    trainer.fit(Module(width, depth), DataLoader(data, batch_size=batch))
+    trainer.fit(TanhMLP(width, depth, ADAMW), DataLoader(data, batch_size=batch))
     return timer.steady()
 
 

@@ -9,6 +9,7 @@ train like the default strategy (SGD and AdamW). The grouped forward reads no te
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import lightning as L
@@ -42,6 +43,28 @@ def loss_logits_grads(model, family):
 
 def relative(a, b):
     return ((a - b).norm() / b.norm()).item()
+
+
+@contextlib.contextmanager
+def mixtral_attached(moe_experts):
+    """Mixtral with HF's loop, its loss and gradients before attaching, then the model attached to 2 CPU workers
+    (3 microbatches, layer-grain recompute, logits with the loss) with ``moe_experts``; detached on exit."""
+    model = hf_loop_model("mixtral")
+    ref, ref_grads = loss_logits_grads(model, "mixtral")
+    runtime = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(microbatches=3, recompute="layer",
+                                                                      logits_with_loss=True, moe_experts=moe_experts))
+    try:
+        yield model, ref, ref_grads
+    finally:
+        runtime.detach()
+
+
+def assert_loss_and_grads_match(got, grads, ref, ref_grads):
+    """The loss and the aux loss within 1e-6 relative of the reference's, every reference gradient within 1e-5."""
+    assert abs(got.loss.item() / ref.loss.item() - 1) <= 1e-6
+    assert abs(got.aux_loss.item() / ref.aux_loss.item() - 1) <= 1e-6
+    for name, ref_grad in ref_grads.items():
+        assert relative(grads[name], ref_grad) <= 1e-5, name
 
 
 @pytest.mark.timeout(60)
@@ -154,21 +177,12 @@ def test_the_grouped_forward_reads_nothing_on_the_host(monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_the_runtime_swaps_the_experts_and_detach_gives_hf_forward_back():
-    model = hf_loop_model("mixtral")
-    ref, ref_grads = loss_logits_grads(model, "mixtral")
-    runtime = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(microbatches=3, recompute="layer",
-                                                                      logits_with_loss=True, moe_experts="grouped"))
-    try:
+    with mixtral_attached("grouped") as (model, ref, ref_grads):
         swapped = [m for m in model.modules() if isinstance(vars(m).get("forward"), GroupedExpertsForward)]
         assert len(swapped) == 3
         got, grads = loss_logits_grads(model, "mixtral")  # pipelined, microbatched, layer-grain recompute
-        assert abs(got.loss.item() / ref.loss.item() - 1) <= 1e-6
-        assert abs(got.aux_loss.item() / ref.aux_loss.item() - 1) <= 1e-6
         assert grads.keys() == ref_grads.keys()
-        for name, ref_grad in ref_grads.items():
-            assert relative(grads[name], ref_grad) <= 1e-5, name
-    finally:
-        runtime.detach()
+        assert_loss_and_grads_match(got, grads, ref, ref_grads)
     assert not any("forward" in vars(m) for m in model.modules())
     default = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(microbatches=2))
     try:

@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from _family_configs import tiny_model
-from lightning_roundpipe import RoundPipeRuntime, RoundPipeStrategy, RuntimeOptions
+from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.adapters.grouped_experts import (CAPACITY_MULTIPLE, GroupedExpertsForward, gate_of,
                                                           grouped_experts_forward, padded_capacity, sort_by_expert)
-from test_grouped_experts import Syncs, fit, hf_loop_model, loss_logits_grads, relative
+from test_grouped_experts import (Syncs, assert_loss_and_grads_match, fit, hf_loop_model, loss_logits_grads,
+                                  mixtral_attached, relative)
 
 
 def experts_of(model):
@@ -124,21 +125,12 @@ def test_the_padded_path_takes_fp16_rows():
 
 @pytest.mark.timeout(60)
 def test_the_runtime_option_installs_the_padded_path():
-    model = hf_loop_model("mixtral")
-    ref, ref_grads = loss_logits_grads(model, "mixtral")
-    runtime = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(microbatches=3, recompute="layer",
-                                                                      logits_with_loss=True, moe_experts="padded_bmm"))
-    try:
+    with mixtral_attached("padded_bmm") as (model, ref, ref_grads):
         kernels = [vars(m)["forward"].kernel for m in model.modules()
                    if isinstance(vars(m).get("forward"), GroupedExpertsForward)]
         assert kernels == ["padded_bmm"] * 3
         got, grads = loss_logits_grads(model, "mixtral")  # pipelined, microbatched, layer-grain recompute
-        assert abs(got.loss.item() / ref.loss.item() - 1) <= 1e-6
-        assert abs(got.aux_loss.item() / ref.aux_loss.item() - 1) <= 1e-6
-        for name, ref_grad in ref_grads.items():
-            assert relative(grads[name], ref_grad) <= 1e-5, name
-    finally:
-        runtime.detach()
+        assert_loss_and_grads_match(got, grads, ref, ref_grads)
     assert not any("forward" in vars(m) for m in model.modules())
 
 

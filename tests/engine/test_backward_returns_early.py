@@ -19,16 +19,7 @@ from lightning_roundpipe import CpuWorkerPool, EngineOptions, PipelineEngine, Wo
 from lightning_roundpipe.planning.cuts import simple_plan
 from lightning_roundpipe.workers.pool import Worker
 
-from _models import FailingBackward, InjectedBackwardFailure, mlp
-
-
-class LossHead(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.proj = nn.Linear(width, width)
-
-    def forward(self, x):
-        return {"loss_sum": (self.proj(x) ** 2).sum()}
+from _models import FailingBackward, InjectedBackwardFailure, LossHead, mlp
 
 
 def make_engine(layers, workers=2, microbatches=2, fused=False, delay=0.0, jitter=0.0, timeout=30):

@@ -24,7 +24,7 @@ from lightning_roundpipe.planning.cuts import simple_plan
 from lightning_roundpipe.schedule.plan import Plan
 from lightning_roundpipe.workers.pool import Worker
 
-from _models import mlp
+from _models import LossHead, mlp
 
 RUN_EVEN_AFTER_A_FAILURE = ("release", "free_kept")  # they free memory; see the module doc
 
@@ -116,15 +116,6 @@ def test_a_failure_on_a_non_last_microbatch_reached_no_host_wait_when_gradients_
     assert lost == [("act_save", "F0[0:2]", "mb0"), ("act_in", "B1[1:2]", "mb0"), ("grad_in", "B1[1:2]", "mb0"),
                     ("backward", "B1[1:2]", "mb0"), ("grad_out", "B1[1:2]", "mb0"), ("act_in", "B0[0:1]", "mb0"),
                     ("grad_in", "B0[0:1]", "mb0"), ("backward", "B0[0:1]", "mb0")]
-
-
-class LossHead(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.proj = nn.Linear(width, width)
-
-    def forward(self, x):
-        return {"loss_sum": (self.proj(x) ** 2).sum()}
 
 
 class Injected(RuntimeError):

@@ -14,18 +14,7 @@ from lightning_roundpipe.schedule.lowering import LoweringOptions, TaskGraph, lo
 from lightning_roundpipe.schedule.plan import Plan, PlanError
 from lightning_roundpipe.workers.pool import Worker
 
-from _models import mlp
-
-
-class LossHead(nn.Module):
-    """Last layer of a fused plan: returns the microbatch's summed loss."""
-
-    def __init__(self, width):
-        super().__init__()
-        self.proj = nn.Linear(width, width)
-
-    def forward(self, x):
-        return {"loss_sum": (self.proj(x) ** 2).sum()}
+from _models import LossHead, mlp
 
 
 class SubmitRecorder:
