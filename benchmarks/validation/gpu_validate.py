@@ -22,7 +22,9 @@ written after every check so a run cut short keeps what it measured):
   ``torch.cuda.set_sync_debug_mode("warn")`` after a warm-up step: must be 0.
 - ``throughput``: a Qwen3-1.7B shape and a Llama-3.1-8B-width slice, bf16, overlapped AdamW, at 1
   and N GPUs: tokens/s beside the simulator's prediction for the same plan and workload (at the
-  GPU's hardware profile); achieved / simulated >= 0.9.
+  GPU's hardware profile, with compiled layers when the run compiles them, as the CUDA backend
+  does by default); achieved / simulated >= 0.9; the warm-up step's seconds and the compile
+  seconds in it are reported.
 - ``bandwidth``: bare pinned H2D and D2H per GPU, alone and all GPUs at once, beside the
   pipeline's achieved upload bandwidth and exposed transfer time (from the throughput runs).
 - ``memory``: per GPU the allocated and reserved peaks against the plan's bound, allocator retries

@@ -109,6 +109,10 @@ def test_the_simulators_prediction_for_the_throughput_runs_plan_and_workload():
     assert (qwen.name, qwen.layers, qwen.seq) == ("qwen3-1.7b", 28, 2048)
     tokens_per_s, note = gpu_validate.predicted_tokens_per_s(simple_plan(30, 1, fused_last=True), 2, qwen,
                                                              "NVIDIA H200", 1, 2)
-    assert note == "h200 profile, 2 microbatches" and 1e3 < tokens_per_s < 1e6
+    assert note == "h200 profile, 2 microbatches, eager layers" and 1e3 < tokens_per_s < 1e6
+    compiled, compiled_note = gpu_validate.predicted_tokens_per_s(simple_plan(30, 1, fused_last=True), 2, qwen,
+                                                                  "NVIDIA H200", 1, 2, compiled_layers=True)
+    # the CUDA backend's default: fused element-wise chains and fewer launches make the prediction faster
+    assert compiled_note == "h200 profile, 2 microbatches, compiled layers" and compiled > tokens_per_s
     with pytest.raises(ValueError, match="the cost profile has 30 layers, the plan 12"):
         gpu_validate.predicted_tokens_per_s(simple_plan(12, 1), 2, qwen, "NVIDIA H200", 1, 2)

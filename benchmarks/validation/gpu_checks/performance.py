@@ -59,9 +59,12 @@ def _build(shape: Shape):
 
 
 def predicted_tokens_per_s(plan, microbatches: int, shape: Shape, gpu_name: str, gpus: int,
-                           sequences: int) -> tuple[float, str]:
+                           sequences: int, compiled_layers: bool = False) -> tuple[float, str]:
     """The simulator's tokens/s for ``plan`` on ``gpus`` GPUs of ``gpu_name``'s hardware profile, with
-    ``sequences`` sequences of ``shape.seq`` tokens per step in ``microbatches`` microbatches."""
+    ``sequences`` sequences of ``shape.seq`` tokens per step in ``microbatches`` microbatches;
+    ``compiled_layers``: the layers run through ``torch.compile`` (the CUDA backend's default where
+    inductor generates GPU code), priced as ``cost.compiled`` prices them."""
+    from lightning_roundpipe.cost.compiled import compiled_launches
     from lightning_roundpipe.cost.hardware import load_hardware
     from lightning_roundpipe.cost.machine import override_profile, profile_for_gpu
     from lightning_roundpipe.cost.transformer import get_model_shape, shape_layer_costs
@@ -70,11 +73,14 @@ def predicted_tokens_per_s(plan, microbatches: int, shape: Shape, gpu_name: str,
     profile = profile_for_gpu(gpu_name)
     hw, _ = override_profile(load_hardware(profile), gpus=gpus)
     model_shape = dataclasses.replace(get_model_shape(shape.preset), num_layers=shape.layers)
-    costs = shape_layer_costs(model_shape, hw, shape.seq, sequences / microbatches)
+    costs = shape_layer_costs(model_shape, hw, shape.seq, sequences / microbatches, compiled_layers=compiled_layers)
     if len(costs.layers) != plan.num_layers:
         raise ValueError(f"the cost profile has {len(costs.layers)} layers, the plan {plan.num_layers}")
+    if compiled_layers:
+        hw = compiled_launches(hw)
     result = simulate_roundpipe(plan, costs, hw, microbatches, num_workers=gpus)
-    return sequences * shape.seq / result.step_s, f"{profile} profile, {microbatches} microbatches"
+    layers = "compiled" if compiled_layers else "eager"
+    return sequences * shape.seq / result.step_s, f"{profile} profile, {microbatches} microbatches, {layers} layers"
 
 
 def simulated_tokens_per_s(ctx: Ctx, runtime, shape: Shape, gpus: int, sequences: int) -> tuple[float | None, str]:
@@ -84,7 +90,8 @@ def simulated_tokens_per_s(ctx: Ctx, runtime, shape: Shape, gpus: int, sequences
         return None, "fake streams: no GPU profile to simulate"
     try:
         return predicted_tokens_per_s(runtime.planner.plan, runtime.planner.microbatches, shape,
-                                      torch.cuda.get_device_name(0), gpus, sequences)
+                                      torch.cuda.get_device_name(0), gpus, sequences,
+                                      compiled_layers=runtime.engine.options.compile_layers)
     except Exception as err:  # noqa: BLE001 - the prediction is reported, its absence too
         return None, f"{type(err).__name__}: {err}"[:300]
 
@@ -99,6 +106,7 @@ def _memory_stats(ctx: Ctx) -> list[dict]:
 def throughput_run(ctx: Ctx, model, shape: Shape, gpus: int, steps: int) -> dict:
     """Warm-up, then ``steps`` timed steps of ``model`` on ``gpus`` GPUs: speed, transfers, memory."""
     from lightning_roundpipe.cost.memory import roundpipe_gpu_bytes
+    from lightning_roundpipe.engine.compiled_layers import COMPILED_LAYERS
     from lightning_roundpipe.tracing.metrics import exposed_transfer_seconds
     from lightning_roundpipe.workers.host_memory import host_rss_bytes
 
@@ -115,9 +123,12 @@ def throughput_run(ctx: Ctx, model, shape: Shape, gpus: int, steps: int) -> dict
                 model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
 
-        step()
+        compiled_before = COMPILED_LAYERS.compile_seconds()
+        w0 = time.perf_counter()
+        step()  # the warm-up: with compiled layers (the CUDA default) the first step compiles them
         runtime.join()
         ctx.sync()
+        warmup_s = time.perf_counter() - w0
         if ctx.cuda:
             for i in range(gpus):
                 torch.cuda.reset_peak_memory_stats(i)
@@ -138,6 +149,8 @@ def throughput_run(ctx: Ctx, model, shape: Shape, gpus: int, steps: int) -> dict
                    tokens_per_s=achieved, simulated_tokens_per_s=simulated, simulation=sim_note,
                    achieved_over_simulated=achieved / simulated if simulated else None,
                    host_cpu_s_per_wall_s=sum(cpu) / sum(walls), pinned_bytes=runtime.pool.pinned_host_bytes(),
+                   compiled_layers=runtime.engine.options.compile_layers, warmup_step_s=warmup_s,
+                   compile_s=COMPILED_LAYERS.compile_seconds() - compiled_before,
                    host_rss_bytes=host_rss_bytes())
         if runtime.kept_steps:
             records = runtime.trace.records(runtime.kept_steps[-1])
