@@ -12,13 +12,14 @@ the block has one (the cost model's ``cost/attention.py`` prices the same FLOPs)
 tokens per sequence that is 8% of a Qwen3-1.7B decoder layer's forward (``q_dim`` 2,048 against
 50M matmul parameters) and 4% of a Llama-3.1-8B one: small per layer, but the estimate balances
 decoder layers against a large LM head, so leaving it out cut the first plan of a model like
-Qwen3-1.7B about 10% slower than the plan on measured costs (``analysis/own_engine.engine_estimate``).
+Qwen3-1.7B 8% slower than the plan on measured costs (``analysis/own_engine.engine_estimate``).
 
 A block is found by what attention modules expose rather than by class: an integer ``head_dim``
 and the number of query heads as ``num_heads`` (``torch.nn.MultiheadAttention``, many custom
 blocks) or as its ``config.num_attention_heads`` (Hugging Face attention modules); the window is
-its ``sliding_window`` (module or config), when an integer. Blocks inside a found block are not
-counted again.
+the module's own ``sliding_window`` when an integer (Hugging Face sets it on sliding layers only; a
+config's ``sliding_window`` may be set where no layer slides, so it is not read). Blocks inside a
+found block are not counted again.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 Before any step the costs are estimated from sizes and FLOPs (``cost_estimate``), so the first
 step already runs a reasonable plan; attention is priced for the first batch's sequence length
-(assumed ``ASSUMED_TOKENS_PER_MICROBATCH`` tokens until it is seen). Each training step's measured stage times feed per-layer
-moving averages; with the ``auto`` policy the plan is rebuilt when they move by more than the
-threshold (``partition.Replanner`` logs when and why). Other policies never re-plan: the default
+(assumed ``ASSUMED_TOKENS_PER_MICROBATCH`` tokens until it is seen). Each training step's
+measured stage times feed per-layer moving averages; with the ``auto`` policy the plan is
+rebuilt when they move by more than the threshold (``partition.Replanner`` logs when and why). Other policies never re-plan: the default
 ``compute`` policy runs the same search on the estimate once, so the plan depends only on the
 model's shapes, the options and the first batch's shape (same seed and data, same plan,
 bit-identical weights).
@@ -84,7 +84,8 @@ class PlanKeeper:
 
         self.estimate = estimate
         costs = estimate(progress)
-        self.context_pending = any(attention_blocks(layer) for layer in layers)  # the first batch's sequence length prices attention
+        # With attention blocks, the first batch's sequence length prices them (``first_batch``).
+        self.context_pending = any(attention_blocks(layer) for layer in layers)
         self.moving = MovingCostProfile(costs)
         n = len(layers)
         p = partition_cfg
