@@ -188,3 +188,66 @@ def test_a_third_shape_reuses_the_dynamic_graph_the_second_compiled():
             x = torch.randn(2, length, WIDTH)
             torch.testing.assert_close(layers.call(layer, params, x), layer(x), rtol=1e-6, atol=1e-6)
     assert counters["stats"]["unique_graphs"] - before == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_compiler_failure_fails_the_step_naming_the_way_back_and_changes_no_weight(monkeypatch):
+    """A compiler that raises (here a dynamo backend that always fails) fails the first step with
+    ``LayerCompileError``: its message names ``compile_layers=False`` and the compiler's own error,
+    the weights are as before the fit, no worker thread is left, and the eager run then trains."""
+    from lightning_roundpipe.engine import compiled_layers, task_work
+    from lightning_roundpipe.engine.compiled_layers import LayerCompileError
+    from tests._exact_models import our_threads
+
+    real_compile = torch.compile
+
+    def failing_backend(graph_module, example_inputs):
+        raise RuntimeError("injected compiler failure")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, backend=failing_backend))
+    monkeypatch.setattr(task_work, "COMPILED_LAYERS", compiled_layers.CompiledLayers())  # nothing cached
+    m = BlocksModule("adamw")
+    w0 = weights(m)
+    with pytest.raises(Exception) as info:
+        fit(m, RoundPipeStrategy(**compiled()), devices=2, max_steps=1)
+    chain, exc = [], info.value
+    while exc is not None and len(chain) < 10:
+        chain.append(exc)
+        exc = getattr(exc, "original", None) or exc.__cause__
+    assert any(isinstance(e, LayerCompileError) for e in chain), [type(e).__name__ for e in chain]
+    first_line = str(info.value).splitlines()[0]
+    assert "set compile_layers=False" in first_line
+    assert "BackendCompilerFailed, from RuntimeError: injected compiler failure" in first_line
+    assert all(torch.equal(a, b) for a, b in zip(weights(m).values(), w0.values()))
+    assert our_threads() == []
+    fit(m, RoundPipeStrategy(**compiled(compile_layers=False)), devices=2, max_steps=1)
+    assert any(not torch.equal(a, b) for a, b in zip(weights(m).values(), w0.values()))
+
+
+def test_only_the_compilers_own_exceptions_count_as_compile_failures():
+    from torch._dynamo.exc import BackendCompilerFailed
+    from lightning_roundpipe.engine.compiled_layers import (LayerCompileError, is_compile_failure,
+                                                            naming_compile_failures)
+
+    class FromDynamo(Exception):
+        pass
+
+    FromDynamo.__module__ = "torch._dynamo.exc"
+    wrapped = RuntimeError("outer")
+    wrapped.__cause__ = FromDynamo("inner")
+    assert is_compile_failure(wrapped) and is_compile_failure(FromDynamo("x"))
+    assert not is_compile_failure(ValueError("a layer's own error")) and not is_compile_failure(None)
+    assert issubclass(BackendCompilerFailed, Exception) and BackendCompilerFailed.__module__.startswith("torch._dynamo")
+
+    def layer_error():
+        raise ValueError("a layer's own error")
+
+    with pytest.raises(ValueError, match="a layer's own error"):
+        naming_compile_failures(layer_error)()
+
+    def compiler_error():
+        raise wrapped
+
+    with pytest.raises(LayerCompileError, match="set compile_layers=False") as info:
+        naming_compile_failures(compiler_error)()
+    assert info.value.__cause__ is wrapped

@@ -17,6 +17,13 @@ a shorter last microbatch) compiles once more with those dimensions dynamic, whi
 every later shape, so dynamic padding does not compile every step (dynamo's recompile limit bounds
 the rest; past it the layer runs eagerly, still exact).
 
+A compiler's failure (an exception of ``torch._dynamo`` or ``torch._inductor``, in a forward or in
+the backward graph's first run) fails the task with ``LayerCompileError``, which says how to run
+the layers eagerly; like any failed step, it leaves the weights and the optimizer state as they
+were. Nothing falls back to eager by itself: a layer whose forward ran compiled and whose recompute
+then ran eagerly would mix two roundings in one step, and the user should know their GPU run is
+eager.
+
 A layer class may keep its eager forward by setting ``compiled_on_workers = False`` (the causal
 LM's prefix builds masks in Python, data-dependent; its postfix's chunked loss is a loop of
 custom autograd Functions): those stay eager and exact.
@@ -94,6 +101,51 @@ class CompiledLayers:
         """Seconds spent in the calls that compiled (first calls of each signature: compile plus one run)."""
         with self._lock:
             return sum(s for _, s in self.compiles)
+
+
+COMPILER_MODULES = ("torch._dynamo", "torch._inductor")  # where a compiler's own exceptions live
+
+
+class LayerCompileError(RuntimeError):
+    """``torch.compile`` failed on a worker's layers (``compile_layers``); the message says how to run
+    them eagerly. ``__cause__`` is the compiler's exception."""
+
+
+def is_compile_failure(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or an exception it was raised from, is one of the compiler's own."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if type(exc).__module__.startswith(COMPILER_MODULES):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def naming_compile_failures(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` (a compute task's work), with a compiler's failure inside it raised as ``LayerCompileError``."""
+
+    def run():
+        try:
+            return fn()
+        except Exception as exc:
+            if not is_compile_failure(exc):
+                raise
+            root = exc  # the compiler's wrappers keep what raised inside as inner_exception or __cause__
+            for _ in range(10):
+                inner = getattr(root, "inner_exception", None) or root.__cause__
+                if inner is None or inner is root:
+                    break
+                root = inner
+            first = (str(root).strip().splitlines() or [""])[0][:300]
+            raise LayerCompileError(
+                f"torch.compile failed on this worker's layers ({type(exc).__name__}, from "
+                f"{type(root).__name__}: {first}). The layers "
+                "compile because compile_layers is True, or None on a GPU with Triton; set compile_layers=False "
+                "(RoundPipeStrategy(compile_layers=False), or strategy.compile_layers=false in the Hydra config) "
+                "to run them eagerly. The failed step changed no weight.") from exc
+
+    return run
 
 
 COMPILED_LAYERS = CompiledLayers()

@@ -21,7 +21,7 @@ from ..schedule.plan import Stage
 from ..workers.completions import Completion, TaskLabel
 from .buffers import buffer_writes
 from .carry import HostCarry
-from .compiled_layers import COMPILED_LAYERS
+from .compiled_layers import COMPILED_LAYERS, naming_compile_failures
 from .layer_recompute import LayerCalls, backward_by_layer, layer_inputs
 from .rng import CallRng
 from .stage_inputs import differentiable_inputs, kept_copy
@@ -261,6 +261,10 @@ class TaskWork:
         return fn, 0, []
 
     # ------------------------------------------------------------------ computes
+    def compute_work(self, fn: Callable[[], Any]) -> Work:
+        """A compute task's work: ``fn``, naming a compiler's failure inside it when layers compile."""
+        return (naming_compile_failures(fn) if self.opts.compile_layers else fn), 0, []
+
     def forward(self, t: GraphTask, worker) -> Work:
         """The work of a forward compute task of one microbatch."""
         stage, i = self.stages[t.stage], t.microbatch
@@ -279,7 +283,7 @@ class TaskWork:
             with self.compute_context(worker.device, grad=False):
                 return self.run_layers(worker.device, weights, stage.start, stage.end, carry.tree(), i, save_at)
 
-        return fn, 0, []
+        return self.compute_work(fn)
 
     def fused_stage(self, t: GraphTask, worker) -> Work:
         """Forward, loss and backward of the last stage at once; only the scalar and gradients come home."""
@@ -294,7 +298,7 @@ class TaskWork:
                                                 stage.start > 0 or self.input_requires_grad, None, self.loss_scale)
                 return loss, HostCarry(grads, act_in.value.spec)
 
-            return fn, 0, []
+            return self.compute_work(fn)
 
         def fn():
             tree = act_in.value.tree()
@@ -306,7 +310,7 @@ class TaskWork:
             grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in in_leaves]
             return loss_sum.detach().float(), HostCarry(grads, act_in.value.spec)
 
-        return fn, 0, []
+        return self.compute_work(fn)
 
     def backward(self, t: GraphTask, worker) -> Work:
         """The work of a backward compute task of one microbatch (recompute, then back-propagate)."""
@@ -340,7 +344,7 @@ class TaskWork:
             grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in in_leaves]
             return HostCarry(grads, spec)
 
-        return fn, 0, []
+        return self.compute_work(fn)
 
 
 # Every task kind's handler: adding a kind to TaskKind without one here fails at import.
