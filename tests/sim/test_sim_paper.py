@@ -84,7 +84,8 @@ def test_exact_candidates_step_early_under_the_loss_scaler_as_the_engine_does(mo
     fp16 = paper.exact_candidates(hw, 2, "fp16-acc")
     assert [(s.microbatches, s.calls, s.partition, s.undo, s.wait_all_grads, s.host_unscale) for s in fp16] == [
         (20, 1, "reference", True, False, True), (60, 1, "reference", True, False, True),
-        (60, 1, paper.PLANNED_PARTITION, True, False, True)]  # each update unscales its gradient first
+        (60, 1, paper.PLANNED_PARTITION, True, False, True),
+        (30, 2, paper.PLANNED_PARTITION, True, False, True)]  # each update unscales its gradient first
     assert not any(s.host_unscale for s in paper.exact_candidates(hw, 2, "bf16-mixed"))
     monkeypatch.setattr(paper, "our_default", lambda hardware: replace(Setup(), undo=False))
     assert all(s.wait_all_grads for s in paper.exact_candidates(hw, 2, "fp16-acc"))

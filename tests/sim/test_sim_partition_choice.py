@@ -100,7 +100,7 @@ def test_best_exact_tries_the_planners_partition():
     hw = load_hardware("rtx4090")
     candidates = paper.exact_candidates(hw, 2)
     assert [(c.partition, c.microbatches, c.calls) for c in candidates] == [
-        ("reference", 20, 1), ("reference", 60, 1), (paper.PLANNED_PARTITION, 60, 1)]
+        ("reference", 20, 1), ("reference", 60, 1), (paper.PLANNED_PARTITION, 60, 1), (paper.PLANNED_PARTITION, 30, 2)]
     assert all(c.staleness == 0 and c.compiled_layers for c in candidates)
 
 

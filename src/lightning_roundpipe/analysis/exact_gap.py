@@ -92,17 +92,19 @@ def exact_gap(run: PublishedRun, hardware: str | HardwareProfile, setup: Setup, 
 def breakdown_rows(model: str, hardware: str | HardwareProfile = "rtx4090", optimizer_steps: int = 2) -> list[dict]:
     """``step_breakdown`` of the setups ``docs/simulator.md`` compares for one published model: the
     reference's setup at bf16-mixed, the best exact candidates on the reference's partition (exact
-    and one step stale) and on the planner's (``paper.exact_candidates``, 30 x calls microbatches)."""
+    and one step stale) and on the planner's (``paper.exact_candidates``: 30 x calls microbatches in one call,
+    and 30 in each of the workload's calls)."""
     from .own_engine import REFERENCE, published_run
     from .paper import exact_candidates
 
     hw = load_hardware(hardware)
     run = published_run(model)
-    _, reference_partition, planned = exact_candidates(hw, run.stale.calls)
+    _, reference_partition, planned, planned_calls = exact_candidates(hw, run.stale.calls)
     setups = {"reference setup at bf16": Setup(partition=REFERENCE, precision="bf16-mixed"),
               "best exact, reference partition": reference_partition,
               "the same, one step stale": replace(reference_partition, staleness=1),
-              "best exact, planner's partition": planned}
+              "best exact, planner's partition": planned,
+              "the same, the workload's calls": planned_calls}
     rows = []
     for name, setup in setups.items():
         result = simulate_setup(run, hw, setup, optimizer_steps=optimizer_steps)
