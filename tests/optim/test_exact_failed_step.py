@@ -159,7 +159,13 @@ def test_without_undo_a_failed_step_names_the_updated_layers_and_refuses_to_go_o
     text = str(error) + "".join(getattr(error, "__notes__", []))
     assert "had updated layer" in text and "not put back" in text
     assert any(not torch.equal(before[0][n], after[0][n]) for n in before[0])  # partial, and said so
-    assert "layer 5" in checks["message"] and checks["after_restore"]
+    # The message names every layer whose weights changed (which ones stepped before the failure
+    # depends on when their gradients came home: the lane runs waiting ones lowest first), and may
+    # name the failing layer too (an optimizer that raised may have written part of it).
+    changed = {int(n.split(".")[0]) for n in before[0] if not torch.equal(before[0][n], after[0][n])}
+    named = {layer for layer in range(6) if f"layer {layer}" in checks["message"]}
+    assert changed and changed <= named <= changed | {0, 1}, (changed, checks["message"])
+    assert checks["after_restore"]
 
 
 @pytest.mark.timeout(60)

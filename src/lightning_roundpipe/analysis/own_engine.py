@@ -80,7 +80,7 @@ class Setup:
     ``SimConfig``); the reference dispatches without them. ``compiled_layers``: decoder layers
     through ``torch.compile`` (``cost.compiled``: fused element-wise traffic, fewer launches).
     ``optimizer_order``: which ready layer update the host runs first (``SimConfig``; the
-    engine's lane: ``"arrival"``). ``undo``: the before-image copy that keeps a failed step
+    engine's lane: ``"layer"``, ``optim/host_lane.py``; the reference's is not published: ``"arrival"``). ``undo``: the before-image copy that keeps a failed step
     undoable (``cost.host_update``; the engine's ``optimizer_undo``, on by default).
     ``host_unscale``: each layer's update first unscales and checks its gradient (this engine's
     host loss scaler under fp16, ``cost.host_update.unscale_seconds``).
@@ -208,6 +208,9 @@ def default_call_barrier() -> bool | str:
     return "step" if getattr(RuntimeOptions(), "overlap_calls", False) else True
 
 
+ENGINE_OPTIMIZER_ORDER = "layer"  # optim/host_lane.py: waiting layer updates run lowest layer first
+
+
 def our_default(hardware: HardwareProfile) -> Setup:
     """This engine's default configuration and per-call host work on ``hardware``: driven by
     autograd (host barriers; with ``overlap_calls`` on, as by default, only a step's first call
@@ -218,7 +221,7 @@ def our_default(hardware: HardwareProfile) -> Setup:
                  microbatches=default_microbatches(nw), loss_chunk_tokens=1024, dispatch_s=dispatch_figure(),
                  host_accumulate_bytes_per_s=host_accumulate_rate(hardware), host_barriers=True,
                  undo=default_undo(), compiled_layers=default_compiled_layers(),
-                 call_barrier=default_call_barrier())
+                 call_barrier=default_call_barrier(), optimizer_order=ENGINE_OPTIMIZER_ORDER)
 
 
 def engine_estimate(costs: CostProfile, attention_flops_per_token: float = 0.0) -> CostProfile:
@@ -340,6 +343,8 @@ def causes(hardware: HardwareProfile, reference_microbatches: int = 10) -> list[
          + (" (a step's first call; overlap_calls)" if ours.call_barrier == "step" else ""),
          dict(host_barriers=ours.host_barriers, call_barrier=ours.call_barrier)),
         ("failed-step undo: before-images copied on the optimizer lane", dict(undo=ours.undo)),
+        (f"host update order: '{ours.optimizer_order}' (the optimizer lane) for '{ref.optimizer_order}'",
+         dict(optimizer_order=ours.optimizer_order)),
         (f"layers: {'compiled' if ours.compiled_layers else 'eager'} (compile_layers default)",
          dict(compiled_layers=ours.compiled_layers)),
         (f"microbatches: {ours.microbatches} (the default) for {reference_microbatches}", dict(microbatches=ours.microbatches)),

@@ -72,6 +72,11 @@ class StepFailed(PipelineError):
     """An optimizer step failed; every layer it had stepped was put back (weights and optimizer state)."""
 
 
+class LayerStepSkipped(StepFailed):
+    """A layer's update did not run because its step had already failed elsewhere (``join`` reports
+    the failure itself before these)."""
+
+
 class OverlappedOptimizer:
     """Steps a host optimizer layer by layer behind the pipeline (see the module doc)."""
     def __init__(self, optimizer: torch.optim.Optimizer, layer_tables, trace, *, notifier=None,
@@ -400,16 +405,16 @@ class OverlappedOptimizer:
         self._submitted.add(unit)
         layers = sorted(self.unit_layers[unit])
         name = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
-        self._submit_params(unit, self.unit_params[unit], name, hp, f"L{layers[0]}-{layers[-1]}")
+        self._submit_params(unit, self.unit_params[unit], name, hp, f"L{layers[0]}-{layers[-1]}", layer=layers[0])
 
-    def _submit_params(self, key: int, params, name: str, hp: list[dict], stage: str) -> None:
+    def _submit_params(self, key: int, params, name: str, hp: list[dict], stage: str, layer: int | None = None) -> None:
         grads = self._grads_of(params)
         undo, unscale = self._undo, self._unscale
 
         def run():
             if undo.failure is not None:
-                raise StepFailed(f"the optimizer step of {name} was skipped: the step failed "
-                                 f"({type(undo.failure).__name__}: {undo.failure})")
+                raise LayerStepSkipped(f"the optimizer step of {name} was skipped: the step failed "
+                                       f"({type(undo.failure).__name__}: {undo.failure})")
             try:
                 if self.delay_per_layer_s:
                     time.sleep(self.delay_per_layer_s)
@@ -433,7 +438,7 @@ class OverlappedOptimizer:
                 raise
 
         self._submitted_undo = undo
-        self.versions[key] = self.lane.submit(run, TaskLabel("optim", stage, queue="optimizer"))
+        self.versions[key] = self.lane.submit(run, TaskLabel("optim", stage, queue="optimizer"), layer=layer)
 
     def _restore(self, undo: StepUndo) -> None:
         """On the lane (nothing else writes the weights now): put back every layer the step changed."""
@@ -495,7 +500,9 @@ class OverlappedOptimizer:
                     raise PipelineTimeout(
                         f"the optimizer join timed out after {limit:g}s waiting for the optimizer step of "
                         f"{_layers_of(c.label)} [{c.label}] (still running on the optimizer lane)") from None
-                first_error = first_error or err
+                if first_error is None or (isinstance(first_error, LayerStepSkipped)
+                                           and not isinstance(err, LayerStepSkipped)):
+                    first_error = err  # the failure itself, not a layer it made skip (whatever ran first)
         self.versions = {}
         self._commit = None
         if first_error is not None:

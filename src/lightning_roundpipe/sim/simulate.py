@@ -199,9 +199,9 @@ class SimConfig:
     # RoundPipe downloads each layer's input to the host as its forward runs), so the backward
     # runs no pass without grad first; False: this engine's pass that keeps them.
     layer_inputs_from_forward: bool = False
-    # Which ready layer update the host optimizer runs first: "arrival" (the engine's lane: in the
-    # order the gradients were added, i.e. the last layers first) or "layer" (the lowest layer
-    # first: the next step's first uploads get their layers first).
+    # Which ready layer update the host optimizer runs first: "arrival" (in the order the gradients
+    # were added, i.e. the last layers first) or "layer" (the lowest layer first: the next step's
+    # first uploads get their layers first; the engine's lane, optim/host_lane.py).
     optimizer_order: str = "arrival"
 
     def __post_init__(self) -> None:
