@@ -183,6 +183,15 @@ def scaled_model(model: str, hidden: int):
 _SIMULATED: dict = {}  # (model, profile, gpus) -> simulated(): a row and its launch decision share one simulation
 
 
+def engine_sim_config(workload):
+    """The simulator's options for the engine on ``workload``: two optimizer steps of ``calls`` calls
+    each, the optimizer lane's order (lowest layer first), SimConfig's defaults otherwise."""
+    from lightning_roundpipe.analysis.own_engine import ENGINE_OPTIMIZER_ORDER
+    from lightning_roundpipe.sim.simulate import SimConfig
+
+    return SimConfig(steps=2 * workload.calls, accumulation=workload.calls, optimizer_order=ENGINE_OPTIMIZER_ORDER)
+
+
 def simulated(model: str, hw, gpus: int):
     """(workload, plan, costs, simulated optimizer-step seconds) of the reference workload on ``gpus``
     GPUs of ``hw`` (simulated once per model, profile and GPU count)."""
@@ -196,16 +205,15 @@ def simulate_reference(model: str, hw, gpus: int):
     """``simulated`` without the cache."""
     from lightning_roundpipe.analysis.workload import PUBLISHED_RUNS, optimizer_step_period, reference_plan
     from lightning_roundpipe.cost.transformer import get_model_shape, shape_layer_costs
-    from lightning_roundpipe.sim.simulate import SimConfig, simulate_roundpipe
+    from lightning_roundpipe.sim.simulate import simulate_roundpipe
 
     w = next(r for r in PUBLISHED_RUNS if r.model == model).stale
     costs = shape_layer_costs(get_model_shape(model), hw, w.seq_len, w.sequences_per_microbatch,
                               loss_chunk_tokens=w.loss_chunk_tokens, fp16_accumulation=w.fp16_accumulation)
     plan = reference_plan(model)
-    # The engine as it runs under autograd: host barriers, the exact overlapped optimizer, one
-    # optimizer step per ``calls`` calls (SimConfig's defaults but the accumulation).
-    result = simulate_roundpipe(plan, costs, hw.replace(num_gpus=gpus), w.microbatches,
-                                config=SimConfig(steps=2 * w.calls, accumulation=w.calls))
+    # The engine as it runs under autograd: host barriers, the exact overlapped optimizer (its lane
+    # lowest layer first), one optimizer step per ``calls`` calls (SimConfig's defaults but these).
+    result = simulate_roundpipe(plan, costs, hw.replace(num_gpus=gpus), w.microbatches, config=engine_sim_config(w))
     return w, plan, costs, optimizer_step_period(result, w.calls)
 
 
@@ -322,11 +330,11 @@ def launch_decision(row: dict, profile: str) -> dict:
 
     from lightning_roundpipe.analysis.workload import optimizer_step_period
     from lightning_roundpipe.cost.hardware import load_hardware
-    from lightning_roundpipe.sim.simulate import SimConfig, simulate_roundpipe
+    from lightning_roundpipe.sim.simulate import simulate_roundpipe
 
     hw = load_hardware(profile).replace(num_gpus=row["gpus"])
     w, plan, costs, step_s = simulated(row["model"], hw, row["gpus"])
-    config = SimConfig(steps=2 * w.calls, accumulation=w.calls)
+    config = engine_sim_config(w)
     free = simulate_roundpipe(plan, costs, hw, w.microbatches, config=replace(config, launch_s=0.0))
     free_s = optimizer_step_period(free, w.calls)
     host = (row["host_dispatch_s"] + row["host_lanes_s"] + row["host_streams_s"]) / w.calls

@@ -37,7 +37,7 @@ ALLOWED = {
     ("lightning/node_collectives.py", "torch.distributed.barrier()"):
         "bounded by the process group's timeout: the strategy creates the gloo group with timeout=options.timeout",
     ("finetune/config.py", "HydraConfig.get()"): "not a wait: returns Hydra's current config",
-    ("optim/host_lane.py", "self._queue.get()"):
+    ("optim/host_lane.py", "self._ready.wait()"):
         "the optimizer lane's idle wait for its next job; close() puts None to end it, and callers wait on each "
         "job's Completion with a timeout",
     ("distributed/gradient_sync.py", "self._watch.get()"):
