@@ -53,6 +53,9 @@ def test_steps_keep_no_copy_of_the_weights_beyond_weights_grads_state_and_undo_b
 
             opt.step(closure)
             runtime.join()
+            # A stage's release (which drops its worker-side gradients) runs on its lane after the
+            # gradients are home, and may still be queued when the join returns.
+            runtime.pool.drain()
             extras = _weight_sized_extras(net, opt)
             seen.append((len(extras), sum(extras.values())))
     finally:
