@@ -80,8 +80,9 @@ class Setup:
     ``SimConfig``); the reference dispatches without them. ``compiled_layers``: decoder layers
     through ``torch.compile`` (``cost.compiled``: fused element-wise traffic, fewer launches).
     ``optimizer_order``: which ready layer update the host runs first (``SimConfig``; the
-    engine's lane: ``"layer"``, ``optim/host_lane.py``; the reference's is not published: ``"arrival"``). ``undo``: the before-image copy that keeps a failed step
-    undoable (``cost.host_update``; the engine's ``optimizer_undo``, on by default).
+    engine's lane: ``"layer"``, ``optim/host_lane.py``; the reference's is not published:
+    ``"arrival"``). ``undo``: the before-image copy that keeps a failed step undoable
+    (``cost.host_update``; the engine's ``optimizer_undo``, on by default).
     ``host_unscale``: each layer's update first unscales and checks its gradient (this engine's
     host loss scaler under fp16, ``cost.host_update.unscale_seconds``).
     """
