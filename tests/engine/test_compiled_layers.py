@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from _family_configs import family_batch, tiny_model
-from _exact_models import GRAD_TOL, WEIGHT_TOL, SeqModule, fit, grad_error, parity, weight_error, weights
+from _exact_models import GRAD_TOL, WEIGHT_TOL, SeqModule, fit, grad_error, our_threads, parity, weight_error, weights
 from lightning_roundpipe import OptionError, RoundPipeStrategy
 from lightning_roundpipe.engine.compiled_layers import COMPILED_LAYERS
 from tests.adapters.test_family_options import CausalLMModule
@@ -197,7 +197,6 @@ def test_a_compiler_failure_fails_the_step_naming_the_way_back_and_changes_no_we
     the weights are as before the fit, no worker thread is left, and the eager run then trains."""
     from lightning_roundpipe.engine import compiled_layers, task_work
     from lightning_roundpipe.engine.compiled_layers import LayerCompileError
-    from tests._exact_models import our_threads
 
     real_compile = torch.compile
 

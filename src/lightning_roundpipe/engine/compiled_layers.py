@@ -41,6 +41,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
+from ..workers.completions import raised_from
+
 # Inductor options: random ops run eagerly on the layer's generator (the RNG replay stays exact).
 INDUCTOR_OPTIONS = {"fallback_random": True}
 
@@ -113,13 +115,7 @@ class LayerCompileError(RuntimeError):
 
 def is_compile_failure(exc: BaseException | None) -> bool:
     """Whether ``exc``, or an exception it was raised from, is one of the compiler's own."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if type(exc).__module__.startswith(COMPILER_MODULES):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any(type(e).__module__.startswith(COMPILER_MODULES) for e in raised_from(exc))
 
 
 def naming_compile_failures(fn: Callable[[], Any]) -> Callable[[], Any]:

@@ -15,6 +15,8 @@ import zipfile
 import torch
 import torch.utils._pytree as pytree
 
+from ..workers.completions import raised_from
+
 FULL_DISK_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
@@ -80,13 +82,7 @@ def check_space(checkpoint, path: str, directory: str) -> None:
 
 def is_full_disk(err: BaseException) -> bool:
     """Whether ``err`` (or an error it was raised from) is the disk running full."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in FULL_DISK_ERRNOS:
-            return True
-        err = err.__cause__ or err.__context__
-    return False
+    return any(isinstance(e, OSError) and e.errno in FULL_DISK_ERRNOS for e in raised_from(err))
 
 
 def disk_filled(path: str, directory: str) -> CheckpointSpaceError:

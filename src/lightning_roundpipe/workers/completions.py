@@ -95,6 +95,16 @@ class Deferred:
         return self._value
 
 
+def raised_from(exc: BaseException | None):
+    """``exc`` and every exception it was raised from (each one's ``__cause__``, else its
+    ``__context__``), each once: what a check for a kind of failure underneath looks through."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
 def worker_error(label: TaskLabel, exc: BaseException) -> WorkerError:
     """A ``WorkerError`` naming the task, with the original traceback in its message."""
     tb_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
