@@ -233,11 +233,13 @@ def prepare_shape(shape: ShapeConfig, policies: Sequence[bool], seed: int = 0, l
 
     ``config``: how the systems train (default ``RunConfig()``): its optimizer is priced into every
     modelled step (``cost_model``: each bound rank steps its own layers on one thread; RoundPipe's
-    host steps them all after backward on ``config.host_threads`` threads unless it overlaps)."""
+    host steps them all after backward on the threads its CPU backend leaves it, ``config.host_threads_used``,
+    unless it overlaps)."""
     config = config or RunConfig(seed=seed)
     timings = measure_layer_costs(shape, reps=5, threads=1, seed=seed)
     rank_opt = measure_optimizer_costs(shape, config, threads=1)
-    host_opt = measure_optimizer_costs(shape, config, threads=config.host_threads)
+    host_threads = config.host_threads_used(WORKERS)
+    host_opt = measure_optimizer_costs(shape, config, threads=host_threads)
     overlapped = RuntimeOptions(overlap_optimizer=config.overlap_optimizer).overlaps_optimizer("cpu", WORKERS)
     blocks, head = build_layers(shape, seed)
     weight_bytes = [param_bytes(b) for b in blocks] + [param_bytes(head)]
@@ -247,7 +249,7 @@ def prepare_shape(shape: ShapeConfig, policies: Sequence[bool], seed: int = 0, l
         "head_to_block_flops": head_to_block_flops(shape),
         "head_to_block_measured": (timings[-1].forward_s + timings[-1].backward_s) / block_cost,
         "layer_timings_s": [[t.forward_s, t.backward_s] for t in timings],
-        "optimizer_s": {"rank_one_thread": rank_opt, "host": host_opt, "host_threads": config.host_threads,
+        "optimizer_s": {"rank_one_thread": rank_opt, "host": host_opt, "host_threads": host_threads,
                         "roundpipe_overlapped": overlapped},
         "policies": {},
     }
@@ -281,7 +283,7 @@ def prepare_shape(shape: ShapeConfig, policies: Sequence[bool], seed: int = 0, l
         log(f"  recompute {'on' if rec else 'off'}: bound split {ranges} (model {pol['bound_model_step_s']:.3f}s), "
             f"RoundPipe plan {rp.plan.to_text()} (model {rp.step_s:.3f}s), balance bound {pol['balance_bound_step_s']:.3f}s")
         log(f"    optimizer priced in: 1F1B ranks {bound_opt * 1e3:.1f} ms (slowest rank, one thread), RoundPipe "
-            f"{rp_opt * 1e3:.1f} ms ({'overlapped' if overlapped else f'whole step on the host, {config.host_threads} threads'})")
+            f"{rp_opt * 1e3:.1f} ms ({'overlapped' if overlapped else f'whole step on the host, {config.host_threads_used(WORKERS)} threads'})")
         log(f"    best plan by exhaustive search: {pol['search_forward']} / {pol['search_backward']} "
             f"({pol['search_model_step_s']:.3f}s)")
     return info
@@ -350,7 +352,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rp-partition", default="measured", choices=("measured", "auto"),
                    help="RoundPipe's plan: the project's partitioner on the measured layer costs (default), "
                         "or the runtime's own auto policy (estimates, then re-planning)")
-    p.add_argument("--host-threads", type=int, default=2, help="torch threads of RoundPipe's host thread")
+    p.add_argument("--host-threads", type=int, default=2, help="torch threads RoundPipe's host thread asks for (its CPU backend caps them at the cores the "
+                        "workers leave: 1 with 2 workers on 2 cores)")
     p.add_argument("--sync-optimizer", action="store_true",
                    help="RoundPipe steps the optimizer after backward instead of overlapping it layer by layer")
     p.add_argument("--overlap-optimizer", action="store_true",

@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from lightning_roundpipe.workers.threads import caller_thread_limit
+
 from .models import (
     ShapeConfig,
     StageModule,
@@ -44,7 +46,9 @@ class RunConfig:
 
     steps / warmup: timed steps and untimed warm-up steps per run.
     optimizer: "adamw" (torch's fused CPU kernel) or "sgd" (momentum 0.9); lr its learning rate.
-    host_threads: torch threads of RoundPipe's host thread (optimizer, gradient accumulation).
+    host_threads: torch threads RoundPipe's host thread asks for (optimizer, gradient accumulation); the
+        CPU backend caps them at the cores its workers leave, at least one (``CpuWorkerPool.caller_thread_cap``):
+        1 with 2 workers on 2 cores. ``host_threads_used`` is what it runs with.
     overlap_optimizer: RoundPipe steps the optimizer layer by layer behind backward
         (``RoundPipeRuntime.overlap_optimizer``, exact) instead of after backward; None (default):
         as the runtime's default decides on this host (``RuntimeOptions.overlaps_optimizer``).
@@ -63,6 +67,10 @@ class RunConfig:
     optimizer_undo: bool = True
     seed: int = 0
     timeout_s: float = 300.0
+
+    def host_threads_used(self, workers: int) -> int:
+        """The intra-op threads RoundPipe's host thread runs with beside ``workers`` one-thread workers."""
+        return min(self.host_threads, caller_thread_limit(workers))
 
 
 @dataclass
