@@ -238,3 +238,29 @@ def test_exact_gap_causes_add_up_to_the_later_start():
     assert gap["exact_tokens_per_s"] <= gap["stale_tokens_per_s"]
     # the exact step starts later by the causes' sum; the period grows by at most that
     assert gap["period_difference_s"] <= sum(gap["causes"].values()) + 1e-9
+
+
+@pytest.mark.timeout(60)
+def test_bound_of_an_exact_setup_by_hand():
+    """Two workers, one call per step: worker 0 computes 0-4 s, worker 1 1-5 s, the next step's
+    first compute at 6 s. Per worker: compute 4, fill 0.5, drain 0.5, idle 0, boundary 1. Against a
+    reference at 100 tokens/s with 600 tokens per step (period 6 s): bound 6 / (4 + 1) = 1.2x,
+    and at 1.1x fill, drain, idle and boundary may cost 6 / 1.1 - 4 s together."""
+    from types import SimpleNamespace
+
+    from lightning_roundpipe.analysis.exact_gap import bound, step_breakdown
+    from lightning_roundpipe.analysis.own_engine import Setup, SetupResult
+
+    def compute(worker, step, start, end):
+        return SimpleNamespace(queue="compute", kind="forward", stage="F0", worker=worker, step=step, start=start, end=end)
+
+    timeline = [compute(0, 0, 0.0, 4.0), compute(1, 0, 1.0, 5.0), compute(0, 1, 6.0, 10.0), compute(1, 1, 7.0, 11.0)]
+    ours = SetupResult(Setup(), 1, 1, 110.0, call=SimpleNamespace(timeline=timeline))
+    reference = SetupResult(Setup(), 1, 1, 100.0)
+    parts = step_breakdown(ours)["parts"]
+    assert parts == pytest.approx({"compute": 4.0, "fill": 0.5, "drain": 0.5, "idle inside": 0.0, "boundary": 1.0})
+    b = bound(reference, ours, tokens_per_step=600.0)
+    assert b["reference_period"] == pytest.approx(6.0)
+    assert b["bound_ratio"] == pytest.approx(1.2)
+    assert b["ratio"] == pytest.approx(1.1)
+    assert b["slack_at"] == pytest.approx(6.0 / 1.1 - 4.0)

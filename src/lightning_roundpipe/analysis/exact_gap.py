@@ -23,6 +23,14 @@ optimizer's wait for layer 0, the call barrier). It also gives the busiest worke
 With one call per step and the call barrier, the stale and the exact run of a setup have the
 same period; what then separates a setup from the reference is how evenly its stages load the
 workers in one call, which ``max_compute`` against ``compute`` shows.
+
+``bound`` turns that into the most an exact setup can reach against the reference's setup: the
+reference's period is the one its tokens/s implies (the step's tokens over tokens/s, the figure
+the comparison divides by), and an exact step lasts at least its compute per worker plus its
+boundary (layer 0's gradient home, its update and the first upload: nothing of the next step runs
+before them), so ``bound_ratio`` = reference period / (compute + boundary), with fill, drain and
+idle all at zero; ``slack_at`` is what fill, drain, idle and boundary together may cost at a
+target ratio.
 """
 
 from __future__ import annotations
@@ -63,6 +71,37 @@ def step_breakdown(result: SetupResult, optimizer_step: int = 0) -> dict:
     boundary = {"gradient home": max(0.0, home - last), "first layer update": max(0.0, update - max(home, last)),
                 "upload and start": following - max(update, home, last)}
     return dict(period=following - first, parts=parts, max_compute=max(busy.values()), boundary=boundary)
+
+
+def bound(reference: SetupResult, ours: SetupResult, tokens_per_step: float, target: float = 1.1) -> dict:
+    """The bound of ``ours`` (an exact setup) against ``reference`` (see the module doc): seconds
+    ``reference_period`` (``tokens_per_step`` over its tokens/s), ``compute`` (per worker, averaged)
+    and ``boundary`` of ``ours``'s first optimizer step, ``bound_ratio``, the ratio ``ours`` reaches
+    (``ratio``), and ``slack_at``: the seconds of fill, drain, idle and boundary per step left at
+    ``target`` times the reference's tokens/s (negative: the compute alone is too much)."""
+    parts = step_breakdown(ours)["parts"]
+    period = tokens_per_step / reference.tokens_per_s
+    compute, boundary = parts["compute"], parts["boundary"]
+    return dict(reference_period=period, compute=compute, boundary=boundary,
+                bound_ratio=period / (compute + boundary), ratio=ours.tokens_per_s / reference.tokens_per_s,
+                slack_at=period / target - compute)
+
+
+def bound_row(model: str, hardware: str | HardwareProfile = "rtx4090", optimizer_steps: int = 2) -> dict:
+    """``bound`` of the best of ``paper.exact_candidates`` (bf16-mixed; what ``sim paper``'s best exact
+    row searches beside the defaults) against the reference's setup at bf16-mixed, for one published model."""
+    from .own_engine import REFERENCE, published_run
+    from .paper import best_of, exact_candidates
+
+    hw = load_hardware(hardware)
+    run = published_run(model)
+    reference = simulate_setup(run, hw, Setup(partition=REFERENCE, precision="bf16-mixed"),
+                               optimizer_steps=optimizer_steps)
+    best = best_of([simulate_setup(run, hw, s, optimizer_steps=optimizer_steps)
+                    for s in exact_candidates(hw, run.stale.calls)])
+    tokens = run.stale.sequences_per_step * run.stale.seq_len
+    return dict(model=model, reference_tokens_per_s=reference.tokens_per_s, tokens_per_s=best.tokens_per_s,
+                **bound(reference, best, tokens))
 
 
 def exact_gap(run: PublishedRun, hardware: str | HardwareProfile, setup: Setup, *,
@@ -112,12 +151,23 @@ def breakdown_rows(model: str, hardware: str | HardwareProfile = "rtx4090", opti
     return rows
 
 
-def main(models: list[str] | None = None) -> None:
-    """Print ``breakdown_rows`` of every published model (or of ``models``) as a markdown table."""
+def main(models: list[str] | None = None, bounds: bool = False) -> None:
+    """Print ``breakdown_rows`` of every published model (or of ``models``) as a markdown table;
+    with ``bounds``, ``bound_row`` of each instead."""
     from ..cost.text_table import render_table
     from .workload import PUBLISHED_RUNS
 
     table = []
+    if bounds:
+        for model in models or [r.model for r in PUBLISHED_RUNS]:
+            r = bound_row(model)
+            table.append((model, f"{r['reference_tokens_per_s']:,.0f}", f"{r['reference_period']:.2f}",
+                          f"{r['tokens_per_s']:,.0f}", f"{r['ratio']:.3f}x", f"{r['compute']:.2f}",
+                          f"{r['boundary']:.2f}", f"{r['bound_ratio']:.3f}x", f"{r['slack_at']:.2f}"))
+        print(render_table(("model", "reference at bf16, tokens/s", "its period", "best exact, tokens/s", "ratio",
+                            "compute per worker", "boundary", "bound", "slack at 1.1x"), table,
+                           right=tuple(range(1, 9)), markdown=True))
+        return
     for model in models or [r.model for r in PUBLISHED_RUNS]:
         for r in breakdown_rows(model):
             table.append((r["model"], r["setup"], f"{r['tokens_per_s']:,.0f}",
@@ -129,4 +179,5 @@ def main(models: list[str] | None = None) -> None:
 if __name__ == "__main__":
     import sys
 
-    main(sys.argv[1:] or None)
+    names = [a for a in sys.argv[1:] if a != "--bound"]
+    main(names or None, bounds="--bound" in sys.argv[1:])
