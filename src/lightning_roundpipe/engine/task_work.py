@@ -12,7 +12,6 @@ import contextlib
 from typing import Any, Callable
 
 import torch
-from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from ..params.weights import StageWeights
@@ -26,12 +25,9 @@ from .layer_recompute import LayerCalls, backward_by_layer, layer_inputs
 from .rng import CallRng
 from .stage_inputs import differentiable_inputs, kept_copy
 from .step_context import StepContext
+from .tensor_swap import TensorSwap
 
 Work = tuple[Callable[[], Any], int, list]  # (fn, bytes, extra dependencies)
-
-
-def _eager_call(layer, params: dict, carry):
-    return functional_call(layer, params, (carry,))
 
 
 class TaskWork:
@@ -52,7 +48,7 @@ class TaskWork:
         self.layer_grain = training and self.opts.recompute and self.opts.layer_recompute
         self.fused, self.loss_scale, self.input_requires_grad = fused, loss_scale, input_requires_grad
         self.autocast, self.rng, self.lent_buffers = autocast, rng, lent_buffers
-        self.call_layer = COMPILED_LAYERS.call if self.opts.compile_layers else _eager_call
+        self.call_layer = COMPILED_LAYERS.call if self.opts.compile_layers else TensorSwap().call
         self.stages = {s.name: s for s in self.plan.forward_stages() + self.plan.backward_stages()}
         self.weights: dict[str, StageWeights] = {}  # stage name -> its weights on its worker
         self.saves: dict[str, set[int]] = {}  # forward stage -> boundaries it sends home besides its output
