@@ -233,8 +233,7 @@ def prepare_shape(shape: ShapeConfig, policies: Sequence[bool], seed: int = 0, l
 
     ``config``: how the systems train (default ``RunConfig()``): its optimizer is priced into every
     modelled step (``cost_model``: each bound rank steps its own layers on one thread; RoundPipe's
-    host steps them all after backward on the threads its CPU backend leaves it, ``config.host_threads_used``,
-    unless it overlaps)."""
+    host steps them all after backward on ``config.host_threads_used`` threads unless it overlaps)."""
     config = config or RunConfig(seed=seed)
     timings = measure_layer_costs(shape, reps=5, threads=1, seed=seed)
     rank_opt = measure_optimizer_costs(shape, config, threads=1)
@@ -352,8 +351,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rp-partition", default="measured", choices=("measured", "auto"),
                    help="RoundPipe's plan: the project's partitioner on the measured layer costs (default), "
                         "or the runtime's own auto policy (estimates, then re-planning)")
-    p.add_argument("--host-threads", type=int, default=2, help="torch threads RoundPipe's host thread asks for (its CPU backend caps them at the cores the "
-                        "workers leave: 1 with 2 workers on 2 cores)")
+    p.add_argument("--host-threads", type=int, default=None,
+                   help="torch threads of RoundPipe's host thread (default: the cores its workers leave, at least 1)")
     p.add_argument("--sync-optimizer", action="store_true",
                    help="RoundPipe steps the optimizer after backward instead of overlapping it layer by layer")
     p.add_argument("--overlap-optimizer", action="store_true",

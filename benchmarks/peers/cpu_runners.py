@@ -28,8 +28,6 @@ from typing import Optional
 
 import torch
 
-from lightning_roundpipe.workers.threads import caller_thread_limit
-
 from .models import (
     ShapeConfig,
     StageModule,
@@ -46,9 +44,13 @@ class RunConfig:
 
     steps / warmup: timed steps and untimed warm-up steps per run.
     optimizer: "adamw" (torch's fused CPU kernel) or "sgd" (momentum 0.9); lr its learning rate.
-    host_threads: torch threads RoundPipe's host thread asks for (optimizer, gradient accumulation); the
-        CPU backend caps them at the cores its workers leave, at least one (``CpuWorkerPool.caller_thread_cap``):
-        1 with 2 workers on 2 cores. ``host_threads_used`` is what it runs with.
+    host_threads: torch threads of RoundPipe's host thread (optimizer, gradient accumulation); None
+        (default): the cores its one-thread workers leave, at least one (1 with 2 workers on 2 cores).
+        More oversubscribes the workers' cores: after each of the host's parallel regions its idle
+        OpenMP thread busy-waits for more work (libgomp's default spin), and with 2 workers on 2
+        cores that took 11-15 ms of CPU per step of the quick paper shape from the workers on a
+        quiet machine, about 100 ms (host thread and OpenMP thread each) beside one other busy
+        process (``docs/measurements.md`` section 8). ``host_threads_used`` is what it runs with.
     overlap_optimizer: RoundPipe steps the optimizer layer by layer behind backward
         (``RoundPipeRuntime.overlap_optimizer``, exact) instead of after backward; None (default):
         as the runtime's default decides on this host (``RuntimeOptions.overlaps_optimizer``).
@@ -62,7 +64,7 @@ class RunConfig:
     warmup: int = 1
     optimizer: str = "adamw"
     lr: float = 1e-3
-    host_threads: int = 2
+    host_threads: Optional[int] = None
     overlap_optimizer: Optional[bool] = None
     optimizer_undo: bool = True
     seed: int = 0
@@ -70,7 +72,7 @@ class RunConfig:
 
     def host_threads_used(self, workers: int) -> int:
         """The intra-op threads RoundPipe's host thread runs with beside ``workers`` one-thread workers."""
-        return min(self.host_threads, caller_thread_limit(workers))
+        return self.host_threads or max(1, (os.cpu_count() or 1) - workers)
 
 
 @dataclass
@@ -221,7 +223,7 @@ def _plain_process(shape: ShapeConfig, recompute: bool, config: RunConfig) -> di
 
 def _roundpipe_process(shape: ShapeConfig, recompute: bool, config: RunConfig, forward, backward, workers: int,
                        partition: str) -> dict:
-    torch.set_num_threads(config.host_threads)
+    torch.set_num_threads(config.host_threads_used(workers))
     from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
     from lightning_roundpipe.options import PartitionConfig
     from lightning_roundpipe.tracing.timeline import bubble_fraction

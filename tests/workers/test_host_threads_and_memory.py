@@ -1,9 +1,8 @@
 """The host thread's intra-op count and the CPU backend's reuse of freed host memory.
 
 The caller's thread runs the loss and the whole-step optimizer while every worker waits: it
-must keep its own torch thread count when the lanes start and set theirs (within the cores the
-workers leave it), and the large tensors a step allocates afresh must come from freed memory,
-not from new pages that fault.
+must keep its own torch thread count when the lanes start and set theirs, and the large tensors
+a step allocates afresh must come from freed memory, not from new pages that fault.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from lightning_roundpipe.engine import output_merge
 from lightning_roundpipe.options import OptionError
 from lightning_roundpipe.workers import TaskLabel, backend_class, make_pool
 from lightning_roundpipe.workers.host_allocator import keep_freed_memory
-from lightning_roundpipe.workers import threads as threads_module
-from lightning_roundpipe.workers.threads import caller_thread_limit, intra_op_threads
+from lightning_roundpipe.workers.threads import intra_op_threads
 
 
 def _in_fresh_thread(fn):
@@ -49,7 +47,7 @@ def test_the_callers_thread_keeps_its_intra_op_count_when_the_lanes_start():
 
     def caller():
         torch.set_num_threads(2)  # set, not yet initialised: the first parallel call would read the last count set
-        pool = make_pool("cpu", 2, timeout_s=10, cores=8).start()  # cores to spare: the caller keeps its 2
+        pool = make_pool("cpu", 2, timeout_s=10).start()
         try:
             lanes = [w.submit("compute", torch.get_num_threads, [], TaskLabel("forward", "F0", 0, w.index, "compute")).wait(10)
                      for w in pool.workers]
@@ -65,7 +63,6 @@ def test_the_callers_thread_keeps_its_intra_op_count_when_the_lanes_start():
 
 @pytest.mark.timeout(60)
 def test_a_calls_host_phases_run_on_one_thread_and_the_callers_loss_on_its_own(monkeypatch):
-    monkeypatch.setattr(threads_module, "process_cores", lambda: 8)  # cores to spare: the caller keeps its 2
     seen = []
     add = output_merge.OutputAssembly.add
     monkeypatch.setattr(output_merge.OutputAssembly, "add",
@@ -101,60 +98,6 @@ def test_a_calls_host_phases_run_on_one_thread_and_the_callers_loss_on_its_own(m
     assert (at_loss, after) == (2, 2)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("cores, during", [(2, 1), (3, 1), (4, 2), (8, 3)])
-def test_without_cores_to_spare_the_callers_thread_runs_on_the_cores_the_workers_leave(cores, during):
-    """2 workers of one thread each: the caller keeps ``cores - 2`` (at least 1) of its 3 threads
-    while the pool runs, for its own phases and its loss alike, and gets its 3 back at shutdown.
-    Nothing of its intra-op team then spins on the workers' cores (``threads.py``)."""
-    before = torch.get_num_threads()
-
-    def caller():
-        torch.set_num_threads(3)
-        pool = make_pool("cpu", 2, timeout_s=10, cores=cores).start()
-        try:
-            running = torch.get_num_threads(), pool.caller_threads
-            lanes = [w.submit("compute", torch.get_num_threads, [], TaskLabel("forward", "F0", 0, w.index, "compute")).wait(10)
-                     for w in pool.workers]
-        finally:
-            pool.shutdown()
-        return running, lanes, torch.get_num_threads(), pool.caller_threads
-
-    try:
-        assert _in_fresh_thread(caller) == ((during, during), [1, 1], 3, 3)
-    finally:
-        torch.set_num_threads(before)
-
-
-def test_caller_thread_limit_counts_the_cores_the_workers_leave():
-    assert [caller_thread_limit(w, cores=4) for w in (0, 1, 3, 4, 6)] == [4, 3, 1, 1, 1]
-    assert caller_thread_limit(0) == threads_module.process_cores()
-
-
-@pytest.mark.timeout(60)
-def test_a_runtime_on_a_two_core_host_gives_the_caller_one_thread_and_its_own_back_at_detach(monkeypatch):
-    monkeypatch.setattr(threads_module, "process_cores", lambda: 2)
-    before = torch.get_num_threads()
-
-    def caller():
-        torch.set_num_threads(2)
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
-        runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=4, step_metrics=False))
-        try:
-            out = net(torch.randn(8, 8))
-            at_loss = torch.get_num_threads()
-            out.square().sum().backward()
-        finally:
-            runtime.detach()
-        return at_loss, torch.get_num_threads()
-
-    try:
-        assert _in_fresh_thread(caller) == (1, 2)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_intra_op_threads_gives_the_count_back_also_when_the_block_raises():

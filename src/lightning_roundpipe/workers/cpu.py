@@ -11,9 +11,7 @@ measuring the effect of transfer priorities on this machine:
   (for example 25e9 for PCIe 4.0 x16), so a long weight prefetch really delays what queues
   behind it, unless priorities let it overtake;
 - ``threads_per_worker``: torch intra-op threads in each compute lane (default 1: one core each;
-  transfer lanes get 1, see ``lane_threads``); the caller's thread keeps at most the cores the
-  compute lanes leave of ``cores`` (default: this process's), at least one, while the pool runs
-  (``caller_thread_cap``, ``threads.py``);
+  transfer lanes get 1, see ``lane_threads``);
 - ``measure_memory``: measure each worker's device bytes (``device_memory.py``): a tally of every
   tensor its compute tasks and activation/gradient uploads create, plus its uploaded weights;
   read with ``peak_device_bytes()``. It costs a Python call per operator, so it is off unless
@@ -43,7 +41,6 @@ import torch
 from .device_memory import AllocationTally
 from .host_allocator import keep_freed_memory
 from .pool import Lane, Task, WorkerPool, Worker
-from .threads import caller_thread_limit
 
 TALLIED_UPLOADS = ("act_in", "grad_in")  # weights are counted by the engine's uploads and releases
 
@@ -90,7 +87,6 @@ class CpuWorkerPool(WorkerPool):
         measure_memory: bool = False,
         memory_cap_bytes: int | None = None,
         reuse_freed_memory: bool = False,
-        cores: int | None = None,
     ):
         super().__init__([torch.device("cpu")] * num_workers, timeout_s=timeout_s, trace=trace,
                          fifo_transfers=fifo_transfers)
@@ -99,7 +95,6 @@ class CpuWorkerPool(WorkerPool):
         self.bandwidth_bytes_per_s = bandwidth_bytes_per_s
         self.latency_s = float(latency_s)
         self.threads_per_worker = int(threads_per_worker)
-        self.cores = cores  # the host's cores the rule for the caller's threads counts (None: this process's)
         self._rand = random.Random(seed)
         self._rand_lock = threading.Lock()
         # The step's large host tensors reused instead of page-faulting afresh (host_allocator.py).
@@ -124,11 +119,6 @@ class CpuWorkerPool(WorkerPool):
         ``threads_per_worker``: workers x threads_per_worker at most the host's cores (the default
         1 fits as many workers as cores); more oversubscribes the cores the workers share."""
         return max(1, self.threads_per_worker) if lane.queue == "compute" else 1
-
-    def caller_thread_cap(self) -> int:
-        """The cores the workers' compute threads leave (``threads.caller_thread_limit``), at least one:
-        the caller's intra-op threads would otherwise spin on the cores the workers compute on."""
-        return caller_thread_limit(len(self.workers) * max(1, self.threads_per_worker), self.cores)
 
     def _jitter(self) -> float:
         if self.jitter_s <= 0:

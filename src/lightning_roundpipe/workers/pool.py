@@ -434,7 +434,6 @@ class WorkerPool:
         # The caller's thread keeps its intra-op count (threads.py): the lanes and stream executors
         # started from here set theirs, and the caller's loss must not run on a lane's one thread.
         self.caller_threads = keep_intra_op_threads()
-        self._caller_count_back: tuple[threading.Thread, int] | None = None  # (thread, count) shutdown gives back
         self.timeout_s = float(timeout_s)
         self.fifo_transfers = fifo_transfers
         self.trace = trace if trace is not None else TraceRecorder()
@@ -449,20 +448,9 @@ class WorkerPool:
     def __len__(self) -> int:
         return len(self.workers)
 
-    def caller_thread_cap(self) -> int | None:
-        """The most intra-op threads the caller's thread may keep while the lanes run (None: its own
-        count). Backends whose workers compute on the host's cores cap it (``threads.caller_thread_limit``)."""
-        return None
-
     def start(self) -> "WorkerPool":
-        """Start every lane's thread (once); returns the pool. The calling thread's intra-op count is
-        lowered to ``caller_thread_cap()`` if above it, and given back by ``shutdown`` on this thread."""
+        """Start every lane's thread (once); returns the pool."""
         if not self._started:
-            cap = self.caller_thread_cap()
-            if cap is not None and self.caller_threads > cap:
-                self._caller_count_back = (threading.current_thread(), self.caller_threads)
-                set_intra_op_threads(cap)
-                self.caller_threads = cap
             for w in self.workers:
                 for lane in w.lanes.values():
                     lane.start()
@@ -488,11 +476,6 @@ class WorkerPool:
                      for lane in self.lanes() if lane.alive()]
         self._started = False
         self.on_shutdown(max(0.0, deadline - time.monotonic()))
-        back = self._caller_count_back
-        if back is not None and back[0] is threading.current_thread():  # a thread's count is its own to set
-            self._caller_count_back = None
-            self.caller_threads = back[1]
-            set_intra_op_threads(back[1])
         if still:
             log.warning("worker lanes still inside a task after shutdown (they end when it returns): %s", "; ".join(still))
         return still
