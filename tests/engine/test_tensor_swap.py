@@ -127,3 +127,36 @@ def test_a_name_the_module_does_not_hold_falls_back_to_functional_call(monkeypat
     monkeypatch.setattr(module, "functional_call", lambda *a: calls.append(a) or functional_call(*a))
     out = swap.call(layer, tensors, {"x": torch.randn(4, 6)})
     assert len(calls) == 1 and set(out) == {"y"}
+
+
+class _Twice(nn.Module):
+    """One linear applied twice through two names: the same module object under ``lin`` and ``again``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.again = self.lin
+
+    def forward(self, x):
+        return torch.tanh(self.again(torch.tanh(self.lin(x))))
+
+
+def test_a_layer_holding_a_module_under_two_names_trains_as_plain_pytorch():
+    """With ``functional_call`` this failed on the second microbatch: the first call had written the
+    module's own parameter back into the stage's dict under ``again.weight``, and the next call then
+    got two different values for the tied names (ValueError)."""
+    from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), _Twice(), nn.Linear(8, 4))
+    ref = copy.deepcopy(net)
+    x = torch.randn(8, 8)
+    ref(x).square().sum().backward()
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=4, step_metrics=False))
+    try:
+        net(x).square().sum().backward()
+    finally:
+        runtime.detach()
+    assert net[1].again is net[1].lin
+    for (name, p), r in zip(net.named_parameters(), ref.parameters()):
+        assert ((p.grad - r.grad).norm() / r.grad.norm()).item() <= 1e-5, name
