@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from lightning_roundpipe.options import usable_cores
+
 from .models import (
     ShapeConfig,
     StageModule,
@@ -72,7 +74,7 @@ class RunConfig:
 
     def host_threads_used(self, workers: int) -> int:
         """The intra-op threads RoundPipe's host thread runs with beside ``workers`` one-thread workers."""
-        return self.host_threads or max(1, (os.cpu_count() or 1) - workers)
+        return self.host_threads or max(1, usable_cores() - workers)
 
 
 @dataclass

@@ -211,6 +211,6 @@ def test_gpu_bench_rejects_real_sizes_on_cpu():
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("cores, asked, used", [(2, None, 1), (8, None, 6), (1, None, 1), (2, 2, 2), (8, 1, 1)])
 def test_roundpipes_host_thread_gets_the_cores_its_workers_leave_unless_told(monkeypatch, cores, asked, used):
-    monkeypatch.setattr(cpu_runners.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(cpu_runners, "usable_cores", lambda: cores)
     assert cpu_runners.RunConfig(host_threads=asked).host_threads_used(2) == used
     assert cpu_peers.parse_args([]).host_threads is None
