@@ -158,8 +158,9 @@ def main(models: list[str] | None = None, bounds: bool = False) -> None:
     from .workload import PUBLISHED_RUNS
 
     table = []
+    names = models or [r.model for r in PUBLISHED_RUNS]
     if bounds:
-        for model in models or [r.model for r in PUBLISHED_RUNS]:
+        for model in names:
             r = bound_row(model)
             table.append((model, f"{r['reference_tokens_per_s']:,.0f}", f"{r['reference_period']:.2f}",
                           f"{r['tokens_per_s']:,.0f}", f"{r['ratio']:.3f}x", f"{r['compute']:.2f}",
@@ -168,7 +169,7 @@ def main(models: list[str] | None = None, bounds: bool = False) -> None:
                             "compute per worker", "boundary", "bound", "slack at 1.1x"), table,
                            right=tuple(range(1, 9)), markdown=True))
         return
-    for model in models or [r.model for r in PUBLISHED_RUNS]:
+    for model in names:
         for r in breakdown_rows(model):
             table.append((r["model"], r["setup"], f"{r['tokens_per_s']:,.0f}",
                           *(f"{r['parts'][p]:.2f}" for p in PARTS), f"{r['max_compute']:.2f}"))
