@@ -6,14 +6,15 @@ The engine rebuilds the context when its plan or microbatch count changes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..options import EngineOptions
 from ..params.weights import HostGradBuffers, StageWeights
 from ..schedule.dispatch_order import Schedule
 from ..schedule.history import WorkerHistory
-from ..schedule.lowering import LoweringOptions, TaskGraph, lower
+from ..schedule.lowered_steps import LoweredSteps
+from ..schedule.lowering import LoweringOptions, TaskGraph
 from ..schedule.plan import Plan
 from ..workers.completions import Completion
 from ..workers.pool import WorkerPool
@@ -68,17 +69,31 @@ class StepContext:
     weight_gates: Callable[[range], list[Completion]]  # completions an upload of these layers waits for
     grads_accumulated: Callable[[range], None]  # the host .grad of these layers holds this call's gradients
     shadows: Any = None  # a ShadowStore: uploads read compute-dtype copies of the masters
+    # Graphs lowered once per kind of call (``schedule/lowered_steps.py``), keyed by what decides them.
+    lowered: dict = field(default_factory=dict, compare=False, repr=False)
 
     def lower(self, microbatches: int, *, training: bool, fused: bool, input_gradient: bool,
               kept_backward: bool = True) -> TaskGraph:
-        """The next call's task graph, dispatched from where the previous one left off."""
+        """The next call's task graph, dispatched from where the previous one left off.
+
+        The plan and the options are the context's own; what else decides the graph is this
+        call's kind and which tensors are trainable now (a stage with nothing trainable downloads
+        no gradient bytes). A graph of the same key was lowered once; later calls get it turned
+        to their first worker and re-numbered (``LoweredSteps``), as ``lower`` itself would give."""
         o = self.options
-        graph = lower(self.plan, len(self.pool), self.history.next_worker,
-                      TableSizes(self.tables, o.compute_dtype, o.chunk_bytes),
-                      LoweringOptions(microbatches=microbatches, training=training, fused=fused, recompute=o.recompute,
-                                      layer_recompute=o.layer_recompute, kept_backward=kept_backward,
-                                      input_gradient=input_gradient, prefetch_depth=int(o.prefetch_depth),
-                                      priorities=dict(o.priorities), first_serial=self.history.next_serial + 1,
-                                      schedule=self.schedule))
+        options = LoweringOptions(microbatches=microbatches, training=training, fused=fused, recompute=o.recompute,
+                                  layer_recompute=o.layer_recompute, kept_backward=kept_backward,
+                                  input_gradient=input_gradient, prefetch_depth=int(o.prefetch_depth),
+                                  priorities=dict(o.priorities), schedule=self.schedule)
+        trainable = tuple(t.requires_grad for table in self.tables for t in table.tensors)
+        key = (microbatches, training, fused, input_gradient, kept_backward, o.recompute, o.layer_recompute,
+               int(o.prefetch_depth), tuple(sorted(options.priorities.items())), self.schedule, o.compute_dtype,
+               o.chunk_bytes, trainable)
+        steps = self.lowered.get(key)
+        if steps is None:
+            steps = LoweredSteps(self.plan, len(self.pool), TableSizes(self.tables, o.compute_dtype, o.chunk_bytes),
+                                 options)
+            self.lowered[key] = steps
+        graph = steps.graph(self.history.next_worker, self.history.next_serial + 1)
         self.history.advance(graph)
         return graph
