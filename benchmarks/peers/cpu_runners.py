@@ -44,7 +44,13 @@ from .models import (
 class RunConfig:
     """How each system is trained and timed.
 
-    steps / warmup: timed steps and untimed warm-up steps per run.
+    steps / warmup: timed steps and untimed warm-up steps per run. Two warm-up steps by default:
+        RoundPipe's round robin starts each step on the worker after the previous step's last (5
+        stages a call on 2 workers: the start alternates), so its second step is the first in which
+        each worker thread runs the other half of the stages (that thread's first allocations of
+        those sizes). Measured on the quick paper shape: RoundPipe's second step took 1.01-1.09x
+        the median of steps 3-12 (four runs), 1F1B's 0.98-1.00x (two runs); one warm-up step
+        timed part of RoundPipe's warm-up. Every system gets the same count.
     optimizer: "adamw" (torch's fused CPU kernel) or "sgd" (momentum 0.9); lr its learning rate.
     host_threads: torch threads of RoundPipe's host thread (optimizer, gradient accumulation); None
         (default): the cores its one-thread workers leave, at least one (1 with 2 workers on 2 cores).
@@ -63,7 +69,7 @@ class RunConfig:
     """
 
     steps: int = 3
-    warmup: int = 1
+    warmup: int = 2
     optimizer: str = "adamw"
     lr: float = 1e-3
     host_threads: Optional[int] = None
