@@ -81,16 +81,17 @@ class StepContext:
         no gradient bytes). A graph of the same key was lowered once; later calls get it turned
         to their first worker and re-numbered (``LoweredSteps``), as ``lower`` itself would give."""
         o = self.options
-        options = LoweringOptions(microbatches=microbatches, training=training, fused=fused, recompute=o.recompute,
-                                  layer_recompute=o.layer_recompute, kept_backward=kept_backward,
-                                  input_gradient=input_gradient, prefetch_depth=int(o.prefetch_depth),
-                                  priorities=dict(o.priorities), schedule=self.schedule)
+        priorities = dict(o.priorities)
         trainable = tuple(t.requires_grad for table in self.tables for t in table.tensors)
         key = (microbatches, training, fused, input_gradient, kept_backward, o.recompute, o.layer_recompute,
-               int(o.prefetch_depth), tuple(sorted(options.priorities.items())), self.schedule, o.compute_dtype,
+               int(o.prefetch_depth), tuple(sorted(priorities.items())), self.schedule, o.compute_dtype,
                o.chunk_bytes, trainable)
         steps = self.lowered.get(key)
-        if steps is None:
+        if steps is None:  # the first call of its kind
+            options = LoweringOptions(microbatches=microbatches, training=training, fused=fused, recompute=o.recompute,
+                                      layer_recompute=o.layer_recompute, kept_backward=kept_backward,
+                                      input_gradient=input_gradient, prefetch_depth=int(o.prefetch_depth),
+                                      priorities=priorities, schedule=self.schedule)
             steps = LoweredSteps(self.plan, len(self.pool), TableSizes(self.tables, o.compute_dtype, o.chunk_bytes),
                                  options)
             self.lowered[key] = steps
