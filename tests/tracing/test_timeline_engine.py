@@ -1,5 +1,6 @@
 """Timelines recorded by the engine: bubble fraction, priority overtaking, export from a fit."""
 
+import gc
 import json
 
 import torch
@@ -21,6 +22,9 @@ def test_balanced_plan_has_small_bubble_with_fixed_delays():
     pool = CpuWorkerPool(2, compute_delay_s=0.04)  # long enough that host overheads stay small next to it
     eng = PipelineEngine(layers, pool, plan, EngineOptions(microbatches=8))
     pool.trace.enabled = True
+    # A full collection of the suite's process (millions of objects late in a run) stops every thread
+    # for a long time; one started during the call would be a bubble of the interpreter, not the schedule's.
+    gc.collect()
     try:
         eng(torch.randn(16, 8)).sum().backward()
         records = pool.trace.records(step=eng.step_count)
