@@ -185,10 +185,19 @@ class StageModule(nn.Module):
 # ------------------------------------------------------------------- measured costs
 @dataclass
 class LayerTiming:
-    """Measured seconds of one layer on one microbatch, one thread."""
+    """Measured seconds of one layer on one microbatch, one thread.
+
+    checkpointed_s: the block under ``torch.utils.checkpoint`` (non-reentrant), as torch's pipeline
+    schedules run it with recompute on: its forward, then its backward with the recompute. Not
+    ``2 f + b``: torch's non-reentrant checkpoint stops recomputing once it has every tensor the
+    backward saved (``set_checkpoint_early_stop``, on by default), so a block's last matmul is
+    never run again (its output is not saved for the backward). None for the head (never
+    checkpointed) and for timings made without it.
+    """
 
     forward_s: float  # forward without autograd
     backward_s: float  # backward proper (forward with autograd excluded)
+    checkpointed_s: float | None = None
 
 
 def measure_layer_costs(shape: ShapeConfig, reps: int = 5, threads: int = 1, seed: int = 0) -> list[LayerTiming]:
@@ -196,7 +205,8 @@ def measure_layer_costs(shape: ShapeConfig, reps: int = 5, threads: int = 1, see
 
     The bound schedules' split and the cost model of ``cpu_peers.py`` use these numbers. Other
     work on a shared machine only ever adds time, so the fastest of ``reps`` runs (after one
-    warm-up) is the estimate of what the layer costs on its own.
+    warm-up) is the estimate of what the layer costs on its own. Blocks are also timed under
+    ``torch.utils.checkpoint`` (``LayerTiming.checkpointed_s``), the head is not.
     """
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -218,7 +228,11 @@ def measure_layer_costs(shape: ShapeConfig, reps: int = 5, threads: int = 1, see
                         o = token_loss(o, y)
                 return inp, o
 
-            fwd, full = [], []
+            def run_checkpointed():
+                inp = x.detach().requires_grad_(True)
+                checkpoint(layer, inp, use_reentrant=False).sum().backward()
+
+            fwd, full, ckpt = [], [], []
             for r in range(reps + 1):
                 t0 = time.perf_counter()
                 run(False)
@@ -227,11 +241,17 @@ def measure_layer_costs(shape: ShapeConfig, reps: int = 5, threads: int = 1, see
                 (o if o.dim() == 0 else o.sum()).backward()
                 t2 = time.perf_counter()
                 layer.zero_grad(set_to_none=True)
+                if not is_head:
+                    t3 = time.perf_counter()
+                    run_checkpointed()
+                    ckpt.append(time.perf_counter() - t3)
+                    layer.zero_grad(set_to_none=True)
                 if r:  # the first round warms up
                     fwd.append(t1 - t0)
                     full.append(t2 - t1)
             f = min(fwd)
-            out.append(LayerTiming(forward_s=f, backward_s=max(min(full) - f, 0.0)))
+            out.append(LayerTiming(forward_s=f, backward_s=max(min(full) - f, 0.0),
+                                   checkpointed_s=None if is_head else min(ckpt[1:])))
         return out
     finally:
         torch.set_num_threads(old_threads)

@@ -18,6 +18,7 @@ from benchmarks.peers.models import (  # noqa: E402
     ShapeConfig,
     build_layers,
     head_to_block_flops,
+    measure_layer_costs,
 )
 from benchmarks.harness import markdown_table, write_json  # noqa: E402
 from benchmarks.peers.cpu_peers import CPU_COLUMNS  # noqa: E402
@@ -61,6 +62,30 @@ def test_bound_schedule_model_numbers():
     assert cost_model.bound_step_s(t, ranges, 4, True) == 21.0 + 3 * 12.0
     assert cost_model.balance_bound_s(t, 4, 2, True) == 4 * 21.0 / 2
     assert cost_model.bound_bubble(t, ranges, 4, True) == pytest.approx(1 - 4 * 21.0 / (2 * 57.0))
+
+
+def test_bound_schedules_price_a_recomputed_block_as_measured_under_checkpoint():
+    # torch's checkpoint stops its recompute early, so a checkpointed block (k=3.5) costs less than
+    # RoundPipe's two forwards and a backward (1 + 2 + 1 = 4); the head (f=3, b=6) is never recomputed.
+    t = [LayerTiming(1.0, 2.0, checkpointed_s=3.5)] * 3 + [LayerTiming(3.0, 6.0)]
+    assert cost_model.bound_layer_step_costs(t, recompute=True) == [3.5, 3.5, 3.5, 9.0]
+    assert cost_model.bound_layer_step_costs(t, recompute=False) == [3.0, 3.0, 3.0, 9.0]
+    assert cost_model.layer_step_costs(t, recompute=True) == [4.0, 4.0, 4.0, 9.0]  # RoundPipe's recompute
+    ranges = cost_model.bound_split(t, 2, recompute=True)
+    assert ranges == [(0, 3), (3, 4)]
+    assert cost_model.rank_costs(t, ranges, True) == [10.5, 9.0]
+    assert cost_model.bound_step_s(t, ranges, 4, True) == 19.5 + 3 * 10.5
+    assert cost_model.bound_bubble(t, ranges, 4, True) == pytest.approx(1 - 4 * 19.5 / (2 * 51.0))
+    # RoundPipe's balance bound keeps RoundPipe's own costs
+    assert cost_model.balance_bound_s(t, 4, 2, True) == 4 * 21.0 / 2
+
+
+def test_layer_costs_time_blocks_under_checkpoint_and_not_the_head():
+    shape = ShapeConfig("tiny", hidden=16, blocks=2, head_ratio=1.0, seq_len=8, batch=2, microbatches=2)
+    timings = measure_layer_costs(shape, reps=1)
+    assert len(timings) == 3
+    assert all(t.checkpointed_s is not None and t.checkpointed_s > 0 for t in timings[:2])
+    assert timings[2].checkpointed_s is None
 
 
 def test_the_optimizer_is_priced_per_rank_for_bound_schedules_and_whole_on_roundpipes_host():
