@@ -24,6 +24,7 @@ from torch import nn
 
 from .options import OptionError, RuntimeOptions
 from .workers.matmul_accumulation import Fp16Accumulation
+from .workers.host_gc import OlderObjectsFrozen
 from .engine import PipelineEngine
 from .engine.buffers import expect_buffer_writes
 from .engine.microbatch import MicrobatchError, batch_size_of, register_batch_types
@@ -115,6 +116,7 @@ class RoundPipeRuntime:
             self.shadows = ShadowStore(masters, options.compute_dtype)
         self.pool = make_pool(backend, num_workers, device_indices=device_indices, **pool_opts)
         self.fp16_accumulation = Fp16Accumulation() if options.fp16_accumulation else None
+        self.gc_frozen = OlderObjectsFrozen() if options.gc_freeze else None
         try:
             self.engine = PipelineEngine(layers, self.pool, self.planner.plan, engine_opts, shadows=self.shadows,
                                          weight_gates=[self._weight_gates], schedule=schedule_named(options.schedule))
@@ -131,7 +133,7 @@ class RoundPipeRuntime:
             patch_forward(module, forward(self))
         except BaseException:
             run_all([self.grad_sync.close if self.grad_sync is not None else (lambda: None), self.pool.shutdown,
-                     self._release_fp16_accumulation])
+                     self._release_fp16_accumulation, self._release_gc_freeze])
             raise
 
     def _weight_gates(self, layer_ids) -> list:
@@ -400,7 +402,8 @@ class RoundPipeRuntime:
         steps = [self.engine.finish_backward] + [ov.close for ov in self.overlapped]
         if self.grad_sync is not None:
             steps.append(self.grad_sync.close)
-        steps += [lambda: unpatch(self.module), self.engine.close, self._release_fp16_accumulation]
+        steps += [lambda: unpatch(self.module), self.engine.close, self._release_fp16_accumulation,
+                  self._release_gc_freeze]
         try:
             run_all(steps)
         finally:
@@ -412,6 +415,10 @@ class RoundPipeRuntime:
     def _release_fp16_accumulation(self) -> None:
         if self.fp16_accumulation is not None:
             self.fp16_accumulation.release()
+
+    def _release_gc_freeze(self) -> None:
+        if self.gc_frozen is not None:
+            self.gc_frozen.release()
 
     # ------------------------------------------------------------------ partly updated modules (undo=False)
     @staticmethod

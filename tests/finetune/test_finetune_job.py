@@ -75,7 +75,7 @@ def test_default_config_composes_to_documented_values():
         "allow_unverified": False, "logits_with_loss": False, "optimizer_undo": True, "overlap_calls": True, "cpu_memory_cap_bytes": None,
         "batch_statistics": "refuse",
         "schedule": "round_robin",
-        "moe_experts": "hf",
+        "moe_experts": "hf", "gc_freeze": True,
         "compile_layers": None, "fp16_accumulation": False,
         "testing": {"compute_delay_s": 0.0, "jitter_s": 0.0, "optimizer_delay_s": 0.0},
     }
