@@ -28,20 +28,24 @@ def test_the_first_hold_freezes_and_the_last_release_unfreezes():
     frozen = gc.get_freeze_count()
     assert frozen > 1000  # everything imported so far
     b = OlderObjectsFrozen()
-    assert gc.get_freeze_count() >= frozen and host_gc.holders() == 2
+    # (the count shrinks a little as frozen objects are freed by their references)
+    assert gc.get_freeze_count() > frozen - 500 and host_gc.holders() == 2
     a.release()
     a.release()  # idempotent
-    assert gc.get_freeze_count() >= frozen and host_gc.holders() == 1
+    assert gc.get_freeze_count() > frozen - 500 and host_gc.holders() == 1
     b.release()
     assert gc.get_freeze_count() == 0 and host_gc.holders() == 0
 
 
 def test_objects_frozen_by_someone_else_stay_frozen():
     gc.freeze()  # the user's own
-    theirs = gc.get_freeze_count()
+    theirs = gc.get_freeze_count()  # it shrinks a little as frozen objects are freed by their references
+    later = [[] for _ in range(20000)]  # tracked, and not frozen by the user
     hold = OlderObjectsFrozen()
+    assert gc.get_freeze_count() < theirs + 10000  # the hold froze nothing more
     hold.release()
-    assert gc.get_freeze_count() == theirs  # neither refrozen by us nor unfrozen
+    assert gc.get_freeze_count() > theirs - 10000  # and did not unfreeze theirs
+    del later
 
 
 class Cycle:
