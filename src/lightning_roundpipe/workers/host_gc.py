@@ -13,9 +13,9 @@ a full collection every 15 steps, 210 ms each, 14 ms per step on average.
 ``gc.unfreeze()`` puts them back into the oldest one. The first runtime to attach freezes; each
 later one freezes again (its own set-up's objects too); the last to detach unfreezes, so that
 objects which became garbage meanwhile are collected again. Cyclic garbage that exists at an
-attach is kept until the last runtime detaches. If something else had frozen objects before the first attach
-(``gc.get_freeze_count() > 0``), the runtimes leave the collector alone: unfreezing would undo
-that. Neither call touches a tensor or any result.
+attach is kept until the last runtime detaches. If something else had frozen objects before the
+first attach (``gc.get_freeze_count() > 0``), the runtimes leave the collector alone: unfreezing
+would undo that. Neither call touches a tensor or any result.
 """
 
 from __future__ import annotations
