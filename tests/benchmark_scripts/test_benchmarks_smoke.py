@@ -239,3 +239,17 @@ def test_roundpipes_host_thread_gets_the_cores_its_workers_leave_unless_told(mon
     monkeypatch.setattr(cpu_runners, "usable_cores", lambda: cores)
     assert cpu_runners.RunConfig(host_threads=asked).host_threads_used(2) == used
     assert cpu_peers.parse_args([]).host_threads is None
+
+
+@pytest.mark.slow  # two inductor compiles: 20-60 s cold on the 2-core machine
+@pytest.mark.timeout(600)
+def test_early_stop_vjp_gives_the_gradients_of_forward_then_backward(tmp_path):
+    from benchmarks.calibration import early_stop_recompute
+
+    path = tmp_path / "early_stop.json"
+    early_stop_recompute.main(["--quick", "--rounds", "1", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert data["producer"] == "benchmarks.calibration.early_stop_recompute"
+    assert set(data["seconds"]) == {"compiled_forward_backward", "compiled_vjp"}
+    assert data["max_grad_difference"] <= 1e-5  # fp32; measured 0 (the same kernels for what both compute)
+    assert data["ratio"] == pytest.approx(data["seconds"]["compiled_vjp"] / data["seconds"]["compiled_forward_backward"])

@@ -264,3 +264,71 @@ def test_bound_of_an_exact_setup_by_hand():
     assert b["bound_ratio"] == pytest.approx(1.2)
     assert b["ratio"] == pytest.approx(1.1)
     assert b["slack_at"] == pytest.approx(6.0 / 1.1 - 4.0)
+
+
+@pytest.mark.timeout(60)
+def test_early_stop_what_if_takes_each_decoder_layers_down_projection_off_its_recompute():
+    """A profile with datasheet rates only: hidden 256, MLP width 768, 1,000 tokens. The down projection
+    is 2 x 256 x 768 FLOPs per token at the fp32-accumulate rate. The what-if subtracts exactly that from
+    each decoder layer's recompute and leaves the embedding, the head, forward and backward alone."""
+    from lightning_roundpipe.analysis.exact_gap import down_projection_seconds, early_stop_costs
+    from lightning_roundpipe.cost.hardware import load_hardware
+    from lightning_roundpipe.cost.transformer import ModelShape, shape_layer_costs
+
+    tiny = ModelShape("tiny", 256, 768, 4, 2, 64, 4096, 4)
+    hw = load_hardware("rtx4090")
+    rate = (hw.matmul_tflops_fp32_acc or hw.tensor_tflops_fp32_acc) * 1e12
+    by_hand = 1000 * (2 * 256 * 768 / rate + 0.0 / hw.memory_bytes_per_s)
+    assert down_projection_seconds(tiny, 1000, hw) == pytest.approx(by_hand, rel=1e-12)
+
+    costs = shape_layer_costs(tiny, hw, 250, 4)  # 1,000 tokens per microbatch
+    assert costs.tokens_per_microbatch == 1000
+    adjusted = early_stop_costs(tiny, hw)(costs, costs.tokens_per_microbatch)
+    assert len(adjusted.layers) == len(costs.layers) == 1 + 4 + 1
+    for n, (before, after) in enumerate(zip(costs.layers, adjusted.layers)):
+        assert (after.forward_s, after.backward_s) == (before.forward_s, before.backward_s)
+        expected = before.recompute_s - by_hand if 1 <= n <= 4 else before.recompute_s
+        assert after.recompute_s == pytest.approx(expected, rel=1e-12)
+    assert 0.0 < by_hand < costs.layers[1].recompute_s
+
+
+@pytest.mark.timeout(120)
+def test_simulate_setup_prices_adjusted_costs():
+    """``adjust_costs`` reaches the simulation: identity changes nothing; on a plan that does not depend on
+    the costs (``uniform``), a recompute at half the price takes exactly that off the backward computes."""
+    from lightning_roundpipe.analysis.own_engine import Setup, simulate_setup
+    from lightning_roundpipe.analysis.workload import PublishedRun, Workload
+    from lightning_roundpipe.cost.hardware import load_hardware
+    from lightning_roundpipe.cost.transformer import ModelShape
+
+    tiny = ModelShape("tiny", 256, 768, 4, 2, 64, 4096, 4)
+    work = Workload(32, 4, 2, seq_len=256)
+    run = PublishedRun(tiny, work, replace(work, optimizer="sync"), 1.0, 1.0)
+    hw = load_hardware("rtx4090")
+    setup = Setup(microbatches=4, partition="uniform", launch_s=0.0)  # no launch floor under the computes
+    seen = []
+
+    def identity(costs, tokens):
+        seen.append((tokens, costs))
+        return costs
+
+    def halved(costs, tokens):
+        return replace(costs, layers=[replace(l, recompute_s=l.recompute_s / 2) for l in costs.layers])
+
+    base = simulate_setup(run, hw, setup, optimizer_steps=2)
+    same = simulate_setup(run, hw, setup, optimizer_steps=2, adjust_costs=identity)
+    faster = simulate_setup(run, hw, setup, optimizer_steps=2, adjust_costs=halved)
+    assert [tokens for tokens, _ in seen] == [32 * 256 // (2 * 4)]
+    assert same.tokens_per_s == pytest.approx(base.tokens_per_s, rel=1e-12)
+    assert faster.plan.to_text() == base.plan.to_text()
+    assert faster.tokens_per_s >= base.tokens_per_s * (1 - 1e-12)  # this tiny step is bound by its transfers
+
+    def busy(result):
+        return sum(r.end - r.start for r in result.call.timeline if r.queue == "compute" and r.kind == "backward")
+
+    costs = seen[0][1]  # as priced for the setup (its precision's matmul rate)
+    fused = base.plan.forward[-1]
+    recomputed = [l for s, e in base.plan.backward if (s, e) != tuple(fused) for l in range(s, e)]
+    per_call = 4 * sum(costs.layers[l].recompute_s for l in recomputed) / 2
+    calls = {r.step for r in base.call.timeline}
+    assert busy(base) - busy(faster) == pytest.approx(per_call * len(calls), rel=1e-6)

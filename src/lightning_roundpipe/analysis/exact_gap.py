@@ -38,6 +38,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..cost.hardware import HardwareProfile, load_hardware
+from ..cost.physical import LayerWork, layer_seconds
+from ..cost.profile import CostProfile
+from ..cost.transformer import ModelShape, get_model_shape, shape_layer_costs
 from .own_engine import PublishedRun, Setup, SetupResult, simulate_setup
 
 CAUSES = ("drain", "gradient home", "host queue", "first layer update", "upload and start")
@@ -104,6 +107,61 @@ def bound_row(model: str, hardware: str | HardwareProfile = "rtx4090", optimizer
                 **bound(reference, best, tokens))
 
 
+def down_projection_seconds(shape: ModelShape, tokens: int, hardware: HardwareProfile,
+                            fp16_accumulation: bool = False) -> float:
+    """Seconds of one decoder layer's MLP down projection forward over ``tokens`` tokens: ``2 x hidden
+    x mlp width`` FLOPs per token (MoE: the routed experts' widths), at the profile's matmul rate."""
+    width = shape.experts_per_token * shape.expert_intermediate if shape.is_moe else shape.intermediate
+    return layer_seconds(LayerWork(2 * shape.hidden * width), tokens, hardware, fp16_accumulation)
+
+
+def early_stop_costs(shape: ModelShape, hardware: HardwareProfile, fp16_accumulation: bool = False):
+    """A what-if for ``simulate_setup(adjust_costs=...)``, **not an engine mechanism**: every decoder
+    layer's recompute skips its MLP down projection, as torch's non-reentrant checkpoint does
+    (``set_checkpoint_early_stop``: the layer's output is not needed for its backward).
+
+    The engine's stage-grain recompute runs each backward stage's forward whole. Skipping each
+    layer's last matmul needs each layer's input at the backward worker (sent home by the forward
+    stage, as the boundaries of ``act_save``) and a recompute that stops early: for example a layer's
+    forward and backward compiled as one ``torch.func.vjp`` graph, from which inductor drops the
+    unused output. The extra transfers of those layer inputs are not priced here."""
+
+    def adjust(costs: CostProfile, tokens: int) -> CostProfile:
+        down = down_projection_seconds(shape, tokens, hardware, fp16_accumulation)
+        layers = list(costs.layers)
+        for n in range(1, 1 + shape.num_layers):  # the decoder layers: after the embedding, before the head
+            layers[n] = replace(layers[n], recompute_s=max(0.0, layers[n].recompute_s - down))
+        return replace(costs, layers=layers)
+
+    return adjust
+
+
+def early_stop_row(model: str, hardware: str | HardwareProfile = "rtx4090", optimizer_steps: int = 2) -> dict:
+    """The best of ``paper.exact_candidates`` (bf16-mixed) against the reference's setup at bf16-mixed,
+    as simulated and with ``early_stop_costs`` (what-if): ``reference_tokens_per_s``, ``tokens_per_s``,
+    ``early_stop_tokens_per_s`` and the two ratios, and ``down_share``: the down projection's share of a
+    decoder layer's forward."""
+    from .own_engine import REFERENCE, published_run
+    from .paper import best_of, exact_candidates
+
+    hw = load_hardware(hardware)
+    run = published_run(model)
+    shape = get_model_shape(model)
+    reference = simulate_setup(run, hw, Setup(partition=REFERENCE, precision="bf16-mixed"),
+                               optimizer_steps=optimizer_steps)
+    candidates = exact_candidates(hw, run.stale.calls)
+    best = best_of([simulate_setup(run, hw, s, optimizer_steps=optimizer_steps) for s in candidates])
+    adjust = early_stop_costs(shape, hw)
+    stopped = best_of([simulate_setup(run, hw, s, optimizer_steps=optimizer_steps, adjust_costs=adjust)
+                       for s in candidates])
+    sequences = run.stale.sequences_per_step / (best.calls * best.microbatches)  # per microbatch
+    costs = shape_layer_costs(shape, hw, run.stale.seq_len, sequences, compiled_layers=best.setup.compiled_layers)
+    return dict(model=model, reference_tokens_per_s=reference.tokens_per_s, tokens_per_s=best.tokens_per_s,
+                ratio=best.tokens_per_s / reference.tokens_per_s, early_stop_tokens_per_s=stopped.tokens_per_s,
+                early_stop_ratio=stopped.tokens_per_s / reference.tokens_per_s,
+                down_share=down_projection_seconds(shape, costs.tokens_per_microbatch, hw) / costs.layers[1].forward_s)
+
+
 def exact_gap(run: PublishedRun, hardware: str | HardwareProfile, setup: Setup, *,
               optimizer_steps: int = 2) -> dict:
     """The causes of the exact-versus-stale difference at the first optimizer-step boundary (see
@@ -151,14 +209,24 @@ def breakdown_rows(model: str, hardware: str | HardwareProfile = "rtx4090", opti
     return rows
 
 
-def main(models: list[str] | None = None, bounds: bool = False) -> None:
+def main(models: list[str] | None = None, bounds: bool = False, early_stop: bool = False) -> None:
     """Print ``breakdown_rows`` of every published model (or of ``models``) as a markdown table;
-    with ``bounds``, ``bound_row`` of each instead."""
+    with ``bounds``, ``bound_row`` of each instead; with ``early_stop``, ``early_stop_row``."""
     from ..cost.text_table import render_table
     from .workload import PUBLISHED_RUNS
 
     table = []
     names = models or [r.model for r in PUBLISHED_RUNS]
+    if early_stop:
+        for model in names:
+            r = early_stop_row(model)
+            table.append((model, f"{r['down_share']:.1%}", f"{r['reference_tokens_per_s']:,.0f}",
+                          f"{r['tokens_per_s']:,.0f}", f"{r['ratio']:.3f}x", f"{r['early_stop_tokens_per_s']:,.0f}",
+                          f"{r['early_stop_ratio']:.3f}x"))
+        print(render_table(("model", "down projection / layer forward", "reference at bf16, tokens/s",
+                            "best exact, tokens/s", "ratio", "with early stop (what-if), tokens/s", "ratio"), table,
+                           right=tuple(range(1, 7)), markdown=True))
+        return
     if bounds:
         for model in names:
             r = bound_row(model)
@@ -180,5 +248,6 @@ def main(models: list[str] | None = None, bounds: bool = False) -> None:
 if __name__ == "__main__":
     import sys
 
-    names = [a for a in sys.argv[1:] if a != "--bound"]
-    main(names or None, bounds="--bound" in sys.argv[1:])
+    flags = ("--bound", "--early-stop")
+    names = [a for a in sys.argv[1:] if a not in flags]
+    main(names or None, bounds="--bound" in sys.argv[1:], early_stop="--early-stop" in sys.argv[1:])

@@ -27,6 +27,7 @@ prints them).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from ..cost.attention_blocks import attention_flops_per_token
 from ..cost.compiled import compiled_launches
@@ -280,17 +281,20 @@ def choose_plan(setup: Setup, costs, hardware: HardwareProfile, microbatches: in
 
 
 def simulate_setup(run: PublishedRun, hardware: str | HardwareProfile, setup: Setup, *,
-                   optimizer_steps: int = 3, seq_len: int | None = None) -> SetupResult:
+                   optimizer_steps: int = 3, seq_len: int | None = None,
+                   adjust_costs: Callable[[CostProfile, int], CostProfile] | None = None) -> SetupResult:
     """Simulate ``setup`` on the stale-optimizer workload of ``run`` (its sequences per step).
 
     ``setup.microbatches`` ``ENGINE_CHOICE``: every candidate count is simulated and the
-    fewest within the engine's tie tolerance of the fastest is kept, as the engine chooses."""
+    fewest within the engine's tie tolerance of the fastest is kept, as the engine chooses.
+    ``adjust_costs(costs, tokens_per_microbatch)``: a what-if on the priced layer costs (a mechanism
+    the engine does not have, such as ``exact_gap.early_stop_costs``), applied before planning."""
     hw = load_hardware(hardware)
     if setup.microbatches == ENGINE_CHOICE:
         from ..planning.search import TIE_TOLERANCE
 
         tried = [simulate_setup(run, hw, replace(setup, microbatches=m), optimizer_steps=optimizer_steps,
-                                seq_len=seq_len) for m in microbatch_candidates(hw.num_gpus)]
+                                seq_len=seq_len, adjust_costs=adjust_costs) for m in microbatch_candidates(hw.num_gpus)]
         fitting = [r for r in tried if r.tokens_per_s > 0]
         if not fitting:
             return tried[0]
@@ -305,6 +309,8 @@ def simulate_setup(run: PublishedRun, hardware: str | HardwareProfile, setup: Se
     costs = shape_layer_costs(get_model_shape(run.model), hw, seq_len, per_microbatch,
                               loss_chunk_tokens=setup.loss_chunk_tokens,
                               fp16_accumulation=fp16_accumulation(setup.precision), compiled_layers=setup.compiled_layers)
+    if adjust_costs is not None:
+        costs = adjust_costs(costs, costs.tokens_per_microbatch)
     if setup.compiled_layers:
         hw = compiled_launches(hw)
     try:
