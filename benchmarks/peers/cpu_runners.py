@@ -7,8 +7,9 @@ same model on the same data) and memory: peak RSS of each process (``ru_maxrss``
 above the RSS right after imports ("extra": model, optimizer state, activations, copies).
 
 - :func:`roundpipe_run`: this project, CPU backend, 2 virtual workers with one thread each, from
-  plain PyTorch; the head is the fused last stage (``engine(batch, loss_scale=1/tokens)``). One
-  extra step runs with the trace on, for the bubble fraction and a time breakdown.
+  plain PyTorch; the head is the fused last stage (``engine(batch, loss_scale=1/tokens)``). Every
+  step, timed ones included, runs with the trace on (the lanes keep a record per task, and that cost is in
+  the measured step), for each timed step's bubble fraction and the last one's time breakdown.
 - :func:`torch_pipeline_run`: ``torch.distributed.pipelining`` (``Schedule1F1B`` or
   ``ScheduleGPipe``), one process per rank over gloo on 127.0.0.1, one thread per rank.
 - :func:`plain_run`: one process, the whole batch at once, ``torch.set_num_threads(2)``.
