@@ -93,18 +93,33 @@ def bound(reference: SetupResult, ours: SetupResult, tokens_per_step: float, tar
 def bound_row(model: str, hardware: str | HardwareProfile = "rtx4090", optimizer_steps: int = 2) -> dict:
     """``bound`` of the best of ``paper.exact_candidates`` (bf16-mixed; what ``sim paper``'s best exact
     row searches beside the defaults) against the reference's setup at bf16-mixed, for one published model."""
-    from .own_engine import REFERENCE, published_run
-    from .paper import best_of, exact_candidates
+    from .own_engine import published_run
 
     hw = load_hardware(hardware)
     run = published_run(model)
-    reference = simulate_setup(run, hw, Setup(partition=REFERENCE, precision="bf16-mixed"),
-                               optimizer_steps=optimizer_steps)
-    best = best_of([simulate_setup(run, hw, s, optimizer_steps=optimizer_steps)
-                    for s in exact_candidates(hw, run.stale.calls)])
+    reference = reference_at_bf16(run, hw, optimizer_steps)
+    best = best_exact(run, hw, optimizer_steps)
     tokens = run.stale.sequences_per_step * run.stale.seq_len
     return dict(model=model, reference_tokens_per_s=reference.tokens_per_s, tokens_per_s=best.tokens_per_s,
                 **bound(reference, best, tokens))
+
+
+def reference_at_bf16(run: PublishedRun, hardware: HardwareProfile, optimizer_steps: int) -> SetupResult:
+    """The reference's setup (its partition, one step stale) at bf16-mixed, simulated: what the 1.1x target at
+    bf16 divides by."""
+    from .own_engine import REFERENCE
+
+    return simulate_setup(run, hardware, Setup(partition=REFERENCE, precision="bf16-mixed"),
+                          optimizer_steps=optimizer_steps)
+
+
+def best_exact(run: PublishedRun, hardware: HardwareProfile, optimizer_steps: int, adjust_costs=None) -> SetupResult:
+    """The fastest of ``paper.exact_candidates`` at bf16-mixed (``sim paper``'s best exact row searches them
+    beside the defaults), each simulated with ``adjust_costs`` (``simulate_setup``)."""
+    from .paper import best_of, exact_candidates
+
+    return best_of([simulate_setup(run, hardware, s, optimizer_steps=optimizer_steps, adjust_costs=adjust_costs)
+                    for s in exact_candidates(hardware, run.stale.calls)])
 
 
 def down_projection_seconds(shape: ModelShape, tokens: int, hardware: HardwareProfile,
@@ -141,19 +156,14 @@ def early_stop_row(model: str, hardware: str | HardwareProfile = "rtx4090", opti
     as simulated and with ``early_stop_costs`` (what-if): ``reference_tokens_per_s``, ``tokens_per_s``,
     ``early_stop_tokens_per_s`` and the two ratios, and ``down_share``: the down projection's share of a
     decoder layer's forward."""
-    from .own_engine import REFERENCE, published_run
-    from .paper import best_of, exact_candidates
+    from .own_engine import published_run
 
     hw = load_hardware(hardware)
     run = published_run(model)
     shape = get_model_shape(model)
-    reference = simulate_setup(run, hw, Setup(partition=REFERENCE, precision="bf16-mixed"),
-                               optimizer_steps=optimizer_steps)
-    candidates = exact_candidates(hw, run.stale.calls)
-    best = best_of([simulate_setup(run, hw, s, optimizer_steps=optimizer_steps) for s in candidates])
-    adjust = early_stop_costs(shape, hw)
-    stopped = best_of([simulate_setup(run, hw, s, optimizer_steps=optimizer_steps, adjust_costs=adjust)
-                       for s in candidates])
+    reference = reference_at_bf16(run, hw, optimizer_steps)
+    best = best_exact(run, hw, optimizer_steps)
+    stopped = best_exact(run, hw, optimizer_steps, adjust_costs=early_stop_costs(shape, hw))
     sequences = run.stale.sequences_per_step / (best.calls * best.microbatches)  # per microbatch
     costs = shape_layer_costs(shape, hw, run.stale.seq_len, sequences, compiled_layers=best.setup.compiled_layers)
     return dict(model=model, reference_tokens_per_s=reference.tokens_per_s, tokens_per_s=best.tokens_per_s,
