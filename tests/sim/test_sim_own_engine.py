@@ -283,7 +283,7 @@ def test_early_stop_what_if_takes_each_decoder_layers_down_projection_off_its_re
 
     costs = shape_layer_costs(tiny, hw, 250, 4)  # 1,000 tokens per microbatch
     assert costs.tokens_per_microbatch == 1000
-    adjusted = early_stop_costs(tiny, hw)(costs, costs.tokens_per_microbatch)
+    adjusted = early_stop_costs(tiny, hw)(costs)
     assert len(adjusted.layers) == len(costs.layers) == 1 + 4 + 1
     for n, (before, after) in enumerate(zip(costs.layers, adjusted.layers)):
         assert (after.forward_s, after.backward_s) == (before.forward_s, before.backward_s)
@@ -308,17 +308,17 @@ def test_simulate_setup_prices_adjusted_costs():
     setup = Setup(microbatches=4, partition="uniform", launch_s=0.0)  # no launch floor under the computes
     seen = []
 
-    def identity(costs, tokens):
-        seen.append((tokens, costs))
+    def identity(costs):
+        seen.append(costs)
         return costs
 
-    def halved(costs, tokens):
+    def halved(costs):
         return replace(costs, layers=[replace(l, recompute_s=l.recompute_s / 2) for l in costs.layers])
 
     base = simulate_setup(run, hw, setup, optimizer_steps=2)
     same = simulate_setup(run, hw, setup, optimizer_steps=2, adjust_costs=identity)
     faster = simulate_setup(run, hw, setup, optimizer_steps=2, adjust_costs=halved)
-    assert [tokens for tokens, _ in seen] == [32 * 256 // (2 * 4)]
+    assert [c.tokens_per_microbatch for c in seen] == [32 * 256 // (2 * 4)]
     assert same.tokens_per_s == pytest.approx(base.tokens_per_s, rel=1e-12)
     assert faster.plan.to_text() == base.plan.to_text()
     assert faster.tokens_per_s >= base.tokens_per_s * (1 - 1e-12)  # this tiny step is bound by its transfers
@@ -326,7 +326,7 @@ def test_simulate_setup_prices_adjusted_costs():
     def busy(result):
         return sum(r.end - r.start for r in result.call.timeline if r.queue == "compute" and r.kind == "backward")
 
-    costs = seen[0][1]  # as priced for the setup (its precision's matmul rate)
+    costs = seen[0]  # as priced for the setup (its precision's matmul rate)
     fused = base.plan.forward[-1]
     recomputed = [l for s, e in base.plan.backward if (s, e) != tuple(fused) for l in range(s, e)]
     per_call = 4 * sum(costs.layers[l].recompute_s for l in recomputed) / 2

@@ -36,6 +36,7 @@ target ratio.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 from ..cost.hardware import HardwareProfile, load_hardware
 from ..cost.physical import LayerWork, layer_seconds
@@ -113,7 +114,8 @@ def reference_at_bf16(run: PublishedRun, hardware: HardwareProfile, optimizer_st
                           optimizer_steps=optimizer_steps)
 
 
-def best_exact(run: PublishedRun, hardware: HardwareProfile, optimizer_steps: int, adjust_costs=None) -> SetupResult:
+def best_exact(run: PublishedRun, hardware: HardwareProfile, optimizer_steps: int,
+               adjust_costs: Callable[[CostProfile], CostProfile] | None = None) -> SetupResult:
     """The fastest of ``paper.exact_candidates`` at bf16-mixed (``sim paper``'s best exact row searches them
     beside the defaults), each simulated with ``adjust_costs`` (``simulate_setup``)."""
     from .paper import best_of, exact_candidates
@@ -141,8 +143,8 @@ def early_stop_costs(shape: ModelShape, hardware: HardwareProfile, fp16_accumula
     forward and backward compiled as one ``torch.func.vjp`` graph, from which inductor drops the
     unused output. The extra transfers of those layer inputs are not priced here."""
 
-    def adjust(costs: CostProfile, tokens: int) -> CostProfile:
-        down = down_projection_seconds(shape, tokens, hardware, fp16_accumulation)
+    def adjust(costs: CostProfile) -> CostProfile:
+        down = down_projection_seconds(shape, costs.tokens_per_microbatch, hardware, fp16_accumulation)
         layers = list(costs.layers)
         for n in range(1, 1 + shape.num_layers):  # the decoder layers: after the embedding, before the head
             layers[n] = replace(layers[n], recompute_s=max(0.0, layers[n].recompute_s - down))

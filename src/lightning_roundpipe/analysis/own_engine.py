@@ -282,12 +282,12 @@ def choose_plan(setup: Setup, costs, hardware: HardwareProfile, microbatches: in
 
 def simulate_setup(run: PublishedRun, hardware: str | HardwareProfile, setup: Setup, *,
                    optimizer_steps: int = 3, seq_len: int | None = None,
-                   adjust_costs: Callable[[CostProfile, int], CostProfile] | None = None) -> SetupResult:
+                   adjust_costs: Callable[[CostProfile], CostProfile] | None = None) -> SetupResult:
     """Simulate ``setup`` on the stale-optimizer workload of ``run`` (its sequences per step).
 
     ``setup.microbatches`` ``ENGINE_CHOICE``: every candidate count is simulated and the
     fewest within the engine's tie tolerance of the fastest is kept, as the engine chooses.
-    ``adjust_costs(costs, tokens_per_microbatch)``: a what-if on the priced layer costs (a mechanism
+    ``adjust_costs(costs)``: a what-if on the priced layer costs (a mechanism
     the engine does not have, such as ``exact_gap.early_stop_costs``), applied before planning."""
     hw = load_hardware(hardware)
     if setup.microbatches == ENGINE_CHOICE:
@@ -310,7 +310,7 @@ def simulate_setup(run: PublishedRun, hardware: str | HardwareProfile, setup: Se
                               loss_chunk_tokens=setup.loss_chunk_tokens,
                               fp16_accumulation=fp16_accumulation(setup.precision), compiled_layers=setup.compiled_layers)
     if adjust_costs is not None:
-        costs = adjust_costs(costs, costs.tokens_per_microbatch)
+        costs = adjust_costs(costs)
     if setup.compiled_layers:
         hw = compiled_launches(hw)
     try:
