@@ -37,6 +37,10 @@ class OptionError(ValueError):
     """An option has a value RoundPipe cannot run with; the message names it and says what to use."""
 
 
+EARLY_STOP_NEEDS_COMPILE = ("the early-stopping recompute is a compiled graph: it needs compiled layers "
+                            "(compile_layers=True; on the CPU backend layers run eagerly unless it is set)")
+
+
 def _fail(owner: str, name: str, value: Any, rule: str):
     raise OptionError(f"{owner}({name}={value!r}): {rule}")
 
@@ -231,6 +235,9 @@ class EngineOptions:
         one layer's graph is alive instead of the whole stage's (one more forward of the stage).
     compute_dtype: dtype floating parameters are cast to on upload (None: as stored on host).
     compile_layers: run each layer through ``torch.compile`` on the workers (``engine/compiled_layers.py``).
+    recompute_early_stop: with ``recompute`` and ``compile_layers``, the last layer of each backward
+        stage (every layer, at layer grain) recomputes and back-propagates as one compiled vjp graph,
+        which leaves out the forward work only its output needs (``engine/early_stop.py``).
     priorities, chunk_bytes, prefetch_depth: as in ``TransferConfig``.
     measure_tasks: keep every compute task's trace record until the step's measurements are
         read (``StepRun.measurements``, what the cost profile and the re-planner learn from),
@@ -242,6 +249,7 @@ class EngineOptions:
     layer_recompute: bool = False
     compute_dtype: Any = None
     compile_layers: bool = False
+    recompute_early_stop: bool = False
     priorities: dict = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
     chunk_bytes: int = 32 << 20
     prefetch_depth: int = 1
@@ -257,6 +265,9 @@ class EngineOptions:
                   "layer-grain recompute is a way of recomputing: it needs recompute=True")
         _flag(owner, "measure_tasks", self.measure_tasks)
         _flag(owner, "compile_layers", self.compile_layers)
+        _flag(owner, "recompute_early_stop", self.recompute_early_stop)
+        if self.recompute_early_stop and not self.compile_layers:
+            _fail(owner, "recompute_early_stop", self.recompute_early_stop, EARLY_STOP_NEEDS_COMPILE)
         check_priorities(owner, "priorities", self.priorities)
         _integer(owner, "chunk_bytes", self.chunk_bytes, 1)
         _integer(owner, "prefetch_depth", self.prefetch_depth, 0)
@@ -296,6 +307,17 @@ class RuntimeOptions:
         simulator predicts 11-30% more tokens/s on the reference workload (docs/tuning.md);
         eager on the CPU, fake-stream and emulated backends, whose tests and benchmarks stay eager.
         True: compile on any backend; False: eager layers.
+    recompute_early_stop: the recompute of a backward stage's last layer (of every layer with
+        recompute="layer") stops early: that layer's forward and backward run as one compiled
+        ``torch.func.vjp`` graph, from which inductor drops the forward work whose result only
+        the layer's output needs, a decoder layer's MLP down projection and residual add
+        (``engine/early_stop.py``): 20-25% of its recompute FLOPs, 0.91x of the compiled
+        recompute and backward measured on the CPU. Exact within fp32 rounding, as compiled layers;
+        dropout replays exactly. Needs compiled layers (``compile_layers`` True, or None on a GPU
+        backend that compiles); no effect without recompute. A layer whose forward cannot be traced on
+        meta tensors (Hugging Face's MoE expert loop: use ``moe_experts="grouped"``) fails the first
+        step, changing no weight. The simulator prices the saving on the last layer of each backward stage
+        (``analysis/own_engine.py``, ``Setup.early_stop``). False (default): recompute whole layers.
     fp16_accumulation: fp16 matmuls accumulate in fp16 on CUDA, as the RoundPipe reference trains
         (``torch.backends.cuda.matmul.allow_fp16_accumulation``, turned on for the run and put back
         after it; ``workers/matmul_accumulation.py``): about twice the fp16 matmul rate of a GeForce
@@ -387,6 +409,7 @@ class RuntimeOptions:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     compute_dtype: Any = None
     compile_layers: Optional[bool] = None
+    recompute_early_stop: bool = False
     fp16_accumulation: bool = False
     cpu_threads_per_worker: int = 1
     cpu_reuse_freed_memory: bool = True
@@ -424,6 +447,9 @@ class RuntimeOptions:
         _flag(owner, "step_metrics", self.step_metrics)
         if self.compile_layers is not None:
             _flag(owner, "compile_layers", self.compile_layers)
+        _flag(owner, "recompute_early_stop", self.recompute_early_stop)
+        if self.recompute_early_stop and self.compile_layers is False:
+            _fail(owner, "recompute_early_stop", self.recompute_early_stop, EARLY_STOP_NEEDS_COMPILE)
         _flag(owner, "fp16_accumulation", self.fp16_accumulation)
         if self.overlap_optimizer is not None:
             _flag(owner, "overlap_optimizer", self.overlap_optimizer)
@@ -470,6 +496,7 @@ class RuntimeOptions:
                              layer_recompute=recompute and self.recompute == "layer",
                              compute_dtype=self.compute_dtype,
                              compile_layers=self.compiles_layers(False) if compile_layers is None else compile_layers,
+                             recompute_early_stop=self.recompute_early_stop,
                              priorities=dict(t.priorities),
                              chunk_bytes=t.chunk_bytes, prefetch_depth=t.prefetch_depth)
 

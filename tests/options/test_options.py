@@ -102,10 +102,19 @@ def test_every_public_option_is_documented():
 def test_engine_options_stay_importable_from_the_engine_with_their_fields():
     assert engine_pkg.EngineOptions is EngineOptions
     assert [f.name for f in dataclasses.fields(EngineOptions)] == [
-        "microbatches", "recompute", "layer_recompute", "compute_dtype", "compile_layers", "priorities", "chunk_bytes",
-        "prefetch_depth", "measure_tasks"]
+        "microbatches", "recompute", "layer_recompute", "compute_dtype", "compile_layers", "recompute_early_stop",
+        "priorities", "chunk_bytes", "prefetch_depth", "measure_tasks"]
     with pytest.raises(OptionError, match=r"EngineOptions\(prefetch_depth=-1\)"):
         EngineOptions(prefetch_depth=-1).validate()
+
+
+def test_engine_options_refuse_the_early_stop_without_compiled_layers():
+    with pytest.raises(OptionError, match=r"EngineOptions\(recompute_early_stop=True\): the early-stopping recompute "
+                                          r"is a compiled graph"):
+        EngineOptions(recompute_early_stop=True).validate()
+    assert EngineOptions(recompute_early_stop=True, compile_layers=True).validate().recompute_early_stop
+    eng = RuntimeOptions(recompute_early_stop=True).validate().engine_options(num_workers=2, compile_layers=True)
+    assert eng.recompute_early_stop and eng.compile_layers
 
 
 def test_runtime_options_give_the_engine_its_share():

@@ -30,7 +30,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..workers.completions import PipelineError
-from .stage_inputs import differentiable_inputs
+from .stage_inputs import differentiable_inputs, differentiable_positions
 
 
 @dataclass
@@ -41,11 +41,16 @@ class LayerCalls:
         layer's forward (its buffer writes go home), False when it is a recompute.
     grad_keys(layer): the carry keys that carry a gradient into the layer (None: all floats).
     context(grad): the compute context (grad mode, the caller's autocast).
+    vjp(layer, carry, positions, output_grads): with ``recompute_early_stop``, the layer recomputed and
+        back-propagated as one compiled graph (``engine/early_stop.py``), its weight gradients added
+        into ``.grad``; returns the gradients of the carry's leaves at ``positions`` (None elsewhere).
+        None: recompute with grad and back-propagate.
     """
 
     run: Callable[[int, Any, bool], Any]
     grad_keys: Callable[[int], Any]
     context: Callable[[bool], ContextManager]
+    vjp: Callable[[int, Any, tuple, list], list] | None = None
 
 
 def _wanted(tree: Any, keys) -> list[bool]:
@@ -112,9 +117,14 @@ def backward_by_layer(calls: LayerCalls, start: int, end: int, inputs: list[Any]
         tree = inputs[layer - start]
         inputs[layer - start] = None  # this layer's input is not needed after its recompute
         keys = calls.grad_keys(layer)
-        in_leaves, fed = differentiable_inputs(tree, need_input_grad or layer > start, keys)
         shared = _shared_versions(tree, _wanted(tree, keys))
         last = loss_scale is not None and layer == end - 1
+        if calls.vjp is not None and not last:
+            grads = calls.vjp(layer, tree, differentiable_positions(tree, need_input_grad or layer > start, keys), grads)
+            _check_unwritten(layer, shared)
+            del tree
+            continue
+        in_leaves, fed = differentiable_inputs(tree, need_input_grad or layer > start, keys)
         # As at stage grain: the fused stage back-propagates inside the compute context (the
         # caller's autocast), a backward stage after it.
         with calls.context(True):

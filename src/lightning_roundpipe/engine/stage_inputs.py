@@ -31,14 +31,24 @@ def differentiable_inputs(tree: Any, need: bool, keys=None) -> tuple[list, Any]:
     leaves, spec = pytree.tree_flatten(tree)
     if not need:
         return leaves, pytree.tree_unflatten(leaves, spec)
+    wanted = set(differentiable_positions(tree, need, keys))
+    leaves = [x.detach().requires_grad_(True) if p in wanted else x for p, x in enumerate(leaves)]
+    with torch.enable_grad():
+        fed = [x.clone() if p in wanted else x for p, x in enumerate(leaves)]
+    return leaves, pytree.tree_unflatten(fed, spec)
+
+
+def differentiable_positions(tree: Any, need: bool, keys=None) -> tuple[int, ...]:
+    """The positions among ``tree``'s flattened leaves that get a gradient (``differentiable_inputs``'s rule):
+    none unless ``need``; else the floating tensors, under ``keys`` only for a dict carry when given."""
+    leaves = pytree.tree_leaves(tree)
+    if not need:
+        return ()
     if keys is not None and isinstance(tree, dict):
         wanted = pytree.tree_leaves({k: pytree.tree_map(lambda _, k=k: k in keys, v) for k, v in tree.items()})
     else:
         wanted = [True] * len(leaves)
-    leaves = [x.detach().requires_grad_(True) if w and _is_float_tensor(x) else x for x, w in zip(leaves, wanted)]
-    with torch.enable_grad():
-        fed = [x.clone() if w and _is_float_tensor(x) else x for x, w in zip(leaves, wanted)]
-    return leaves, pytree.tree_unflatten(fed, spec)
+    return tuple(p for p, (x, w) in enumerate(zip(leaves, wanted)) if w and _is_float_tensor(x))
 
 
 def kept_copy(tree: Any) -> Any:

@@ -21,9 +21,10 @@ from ..workers.completions import Completion, TaskLabel
 from .buffers import buffer_writes
 from .carry import HostCarry
 from .compiled_layers import COMPILED_LAYERS, naming_compile_failures
+from .early_stop import EARLY_STOP, accumulate
 from .layer_recompute import LayerCalls, backward_by_layer, layer_inputs
 from .rng import CallRng
-from .stage_inputs import differentiable_inputs, kept_copy
+from .stage_inputs import differentiable_inputs, differentiable_positions, kept_copy
 from .step_context import StepContext
 from .tensor_swap import TensorSwap
 
@@ -46,6 +47,7 @@ class TaskWork:
         self.M = len(microbatches)
         self.keep_graph = training and not self.opts.recompute
         self.layer_grain = training and self.opts.recompute and self.opts.layer_recompute
+        self.early_stop = training and self.opts.recompute and self.opts.recompute_early_stop
         self.fused, self.loss_scale, self.input_requires_grad = fused, loss_scale, input_requires_grad
         self.autocast, self.rng, self.lent_buffers = autocast, rng, lent_buffers
         self.call_layer = COMPILED_LAYERS.call if self.opts.compile_layers else TensorSwap().call
@@ -95,6 +97,33 @@ class TaskWork:
             else:
                 yield
 
+    @contextlib.contextmanager
+    def layer_scope(self, device, weights: StageWeights, layer: int, mb: int, recompute: bool):
+        """Around one call of ``layer`` on microbatch ``mb``: its lock, its seed, and its buffer writes sent
+        home unless the call is a recompute."""
+        module = self.ctx.layers[layer]
+        lock = self.ctx.layer_locks[layer]
+        lock.acquire(self.pool.timeout_s, layer, mb, self.pool.task_text)
+        try:
+            with self.rng.layer(device, layer, mb, module, recompute), \
+                    buffer_writes(weights, layer, module, self.M, keep=not recompute):
+                yield
+        finally:
+            lock.release()
+
+    def layer_vjp(self, device, weights: StageWeights, layer: int, carry, mb: int, diff_pos: tuple,
+                  out_grads: list) -> list:
+        """Back-propagate ``out_grads`` through ``layer`` recomputed on ``carry`` as one compiled vjp graph
+        (``recompute_early_stop``): its weight gradients are added into the stage's device ``.grad``; returns
+        the gradients of ``carry``'s leaves (None where none)."""
+        enabled, dtype = self.autocast.get(device.type, (False, None))
+        params = weights.params_for(layer)
+        with self.layer_scope(device, weights, layer, mb, recompute=True):
+            weight_grads, in_grads = EARLY_STOP.grads(self.ctx.layers[layer], params, carry, diff_pos, out_grads,
+                                                      (device.type, bool(enabled), dtype if enabled else None))
+        accumulate(params, weight_grads)
+        return in_grads
+
     def run_layers(self, device, weights: StageWeights, start: int, end: int, carry, mb: int, save_at=(),
                    recompute: bool = False):
         """Run layers ``[start, end)`` on ``carry`` (each under its lock and seed); returns the carries after
@@ -102,13 +131,8 @@ class TaskWork:
         layers = self.ctx.layers
         saved = {}
         for l in range(start, end):
-            lock = self.ctx.layer_locks[l]
-            lock.acquire(self.pool.timeout_s, l, mb, self.pool.task_text)
-            try:
-                with self.rng.layer(device, l, mb, layers[l], recompute), buffer_writes(weights, l, layers[l], self.M, keep=not recompute):
-                    carry = self.call_layer(layers[l], weights.params_for(l), carry)
-            finally:
-                lock.release()
+            with self.layer_scope(device, weights, l, mb, recompute):
+                carry = self.call_layer(layers[l], weights.params_for(l), carry)
             if l + 1 in save_at:
                 saved[l + 1] = kept_copy(carry)  # the next layer may write it in place
         saved[end] = carry
@@ -120,8 +144,11 @@ class TaskWork:
         def run(layer, carry, forward):
             return self.run_layers(device, weights, layer, layer + 1, carry, mb, recompute=not forward)[layer + 1]
 
+        def layer_vjp(layer, carry, diff_pos, grads):
+            return self.layer_vjp(device, weights, layer, carry, mb, diff_pos, grads)
+
         return LayerCalls(run, lambda layer: getattr(self.ctx.layers[layer], "differentiable_carry_keys", None),
-                          lambda grad: self.compute_context(device, grad))
+                          lambda grad: self.compute_context(device, grad), layer_vjp if self.early_stop else None)
 
     def dep(self, t: GraphTask, kind: str) -> Completion | None:
         """The completion of ``t``'s dependency of ``kind`` (its input upload, its compute, ...)."""
@@ -324,6 +351,9 @@ class TaskWork:
                 return HostCarry(grads, a_in.value.spec)
             if kept:
                 in_leaves, spec, out_leaves = self.graphs.pop((stage.index, i))
+            elif self.early_stop:
+                grads = self.backward_stopping_early(worker.device, weights, stage, a_in.value.tree(), i, g_leaves)
+                return HostCarry(grads, a_in.value.spec)
             else:
                 spec = a_in.value.spec
                 tree = a_in.value.tree()
@@ -341,6 +371,27 @@ class TaskWork:
             return HostCarry(grads, spec)
 
         return self.compute_work(fn)
+
+
+    def backward_stopping_early(self, device, weights: StageWeights, stage: Stage, tree, mb: int, g_leaves: list) -> list:
+        """A backward stage's recompute and backward with its last layer through ``layer_vjp``
+        (``recompute_early_stop``): the layers before it recompute with grad as usual, the last one recomputes
+        only what its gradients need. Returns the gradients of the stage input's leaves."""
+        need = stage.start > 0 or self.input_requires_grad
+        last = stage.end - 1
+        if stage.start == last:  # a one-layer stage: the whole stage is one vjp
+            return self.layer_vjp(device, weights, last, tree, mb, differentiable_positions(tree, need, self.grad_keys(stage)),
+                                  g_leaves)
+        in_leaves, fed = differentiable_inputs(tree, need, self.grad_keys(stage))
+        with self.compute_context(device, grad=True):
+            carry = self.run_layers(device, weights, stage.start, last, fed, mb, recompute=True)[last]
+        leaves = pytree.tree_leaves(carry)
+        diff_pos = tuple(p for p, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad)
+        carry_grads = self.layer_vjp(device, weights, last, carry, mb, diff_pos, g_leaves)
+        pairs = [(x, g) for x, g in zip(leaves, carry_grads) if g is not None]
+        if pairs:
+            torch.autograd.backward([x for x, _ in pairs], [g.to(x.dtype) for x, g in pairs])
+        return [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in in_leaves]
 
 
 # Every task kind's handler: adding a kind to TaskKind without one here fails at import.

@@ -1,0 +1,193 @@
+"""Early-stop recompute: a layer recomputed and back-propagated as one compiled ``torch.func.vjp`` graph.
+
+A backward stage recomputes its layers' forward and back-propagates the gradient of its output.
+Its last layer's output is never read by that backward: in a decoder layer the MLP's down
+projection and the residual add only make it (their backward needs their inputs, not their
+output). torch's non-reentrant checkpoint stops a recompute early for that reason
+(``set_checkpoint_early_stop``); here the layer's forward and backward are traced together, as
+``torch.func.vjp`` of the layer's ``functional_call`` with the output gradient applied, and
+compiled by inductor, which drops every forward operation whose result the gradients do not
+need: 20-25% of a decoder layer's forward FLOPs (``cost/transformer.py``,
+``down_projection_fraction``; measured on the CPU: ``benchmarks/calibration/early_stop_recompute.py``).
+
+What is the same as the compiled recompute (``compiled_layers.py``): one graph per (layer class,
+autocast, positions of the differentiable inputs and of the output gradients, shapes), reused by
+every layer, stage and worker of the process; random ops fall back to the eager ones
+(``fallback_random``), so dropout draws the numbers the forward drew under the engine's per-layer
+seed; the autocast of the forward is applied inside the traced forward only, and the backward runs
+without it, as the eager backward does. Exact within fp32 rounding of the eager path.
+
+What differs, and how it is kept exact: ``vjp`` returns a zero gradient for a weight or an input
+the outputs do not depend on, where autograd leaves ``.grad`` None (an optimizer such as AdamW
+skips a None gradient but decays and moves its moments on a zero one). So the first call of each
+layer module and signature traces the layer once on meta tensors (no compute, no random draw)
+to find which weights and inputs the outputs reach, and those get None. A layer whose forward
+meta tensors cannot run (data-dependent shapes: Hugging Face's MoE expert loop picks tokens with
+``nonzero``) cannot be checked; the step fails before any weight changes, with
+``EarlyStopUnsupported`` saying to turn the option off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import types
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call, vjp
+from torch.utils import _pytree as pytree
+
+from ..workers.completions import PipelineError
+from .compiled_layers import INDUCTOR_OPTIONS
+
+Autocast = tuple[str, bool, Any]  # (device type, enabled, dtype) of the forward
+
+
+class EarlyStopUnsupported(PipelineError):
+    """A layer cannot be back-propagated through ``recompute_early_stop``'s compiled vjp exactly."""
+
+
+def _autocast(autocast: Autocast):
+    device_type, enabled, dtype = autocast
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def _layer_vjp(layer: nn.Module, trainable: dict, fixed: dict, carry: Any, diff_pos: tuple, out_pos: tuple,
+               out_grads: tuple, autocast: Autocast):
+    """Gradients of the layer's outputs at ``out_pos`` (cotangents ``out_grads``) with respect to
+    ``trainable`` and the carry leaves at ``diff_pos``; the outputs themselves are not returned."""
+    leaves, spec = pytree.tree_flatten(carry)
+
+    def forward(params, diffs):
+        fed = list(leaves)
+        for p, x in zip(diff_pos, diffs):
+            fed[p] = x.clone()  # a layer may write its input in place
+        with _autocast(autocast):
+            out = functional_call(layer, {**fixed, **params}, (pytree.tree_unflatten(fed, spec),))
+        outs = pytree.tree_leaves(out)
+        return tuple(outs[i] for i in out_pos)
+
+    outs, back = vjp(forward, trainable, tuple(leaves[p] for p in diff_pos))
+    return back(tuple(g.to(o.dtype) for g, o in zip(out_grads, outs)))
+
+
+def _vjp_for(cls: type) -> Callable:
+    """A copy of ``_layer_vjp`` with a code object of its own (dynamo's graphs and recompile limit are per code
+    object, so each layer class gets its own, named after it)."""
+    code = _layer_vjp.__code__.replace(co_name=f"early_stop_{cls.__name__}")
+    return types.FunctionType(code, _layer_vjp.__globals__, code.co_name, _layer_vjp.__defaults__,
+                              _layer_vjp.__closure__)
+
+
+def _meta(x: torch.Tensor, grad: bool) -> torch.Tensor:
+    return torch.empty_like(x, device="meta").requires_grad_(grad)
+
+
+class EarlyStopBackward:
+    """The compiled vjp of each layer class, shared by every engine of the process; which weights and inputs
+    each layer's outputs reach (checked once per layer module and signature); compile times (``compiles``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fns: dict[type, Callable] = {}
+        self._reach: dict[tuple, tuple[nn.Module, frozenset, frozenset]] = {}
+        self._seen: set[tuple] = set()
+        self.compiles: list[tuple[str, float]] = []  # (what compiled, seconds of its first call)
+
+    def _compiled(self, cls: type) -> Callable:
+        with self._lock:
+            fn = self._fns.get(cls)
+            if fn is None:
+                fn = torch.compile(_vjp_for(cls), dynamic=None, options=dict(INDUCTOR_OPTIONS))
+                self._fns[cls] = fn
+            return fn
+
+    def reached(self, layer: nn.Module, trainable: dict, fixed: dict, leaves: list, spec, diff_pos: tuple,
+                out_pos: tuple, autocast: Autocast, key: tuple) -> tuple[frozenset, frozenset]:
+        """``(weight names, input positions)`` the outputs at ``out_pos`` depend on, traced once on meta tensors."""
+        with self._lock:
+            hit = self._reach.get(key)
+        if hit is not None and hit[0] is layer:
+            return hit[1], hit[2]
+        meta_params = {n: _meta(p, True) for n, p in trainable.items()}
+        meta_fixed = {n: _meta(p, False) if isinstance(p, torch.Tensor) else p for n, p in fixed.items()}
+        meta_leaves = [_meta(x, i in diff_pos) if isinstance(x, torch.Tensor) else x for i, x in enumerate(leaves)]
+        try:
+            with torch.enable_grad(), _autocast(autocast):
+                out = functional_call(layer, {**meta_fixed, **meta_params}, (pytree.tree_unflatten(meta_leaves, spec),))
+            outs = [o for i, o in enumerate(pytree.tree_leaves(out)) if i in out_pos and isinstance(o, torch.Tensor)
+                    and o.requires_grad]
+            inputs = list(meta_params.values()) + [meta_leaves[p] for p in diff_pos]
+            grads = (torch.autograd.grad(outs, inputs, [torch.empty_like(o) for o in outs], allow_unused=True)
+                     if outs else [None] * len(inputs))
+        except Exception as exc:
+            raise EarlyStopUnsupported(
+                f"recompute_early_stop cannot check which weights layer {type(layer).__name__} uses: its forward does "
+                f"not run on meta tensors ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}), "
+                "as a layer with data-dependent shapes (Hugging Face's MoE expert loop) does not. Set "
+                "recompute_early_stop=False (RoundPipeStrategy(recompute_early_stop=False), or "
+                "strategy.recompute_early_stop=false in the Hydra config); moe_experts='grouped' has no "
+                "data-dependent shapes. The failed step changed no weight.") from exc
+        names = list(meta_params)
+        weights = frozenset(n for n, g in zip(names, grads) if g is not None)
+        positions = frozenset(p for p, g in zip(diff_pos, grads[len(names):]) if g is not None)
+        with self._lock:
+            self._reach[key] = (layer, weights, positions)
+        return weights, positions
+
+    def grads(self, layer: nn.Module, params: dict, carry: Any, diff_pos: tuple, out_grads: list,
+              autocast: Autocast) -> tuple[dict, list]:
+        """Back-propagate ``out_grads`` (aligned with the layer's output leaves; None: no gradient) through
+        ``layer`` run on ``carry`` with ``params`` (name -> device tensor), recomputing only what the gradients
+        need. Returns ``(weight gradients by name, input gradients aligned with carry's leaves)``, None where
+        autograd would leave None: for the weights that do not require grad, and for those and the inputs at
+        ``diff_pos`` the outputs do not reach."""
+        leaves, spec = pytree.tree_flatten(carry)
+        out_pos = tuple(i for i, g in enumerate(out_grads) if g is not None)
+        trainable = {n: p.detach() for n, p in params.items() if isinstance(p, torch.Tensor) and p.requires_grad}
+        fixed = {n: (p.detach() if isinstance(p, torch.Tensor) else p) for n, p in params.items() if n not in trainable}
+        leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
+        shapes = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in leaves)
+        key = (id(layer), diff_pos, out_pos, autocast, shapes)
+        weights, positions = self.reached(layer, trainable, fixed, leaves, spec, diff_pos, out_pos, autocast, key)
+        in_grads: list = [None] * len(leaves)
+        if not out_pos:
+            return {}, in_grads
+        fn = self._compiled(type(layer))
+        first = key[1:] + (type(layer),) not in self._seen
+        start = time.perf_counter()
+        weight_grads, input_grads = fn(layer, trainable, fixed, pytree.tree_unflatten(leaves, spec), diff_pos, out_pos,
+                                       tuple(out_grads[i] for i in out_pos), autocast)
+        if first:
+            with self._lock:
+                if key[1:] + (type(layer),) not in self._seen:
+                    self._seen.add(key[1:] + (type(layer),))
+                    self.compiles.append((f"{type(layer).__name__} vjp", time.perf_counter() - start))
+        for p, g in zip(diff_pos, input_grads):
+            in_grads[p] = g if p in positions else None
+        return {n: g for n, g in weight_grads.items() if n in weights}, in_grads
+
+    def compile_seconds(self) -> float:
+        """Seconds spent in the calls that compiled (first calls of each signature: compile plus one run)."""
+        with self._lock:
+            return sum(s for _, s in self.compiles)
+
+
+EARLY_STOP = EarlyStopBackward()
+"""The process's compiled layer vjps (dynamo's cache is process-wide too)."""
+
+
+def accumulate(params: dict, weight_grads: dict) -> None:
+    """Add ``weight_grads`` (name -> gradient) into the ``.grad`` of ``params``' tensors, as autograd's
+    accumulation does (the first gradient stored, later ones added in place)."""
+    for name, g in weight_grads.items():
+        p = params[name]
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad += g
