@@ -332,3 +332,67 @@ def test_simulate_setup_prices_adjusted_costs():
     per_call = 4 * sum(costs.layers[l].recompute_s for l in recomputed) / 2
     calls = {r.step for r in base.call.timeline}
     assert busy(base) - busy(faster) == pytest.approx(per_call * len(calls), rel=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_the_early_stopping_recompute_prices_the_down_projection_on_each_backward_stages_last_layer():
+    """``shape_layer_costs(early_stop=True)``: each decoder layer's ``early_stop_s`` is its down projection
+    (hidden 256 x MLP 768 x 2 FLOPs per token, 1,000 tokens, at the fp32-accumulate rate), the embedding and the
+    head none, and nothing else changes. A stage's recompute and backward then lose the last layer's share only."""
+    from lightning_roundpipe.cost.hardware import load_hardware
+    from lightning_roundpipe.cost.transformer import ModelShape, shape_layer_costs
+    from lightning_roundpipe.cost.view import CostView
+
+    tiny = ModelShape("tiny", 256, 768, 4, 2, 64, 4096, 4)
+    hw = load_hardware("rtx4090")
+    rate = (hw.matmul_tflops_fp32_acc or hw.tensor_tflops_fp32_acc) * 1e12
+    by_hand = 1000 * 2 * 256 * 768 / rate
+    plain, stopping = shape_layer_costs(tiny, hw, 250, 4), shape_layer_costs(tiny, hw, 250, 4, early_stop=True)
+    assert [c.early_stop_s for c in plain.layers] == [0.0] * 6
+    assert [c.early_stop_s for c in stopping.layers] == pytest.approx([0.0] + [by_hand] * 4 + [0.0], rel=1e-12)
+    for before, after in zip(plain.layers, stopping.layers):
+        assert (after.forward_s, after.recompute_s, after.backward_s) == (before.forward_s, before.recompute_s,
+                                                                          before.backward_s)
+    p, s = CostView(plain), CostView(stopping)
+    assert s.backward_with_recompute_s(1, 4) == pytest.approx(p.backward_with_recompute_s(1, 4) - by_hand, rel=1e-12)
+    assert s.backward_with_recompute_s(0, 1) == p.backward_with_recompute_s(0, 1)  # the embedding stops nothing
+    assert s.early_stop_s(1, 3) == pytest.approx(2 * by_hand, rel=1e-12)  # layer grain: every layer but the last
+    assert stopping.layers[1].scaled(2.0).early_stop_s == pytest.approx(2 * by_hand, rel=1e-12)
+
+
+@pytest.mark.timeout(120)
+def test_the_simulated_backward_computes_stop_early_by_the_priced_seconds():
+    """One backward compute of a plan of stages [0,3) [3,6): with early stop, a stage-grain backward task lasts
+    ``early_stop_s`` of its last layer less; a layer-grain one that of every layer (its pass without grad
+    unchanged)."""
+    from dataclasses import replace as dc_replace
+
+    from lightning_roundpipe.cost.hardware import load_hardware
+    from lightning_roundpipe.cost.transformer import ModelShape, shape_layer_costs
+    from lightning_roundpipe.schedule.plan import Plan
+    from lightning_roundpipe.sim.simulate import SimConfig, simulate_roundpipe
+
+    tiny = ModelShape("tiny", 256, 768, 4, 2, 64, 4096, 4)
+    hw = load_hardware("rtx4090")
+    plan = Plan(6, ((0, 3), (3, 6)), ((0, 3), (3, 6))).validate()
+
+    def backward_seconds(early_stop, layer_recompute):
+        costs = shape_layer_costs(tiny, hw, 250, 4, early_stop=early_stop)
+        res = simulate_roundpipe(plan, costs, hw, 2, config=dc_replace(SimConfig(), layer_recompute=layer_recompute))
+        return {r.stage: r.end - r.start for r in res.timeline if r.kind == "backward" and r.microbatch == 0}
+
+    down = shape_layer_costs(tiny, hw, 250, 4, early_stop=True).layers[1].early_stop_s
+    plain, stopped = backward_seconds(False, False), backward_seconds(True, False)
+    assert stopped["B0"] == pytest.approx(plain["B0"] - down, rel=1e-9)  # last layer 2: a decoder layer
+    assert stopped["B1"] == pytest.approx(plain["B1"], rel=1e-9)  # last layer 5: the head, priced as stopping nothing
+    plain, stopped = backward_seconds(False, True), backward_seconds(True, True)
+    assert stopped["B0"] == pytest.approx(plain["B0"] - 2 * down, rel=1e-9)  # layers 1 and 2 (0: the embedding)
+    assert stopped["B1"] == pytest.approx(plain["B1"] - 2 * down, rel=1e-9)  # layers 3 and 4 (5: the head)
+
+
+def test_an_early_stopping_setup_needs_compiled_layers():
+    from lightning_roundpipe.analysis.own_engine import Setup
+
+    with pytest.raises(ValueError, match="early_stop is a compiled graph: it needs compiled_layers=True"):
+        Setup(early_stop=True)
+    assert Setup(early_stop=True, compiled_layers=True).early_stop

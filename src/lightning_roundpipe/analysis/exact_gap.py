@@ -39,9 +39,9 @@ from dataclasses import replace
 from typing import Callable
 
 from ..cost.hardware import HardwareProfile, load_hardware
-from ..cost.physical import LayerWork, layer_seconds
+from ..cost.physical import layer_seconds
 from ..cost.profile import CostProfile
-from ..cost.transformer import ModelShape, get_model_shape, shape_layer_costs
+from ..cost.transformer import ModelShape, down_projection_work, get_model_shape, shape_layer_costs
 from .own_engine import PublishedRun, Setup, SetupResult, simulate_setup
 
 CAUSES = ("drain", "gradient home", "host queue", "first layer update", "upload and start")
@@ -115,33 +115,29 @@ def reference_at_bf16(run: PublishedRun, hardware: HardwareProfile, optimizer_st
 
 
 def best_exact(run: PublishedRun, hardware: HardwareProfile, optimizer_steps: int,
-               adjust_costs: Callable[[CostProfile], CostProfile] | None = None) -> SetupResult:
+               adjust_costs: Callable[[CostProfile], CostProfile] | None = None, early_stop: bool = True) -> SetupResult:
     """The fastest of ``paper.exact_candidates`` at bf16-mixed (``sim paper``'s best exact row searches them
-    beside the defaults), each simulated with ``adjust_costs`` (``simulate_setup``)."""
+    beside the defaults; ``early_stop`` False: without the early-stopping recompute), each simulated with
+    ``adjust_costs`` (``simulate_setup``)."""
     from .paper import best_of, exact_candidates
 
     return best_of([simulate_setup(run, hardware, s, optimizer_steps=optimizer_steps, adjust_costs=adjust_costs)
-                    for s in exact_candidates(hardware, run.stale.calls)])
+                    for s in exact_candidates(hardware, run.stale.calls, early_stop=early_stop)])
 
 
 def down_projection_seconds(shape: ModelShape, tokens: int, hardware: HardwareProfile,
                             fp16_accumulation: bool = False) -> float:
     """Seconds of one decoder layer's MLP down projection forward over ``tokens`` tokens: ``2 x hidden
     x mlp width`` FLOPs per token (MoE: the routed experts' widths), at the profile's matmul rate."""
-    width = shape.experts_per_token * shape.expert_intermediate if shape.is_moe else shape.intermediate
-    return layer_seconds(LayerWork(2 * shape.hidden * width), tokens, hardware, fp16_accumulation)
+    return layer_seconds(down_projection_work(shape), tokens, hardware, fp16_accumulation)
 
 
 def early_stop_costs(shape: ModelShape, hardware: HardwareProfile, fp16_accumulation: bool = False):
-    """A what-if for ``simulate_setup(adjust_costs=...)``, **not an engine mechanism**: every decoder
-    layer's recompute skips its MLP down projection, as torch's non-reentrant checkpoint does
-    (``set_checkpoint_early_stop``: the layer's output is not needed for its backward).
-
-    The engine's stage-grain recompute runs each backward stage's forward whole. Skipping each
-    layer's last matmul needs each layer's input at the backward worker (sent home by the forward
-    stage, as the boundaries of ``act_save``) and a recompute that stops early: for example a layer's
-    forward and backward compiled as one ``torch.func.vjp`` graph, from which inductor drops the
-    unused output. The extra transfers of those layer inputs are not priced here."""
+    """A what-if for ``simulate_setup(adjust_costs=...)``, the upper bound of the early-stopping recompute:
+    **every** decoder layer's recompute skips its MLP down projection, as if each were the last of its backward
+    stage (``recompute_early_stop`` skips it on the last layer of each stage only, ``LayerCost.early_stop_s``).
+    Applied to setups without the engine's early stop (it would count twice). The transfers of every layer's
+    input that one-layer backward stages need are not priced here."""
 
     def adjust(costs: CostProfile) -> CostProfile:
         down = down_projection_seconds(shape, costs.tokens_per_microbatch, hardware, fp16_accumulation)
@@ -154,23 +150,26 @@ def early_stop_costs(shape: ModelShape, hardware: HardwareProfile, fp16_accumula
 
 
 def early_stop_row(model: str, hardware: str | HardwareProfile = "rtx4090", optimizer_steps: int = 2) -> dict:
-    """The best of ``paper.exact_candidates`` (bf16-mixed) against the reference's setup at bf16-mixed,
-    as simulated and with ``early_stop_costs`` (what-if): ``reference_tokens_per_s``, ``tokens_per_s``,
-    ``early_stop_tokens_per_s`` and the two ratios, and ``down_share``: the down projection's share of a
-    decoder layer's forward."""
+    """The best of ``paper.exact_candidates`` (bf16-mixed) against the reference's setup at bf16-mixed: without
+    the early-stopping recompute (``tokens_per_s``, ``ratio``), with it as the engine runs it
+    (``early_stop_tokens_per_s``, ``early_stop_ratio``: the last layer of each backward stage), and with every
+    layer stopping early (``every_layer_tokens_per_s``, ``every_layer_ratio``: ``early_stop_costs``, the what-if
+    bound); ``reference_tokens_per_s``; ``down_share``: the down projection's share of a decoder layer's forward."""
     from .own_engine import published_run
 
     hw = load_hardware(hardware)
     run = published_run(model)
     shape = get_model_shape(model)
     reference = reference_at_bf16(run, hw, optimizer_steps)
-    best = best_exact(run, hw, optimizer_steps)
-    stopped = best_exact(run, hw, optimizer_steps, adjust_costs=early_stop_costs(shape, hw))
+    best = best_exact(run, hw, optimizer_steps, early_stop=False)
+    stopped = best_exact(run, hw, optimizer_steps)
+    every = best_exact(run, hw, optimizer_steps, adjust_costs=early_stop_costs(shape, hw), early_stop=False)
     sequences = run.stale.sequences_per_step / (best.calls * best.microbatches)  # per microbatch
     costs = shape_layer_costs(shape, hw, run.stale.seq_len, sequences, compiled_layers=best.setup.compiled_layers)
     return dict(model=model, reference_tokens_per_s=reference.tokens_per_s, tokens_per_s=best.tokens_per_s,
                 ratio=best.tokens_per_s / reference.tokens_per_s, early_stop_tokens_per_s=stopped.tokens_per_s,
                 early_stop_ratio=stopped.tokens_per_s / reference.tokens_per_s,
+                every_layer_tokens_per_s=every.tokens_per_s, every_layer_ratio=every.tokens_per_s / reference.tokens_per_s,
                 down_share=down_projection_seconds(shape, costs.tokens_per_microbatch, hw) / costs.layers[1].forward_s)
 
 
@@ -234,10 +233,12 @@ def main(models: list[str] | None = None, bounds: bool = False, early_stop: bool
             r = early_stop_row(model)
             table.append((model, f"{r['down_share']:.1%}", f"{r['reference_tokens_per_s']:,.0f}",
                           f"{r['tokens_per_s']:,.0f}", f"{r['ratio']:.3f}x", f"{r['early_stop_tokens_per_s']:,.0f}",
-                          f"{r['early_stop_ratio']:.3f}x"))
+                          f"{r['early_stop_ratio']:.3f}x", f"{r['every_layer_tokens_per_s']:,.0f}",
+                          f"{r['every_layer_ratio']:.3f}x"))
         print(render_table(("model", "down projection / layer forward", "reference at bf16, tokens/s",
-                            "best exact, tokens/s", "ratio", "with early stop (what-if), tokens/s", "ratio"), table,
-                           right=tuple(range(1, 7)), markdown=True))
+                            "best exact without early stop, tokens/s", "ratio", "with recompute_early_stop, tokens/s",
+                            "ratio", "every layer stopping early (what-if), tokens/s", "ratio"), table,
+                           right=tuple(range(1, 9)), markdown=True))
         return
     if bounds:
         for model in names:

@@ -85,7 +85,9 @@ class Setup:
     ``"arrival"``). ``undo``: the before-image copy that keeps a failed step undoable
     (``cost.host_update``; the engine's ``optimizer_undo``, on by default).
     ``host_unscale``: each layer's update first unscales and checks its gradient (this engine's
-    host loss scaler under fp16, ``cost.host_update.unscale_seconds``).
+    host loss scaler under fp16, ``cost.host_update.unscale_seconds``). ``early_stop``: the engine's
+    ``recompute_early_stop`` (needs ``compiled_layers``): the last decoder layer of each backward stage
+    does not recompute its MLP down projection (``LayerCost.early_stop_s``).
     """
 
     precision: str = "fp16-acc"
@@ -106,9 +108,12 @@ class Setup:
     optimizer_order: str = "arrival"
     undo: bool = False
     host_unscale: bool = False
+    early_stop: bool = False
 
     def __post_init__(self) -> None:
         check_precision(self.precision)
+        if self.early_stop and not self.compiled_layers:
+            raise ValueError("early_stop is a compiled graph: it needs compiled_layers=True")
         if self.staleness not in (0, 1):
             raise ValueError(f"staleness must be 0 or 1, got {self.staleness!r}")
 
@@ -308,7 +313,8 @@ def simulate_setup(run: PublishedRun, hardware: str | HardwareProfile, setup: Se
     per_microbatch = work.sequences_per_step / (calls * m)
     costs = shape_layer_costs(get_model_shape(run.model), hw, seq_len, per_microbatch,
                               loss_chunk_tokens=setup.loss_chunk_tokens,
-                              fp16_accumulation=fp16_accumulation(setup.precision), compiled_layers=setup.compiled_layers)
+                              fp16_accumulation=fp16_accumulation(setup.precision), compiled_layers=setup.compiled_layers,
+                              early_stop=setup.early_stop)
     if adjust_costs is not None:
         costs = adjust_costs(costs)
     if setup.compiled_layers:

@@ -53,9 +53,10 @@ PUBLISHED_SEQ_LEN = 2048
 PLANNED_PARTITION = "auto"  # the planner's own partition, searched on the simulated (measured) costs
 
 
-def exact_candidates(hardware: HardwareProfile, calls: int, precision: str = "bf16-mixed") -> list[Setup]:
+def exact_candidates(hardware: HardwareProfile, calls: int, precision: str = "bf16-mixed",
+                     early_stop: bool = True) -> list[Setup]:
     """The exact setups a user can set that the quick search tries, beside the defaults: compiled
-    layers, the step's sequences in one call of ``10 x calls`` microbatches (the reference's
+    layers with the early-stopping recompute (``recompute_early_stop``; ``early_stop`` False: without it), the step's sequences in one call of ``10 x calls`` microbatches (the reference's
     sequences per microbatch) or ``30 x calls`` (a third of them: shorter fill and drain), on the
     reference's partition, and on the planner's own partition (``PLANNED_PARTITION``; a plan
     search each, the slow part of ``sim paper``) the ``30 x calls`` count in one call and 30
@@ -67,7 +68,7 @@ def exact_candidates(hardware: HardwareProfile, calls: int, precision: str = "bf
     (``precision.waits_for_every_gradient``); each layer's update then unscales its gradient
     first (``host_unscale``)."""
     default = our_default(hardware)
-    base = replace(default, partition=REFERENCE, compiled_layers=True, precision=precision,
+    base = replace(default, partition=REFERENCE, compiled_layers=True, early_stop=early_stop, precision=precision,
                    wait_all_grads=waits_for_every_gradient(precision, default.undo), host_unscale=loss_scaled(precision))
     one_call = [replace(base, microbatches=k * calls, calls=1) for k in (10, 30)]
     planned = [replace(one_call[-1], partition=PLANNED_PARTITION), replace(base, microbatches=30, calls=calls,
@@ -87,7 +88,8 @@ def describe_setup(result: SetupResult) -> str:
         return f"does not fit ({result.refused})"
     s = result.setup
     return (f"{result.microbatches} microbatches x {result.calls} calls, {s.precision}, staleness {s.staleness}"
-            + (", compiled layers" if s.compiled_layers else "") + f", {s.partition} partition")
+            + (", compiled layers" if s.compiled_layers else "") + (", early-stopping recompute" if s.early_stop else "")
+            + f", {s.partition} partition")
 
 
 def model_rows(model: str, hardware: str | HardwareProfile = "rtx4090", seq_len: int = PUBLISHED_SEQ_LEN,

@@ -38,11 +38,14 @@ class LayerCost:
     forward_transient_bytes_per_token: int | None = None
     backward_transient_bytes_per_token: int | None = None
     act_grad_bytes_per_token: int | None = None
+    # Seconds of ``recompute_s`` the layer skips when a backward stage's recompute stops early at it
+    # (``recompute_early_stop``: the work only its output needs, a decoder layer's MLP down projection).
+    early_stop_s: float = 0.0
 
     def scaled(self, factor: float) -> "LayerCost":
         """The same layer with its compute times multiplied by ``factor``."""
         return dataclasses.replace(self, forward_s=self.forward_s * factor, recompute_s=self.recompute_s * factor,
-                                   backward_s=self.backward_s * factor)
+                                   backward_s=self.backward_s * factor, early_stop_s=self.early_stop_s * factor)
 
 
 @dataclass

@@ -196,6 +196,14 @@ def elementwise_bytes_per_token(shape: ModelShape, dtype_bytes: int = 2) -> floa
     return per_token * scale
 
 
+def down_projection_work(shape: ModelShape) -> LayerWork:
+    """Per token, a decoder layer's MLP down projection forward: ``2 x hidden x mlp width`` FLOPs (MoE: the
+    routed experts' widths). The last operation of the layer but its residual add (fused into it when compiled):
+    the work an early-stopping recompute leaves out (``engine/early_stop.py``). LoRA's adapter on it is left in."""
+    width = shape.experts_per_token * shape.expert_intermediate if shape.is_moe else shape.intermediate
+    return LayerWork(2 * shape.hidden * width)
+
+
 def decoder_layer_work(shape: ModelShape, seq_len: int, lora_rank: int | None = None,
                        dtype_bytes: int = 2, compiled: bool = False) -> tuple[LayerWork, LayerWork]:
     """Forward and backward (recompute excluded) work of one decoder layer per token.
@@ -284,6 +292,7 @@ def shape_layer_costs(
     loss_in_pipeline: bool = True,
     moe_dispatch: "str | moe_loop.ExpertDispatch | None" = None,
     compiled_layers: bool = False,
+    early_stop: bool = False,
 ) -> CostProfile:
     """``transformer_layer_costs`` of a ``ModelShape`` (dense or MoE).
 
@@ -296,7 +305,9 @@ def shape_layer_costs(
     from ``activations``. ``moe_dispatch`` (MoE shapes): how the experts run, priced by
     ``cost/moe_loop.py`` (``"reference_loop"``, ``"hf_eager_loop"``, ``"grouped"``, ``"padded_bmm"``); None: the
     routed FLOPs alone. ``compiled_layers``: decoder layers run through ``torch.compile``, their
-    element-wise chains fused (``cost.compiled``; memory is unchanged).
+    element-wise chains fused (``cost.compiled``; memory is unchanged). ``early_stop``: the engine's
+    ``recompute_early_stop``; each decoder layer's ``early_stop_s`` is its MLP down projection
+    (``down_projection_work``), which a backward stage's last layer then does not recompute.
     """
     hidden, intermediate, vocab, num_layers = shape.hidden, shape.intermediate, shape.vocab, shape.num_layers
     qk_norm = shape.qk_norm
@@ -358,6 +369,8 @@ def shape_layer_costs(
         layers[-1].forward_transient_bytes_per_token = activations.decoder_forward_transient_bytes(
             shape, dtype_bytes, lora_rank)
         layers[-1].act_grad_bytes_per_token = activations.hidden_grad_bytes(shape, dtype_bytes)
+        if early_stop:
+            layers[-1].early_stop_s = seconds(down_projection_work(shape))
         params.append(base + adapters)
         trainable.append(adapters if lora else base)
         graph.append(saved)

@@ -106,8 +106,13 @@ class CostView:
         return sum(self.layers[i].forward_s for i in range(a, b))
 
     def backward_with_recompute_s(self, a: int, b: int) -> float:
-        """Recompute plus backward time of layers ``[a, b)``."""
-        return sum(self.layers[i].recompute_s + self.layers[i].backward_s for i in range(a, b))
+        """Recompute plus backward time of layers ``[a, b)``, the last one's recompute stopping early where the
+        profile prices it (``LayerCost.early_stop_s``, 0 unless ``recompute_early_stop``)."""
+        return sum(self.layers[i].recompute_s + self.layers[i].backward_s for i in range(a, b)) - self.layers[b - 1].early_stop_s
+
+    def early_stop_s(self, a: int, b: int) -> float:
+        """Recompute seconds layers ``[a, b)`` skip when each one's recompute stops early (layer grain)."""
+        return sum(self.layers[i].early_stop_s for i in range(a, b))
 
     def fused_s(self, a: int, b: int) -> float:
         """Forward, loss and backward at once: the graph is kept, so no recompute."""

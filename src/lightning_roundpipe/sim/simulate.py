@@ -452,6 +452,7 @@ class _RoundPipeBuilder:
             seconds = view.backward_with_recompute_s(a, b)
         if t.grain == "layer":
             transient = layer_grain_graph(view, a, b)
+            seconds -= view.early_stop_s(a, b - 1)  # every layer but the last (priced above, or the loss) stops early
             if not self.cfg.layer_inputs_from_forward:
                 seconds += view.forward_s(a, b - 1)  # the pass without grad that keeps the layer inputs
         grads_total = view.grads(a, b) if t.kind != "forward" else 0
