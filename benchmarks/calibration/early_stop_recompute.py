@@ -3,8 +3,8 @@ compiled ``torch.func.vjp`` graph against the compiled forward with grad then ba
 
     python -m benchmarks.calibration.early_stop_recompute [--quick] [--json PATH]
 
-What it measures is a mechanism the engine does **not** have yet (``analysis/exact_gap.early_stop_costs``
-prices it as a what-if). A backward stage recomputes each layer's forward with grad and then runs its
+What it measures is the engine's ``recompute_early_stop`` (``engine/early_stop.py``) against its
+plain compiled recompute. A backward stage recomputes each layer's forward with grad and then runs its
 backward; the layer's last matmul (the MLP down projection) is recomputed although its output is never
 read: its backward needs only its input, its weight and the output's gradient. Compiled as one
 function from (weights, layer input, output gradient) to gradients, inductor leaves that matmul out.
@@ -15,7 +15,8 @@ best of ``--rounds``, one torch thread, alternating within each round:
 
 - ``compiled_forward_backward``: the engine's compiled call with grad, then backward (what a
   backward stage runs per layer today with ``compile_layers``);
-- ``compiled_vjp``: ``torch.compile`` of ``torch.func.vjp`` of the same layer.
+- ``compiled_vjp``: the engine's early-stopping backward of the same layer (``EARLY_STOP.grads``: the
+  compiled ``torch.func.vjp`` of the layer's call, after its one-off meta trace).
 
 It also reports the largest difference of their gradients (weights and layer input) and each
 compile's first call.
@@ -27,32 +28,24 @@ import os
 import time
 
 import torch
-from torch.func import functional_call, vjp
 
 from benchmarks.calibration.compiled_layers import FULL, QUICK, decoder_layer, timed
 from benchmarks.harness import cli, load_line, markdown_table, run_info, write_json
 
 
-def layer_vjp(step, carry):
-    """``(weights, hidden, grad of the output hidden) -> (weight gradients, hidden gradient)`` of the
-    layer, the carry's other entries (mask, rotary tables, positions) held fixed."""
-    rest = {k: v for k, v in carry.items() if k != "hidden"}
-
-    def grads(weights, hidden, grad_out):
-        _, back = vjp(lambda w, h: functional_call(step, w, (dict(rest, hidden=h),))["hidden"], weights, hidden)
-        return back(grad_out)
-
-    return grads
-
-
 def compare(step, params, carry, rounds: int) -> dict:
     """Seconds (best of ``rounds``) and first-call seconds of both ways, and their largest gradient difference."""
+    from torch.utils import _pytree as pytree
+
     from lightning_roundpipe.engine.compiled_layers import COMPILED_LAYERS
+    from lightning_roundpipe.engine.early_stop import EARLY_STOP
 
     grad_out = torch.randn_like(carry["hidden"])
-    weights = {k: v.detach() for k, v in params.items()}
+    weights = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
     leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
-    compiled_vjp = torch.compile(layer_vjp(step, carry), dynamic=False)
+    keys, spec = pytree.tree_flatten({k: k for k in carry})
+    hidden_at = keys.index("hidden")
+    out_grads = [grad_out if k == "hidden" else None for k in keys]
 
     def forward_backward():
         for v in leaves.values():
@@ -62,7 +55,9 @@ def compare(step, params, carry, rounds: int) -> dict:
         return {k: v.grad for k, v in leaves.items()}, hidden.grad
 
     def by_vjp():
-        return compiled_vjp(weights, carry["hidden"].detach(), grad_out)
+        grads, inputs = EARLY_STOP.grads(step, weights, dict(carry, hidden=carry["hidden"].detach()), (hidden_at,),
+                                         out_grads, ("cpu", False, None))
+        return grads, inputs[hidden_at]
 
     fns = {"compiled_forward_backward": forward_backward, "compiled_vjp": by_vjp}
     first = {name: timed(fn) for name, fn in fns.items()}
