@@ -287,19 +287,22 @@ def choose_plan(setup: Setup, costs, hardware: HardwareProfile, microbatches: in
 
 def simulate_setup(run: PublishedRun, hardware: str | HardwareProfile, setup: Setup, *,
                    optimizer_steps: int = 3, seq_len: int | None = None,
-                   adjust_costs: Callable[[CostProfile], CostProfile] | None = None) -> SetupResult:
+                   adjust_costs: Callable[[CostProfile], CostProfile] | None = None,
+                   plan: Plan | None = None) -> SetupResult:
     """Simulate ``setup`` on the stale-optimizer workload of ``run`` (its sequences per step).
 
     ``setup.microbatches`` ``ENGINE_CHOICE``: every candidate count is simulated and the
     fewest within the engine's tie tolerance of the fastest is kept, as the engine chooses.
     ``adjust_costs(costs)``: a what-if on the priced layer costs (a mechanism
-    the engine does not have, such as ``exact_gap.early_stop_costs``), applied before planning."""
+    the engine does not have, such as ``exact_gap.early_stop_costs``), applied before planning.
+    ``plan``: simulate this plan instead of the one ``setup.partition`` gives (``analysis/cut_search.py``)."""
     hw = load_hardware(hardware)
     if setup.microbatches == ENGINE_CHOICE:
         from ..planning.search import TIE_TOLERANCE
 
         tried = [simulate_setup(run, hw, replace(setup, microbatches=m), optimizer_steps=optimizer_steps,
-                                seq_len=seq_len, adjust_costs=adjust_costs) for m in microbatch_candidates(hw.num_gpus)]
+                                seq_len=seq_len, adjust_costs=adjust_costs, plan=plan)
+                 for m in microbatch_candidates(hw.num_gpus)]
         fitting = [r for r in tried if r.tokens_per_s > 0]
         if not fitting:
             return tried[0]
@@ -320,7 +323,7 @@ def simulate_setup(run: PublishedRun, hardware: str | HardwareProfile, setup: Se
     if setup.compiled_layers:
         hw = compiled_launches(hw)
     try:
-        plan = choose_plan(setup, costs, hw, m, run.model, seq_len)
+        plan = plan or choose_plan(setup, costs, hw, m, run.model, seq_len)
     except (PlanError, ValueError) as err:
         return SetupResult(setup, m, calls, 0.0, refused=str(err).splitlines()[0])
     need = max(roundpipe_gpu_bytes(plan, costs, hw.num_gpus))
