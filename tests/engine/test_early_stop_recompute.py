@@ -7,18 +7,16 @@ of the module reuses; the Hugging Face family is marked slow.
 
 import copy
 
-import lightning as L
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-from _family_configs import family_batch, tiny_model
+from _family_configs import tiny_model
 from _exact_models import GRAD_TOL, WEIGHT_TOL, SeqModule, fit, grad_error, parity, weight_error, weights
 from lightning_roundpipe import OptionError, RoundPipeStrategy
 from lightning_roundpipe.engine.early_stop import EARLY_STOP
 from lightning_roundpipe.workers.completions import PipelineError
-from tests.adapters.test_family_options import CausalLMModule
+from tests.engine.test_compiled_layers import train_causal_lm
 
 WIDTH, INNER = 8, 12
 
@@ -163,14 +161,6 @@ def test_a_layer_the_meta_trace_cannot_run_fails_the_step_naming_the_way_back_an
         fit(m, RoundPipeStrategy(microbatches=2, recompute="always", compile_layers=True, recompute_early_stop=True),
             devices=2, max_steps=1)
     assert all(torch.equal(w, start[n]) for n, w in weights(m).items())
-
-
-def train_causal_lm(model, strategy, devices):
-    """3 SGD steps on the family batch; the trained weights."""
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=3, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(CausalLMModule(model, lr=0.1), DataLoader(TensorDataset(*family_batch("left")), batch_size=6))
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.slow
