@@ -53,18 +53,9 @@ class LayerCalls:
     vjp: Callable[[int, Any, tuple, list], list] | None = None
 
 
-def _wanted(tree: Any, keys) -> list[bool]:
-    """Per flattened leaf: is it a floating tensor that gets a gradient (the rule of ``differentiable_inputs``)."""
-    leaves = pytree.tree_leaves(tree)
-    if keys is not None and isinstance(tree, dict):
-        marks = pytree.tree_leaves({k: pytree.tree_map(lambda _, k=k: k in keys, v) for k, v in tree.items()})
-    else:
-        marks = [True] * len(leaves)
-    return [m and isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) for x, m in zip(leaves, marks)]
-
-
-def _shared_versions(tree: Any, wanted: list[bool]) -> list[tuple[torch.Tensor, int]]:
-    return [(x, x._version) for x, w in zip(pytree.tree_leaves(tree), wanted) if isinstance(x, torch.Tensor) and not w]
+def _shared_versions(tree: Any, wanted: set[int]) -> list[tuple[torch.Tensor, int]]:
+    """The tensors of ``tree`` that get no gradient (positions not in ``wanted``), with their version counters."""
+    return [(x, x._version) for p, x in enumerate(pytree.tree_leaves(tree)) if isinstance(x, torch.Tensor) and p not in wanted]
 
 
 def _check_unwritten(layer: int, shared: list[tuple[torch.Tensor, int]]) -> None:
@@ -93,9 +84,9 @@ def layer_inputs(calls: LayerCalls, start: int, end: int, tree: Any, forward: bo
     with calls.context(False):
         for layer in range(start, end - 1):
             carry = inputs[-1]
-            wanted = _wanted(carry, calls.grad_keys(layer))
+            wanted = set(differentiable_positions(carry, True, calls.grad_keys(layer)))
             leaves, spec = pytree.tree_flatten(carry)
-            fed = pytree.tree_unflatten([x.clone() if w else x for x, w in zip(leaves, wanted)], spec)
+            fed = pytree.tree_unflatten([x.clone() if p in wanted else x for p, x in enumerate(leaves)], spec)
             shared = _shared_versions(carry, wanted)
             out = calls.run(layer, fed, forward)
             _check_unwritten(layer, shared)
@@ -117,7 +108,7 @@ def backward_by_layer(calls: LayerCalls, start: int, end: int, inputs: list[Any]
         tree = inputs[layer - start]
         inputs[layer - start] = None  # this layer's input is not needed after its recompute
         keys = calls.grad_keys(layer)
-        shared = _shared_versions(tree, _wanted(tree, keys))
+        shared = _shared_versions(tree, set(differentiable_positions(tree, True, keys)))
         last = loss_scale is not None and layer == end - 1
         if calls.vjp is not None and not last:
             grads = calls.vjp(layer, tree, differentiable_positions(tree, need_input_grad or layer > start, keys), grads)

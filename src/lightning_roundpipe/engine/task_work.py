@@ -372,7 +372,6 @@ class TaskWork:
 
         return self.compute_work(fn)
 
-
     def backward_stopping_early(self, device, weights: StageWeights, stage: Stage, tree, mb: int, g_leaves: list) -> list:
         """A backward stage's recompute and backward with its last layer through ``layer_vjp``
         (``recompute_early_stop``): the layers before it recompute with grad as usual, the last one recomputes
