@@ -90,7 +90,8 @@ def _meta(x: torch.Tensor, grad: bool) -> torch.Tensor:
 
 class EarlyStopBackward:
     """The compiled vjp of each layer class, shared by every engine of the process; which weights and inputs
-    each layer's outputs reach (checked once per layer module and signature); compile times (``compiles``)."""
+    each layer's outputs reach (checked once per layer module and signature); the seconds of each first call of a
+    signature, compile included (``compiles``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -159,24 +160,19 @@ class EarlyStopBackward:
         if not out_pos:
             return {}, in_grads
         fn = self._compiled(type(layer))
-        first = key[1:] + (type(layer),) not in self._seen
+        signature = (type(layer),) + key[1:]  # what a compile depends on besides the module's structure
+        first = signature not in self._seen
         start = time.perf_counter()
         weight_grads, input_grads = fn(layer, trainable, fixed, pytree.tree_unflatten(leaves, spec), diff_pos, out_pos,
                                        tuple(out_grads[i] for i in out_pos), autocast)
         if first:
             with self._lock:
-                if key[1:] + (type(layer),) not in self._seen:
-                    self._seen.add(key[1:] + (type(layer),))
+                if signature not in self._seen:
+                    self._seen.add(signature)
                     self.compiles.append((f"{type(layer).__name__} vjp", time.perf_counter() - start))
         for p, g in zip(diff_pos, input_grads):
             in_grads[p] = g if p in positions else None
         return {n: g for n, g in weight_grads.items() if n in weights}, in_grads
-
-    def compile_seconds(self) -> float:
-        """Seconds spent in the calls that compiled (first calls of each signature: compile plus one run)."""
-        with self._lock:
-            return sum(s for _, s in self.compiles)
-
 
 EARLY_STOP = EarlyStopBackward()
 """The process's compiled layer vjps (dynamo's cache is process-wide too)."""
