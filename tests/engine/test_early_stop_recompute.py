@@ -16,7 +16,7 @@ from _exact_models import GRAD_TOL, WEIGHT_TOL, SeqModule, fit, grad_error, pari
 from lightning_roundpipe import OptionError, RoundPipeStrategy
 from lightning_roundpipe.engine.early_stop import EARLY_STOP
 from lightning_roundpipe.workers.completions import PipelineError
-from tests.engine.test_compiled_layers import train_causal_lm
+from tests.engine.test_compiled_layers import quick_inductor, train_causal_lm  # noqa: F401 (an autouse fixture)
 
 WIDTH, INNER = 8, 12
 
@@ -48,15 +48,6 @@ MANUAL = {"policy": "manual", "manual_forward": [[0, 2], [2, 4]], "manual_backwa
 def early(**kwargs):
     return dict({"microbatches": 2, "recompute": "always", "compile_layers": True, "recompute_early_stop": True,
                  "partition": MANUAL}, **kwargs)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def quick_inductor():
-    """Inductor's plainest CPU code (scalar loops, no compile subprocesses): half the cold compile time."""
-    import torch._inductor.config as inductor
-
-    with inductor.patch({"cpp.vec_isa_ok": False, "compile_threads": 1}):
-        yield
 
 
 @pytest.mark.timeout(900)

@@ -56,17 +56,16 @@ PLANNED_PARTITION = "auto"  # the planner's own partition, searched on the simul
 def exact_candidates(hardware: HardwareProfile, calls: int, precision: str = "bf16-mixed",
                      early_stop: bool = True) -> list[Setup]:
     """The exact setups a user can set that the quick search tries, beside the defaults: compiled
-    layers with the early-stopping recompute (``recompute_early_stop``; ``early_stop`` False: without it), the step's sequences in one call of ``10 x calls`` microbatches (the reference's
-    sequences per microbatch) or ``30 x calls`` (a third of them: shorter fill and drain), on the
-    reference's partition, and on the planner's own partition (``PLANNED_PARTITION``; a plan
-    search each, the slow part of ``sim paper``) the ``30 x calls`` count in one call and 30
-    microbatches in each of the workload's ``calls`` (the user's own accumulation, kept; the calls
-    that only accumulate overlap, ``overlap_calls``). One call means one pipeline drain per
-    optimizer step instead of one per call (the next call waits for ``backward()``). With fp16
-    layers step early under the host loss scaler as without it, the failed-step undo putting them
-    back on overflow; only without the undo does the optimizer wait for every gradient
-    (``precision.waits_for_every_gradient``); each layer's update then unscales its gradient
-    first (``host_unscale``)."""
+    layers with the early-stopping recompute (``recompute_early_stop``; ``early_stop`` False: without it), the
+    step's sequences in one call of ``10 x calls`` microbatches (the reference's sequences per microbatch) or ``30 x
+    calls`` (a third of them: shorter fill and drain), on the reference's partition, and on the planner's own
+    partition (``PLANNED_PARTITION``; a plan search each, the slow part of ``sim paper``) the ``30 x calls`` count
+    in one call and 30 microbatches in each of the workload's ``calls`` (the user's own accumulation, kept; the
+    calls that only accumulate overlap, ``overlap_calls``). One call means one pipeline drain per optimizer step
+    instead of one per call (the next call waits for ``backward()``). With fp16 layers step early under the host
+    loss scaler as without it, the failed-step undo putting them back on overflow; only without the undo does the
+    optimizer wait for every gradient (``precision.waits_for_every_gradient``); each layer's update then unscales
+    its gradient first (``host_unscale``)."""
     default = our_default(hardware)
     base = replace(default, partition=REFERENCE, compiled_layers=True, early_stop=early_stop, precision=precision,
                    wait_all_grads=waits_for_every_gradient(precision, default.undo), host_unscale=loss_scaled(precision))

@@ -108,7 +108,8 @@ class CostView:
     def backward_with_recompute_s(self, a: int, b: int) -> float:
         """Recompute plus backward time of layers ``[a, b)``, the last one's recompute stopping early where the
         profile prices it (``LayerCost.early_stop_s``, 0 unless ``recompute_early_stop``)."""
-        return sum(self.layers[i].recompute_s + self.layers[i].backward_s for i in range(a, b)) - self.layers[b - 1].early_stop_s
+        whole = sum(self.layers[i].recompute_s + self.layers[i].backward_s for i in range(a, b))
+        return whole - self.layers[b - 1].early_stop_s
 
     def early_stop_s(self, a: int, b: int) -> float:
         """Recompute seconds layers ``[a, b)`` skip when each one's recompute stops early (layer grain)."""
