@@ -360,6 +360,34 @@ def test_the_early_stopping_recompute_prices_the_down_projection_on_each_backwar
     assert stopping.layers[1].scaled(2.0).early_stop_s == pytest.approx(2 * by_hand, rel=1e-12)
 
 
+@pytest.mark.timeout(60)
+def test_the_planner_prices_the_early_stop_as_the_simulator_does():
+    """``StageCostModel`` (what the ``auto`` and ``compute`` searches price plans with): a backward stage's
+    compute is ``CostView.backward_with_recompute_s``, its last decoder layer's down projection less with
+    ``early_stop``; forward and fused stages are unchanged, and without recompute nothing is subtracted."""
+    from lightning_roundpipe.cost.hardware import load_hardware
+    from lightning_roundpipe.cost.profile import StageCostModel
+    from lightning_roundpipe.cost.transformer import ModelShape, shape_layer_costs
+    from lightning_roundpipe.cost.view import CostView
+
+    tiny = ModelShape("tiny", 256, 768, 4, 2, 64, 4096, 4)
+    hw = load_hardware("rtx4090")
+    plain, stopping = shape_layer_costs(tiny, hw, 250, 4), shape_layer_costs(tiny, hw, 250, 4, early_stop=True)
+    down = stopping.layers[1].early_stop_s
+    assert down > 0
+    p, s = StageCostModel(plain, 4), StageCostModel(stopping, 4)
+    for a, b in ((1, 2), (1, 4), (0, 3)):
+        assert s.stage("backward", a, b).microbatch_compute_s == pytest.approx(
+            CostView(stopping).backward_with_recompute_s(a, b), rel=1e-12)
+        assert s.stage("backward", a, b).microbatch_compute_s == pytest.approx(
+            p.stage("backward", a, b).microbatch_compute_s - down, rel=1e-12)
+    assert s.stage("backward", 4, 6).microbatch_compute_s == p.stage("backward", 4, 6).microbatch_compute_s  # head
+    for kind in ("forward", "fused"):
+        assert s.stage(kind, 1, 4).microbatch_compute_s == p.stage(kind, 1, 4).microbatch_compute_s
+    kept = StageCostModel(stopping, 4, recompute=False).stage("backward", 1, 4).microbatch_compute_s
+    assert kept == pytest.approx(sum(c.backward_s for c in stopping.layers[1:4]), rel=1e-12)
+
+
 @pytest.mark.timeout(120)
 def test_the_simulated_backward_computes_stop_early_by_the_priced_seconds():
     """One backward compute of a plan of stages [0,3) [3,6): with early stop, a stage-grain backward task lasts

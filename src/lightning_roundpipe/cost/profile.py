@@ -163,7 +163,9 @@ class StageCostModel:
     O(layers^2) candidate stages. Activation memory: the stage input plus the working set of
     ``stage_graph`` (the formula the simulator and the memory bound use).
 
-    ``recompute=False`` prices backward without the recompute (the forward graph was kept).
+    ``recompute=False`` prices backward without the recompute (the forward graph was kept). With it, a
+    backward stage's last layer recomputes less by its ``LayerCost.early_stop_s`` (the engine's
+    ``recompute_early_stop``; 0 otherwise), as ``CostView.backward_with_recompute_s`` and the simulator price it.
     ``link_bytes_per_second=None`` means transfers are free.
     """
 
@@ -224,7 +226,8 @@ class StageCostModel:
             if kind == "fused":
                 compute, up, down = fwd + bwd, act_in, act_in  # the loss scalar coming back is negligible
             else:
-                compute = (rec if self.recompute else 0.0) + bwd
+                # the last layer's recompute stops early where the profile prices it (CostView)
+                compute = (rec - self.costs.layers[end - 1].early_stop_s if self.recompute else 0.0) + bwd
                 up, down = act_in + act_out, act_in  # saved input + output gradient in, input gradient out
         return StageCost(
             kind=kind,
