@@ -238,6 +238,9 @@ class EngineOptions:
     recompute_early_stop: with ``recompute`` and ``compile_layers``, the last layer of each backward
         stage (every layer, at layer grain) recomputes and back-propagates as one compiled vjp graph,
         which leaves out the forward work only its output needs (``engine/early_stop.py``).
+    early_stop_required: with ``recompute_early_stop``, a layer the vjp cannot check (its forward does not
+        run on meta tensors) fails the step (True, the option asked for explicitly); False (the option's
+        default resolved on): that layer recomputes whole instead, as without the option.
     priorities, chunk_bytes, prefetch_depth: as in ``TransferConfig``.
     measure_tasks: keep every compute task's trace record until the step's measurements are
         read (``StepRun.measurements``, what the cost profile and the re-planner learn from),
@@ -250,6 +253,7 @@ class EngineOptions:
     compute_dtype: Any = None
     compile_layers: bool = False
     recompute_early_stop: bool = False
+    early_stop_required: bool = True
     priorities: dict = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
     chunk_bytes: int = 32 << 20
     prefetch_depth: int = 1
@@ -266,6 +270,7 @@ class EngineOptions:
         _flag(owner, "measure_tasks", self.measure_tasks)
         _flag(owner, "compile_layers", self.compile_layers)
         _flag(owner, "recompute_early_stop", self.recompute_early_stop)
+        _flag(owner, "early_stop_required", self.early_stop_required)
         if self.recompute_early_stop and not self.compile_layers:
             _fail(owner, "recompute_early_stop", self.recompute_early_stop, EARLY_STOP_NEEDS_COMPILE)
         check_priorities(owner, "priorities", self.priorities)
@@ -317,7 +322,10 @@ class RuntimeOptions:
         backend that compiles); no effect without recompute. A layer whose forward cannot be traced on
         meta tensors (Hugging Face's MoE expert loop: use ``moe_experts="grouped"``) fails the first
         step, changing no weight. The simulator prices the saving on the last layer of each backward stage
-        (``analysis/own_engine.py``, ``Setup.early_stop``). False (default): recompute whole layers.
+        (``analysis/own_engine.py``, ``Setup.early_stop``), and so does the planner (``StageCostModel``).
+        None (default): on wherever layers run compiled (``compile_layers``' rule: on a GPU backend that
+        compiles, or with ``compile_layers=True``), and a layer that cannot stop early there recomputes
+        whole instead of failing. False: recompute whole layers.
     fp16_accumulation: fp16 matmuls accumulate in fp16 on CUDA, as the RoundPipe reference trains
         (``torch.backends.cuda.matmul.allow_fp16_accumulation``, turned on for the run and put back
         after it; ``workers/matmul_accumulation.py``): about twice the fp16 matmul rate of a GeForce
@@ -409,7 +417,7 @@ class RuntimeOptions:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     compute_dtype: Any = None
     compile_layers: Optional[bool] = None
-    recompute_early_stop: bool = False
+    recompute_early_stop: Optional[bool] = None
     fp16_accumulation: bool = False
     cpu_threads_per_worker: int = 1
     cpu_reuse_freed_memory: bool = True
@@ -447,7 +455,8 @@ class RuntimeOptions:
         _flag(owner, "step_metrics", self.step_metrics)
         if self.compile_layers is not None:
             _flag(owner, "compile_layers", self.compile_layers)
-        _flag(owner, "recompute_early_stop", self.recompute_early_stop)
+        if self.recompute_early_stop is not None:
+            _flag(owner, "recompute_early_stop", self.recompute_early_stop)
         if self.recompute_early_stop and self.compile_layers is False:
             _fail(owner, "recompute_early_stop", self.recompute_early_stop, EARLY_STOP_NEEDS_COMPILE)
         _flag(owner, "fp16_accumulation", self.fp16_accumulation)
@@ -488,15 +497,19 @@ class RuntimeOptions:
         """The engine's share of these options. ``microbatches`` / ``recompute`` / ``compile_layers``:
         the choices made for ``None`` / "auto" / ``None`` (the plan keeper and the backend make them);
         without them, one more microbatch than workers, recompute unless "never", and eager layers
-        unless ``compile_layers=True``."""
+        unless ``compile_layers=True``. ``recompute_early_stop`` None follows the layers: on where they run
+        compiled, a layer that cannot stop early recomputing whole (``early_stop_required`` False)."""
         t = self.transfer
         microbatches = microbatches or self.microbatches or num_workers + 1
         recompute = self.recompute != "never" if recompute is None else recompute
+        compiled = self.compiles_layers(False) if compile_layers is None else compile_layers
         return EngineOptions(microbatches=microbatches, recompute=recompute,
                              layer_recompute=recompute and self.recompute == "layer",
                              compute_dtype=self.compute_dtype,
-                             compile_layers=self.compiles_layers(False) if compile_layers is None else compile_layers,
-                             recompute_early_stop=self.recompute_early_stop,
+                             compile_layers=compiled,
+                             recompute_early_stop=compiled if self.recompute_early_stop is None
+                             else self.recompute_early_stop,
+                             early_stop_required=self.recompute_early_stop is True,
                              priorities=dict(t.priorities),
                              chunk_bytes=t.chunk_bytes, prefetch_depth=t.prefetch_depth)
 

@@ -143,6 +143,27 @@ class PickingModule(SeqModule):
         self.net = nn.Sequential(PicksRows(), PicksRows())
 
 
+class MixedModule(SeqModule):
+    """Blocks that stop early and a ``PicksRows`` that cannot (layer 2, the last of the backward stage [1, 3])."""
+
+    def __init__(self):
+        super().__init__(opt="sgd")
+        torch.manual_seed(0)
+        self.net = nn.Sequential(MlpBlock(), MlpBlock(), PicksRows(), MlpBlock())
+
+
+@pytest.mark.timeout(900)
+def test_by_default_a_layer_that_cannot_stop_early_recomputes_whole_and_stays_exact():
+    """``recompute_early_stop`` left at None with compiled layers: the blocks stop early (the vjp of stage [0, 1]),
+    the ``PicksRows`` ending stage [1, 3] recomputes whole after the block before it, and the steps equal
+    Lightning's default strategy's (SGD without clipping)."""
+    g_err, w_err = parity(MixedModule, strategy_kwargs={"microbatches": 2, "recompute": "always",
+                                                        "compile_layers": True, "partition": MANUAL}, max_steps=2)
+    assert g_err <= GRAD_TOL and w_err <= WEIGHT_TOL
+    compiled = [what for what, _ in EARLY_STOP.compiles]
+    assert "MlpBlock vjp" in compiled and "PicksRows vjp" not in compiled
+
+
 @pytest.mark.timeout(300)
 def test_a_layer_the_meta_trace_cannot_run_fails_the_step_naming_the_way_back_and_changes_no_weight():
     m = PickingModule()

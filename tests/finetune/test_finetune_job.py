@@ -76,7 +76,7 @@ def test_default_config_composes_to_documented_values():
         "batch_statistics": "refuse",
         "schedule": "round_robin",
         "moe_experts": "hf", "gc_freeze": True,
-        "compile_layers": None, "recompute_early_stop": False, "fp16_accumulation": False,
+        "compile_layers": None, "recompute_early_stop": None, "fp16_accumulation": False,
         "testing": {"compute_delay_s": 0.0, "jitter_s": 0.0, "optimizer_delay_s": 0.0},
     }
     assert cfg.partition.policy == "compute"

@@ -103,7 +103,7 @@ def test_engine_options_stay_importable_from_the_engine_with_their_fields():
     assert engine_pkg.EngineOptions is EngineOptions
     assert [f.name for f in dataclasses.fields(EngineOptions)] == [
         "microbatches", "recompute", "layer_recompute", "compute_dtype", "compile_layers", "recompute_early_stop",
-        "priorities", "chunk_bytes", "prefetch_depth", "measure_tasks"]
+        "early_stop_required", "priorities", "chunk_bytes", "prefetch_depth", "measure_tasks"]
     with pytest.raises(OptionError, match=r"EngineOptions\(prefetch_depth=-1\)"):
         EngineOptions(prefetch_depth=-1).validate()
 
@@ -114,7 +114,24 @@ def test_engine_options_refuse_the_early_stop_without_compiled_layers():
         EngineOptions(recompute_early_stop=True).validate()
     assert EngineOptions(recompute_early_stop=True, compile_layers=True).validate().recompute_early_stop
     eng = RuntimeOptions(recompute_early_stop=True).validate().engine_options(num_workers=2, compile_layers=True)
-    assert eng.recompute_early_stop and eng.compile_layers
+    assert eng.recompute_early_stop and eng.compile_layers and eng.early_stop_required
+
+
+def test_the_early_stop_default_follows_compiled_layers_and_never_fails_a_step():
+    """None (default): on exactly where layers run compiled, a layer that cannot stop early recomputing whole
+    (not required); False: off; True: on and required."""
+    opts = RuntimeOptions().validate()
+    assert opts.recompute_early_stop is None
+    on = opts.engine_options(num_workers=2, compile_layers=True)
+    assert (on.recompute_early_stop, on.early_stop_required) == (True, False)
+    off = opts.engine_options(num_workers=2, compile_layers=False)
+    assert (off.recompute_early_stop, off.compile_layers) == (False, False)
+    assert not RuntimeOptions(compile_layers=True).validate().engine_options(num_workers=2).early_stop_required
+    assert RuntimeOptions(compile_layers=True).validate().engine_options(num_workers=2).recompute_early_stop
+    assert not RuntimeOptions(recompute_early_stop=False).validate().engine_options(
+        num_workers=2, compile_layers=True).recompute_early_stop
+    with pytest.raises(OptionError, match="must be True or False"):
+        EngineOptions(early_stop_required=None).validate()
 
 
 def test_runtime_options_give_the_engine_its_share():

@@ -23,8 +23,10 @@ skips a None gradient but decays and moves its moments on a zero one). So the fi
 layer module and signature traces the layer once on meta tensors (no compute, no random draw)
 to find which weights and inputs the outputs reach, and those get None. A layer whose forward
 meta tensors cannot run (data-dependent shapes: Hugging Face's MoE expert loop picks tokens with
-``nonzero``) cannot be checked; the step fails before any weight changes, with
-``EarlyStopUnsupported`` saying to turn the option off.
+``nonzero``) cannot be checked: when the option was asked for (``recompute_early_stop=True``) the step
+fails before any weight changes, with ``EarlyStopUnsupported`` saying to turn the option off; under its
+default (None, on where layers are compiled) the engine asks ``supports`` first and recomputes that layer
+whole instead (``TaskWork.layer_vjp``).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class EarlyStopBackward:
         self._lock = threading.Lock()
         self._fns: dict[type, Callable] = {}
         self._reach: dict[tuple, tuple[nn.Module, frozenset, frozenset]] = {}
+        self._unsupported: dict[tuple, tuple[nn.Module, EarlyStopUnsupported]] = {}
         self._seen: set[tuple] = set()
         self.compiles: list[tuple[str, float]] = []  # (what compiled, seconds of its first call)
 
@@ -113,8 +116,11 @@ class EarlyStopBackward:
         """``(weight names, input positions)`` the outputs at ``out_pos`` depend on, traced once on meta tensors."""
         with self._lock:
             hit = self._reach.get(key)
+            failed = self._unsupported.get(key)
         if hit is not None and hit[0] is layer:
             return hit[1], hit[2]
+        if failed is not None and failed[0] is layer:
+            raise failed[1]
         meta_params = {n: _meta(p, True) for n, p in trainable.items()}
         meta_fixed = {n: _meta(p, False) if isinstance(p, torch.Tensor) else p for n, p in fixed.items()}
         meta_leaves = [_meta(x, i in diff_pos) if isinstance(x, torch.Tensor) else x for i, x in enumerate(leaves)]
@@ -127,19 +133,48 @@ class EarlyStopBackward:
             grads = (torch.autograd.grad(outs, inputs, [torch.empty_like(o) for o in outs], allow_unused=True)
                      if outs else [None] * len(inputs))
         except Exception as exc:
-            raise EarlyStopUnsupported(
+            error = EarlyStopUnsupported(
                 f"recompute_early_stop cannot check which weights layer {type(layer).__name__} uses: its forward does "
                 f"not run on meta tensors ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}), "
                 "as a layer with data-dependent shapes (Hugging Face's MoE expert loop) does not. Set "
                 "recompute_early_stop=False (RoundPipeStrategy(recompute_early_stop=False), or "
                 "strategy.recompute_early_stop=false in the Hydra config); moe_experts='grouped' has no "
-                "data-dependent shapes. The failed step changed no weight.") from exc
+                "data-dependent shapes. The failed step changed no weight.")
+            error.__cause__ = exc
+            with self._lock:
+                self._unsupported[key] = (layer, error)
+            raise error from exc
         names = list(meta_params)
         weights = frozenset(n for n, g in zip(names, grads) if g is not None)
         positions = frozenset(p for p, g in zip(diff_pos, grads[len(names):]) if g is not None)
         with self._lock:
             self._reach[key] = (layer, weights, positions)
         return weights, positions
+
+    @staticmethod
+    def _prepared(layer: nn.Module, params: dict, carry: Any, diff_pos: tuple, out_grads: list, autocast: Autocast):
+        """``(trainable, fixed, leaves, spec, out_pos, key)`` of one call (detached tensors; ``key`` names the layer
+        module and the call's signature)."""
+        leaves, spec = pytree.tree_flatten(carry)
+        out_pos = tuple(i for i, g in enumerate(out_grads) if g is not None)
+        trainable = {n: p.detach() for n, p in params.items() if isinstance(p, torch.Tensor) and p.requires_grad}
+        fixed = {n: (p.detach() if isinstance(p, torch.Tensor) else p) for n, p in params.items() if n not in trainable}
+        leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
+        shapes = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in leaves)
+        return trainable, fixed, leaves, spec, out_pos, (id(layer), diff_pos, out_pos, autocast, shapes)
+
+    def supports(self, layer: nn.Module, params: dict, carry: Any, diff_pos: tuple, out_grads: list,
+                 autocast: Autocast) -> bool:
+        """Whether ``grads`` can run this call (the meta trace of ``reached`` runs; its answer is kept per layer
+        module and signature). Call it where ``grads`` would be called (under the layer's lock: the trace swaps
+        the module's tensors)."""
+        trainable, fixed, leaves, spec, out_pos, key = self._prepared(layer, params, carry, diff_pos, out_grads,
+                                                                     autocast)
+        try:
+            self.reached(layer, trainable, fixed, leaves, spec, diff_pos, out_pos, autocast, key)
+        except EarlyStopUnsupported:
+            return False
+        return True
 
     def grads(self, layer: nn.Module, params: dict, carry: Any, diff_pos: tuple, out_grads: list,
               autocast: Autocast) -> tuple[dict, list]:
@@ -148,13 +183,8 @@ class EarlyStopBackward:
         need. Returns ``(weight gradients by name, input gradients aligned with carry's leaves)``, None where
         autograd would leave None: for the weights that do not require grad, and for those and the inputs at
         ``diff_pos`` the outputs do not reach."""
-        leaves, spec = pytree.tree_flatten(carry)
-        out_pos = tuple(i for i, g in enumerate(out_grads) if g is not None)
-        trainable = {n: p.detach() for n, p in params.items() if isinstance(p, torch.Tensor) and p.requires_grad}
-        fixed = {n: (p.detach() if isinstance(p, torch.Tensor) else p) for n, p in params.items() if n not in trainable}
-        leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
-        shapes = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in leaves)
-        key = (id(layer), diff_pos, out_pos, autocast, shapes)
+        trainable, fixed, leaves, spec, out_pos, key = self._prepared(layer, params, carry, diff_pos, out_grads,
+                                                                     autocast)
         weights, positions = self.reached(layer, trainable, fixed, leaves, spec, diff_pos, out_pos, autocast, key)
         in_grads: list = [None] * len(leaves)
         if not out_pos:

@@ -115,14 +115,36 @@ class TaskWork:
                   out_grads: list) -> list:
         """Back-propagate ``out_grads`` through ``layer`` recomputed on ``carry`` as one compiled vjp graph
         (``recompute_early_stop``): its weight gradients are added into the stage's device ``.grad``; returns
-        the gradients of ``carry``'s leaves (None where none)."""
+        the gradients of ``carry``'s leaves (None where none). A layer the vjp cannot check recomputes whole
+        instead (``layer_backward``) unless the option was asked for (``early_stop_required``: the step fails)."""
         enabled, dtype = self.autocast.get(device.type, (False, None))
         params = weights.params_for(layer)
+        module, autocast = self.ctx.layers[layer], (device.type, bool(enabled), dtype if enabled else None)
         with self.layer_scope(device, weights, layer, mb, recompute=True):
-            weight_grads, in_grads = EARLY_STOP.grads(self.ctx.layers[layer], params, carry, diff_pos, out_grads,
-                                                      (device.type, bool(enabled), dtype if enabled else None))
+            stops = self.opts.early_stop_required or EARLY_STOP.supports(module, params, carry, diff_pos, out_grads,
+                                                                         autocast)
+            if stops:
+                weight_grads, in_grads = EARLY_STOP.grads(module, params, carry, diff_pos, out_grads, autocast)
+        if not stops:
+            return self.layer_backward(device, weights, layer, carry, mb, diff_pos, out_grads)
         accumulate(params, weight_grads)
         return in_grads
+
+    def layer_backward(self, device, weights: StageWeights, layer: int, carry, mb: int, diff_pos: tuple,
+                       out_grads: list) -> list:
+        """``layer_vjp``'s result the eager way: ``layer`` recomputed whole with grad on ``carry`` (the leaves at
+        ``diff_pos`` requiring grad) and ``out_grads`` back-propagated; weight gradients go into ``.grad``."""
+        leaves, spec = pytree.tree_flatten(carry)
+        leaves = [x.detach().requires_grad_(True) if p in diff_pos else x for p, x in enumerate(leaves)]
+        with self.compute_context(device, grad=True):
+            fed = [x.clone() if p in diff_pos else x for p, x in enumerate(leaves)]  # the layer may write them
+            out = self.run_layers(device, weights, layer, layer + 1, pytree.tree_unflatten(fed, spec), mb,
+                                  recompute=True)[layer + 1]
+        pairs = [(o, g) for o, g in zip(pytree.tree_leaves(out), out_grads)
+                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
+        return [leaves[p].grad if p in diff_pos else None for p in range(len(leaves))]
 
     def run_layers(self, device, weights: StageWeights, start: int, end: int, carry, mb: int, save_at=(),
                    recompute: bool = False):
