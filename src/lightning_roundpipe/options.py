@@ -319,9 +319,9 @@ class RuntimeOptions:
         (``engine/early_stop.py``): 20-25% of its recompute FLOPs, 0.91x of the compiled
         recompute and backward measured on the CPU. Exact within fp32 rounding, as compiled layers;
         dropout replays exactly. Needs compiled layers (``compile_layers`` True, or None on a GPU
-        backend that compiles); no effect without recompute. A layer whose forward cannot be traced on
-        meta tensors (Hugging Face's MoE expert loop: use ``moe_experts="grouped"``) fails the first
-        step, changing no weight. The simulator prices the saving on the last layer of each backward stage
+        backend that compiles); no effect without recompute. True: on, and a layer whose forward cannot be
+        traced on meta tensors (Hugging Face's MoE expert loop: use ``moe_experts="grouped"``) fails the
+        first step, changing no weight. The simulator prices the saving on the last layer of each backward stage
         (``analysis/own_engine.py``, ``Setup.early_stop``), and so does the planner (``StageCostModel``).
         None (default): on wherever layers run compiled (``compile_layers``' rule: on a GPU backend that
         compiles, or with ``compile_layers=True``), and a layer that cannot stop early there recomputes

@@ -150,6 +150,7 @@ def test_our_default_runs_under_autograd_with_the_options_undo_and_compile():
     assert ours.compiled_layers == default_compiled_layers()
     assert RuntimeOptions().compile_layers is None  # the backend's rule: compiled on CUDA where Triton runs
     assert default_compiled_layers() is True
+    assert RuntimeOptions().recompute_early_stop is None and ours.early_stop is True  # follows compiled layers
 
 
 def test_host_limit_tokens_by_hand():

@@ -27,7 +27,8 @@ def test_the_estimate_constants_are_the_gpu_backends_own():
 def test_engine_estimate_by_hand():
     # embedding (a lookup), one decoder layer, the head; 2-byte dtype, outputs 8 / 8 / 4 elements per token
     layers = [LayerCost(1.0, 1.0, 2.0, 200, 200, 16, params=100, trainable_params=100),
-              LayerCost(5.0, 5.0, 9.0, 1000, 1000, 16, params=500, trainable_params=500, active_params=300),
+              LayerCost(5.0, 5.0, 9.0, 1000, 1000, 16, params=500, trainable_params=500, active_params=300,
+                        early_stop_s=1.5),
               LayerCost(3.0, 3.0, 6.0, 400, 400, 8, params=200, trainable_params=200)]
     costs = CostProfile(layers, tokens_per_microbatch=4096, dtype_bytes=2, decoder_layers=(1, 2))
     est = engine_estimate(costs)
@@ -39,6 +40,7 @@ def test_engine_estimate_by_hand():
     assert [c.recompute_s for c in est.layers] == pytest.approx(expected, rel=1e-12)
     assert [c.backward_s for c in est.layers] == pytest.approx([2 * e for e in expected], rel=1e-12)
     assert [c.weight_bytes for c in est.layers] == [200, 1000, 400]
+    assert [c.early_stop_s for c in est.layers] == [0.0] * 3  # the engine's estimate does not price the early stop
     assert est.tokens_per_microbatch == t and est.link_bytes_per_second == 25e9 and not est.measured
     # attention (FLOPs per token, ``cost.attention_blocks``) adds to the decoder layers only
     priced = engine_estimate(costs, attention_flops_per_token=1000.0)

@@ -198,6 +198,15 @@ def default_compiled_layers() -> bool:
     return value is None or value is True
 
 
+def default_early_stop() -> bool:
+    """Whether this engine's recompute stops early by default on a GPU (``RuntimeOptions().recompute_early_stop``:
+    None follows the layers, on where they are compiled, ``default_compiled_layers``; True or False as set)."""
+    from ..options import RuntimeOptions
+
+    value = RuntimeOptions().recompute_early_stop
+    return default_compiled_layers() if value is None else bool(value) and default_compiled_layers()
+
+
 def default_undo() -> bool:
     """Whether this engine keeps a failed step undoable by default (``RuntimeOptions().optimizer_undo``)."""
     from ..options import RuntimeOptions
@@ -221,13 +230,13 @@ ENGINE_OPTIMIZER_ORDER = "layer"  # optim/host_lane.py: waiting layer updates ru
 def our_default(hardware: HardwareProfile) -> Setup:
     """This engine's default configuration and per-call host work on ``hardware``: driven by
     autograd (host barriers; with ``overlap_calls`` on, as by default, only a step's first call
-    waits for the previous ``backward()``), the failed-step undo and compiled layers as the
-    options default."""
+    waits for the previous ``backward()``), the failed-step undo, compiled layers and the early-stopping
+    recompute as the options default."""
     nw = hardware.num_gpus
     return Setup(precision="bf16-mixed", staleness=0, partition=default_partition(),
                  microbatches=default_microbatches(nw), loss_chunk_tokens=1024, dispatch_s=dispatch_figure(),
                  host_accumulate_bytes_per_s=host_accumulate_rate(hardware), host_barriers=True,
-                 undo=default_undo(), compiled_layers=default_compiled_layers(),
+                 undo=default_undo(), compiled_layers=default_compiled_layers(), early_stop=default_early_stop(),
                  call_barrier=default_call_barrier(), optimizer_order=ENGINE_OPTIMIZER_ORDER)
 
 
@@ -245,7 +254,8 @@ def engine_estimate(costs: CostProfile, attention_flops_per_token: float = 0.0) 
     too: under 1e-4 of a layer), the decoder layers (``costs.decoder_layers``) add
     ``attention_flops_per_token`` (``attention_flops_per_token([(q_dim, None)], seq_len)``: the
     simulator costs every layer's attention as full causal), and a layer's output elements are its
-    output activation's. Weight, gradient and activation bytes are kept."""
+    output activation's. Weight, gradient and activation bytes are kept; the early-stopping recompute's saving
+    (``early_stop_s``) is not: the estimate prices every layer's recompute as its forward."""
     from ..planning.keeper import ASSUMED_TOKENS_PER_MICROBATCH
 
     tokens = ASSUMED_TOKENS_PER_MICROBATCH
@@ -258,7 +268,7 @@ def engine_estimate(costs: CostProfile, attention_flops_per_token: float = 0.0) 
         outputs = layer.act_bytes_per_token // max(1, costs.dtype_bytes)
         attention = attention_flops_per_token if index in decoders else 0.0
         forward = (2.0 * matmul + outputs + attention) * tokens / ENGINE_ESTIMATE_FLOPS_PER_S
-        layers.append(replace(layer, forward_s=forward, recompute_s=forward, backward_s=2.0 * forward))
+        layers.append(replace(layer, forward_s=forward, recompute_s=forward, backward_s=2.0 * forward, early_stop_s=0.0))
     return replace(costs, layers=layers, tokens_per_microbatch=tokens, measured=False, source="estimate",
                    link_bytes_per_second=ENGINE_ESTIMATE_LINK_BYTES_PER_S)
 
@@ -361,8 +371,9 @@ def causes(hardware: HardwareProfile, reference_microbatches: int = 10) -> list[
         ("failed-step undo: before-images copied on the optimizer lane", dict(undo=ours.undo)),
         (f"host update order: '{ours.optimizer_order}' (the optimizer lane) for '{ref.optimizer_order}'",
          dict(optimizer_order=ours.optimizer_order)),
-        (f"layers: {'compiled' if ours.compiled_layers else 'eager'} (compile_layers default)",
-         dict(compiled_layers=ours.compiled_layers)),
+        (f"layers: {'compiled' if ours.compiled_layers else 'eager'} (compile_layers default)"
+         + (", the early-stopping recompute (recompute_early_stop default)" if ours.early_stop else ""),
+         dict(compiled_layers=ours.compiled_layers, early_stop=ours.early_stop)),
         (f"microbatches: {ours.microbatches} (the default) for {reference_microbatches}", dict(microbatches=ours.microbatches)),
         (f"loss chunk: {ours.loss_chunk_tokens} tokens for {ref.loss_chunk_tokens}", dict(loss_chunk_tokens=ours.loss_chunk_tokens)),
         (f"host dispatch: {ours.dispatch_s * 1e6:.0f} us per task (CPU backend, measured)", dict(dispatch_s=ours.dispatch_s)),
