@@ -153,11 +153,13 @@ class MixedModule(SeqModule):
 
 
 @pytest.mark.timeout(900)
-def test_by_default_a_layer_that_cannot_stop_early_recomputes_whole_and_stays_exact():
+@pytest.mark.parametrize("recompute", ["always", pytest.param("layer", marks=pytest.mark.slow)])
+def test_by_default_a_layer_that_cannot_stop_early_recomputes_whole_and_stays_exact(recompute):
     """``recompute_early_stop`` left at None with compiled layers: the blocks stop early (the vjp of stage [0, 1]),
-    the ``PicksRows`` ending stage [1, 3] recomputes whole after the block before it, and the steps equal
-    Lightning's default strategy's (SGD without clipping)."""
-    g_err, w_err = parity(MixedModule, strategy_kwargs={"microbatches": 2, "recompute": "always",
+    the ``PicksRows`` ending stage [1, 3] recomputes whole after the block before it (at layer grain every layer
+    goes through the vjp or, for ``PicksRows``, its eager stand-in), and the steps equal Lightning's default
+    strategy's (SGD without clipping)."""
+    g_err, w_err = parity(MixedModule, strategy_kwargs={"microbatches": 2, "recompute": recompute,
                                                         "compile_layers": True, "partition": MANUAL}, max_steps=2)
     assert g_err <= GRAD_TOL and w_err <= WEIGHT_TOL
     compiled = [what for what, _ in EARLY_STOP.compiles]
