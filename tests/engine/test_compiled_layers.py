@@ -216,6 +216,7 @@ def test_a_compiler_failure_fails_the_step_naming_the_way_back_and_changes_no_we
     assert any(isinstance(e, LayerCompileError) for e in chain), [type(e).__name__ for e in chain]
     first_line = str(info.value).splitlines()[0]
     assert "set compile_layers=False" in first_line
+    assert "recompute_early_stop=False leaves that graph out and keeps the layers compiled" in first_line
     assert "BackendCompilerFailed, from RuntimeError: injected compiler failure" in first_line
     assert all(torch.equal(a, b) for a, b in zip(weights(m).values(), w0.values()))
     assert our_threads() == []

@@ -139,7 +139,10 @@ def naming_compile_failures(fn: Callable[[], Any]) -> Callable[[], Any]:
                 f"{type(root).__name__}: {first}). The layers "
                 "compile because compile_layers is True, or None on a GPU with Triton; set compile_layers=False "
                 "(RoundPipeStrategy(compile_layers=False), or strategy.compile_layers=false in the Hydra config) "
-                "to run them eagerly. The failed step changed no weight.") from exc
+                "to run them eagerly. With compiled layers the early-stopping recompute compiles one more graph per "
+                "layer class, a layer's forward and backward together (recompute_early_stop, None by default: on "
+                "with compiled layers); recompute_early_stop=False leaves that graph out and keeps the layers "
+                "compiled. The failed step changed no weight.") from exc
 
     return run
 
