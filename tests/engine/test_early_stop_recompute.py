@@ -166,6 +166,29 @@ def test_by_default_a_layer_that_cannot_stop_early_recomputes_whole_and_stays_ex
     assert "MlpBlock vjp" in compiled and "PicksRows vjp" not in compiled
 
 
+@pytest.mark.timeout(60)
+def test_supports_answers_from_the_meta_trace_once_per_signature_and_logs_each_class_once(caplog):
+    """``EarlyStopBackward.supports``: True for a block, False for ``PicksRows`` (its ``nonzero``), the answer kept
+    (no second trace) and the fallback logged once per layer class."""
+    from lightning_roundpipe.engine.early_stop import EarlyStopBackward
+
+    backward = EarlyStopBackward()
+    x, g = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
+    block, picks = MlpBlock(), PicksRows()
+    cpu = ("cpu", False, None)
+    assert backward.supports(block, dict(block.named_parameters()), x, (0,), [g], cpu)
+    caplog.set_level("INFO", logger="lightning_roundpipe")
+    traced = []
+    picks.register_forward_pre_hook(lambda module, args: traced.append(1))
+    for _ in range(2):
+        assert not backward.supports(picks, dict(picks.named_parameters()), x, (0,), [g], cpu)
+    assert len(traced) == 1  # the second answer came from what the first trace found
+    assert not backward.supports(PicksRows(), dict(picks.named_parameters()), x, (0,), [g], cpu)  # another module
+    told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("recompute_early_stop")]
+    assert len(told) == 1 and told[0].startswith("recompute_early_stop: PicksRows layers recompute whole (their "
+                                                 "forward does not run on meta tensors")
+
+
 @pytest.mark.timeout(300)
 def test_a_layer_the_meta_trace_cannot_run_fails_the_step_naming_the_way_back_and_changes_no_weight():
     m = PickingModule()

@@ -32,6 +32,7 @@ whole instead (``TaskWork.layer_vjp``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import types
@@ -46,6 +47,7 @@ from ..workers.completions import PipelineError
 from .compiled_layers import INDUCTOR_OPTIONS
 
 Autocast = tuple[str, bool, Any]  # (device type, enabled, dtype) of the forward
+log = logging.getLogger("lightning_roundpipe")
 
 
 class EarlyStopUnsupported(PipelineError):
@@ -100,6 +102,7 @@ class EarlyStopBackward:
         self._fns: dict[type, Callable] = {}
         self._reach: dict[tuple, tuple[nn.Module, frozenset, frozenset]] = {}
         self._unsupported: dict[tuple, tuple[nn.Module, EarlyStopUnsupported]] = {}
+        self._told: set[type] = set()  # layer classes ``supports`` logged as recomputing whole
         self._seen: set[tuple] = set()
         self.compiles: list[tuple[str, float]] = []  # (what compiled, seconds of its first call)
 
@@ -172,7 +175,14 @@ class EarlyStopBackward:
                                                                      autocast)
         try:
             self.reached(layer, trainable, fixed, leaves, spec, diff_pos, out_pos, autocast, key)
-        except EarlyStopUnsupported:
+        except EarlyStopUnsupported as exc:
+            with self._lock:
+                first = type(layer) not in self._told
+                self._told.add(type(layer))
+            if first:
+                log.info("recompute_early_stop: %s layers recompute whole (their forward does not run on meta "
+                         "tensors: %s); exact as without the option", type(layer).__name__,
+                         exc.__cause__ if exc.__cause__ is not None else exc)
             return False
         return True
 
