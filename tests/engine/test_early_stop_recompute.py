@@ -167,23 +167,26 @@ def test_by_default_a_layer_that_cannot_stop_early_recomputes_whole_and_stays_ex
 
 
 @pytest.mark.timeout(60)
-def test_supports_answers_from_the_meta_trace_once_per_signature_and_logs_each_class_once(caplog):
-    """``EarlyStopBackward.supports``: True for a block, False for ``PicksRows`` (its ``nonzero``), the answer kept
-    (no second trace) and the fallback logged once per layer class."""
-    from lightning_roundpipe.engine.early_stop import EarlyStopBackward
+def test_a_layer_that_cannot_stop_early_gets_none_when_not_required_traced_once_and_logged_once(caplog):
+    """``EarlyStopBackward.grads(required=False)`` on ``PicksRows`` (its ``nonzero``): None, what the first meta
+    trace found kept for the next call (no second trace), the class logged once; ``required=True`` (the default)
+    raises ``EarlyStopUnsupported`` instead."""
+    from lightning_roundpipe.engine.early_stop import EarlyStopBackward, EarlyStopUnsupported
 
     backward = EarlyStopBackward()
     x, g = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
-    block, picks = MlpBlock(), PicksRows()
-    cpu = ("cpu", False, None)
-    assert backward.supports(block, dict(block.named_parameters()), x, (0,), [g], cpu)
+    picks, cpu = PicksRows(), ("cpu", False, None)
+    params = dict(picks.named_parameters())
     caplog.set_level("INFO", logger="lightning_roundpipe")
     traced = []
     picks.register_forward_pre_hook(lambda module, args: traced.append(1))
     for _ in range(2):
-        assert not backward.supports(picks, dict(picks.named_parameters()), x, (0,), [g], cpu)
+        assert backward.grads(picks, params, x, (0,), [g], cpu, required=False) is None
     assert len(traced) == 1  # the second answer came from what the first trace found
-    assert not backward.supports(PicksRows(), dict(picks.named_parameters()), x, (0,), [g], cpu)  # another module
+    assert backward.grads(PicksRows(), params, x, (0,), [g], cpu, required=False) is None  # another module
+    with pytest.raises(EarlyStopUnsupported, match="recompute_early_stop cannot check which weights layer PicksRows"):
+        backward.grads(picks, params, x, (0,), [g], cpu)
+    assert picks.lin.weight.grad is None
     told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("recompute_early_stop")]
     assert len(told) == 1 and told[0].startswith("recompute_early_stop: PicksRows layers recompute whole (their "
                                                  "forward does not run on meta tensors")

@@ -204,7 +204,7 @@ def default_early_stop() -> bool:
     from ..options import RuntimeOptions
 
     value = RuntimeOptions().recompute_early_stop
-    return default_compiled_layers() if value is None else bool(value) and default_compiled_layers()
+    return value is not False and default_compiled_layers()
 
 
 def default_undo() -> bool:

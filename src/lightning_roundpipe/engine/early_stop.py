@@ -25,8 +25,8 @@ to find which weights and inputs the outputs reach, and those get None. A layer 
 meta tensors cannot run (data-dependent shapes: Hugging Face's MoE expert loop picks tokens with
 ``nonzero``) cannot be checked: when the option was asked for (``recompute_early_stop=True``) the step
 fails before any weight changes, with ``EarlyStopUnsupported`` saying to turn the option off; under its
-default (None, on where layers are compiled) the engine asks ``supports`` first and recomputes that layer
-whole instead (``TaskWork.layer_vjp``).
+default (None, on where layers are compiled) ``grads`` returns None for it (``required=False``) and the engine
+recomputes that layer whole instead (``TaskWork.layer_vjp``).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class EarlyStopBackward:
         self._fns: dict[type, Callable] = {}
         self._reach: dict[tuple, tuple[nn.Module, frozenset, frozenset]] = {}
         self._unsupported: dict[tuple, tuple[nn.Module, EarlyStopUnsupported]] = {}
-        self._told: set[type] = set()  # layer classes ``supports`` logged as recomputing whole
+        self._told: set[type] = set()  # layer classes logged as recomputing whole (``grads``, not required)
         self._seen: set[tuple] = set()
         self.compiles: list[tuple[str, float]] = []  # (what compiled, seconds of its first call)
 
@@ -143,7 +143,6 @@ class EarlyStopBackward:
                 "recompute_early_stop=False (RoundPipeStrategy(recompute_early_stop=False), or "
                 "strategy.recompute_early_stop=false in the Hydra config); moe_experts='grouped' has no "
                 "data-dependent shapes. The failed step changed no weight.")
-            error.__cause__ = exc
             with self._lock:
                 self._unsupported[key] = (layer, error)
             raise error from exc
@@ -154,48 +153,34 @@ class EarlyStopBackward:
             self._reach[key] = (layer, weights, positions)
         return weights, positions
 
-    @staticmethod
-    def _prepared(layer: nn.Module, params: dict, carry: Any, diff_pos: tuple, out_grads: list, autocast: Autocast):
-        """``(trainable, fixed, leaves, spec, out_pos, key)`` of one call (detached tensors; ``key`` names the layer
-        module and the call's signature)."""
+    def grads(self, layer: nn.Module, params: dict, carry: Any, diff_pos: tuple, out_grads: list,
+              autocast: Autocast, required: bool = True) -> tuple[dict, list] | None:
+        """Back-propagate ``out_grads`` (aligned with the layer's output leaves; None: no gradient) through
+        ``layer`` run on ``carry`` with ``params`` (name -> device tensor), recomputing only what the gradients
+        need. Returns ``(weight gradients by name, input gradients aligned with carry's leaves)``, None where
+        autograd would leave None: for the weights that do not require grad, and for those and the inputs at
+        ``diff_pos`` the outputs do not reach. A layer whose reach cannot be traced raises ``EarlyStopUnsupported``
+        (before any compute), or with ``required`` False gets None back, its class logged once. Call it under the
+        layer's lock: the meta trace swaps the module's tensors."""
         leaves, spec = pytree.tree_flatten(carry)
         out_pos = tuple(i for i, g in enumerate(out_grads) if g is not None)
         trainable = {n: p.detach() for n, p in params.items() if isinstance(p, torch.Tensor) and p.requires_grad}
         fixed = {n: (p.detach() if isinstance(p, torch.Tensor) else p) for n, p in params.items() if n not in trainable}
         leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
         shapes = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in leaves)
-        return trainable, fixed, leaves, spec, out_pos, (id(layer), diff_pos, out_pos, autocast, shapes)
-
-    def supports(self, layer: nn.Module, params: dict, carry: Any, diff_pos: tuple, out_grads: list,
-                 autocast: Autocast) -> bool:
-        """Whether ``grads`` can run this call (the meta trace of ``reached`` runs; its answer is kept per layer
-        module and signature). Call it where ``grads`` would be called (under the layer's lock: the trace swaps
-        the module's tensors)."""
-        trainable, fixed, leaves, spec, out_pos, key = self._prepared(layer, params, carry, diff_pos, out_grads,
-                                                                     autocast)
+        key = (id(layer), diff_pos, out_pos, autocast, shapes)
         try:
-            self.reached(layer, trainable, fixed, leaves, spec, diff_pos, out_pos, autocast, key)
+            weights, positions = self.reached(layer, trainable, fixed, leaves, spec, diff_pos, out_pos, autocast, key)
         except EarlyStopUnsupported as exc:
+            if required:
+                raise
             with self._lock:
                 first = type(layer) not in self._told
                 self._told.add(type(layer))
             if first:
                 log.info("recompute_early_stop: %s layers recompute whole (their forward does not run on meta "
-                         "tensors: %s); exact as without the option", type(layer).__name__,
-                         exc.__cause__ if exc.__cause__ is not None else exc)
-            return False
-        return True
-
-    def grads(self, layer: nn.Module, params: dict, carry: Any, diff_pos: tuple, out_grads: list,
-              autocast: Autocast) -> tuple[dict, list]:
-        """Back-propagate ``out_grads`` (aligned with the layer's output leaves; None: no gradient) through
-        ``layer`` run on ``carry`` with ``params`` (name -> device tensor), recomputing only what the gradients
-        need. Returns ``(weight gradients by name, input gradients aligned with carry's leaves)``, None where
-        autograd would leave None: for the weights that do not require grad, and for those and the inputs at
-        ``diff_pos`` the outputs do not reach."""
-        trainable, fixed, leaves, spec, out_pos, key = self._prepared(layer, params, carry, diff_pos, out_grads,
-                                                                     autocast)
-        weights, positions = self.reached(layer, trainable, fixed, leaves, spec, diff_pos, out_pos, autocast, key)
+                         "tensors: %s); exact as without the option", type(layer).__name__, exc.__cause__)
+            return None
         in_grads: list = [None] * len(leaves)
         if not out_pos:
             return {}, in_grads

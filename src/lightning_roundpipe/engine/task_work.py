@@ -121,12 +121,11 @@ class TaskWork:
         params = weights.params_for(layer)
         module, autocast = self.ctx.layers[layer], (device.type, bool(enabled), dtype if enabled else None)
         with self.layer_scope(device, weights, layer, mb, recompute=True):
-            stops = self.opts.early_stop_required or EARLY_STOP.supports(module, params, carry, diff_pos, out_grads,
-                                                                         autocast)
-            if stops:
-                weight_grads, in_grads = EARLY_STOP.grads(module, params, carry, diff_pos, out_grads, autocast)
-        if not stops:
+            grads = EARLY_STOP.grads(module, params, carry, diff_pos, out_grads, autocast,
+                                     required=self.opts.early_stop_required)
+        if grads is None:  # the layer cannot stop early (nothing computed, nothing drawn)
             return self.layer_backward(device, weights, layer, carry, mb, diff_pos, out_grads)
+        weight_grads, in_grads = grads
         accumulate(params, weight_grads)
         return in_grads
 
