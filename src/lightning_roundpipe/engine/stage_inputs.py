@@ -28,10 +28,17 @@ def differentiable_inputs(tree: Any, need: bool, keys=None) -> tuple[list, Any]:
     layer's ``differentiable_carry_keys``); rotary tables and masks are then neither
     differentiated nor shipped back.
     """
-    leaves, spec = pytree.tree_flatten(tree)
     if not need:
+        leaves, spec = pytree.tree_flatten(tree)
         return leaves, pytree.tree_unflatten(leaves, spec)
-    wanted = set(differentiable_positions(tree, need, keys))
+    return inputs_at(tree, differentiable_positions(tree, need, keys))
+
+
+def inputs_at(tree: Any, positions) -> tuple[list, Any]:
+    """``differentiable_inputs`` with the positions among the flattened leaves given: those leaves fresh leaves
+    requiring grad, and the tree to feed the layers with copies of them."""
+    wanted = set(positions)
+    leaves, spec = pytree.tree_flatten(tree)
     leaves = [x.detach().requires_grad_(True) if p in wanted else x for p, x in enumerate(leaves)]
     with torch.enable_grad():
         fed = [x.clone() if p in wanted else x for p, x in enumerate(leaves)]

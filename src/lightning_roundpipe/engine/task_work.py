@@ -24,7 +24,7 @@ from .compiled_layers import COMPILED_LAYERS, naming_compile_failures
 from .early_stop import EARLY_STOP, accumulate
 from .layer_recompute import LayerCalls, backward_by_layer, layer_inputs
 from .rng import CallRng
-from .stage_inputs import differentiable_inputs, differentiable_positions, kept_copy
+from .stage_inputs import differentiable_inputs, differentiable_positions, inputs_at, kept_copy
 from .step_context import StepContext
 from .tensor_swap import TensorSwap
 
@@ -133,12 +133,9 @@ class TaskWork:
                        out_grads: list) -> list:
         """``layer_vjp``'s result the eager way: ``layer`` recomputed whole with grad on ``carry`` (the leaves at
         ``diff_pos`` requiring grad) and ``out_grads`` back-propagated; weight gradients go into ``.grad``."""
-        leaves, spec = pytree.tree_flatten(carry)
-        leaves = [x.detach().requires_grad_(True) if p in diff_pos else x for p, x in enumerate(leaves)]
+        leaves, fed = inputs_at(carry, diff_pos)
         with self.compute_context(device, grad=True):
-            fed = [x.clone() if p in diff_pos else x for p, x in enumerate(leaves)]  # the layer may write them
-            out = self.run_layers(device, weights, layer, layer + 1, pytree.tree_unflatten(fed, spec), mb,
-                                  recompute=True)[layer + 1]
+            out = self.run_layers(device, weights, layer, layer + 1, fed, mb, recompute=True)[layer + 1]
         pairs = [(o, g) for o, g in zip(pytree.tree_leaves(out), out_grads)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         if pairs:
