@@ -335,13 +335,13 @@ def is_loaded(row: dict) -> bool:
 
 # ------------------------------------------------------------------ command line
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = cli(__doc__.split("\n\n")[0], quick="smaller width/sequence, 2 warm-up and 2 timed steps",
+    p = cli(__doc__.split("\n\n")[0], quick="smaller width/sequence, 6 warm-up and 3 timed steps",
             json_help="also write the results as JSON", formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="paper,light", help="comma-separated: " + ",".join(SHAPES))
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: " + ",".join(SYSTEMS))
     p.add_argument("--recompute", default="on,off", help="comma-separated policies: on,off")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 3, quick 2)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per run (default 2: one turn of the round robin, see RunConfig)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 5, quick 3)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per run (default 6: the heap settles, see RunConfig)")
     p.add_argument("--rounds", type=int, default=None,
                    help="times every run is repeated, interleaved; the best round counts (default 2, quick 1)")
     p.add_argument("--max-retries", type=int, default=2,
@@ -378,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
     policies = [{"on": True, "off": False}[p.strip()] for p in args.recompute.split(",") if p.strip()]
     config = RunConfig(
-        steps=args.steps or (2 if args.quick else 3),
+        steps=args.steps or (3 if args.quick else RunConfig.steps),
         warmup=args.warmup if args.warmup is not None else RunConfig.warmup,
         optimizer=args.optimizer,
         host_threads=args.host_threads,

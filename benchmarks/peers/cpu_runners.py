@@ -45,13 +45,20 @@ from .models import (
 class RunConfig:
     """How each system is trained and timed.
 
-    steps / warmup: timed steps and untimed warm-up steps per run. Two warm-up steps by default:
-        RoundPipe's round robin starts each step on the worker after the previous step's last (5
-        stages a call on 2 workers: the start alternates), so its second step is the first in which
-        each worker thread runs the other half of the stages (that thread's first allocations of
-        those sizes). Measured on the quick paper shape: RoundPipe's second step took 1.01-1.09x
-        the median of steps 3-12 (four runs), 1F1B's 0.98-1.00x (two runs); one warm-up step
-        timed part of RoundPipe's warm-up. Every system gets the same count.
+    steps / warmup: timed steps and untimed warm-up steps per run; the run's step time is the
+        median of the timed ones. Six warm-up steps and five timed ones by default. A process's
+        first steps grow its heap to the step's high-water mark. RoundPipe's one process, with a
+        thread per worker, frees and reallocates in an order that changes from step to step, so
+        in some runs its heap took several steps to settle: on the paper-like shape at full size,
+        steps 2-5 took up to 2.1x the settled step, with 2k-45k page faults each at about 35 us
+        of system time per fault (one thread faulting a fresh 64 MiB alone: 1.4 us per fault). In
+        other runs it settled after step 1, as 1F1B's ranks did. With 2 warm-up and 3 timed steps
+        that warm-up decided whole rounds (round medians 0.852 and 0.812 s against 0.481 s in one
+        run; ``docs/measurements.md`` section 12). The round robin also starts each step on the
+        worker after the previous step's last, so step 2 is the first in which each worker thread
+        runs the other half of the stages. Five timed steps make the median stand two outliers (a
+        settled run still has a step with thousands of faults now and then). Every system gets the
+        same counts.
     optimizer: "adamw" (torch's fused CPU kernel) or "sgd" (momentum 0.9); lr its learning rate.
     host_threads: torch threads of RoundPipe's host thread (optimizer, gradient accumulation); None
         (default): the cores its one-thread workers leave, at least one (1 with 2 workers on 2 cores).
@@ -69,8 +76,8 @@ class RunConfig:
     timeout_s: a run that takes longer is reported as failed.
     """
 
-    steps: int = 3
-    warmup: int = 2
+    steps: int = 5
+    warmup: int = 6
     optimizer: str = "adamw"
     lr: float = 1e-3
     host_threads: Optional[int] = None
