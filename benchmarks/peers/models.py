@@ -205,11 +205,7 @@ def measure_layer_costs(shape: ShapeConfig, reps: int = 5, threads: int = 1, see
 
     The bound schedules' split and the cost model of ``cpu_peers.py`` use these numbers. Other
     work on a shared machine only ever adds time, so the fastest of ``reps`` runs (after one
-    warm-up round) is the estimate of what the layer costs on its own. The runs go in rounds over
-    every layer rather than layer after layer, so that a drift of the machine's speed during the
-    measurement reaches every layer alike. Timed layer after layer, six identical blocks' backward
-    came out rising from 14.6 to 16.2 ms in one run, and 1F1B's modelled step, which its five-block
-    rank sets, 4% above what it ran (``docs/measurements.md`` section 12). Blocks are also timed under
+    warm-up) is the estimate of what the layer costs on its own. Blocks are also timed under
     ``torch.utils.checkpoint`` (``LayerTiming.checkpointed_s``), the head is not.
     """
     old_threads = torch.get_num_threads()
@@ -220,54 +216,45 @@ def measure_layer_costs(shape: ShapeConfig, reps: int = 5, threads: int = 1, see
         g = torch.Generator().manual_seed(seed + 7)
         x = torch.randn(mb, shape.seq_len, shape.hidden, generator=g)
         y = torch.randint(0, shape.vocab, (mb, shape.seq_len), generator=g)
-        layers = list(blocks) + [head]
-        fwd: list[list[float]] = [[] for _ in layers]
-        full: list[list[float]] = [[] for _ in layers]
-        ckpt: list[list[float]] = [[] for _ in layers]
-        for r in range(reps + 1):
-            for k, layer in enumerate(layers):
-                f, b, c = time_layer_once(layer, layer is head, x, y)
-                if r:  # the first round warms up
-                    fwd[k].append(f)
-                    full[k].append(b)
-                    if c is not None:
-                        ckpt[k].append(c)
         out = []
-        for k, layer in enumerate(layers):
-            f = min(fwd[k])
-            out.append(LayerTiming(forward_s=f, backward_s=max(min(full[k]) - f, 0.0),
-                                   checkpointed_s=min(ckpt[k]) if ckpt[k] else None))
+        for layer in list(blocks) + [head]:
+            is_head = layer is head
+
+            def run(grad: bool):
+                inp = x.detach().requires_grad_(grad)
+                with torch.set_grad_enabled(grad):
+                    o = layer(inp)
+                    if is_head:
+                        o = token_loss(o, y)
+                return inp, o
+
+            def run_checkpointed():
+                inp = x.detach().requires_grad_(True)
+                checkpoint(layer, inp, use_reentrant=False).sum().backward()
+
+            fwd, full, ckpt = [], [], []
+            for r in range(reps + 1):
+                t0 = time.perf_counter()
+                run(False)
+                t1 = time.perf_counter()
+                inp, o = run(True)
+                (o if o.dim() == 0 else o.sum()).backward()
+                t2 = time.perf_counter()
+                layer.zero_grad(set_to_none=True)
+                if not is_head:
+                    t3 = time.perf_counter()
+                    run_checkpointed()
+                    ckpt.append(time.perf_counter() - t3)
+                    layer.zero_grad(set_to_none=True)
+                if r:  # the first round warms up
+                    fwd.append(t1 - t0)
+                    full.append(t2 - t1)
+            f = min(fwd)
+            out.append(LayerTiming(forward_s=f, backward_s=max(min(full) - f, 0.0),
+                                   checkpointed_s=None if is_head else min(ckpt[1:])))
         return out
     finally:
         torch.set_num_threads(old_threads)
-
-
-def time_layer_once(layer: nn.Module, is_head: bool, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float | None]:
-    """One timing of ``layer``: its forward without autograd, its forward and backward with fresh
-    gradients, and (blocks only) its forward and backward under ``torch.utils.checkpoint``."""
-
-    def run(grad: bool):
-        inp = x.detach().requires_grad_(grad)
-        with torch.set_grad_enabled(grad):
-            o = layer(inp)
-            if is_head:
-                o = token_loss(o, y)
-        return o
-
-    t0 = time.perf_counter()
-    run(False)
-    t1 = time.perf_counter()
-    o = run(True)
-    (o if o.dim() == 0 else o.sum()).backward()
-    t2 = time.perf_counter()
-    layer.zero_grad(set_to_none=True)
-    if is_head:
-        return t1 - t0, t2 - t1, None
-    t3 = time.perf_counter()
-    checkpoint(layer, x.detach().requires_grad_(True), use_reentrant=False).sum().backward()
-    t4 = time.perf_counter()
-    layer.zero_grad(set_to_none=True)
-    return t1 - t0, t2 - t1, t4 - t3
 
 
 def param_bytes(module: nn.Module) -> int:

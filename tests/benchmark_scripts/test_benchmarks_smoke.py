@@ -88,31 +88,6 @@ def test_layer_costs_time_blocks_under_checkpoint_and_not_the_head():
     assert timings[2].checkpointed_s is None
 
 
-def test_layer_costs_are_timed_in_rounds_over_every_layer_and_keep_the_fastest(monkeypatch):
-    from benchmarks.peers import models
-
-    shape = ShapeConfig("tiny", hidden=16, blocks=2, head_ratio=1.0, seq_len=8, batch=2, microbatches=2)
-    seen, order = [], []
-
-    def fake(layer, is_head, x, y):
-        if not any(layer is s for s in seen):
-            seen.append(layer)
-        k = next(i for i, s in enumerate(seen) if s is layer)
-        r = order.count(k)
-        order.append(k)
-        if r == 0:  # the warm-up round: fastest of all, and ignored
-            return 0.1, 0.2, None if is_head else 0.3
-        rank = 3 - r  # later rounds are faster: the last one (rank 0) is the fastest kept
-        return 10.0 * rank + k, 100.0 * rank + 2 * k, None if is_head else 50.0 * rank + 5
-
-    monkeypatch.setattr(models, "time_layer_once", fake)
-    timings = models.measure_layer_costs(shape, reps=3)
-    assert order == [0, 1, 2] * 4  # rounds over every layer (blocks, then the head), the warm-up round first
-    assert [t.forward_s for t in timings] == [0.0, 1.0, 2.0]
-    assert [t.backward_s for t in timings] == [0.0, 1.0, 2.0]  # fastest forward+backward minus fastest forward
-    assert [t.checkpointed_s for t in timings] == [5.0, 5.0, None]
-
-
 def test_the_optimizer_is_priced_per_rank_for_bound_schedules_and_whole_on_roundpipes_host():
     opt = [0.5, 0.5, 0.5, 2.0]  # seconds of one optimizer step over each layer's parameters
     assert cost_model.bound_optimizer_s(opt, [(0, 3), (3, 4)]) == 2.0  # the ranks step at once: the slowest
