@@ -335,11 +335,12 @@ class RuntimeOptions:
         fp32 accumulation.
     cpu_threads_per_worker: CPU backend only: torch threads per worker's compute queue.
     cpu_reuse_freed_memory: CPU backend only: keep freed host memory in the process's allocator
-        for the next step (glibc's mmap and trim thresholds raised to 1 GiB, for the whole process
-        and its life; ``workers/host_allocator.py``), so that the large tensors every step
-        allocates afresh (merged logits, the loss's log-softmax and gradient) do not page-fault
-        on every first touch while the workers wait. Costs up to 1 GiB of freed memory kept. No
-        effect where the C library is not glibc. False: glibc's own thresholds.
+        for the next step (glibc's mmap and trim thresholds raised to 1 GiB and its top pad to 64
+        MiB, so that threads keep their emptied heaps; for the whole process and its life;
+        ``workers/host_allocator.py``), so that the large tensors every step allocates afresh
+        (merged logits, the loss's log-softmax and gradient) do not page-fault on every first
+        touch while the workers wait. Costs up to 1 GiB of freed memory kept. No effect where
+        the C library is not glibc. False: glibc's own settings.
     cpu_memory_cap_bytes: CPU backend only: make each worker a virtual GPU of this many bytes.
         Its device memory is measured (uploaded weights and every tensor its tasks create, see
         ``workers/device_memory.py``) and a task that would take it over the cap fails with

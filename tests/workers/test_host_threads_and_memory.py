@@ -143,6 +143,45 @@ def test_freed_large_blocks_are_reused_instead_of_faulting_in_new_pages():
     assert reused < 1_000
 
 
+_THREAD_HEAPS = """
+import ctypes, resource, sys, threading
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes, libc.memset.argtypes = [ctypes.c_void_p], [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+if sys.argv[1] == "keep":
+    from lightning_roundpipe.workers.host_allocator import keep_freed_memory
+    assert keep_freed_memory()
+else:  # the thresholds alone, as keep_freed_memory set them before the top pad
+    assert libc.mallopt(-3, 1 << 30) and libc.mallopt(-1, 1 << 30)
+N = 40 << 20  # two of these do not fit one 64 MiB heap of a thread's arena
+faults = []
+def lane():  # a thread other than the main one: its own arena
+    held = libc.malloc(N); libc.memset(held, 1, N)
+    for _ in range(4):  # a step's tensor, allocated and freed again step after step
+        f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        p = libc.malloc(N); libc.memset(p, 1, N); libc.free(p)
+        faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0)
+    libc.free(held)
+t = threading.Thread(target=lane); t.start(); t.join()
+print(*faults)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_a_threads_emptied_heap_is_kept_instead_of_faulting_in_new_pages_every_step():
+    def faults(mode):
+        out = subprocess.run([sys.executable, "-c", _THREAD_HEAPS, mode], capture_output=True, text=True, timeout=100)
+        assert out.returncode == 0, out.stderr
+        return [int(v) for v in out.stdout.split()]
+
+    kept = faults("keep")
+    thresholds_only = faults("thresholds")
+    assert thresholds_only[0] > 10_000 and kept[0] > 10_000  # the first block is new memory either way
+    assert all(f > 10_000 for f in thresholds_only[1:])  # 40 MiB of new 4 KiB pages every time: the heap was unmapped
+    assert all(f < 100 for f in kept[1:])  # the emptied heap stays: its pages are reused
+
+
 def test_the_cpu_backend_keeps_freed_memory_by_default_and_the_option_turns_it_off():
     assert keep_freed_memory() is True  # glibc on this platform; stays set for the process
     pool_options = backend_class("cpu").options_from
