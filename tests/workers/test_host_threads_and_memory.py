@@ -110,6 +110,13 @@ def test_intra_op_threads_gives_the_count_back_also_when_the_block_raises():
     assert torch.get_num_threads() == before
 
 
+def _printed_by(script: str, mode: str) -> list[str]:
+    """What ``script`` prints, run with ``mode`` in a fresh process (glibc's settings are per process)."""
+    out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
 _FAULTS = """
 import resource, sys, torch
 from lightning_roundpipe.workers.host_allocator import keep_freed_memory
@@ -130,14 +137,9 @@ print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_freed_large_blocks_are_reused_instead_of_faulting_in_new_pages():
-    def faults(mode):
-        out = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, timeout=100)
-        assert out.returncode == 0, out.stderr
-        kept, count = out.stdout.split()
-        return kept, int(count)
-
-    kept, reused = faults("keep")
-    _, fresh = faults("glibc")
+    kept, reused = _printed_by(_FAULTS, "keep")
+    _, fresh = _printed_by(_FAULTS, "glibc")
+    reused, fresh = int(reused), int(fresh)
     assert kept == "True"
     assert fresh > 3 * 12_000  # 3 x 48 MiB of new 4 KiB pages (12,288 each), each faulting on first touch
     assert reused < 1_000
@@ -170,13 +172,8 @@ print(*faults)
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_a_threads_emptied_heap_is_kept_instead_of_faulting_in_new_pages_every_step():
-    def faults(mode):
-        out = subprocess.run([sys.executable, "-c", _THREAD_HEAPS, mode], capture_output=True, text=True, timeout=100)
-        assert out.returncode == 0, out.stderr
-        return [int(v) for v in out.stdout.split()]
-
-    kept = faults("keep")
-    thresholds_only = faults("thresholds")
+    kept = [int(v) for v in _printed_by(_THREAD_HEAPS, "keep")]
+    thresholds_only = [int(v) for v in _printed_by(_THREAD_HEAPS, "thresholds")]
     assert thresholds_only[0] > 10_000 and kept[0] > 10_000  # the first block is new memory either way
     assert all(f > 10_000 for f in thresholds_only[1:])  # 40 MiB of new 4 KiB pages every time: the heap was unmapped
     assert all(f < 100 for f in kept[1:])  # the emptied heap stays: its pages are reused
