@@ -50,8 +50,8 @@ class RunConfig:
         first steps grow its heap to the step's high-water mark. RoundPipe's one process, with a
         thread per worker, frees and reallocates in an order that changes from step to step, so
         in some runs its heap took several steps to settle: on the paper-like shape at full size,
-        steps 2-5 took up to 2.1x the settled step, with 2k-45k page faults each at about 35 us
-        of system time per fault (one thread faulting a fresh 64 MiB alone: 1.4 us per fault). In
+        steps 2-5 took up to 2.2x the settled step, with up to 19,000 page faults each at about
+        35 us of system time per fault (one thread faulting a fresh 64 MiB alone: 1.4 us). In
         other runs it settled after step 1, as 1F1B's ranks did. With 2 warm-up and 3 timed steps
         that warm-up decided whole rounds (round medians 0.852 and 0.812 s against 0.481 s in one
         run; ``docs/measurements.md`` section 12). The round robin also starts each step on the
