@@ -10,6 +10,7 @@ from torch import nn
 from _exact_models import GRAD_TOL, LAYERED, seeded_reference
 from lightning_roundpipe import PipelineError, RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.engine.rng import CpuGeneratorGate, UnseededDraw
+from lightning_roundpipe.options import PartitionConfig
 
 
 def test_gate_lets_shared_holders_in_together_and_an_exclusive_one_alone():
@@ -137,7 +138,8 @@ def test_a_layer_that_starts_drawing_later_is_refused_then_runs_seeded_and_exact
             net(x).sum().backward()
         assert isinstance(info.value.original, UnseededDraw)
         message = str(info.value)
-        assert "layer 1 (LateJitter), microbatch 1" in message  # its second call: the first ran seeded
+        # its second call (the first ran seeded), in a run of layers checked as one (all known quiet by then)
+        assert "layers 1-2 (LateJitter, Linear), microbatch 1 ran as layers known not to draw" in message
         assert "another thread drew from torch's default CPU generator" in message
         assert "now run seeded" in message
         assert torch.equal(torch.get_rng_state(), before)  # the refused call drew nothing from the caller's stream
@@ -194,3 +196,65 @@ def test_quiet_layers_running_shared_leave_the_caller_stream_as_a_plain_run():
             assert not runtime.engine.last_run.rng.drew
     finally:
         runtime.detach()
+
+
+def _count_shared_periods(monkeypatch):
+    """Spy on the CPU gate: what each shared period entered for (a layer index or a range of layers)."""
+    from lightning_roundpipe.engine import rng
+
+    entered = []
+    enter = rng.CPU_GENERATOR.enter_shared
+
+    def spy(what, *args, **kwargs):
+        entered.append(what[0])
+        return enter(what, *args, **kwargs)
+
+    monkeypatch.setattr(rng.CPU_GENERATOR, "enter_shared", spy)
+    return entered
+
+
+@pytest.mark.timeout(60)
+def test_a_run_of_layers_known_not_to_draw_is_checked_as_one_shared_period(monkeypatch):
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(6)])
+    x = torch.randn(8, 8)
+    split = [[0, 3], [3, 6]]
+    options = RuntimeOptions(microbatches=4, step_metrics=False, recompute="never",
+                             partition=PartitionConfig(policy="manual", manual_forward=split, manual_backward=split))
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, options)
+    try:
+        net(x).sum().backward()  # the first call learns that no layer draws (each runs seeded, alone)
+        entered = _count_shared_periods(monkeypatch)
+        torch.manual_seed(5)
+        before = torch.get_rng_state()
+        net.zero_grad(set_to_none=True)
+        net(x).sum().backward()
+        got = {n: p.grad.clone() for n, p in net.named_parameters()}
+    finally:
+        runtime.detach()
+    # two forward stages of three layers, four microbatches: 8 periods, each over a stage's range, not 24
+    assert sorted(map(str, entered)) == sorted(["range(0, 3)", "range(3, 6)"] * 4)
+    assert torch.equal(torch.get_rng_state(), before)  # nothing drawn from the caller's stream
+    net.zero_grad(set_to_none=True)
+    net(x).sum().backward()  # plain torch on the detached model
+    for n, p in net.named_parameters():
+        assert torch.allclose(got[n], p.grad, rtol=1e-5, atol=1e-6), n
+
+
+@pytest.mark.timeout(60)
+def test_a_call_with_a_drawing_layer_keeps_one_shared_period_per_quiet_layer(monkeypatch):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 1))
+    split = [[0, 3], [3, 5]]
+    options = RuntimeOptions(microbatches=2, step_metrics=False, recompute="never",
+                             partition=PartitionConfig(policy="manual", manual_forward=split, manual_backward=split))
+    runtime = RoundPipeRuntime.attach(net, "cpu", 2, options)
+    try:
+        net(torch.randn(4, 8)).sum().backward()
+        entered = _count_shared_periods(monkeypatch)
+        net(torch.randn(4, 8)).sum().backward()
+    finally:
+        runtime.detach()
+    # the dropout layer may draw: a run beside it would keep it waiting a whole stage, so each quiet
+    # layer has its own period (a seeded one has the generator alone, outside any shared period)
+    assert sorted(entered) == sorted([0, 1, 2, 4] * 2)

@@ -30,6 +30,14 @@ must have it to itself; layers known not to draw need not wait for one another:
   these flags ran exclusive and drew nothing. No exclusive call runs while shared ones do, and
   an exclusive call puts back the state it found, so when a shared call ends the generator must
   be in the state it had when the shared period began; any change is an unseeded draw.
+- **A quiet run** (one shared period for a run of layers): once every layer of a call is known not
+  to draw, a worker's run of several layers (a stage's forward, a recompute) enters one shared
+  period for the whole run and is checked once at its end, instead of once per layer. The
+  check is the same (any change of the generator inside is an unseeded draw), but a draw seen
+  names the run's layers rather than one, and marks all of them as drawing. A call with a layer
+  that may draw keeps one period per layer, so a seeded layer on another worker waits for one
+  layer, not a stage. Per layer, on two CPU workers, this took the gate's cost from 80-85 us to
+  under 5 (``docs/measurements.md`` section 13).
 - **An unseeded draw is never used.** Every shared call inside when the change is seen fails
   with ``UnseededDraw`` (the pipeline raises it; a failed step puts back what it changed),
   its layer is marked as drawing so its later calls run seeded (running the step again is
@@ -69,6 +77,12 @@ from torch import nn
 from ..workers.completions import PipelineTimeout
 
 _MASK = (1 << 63) - 1
+
+
+def _state_bytes(state: torch.Tensor) -> bytes:
+    """A generator state (a CPU uint8 tensor) as bytes: compared at the end of every shared layer call,
+    where ``torch.equal`` took 4 us and this 1-2 us (``docs/measurements.md`` section 13)."""
+    return state.numpy().tobytes()
 
 
 def layer_seed(base_seed: int, layer: int, microbatch: int) -> int:
@@ -146,8 +160,11 @@ class CpuGeneratorGate:
         self._depth = 0
         self._waiting = 0  # exclusive requests waiting
         self._shared: dict[object, GeneratorHold] = {}  # token -> holder inside
-        self._expected: torch.Tensor | None = None  # the generator's state while shared holders run
+        self._expected: bytes | None = None  # the generator's state while shared holders run (its bytes)
         self._tainted: dict[object, list] = {}  # token -> who was inside when a change was seen
+
+    def _put_back_expected(self) -> None:
+        self._set_state(torch.frombuffer(bytearray(self._expected), dtype=torch.uint8))
 
     def held_here(self) -> bool:
         """Whether this thread holds the gate exclusively (a call nested in a seeded one)."""
@@ -222,7 +239,7 @@ class CpuGeneratorGate:
             if not nested:
                 self._wait_until(lambda: self._exclusive is None and not self._waiting, timeout, hold)
             if not self._shared:
-                self._expected = self._get_state()
+                self._expected = _state_bytes(self._get_state())
             self._shared[token] = hold
         return token
 
@@ -232,11 +249,11 @@ class CpuGeneratorGate:
         with self._cond:
             if token not in self._shared:
                 return []
-            if not torch.equal(self._get_state(), self._expected):
+            if _state_bytes(self._get_state()) != self._expected:
                 inside = [h.what for h in self._shared.values()]
                 for t in self._shared:
                     self._tainted.setdefault(t, inside)
-                self._set_state(self._expected)  # the draw is not used; the next check starts clean
+                self._put_back_expected()  # the draw is not used; the next check starts clean
             del self._shared[token]
             seen = self._tainted.pop(token, [])
             if not self._shared:
@@ -265,7 +282,7 @@ class CpuGeneratorGate:
                     self._tainted.pop(token, None)
                     gone.append(h)
             if gone and not self._shared and self._expected is not None:
-                self._set_state(self._expected)  # what the shared period began with: a draw in it is not kept
+                self._put_back_expected()  # what the shared period began with: a draw in it is not kept
                 self._expected = None
             if gone:
                 self._cond.notify_all()
@@ -345,6 +362,8 @@ def _peek_base_seed(timeout: float) -> int:
 
 def _describe(what: tuple) -> str:
     layer, microbatch, name = what
+    if isinstance(layer, range):  # a run of layers checked as one (``CallRng.quiet_run``)
+        return f"layers {layer.start}-{layer.stop - 1} ({name}), microbatch {microbatch}"
     return f"layer {layer} ({name}), microbatch {microbatch}"
 
 
@@ -363,6 +382,49 @@ class CallRng:
         self._draws = draws
         # (layer, microbatch) -> where the forward's seeded draws left the generator (None: no draw)
         self._forward_ends: dict[tuple[int, int], int | None] = {}
+        # id(layer module) -> (the module, every module below it): read once per call, since walking
+        # ``modules()`` took a quarter of a shared layer call (``LayerDraws.flags``)
+        self._submodules: dict[int, tuple[nn.Module, tuple[nn.Module, ...]]] = {}
+
+    def _flags(self, module: nn.Module) -> tuple:
+        """``LayerDraws.flags(module)``, the module tree read once per call (the flags at every call)."""
+        entry = self._submodules.get(id(module))
+        if entry is None or entry[0] is not module:
+            entry = (module, tuple(module.modules()))
+            self._submodules[id(module)] = entry  # two threads may both fill it: the same tree either way
+        return tuple(m.training for m in entry[1])
+
+    def all_quiet(self, modules) -> bool | None:
+        """Whether every one of ``modules`` (with its training flags now) is known not to draw: True or
+        False once each is known, None while one is not (it has not run with these flags yet)."""
+        known = [self._draws.known(m, self._flags(m)) for m in modules]
+        if any(k for k in known):
+            return False
+        return None if any(k is None for k in known) else True
+
+    @contextlib.contextmanager
+    def quiet_run(self, device: torch.device, layers: range, microbatch: int, modules, recompute: bool = False):
+        """Around a run of ``layers`` (``modules``) on one worker, when no layer of the call may draw (the
+        caller checks ``all_quiet``): on the CPU backend, one shared period for the whole run, checked
+        once at its end, instead of one per layer (a shared period's entry and exit cost 7-11 us of
+        the GIL, around every layer call). Yields whether it holds that period; when it does, each
+        layer runs without ``layer``. A change of the generator seen at the end fails the call as a
+        shared layer's does, and marks every layer of the run as drawing."""
+        if device.type == "cuda" or len(layers) < 2 or CPU_GENERATOR.held_here():
+            yield False
+            return
+        names = ", ".join(dict.fromkeys(type(m).__name__ for m in modules))  # in layer order, each once
+        token = CPU_GENERATOR.enter_shared((layers, microbatch, names), self.timeout_s, self.owner, self._where())
+        try:
+            yield True
+        finally:
+            seen = CPU_GENERATOR.exit_shared(token)
+        if seen:
+            for m in modules[1:]:
+                self._draws.note(m, self._flags(m), True)
+            self._unseeded_draw((layers, microbatch, names), modules[0], self._flags(modules[0]), seen)
+        for layer, module in zip(layers, modules):
+            self._check_end((layer, microbatch), None, recompute, module)
 
     @contextlib.contextmanager
     def layer(self, device: torch.device, layer: int, microbatch: int, module: nn.Module | None = None,
@@ -377,12 +439,18 @@ class CallRng:
                                                    else "layer")):
                 yield
             return
-        flags = None if module is None else LayerDraws.flags(module)
-        shared = (module is not None and self._draws.known(module, flags) is False
-                  and not CPU_GENERATOR.held_here())
-        if shared:
-            with self._shared_call(layer, microbatch, module, flags, recompute):
+        flags = None if module is None else self._flags(module)
+        if module is not None and self._draws.known(module, flags) is False and not CPU_GENERATOR.held_here():
+            # Shared (inlined rather than a nested context manager: this runs around every layer call)
+            token = CPU_GENERATOR.enter_shared((layer, microbatch, type(module).__name__), self.timeout_s, self.owner,
+                                               self._where())
+            try:
                 yield
+            finally:
+                seen = CPU_GENERATOR.exit_shared(token)
+            if seen:
+                self._unseeded_draw((layer, microbatch, type(module).__name__), module, flags, seen)
+            self._check_end((layer, microbatch), None, recompute, module)
             return
         what = (layer, microbatch, type(module).__name__ if module is not None else "layer")
         with CPU_GENERATOR.exclusive(what, self.timeout_s, self.owner, self._where()) as hold:
@@ -424,25 +492,19 @@ class CallRng:
             if drew and not hold.abandoned:
                 self.drew = True  # only ever set: workers running at once cannot undo each other's
 
-    @contextlib.contextmanager
-    def _shared_call(self, layer: int, microbatch: int, module: nn.Module, flags: tuple, recompute: bool):
-        token = CPU_GENERATOR.enter_shared((layer, microbatch, type(module).__name__), self.timeout_s, self.owner,
-                                           self._where())
-        try:
-            yield
-        finally:
-            seen = CPU_GENERATOR.exit_shared(token)
-        if seen:
-            self._draws.note(module, flags, True)
-            raise UnseededDraw(
-                f"torch's CPU generator changed while {_describe((layer, microbatch, type(module).__name__))} ran "
-                "as a layer known not to draw random numbers (an earlier call with the same training flags drew "
-                f"none); running at the same time: {'; '.join(_describe(w) for w in seen)}. Either one of these "
-                "layers drew random numbers this time, or another thread drew from torch's default CPU generator "
-                "while the pipeline ran (it must not). An unseeded draw cannot be reproduced in recompute, so the call "
-                "fails rather than give a wrong gradient (a failed step puts back what it changed); these layers "
-                "now run seeded, so running the step again is exact.")
-        self._check_end((layer, microbatch), None, recompute, module)
+    def _unseeded_draw(self, what: tuple, module: nn.Module, flags: tuple, seen: list):
+        """A shared call saw the generator change (``seen``: who ran alongside): mark the layer drawing, fail.
+        ``what``: (layer, microbatch, name), the layer a ``range`` for a quiet run (``module``: its first)."""
+        self._draws.note(module, flags, True)
+        one = not isinstance(what[0], range)
+        raise UnseededDraw(
+            f"torch's CPU generator changed while {_describe(what)} ran as {'a layer' if one else 'layers'} "
+            "known not to draw random numbers (an earlier call with the same training flags drew "
+            f"none); running at the same time: {'; '.join(_describe(w) for w in seen)}. Either one of these "
+            "layers drew random numbers this time, or another thread drew from torch's default CPU generator "
+            "while the pipeline ran (it must not). An unseeded draw cannot be reproduced in recompute, so the call "
+            "fails rather than give a wrong gradient (a failed step puts back what it changed); these layers "
+            "now run seeded, so running the step again is exact.")
 
     def _where(self) -> Callable[[], str] | None:
         """A text naming the task the calling thread runs, computed only if an error needs it."""

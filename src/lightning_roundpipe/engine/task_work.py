@@ -61,6 +61,7 @@ class TaskWork:
         self.host_inputs = [HostCarry.of(mb) for mb in microbatches]
         self.output_grads: list[HostCarry | None] = []
         self.graphs: dict[tuple[int, int], tuple[list, Any, list]] = {}  # kept forward graphs (no recompute)
+        self._quiet: bool | None = None  # quiet_call's answer once known
         self._chunk = iter(())
 
     def use_graph(self, graph: TaskGraph) -> None:
@@ -98,18 +99,27 @@ class TaskWork:
                 yield
 
     @contextlib.contextmanager
-    def layer_scope(self, device, weights: StageWeights, layer: int, mb: int, recompute: bool):
+    def layer_scope(self, device, weights: StageWeights, layer: int, mb: int, recompute: bool, in_quiet_run=False):
         """Around one call of ``layer`` on microbatch ``mb``: its lock, its seed, and its buffer writes sent
-        home unless the call is a recompute."""
+        home unless the call is a recompute. ``in_quiet_run``: the call is inside a ``quiet_run`` period,
+        which checks the generator for the whole run (no seed, no check of its own)."""
         module = self.ctx.layers[layer]
         lock = self.ctx.layer_locks[layer]
         lock.acquire(self.pool.timeout_s, layer, mb, self.pool.task_text)
         try:
-            with self.rng.layer(device, layer, mb, module, recompute), \
+            with (contextlib.nullcontext() if in_quiet_run else self.rng.layer(device, layer, mb, module, recompute)), \
                     buffer_writes(weights, layer, module, self.M, keep=not recompute):
                 yield
         finally:
             lock.release()
+
+    def quiet_call(self) -> bool:
+        """Whether no layer of this call may draw random numbers (each known not to, with its flags now):
+        runs of layers then check the generator once per run (``CallRng.quiet_run``). Decided once every
+        layer is known; until then (the first call with these flags), False."""
+        if self._quiet is None:
+            self._quiet = self.rng.all_quiet(self.ctx.layers)
+        return bool(self._quiet)
 
     def layer_vjp(self, device, weights: StageWeights, layer: int, carry, mb: int, diff_pos: tuple,
                   out_grads: list) -> list:
@@ -148,11 +158,15 @@ class TaskWork:
         the layers in ``save_at`` and at ``end``."""
         layers = self.ctx.layers
         saved = {}
-        for l in range(start, end):
-            with self.layer_scope(device, weights, l, mb, recompute):
-                carry = self.call_layer(layers[l], weights.params_for(l), carry)
-            if l + 1 in save_at:
-                saved[l + 1] = kept_copy(carry)  # the next layer may write it in place
+        run = range(start, end)
+        quiet = (self.rng.quiet_run(device, run, mb, layers[start:end], recompute)
+                 if len(run) > 1 and device.type == "cpu" and self.quiet_call() else contextlib.nullcontext(False))
+        with quiet as in_quiet_run:
+            for l in run:
+                with self.layer_scope(device, weights, l, mb, recompute, in_quiet_run):
+                    carry = self.call_layer(layers[l], weights.params_for(l), carry)
+                if l + 1 in save_at:
+                    saved[l + 1] = kept_copy(carry)  # the next layer may write it in place
         saved[end] = carry
         return saved
 
