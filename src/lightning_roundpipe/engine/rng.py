@@ -331,11 +331,6 @@ class LayerDraws:
         self._known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
-    @staticmethod
-    def flags(module: nn.Module) -> tuple:
-        """The training flags of every module below ``module``: what decides whether it draws."""
-        return tuple(m.training for m in module.modules())
-
     def known(self, module: nn.Module, flags: tuple) -> bool | None:
         """Whether ``module`` was seen to draw with these ``flags`` (None: not seen yet)."""
         with self._lock:
@@ -383,11 +378,12 @@ class CallRng:
         # (layer, microbatch) -> where the forward's seeded draws left the generator (None: no draw)
         self._forward_ends: dict[tuple[int, int], int | None] = {}
         # id(layer module) -> (the module, every module below it): read once per call, since walking
-        # ``modules()`` took a quarter of a shared layer call (``LayerDraws.flags``)
+        # ``modules()`` at every layer call took a quarter of a shared call
         self._submodules: dict[int, tuple[nn.Module, tuple[nn.Module, ...]]] = {}
 
     def _flags(self, module: nn.Module) -> tuple:
-        """``LayerDraws.flags(module)``, the module tree read once per call (the flags at every call)."""
+        """The training flags of every module below ``module`` (what decides whether it draws, the key of
+        ``LayerDraws``), read at every call from the module tree read once per call."""
         entry = self._submodules.get(id(module))
         if entry is None or entry[0] is not module:
             entry = (module, tuple(module.modules()))
@@ -395,10 +391,10 @@ class CallRng:
         return tuple(m.training for m in entry[1])
 
     def all_quiet(self, modules) -> bool | None:
-        """Whether every one of ``modules`` (with its training flags now) is known not to draw: True or
-        False once each is known, None while one is not (it has not run with these flags yet)."""
+        """Whether every one of ``modules`` (with its training flags now) is known not to draw: False once
+        one is known to draw, True once all are known not to, else None (one has not run with these flags)."""
         known = [self._draws.known(m, self._flags(m)) for m in modules]
-        if any(k for k in known):
+        if any(known):
             return False
         return None if any(k is None for k in known) else True
 
@@ -410,7 +406,7 @@ class CallRng:
         the GIL, around every layer call). Yields whether it holds that period; when it does, each
         layer runs without ``layer``. A change of the generator seen at the end fails the call as a
         shared layer's does, and marks every layer of the run as drawing."""
-        if device.type == "cuda" or len(layers) < 2 or CPU_GENERATOR.held_here():
+        if device.type != "cpu" or len(layers) < 2 or CPU_GENERATOR.held_here():
             yield False
             return
         names = ", ".join(dict.fromkeys(type(m).__name__ for m in modules))  # in layer order, each once
