@@ -154,7 +154,8 @@ if sys.argv[1] == "keep":
     from lightning_roundpipe.workers.host_allocator import keep_freed_memory
     assert keep_freed_memory()
 else:  # the thresholds alone, as keep_freed_memory set them before the top pad
-    assert libc.mallopt(-3, 1 << 30) and libc.mallopt(-1, 1 << 30)
+    from lightning_roundpipe.workers.host_allocator import KEEP_BYTES, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    assert libc.mallopt(M_MMAP_THRESHOLD, KEEP_BYTES) and libc.mallopt(M_TRIM_THRESHOLD, KEEP_BYTES)
 N = 40 << 20  # two of these do not fit one 64 MiB heap of a thread's arena
 faults = []
 def lane():  # a thread other than the main one: its own arena
