@@ -157,3 +157,33 @@ def test_sim_validation_quick_run(tmp_path):
     assert "(goal: within 15%)" in text
     assert saved["command"].startswith("python -m benchmarks.sim_validation --quick")
     assert [r["case"] for r in saved["rows"]] == [c.name for c in cfg.cases]
+
+
+# ------------------------------------------------------------------ quick_size_gap
+def test_quick_size_gap_prices_each_task_from_its_layers():
+    from benchmarks.figures import quick_size_gap
+    from benchmarks.peers.models import LayerTiming
+
+    timings = [LayerTiming(1.0, 2.0), LayerTiming(10.0, 20.0), LayerTiming(100.0, 200.0)]
+    assert quick_size_gap.model_task_s(timings, [(0, 2), (2, 3)]) == {"F0": 11.0, "B0": 22.0, "F1": 300.0}
+    assert sorted(["B0", "F1", "B2", "F0", "F2", "B1"], key=quick_size_gap.stage_order) == ["F0", "F1", "F2", "B2", "B1", "B0"]
+
+
+@pytest.mark.timeout(120)
+def test_quick_size_gap_run_splits_the_step_by_worker_role():
+    from benchmarks.figures import quick_size_gap
+    from benchmarks.peers.cpu_peers import SHAPES, quick_shape
+
+    shape = quick_shape(SHAPES["paper"])
+    rp = quick_size_gap.roundpipe_run(shape, [(0, 1), (1, 6), (6, 7)], steps=2)
+    assert rp["traced_steps"] == 2
+    assert set(rp["tasks"]) == {"F0", "F1", "F2", "B1", "B0"}
+    # Round-robin over 2 workers: stages 0 and 2 (forward) share a worker, so do their backwards.
+    assert set(rp["busy"]) == {"F1+B1", "F0+F2+B0"}
+    assert set(rp["phases"]) == {"step start -> first compute", "first compute -> busiest worker's first task",
+                                 "busiest worker: first task start -> last task end",
+                                 "its last task end -> last compute end", "last compute end -> backward() returns",
+                                 "optimizer step"}
+    assert all(v >= 0 for v in rp["phases"].values())
+    assert rp["phases"]["busiest worker: first task start -> last task end"] >= max(rp["busy"].values()) * 0.999
+    assert set(rp["cpu"]) >= {(0, "compute"), (1, "compute"), "host", "upload", "download"}
