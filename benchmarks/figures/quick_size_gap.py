@@ -8,7 +8,8 @@ process, side by side:
   alone, as the benchmark's model prices it): a forward stage the layers' forward, a backward stage
   their backward, the fused head both;
 - **plain**: the same work as plain torch in one thread, one microbatch at a time (forward with
-  autograd, then backward on its graph; the fused head forward, loss and backward); the median;
+  autograd, then backward on its graph; the fused head forward, loss and backward); the median,
+  with the allocator setting the CPU backend makes (``host_allocator.keep_freed_memory``);
 - **RoundPipe**: the engine's compute tasks from its timeline (median per task kind), each
   worker's compute thread's CPU seconds per step (``/proc``), and so the time its tasks spend
   waiting rather than computing (busy minus CPU: the GIL, the other threads on its core); and
@@ -18,7 +19,7 @@ A worker's tasks add up to its busy time; the busiest sets the step. The gap bet
 the model is what both systems pay (one layer after another is slower than one layer repeated);
 the gap between RoundPipe and plain is the engine's own. Measured, not simulated.
 
-    python -m benchmarks.figures.quick_size_gap [--plan 0:1,1:6,6:7] [--steps 30] [--rounds 2]
+    python -m benchmarks.figures.quick_size_gap [--plan 0:1,1:6,6:7] [--steps 30] [--rounds 2] [--workers 2]
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from benchmarks.peers.models import (StageModule, build_layers, make_batch, meas
                                      roundpipe_sequential, token_loss)
 from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions  # noqa: E402
 from lightning_roundpipe.options import PartitionConfig  # noqa: E402
+from lightning_roundpipe.workers.host_allocator import keep_freed_memory  # noqa: E402
 
 WARMUP = 8
 
@@ -109,14 +111,14 @@ def plain_task_s(shape, ranges, reps: int) -> dict[str, float]:
     return {k: statistics.median(v[len(v) // 4:]) for k, v in samples.items()}
 
 
-def roundpipe_run(shape, ranges, steps: int) -> dict:
+def roundpipe_run(shape, ranges, steps: int, workers: int = 2) -> dict:
     """RoundPipe's step, its compute tasks (median per kind, and which worker ran each) and CPU per thread."""
     blocks, head = build_layers(shape, 0)
     seq = roundpipe_sequential(blocks, head)
     plan = [list(r) for r in ranges]
     opts = RuntimeOptions(microbatches=shape.microbatches, recompute="never", trace_steps=WARMUP + steps + 2,
                           partition=PartitionConfig(policy="manual", manual_forward=plan, manual_backward=plan))
-    rt = RoundPipeRuntime.attach(seq, "cpu", 2, opts, fused_last=True)
+    rt = RoundPipeRuntime.attach(seq, "cpu", workers, opts, fused_last=True)
     try:
         rt.trace.enabled = True
         opt = make_optimizer(seq.parameters(), RunConfig())
@@ -190,18 +192,22 @@ def main(argv=None) -> int:
     p.add_argument("--plan", default="0:1,1:6,6:7", help="the stages' layer ranges (the last one fused)")
     p.add_argument("--steps", type=int, default=30, help="timed RoundPipe steps per round")
     p.add_argument("--rounds", type=int, default=2, help="rounds of plain and RoundPipe, alternating")
+    p.add_argument("--workers", type=int, default=2, help="CPU workers (1: no second compute thread beside the tasks)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    # The allocator setting the CPU backend makes by default (``cpu_reuse_freed_memory``), made before the plain
+    # runs too: otherwise the first round's plain head page-faults its fresh logits and RoundPipe's does not.
+    keep_freed_memory()
     shape = quick_shape(SHAPES["paper"])
     ranges = [tuple(int(v) for v in r.split(":")) for r in args.plan.split(",")]
     timings = measure_layer_costs(shape)
     model = model_task_s(timings, ranges)
     m = shape.microbatches
-    print(f"# quick paper-like, recompute off, plan {args.plan}, {m} microbatches, 2 CPU workers; "
+    print(f"# quick paper-like, recompute off, plan {args.plan}, {m} microbatches, {args.workers} CPU worker(s); "
           f"load average {os.getloadavg()[0]:.2f}")
     for rnd in range(args.rounds):
         plain = plain_task_s(shape, ranges, reps=12)
-        rp = roundpipe_run(shape, ranges, args.steps)
+        rp = roundpipe_run(shape, ranges, args.steps, args.workers)
         print(f"\n## round {rnd + 1}: RoundPipe step {rp['step_s'] * 1e3:.1f} ms (median of {args.steps}; "
               f"{rp['traced_steps']} steps' timelines)")
         print("| task | model ms | plain ms | RoundPipe ms | RoundPipe / plain |")
@@ -216,7 +222,7 @@ def main(argv=None) -> int:
             print(f"| {role} | {m * sum(model[k] for k in stages) * 1e3:.1f} | {m * sum(plain[k] for k in stages) * 1e3:.1f} | "
                   f"{b * 1e3:.1f} |")
         computes = sum(v for k, v in rp["cpu"].items() if isinstance(k, tuple))
-        print(f"both compute threads: busy {sum(rp['busy'].values()) * 1e3:.1f} ms/step, CPU {computes * 1e3:.1f} ms/step")
+        print(f"compute threads: busy {sum(rp['busy'].values()) * 1e3:.1f} ms/step, CPU {computes * 1e3:.1f} ms/step")
         print("| the step's phases (medians) | ms |")
         print("|---|---:|")
         for k, v in rp["phases"].items():
