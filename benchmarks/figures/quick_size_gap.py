@@ -19,7 +19,7 @@ A worker's tasks add up to its busy time; the busiest sets the step. The gap bet
 the model is what both systems pay (one layer after another is slower than one layer repeated);
 the gap between RoundPipe and plain is the engine's own. Measured, not simulated.
 
-    python -m benchmarks.figures.quick_size_gap [--plan 0:1,1:6,6:7] [--steps 30] [--rounds 2] [--workers 2]
+    python -m benchmarks.figures.quick_size_gap [--plan 0:1,1:6,6:7] [--steps 30] [--rounds 2] [--workers 2] [--quick]
 """
 
 from __future__ import annotations
@@ -188,12 +188,14 @@ def roundpipe_run(shape, ranges, steps: int, workers: int = 2) -> dict:
 
 
 def main(argv=None) -> int:
-    p = cli(__doc__.split("\n\n")[0], json_help=None)
+    p = cli(__doc__.split("\n\n")[0], quick="one round of 10 steps (about 15 s)", json_help=None)
     p.add_argument("--plan", default="0:1,1:6,6:7", help="the stages' layer ranges (the last one fused)")
     p.add_argument("--steps", type=int, default=30, help="timed RoundPipe steps per round")
     p.add_argument("--rounds", type=int, default=2, help="rounds of plain and RoundPipe, alternating")
     p.add_argument("--workers", type=int, default=2, help="CPU workers (1: no second compute thread beside the tasks)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps = 1, 10
     torch.set_num_threads(1)
     # The allocator setting the CPU backend makes by default (``cpu_reuse_freed_memory``), made before the plain
     # runs too: otherwise the first round's plain head page-faults its fresh logits and RoundPipe's does not.

@@ -187,3 +187,16 @@ def test_quick_size_gap_run_splits_the_step_by_worker_role():
     assert all(v >= 0 for v in rp["phases"].values())
     assert rp["phases"]["busiest worker: first task start -> last task end"] >= max(rp["busy"].values()) * 0.999
     assert set(rp["cpu"]) >= {(0, "compute"), (1, "compute"), "host", "upload", "download"}
+
+
+@pytest.mark.timeout(120)
+def test_quick_size_gap_quick_run_prints_its_tables(capsys):
+    from benchmarks.figures import quick_size_gap
+
+    assert quick_size_gap.main(["--quick", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "1 CPU worker(s)" in out and "(median of 10; 10 steps' timelines)" in out
+    assert out.count("## round ") == 1
+    # One worker runs every stage: one role holding all five tasks.
+    assert "| F0+F1+F2+B1+B0 |" in out
+    assert "| step start -> first compute |" in out and "the four lanes" in out
