@@ -11,9 +11,10 @@ process, side by side:
   autograd, then backward on its graph; the fused head forward, loss and backward); the median,
   with the allocator setting the CPU backend makes (``host_allocator.keep_freed_memory``);
 - **RoundPipe**: the engine's compute tasks from its timeline (median per task kind), each
-  worker's compute thread's CPU seconds per step (``/proc``), and so the time its tasks spend
-  waiting rather than computing (busy minus CPU: the GIL, the other threads on its core); and
-  the host's and the lanes' CPU per step.
+  worker role's busy time (the stages one worker ran in a step: round-robin may swap roles between
+  steps), the step's phases outside the busiest role's tasks, and CPU seconds per step (``/proc``)
+  of the compute threads (their busy time minus it is time spent waiting inside tasks: the GIL,
+  the other threads on their core), the host thread and the lanes.
 
 A worker's tasks add up to its busy time; the busiest sets the step. The gap between plain and
 the model is what both systems pay (one layer after another is slower than one layer repeated);
@@ -112,7 +113,8 @@ def plain_task_s(shape, ranges, reps: int) -> dict[str, float]:
 
 
 def roundpipe_run(shape, ranges, steps: int, workers: int = 2) -> dict:
-    """RoundPipe's step, its compute tasks (median per kind, and which worker ran each) and CPU per thread."""
+    """RoundPipe's step, its compute tasks (median per kind), each worker role's busy time, the step's phases
+    around the busiest role and CPU seconds per step by thread (compute threads by worker, host, lanes by kind)."""
     blocks, head = build_layers(shape, 0)
     seq = roundpipe_sequential(blocks, head)
     plan = [list(r) for r in ranges]
