@@ -5,7 +5,9 @@
 - :func:`write_json`: the JSON report, strict (NaN becomes null) and naming its producer (the
   module that wrote it, ``"producer": "benchmarks.calibration.dispatch_cost"``), so a figure
   copied into a profile or a doc can be traced back to the script that measured it;
-- :func:`markdown_table`, :func:`run_info`, :func:`load_line`: the printed side.
+- :func:`markdown_table`, :func:`run_info`, :func:`load_line`: the printed side;
+- :func:`cpu_seconds_by_thread_name`: this process's CPU seconds per thread (Linux ``/proc``), for
+  the scripts that split host CPU between the pool's threads.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import inspect
 import json
 import math
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -102,3 +105,22 @@ def load_line(info: dict) -> str:
     """The one-line summary of :func:`run_info`'s fields printed under a result table."""
     return (f"load average before {info['loadavg_before'][0]:.2f}, after {info['loadavg_after'][0]:.2f} "
             f"({info['cpus']} CPUs); {info['elapsed_s']:.0f} s")
+
+
+def cpu_seconds_by_thread_name() -> dict[str, float]:
+    """CPU seconds (user + system) each thread of this process has used so far, by its ``threading`` name
+    (Linux ``/proc``; threads of one name summed, threads ``threading`` does not know under ``""``).
+    Subtract two readings for an interval."""
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    seconds: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        name = names.get(int(tid), "")
+        seconds[name] = seconds.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return seconds

@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import threading
 import time
 from collections import defaultdict
 
@@ -37,7 +36,7 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 
 import torch  # noqa: E402
 
-from benchmarks.harness import cli  # noqa: E402
+from benchmarks.harness import cli, cpu_seconds_by_thread_name  # noqa: E402
 from benchmarks.peers.cpu_peers import SHAPES, quick_shape  # noqa: E402
 from benchmarks.peers.cpu_runners import RunConfig, make_optimizer  # noqa: E402
 from benchmarks.peers.models import (StageModule, build_layers, make_batch, measure_layer_costs,  # noqa: E402
@@ -47,20 +46,6 @@ from lightning_roundpipe.options import PartitionConfig  # noqa: E402
 from lightning_roundpipe.workers.host_allocator import keep_freed_memory  # noqa: E402
 
 WARMUP = 8
-
-
-def thread_cpu_s() -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of this process, by native id (Linux ``/proc``)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
-    return out
 
 
 def stage_order(stage: str) -> tuple:
@@ -142,11 +127,10 @@ def roundpipe_run(shape, ranges, steps: int, workers: int = 2) -> dict:
         for _ in range(WARMUP):
             step()
         first = rt.engine.step_count + 1
-        names = {t.native_id: t.name for t in threading.enumerate()}
-        cpu0 = thread_cpu_s()
+        cpu0 = cpu_seconds_by_thread_name()
         for _ in range(steps):
             step()
-        cpu1 = thread_cpu_s()
+        cpu1 = cpu_seconds_by_thread_name()
         wall = [marks[k][2] - marks[k][0] for k in marks if k >= first]
         tasks: dict[str, list[float]] = defaultdict(list)
         timed = [r for r in rt.trace.records() if r.queue == "compute" and r.step >= first]
@@ -175,13 +159,13 @@ def roundpipe_run(shape, ranges, steps: int, workers: int = 2) -> dict:
             phases["its last task end -> last compute end"].append(max(r.end for r in mine) - max(r.end for r in c))
             phases["last compute end -> backward() returns"].append(t1 - max(r.end for r in mine))
             phases["optimizer step"].append(t2 - t1)
-        cpu = defaultdict(float)
-        for tid, name in names.items():
-            role = "host" if name == "MainThread" else name.rsplit("-", 1)[-1] if name.startswith("roundpipe-") else None
+        cpu = defaultdict(float)  # per step: (worker, "compute") for a compute lane, "host", "upload", "download"
+        for name, seconds in cpu1.items():
+            role = "host" if name == "MainThread" else name.rsplit("-", 1)[-1] if name.startswith("roundpipe-w") else None
             if role is None:
                 continue
             key = (int(name.split("-")[1][1:]), "compute") if role == "compute" else role
-            cpu[key] += (cpu1.get(tid, 0.0) - cpu0.get(tid, 0.0)) / steps
+            cpu[key] += (seconds - cpu0.get(name, 0.0)) / steps
         return dict(step_s=statistics.median(wall), traced_steps=seen, tasks={k: statistics.median(v) for k, v in tasks.items()},
                     busy={k: statistics.median(v) for k, v in busy.items()}, cpu=dict(cpu),
                     phases={k: statistics.median(v) for k, v in phases.items()})

@@ -39,7 +39,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.harness import cli, load_line, markdown_table, run_info, write_json
+from benchmarks.harness import cli, cpu_seconds_by_thread_name, load_line, markdown_table, run_info, write_json
 
 MODELS = ("qwen3-1.7b", "llama-3.1-8b", "qwen3-32b")
 SEQ_TOKENS = 8  # tokens per sequence the scaled model really runs (the profile's time is for 2048)
@@ -54,17 +54,9 @@ COLUMNS = [("model", "model", "{}"), ("gpus", "GPUs", "{}"), ("time_scale", "sca
 
 def thread_cpu_seconds() -> dict[str, float]:
     """CPU seconds (user + system) of each thread of this process, by thread group (``/proc``)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    names = {t.native_id: t.name for t in threading.enumerate()}
     groups: dict[str, float] = collections.Counter()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:  # the thread ended meanwhile
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        groups[thread_group(names.get(int(tid), ""))] += (int(fields[11]) + int(fields[12])) / tick
+    for name, seconds in cpu_seconds_by_thread_name().items():
+        groups[thread_group(name)] += seconds
     return dict(groups)
 
 

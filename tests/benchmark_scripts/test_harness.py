@@ -4,11 +4,13 @@ every script, and every old command name still running the moved script."""
 import importlib
 import json
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import cli, producer_name, write_json
+from benchmarks.harness import cli, cpu_seconds_by_thread_name, producer_name, write_json
 
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
@@ -69,3 +71,21 @@ def test_the_old_command_name_runs_the_moved_script(path):
     assert (BENCHMARKS / path.name).exists(), f"python -m benchmarks.{path.stem} no longer works"
     old = importlib.import_module(f"benchmarks.{path.stem}")
     assert old.main is importlib.import_module(f"benchmarks.{path.parent.name}.{path.stem}").main
+
+
+@pytest.mark.timeout(30)
+def test_cpu_seconds_by_thread_name_counts_a_named_thread():
+    def burn():
+        end = time.thread_time() + 0.15
+        while time.thread_time() < end:
+            pass
+
+    before = cpu_seconds_by_thread_name()
+    readings = {}
+    worker = threading.Thread(target=lambda: (burn(), readings.update(cpu_seconds_by_thread_name())),
+                              name="harness-test-burner")
+    worker.start()
+    worker.join()
+    assert "harness-test-burner" not in before
+    assert readings["harness-test-burner"] >= 0.1  # 0.15 s of its own CPU, read in 10 ms ticks
+    assert "MainThread" in readings and readings["MainThread"] >= before["MainThread"]
