@@ -14,7 +14,8 @@ from lightning_roundpipe.cost.transformer import get_model_shape, preset_costs
 from lightning_roundpipe.planning.capacity import plan_training
 from lightning_roundpipe.sim.__main__ import main
 from lightning_roundpipe.analysis.compare import compare_schedules, paper_table
-from lightning_roundpipe.planning.capacity import SEQ_QUANTUM, _fit_problems, longest_seq_len
+from lightning_roundpipe.planning.capacity import SEQ_QUANTUM, longest_seq_len
+from lightning_roundpipe.planning.fit import fit_problems
 
 GiB = 2**30
 
@@ -33,9 +34,10 @@ def test_host_memory_is_18_bytes_per_parameter_for_full_fine_tuning():
 def test_planner_says_does_not_fit_when_the_host_is_too_small():
     report = plan_training("qwen3-32b", "rtx3090", 4096, find_max_seq_len=False)  # 512 GiB host
     assert not report.fits and report.choice is None
-    assert report.host.total > report.hardware.host_memory_bytes
+    assert report.host.total > report.host_budget_bytes
     text = report.to_text()
-    assert "Verdict: does not fit" in text and "host memory: needs" in text and "try LoRA" in text
+    assert "Verdict: does not fit (host memory)" in text and "host memory: needs at least" in text
+    assert "  - LoRA rank 16 (--lora-rank 16): host " in text  # listed under "Would fit with"
 
 
 def test_planner_says_does_not_fit_when_one_layer_exceeds_the_gpu():
@@ -62,7 +64,8 @@ def test_planner_recommends_a_plan_that_fits_and_the_longest_sequence():
     for layer in more.layers[more.decoder_layers[0]:more.decoder_layers[1]]:  # the planner's GPU-side backward peak
         layer.backward_transient_bytes_per_token += extra_attention_backward_bytes_per_token(
             get_model_shape("qwen3-0.6b"), layer.backward_transient_bytes_per_token)
-    assert _fit_problems(more, hw, report.memory_fraction, 8, True, report.max_seq_recompute)[0]
+    assert fit_problems(more, hw, report.memory_fraction, 8, True, report.max_seq_recompute,
+                        host_budget_bytes=report.host_budget_bytes)[0]
     assert report.max_seq_choice is not None and report.max_seq_choice.result.tokens_per_s > 0
     text = report.to_text()
     assert "Verdict: fits" in text and "Recommended: 8 microbatches" in text and choice.plan.to_text() in text

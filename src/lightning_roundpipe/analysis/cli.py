@@ -31,7 +31,9 @@ from typing import Sequence
 from ..cost.activations import DEFAULT_LOSS_CHUNK_TOKENS
 from ..cost.hardware import available_hardware, load_hardware
 from ..cost.hf_shape import resolve_model_shape, shape_summary
-from ..cost.machine import DEFAULT_DETECT_PROFILE, apply_detection, detect_machine, override_profile, profile_for_gpu
+from ..cost.machine import (DEFAULT_DETECT_PROFILE, apply_detection, detect_machine, override_profile, profile_for_gpu,
+                             size_in_gib)
+from ..cost.quantization import QUANTIZE_CHOICES
 from ..cost.transformer import MODEL_PRESETS
 from ..planning.capacity import DEFAULT_MEMORY_FRACTION, plan_training
 from .compare import PAPER_MODELS, compare_schedules, paper_table
@@ -83,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
                    help=f"usable share of each GPU's memory (default {DEFAULT_MEMORY_FRACTION})")
     p.add_argument("--no-max-seq", action="store_true", help="skip the longest-sequence search")
+    p.add_argument("--host-headroom", default=None,
+                   help="host RAM kept free for the OS and the data pipeline: GiB, with a unit ('16GB') or a share "
+                        "of the RAM ('15%%') (default: 10%% of the RAM, at least 8 GiB)")
+    p.add_argument("--no-optimizer-undo", action="store_true",
+                   help="price optimizer_undo=False (no failed-step undo copy on the host)")
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
+                   help="keep the frozen base weights packed (nf4: 4-bit NF4 with double-quantized block scales, "
+                        "QLoRA; needs --lora-rank)")
     add_machine_options(p)
 
     c = sub.add_parser("compare", help="RoundPipe vs bound schedules with offload for one model")
@@ -142,6 +152,24 @@ def machine_of(args: argparse.Namespace) -> tuple:
     return hardware, said
 
 
+def host_memory_source(args: argparse.Namespace, hardware) -> str:
+    """Where the host RAM figure of ``plan`` comes from: the flag, ``--detect``, or the profile."""
+    if getattr(args, "host_memory", None) is not None:
+        return f"--host-memory {args.host_memory}"
+    if getattr(args, "detect", False):
+        return "--detect (this machine's RAM, or the profile's where it could not be read)"
+    return f"the {hardware.name} profile, not your machine: pass --host-memory or --detect"
+
+
+def headroom_bytes(text: str | None, host_memory_bytes: int) -> int | None:
+    """``--host-headroom``: a share of the RAM ("15%"), GiB ("16") or a size with a unit ("16GB")."""
+    if text is None:
+        return None
+    if text.strip().endswith("%"):
+        return int(float(text.strip()[:-1]) / 100 * host_memory_bytes)
+    return int(size_in_gib(text))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -164,7 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    lora_rank=args.lora_rank, microbatches=args.microbatches,
                                    loss_chunk_tokens=None if args.full_logits else args.loss_chunk,
                                    memory_fraction=args.memory_fraction, find_max_seq_len=not args.no_max_seq,
-                                   recompute=args.recompute)
+                                   recompute=args.recompute,
+                                   host_headroom_bytes=headroom_bytes(args.host_headroom, hardware.host_memory_bytes),
+                                   host_memory_source=host_memory_source(args, hardware),
+                                   optimizer_undo=not args.no_optimizer_undo, quantize=args.quantize)
             print(report.to_text())
             return 0 if report.fits else 1
         if args.command == "compare":

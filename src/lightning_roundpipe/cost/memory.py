@@ -18,10 +18,13 @@ dtype, every trainable parameter: a fused last stage keeps a step's gradient dow
 call is gone), and the stage-boundary activations the forward saves for recompute (every
 microbatch, every backward stage start).
 
+With packed (4-bit) base weights the upload copy is the packed bytes (``CostProfile.host_copy_bytes``,
+``cost/quantization.py``).
+
 Pinned: under a pinned policy ("alloc", "register") the upload copy, the gradient download
 buffers and the saved activations are page-locked (the stream pools pin exactly those, at their
 exact size). Page-locked memory cannot be swapped out, so it is reported as its own figure: the
-host must hold it in RAM, whatever else it pages.
+host must hold it in RAM, whatever else it pages (``memlock_kib``: the ``ulimit -l`` that covers it).
 """
 
 from __future__ import annotations
@@ -201,6 +204,8 @@ class HostMemory:
     gradient_downloads: int = 0  # host buffers the weight gradients land in (compute dtype)
     params: int = 0  # distinct parameters, for the per-parameter figures
     undo_images: int = 0  # the overlapped optimizer's before-images (optimizer_undo): one more master + moments
+    saved_inputs_per_microbatch: int = 0  # stage inputs the forward saves for recompute (backward stages but the first)
+    microbatches: int = 0  # microbatches per step the saved activations are counted for
 
     @property
     def total(self) -> int:
@@ -224,10 +229,20 @@ def host_bytes(costs: CostProfile, plan: Plan | None = None, microbatches: int =
     the overlapped optimizer keeps before-images to put a failed step back (``optimizer_undo``,
     on by default wherever the optimizer overlaps, as it does on a GPU server)."""
     view = CostView(costs)
-    acts = 0
+    acts, saved = 0, 0
     if plan is not None:
-        acts = microbatches * sum(view.in_bytes(b) for b in plan.saved_boundaries() if b > 0)
+        boundaries = [b for b in plan.saved_boundaries() if b > 0]
+        saved = len(boundaries)
+        acts = microbatches * sum(view.in_bytes(b) for b in boundaries)
     trainable = view.unique_trainable_params()
-    return HostMemory(trainable * FP32_STATE_BYTES_PER_TRAINABLE, view.unique_params() * view.dtype_bytes, acts,
+    copy = view.unique_params() * view.dtype_bytes if costs.host_copy_bytes is None else costs.host_copy_bytes
+    return HostMemory(trainable * FP32_STATE_BYTES_PER_TRAINABLE, copy, acts,
                       gradient_downloads=trainable * view.dtype_bytes, params=view.unique_params(),
-                      undo_images=trainable * UNDO_BYTES_PER_TRAINABLE if undo else 0)
+                      undo_images=trainable * UNDO_BYTES_PER_TRAINABLE if undo else 0,
+                      saved_inputs_per_microbatch=saved, microbatches=microbatches if plan is not None else 0)
+
+
+def memlock_kib(pinned_bytes: int) -> int:
+    """The locked-memory limit (``ulimit -l``, KiB, RLIMIT_MEMLOCK) that covers ``pinned_bytes``
+    page-locked bytes, rounded up to whole KiB."""
+    return -(-pinned_bytes // 1024)

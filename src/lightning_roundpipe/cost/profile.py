@@ -72,6 +72,9 @@ class CostProfile:
     unique_params: int | None = None
     unique_trainable_params: int | None = None
     decoder_layers: tuple[int, int] | None = None
+    # Bytes of the host copy the uploads read, every parameter counted once (None: ``unique_params``
+    # x ``dtype_bytes``); less where weights stay packed, e.g. 4-bit (cost/quantization.py).
+    host_copy_bytes: int | None = None
     # Kernel launches per decoder layer beyond the profile's per-layer counts, (forward task,
     # backward or fused task): an MoE layer's expert dispatch (cost/moe_loop.py).
     extra_launches_per_decoder_layer: tuple[int, int] = (0, 0)

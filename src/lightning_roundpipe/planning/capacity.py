@@ -30,25 +30,27 @@ otherwise (None: the full logits).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..cost.profile import CostProfile
-from ..schedule.plan import Plan, PlanFacts
-from ..cost.view import CostView
+from ..schedule.plan import Plan
 from ..cost.hardware import HardwareProfile, load_hardware
-from ..cost.memory import HostMemory, host_bytes, roundpipe_gpu_bytes
-from ..cost.transformer import ModelShape, get_model_shape, preset_costs
+from ..cost.memory import HostMemory, host_bytes, memlock_kib, roundpipe_gpu_bytes
+from ..cost.transformer import ModelShape, get_model_shape
+from .advice import Alternative, RunSettings, alternatives
 from .balanced import balanced_plan, make_plan
+from .fit import host_headroom_bytes as host_headroom_bytes_of
+from .fit import (MAX_SEQ_LEN, SEQ_QUANTUM, DEFAULT_HOST_HEADROOM_FRACTION, MIN_HOST_HEADROOM_BYTES, finest_plan,
+                  fit_problems, least_memory_plans, longest_fitting_seq, longest_multiple,
+                  model_costs)
 from ..cost.activations import DEFAULT_LOSS_CHUNK_TOKENS
-from ..cost.device_overheads import extra_attention_backward_bytes_per_token, usable_gpu_bytes
+from ..cost.device_overheads import usable_gpu_bytes
 from ..sim.simulate import SimConfig, SimResult, simulate_roundpipe
 
 DEFAULT_MEMORY_FRACTION = 0.9  # of what a GPU leaves after its context and workspaces (cost/device_overheads.py)
 STAGES_PER_WORKER = (2, 3, 4, 6)
 NEAR_BEST = 0.95  # recommend the smallest microbatch count within this share of the best tokens/s
-SEQ_QUANTUM = 256  # the longest-sequence search moves in steps of this many tokens
-MAX_SEQ_LEN = 1 << 20
 GiB = 2**30
 RECOMPUTE_CHOICES = ("auto", "stage", "layer")  # auto: stage grain where it fits, else layer grain
 
@@ -61,30 +63,6 @@ class PlanChoice:
     microbatches: int
     result: SimResult
     gpu_bytes: int  # memory bound of the busiest worker (see memory.py)
-
-
-def finest_plan(num_layers: int, fused_last: bool) -> Plan:
-    """One layer per stage in both directions: the least memory a plan can need."""
-    ranges = tuple((i, i + 1) for i in range(num_layers))
-    return Plan(num_layers, ranges, ranges, fused_last=fused_last, facts=PlanFacts(policy="finest")).validate()
-
-
-def least_memory_plans(num_layers: int, fused_last: bool) -> list[Plan]:
-    """One layer per forward stage; backward stages of 1, 2, 4, ... layers (the finest plan first).
-
-    The finest plan needs the least worker memory; a coarser backward cut saves fewer stage
-    inputs on the host (one per backward stage and microbatch), for more worker memory (little
-    more with layer-grain recompute)."""
-    plans = [finest_plan(num_layers, fused_last)]
-    forward = plans[0].forward
-    cut = num_layers - 1 if fused_last else num_layers  # a fused last stage is one layer both ways
-    k = 2
-    while k < 2 * cut:
-        backward = tuple((a, min(a + k, cut)) for a in range(0, cut, k)) + (((cut, num_layers),) if fused_last else ())
-        plans.append(Plan(num_layers, forward, backward, fused_last=fused_last,
-                          facts=PlanFacts(policy=f"finest forward, {k}-layer backward")).validate())
-        k *= 2
-    return plans
 
 
 def candidate_plans(costs: CostProfile, num_workers: int, microbatches: int, budget: float,
@@ -111,6 +89,7 @@ def best_plan(
     config: SimConfig | None = None,
     host_budget_bytes: float | None = None,
     recompute: str = "stage",
+    optimizer_undo: bool = True,
 ) -> PlanChoice | None:
     """Fastest fitting (plan, microbatch count), preferring fewer microbatches when nearly as fast.
 
@@ -118,6 +97,7 @@ def best_plan(
     ``host_budget_bytes``, the host memory). ``recompute``: the grain of backward stages,
     "stage" or "layer" (memory per ``roundpipe_gpu_bytes``;
     the simulations lower the plan with layer-grain computes, ``SimConfig.layer_recompute``).
+    ``optimizer_undo``: the host keeps the failed-step undo copy (``host_bytes``).
     """
     nw = num_workers or hardware.num_gpus
     config = dataclasses.replace(config or SimConfig(), layer_recompute=recompute == "layer")
@@ -130,7 +110,7 @@ def best_plan(
                 need = max(roundpipe_gpu_bytes(plan, costs, nw, recompute=recompute))
                 if need > budget:
                     continue
-                if host_budget_bytes is not None and host_bytes(costs, plan, m).total > host_budget_bytes:
+                if host_budget_bytes is not None and host_bytes(costs, plan, m, optimizer_undo).total > host_budget_bytes:
                     continue
                 result = simulate_roundpipe(plan, costs, hardware, m, num_workers=nw, config=config)
                 if m not in best_per_m or result.tokens_per_s > best_per_m[m].result.tokens_per_s:
@@ -146,6 +126,11 @@ def best_plan(
     top = max(c.result.tokens_per_s for c in best_per_m.values())
     return min((c for c in best_per_m.values() if c.result.tokens_per_s >= NEAR_BEST * top),
                key=lambda c: c.microbatches)
+
+
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless one ("1 stage input", "8 microbatches")."""
+    return f"{n} {noun}" + ("" if n == 1 else "es" if noun.endswith("h") else "s")
 
 
 @dataclass
@@ -170,21 +155,47 @@ class TrainingPlan:
     loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS  # rows of logits at a time (None: all)
     max_seq_recompute: str = "stage"  # the grain the longest sequence needs
     max_seq_len_stage_grain: int | None = None  # the longest with stage grain (searched with auto)
+    host_memory_source: str = ""  # where the host RAM figure came from ("--host-memory 192GB", a profile)
+    host_headroom_bytes: int = 0  # RAM kept free for the OS and the data pipeline
+    host_headroom_given: bool = False  # False: the default rule (fit.host_headroom_bytes)
+    optimizer_undo: bool = True  # the host keeps the failed-step undo copy
+    quantize: str | None = None  # packed base weights ("nf4")
+    advice: list[Alternative] = field(default_factory=list)  # options that would make it fit (when it does not)
+
+    @property
+    def host_budget_bytes(self) -> int:
+        """Host RAM the training state may use: the RAM less the headroom."""
+        return self.hardware.host_memory_bytes - self.host_headroom_bytes
 
     @property
     def gpu_budget_bytes(self) -> float:
         """The share of each GPU's memory the plan may use."""
         return usable_gpu_bytes(self.hardware, self.memory_fraction)
 
+    def host_ram_line(self) -> str:
+        """The host RAM assumed, where the figure came from, and the headroom kept free of it."""
+        hw = self.hardware
+        source = self.host_memory_source or f"the {hw.name} profile"
+        rule = ("--host-headroom" if self.host_headroom_given else
+                f"default: {DEFAULT_HOST_HEADROOM_FRACTION:.0%} of RAM, at least {MIN_HOST_HEADROOM_BYTES / GiB:.0f} GiB; "
+                f"--host-headroom sets it")
+        return (f"Host RAM assumed: {hw.host_memory_bytes / GiB:.1f} GiB, from {source}; "
+                f"{self.host_headroom_bytes / GiB:.1f} GiB kept free for the OS and the data pipeline ({rule}): "
+                f"{self.host_budget_bytes / GiB:.1f} GiB usable for training")
+
     def to_text(self) -> str:
         """The plan as the ``sim plan`` command prints it."""
         hw, shape = self.hardware, self.model
         mode = f"LoRA rank {self.lora_rank}" if self.lora_rank else "full fine-tuning"
+        if self.quantize:
+            mode += f" on a {self.quantize} base"
+        short = sorted({r.split(":")[0] for r in self.reasons}, key=lambda r: r != "host memory")
         lines = [
             f"{shape.name} ({shape.num_params() / 1e9:.2f}B parameters), {mode}, on {hw.name} "
-            f"({hw.num_gpus} x {hw.gpu_memory_bytes / GiB:.1f} GiB GPUs, {hw.host_memory_bytes / GiB:.0f} GiB host), "
+            f"({hw.num_gpus} x {hw.gpu_memory_bytes / GiB:.1f} GiB GPUs), "
             f"sequences of {self.seq_len} tokens, microbatch size {self.microbatch_size}",
-            f"Verdict: {'fits' if self.fits else 'does not fit'}",
+            self.host_ram_line(),
+            "Verdict: " + ("fits" if self.fits else f"does not fit ({', '.join(short)})"),
             f"Recompute: {self.recompute} grain"
             + (" (stage grain does not fit: one layer's graph at a time, one more forward per backward stage)"
                if self.recompute == "layer" else ""),
@@ -192,20 +203,26 @@ class TrainingPlan:
                         if self.loss_chunk_tokens else "full logits"),
         ]
         h = self.host
+        saved = (f" ({_count(h.saved_inputs_per_microbatch, 'stage input')} x {_count(h.microbatches, 'microbatch')})"
+                 if h.microbatches else "")
         lines.append(
-            f"Host memory: {h.total / GiB:.1f} GiB needed of {hw.host_memory_bytes / GiB:.1f} GiB "
-            f"(fp32 optimizer state {h.optimizer_state / GiB:.1f}, compute-dtype copy {h.compute_copy / GiB:.1f}, "
-            f"gradient download buffers {h.gradient_downloads / GiB:.1f}, saved activations {h.saved_activations / GiB:.1f}, "
-            f"failed-step undo copy {h.undo_images / GiB:.1f})"
+            f"Host memory: {'' if self.fits else 'at least '}{h.total / GiB:.1f} GiB needed of "
+            f"{self.host_budget_bytes / GiB:.1f} GiB usable "
+            f"(fp32 optimizer state {h.optimizer_state / GiB:.1f}, "
+            f"{'packed ' + self.quantize + ' base and ' if self.quantize else ''}compute-dtype copy "
+            f"{h.compute_copy / GiB:.1f}, gradient download buffers {h.gradient_downloads / GiB:.1f}, "
+            f"saved activations {h.saved_activations / GiB:.1f}{saved}, failed-step undo copy "
+            + (f"{h.undo_images / GiB:.1f})" if self.optimizer_undo else "off: optimizer_undo=False)")
         )
         lines.append(
             f"Pinned host memory: {h.pinned / GiB:.1f} GiB of that is page-locked under a pinned policy and cannot be "
-            f"swapped (upload copy {h.pinned_upload_bytes_per_param:.1f} B/param, gradient download buffers, "
-            f"saved activations)"
+            f"swapped (upload copy {h.pinned_upload_bytes_per_param:.{1 if h.pinned_upload_bytes_per_param >= 1 else 2}f} B/param, gradient download buffers, "
+            f"saved activations); locked-memory limit needed: ulimit -l {memlock_kib(h.pinned)} (KiB) or unlimited "
+            f"(containers: --ulimit memlock=-1)"
         )
         need = self.choice.gpu_bytes if self.choice else self.min_gpu_bytes
         lines.append(
-            f"GPU memory per worker: {need / GiB:.1f} GiB needed of {self.gpu_budget_bytes / GiB:.1f} GiB usable "
+            f"GPU memory per worker: {'' if self.fits else 'at least '}{need / GiB:.1f} GiB needed of {self.gpu_budget_bytes / GiB:.1f} GiB usable "
             f"({self.memory_fraction:.0%} of {hw.gpu_memory_bytes / GiB:.1f} GiB"
             + (f" less {hw.reserved_gpu_bytes / GiB:.2f} GiB of CUDA context and workspaces" if hw.reserved_gpu_bytes else "")
             + "; two stages' weights and gradients "
@@ -213,6 +230,13 @@ class TrainingPlan:
         )
         for reason in self.reasons:
             lines.append(f"  - {reason}")
+        fitting = [a for a in self.advice if a.fits]
+        if fitting:
+            lines.append("Would fit with (each option alone; memory of the least-GPU-memory plan that fits):")
+            lines += [f"  - {a.to_text()}" for a in fitting]
+        if len(fitting) < len(self.advice):
+            lines.append("Would not fit with any one of these alone (the least host and GPU memory each needs):")
+            lines += [f"  - {a.to_text()}" for a in self.advice if not a.fits]
         if self.choice:
             c, r = self.choice, self.choice.result
             lines += [
@@ -238,58 +262,15 @@ class TrainingPlan:
         return "\n".join(lines)
 
 
-def _costs(shape: ModelShape, hardware: HardwareProfile, seq_len: int, microbatch_size: int,
-           lora_rank: int | None, loss_chunk_tokens: int | None) -> CostProfile:
-    costs = preset_costs(shape, hardware, seq_len, microbatch_size, lora_rank=lora_rank,
-                         loss_chunk_tokens=loss_chunk_tokens)
-    # On a GPU the attention backward's flash-attention workspace may outgrow the MLP's gradients
-    # (cost/device_overheads.py); the backward peak is the larger of the two.
-    start, end = costs.decoder_layers
-    for layer in costs.layers[start:end]:
-        layer.backward_transient_bytes_per_token += extra_attention_backward_bytes_per_token(
-            shape, layer.backward_transient_bytes_per_token, costs.dtype_bytes)
-    return costs
-
-
-def _fit_problems(costs: CostProfile, hardware: HardwareProfile, memory_fraction: float, microbatches: int,
-                  fused_last: bool, recompute: str = "stage") -> tuple[list[str], HostMemory, int]:
-    """Reasons the run cannot fit with any of the least-memory plans (none when one fits), host
-    memory and GPU need (of the first plan that fits, else of the finest plan)."""
-    budget = usable_gpu_bytes(hardware, memory_fraction)
-    for plan in least_memory_plans(len(costs.layers), fused_last):
-        host = host_bytes(costs, plan, microbatches)
-        gpu = max(roundpipe_gpu_bytes(plan, costs, hardware.num_gpus, recompute=recompute))
-        if host.total <= hardware.host_memory_bytes and gpu <= budget:
-            return [], host, gpu
-    finest = finest_plan(len(costs.layers), fused_last)
-    host = host_bytes(costs, finest, microbatches)
-    gpu = max(roundpipe_gpu_bytes(finest, costs, hardware.num_gpus, recompute=recompute))
-    problems = []
-    coarsest_host = host_bytes(costs, least_memory_plans(len(costs.layers), fused_last)[-1], microbatches)
-    if coarsest_host.total > hardware.host_memory_bytes:
-        problems.append(f"host memory: needs {coarsest_host.total / GiB:.1f} GiB but the host has "
-                        f"{hardware.host_memory_bytes / GiB:.1f} GiB (try LoRA, or a machine with more RAM)")
-    if gpu > budget:
-        view = CostView(costs)
-        heaviest = max(range(len(view)), key=lambda i: view.graph_per_token[i])
-        problems.append(f"GPU memory: even with one layer per stage a worker needs {gpu / GiB:.1f} GiB of "
-                        f"{budget / GiB:.1f} GiB usable (layer {heaviest} keeps {view.graph(heaviest, heaviest + 1) / GiB:.1f} "
-                        f"GiB of activations per microbatch); use shorter sequences or a smaller microbatch")
-    if not problems:
-        problems.append(f"no plan fits both memories: one layer per stage keeps {host.total / GiB:.1f} GiB on the host "
-                        f"(saved stage inputs {host.saved_activations / GiB:.1f} GiB), and coarser backward stages need "
-                        f"more worker memory than the {budget / GiB:.1f} GiB usable; use fewer microbatches"
-                        + (" or recompute='layer'" if recompute == "stage" else ""))
-    return problems, host, gpu
-
-
 def fitting_recompute(costs: CostProfile, hardware: HardwareProfile, microbatches: int, *,
-                      memory_fraction: float = DEFAULT_MEMORY_FRACTION, fused_last: bool = True) -> str | None:
+                      memory_fraction: float = DEFAULT_MEMORY_FRACTION, fused_last: bool = True,
+                      host_budget_bytes: float | None = None) -> str | None:
     """The recompute grain a run with ``costs`` fits with: "stage" when one of the least-memory
     plans fits at stage grain (it costs no extra forward), else "layer" when one fits at layer
-    grain, else None."""
+    grain, else None. ``host_budget_bytes``: the host RAM the state may use (default: all of it)."""
     for grain in ("stage", "layer"):
-        if not _fit_problems(costs, hardware, memory_fraction, microbatches, fused_last, grain)[0]:
+        if not fit_problems(costs, hardware, memory_fraction, microbatches, fused_last, grain,
+                            host_budget_bytes=host_budget_bytes)[0]:
             return grain
     return None
 
@@ -308,6 +289,10 @@ def plan_training(
     fused_last: bool = True,
     config: SimConfig | None = None,
     recompute: str = "auto",
+    host_headroom_bytes: int | None = None,
+    host_memory_source: str = "",
+    optimizer_undo: bool = True,
+    quantize: str | None = None,
 ) -> TrainingPlan:
     """Decide whether training fits and recommend microbatches, a plan, the recompute grain and the longest sequence.
 
@@ -318,51 +303,67 @@ def plan_training(
     "layer". ``config`` tunes the simulations (default: 2 simulated steps, enough for the
     planner's comparisons, with the overlapped optimizer's failed-step undo copy priced, as a
     GPU server runs it by default; its bytes are in the host figure too).
+
+    Host: the state may use the RAM less ``host_headroom_bytes`` (default ``max(10%, 8 GiB)``,
+    ``fit.host_headroom_bytes``); ``host_memory_source`` says where the RAM figure came from (default:
+    the profile). ``optimizer_undo``: keep the failed-step undo copy (the engine's default).
+    ``quantize``: "nf4" prices a 4-bit base (LoRA only, ``cost/quantization.py``). When the run does
+    not fit, ``advice`` holds every option of ``planning/advice.py`` with its figures.
     """
     if recompute not in RECOMPUTE_CHOICES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, got {recompute!r}")
     shape = get_model_shape(model)
     hw = load_hardware(hardware)
-    cfg = config or SimConfig(steps=2, optimizer_undo=True)
+    headroom = host_headroom_bytes_of(hw.host_memory_bytes, host_headroom_bytes)
+    host_budget = hw.host_memory_bytes - headroom
+    cfg = config or SimConfig(steps=2, optimizer_undo=optimizer_undo)
     nw = hw.num_gpus
     options = [microbatches] if microbatches else [nw, 2 * nw, 4 * nw]
-    costs = _costs(shape, hw, seq_len, microbatch_size, lora_rank, loss_chunk_tokens)
+    costs = model_costs(shape, hw, seq_len, microbatch_size, lora_rank, loss_chunk_tokens, quantize)
     grains = ("stage", "layer") if recompute == "auto" else (recompute,)
+    fit_kwargs = dict(host_budget_bytes=host_budget, optimizer_undo=optimizer_undo)
     for grain in grains:
-        problems, host, min_gpu = _fit_problems(costs, hw, memory_fraction, min(options), fused_last, grain)
+        problems, host, min_gpu = fit_problems(costs, hw, memory_fraction, min(options), fused_last, grain, **fit_kwargs)
         choice = None
         if not problems:
             choice = best_plan(costs, hw, options, memory_fraction=memory_fraction, fused_last=fused_last,
-                               config=cfg, host_budget_bytes=hw.host_memory_bytes, recompute=grain)
+                               config=cfg, host_budget_bytes=host_budget, recompute=grain, optimizer_undo=optimizer_undo)
             if choice is None:
                 problems.append("no candidate plan fits both the worker and the host memory")
             else:
-                host = host_bytes(costs, choice.plan, choice.microbatches)
+                host = host_bytes(costs, choice.plan, choice.microbatches, optimizer_undo)
         if not problems:
             break
     if problems and len(grains) > 1:  # neither fits: report stage grain's reasons, the default's
         grain = "stage"
-        problems, host, min_gpu = _fit_problems(costs, hw, memory_fraction, min(options), fused_last, grain)
+        problems, host, min_gpu = fit_problems(costs, hw, memory_fraction, min(options), fused_last, grain, **fit_kwargs)
     report = TrainingPlan(shape, hw, seq_len, microbatch_size, lora_rank, memory_fraction, not problems, problems,
                           host, min_gpu, choice if not problems else None, recompute=grain,
-                          loss_chunk_tokens=loss_chunk_tokens)
+                          loss_chunk_tokens=loss_chunk_tokens, host_memory_source=host_memory_source,
+                          host_headroom_bytes=headroom, host_headroom_given=host_headroom_bytes is not None,
+                          optimizer_undo=optimizer_undo, quantize=quantize)
+    if problems:
+        run = RunSettings(seq_len, microbatch_size, lora_rank, quantize, min(options), grains, optimizer_undo,
+                          loss_chunk_tokens, memory_fraction, fused_last)
+        report.advice = alternatives(shape, hw, run, host_budget)
     if find_max_seq_len:
         report.searched_max_seq = True
         kwargs = dict(microbatch_size=microbatch_size, lora_rank=lora_rank, microbatches=min(options),
-                      loss_chunk_tokens=loss_chunk_tokens, memory_fraction=memory_fraction, fused_last=fused_last)
-        longest = longest_seq_len(shape, hw, recompute=grains[0], **kwargs)
+                      loss_chunk_tokens=loss_chunk_tokens, memory_fraction=memory_fraction, fused_last=fused_last,
+                      host_budget_bytes=host_budget, optimizer_undo=optimizer_undo, quantize=quantize)
+        longest = longest_fitting_seq(shape, hw, recompute=grains[0], **kwargs)
         report.max_seq_len_stage_grain = longest if grains[0] == "stage" else None
         report.max_seq_recompute = grains[0]
         if len(grains) > 1:
-            layer = longest_seq_len(shape, hw, recompute="layer", **kwargs)
+            layer = longest_fitting_seq(shape, hw, recompute="layer", **kwargs)
             if layer is not None and (longest is None or layer > longest):
                 longest, report.max_seq_recompute = layer, "layer"
         report.max_seq_len = longest
         if longest is not None:
-            long_costs = _costs(shape, hw, longest, microbatch_size, lora_rank, loss_chunk_tokens)
+            long_costs = model_costs(shape, hw, longest, microbatch_size, lora_rank, loss_chunk_tokens, quantize)
             report.max_seq_choice = best_plan(long_costs, hw, [min(options)], memory_fraction=memory_fraction,
-                                              fused_last=fused_last, config=cfg, host_budget_bytes=hw.host_memory_bytes,
-                                              recompute=report.max_seq_recompute)
+                                              fused_last=fused_last, config=cfg, host_budget_bytes=host_budget,
+                                              recompute=report.max_seq_recompute, optimizer_undo=optimizer_undo)
     return report
 
 
@@ -377,38 +378,21 @@ def longest_seq_len(
     memory_fraction: float = DEFAULT_MEMORY_FRACTION,
     fused_last: bool = True,
     recompute: str = "stage",
+    host_headroom_bytes: int | None = None,
+    optimizer_undo: bool = True,
+    quantize: str | None = None,
 ) -> int | None:
     """Longest sequence (a multiple of 256 tokens, at most 1M) for which one of the least-memory plans
     (``least_memory_plans``) fits, with backward stages recomputed at ``recompute`` grain
-    ("stage" or "layer")."""
+    ("stage" or "layer"), within the host RAM less ``host_headroom_bytes`` (default as ``plan_training``)."""
     if recompute not in ("stage", "layer"):
         raise ValueError(f"recompute must be 'stage' or 'layer', got {recompute!r}")
     shape, hw = get_model_shape(model), load_hardware(hardware)
-    m = microbatches or hw.num_gpus
-
-    def fits(seq: int) -> bool:
-        costs = _costs(shape, hw, seq, microbatch_size, lora_rank, loss_chunk_tokens)
-        return not _fit_problems(costs, hw, memory_fraction, m, fused_last, recompute)[0]
-
-    return _longest(fits, SEQ_QUANTUM, MAX_SEQ_LEN)
-
-
-def _longest(fits: Callable[[int], bool], quantum: int, max_seq_len: int) -> int | None:
-    """The longest multiple of ``quantum`` up to ``max_seq_len`` that ``fits`` (which must be
-    monotone: a length fits only if every shorter one does), found by doubling then bisection;
-    None when not even ``quantum`` fits."""
-    top = max_seq_len // quantum
-    lo, hi = 0, 1  # in quanta: lo fits (0 = nothing), hi is the first candidate to test
-    while hi <= top and fits(hi * quantum):
-        lo, hi = hi, hi * 2
-    hi = min(hi, top + 1)
-    while hi - lo > 1:  # invariant: lo fits (or is 0), hi does not (or is past the cap)
-        mid = (lo + hi) // 2
-        if fits(mid * quantum):
-            lo = mid
-        else:
-            hi = mid
-    return lo * quantum if lo else None
+    budget = hw.host_memory_bytes - host_headroom_bytes_of(hw.host_memory_bytes, host_headroom_bytes)
+    return longest_fitting_seq(shape, hw, microbatch_size=microbatch_size, lora_rank=lora_rank,
+                               microbatches=microbatches or hw.num_gpus, loss_chunk_tokens=loss_chunk_tokens,
+                               memory_fraction=memory_fraction, fused_last=fused_last, recompute=recompute,
+                               host_budget_bytes=budget, optimizer_undo=optimizer_undo, quantize=quantize)
 
 
 def longest_fitting_seq_len(
@@ -440,4 +424,4 @@ def longest_fitting_seq_len(
                                     link_bytes_per_second=link_bytes_per_second, microbatches=microbatches)
         return max(peaks) <= cap_bytes
 
-    return _longest(fits, quantum, max_seq_len)
+    return longest_multiple(fits, quantum, max_seq_len)

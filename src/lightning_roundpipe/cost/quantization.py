@@ -1,0 +1,70 @@
+"""Frozen base weights kept 4-bit (NF4, QLoRA): their host bytes, upload bytes and dequantization time.
+
+NF4 as bitsandbytes and torchao store it: two 4-bit codes per byte (0.5 B/parameter) and one
+absmax scale per block of ``NF4_BLOCK`` (64) parameters. The scale is fp32 (4 B per block), or
+with double quantization 8-bit, with one fp32 scale per ``NF4_SCALE_BLOCK`` (256) of those
+scales: 0.5 + 4/64 = 0.5625 B/parameter plain, 0.5 + (1 + 4/256)/64 = 0.5159 double-quantized.
+
+What is packed: the decoder layers' projections (attention, MLP, every expert), what
+``BitsAndBytesConfig(load_in_4bit=True)`` quantizes; the embedding, the LM head, the norms, MoE
+routers and the LoRA adapters stay in the compute dtype. The host keeps the packed bytes (the
+upload copy), uploads cross the link packed, and each compute of a layer (forward, recompute,
+backward's input gradient) dequantizes its projections on the worker, reading the packed bytes and
+writing compute-dtype ones at the profile's memory bandwidth (nothing without ``memory_bytes_per_s``).
+Not priced: the dequantized copy of the one projection alive at a time on the worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .hardware import HardwareProfile
+from .profile import CostProfile
+from .transformer import ModelShape
+
+NF4_BLOCK = 64  # parameters per absmax scale (bitsandbytes' and torchao's default)
+NF4_SCALE_BLOCK = 256  # scales per second-level fp32 scale under double quantization
+QUANTIZE_CHOICES = ("nf4",)
+
+
+def nf4_bytes_per_param(double_quant: bool = True) -> float:
+    """Bytes per NF4 parameter, block scales included (0.5159 double-quantized, 0.5625 plain)."""
+    scales = (1 + 4 / NF4_SCALE_BLOCK) / NF4_BLOCK if double_quant else 4 / NF4_BLOCK
+    return 0.5 + scales
+
+
+def packed_params_per_layer(shape: ModelShape) -> int:
+    """Parameters of one decoder layer that a 4-bit base packs: every projection, no norm or router."""
+    experts = shape.num_experts if shape.is_moe else 1
+    return sum(a * b for a, b in shape.attention_shapes()) + experts * sum(a * b for a, b in shape.mlp_shapes())
+
+
+def packed_costs(costs: CostProfile, shape: ModelShape, hardware: HardwareProfile, scheme: str = "nf4",
+                 double_quant: bool = True) -> CostProfile:
+    """``costs`` (of ``shape``, with LoRA: the base frozen) with the decoder layers' projections packed:
+    smaller weight uploads and host copy, and each compute of a decoder layer longer by its
+    dequantization (module doc)."""
+    if scheme not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantization must be one of {QUANTIZE_CHOICES}, got {scheme!r}")
+    if costs.decoder_layers is None:
+        raise ValueError("packed weights need the decoder layers' range in the cost profile")
+    start, end = costs.decoder_layers
+    packed = packed_params_per_layer(shape)
+    trainable = costs.layer_trainable_params()
+    if any(trainable[i] >= packed for i in range(start, end)):
+        raise ValueError("a 4-bit base is frozen: quantization needs LoRA (the base weights do not train)")
+    per_param = nf4_bytes_per_param(double_quant)
+    saved_per_layer = int(round(packed * (costs.dtype_bytes - per_param)))
+    dequant_s = (packed * (per_param + costs.dtype_bytes) / hardware.memory_bytes_per_s
+                 if hardware.memory_bytes_per_s else 0.0)
+    layers = list(costs.layers)
+    for i in range(start, end):
+        c = layers[i]
+        layers[i] = dataclasses.replace(
+            c, weight_bytes=c.weight_bytes - saved_per_layer, forward_s=c.forward_s + dequant_s,
+            recompute_s=c.recompute_s + dequant_s, backward_s=c.backward_s + dequant_s,
+            params=costs.layer_params()[i])
+    copy = (costs.host_copy_bytes if costs.host_copy_bytes is not None
+            else (costs.unique_params if costs.unique_params is not None else sum(costs.layer_params())) * costs.dtype_bytes)
+    return dataclasses.replace(costs, layers=layers, host_copy_bytes=copy - (end - start) * saved_per_layer,
+                               source=f"{costs.source}, {scheme} base")
