@@ -58,6 +58,8 @@ def shown_output(argv: list[str]) -> Callable[[], str]:
 FIGURES: dict[str, Callable[[], str]] = {
     "sim-plan-qwen3-8b-rtx4090": shown_output(
         ["-m", "lightning_roundpipe.sim", "plan", "--model", "qwen3-8b", "--hardware", "rtx4090"]),
+    # The memory model's host bytes per parameter, a Markdown table (docs/limitations.md, docs/finetune.md).
+    "host-bytes-per-param": lambda: command_output(["-m", "lightning_roundpipe.sim", "host-bytes"]) + "\n",
 }
 
 

@@ -11,7 +11,9 @@ bound-schedule baselines, the published runs); ``sim/__main__.py`` only runs ``m
   baselines as published; ``--json PATH`` writes the rows;
 - ``small-steps``: RoundPipe against the bound schedules for Qwen3-1.7B/8B/32B-sized models at 32
   single-sequence microbatches per step, bf16 (``compare.paper_table``);
-- ``scaling``: predicted tokens/s of the reference workload on 1..N GPUs.
+- ``scaling``: predicted tokens/s of the reference workload on 1..N GPUs;
+- ``host-bytes``: host bytes per parameter of full fine-tuning (with and without the undo copy),
+  LoRA and QLoRA, from the memory model (the docs' table).
 
 ``--num-gpus`` (every command) replaces the profile's GPU count: any count, any profile. ``plan``
 and ``compare`` take the machine's own numbers too (``--gpus``, ``--gpu-memory``, ``--host-memory``,
@@ -35,6 +37,7 @@ from ..cost.machine import (DEFAULT_DETECT_PROFILE, apply_detection, detect_mach
                              size_in_gib)
 from ..cost.quantization import QUANTIZE_CHOICES
 from ..cost.transformer import MODEL_PRESETS
+from ..planning.bytes_per_param import DEFAULT_MODEL as BYTES_MODEL, bytes_per_param_table
 from ..planning.capacity import DEFAULT_MEMORY_FRACTION, plan_training
 from .compare import PAPER_MODELS, compare_schedules, paper_table
 from .paper import PUBLISHED_SEQ_LEN, paper_markdown, paper_rows
@@ -94,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the frozen base weights packed (nf4: 4-bit NF4 with double-quantized block scales, "
                         "QLoRA; needs --lora-rank)")
     add_machine_options(p)
+
+    b = sub.add_parser("host-bytes", help="host bytes per parameter of full fine-tuning, LoRA and QLoRA (a Markdown table)")
+    b.add_argument("--model", default=BYTES_MODEL, help=model_help)
+    b.add_argument("--hardware", default="rtx4090", help=hw_help + " (its compute dtype; host bytes do not depend on it)")
 
     c = sub.add_parser("compare", help="RoundPipe vs bound schedules with offload for one model")
     c.add_argument("--model", required=True, help=local_model_help)
@@ -186,6 +193,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "scaling":
             rows = scaling_rows(tuple(args.models), hardware, tuple(args.gpus), planner=args.planner)
             print(scaling_markdown(rows, hardware))
+            return 0
+        if args.command == "host-bytes":
+            print(bytes_per_param_table(model, hardware))
             return 0
         if args.command == "plan":
             report = plan_training(model, hardware, args.seq_len, microbatch_size=args.microbatch_size,

@@ -188,7 +188,7 @@ class TrainingPlan:
         hw, shape = self.hardware, self.model
         mode = f"LoRA rank {self.lora_rank}" if self.lora_rank else "full fine-tuning"
         if self.quantize:
-            mode += f" on a {self.quantize} base"
+            mode += f" on a 4-bit {self.quantize.upper()} base"
         short = sorted({r.split(":")[0] for r in self.reasons}, key=lambda r: r != "host memory")
         lines = [
             f"{shape.name} ({shape.num_params() / 1e9:.2f}B parameters), {mode}, on {hw.name} "
