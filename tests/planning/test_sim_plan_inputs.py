@@ -120,8 +120,10 @@ def test_two_rtx4090_with_128_gib_host(capsys):
     status, out = plan_lines(capsys, ["plan", "--model", "qwen3-1.7b", "--hardware", "rtx4090", "--gpus", "2",
                                       "--host-memory", "128", *FAST])
     assert status == 0 and out[:2] == ["Assumed: 2 GPU(s) (profile: 8)", "Assumed: 128.0 GiB host memory (profile: 1024.0)"]
-    assert "on rtx4090 (2 x 24.0 GiB GPUs, 128 GiB host)" in out[2]
-    assert any(line.startswith("Host memory: ") and "needed of 128.0 GiB" in line for line in out)
+    assert "on rtx4090 (2 x 24.0 GiB GPUs)" in out[2]
+    assert out[3].startswith("Host RAM assumed: 128.0 GiB, from --host-memory 128; 12.8 GiB kept free for the OS")
+    assert out[3].endswith(": 115.2 GiB usable for training")  # 10% headroom
+    assert any(line.startswith("Host memory: ") and "needed of 115.2 GiB usable" in line for line in out)
     # a host too small for 1.7B parameters' fp32 state, and a GPU too small for one layer: both refused
     status, out = plan_lines(capsys, ["plan", "--model", "qwen3-1.7b", "--hardware", "rtx4090", "--gpus", "2",
                                       "--host-memory", "16", "--gpu-memory", "0.5", *FAST])

@@ -22,6 +22,12 @@ profile and a sequence length, and answers:
   runs each backward stage's layers but its last once more without grad; the simulations time
   and hold what the lowered layer-grain computes do (``SimConfig.layer_recompute``).
 
+The host side is stated, not assumed: the answer says how much RAM it assumed and where that came
+from, keeps a headroom of it free (``fit.host_headroom_bytes``), gives one needed figure per memory
+(the recommended plan's, or the least any plan needs when none fits, ``fit.fit_problems``), names
+every reason it does not fit, lists the options that would make it fit with their figures
+(``advice.py``) and states the pinned bytes with the ``memlock`` limit they need.
+
 The loss is the engine's chunked cross-entropy (``DEFAULT_LOSS_CHUNK_TOKENS`` rows of logits at
 a time, what a Hugging Face model's fused last stage uses) unless ``loss_chunk_tokens`` says
 otherwise (None: the full logits).
