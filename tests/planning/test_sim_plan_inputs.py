@@ -127,7 +127,7 @@ def test_two_rtx4090_with_128_gib_host(capsys):
     # a host too small for 1.7B parameters' fp32 state, and a GPU too small for one layer: both refused
     status, out = plan_lines(capsys, ["plan", "--model", "qwen3-1.7b", "--hardware", "rtx4090", "--gpus", "2",
                                       "--host-memory", "16", "--gpu-memory", "0.5", *FAST])
-    assert status == 1 and "Verdict: does not fit" in out
+    assert status == 1 and "Verdict: does not fit (host memory, GPU memory)" in out
 
 
 @pytest.mark.timeout(100)
