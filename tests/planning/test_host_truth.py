@@ -156,6 +156,10 @@ def test_nf4_prices_packed_projections_by_hand():
     assert nf4.layers[0].weight_bytes == bf16.layers[0].weight_bytes  # the embedding stays bf16
     # dequantization: packed bytes read, bf16 written, at the 4090's 1008 GB/s, once per compute
     assert layer.forward_s - plain.forward_s == pytest.approx(packed * (nf4_bytes_per_param() + 2) / 1008e9)
+    # the largest projection dequantized to bf16 (the MLP's 4096 x 14336) is alive in each working set
+    dequantized = -(-4096 * 14336 * 2 // 1024)
+    assert layer.backward_transient_bytes_per_token - plain.backward_transient_bytes_per_token == dequantized
+    assert layer.forward_transient_bytes_per_token - plain.forward_transient_bytes_per_token == dequantized
     h, h16 = host_bytes(nf4), host_bytes(bf16)
     assert h16.compute_copy - h.compute_copy == 32 * round(packed * (2 - nf4_bytes_per_param()))
     assert h.optimizer_state == h16.optimizer_state  # the adapters train as before

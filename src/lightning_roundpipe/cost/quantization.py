@@ -11,7 +11,9 @@ routers and the LoRA adapters stay in the compute dtype. The host keeps the pack
 upload copy), uploads cross the link packed, and each compute of a layer (forward, recompute,
 backward's input gradient) dequantizes its projections on the worker, reading the packed bytes and
 writing compute-dtype ones at the profile's memory bandwidth (nothing without ``memory_bytes_per_s``).
-Not priced: the dequantized copy of the one projection alive at a time on the worker.
+The dequantized copy of one projection is alive at a time (a temporary of the matmul): the largest
+is added to the layer's forward and backward working sets (spread over the microbatch's tokens,
+as those are counted per token).
 """
 
 from __future__ import annotations
@@ -57,13 +59,18 @@ def packed_costs(costs: CostProfile, shape: ModelShape, hardware: HardwareProfil
     saved_per_layer = int(round(packed * (costs.dtype_bytes - per_param)))
     dequant_s = (packed * (per_param + costs.dtype_bytes) / hardware.memory_bytes_per_s
                  if hardware.memory_bytes_per_s else 0.0)
+    largest = max(a * b for a, b in shape.attention_shapes() + shape.mlp_shapes()) * costs.dtype_bytes
+    dequantized_per_token = -(-largest // max(1, costs.tokens_per_microbatch))
     layers = list(costs.layers)
     for i in range(start, end):
         c = layers[i]
+        forward_transient = (None if c.forward_transient_bytes_per_token is None
+                             else c.forward_transient_bytes_per_token + dequantized_per_token)
         layers[i] = dataclasses.replace(
             c, weight_bytes=c.weight_bytes - saved_per_layer, forward_s=c.forward_s + dequant_s,
             recompute_s=c.recompute_s + dequant_s, backward_s=c.backward_s + dequant_s,
-            params=costs.layer_params()[i])
+            params=costs.layer_params()[i], forward_transient_bytes_per_token=forward_transient,
+            backward_transient_bytes_per_token=(c.backward_transient_bytes_per_token or 0) + dequantized_per_token)
     copy = (costs.host_copy_bytes if costs.host_copy_bytes is not None
             else (costs.unique_params if costs.unique_params is not None else sum(costs.layer_params())) * costs.dtype_bytes)
     return dataclasses.replace(costs, layers=layers, host_copy_bytes=copy - (end - start) * saved_per_layer,
