@@ -25,7 +25,7 @@ ISSUE_COMMAND = ["plan", "--model", "llama-3.1-8b", "--hardware", "rtx4090", "--
 
 
 @pytest.fixture(scope="module")
-def llama_on_192gb(request) -> str:
+def llama_on_192gb() -> str:
     """What the issue's command prints now (the run does not fit: no simulation, seconds)."""
     import contextlib
     import io
@@ -125,14 +125,30 @@ def test_every_reason_is_named_host_and_gpu(capsys):
                      "--lora-rank", "16", "--seq-len", "131072", "--no-max-seq"]) == 1
     out = capsys.readouterr().out
     assert "Verdict: does not fit (host memory, GPU memory)" in out
-    reasons = [line[4:] for line in out.splitlines() if line.startswith("  - ") and ":" in line.split(" GiB")[0]
-               and line[4:].startswith(("host memory:", "GPU memory:"))]
+    reasons = [line[4:] for line in out.splitlines() if line.startswith(("  - host memory:", "  - GPU memory:"))]
     assert [r.split(":")[0] for r in reasons] == ["GPU memory", "host memory"]
     costs = model_costs(get_model_shape("llama-3.1-8b"), load_hardware("rtx4090"), 131072, 1, 16)
     finest = host_bytes(costs, least_memory_plans(len(costs.layers), True)[0], 8)
     assert (f"saves 33 stage inputs x 8 microbatches ({finest.saved_activations / GiB:.1f} GiB) and needs "
             f"{finest.total / GiB:.1f} GiB of 230.4 GiB usable") in reasons[1]
     assert "sequences of 72192 tokens (--seq-len 72192)" in out.split("Would fit with")[1]
+
+
+def test_a_run_that_no_single_plan_fits_names_both_memories():
+    shape, hw = get_model_shape("llama-3.1-8b"), load_hardware("rtx4090")
+    costs = model_costs(shape, hw, 131072, 1, 16)
+    plans = least_memory_plans(len(costs.layers), True)
+    finest, least = (host_bytes(costs, plans[i], 8).total for i in (0, -1))
+    big_gpus = hw.replace(gpu_memory_bytes=48 * GiB)  # one layer per stage fits a worker, coarser cuts do not
+    budget = (finest + least) // 2
+    problems = fit_problems(costs, big_gpus, 0.9, 8, True, host_budget_bytes=budget)[0]
+    assert len(problems) == 1 and problems[0].startswith(
+        f"no plan fits both memories: one layer per stage keeps {finest / GiB:.1f} GiB on the host")
+    report = plan_training(shape, big_gpus.replace(host_memory_bytes=budget), 131072, lora_rank=16, microbatches=8,
+                           find_max_seq_len=False, host_headroom_bytes=0, recompute="stage")  # layer grain fits
+    assert report.reasons == problems
+    assert "Verdict: does not fit (host and GPU memory together)" in report.to_text()
+    assert any(a.option == "recompute='layer' (--recompute layer)" and a.fits for a in report.advice)
 
 
 def test_pinned_bytes_and_the_memlock_limit_they_need(llama_on_192gb):

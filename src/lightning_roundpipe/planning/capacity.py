@@ -195,7 +195,9 @@ class TrainingPlan:
         mode = f"LoRA rank {self.lora_rank}" if self.lora_rank else "full fine-tuning"
         if self.quantize:
             mode += f" on a 4-bit {self.quantize.upper()} base"
-        short = sorted({r.split(":")[0] for r in self.reasons}, key=lambda r: r != "host memory")
+        # each reason by the memory it names; "no (candidate) plan fits both ..." names the two together
+        short = sorted({r.split(":")[0] if r.split(":")[0] in ("host memory", "GPU memory")
+                        else "host and GPU memory together" for r in self.reasons}, key=lambda r: r != "host memory")
         lines = [
             f"{shape.name} ({shape.num_params() / 1e9:.2f}B parameters), {mode}, on {hw.name} "
             f"({hw.num_gpus} x {hw.gpu_memory_bytes / GiB:.1f} GiB GPUs), "
