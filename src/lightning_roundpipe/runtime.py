@@ -113,7 +113,7 @@ class RoundPipeRuntime:
         if options.compute_dtype is not None or options.staleness:
             from .params.shadows import ShadowStore  # uploads read compute-dtype / previous-version copies
 
-            self.shadows = ShadowStore(masters, options.compute_dtype)
+            self.shadows = ShadowStore(masters, options.compute_dtype, follow_edits=not options.staleness)
         self.pool = make_pool(backend, num_workers, device_indices=device_indices, **pool_opts)
         self.fp16_accumulation = Fp16Accumulation() if options.fp16_accumulation else None
         self.gc_frozen = OlderObjectsFrozen() if options.gc_freeze else None

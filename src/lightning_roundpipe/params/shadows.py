@@ -6,6 +6,12 @@ parameter has a bf16 shadow, refreshed as part of its layer's optimizer step, an
 copy to the GPU is asynchronous. With ``staleness=1`` shadows (in the parameter dtype) also
 hold the previous version of the weights while the optimizer writes the next one.
 
+Edits outside optimizer steps (a callback or an ``optimizer_step`` override writing a weight in
+place under ``torch.no_grad()``): with ``follow_edits`` each upload first compares the masters'
+autograd version counters with those seen at their last copy and re-copies the ones that
+changed (one integer read per tensor). Writes through ``.data`` bypass the counter, as they
+bypass autograd's own checks: call ``RoundPipeRuntime.weights_loaded()`` after those.
+
 Storage: one flat, exactly sized host buffer per dtype holds every shadow (views into it), so
 pinning the shadows is one registration of exactly their bytes: no staging copy per upload and
 no power-of-two rounding of the caching host allocator, which also never returns memory.
@@ -20,6 +26,7 @@ backend counts what would be pinned.
 
 from __future__ import annotations
 
+import threading
 from typing import Iterable
 
 import torch
@@ -28,10 +35,16 @@ class ShadowStore:
     """Shadows of floating parameters, keyed by the master tensor's id, in flat buffers.
 
     ``pin``: register the flat buffers as pinned memory right away (CUDA only; the stream pools'
-    ``pin_uploads`` is the usual way, through the pinned policy)."""
+    ``pin_uploads`` is the usual way, through the pinned policy). ``follow_edits``: uploads re-copy
+    masters written since their last copy (``refresh_edited``); False for ``staleness=1``, whose
+    shadows hold the previous version on purpose."""
 
-    def __init__(self, params: Iterable[torch.Tensor], dtype: torch.dtype | None, pin: bool = False):
+    def __init__(self, params: Iterable[torch.Tensor], dtype: torch.dtype | None, pin: bool = False,
+                 follow_edits: bool = True):
         self.dtype = dtype
+        self.follow_edits = follow_edits
+        self._copied_at: dict[int, int] = {}  # master id -> its version counter when last copied
+        self._lock = threading.Lock()  # worker upload threads and the optimizer lane refresh concurrently
         self.shadows: dict[int, torch.Tensor] = {}
         self.masters: dict[int, torch.Tensor] = {}
         unique = []
@@ -41,6 +54,7 @@ class ShadowStore:
             self.masters[id(p)] = p
             unique.append(p)
         self._flat: dict[torch.dtype, torch.Tensor] = {}
+        self.edits_followed = 0  # masters re-copied because they were written outside a refresh
         sizes: dict[torch.dtype, int] = {}
         for p in unique:
             dt = dtype or p.dtype
@@ -59,6 +73,7 @@ class ShadowStore:
                 offsets[dt] = off + p.numel()
                 s.copy_(p)
                 self.shadows[id(p)] = s
+                self._copied_at[id(p)] = p._version
         self.registered = register_pinned(self._flat.values()) if pin else []
 
     def get(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -71,11 +86,28 @@ class ShadowStore:
 
     def refresh(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Copy the masters (or ``params``) into their shadows."""
-        with torch.no_grad():
+        with torch.no_grad(), self._lock:
             for p in (params if params is not None else self.masters.values()):
                 s = self.shadows.get(id(p))
                 if s is not None:
                     s.copy_(p)
+                    self._copied_at[id(p)] = p._version
+
+    def refresh_edited(self, masters: Iterable[torch.Tensor]) -> int:
+        """Before an upload of ``masters``: re-copy those written in place since their last copy
+        (``follow_edits``; nothing otherwise). Returns how many were re-copied."""
+        if not self.follow_edits:
+            return 0
+        copied = 0
+        with torch.no_grad(), self._lock:
+            for p in masters:
+                seen = self._copied_at.get(id(p))
+                if seen is not None and seen != p._version:
+                    self.shadows[id(p)].copy_(p)
+                    self._copied_at[id(p)] = p._version
+                    copied += 1
+        self.edits_followed += copied
+        return copied
 
     def nbytes(self) -> int:
         """Host bytes the shadows take."""

@@ -71,6 +71,7 @@ class StageWeights:
                 entries.append((name, seen[key]))
             self.layout[l] = entries
         # What is uploaded: the shadow (compute-dtype copy) where one exists, else the master.
+        self.shadows = shadows
         self.sources = [shadows.get(t) if shadows is not None else t for t in self.host]
         self.dtypes = [
             compute_dtype if (compute_dtype is not None and p and t.is_floating_point()) else t.dtype
@@ -110,6 +111,13 @@ class StageWeights:
             self.grad_chunks.append(current)
         self.device: list[torch.Tensor | None] = [None] * len(self.host)
         self._params: dict[int, dict[str, torch.Tensor]] | None = None
+
+    def upload_sources(self, chunk: list[int]) -> list[torch.Tensor]:
+        """What an upload of ``chunk`` reads, once the layers' optimizer steps are in: shadows of
+        masters written in place since their last copy are re-copied first (``ShadowStore``)."""
+        if self.shadows is not None:
+            self.shadows.refresh_edited(self.host[i] for i in chunk)
+        return [self.sources[i] for i in chunk]
 
     def chunk_bytes(self, chunk: list[int]) -> int:
         """Upload bytes of the tensors of ``chunk``, in their upload dtypes."""
