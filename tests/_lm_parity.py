@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -21,7 +23,8 @@ class LMModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         ids, mask, labels = batch
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+        # autocast=False leaves the precision plugin's own autocast alone (enabled=False would turn it off)
+        with torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext():
             if self.pieces == 1:
                 return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
             # the same loss summed from microbatches (HF sums and divides by num_items_in_batch): the floor
