@@ -75,7 +75,7 @@ class NewHeadAtEpochOne(Optimized):
 
 class ChangesBetweenSteps(Optimized):
     """Layer 2 frozen at step 1 and unfrozen at step 3; the second group's lr and weight decay
-    changed at step 2; a group's parameter list edited in place at step 3."""
+    changed and layer 3 taken out of it at step 2; a group's parameter list extended in place at step 3."""
 
     def configure_optimizers(self):
         params = list(self.net.parameters())
@@ -93,6 +93,8 @@ class ChangesBetweenSteps(Optimized):
             group = self.optimizers().optimizer.param_groups[1]
             group["lr"] *= 3
             group["weight_decay"] = 0.1
+            left = {id(p) for p in self.net[3].parameters()}
+            group["params"] = [p for p in group["params"] if id(p) not in left]  # layer 3 leaves the optimizer
         if step == 3:
             self.net[2].requires_grad_(True)
             self.optimizers().optimizer.param_groups[0]["params"].extend(self.moved)

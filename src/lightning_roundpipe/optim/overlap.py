@@ -416,7 +416,8 @@ class OverlappedOptimizer:
         waiting layer step by going to the back of the queue, and a layer that steps first takes
         its own image (``StepUndo.save``). A copy that fails here is taken again, and fails
         where it is reported, when its layer steps."""
-        units = sorted(self.unit_params)
+        plan = self.unit_params  # this step's plan: a re-plan after the closure must not change what runs here
+        units = sorted(plan)
         if self.early_steps and not self.staleness:
             units.reverse()  # the last backward completes the last layers first
         pending = collections.deque(units)
@@ -427,7 +428,7 @@ class OverlappedOptimizer:
                 if self.lane.has_waiting():
                     self.lane.submit(run, label, traced=False)
                     return
-                undo.capture([p for _, p in self.unit_params[pending.popleft()]])
+                undo.capture([p for _, p in plan[pending.popleft()]])
 
         self.lane.submit(run, label, traced=False)
 
