@@ -113,7 +113,7 @@ class RoundPipeRuntime:
         if options.compute_dtype is not None or options.staleness:
             from .params.shadows import ShadowStore  # uploads read compute-dtype / previous-version copies
 
-            self.shadows = ShadowStore(masters, options.compute_dtype)
+            self.shadows = ShadowStore.for_uploads(masters, layers, options.compute_dtype, options.staleness)
         self.pool = make_pool(backend, num_workers, device_indices=device_indices, **pool_opts)
         self.fp16_accumulation = Fp16Accumulation() if options.fp16_accumulation else None
         self.gc_frozen = OlderObjectsFrozen() if options.gc_freeze else None
@@ -121,7 +121,7 @@ class RoundPipeRuntime:
             self.engine = PipelineEngine(layers, self.pool, self.planner.plan, engine_opts, shadows=self.shadows,
                                          weight_gates=[self._weight_gates], schedule=schedule_named(options.schedule))
             if pool_class.pins_uploads:  # pin exactly what the uploads read, once; the pool unpins at shutdown
-                self.pool.pin_uploads(options.pinned, self.shadows.buffers() if self.shadows is not None else masters)
+                self.pool.pin_uploads(options.pinned, self.shadows.upload_tensors(masters) if self.shadows is not None else masters)
             if sync_gradients:
                 from .distributed.gradient_sync import GradientSync
 

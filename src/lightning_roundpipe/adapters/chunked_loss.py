@@ -11,6 +11,11 @@ Numerics follow Hugging Face's ``ForCausalLMLoss``: the head runs in the input d
 are upcast to fp32 for the loss, and the logits gradient is cast back to the input dtype before
 the two matmuls of the head's backward.
 
+Under the caller's autocast (``torch.autocast`` around the model call, or a bf16-mixed precision
+plugin) the head runs as autocast runs ``F.linear``: rows, weight and bias cast to autocast's
+dtype, the logits in that dtype, and the backward's matmuls and bias sum in it too, each result
+then cast back to its input's dtype, as autograd does through autocast's casts.
+
 Some families transform the logits before the loss (Cohere multiplies them, Granite divides
 them, Gemma2/3 soft-cap them with ``cap * tanh(logits / cap)``): ``LogitTransform`` applies
 the same arithmetic in the same order, in the head's dtype, inside each chunk, and its derivative
@@ -110,6 +115,7 @@ def chunked_lm_head_loss(
     bias: torch.Tensor | None = None,
     on_logits_chunk: LogitsObserver | None = None,
     transform: LogitTransform = IDENTITY,
+    grad_scale: float | None = None,
 ) -> torch.Tensor:
     """Summed cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels``, chunked.
 
@@ -131,6 +137,10 @@ def chunked_lm_head_loss(
         bias: optional [vocab] LM head bias.
         on_logits_chunk: debug callback receiving every logits chunk (see ``LogitsObserver``).
         transform: what the model does to its logits before the loss (scaling, soft-capping).
+        grad_scale: the gradient the returned sum is expected to get in backward (the caller's
+            1 / tokens): the logits gradient is multiplied by it before it is rounded to the head's
+            dtype, as the model's mean loss does, and backward then multiplies by the ratio of the
+            gradient it gets to this one (exactly 1 when as expected). None: 1.
 
     Returns:
         0-dim fp32 tensor: the sum (not the mean) of the per-token losses.
@@ -149,17 +159,26 @@ def chunked_lm_head_loss(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     differentiable = [hidden, weight] + ([bias] if bias is not None else [])
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
-    return _ChunkedLMHeadLoss.apply(
-        hidden, weight, bias, labels, chunk_size, ignore_index, wants_grad, on_logits_chunk, transform
-    )
+    device_type = hidden.device.type
+    autocast_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    with torch.autocast(device_type, enabled=False):  # the Function applies autocast's casts itself
+        return _ChunkedLMHeadLoss.apply(
+            hidden, weight, bias, labels, chunk_size, ignore_index, wants_grad, on_logits_chunk, transform,
+            autocast_dtype, grad_scale
+        )
 
 
 class _ChunkedLMHeadLoss(torch.autograd.Function):
     """Forward computes loss and (optionally) gradients; backward rescales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk_size, ignore_index, wants_grad, observer, transform):
+    def forward(ctx, hidden, weight, bias, labels, chunk_size, ignore_index, wants_grad, observer, transform,
+                autocast_dtype, grad_scale):
         rows = hidden.shape[0]
+        # The head's compute dtype: autocast's when the caller's autocast is on, else the input's.
+        low = autocast_dtype or hidden.dtype
+        head_weight = weight.to(low)
+        head_bias = None if bias is None else bias.to(low)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if wants_grad else None
         # A frozen head (LoRA) needs no fp32 [vocab, h] accumulator: at long sequences that is memory the
@@ -173,10 +192,10 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         )
         for start in range(0, rows, chunk_size):
             stop = min(start + chunk_size, rows)
-            h = hidden[start:stop]
+            h = hidden[start:stop].to(low)
             target = labels[start:stop]
             # Head and transform in the input dtype, then upcast: what HF's forward + ForCausalLMLoss do.
-            transformed = transform(F.linear(h, weight, bias))
+            transformed = transform(F.linear(h, head_weight, head_bias))
             slope = transform.softcap_slope(transformed)  # before the in-place softmax below reuses the buffer
             logits = transformed.float()
             if observer is not None:
@@ -195,17 +214,25 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             grad_logits.mul_(valid.unsqueeze(1).to(grad_logits.dtype))
             if not transform.is_identity:
                 grad_logits = transform.backward_(grad_logits, slope)
-            grad_low = grad_logits.to(hidden.dtype)  # no copy in fp32
-            grad_hidden[start:stop] = grad_low @ weight
+            if grad_scale is not None:
+                grad_logits.mul_(grad_scale)  # before the rounding below, as the mean loss's gradient is
+            grad_low = grad_logits.to(low)  # no copy in fp32
+            grad_hidden[start:stop] = grad_low @ head_weight
             if grad_weight is None:
                 pass
-            elif hidden.dtype == torch.float32:
+            elif low == torch.float32:
                 grad_weight.addmm_(grad_low.t(), h)
             else:
                 grad_weight += grad_low.t() @ h
-            if grad_bias is not None:
+            if grad_bias is None:
+                pass
+            elif autocast_dtype is None:
                 grad_bias += grad_logits.sum(0)
+            else:
+                grad_bias += grad_low.sum(0)  # autocast's linear sums the bias gradient in its dtype
             del logits, grad_logits, grad_low, transformed, slope
+        # In fp32, the gradient backward is expected to get (the loss path multiplies an fp32 sum).
+        ctx.grad_scale = None if grad_scale is None else torch.tensor(grad_scale, dtype=torch.float32)
         ctx.grad_hidden = grad_hidden
         ctx.grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         ctx.grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
@@ -220,6 +247,9 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
                 "(forward ran with grad disabled or with no input requiring grad)"
             )
         scale = grad_output
+        if ctx.grad_scale is not None:
+            # Exactly 1 when as expected, and x * 1 == x: no branch, so no device sync to read it.
+            scale = grad_output / ctx.grad_scale.to(grad_output.device)
         # The stored gradients stay on ctx (freed with the graph) so retain_graph works.
         grads = [
             ctx.grad_hidden * scale.to(ctx.grad_hidden.dtype) if ctx.needs_input_grad[0] else None,
@@ -228,4 +258,4 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             if ctx.grad_bias is not None and ctx.needs_input_grad[2]
             else None,
         ]
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, *[None] * 9)

@@ -62,7 +62,7 @@ VERIFIED_MODEL_TYPES = frozenset(FAMILIES)
 see ``hf_families`` for what each family's forward adds."""
 
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "labels", "router_stats", "outputs", "with_cache",
-              "last_hidden", "logits_to_keep", *FACT_KEYS)
+              "last_hidden", "logits_to_keep", "loss_scale", *FACT_KEYS)
 """Keys the prefix accepts in a microbatch. ``router_stats`` (bool) asks MoE layers for the
 aux-loss statistics; ``outputs`` (a ``PostfixMode``) tells the last layer what to return and
 travels with the carry, so a recompute in backward does what its forward did. ``with_cache``
@@ -71,10 +71,13 @@ when its effective ``use_cache`` is true (see ``hf_runtime.forward_uses_cache``)
 builders then do not look for packed sequences in ``position_ids``; without it they do.
 ``last_hidden`` (bool): the last layer returns the final norm's output too (``hidden_states[-1]``);
 ``logits_to_keep`` (int or [b, ...] tensor): the positions the head is applied to in logits modes.
+``loss_scale`` (float): what the summed loss will be multiplied by (1 / the batch's tokens); the
+chunked loss applies it to the logits gradient before rounding it to a low precision, as the
+model's mean loss does, so the gradients are those of the scaled loss bit for bit.
 ``rows_unpadded`` / ``rows_unpacked`` (``HostRows``): what the mask builders would read from the
 device, known on the host (``mask_facts``), so layer 0 builds its masks without a device sync."""
 
-PASSED_THROUGH_KEYS = ("labels", "outputs", "last_hidden", "logits_to_keep")
+PASSED_THROUGH_KEYS = ("labels", "outputs", "last_hidden", "logits_to_keep", "loss_scale")
 """Input keys the prefix hands on unchanged to the last layer."""
 
 HEAD_KINDS = ("causal_lm", "sequence_classification", "token_classification")
@@ -408,7 +411,7 @@ class CausalLMPostfix(nn.Module):
             logits = self._logits(hidden)
             loss_sum = self._loss_from_logits(logits, labels)
             return {"loss_sum": loss_sum.reshape(1), "logits": logits, **extra}
-        loss_sum = self._loss(hidden, labels)
+        loss_sum = self._loss(hidden, labels, carry.get("loss_scale"))
         if mode == "loss":
             if "last_hidden" in extra:
                 raise ValueError("CausalLMPostfix in the fused 'loss' mode returns only the loss; ask for the last "
@@ -430,7 +433,7 @@ class CausalLMPostfix(nn.Module):
         flat = logits.reshape(-1, logits.shape[-1]).float()
         return F.cross_entropy(flat, targets, ignore_index=self.ignore_index, reduction="sum")
 
-    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor, grad_scale: float | None = None) -> torch.Tensor:
         rows = hidden.reshape(-1, hidden.shape[-1])
         targets = self._shifted(labels, hidden.device)
         if self.uses_chunked_loss:
@@ -442,6 +445,7 @@ class CausalLMPostfix(nn.Module):
                 ignore_index=self.ignore_index,
                 bias=self.lm_head.bias,
                 transform=self.transform,
+                grad_scale=grad_scale,
             )
         logits = self.transform(self.lm_head(rows)).float()
         return F.cross_entropy(logits, targets, ignore_index=self.ignore_index, reduction="sum")

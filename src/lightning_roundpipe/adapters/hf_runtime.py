@@ -15,6 +15,12 @@ would (``CausalLMOutputWithPast``, or ``MoeCausalLMOutputWithPast`` for MoE mode
   ``router_logits`` are not (they would be every layer's [tokens, experts] logits).
 - Without labels, logits come back as usual (only the ``logits_to_keep`` positions when given).
 - ``num_items_in_batch`` divides the summed loss instead of the batch's token count, as HF's loss does.
+- A loss of the user's own (``model.loss_function = ...``, anything but HF's ``ForCausalLMLoss``):
+  the last stage returns the full logits and the host calls that function on them as the model's
+  forward would (exact; costs one [batch, seq, vocab] logits tensor, as ``logits_with_loss``).
+- A subclass that overrides the model's ``forward`` (a z-loss term, say) is refused at set-up,
+  since the pipeline runs the family's forward, not the override; with ``allow_unverified`` it
+  runs only once the first microbatch matched the override's own forward (``hf_self_check``).
 - ``output_hidden_states``: the last hidden state comes back (with its gradient); the others and
   ``output_attentions`` cannot, see ``hf_outputs``. Packed ``position_ids`` get the masks the
   model's forward builds for its effective ``use_cache``.
@@ -38,7 +44,7 @@ import torch
 from torch import nn
 
 from .grouped_experts import install_grouped_experts
-from .hf_causal_lm import CausalLMLayers, count_loss_tokens, unwrap_peft
+from .hf_causal_lm import CausalLMLayers, UnsupportedModelError, count_loss_tokens, unwrap_peft
 from .hf_moe import aux_loss
 from .hf_self_check import build_layers, check_unverified
 from .mask_facts import host_facts
@@ -94,6 +100,15 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
     adapter = build_layers(module, lambda: CausalLMLayers.from_model(module, allow_unverified=allow_unverified),
                            allow_unverified)
     inner = unwrap_peft(module)
+    override = forward_override(type(inner))
+    if override is not None and not allow_unverified:
+        raise UnsupportedModelError(
+            f"{override.__module__}.{override.__qualname__} overrides forward of the Hugging Face model, which RoundPipe "
+            f"does not run: it pipelines the family's own forward, so what the override adds (an extra loss term, a "
+            f"changed output) would be silently dropped. Compute the extra term in training_step from the model's "
+            f"outputs (RoundPipeStrategy(logits_with_loss=True) returns the logits with the loss), or pass "
+            f"RoundPipeStrategy(allow_unverified=True) to run it only if the pipeline matches the override's own "
+            f"forward on the first microbatch. No weight was changed.")
     unpipelined_forward = type(inner).forward
     forward_parameters = inspect.signature(unpipelined_forward).parameters
     keep_option = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in forward_parameters), None)
@@ -108,7 +123,9 @@ def causal_lm_runtime_parts(module: nn.Module, options: Any = None) -> tuple[nn.
             if kept:
                 log.warning("moe_experts=%r: %s keep Hugging Face's experts forward (their layout is not mapped)",
                             experts_path, ", ".join(kept))
-        return PipelinedCausalLMForward(runtime, adapter, inner, unpipelined_forward, keep_option, logits_with_loss)
+        forward = PipelinedCausalLMForward(runtime, adapter, inner, unpipelined_forward, keep_option, logits_with_loss)
+        forward.pending_check = forward.pending_check or override is not None  # checked against the override
+        return forward
 
     return inner, adapter.layers, make_forward
 
@@ -164,6 +181,9 @@ class PipelinedCausalLMForward:
             return self.logits_output(batch, tokens, with_stats, hidden_request)
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+        own_loss = user_loss_function(self.inner)
+        if own_loss is not None:
+            return self.user_loss_output(batch, tokens, with_stats, hidden_request, labels, num_items_in_batch, own_loss)
         batch["labels"] = labels
         return self.loss_output(batch, tokens, with_stats, hidden_request, loss_scale(labels, num_items_in_batch))
 
@@ -220,6 +240,7 @@ class PipelinedCausalLMForward:
     def loss_output(self, batch: dict, tokens: int, with_stats: bool, hidden_request, scale: float):
         """Run a call with labels: the fused loss, or the last stage's loss sums combined on the host."""
         moe = {"aux_loss": None} if self.router is not None else {}
+        batch["loss_scale"] = scale  # the chunked loss scales the logits gradient before rounding it
         if not with_stats and not self.logits_with_loss and hidden_request is None:
             batch["outputs"] = "loss"
             loss = self.runtime.run(batch, loss_scale=scale, tokens=tokens)
@@ -237,10 +258,47 @@ class PipelinedCausalLMForward:
             return self.output_class(loss=loss, logits=out["logits"], **moe, hidden_states=hidden)
         return _withheld_class(self.output_class)(loss=loss, logits=None, **moe, hidden_states=hidden)
 
+    def user_loss_output(self, batch: dict, tokens: int, with_stats: bool, hidden_request, labels: torch.Tensor,
+                         num_items_in_batch: Any, loss_function: Callable):
+        """Run a call with labels whose model has a loss of the user's own: the full logits come home and
+        ``loss_function`` runs on them with the arguments the model's forward passes it."""
+        batch["outputs"] = "logits"
+        out = self.runtime.run(batch, tokens=tokens)
+        extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
+        loss = loss_function(logits=out["logits"], labels=labels, vocab_size=self.inner.config.vocab_size, **extra)
+        moe = {"aux_loss": None} if self.router is not None else {}
+        if with_stats:
+            moe["aux_loss"] = self.aux(out)
+            if self.router.coefficient is not None:
+                loss = loss + self.router.coefficient * moe["aux_loss"].to(loss.device)
+        return self.output_class(loss=loss, logits=out["logits"], hidden_states=self.hidden_states(hidden_request, out),
+                                 **moe)
+
     def aux(self, out) -> torch.Tensor:
         """HF's load-balancing loss from the batch's router statistics."""
         return aux_loss(out["moe_counts"].sum(0), out["moe_probs"].sum(0), out["moe_rows"].sum(),
                         self.router.num_experts)
+
+
+def forward_override(model_class: type) -> type | None:
+    """The class outside transformers whose ``forward`` the model's class runs instead of its family's, if any."""
+    for cls in model_class.__mro__:
+        if "forward" in vars(cls):
+            return None if cls.__module__.startswith("transformers.") else cls
+    return None
+
+
+def user_loss_function(model: nn.Module) -> Callable | None:
+    """The model's ``loss_function`` when it is not HF's causal-LM loss (the user replaced it), else None."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    fn = vars(model).get("_loss_function")  # where HF's setter keeps an assigned loss_function
+    if fn is None:
+        owner = next((cls for cls in type(model).__mro__ if "loss_function" in vars(cls)), None)
+        if owner is None or owner.__module__.startswith("transformers."):
+            return None  # HF's own property (read here it would log HF's loss_type notice a second time)
+        fn = model.loss_function  # a subclass's own
+    return None if fn is ForCausalLMLoss else fn
 
 
 def loss_scale(labels: torch.Tensor, num_items_in_batch: Any = None) -> float:

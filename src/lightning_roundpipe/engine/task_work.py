@@ -231,7 +231,7 @@ class TaskWork:
         def fn():
             # Parameters are only read; buffers may be written in forward (BatchNorm statistics)
             # and must not reach the host that way.
-            dev = self.pool.copy_to_device(worker, [weights.sources[i] for i in chunk], [weights.dtypes[i] for i in chunk],
+            dev = self.pool.copy_to_device(worker, weights.upload_sources(chunk), [weights.dtypes[i] for i in chunk],
                                            read_only=[weights.is_param[i] for i in chunk])
             weights.store_chunk(chunk, dev)
             worker.track_weights(weights.chunk_bytes(chunk))

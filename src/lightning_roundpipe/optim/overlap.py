@@ -138,28 +138,20 @@ class OverlappedOptimizer:
         self.before_images = BeforeImages()  # reused by every step's undo (filled only with undo=True)
         self.images_taken_at_step = 0  # layer steps of committed steps whose before-image was not taken ahead
         self.unrestored: list[str] = []  # undo=False: layers a failed step updated, until mark_restored()
+        self.replans = 0  # times the optimizer's parameters changed and the per-layer plan was remade
         self._view = copy.copy(optimizer)
         vars(self._view).pop("step", None)
         vars(self._view).pop("zero_grad", None)
-        # Units: the optimizer's parameters grouped by the (lowest) pipeline layer that holds them.
-        where: dict[int, tuple[int, torch.Tensor]] = {}
-        for gi, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                where[id(p)] = (gi, p)
-        params_of, self.unit_layers = group_by_lowest_layer(layer_tables, set(where))
-        self.unit_params: dict[int, list[tuple[int, torch.Tensor]]] = {
-            unit: [where[id(p)] for p in ps] for unit, ps in params_of.items()}
-        self.layer_units: dict[int, set[int]] = {}
-        for unit, layers in self.unit_layers.items():
-            for l in layers:
-                self.layer_units.setdefault(l, set()).add(unit)
-        inside = {id(p) for ps in params_of.values() for p in ps}
-        self.rest = [where[pid] for pid in where if pid not in inside]  # not in the pipelined module
+        self._tables = layer_tables
+        self._layout: tuple = ()
+        self._plan_units()
         self.versions: dict[int, Completion] = {}
         self.lane = HostLane(trace, notifier)
         self._done_layers: set[int] = set()
         self._done_call = None  # the pipelined call whose backward filled _done_layers
         self._submitted: set[int] = set()
+        self._submitted_ids: set[int] = set()  # parameters (by id) whose update this step is submitted
+        self._superseded: list[Completion] = []  # a unit's earlier submissions of this step (re-planned mid-step)
         self._lock = threading.Lock()
         # Ghosts: tensors sharing each parameter's storage, with their own .grad. A layer step runs
         # on ghosts holding the gradients snapshotted at submission, so the host thread may zero or
@@ -176,6 +168,41 @@ class OverlappedOptimizer:
         optimizer.step = step
         optimizer.zero_grad = self.zero_grad
         self._closed = False
+
+    # ------------------------------------------------------------------ the per-layer plan
+    def _layout_now(self) -> tuple:
+        """Which parameters each group holds now (by identity): what the per-layer plan depends on."""
+        return tuple(tuple(id(p) for p in g["params"]) for g in self.optimizer.param_groups)
+
+    def _plan_units(self) -> None:
+        """Units: the optimizer's parameters grouped by the (lowest) pipeline layer that holds them;
+        ``rest``: its parameters outside the pipelined module."""
+        where: dict[int, tuple[int, torch.Tensor]] = {}
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for p in group["params"]:
+                where[id(p)] = (gi, p)
+        params_of, self.unit_layers = group_by_lowest_layer(self._tables, set(where))
+        self.unit_params: dict[int, list[tuple[int, torch.Tensor]]] = {
+            unit: [where[id(p)] for p in ps] for unit, ps in params_of.items()}
+        self.layer_units: dict[int, set[int]] = {}
+        for unit, layers in self.unit_layers.items():
+            for l in layers:
+                self.layer_units.setdefault(l, set()).add(unit)
+        inside = {id(p) for ps in params_of.values() for p in ps}
+        self.rest = [where[pid] for pid in where if pid not in inside]  # not in the pipelined module
+        self._layout = self._layout_now()
+
+    def replan_if_changed(self) -> bool:
+        """Re-plan the per-layer steps when the optimizer's parameters changed since the last plan
+        (``add_param_group``, ``BaseFinetuning.unfreeze_and_add_param_group``, a group's list edited),
+        so parameters that joined are stepped and those that left are not. Hyper-parameters need
+        no re-plan (each step snapshots them), nor does freezing (a parameter without ``.grad`` is
+        skipped by the optimizer itself). Cheap: one pass over the parameters' identities."""
+        if self._layout_now() == self._layout:
+            return False
+        self._plan_units()
+        self.replans += 1
+        return True
 
     # ------------------------------------------------------------------ engine hooks
     def weight_gates(self, layer_ids) -> list[Completion]:
@@ -232,7 +259,9 @@ class OverlappedOptimizer:
         self._done_layers = set()
         self._done_call = None
         self._submitted = set()
+        self._submitted_ids = set()
         self._refuse_if_unrestored()
+        self.replan_if_changed()  # parameters added, removed or moved between groups since the last step
         self._undo = StepUndo(self.optimizer, keep=self.keep_undo, images=self.before_images)
         self._unscale = StepUnscale(self.loss_scaler) if self.loss_scaler is not None else None
         self._skip = False
@@ -247,10 +276,10 @@ class OverlappedOptimizer:
                 # shadows; now publish it to the shadows, then start this step's update.
                 self.join()
                 self.refresh_shadows()
+            self.replan_if_changed()  # the closure may have changed the groups too
             hp = self._snapshot()
             for unit in sorted(self.unit_params):  # layer order: the next forward needs layer 0 first
-                if unit not in self._submitted:
-                    self._submit(unit, hp)
+                self._submit(unit, hp)  # what the unit holds that did not step early
             if self.rest:  # parameters outside the pipeline: the caller's next code uses them, step them now
                 self._undo.save([p for _, p in self.rest], "parameters outside the pipeline")
                 self._run_view(self.rest, hp, self._grads_of(self.rest))
@@ -296,10 +325,10 @@ class OverlappedOptimizer:
         try:
             loss = self._run_closure(closure)
             if not self._skip:
+                self.replan_if_changed()
                 hp = self._snapshot()
                 for unit in sorted(self.unit_params):
-                    if unit not in self._submitted:
-                        self._submit(unit, hp)
+                    self._submit(unit, hp)
                 if self.rest:  # the caller's next code uses them: step() returns only once they are decided too
                     self._submit_params(REST, self.rest, "parameters outside the pipeline", hp, "rest")
         except BaseException as exc:
@@ -335,6 +364,7 @@ class OverlappedOptimizer:
             undo.failure = exc  # queued layer steps of this step skip
         restore = self.lane.submit(lambda: self._restore(undo), TaskLabel("undo", "restore"), traced=False)
         self.versions = {}
+        self._superseded = []
         self._commit = None
         try:
             restore.wait(self.timeout_s, waiter="restoring the failed step")
@@ -386,7 +416,8 @@ class OverlappedOptimizer:
         waiting layer step by going to the back of the queue, and a layer that steps first takes
         its own image (``StepUndo.save``). A copy that fails here is taken again, and fails
         where it is reported, when its layer steps."""
-        units = sorted(self.unit_params)
+        plan = self.unit_params  # this step's plan: a re-plan after the closure must not change what runs here
+        units = sorted(plan)
         if self.early_steps and not self.staleness:
             units.reverse()  # the last backward completes the last layers first
         pending = collections.deque(units)
@@ -397,15 +428,21 @@ class OverlappedOptimizer:
                 if self.lane.has_waiting():
                     self.lane.submit(run, label, traced=False)
                     return
-                undo.capture([p for _, p in self.unit_params[pending.popleft()]])
+                undo.capture([p for _, p in plan[pending.popleft()]])
 
         self.lane.submit(run, label, traced=False)
 
     def _submit(self, unit: int, hp: list[dict]) -> None:
+        """Submit the update of the unit's parameters not submitted yet this step (all of them,
+        unless the plan changed after the unit stepped early)."""
         self._submitted.add(unit)
+        params = [(gi, p) for gi, p in self.unit_params[unit] if id(p) not in self._submitted_ids]
+        if not params:
+            return
+        self._submitted_ids.update(id(p) for _, p in params)
         layers = sorted(self.unit_layers[unit])
         name = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
-        self._submit_params(unit, self.unit_params[unit], name, hp, f"L{layers[0]}-{layers[-1]}", layer=layers[0])
+        self._submit_params(unit, params, name, hp, f"L{layers[0]}-{layers[-1]}", layer=layers[0])
 
     def _submit_params(self, key: int, params, name: str, hp: list[dict], stage: str, layer: int | None = None) -> None:
         grads = self._grads_of(params)
@@ -438,6 +475,8 @@ class OverlappedOptimizer:
                 raise
 
         self._submitted_undo = undo
+        if key in self.versions:  # the same lowest layer runs later on the lane: gates wait for the new one
+            self._superseded.append(self.versions[key])
         self.versions[key] = self.lane.submit(run, TaskLabel("optim", stage, queue="optimizer"), layer=layer)
 
     def _restore(self, undo: StepUndo) -> None:
@@ -485,7 +524,7 @@ class OverlappedOptimizer:
         stepped is back as before the step."""
         limit = self.timeout_s if timeout is None else float(timeout)
         deadline = time.monotonic() + limit
-        pending = list(self.versions.values()) + ([self._commit] if self._commit is not None else [])
+        pending = self._superseded + list(self.versions.values()) + ([self._commit] if self._commit is not None else [])
         first_error = None
         for c in pending:
             try:
@@ -496,6 +535,7 @@ class OverlappedOptimizer:
                     if undo is not None and undo.failure is None:
                         undo.failure = err  # what is still queued skips; a stuck step puts all back when it returns
                     self.versions = {}
+                    self._superseded = []
                     self._commit = None
                     raise PipelineTimeout(
                         f"the optimizer join timed out after {limit:g}s waiting for the optimizer step of "
@@ -504,6 +544,7 @@ class OverlappedOptimizer:
                                            and not isinstance(err, LayerStepSkipped)):
                     first_error = err  # the failure itself, not a layer it made skip (whatever ran first)
         self.versions = {}
+        self._superseded = []
         self._commit = None
         if first_error is not None:
             raise first_error

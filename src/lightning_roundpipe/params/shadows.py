@@ -1,10 +1,20 @@
 """Host shadows: compute-dtype copies of the fp32 masters that the workers upload.
 
-With ``bf16-mixed`` the pipeline uploads bf16 weights. Casting the fp32 masters on every
+With ``bf16-mixed`` (or ``16-mixed``) the pipeline uploads in bf16 (fp16) only the parameters
+autocast runs in that precision at every use: those held by ``nn.Linear`` / ``nn.Conv*d``
+modules alone (``autocast_cast_parameters``). The others (the embedding table, norm weights,
+anything autocast keeps in fp32, a tied embedding / head) are uploaded as the fp32 masters,
+as Lightning's bf16-mixed computes with them. Casting the fp32 masters on every
 upload would cost a conversion per stage per step (and, on CUDA, a pageable copy); instead each
 parameter has a bf16 shadow, refreshed as part of its layer's optimizer step, and pinned so the
 copy to the GPU is asynchronous. With ``staleness=1`` shadows (in the parameter dtype) also
 hold the previous version of the weights while the optimizer writes the next one.
+
+Edits outside optimizer steps (a callback or an ``optimizer_step`` override writing a weight in
+place under ``torch.no_grad()``): with ``follow_edits`` each upload first compares the masters'
+autograd version counters with those seen at their last copy and re-copies the ones that
+changed (one integer read per tensor). Writes through ``.data`` bypass the counter, as they
+bypass autograd's own checks: call ``RoundPipeRuntime.weights_loaded()`` after those.
 
 Storage: one flat, exactly sized host buffer per dtype holds every shadow (views into it), so
 pinning the shadows is one registration of exactly their bytes: no staging copy per upload and
@@ -20,18 +30,42 @@ backend counts what would be pinned.
 
 from __future__ import annotations
 
-from typing import Iterable
+import threading
+from typing import Iterable, Sequence
 
 import torch
+from torch import nn
+
+# Modules whose forward autocast runs in its lower precision, weight and bias included (F.linear, conv).
+AUTOCAST_CAST_FORWARDS = frozenset(m.forward for m in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
+
+
+def autocast_cast_parameters(layers: Sequence[nn.Module]) -> set[int]:
+    """Ids of the parameters that autocast casts to its lower precision wherever they are used:
+    those held only by modules running ``nn.Linear``'s or ``nn.Conv*d``'s own forward. A
+    parameter also held by any other module (a head tied to the embedding) is not among them."""
+    cast, kept = set(), set()
+    for layer in layers:
+        for m in layer.modules():
+            lower = type(m).forward in AUTOCAST_CAST_FORWARDS
+            for p in m.parameters(recurse=False):
+                (cast if lower else kept).add(id(p))
+    return cast - kept
 
 class ShadowStore:
     """Shadows of floating parameters, keyed by the master tensor's id, in flat buffers.
 
     ``pin``: register the flat buffers as pinned memory right away (CUDA only; the stream pools'
-    ``pin_uploads`` is the usual way, through the pinned policy)."""
+    ``pin_uploads`` is the usual way, through the pinned policy). ``follow_edits``: uploads re-copy
+    masters written since their last copy (``refresh_edited``); False for ``staleness=1``, whose
+    shadows hold the previous version on purpose."""
 
-    def __init__(self, params: Iterable[torch.Tensor], dtype: torch.dtype | None, pin: bool = False):
+    def __init__(self, params: Iterable[torch.Tensor], dtype: torch.dtype | None, pin: bool = False,
+                 follow_edits: bool = True, keep_dtype: frozenset[int] | set[int] = frozenset()):
         self.dtype = dtype
+        self.follow_edits = follow_edits
+        self._copied_at: dict[int, int] = {}  # master id -> its version counter when last copied
+        self._lock = threading.Lock()  # worker upload threads and the optimizer lane refresh concurrently
         self.shadows: dict[int, torch.Tensor] = {}
         self.masters: dict[int, torch.Tensor] = {}
         unique = []
@@ -41,16 +75,18 @@ class ShadowStore:
             self.masters[id(p)] = p
             unique.append(p)
         self._flat: dict[torch.dtype, torch.Tensor] = {}
+        self.edits_followed = 0  # masters re-copied because they were written outside a refresh
         sizes: dict[torch.dtype, int] = {}
+        own = lambda p: p.dtype if id(p) in keep_dtype else (dtype or p.dtype)  # noqa: E731
         for p in unique:
-            dt = dtype or p.dtype
+            dt = own(p)
             sizes[dt] = sizes.get(dt, 0) + p.numel()
         offsets = {dt: 0 for dt in sizes}
         for dt, n in sizes.items():
             self._flat[dt] = torch.empty(n, dtype=dt)
         with torch.no_grad():
             for p in unique:
-                dt = dtype or p.dtype
+                dt = own(p)
                 off = offsets[dt]
                 # Its own tensor on the shared storage, not a view: a view shares the buffer's
                 # version counter, so refreshing one layer's shadow would look to autograd like a
@@ -59,7 +95,23 @@ class ShadowStore:
                 offsets[dt] = off + p.numel()
                 s.copy_(p)
                 self.shadows[id(p)] = s
+                self._copied_at[id(p)] = p._version
         self.registered = register_pinned(self._flat.values()) if pin else []
+
+    @classmethod
+    def for_uploads(cls, masters: Sequence[torch.Tensor], layers: Sequence[nn.Module], dtype: torch.dtype | None,
+                    staleness: int) -> "ShadowStore":
+        """The store a runtime's uploads read: compute-dtype copies of the parameters autocast casts
+        (``autocast_cast_parameters``; the others are uploaded as their masters), or with
+        ``staleness=1`` previous-version copies of every parameter, in the compute dtype only for those."""
+        cast = autocast_cast_parameters(layers) if dtype is not None else set()
+        if staleness:
+            return cls(masters, dtype, follow_edits=False, keep_dtype={id(p) for p in masters if id(p) not in cast})
+        return cls([p for p in masters if id(p) in cast], dtype)
+
+    def upload_tensors(self, masters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """What the uploads of ``masters`` read: the flat shadow buffers, and the masters without a shadow."""
+        return self.buffers() + [p for p in masters if id(p) not in self.shadows]
 
     def get(self, tensor: torch.Tensor) -> torch.Tensor:
         """The shadow copy of ``tensor`` uploads read, or ``tensor`` itself when it has none."""
@@ -71,11 +123,28 @@ class ShadowStore:
 
     def refresh(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Copy the masters (or ``params``) into their shadows."""
-        with torch.no_grad():
+        with torch.no_grad(), self._lock:
             for p in (params if params is not None else self.masters.values()):
                 s = self.shadows.get(id(p))
                 if s is not None:
                     s.copy_(p)
+                    self._copied_at[id(p)] = p._version
+
+    def refresh_edited(self, masters: Iterable[torch.Tensor]) -> int:
+        """Before an upload of ``masters``: re-copy those written in place since their last copy
+        (``follow_edits``; nothing otherwise). Returns how many were re-copied."""
+        if not self.follow_edits:
+            return 0
+        copied = 0
+        with torch.no_grad(), self._lock:
+            for p in masters:
+                seen = self._copied_at.get(id(p))
+                if seen is not None and seen != p._version:
+                    self.shadows[id(p)].copy_(p)
+                    self._copied_at[id(p)] = p._version
+                    copied += 1
+        self.edits_followed += copied
+        return copied
 
     def nbytes(self) -> int:
         """Host bytes the shadows take."""

@@ -71,18 +71,26 @@ class StageWeights:
                 entries.append((name, seen[key]))
             self.layout[l] = entries
         # What is uploaded: the shadow (compute-dtype copy) where one exists, else the master.
+        self.shadows = shadows
         self.sources = [shadows.get(t) if shadows is not None else t for t in self.host]
-        self.dtypes = [
+        # Upload dtypes: a shadow's where there is one (only parameters autocast casts have one under a
+        # mixed precision, shadows.py), else the master's.
+        self.dtypes = [s.dtype for s in self.sources] if shadows is not None else [
             compute_dtype if (compute_dtype is not None and p and t.is_floating_point()) else t.dtype
             for t, p in zip(self.host, self.is_param)
         ]
         self.trainable = [need_grads and p and t.requires_grad for t, p in zip(self.host, self.is_param)]
+        # Trainable parameters uploaded in a lower precision than their masters become leaves in the
+        # master's dtype on the device (autocast casts them back at use, to the same values): their
+        # gradients then add up over microbatches in fp32, as under Lightning's mixed precision.
+        self.grad_dtypes = [t.dtype if tr and t.is_floating_point() else d
+                            for t, d, tr in zip(self.host, self.dtypes, self.trainable)]
         # Forward stages too upload a parameter that requires grad as requiring grad (no graph is built without
         # grad): some kernels choose their algorithm by it (F.linear on a transposed input, as in
         # nn.MultiheadAttention), so the forward stage computes bit for bit what recompute and the model compute.
         self.grad_flags = [p and t.requires_grad for t, p in zip(self.host, self.is_param)]
         self.nbytes = sum(tensor_bytes(t, d) for t, d in zip(self.host, self.dtypes))
-        self.grad_bytes = sum(tensor_bytes(t, d) for t, d, tr in zip(self.host, self.dtypes, self.trainable) if tr)
+        self.grad_bytes = sum(tensor_bytes(t, d) for t, d, tr in zip(self.host, self.grad_dtypes, self.trainable) if tr)
         # chunking: consecutive tensors until chunk_bytes is reached
         self.chunks: list[list[int]] = []
         current, size = [], 0
@@ -102,7 +110,7 @@ class StageWeights:
         current, size = [], 0
         for i in self.trainable_indices():
             current.append(i)
-            size += tensor_bytes(self.host[i], self.dtypes[i])
+            size += tensor_bytes(self.host[i], self.grad_dtypes[i])
             if size >= chunk_bytes:
                 self.grad_chunks.append(current)
                 current, size = [], 0
@@ -111,17 +119,26 @@ class StageWeights:
         self.device: list[torch.Tensor | None] = [None] * len(self.host)
         self._params: dict[int, dict[str, torch.Tensor]] | None = None
 
+    def upload_sources(self, chunk: list[int]) -> list[torch.Tensor]:
+        """What an upload of ``chunk`` reads, once the layers' optimizer steps are in: shadows of
+        masters written in place since their last copy are re-copied first (``ShadowStore``)."""
+        if self.shadows is not None:
+            self.shadows.refresh_edited(self.host[i] for i in chunk)
+        return [self.sources[i] for i in chunk]
+
     def chunk_bytes(self, chunk: list[int]) -> int:
         """Upload bytes of the tensors of ``chunk``, in their upload dtypes."""
         return sum(tensor_bytes(self.host[i], self.dtypes[i]) for i in chunk)
 
     def grad_chunk_bytes(self, chunk: list[int]) -> int:
-        """Download bytes of the gradients of ``chunk`` (a list of ``grad_chunks``), in the compute dtypes."""
-        return sum(tensor_bytes(self.host[i], self.dtypes[i]) for i in chunk)
+        """Download bytes of the gradients of ``chunk`` (a list of ``grad_chunks``), in their dtypes."""
+        return sum(tensor_bytes(self.host[i], self.grad_dtypes[i]) for i in chunk)
 
     def store_chunk(self, chunk: list[int], device_tensors: list[torch.Tensor]) -> None:
         """Keep the uploaded device tensors of ``chunk`` (trainable ones set to require grad)."""
         for i, t in zip(chunk, device_tensors):
+            if self.trainable[i] and t.dtype != self.grad_dtypes[i]:
+                t = t.to(self.grad_dtypes[i])  # an fp32 leaf: gradients accumulate in fp32 (see __init__)
             if self.grad_flags[i] and not t.requires_grad:
                 t.requires_grad_(True)
             self.device[i] = t
