@@ -30,7 +30,7 @@ from ..schedule.history import WorkerHistory
 from ..schedule.plan import Plan, PlanError
 from ..workers.completions import Completion, WorkerError
 from ..workers.pool import WorkerPool
-from ..workers.threads import intra_op_threads
+from ..workers.threads import HOST_PHASE_THREADS, intra_op_threads
 from ..options import EngineOptions
 from .microbatch import merge_microbatches, split_microbatches
 from .calls import PipelineCalls
@@ -45,11 +45,6 @@ from ..params.weights import HostGradBuffers, LayerTable
 
 log = logging.getLogger("lightning_roundpipe")
 UNREAD_CALLS_KEPT = 16  # calls whose task times may still be read (several calls per step before backward)
-
-
-# Intra-op threads of the host thread during a call's pipelined phases (submitting, merging
-# outputs, accumulating gradients): the workers use the cores then (``workers/threads.py``).
-HOST_PHASE_THREADS = 1
 
 
 class PipelineEngine:
