@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from _exact_models import GRAD_TOL, WEIGHT_TOL, SeqModule, parity, seeded_reference
+from _noise_floor import ADAMW_WEIGHT_TOL
 from lightning_roundpipe import PipelineError, RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.options import EngineOptions, OptionError
 from lightning_roundpipe.schedule.lowering import LoweringOptions, lower
@@ -204,25 +205,23 @@ class DeepSeq(SeqModule):
         super().__init__(depth=6, **kwargs)
 
 
+# AdamW weights: a multiple of the default strategy's own summation-order floor (tests/_noise_floor.py)
+def weight_tol(opt):
+    return ADAMW_WEIGHT_TOL if opt == "adamw" else WEIGHT_TOL
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_sequential_matches_default_strategy(opt):
     g_err, w_err = parity(lambda: DeepSeq(opt=opt), strategy_kwargs={"microbatches": 2, "recompute": "layer",
                                                                      "partition": TWO_STAGES})
     assert g_err <= GRAD_TOL, g_err
-    assert w_err <= WEIGHT_TOL, w_err
+    assert w_err <= weight_tol(opt), w_err
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("opt", ["sgd", "adamw"])
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_hugging_face_matches_default_strategy(arch, opt, tmp_path):
+def causal_lm_module(arch, opt, path):
+    """A LightningModule training a tiny ``arch`` causal LM (saved to and loaded from ``path``) with ``opt``."""
     import lightning as L
-
-    from _models import fit, grad_error, weight_error, weights
-    from lightning_roundpipe import RoundPipeStrategy
-
-    path = tmp_path / "model"
 
     class CausalLM(L.LightningModule):
         def __init__(self):
@@ -238,7 +237,32 @@ def test_hugging_face_matches_default_strategy(arch, opt, tmp_path):
                 return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
-    data = torch.utils.data.TensorDataset(torch.randint(0, 96, (12, 10), generator=torch.Generator().manual_seed(3)))
+    return CausalLM()
+
+
+def adamw_causal_lm(arch, path):
+    """The AdamW case of ``test_hugging_face_matches_default_strategy`` (tests/_noise_floor.py measures it)."""
+    return causal_lm_module(arch, "adamw", path)
+
+
+def causal_lm_data():
+    """12 sequences of 10 tokens of the tiny models' 96-token vocabulary."""
+    return torch.utils.data.TensorDataset(torch.randint(0, 96, (12, 10), generator=torch.Generator().manual_seed(3)))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_hugging_face_matches_default_strategy(arch, opt, tmp_path):
+    """AdamW: 3 steps from issue 42's investigation: RoundPipe measured 7.0 floors from the default
+    strategy (Llama; 1.26e-4 = 8.9 floors in the issue's run), and no farther from the float64 weights
+    than the default strategy itself (tests/_noise_floor.py)."""
+    from _models import fit, grad_error, weight_error, weights
+    from lightning_roundpipe import RoundPipeStrategy
+
+    path = tmp_path / "model"
+    CausalLM = lambda: causal_lm_module(arch, opt, path)  # noqa: E731
+    data = causal_lm_data()
     strategy = lambda: RoundPipeStrategy(microbatches=2, recompute="layer", partition=TWO_STAGES)  # noqa: E731
     _, g_ref = fit(CausalLM(), "auto", max_steps=1, batch_size=4, data=data)
     _, g = fit(CausalLM(), strategy(), devices=2, max_steps=1, batch_size=4, data=data)
@@ -248,7 +272,7 @@ def test_hugging_face_matches_default_strategy(arch, opt, tmp_path):
     fit(ref, "auto", max_steps=3, batch_size=4, data=data, record_grads=False)
     m = CausalLM()
     fit(m, strategy(), devices=2, max_steps=3, batch_size=4, data=data, record_grads=False)
-    assert weight_error(weights(m), weights(ref), w0) <= WEIGHT_TOL
+    assert weight_error(weights(m), weights(ref), w0) <= weight_tol(opt)
 
 
 # ------------------------------------------------------------------ the other exactness cases
@@ -259,7 +283,7 @@ def test_in_place_layers_match_default_strategy(first):
 
     g_err, w_err = parity(lambda: InPlaceModule(first, opt="adamw"), devices=3,
                           strategy_kwargs={"microbatches": 3, "recompute": "layer", "partition": TWO_STAGES})
-    assert g_err <= GRAD_TOL and w_err <= WEIGHT_TOL, (g_err, w_err)
+    assert g_err <= GRAD_TOL and w_err <= ADAMW_WEIGHT_TOL, (g_err, w_err)
 
 
 @pytest.mark.timeout(120)
@@ -282,7 +306,7 @@ def test_several_calls_and_backwards_match_default_strategy(mode):
     g_err, w_err = parity(lambda: DeepCalls(mode, opt="adamw"), max_steps=4,
                           strategy_kwargs={"microbatches": 2, "recompute": "layer", "partition": TWO_STAGES})
     assert g_err <= GRAD_TOL, g_err
-    assert w_err <= WEIGHT_TOL, w_err
+    assert w_err <= ADAMW_WEIGHT_TOL, w_err
 
 
 class DictLayer(nn.Module):

@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from _exact_models import LAYERED, WEIGHT_TOL, SeqModule, parity, weight_error, weights
+from _noise_floor import ADAMW_WEIGHT_TOL
 from _models import make_data
 from lightning_roundpipe import RoundPipeRuntime, RoundPipeStrategy, RuntimeOptions
 from lightning_roundpipe.options import OptionError
@@ -75,7 +76,8 @@ def test_failed_step_advances_neither_global_step_nor_scheduler(tmp_path, opt):
     sched = trainer.lr_scheduler_configs[0].scheduler
     assert module.overlapped == 1  # declared roundpipe_per_layer: stepped layer by layer
     assert (trainer.global_step, sched.last_epoch) == (FAIL_ON, FAIL_ON)
-    assert weight_error(weights(module), weights(ref), w0) < WEIGHT_TOL
+    # AdamW: a multiple of the default strategy's own summation-order floor (tests/_noise_floor.py)
+    assert weight_error(weights(module), weights(ref), w0) < (ADAMW_WEIGHT_TOL if opt == "adamw" else WEIGHT_TOL)
     opt_state = trainer.optimizers[0].state_dict()
     ref_state = ref_trainer.optimizers[0].state_dict()
     assert opt_state["param_groups"][0]["lr"] == ref_state["param_groups"][0]["lr"]
@@ -191,7 +193,8 @@ CUSTOM = {
 def test_optimizer_with_state_outside_state_p_is_stepped_whole_and_exact(kind, caplog):
     with caplog.at_level(logging.INFO):
         _, w_err = parity(_module_with(CUSTOM[kind]), max_steps=5, strategy_kwargs=STRATEGY)
-    assert w_err < WEIGHT_TOL, f"{kind}: weights {w_err:.2e} off the default strategy's"
+    tol = ADAMW_WEIGHT_TOL if "adamw" in kind else WEIGHT_TOL  # AdamW: tests/_noise_floor.py
+    assert w_err < tol, f"{kind}: weights {w_err:.2e} off the default strategy's"
     assert "whole after backward, not layer by layer" in caplog.text
 
 

@@ -1,7 +1,10 @@
 """Host seconds of one layer's optimizer update, with the failed-step safety the engine keeps.
 
 The host optimizer's own rate is ``HardwareProfile.optimizer_params_per_s`` (Adam bound by host
-memory bandwidth over the 40 bytes one update moves). The exact overlapped optimizer keeps a
+memory bandwidth over the 40 bytes one update moves), on the threads ``workers/threads.py`` gives
+the optimizer's thread (the usable cores the pipeline leaves). Measured per thread on a Qwen3-1.7B
+layer (``python -m benchmarks.calibration.host_update_rate``): fused AdamW 3.8e8 parameters/s, the
+for-loop default 6.1e7 (the cpu2 profile's rate: 1 thread there). The exact overlapped optimizer keeps a
 failed step undoable (``RuntimeOptions.optimizer_undo``, on by default, ``optim/step_undo.py``):
 before a layer steps, the optimizer lane copies its fp32 parameters and Adam's two moments into
 reused buffers (ahead, while the lane is idle, where it can), reading and writing 12 bytes per

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ..params.weights import group_by_lowest_layer
 from ..tracing.records import TraceRecord, TraceRecorder
 from ..workers.completions import PipelineError
+from ..workers.threads import WAITING_THREADS, set_intra_op_threads
 
 
 class NodeSyncError(PipelineError):
@@ -87,6 +88,7 @@ class GradientSync:
         self._watch.put(pending)
 
     def _watch_loop(self) -> None:
+        set_intra_op_threads(WAITING_THREADS)  # explicit: unset, a thread takes whatever count was set last
         while True:
             pending = self._watch.get()
             if pending is None:

@@ -28,9 +28,9 @@ from torch.utils import _pytree as pytree
 from ..schedule.dispatch_order import ROUND_ROBIN, Schedule
 from ..schedule.history import WorkerHistory
 from ..schedule.plan import Plan, PlanError
-from ..workers.completions import Completion, WorkerError
+from ..workers.completions import Completion, PipelineTimeout, WorkerError
 from ..workers.pool import WorkerPool
-from ..workers.threads import intra_op_threads
+from ..workers.threads import HOST_PHASE_THREADS, intra_op_threads
 from ..options import EngineOptions
 from .microbatch import merge_microbatches, split_microbatches
 from .calls import PipelineCalls
@@ -45,11 +45,6 @@ from ..params.weights import HostGradBuffers, LayerTable
 
 log = logging.getLogger("lightning_roundpipe")
 UNREAD_CALLS_KEPT = 16  # calls whose task times may still be read (several calls per step before backward)
-
-
-# Intra-op threads of the host thread during a call's pipelined phases (submitting, merging
-# outputs, accumulating gradients): the workers use the cores then (``workers/threads.py``).
-HOST_PHASE_THREADS = 1
 
 
 class PipelineEngine:
@@ -247,8 +242,18 @@ class PipelineEngine:
                     self.pool.drain()
                 except Exception:
                     self.pool.cancel_pending(exc)
-            else:  # a timeout or an interrupt: do not wait that long again
+            else:
                 self.pool.cancel_pending(exc)
+                if not isinstance(exc, (PipelineTimeout, KeyboardInterrupt)):
+                    # Any other error (a task's own PipelineError, a host-side one): the tasks still
+                    # running end before it reaches the caller, so no lane outlives the step. A lane left
+                    # inside a layer's compile would rewind torch's CPU generator when dynamo restores
+                    # it, later, under whatever runs then (issue 42). A timeout or an interrupt: do not
+                    # wait that long again.
+                    try:
+                        self.pool.drain()
+                    except Exception:  # noqa: BLE001 - the original error is the one to raise
+                        pass
             run = getattr(fn, "__self__", None)
             if isinstance(run, StepRun):
                 run.drop_device_values()  # what failed readers never read would stay on the device

@@ -13,14 +13,15 @@ call's forward is over and only if some layer actually drew random numbers. A ru
 draw nothing leaves the caller's stream exactly as a plain run would; one with dropout leaves
 it where earlier versions of this engine did (one draw per call).
 
-On CUDA every layer runs seeded with its device's generator, and holds that generator alone
-while it runs (``device_generator_gate``): workers on distinct GPUs never wait for one another,
-but workers sharing one GPU (``devices=[0, 0]``) share its one generator, and without the gate
-one worker's seed could land between another's seed and its draws, so forward and recompute
-would draw different masks, silently. The hold covers only the host's launch of the layer's
-kernels (a kernel takes its generator seed and offset when launched), which holds the GIL anyway.
-On the CPU backend all workers share the process's CPU generator, so a seeded layer
-must have it to itself; layers known not to draw need not wait for one another:
+On CUDA a seeded layer runs with its device's generator and holds it alone while it runs
+(``device_generator_gate``): workers on distinct GPUs never wait for one another, but workers
+sharing one GPU (``devices=[0, 0]``) share its one generator, and without the gate one worker's
+seed could land between another's seed and its draws, so forward and recompute would draw
+different masks, silently. The hold covers only the host's launch of the layer's kernels (a
+kernel takes its generator seed and offset when launched, so a draw shows on the host at once).
+On the CPU backend all workers share the process's CPU generator. On both, a seeded layer must
+have its generator to itself, and layers known not to draw need not wait for one another (the
+same gate, over the device's generator on CUDA: its per-layer cost on the host is the CPU's):
 
 - **Exclusive** (seeded, one at a time, as on CUDA): a layer that may draw. That is one the
   static check ``uses_randomness`` flags, one that drew on an earlier call, and one never
@@ -304,6 +305,9 @@ _DEVICE_GATES_LOCK = threading.Lock()
 def device_generator_gate(device: torch.device) -> CpuGeneratorGate:
     """The gate over CUDA ``device``'s generator, one per device index, shared by every worker on it."""
     index = device.index if device.index is not None else torch.cuda.current_device()
+    gate = _DEVICE_GATES.get(index)  # around every layer call: the lock only to create it
+    if gate is not None:
+        return gate
     with _DEVICE_GATES_LOCK:
         gate = _DEVICE_GATES.get(index)
         if gate is None:
@@ -390,6 +394,11 @@ class CallRng:
             self._submodules[id(module)] = entry  # two threads may both fill it: the same tree either way
         return tuple(m.training for m in entry[1])
 
+    @staticmethod
+    def _gate(device: torch.device) -> CpuGeneratorGate:
+        """The gate over the generator a layer on ``device`` draws from: the device's on CUDA, else the CPU's."""
+        return device_generator_gate(device) if device.type == "cuda" else CPU_GENERATOR
+
     def all_quiet(self, modules) -> bool | None:
         """Whether every one of ``modules`` (with its training flags now) is known not to draw: False once
         one is known to draw, True once all are known not to, else None (one has not run with these flags)."""
@@ -401,20 +410,21 @@ class CallRng:
     @contextlib.contextmanager
     def quiet_run(self, device: torch.device, layers: range, microbatch: int, modules, recompute: bool = False):
         """Around a run of ``layers`` (``modules``) on one worker, when no layer of the call may draw (the
-        caller checks ``all_quiet``): on the CPU backend, one shared period for the whole run, checked
-        once at its end, instead of one per layer (a shared period's entry and exit cost 7-11 us of
-        the GIL, around every layer call). Yields whether it holds that period; when it does, each
+        caller checks ``all_quiet``): one shared period of the device's generator for the whole run,
+        checked once at its end, instead of one per layer (a shared period's entry and exit cost 7-11 us
+        of the GIL, around every layer call). Yields whether it holds that period; when it does, each
         layer runs without ``layer``. A change of the generator seen at the end fails the call as a
         shared layer's does, and marks every layer of the run as drawing."""
-        if device.type != "cpu" or len(layers) < 2 or CPU_GENERATOR.held_here():
+        gate = self._gate(device)
+        if len(layers) < 2 or gate.held_here():
             yield False
             return
         names = ", ".join(dict.fromkeys(type(m).__name__ for m in modules))  # in layer order, each once
-        token = CPU_GENERATOR.enter_shared((layers, microbatch, names), self.timeout_s, self.owner, self._where())
+        token = gate.enter_shared((layers, microbatch, names), self.timeout_s, self.owner, self._where())
         try:
             yield True
         finally:
-            seen = CPU_GENERATOR.exit_shared(token)
+            seen = gate.exit_shared(token)
         if seen:
             for m in modules[1:]:
                 self._draws.note(m, self._flags(m), True)
@@ -430,23 +440,26 @@ class CallRng:
         ``module`` is the layer (without it the call always runs seeded); ``recompute``: this call
         recomputes one the forward made, and must draw what it drew."""
         seed = layer_seed(self.base_seed, layer, microbatch)
-        if device.type == "cuda":
-            with self._device_layer(device, seed, (layer, microbatch, type(module).__name__ if module is not None
-                                                   else "layer")):
-                yield
-            return
         flags = None if module is None else self._flags(module)
-        if module is not None and self._draws.known(module, flags) is False and not CPU_GENERATOR.held_here():
+        gate = self._gate(device)
+        if module is not None and self._draws.known(module, flags) is False and not gate.held_here():
             # Shared (inlined rather than a nested context manager: this runs around every layer call)
-            token = CPU_GENERATOR.enter_shared((layer, microbatch, type(module).__name__), self.timeout_s, self.owner,
-                                               self._where())
+            token = gate.enter_shared((layer, microbatch, type(module).__name__), self.timeout_s, self.owner,
+                                      self._where())
             try:
                 yield
             finally:
-                seen = CPU_GENERATOR.exit_shared(token)
+                seen = gate.exit_shared(token)
             if seen:
                 self._unseeded_draw((layer, microbatch, type(module).__name__), module, flags, seen)
             self._check_end((layer, microbatch), None, recompute, module)
+            return
+        if device.type == "cuda":
+            with self._device_layer(device, seed, (layer, microbatch, type(module).__name__ if module is not None
+                                                   else "layer")) as drew:
+                yield
+            if module is not None and drew:  # known after the layer returned: a failed call teaches nothing
+                self._draws.note(module, flags, drew[0] or uses_randomness(module))
             return
         what = (layer, microbatch, type(module).__name__ if module is not None else "layer")
         with CPU_GENERATOR.exclusive(what, self.timeout_s, self.owner, self._where()) as hold:
@@ -472,8 +485,11 @@ class CallRng:
 
     @contextlib.contextmanager
     def _device_layer(self, device: torch.device, seed: int, what: tuple):
-        """One layer on a CUDA device, seeded, holding the device's generator alone (see the module doc)."""
+        """One layer on a CUDA device, seeded, holding the device's generator alone (see the module doc).
+        Yields a list that holds, once the layer returned, whether it drew (empty if it raised or its
+        hold was abandoned: nothing it saw is known to be its own)."""
         gen, gate = cuda_generator(device), device_generator_gate(device)
+        outcome: list[bool] = []
         with gate.exclusive(what, self.timeout_s, self.owner, self._where()) as hold:
             state = gen.get_state()
             if hold.saved is None:  # the outermost call of a nested hold: what abandoning it puts back
@@ -481,12 +497,14 @@ class CallRng:
             gen.manual_seed(seed)
             offset = gen.get_offset()
             try:
-                yield
+                yield outcome
             finally:
                 drew = gen.get_offset() != offset
                 gate.put_back(hold, state)
-            if drew and not hold.abandoned:
-                self.drew = True  # only ever set: workers running at once cannot undo each other's
+            if not hold.abandoned:
+                outcome.append(drew)
+                if drew:
+                    self.drew = True  # only ever set: workers running at once cannot undo each other's
 
     def _unseeded_draw(self, what: tuple, module: nn.Module, flags: tuple, seen: list):
         """A shared call saw the generator change (``seen``: who ran alongside): mark the layer drawing, fail.

@@ -160,7 +160,7 @@ class TaskWork:
         saved = {}
         run = range(start, end)
         quiet = (self.rng.quiet_run(device, run, mb, layers[start:end], recompute)
-                 if len(run) > 1 and device.type == "cpu" and self.quiet_call() else contextlib.nullcontext(False))
+                 if len(run) > 1 and self.quiet_call() else contextlib.nullcontext(False))
         with quiet as in_quiet_run:
             for l in run:
                 with self.layer_scope(device, weights, l, mb, recompute, in_quiet_run):

@@ -19,14 +19,19 @@ from typing import Callable
 
 from ..tracing.records import TraceRecord, TraceRecorder
 from ..workers.completions import Completion, TaskLabel
+from ..workers.threads import host_optimizer_threads, set_intra_op_threads
 
 
 class HostLane:
     """The host thread the overlapped optimizer's layer steps run on, one after another."""
-    def __init__(self, trace: TraceRecorder, notifier=None, name: str = "roundpipe-optim"):
+    def __init__(self, trace: TraceRecorder, notifier=None, name: str = "roundpipe-optim", threads: int | None = None):
         """``notifier``: the worker pool whose lanes wait for these completions (uploads gated on
-        a layer's new version), told when each one is set."""
+        a layer's new version), told when each one is set. ``threads``: the thread's torch intra-op
+        threads, set as it starts (default: ``host_optimizer_threads(notifier)``, the usable cores
+        the pool's compute lanes do not need; unset, it would take whatever count another thread
+        set last, 1 during the pipelined phases)."""
         self.trace = trace
+        self.threads = host_optimizer_threads(notifier) if threads is None else max(1, int(threads))
         self._notifier = notifier
         self._waiting: list = []  # heap of (rank, submission number, item); item None stops the thread
         self._count = itertools.count()
@@ -60,6 +65,7 @@ class HostLane:
             return heapq.heappop(self._waiting)[2]
 
     def _loop(self) -> None:
+        set_intra_op_threads(self.threads)
         while True:
             item = self._next()
             if item is None:

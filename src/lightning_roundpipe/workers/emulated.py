@@ -45,6 +45,7 @@ from .cuda import FakeCudaWorkerPool
 from .host_buffers import DEFAULT_CAP_BYTES
 from .pool import Lane, Task
 from .streams import FakeEvent, FakeStream, FakeStreams
+from .threads import WAITING_THREADS, set_intra_op_threads
 
 DeviceTime = Callable[[TaskLabel, int], float]
 TRANSFER_KINDS = frozenset({"weights", "act_in", "grad_in", "act_out", "act_save", "grad_out", "loss", "wgrad"})
@@ -146,6 +147,7 @@ class EmulatedStreams(FakeStreams):
             return True
 
     def _complete_due(self) -> None:
+        set_intra_op_threads(WAITING_THREADS)  # explicit: unset, a thread takes whatever count was set last
         cond = self._due_cond
         while True:
             with cond:

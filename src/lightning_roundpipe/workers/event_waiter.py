@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from .threads import WAITING_THREADS, set_intra_op_threads
+
 log = logging.getLogger("lightning_roundpipe")
 
 
@@ -57,6 +59,7 @@ class StreamEventWaiter:
         return not self._thread.is_alive()
 
     def _loop(self) -> None:
+        set_intra_op_threads(WAITING_THREADS)  # explicit: unset, a thread takes whatever count was set last
         while True:
             with self._cond:
                 while not self._heap and not self._stopping:
