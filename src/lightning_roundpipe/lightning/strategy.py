@@ -325,7 +325,13 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             self._overlap_after_fit = overlap_state_of_finished(runtime.overlapped)
 
     def _export_timeline(self, runtime: RoundPipeRuntime) -> None:
-        written = runtime.export_timeline(self._trace_dir)
+        # The steps trained already: an artefact that cannot be written must not fail the fit (issue 43).
+        try:
+            written = runtime.export_timeline(self._trace_dir)
+        except OSError as err:
+            rank_zero_warn(f"RoundPipe could not write its timeline to RoundPipeStrategy(trace_dir={self._trace_dir!r}): "
+                           f"{err}. Training finished; choose a writable trace_dir (or trace_steps=0) next time.")
+            return
         if written:
             rank_zero_info(f"RoundPipe timeline written: {', '.join(written)}")
 
