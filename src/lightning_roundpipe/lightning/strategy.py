@@ -66,6 +66,8 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
         if options is not None and option_values:
             raise TypeError("RoundPipeStrategy takes either options=StrategyOptions(...) or keyword options, not both")
         self.options = options.validate() if options is not None else strategy_options(**option_values)
+        if isinstance(self.checkpoint_io, AtomicCheckpointIO):
+            self.checkpoint_io.verify = self.options.verify_checkpoints
         self.runtime: RoundPipeRuntime | None = None
         self.num_nodes = 1
         self._trace_dir: str | None = None
@@ -175,7 +177,8 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             weight_reads.join_before_reads(self.lightning_module, self.join)
         self.calls_overlap = bool(fitting and self.options.overlap_calls
                                    and calls_may_overlap(trainer, self.lightning_module))
-        if self.options.step_metrics and not any(isinstance(cb, RoundPipeStepMetrics) for cb in trainer.callbacks):
+        if (self.options.step_metrics and self.options.log_step_metrics
+                and not any(isinstance(cb, RoundPipeStepMetrics) for cb in trainer.callbacks)):
             trainer.callbacks.append(RoundPipeStepMetrics(prog_bar=self.options.progress_bar_metrics))
         # The plan table once the plan that will run is known (after the first batch chose an open microbatch count).
         self.runtime.when_plan_settled(lambda runtime=self.runtime: self._announce_plan(target, runtime))
