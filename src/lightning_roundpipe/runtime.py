@@ -28,6 +28,7 @@ from .workers.host_gc import OlderObjectsFrozen
 from .workers.host_heap import TRIM_EVERY_STEPS, return_free_heap
 from .engine import PipelineEngine
 from .engine.buffers import expect_buffer_writes
+from .engine.rng import CPU_GENERATOR
 from .engine.microbatch import MicrobatchError, batch_size_of, register_batch_types
 from .schedule.dispatch_order import schedule_named
 from .schedule.plan import PlanError
@@ -507,6 +508,13 @@ def check_writable_dir(directory, option: str) -> str:
     except OSError as err:
         raise OptionError(f"{option}={os.fspath(directory)!r}: cannot write there ({err}); pass a writable folder") from err
     return os.fspath(directory)
+
+
+def holding_cpu_generator(what: str):
+    """A context holding torch's CPU generator alone: no runtime's layer that guards it runs meanwhile.
+    For draws made outside pipelined calls while another runtime's layers may run (``what`` names
+    the holder in timeout messages)."""
+    return CPU_GENERATOR.exclusive(what)
 
 
 def run_all(steps) -> None:

@@ -35,6 +35,7 @@ from .checkpoint_io import AtomicCheckpointIO
 from .checkpoint_policy import (checkpoint_state, load_checkpoint_state, load_overlap_state, overlap_state,
                                 overlap_state_of_finished, refuse_unloadable_optimizer_states)
 from .call_overlap import calls_may_overlap
+from .concurrent_fits import LiveFit, gate_data_draws
 from .early_steps import early_steps_allowed, layer_loss_scaler, unscales_inside_step
 from .node_collectives import NodeCollectives
 from .precision import HostScaledMixedPrecision, compute_dtype_of, translate
@@ -69,6 +70,7 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
         if isinstance(self.checkpoint_io, AtomicCheckpointIO):
             self.checkpoint_io.verify = self.options.verify_checkpoints
         self.runtime: RoundPipeRuntime | None = None
+        self._live_fit: LiveFit | None = None  # while a runtime is attached (concurrent_fits.py)
         self.num_nodes = 1
         self._trace_dir: str | None = None
         self._announced: str | None = None  # the plan table last printed
@@ -157,6 +159,7 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             from ..distributed.gradient_sync import broadcast_module
 
             broadcast_module(self.lightning_module)  # every node starts from rank 0's weights
+        self._live_fit = LiveFit()
         self.runtime = RoundPipeRuntime.attach(
             target.module, backend=backend, num_workers=self.num_workers, options=self.options.runtime_options(),
             kind=target.kind, path=target.path, device_indices=indices, sync_gradients=self.world_size > 1,
@@ -182,6 +185,11 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             trainer.callbacks.append(RoundPipeStepMetrics(prog_bar=self.options.progress_bar_metrics))
         # The plan table once the plan that will run is known (after the first batch chose an open microbatch count).
         self.runtime.when_plan_settled(lambda runtime=self.runtime: self._announce_plan(target, runtime))
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """A DataLoader's draws from torch's CPU generator wait for other fits' layers (``concurrent_fits``)."""
+        return gate_data_draws(dataloader)
 
     def _steps_layer_by_layer(self, optimizer) -> bool:
         """Whether ``optimizer`` may be stepped layer by layer behind the pipeline; if not, Lightning
@@ -317,8 +325,10 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             if self.options.trace_steps and self._trace_dir:
                 steps.append(lambda: self._export_timeline(runtime))
             steps.append(runtime.detach)
+        if self._live_fit is not None:
+            steps.append(self._live_fit.leave)
         steps.append(super().teardown)
-        self.runtime = None
+        self.runtime, self._live_fit = None, None
         run_all(steps)
 
     def _keep_overlap_state(self, runtime: RoundPipeRuntime) -> None:
