@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
 from ..adapters.target import find_target
+from ..adapters.unpipelined_calls import DirectDecoderCalls
 from ..optim.per_layer_support import declaration_hint, why_not_per_layer
 from ..option_docs import args_section
 from ..options import OptionError, StrategyOptions, option_keywords_signature, strategy_options
@@ -71,6 +72,7 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             self.checkpoint_io.verify = self.options.verify_checkpoints
         self.runtime: RoundPipeRuntime | None = None
         self._live_fit: LiveFit | None = None  # while a runtime is attached (concurrent_fits.py)
+        self._direct_calls: DirectDecoderCalls | None = None  # a causal LM's decoder called around the pipeline
         self.num_nodes = 1
         self._trace_dir: str | None = None
         self._announced: str | None = None  # the plan table last printed
@@ -164,6 +166,7 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             target.module, backend=backend, num_workers=self.num_workers, options=self.options.runtime_options(),
             kind=target.kind, path=target.path, device_indices=indices, sync_gradients=self.world_size > 1,
             root_module=self.lightning_module, options_owner="RoundPipeStrategy", progress=self.setup_progress())
+        self._direct_calls = _watch_decoder(target)
         plugin = self.precision_plugin
         if isinstance(plugin, HostScaledMixedPrecision):
             plugin.steps_early(None)  # a previous fit's optimizers
@@ -327,6 +330,9 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             steps.append(runtime.detach)
         if self._live_fit is not None:
             steps.append(self._live_fit.leave)
+        if self._direct_calls is not None:
+            steps.append(self._direct_calls.remove)
+            self._direct_calls = None
         steps.append(super().teardown)
         self.runtime, self._live_fit = None, None
         run_all(steps)
@@ -363,6 +369,19 @@ RoundPipeStrategy.__init__.__doc__ = "\n".join((
     *(f"    {name}: set by the Trainer." for name in
       ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")),
 ))
+
+
+def _watch_decoder(target) -> DirectDecoderCalls | None:
+    """For a pipelined causal LM: warn once if its decoder is called directly (``adapters/unpipelined_calls``)."""
+    if target.kind != "causal_lm":
+        return None
+    from ..adapters.hf_causal_lm import unwrap_peft
+
+    get_decoder = getattr(unwrap_peft(target.module), "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    if not isinstance(decoder, torch.nn.Module) or decoder is target.module:
+        return None
+    return DirectDecoderCalls(target.module, decoder)
 
 
 def register() -> None:
