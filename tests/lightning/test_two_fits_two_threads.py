@@ -70,3 +70,21 @@ def test_a_served_dataloader_keeps_its_class_and_batches_and_waits_only_beside_a
         fits[0].leave()  # idempotent
     assert live_fits() == before
     assert all(torch.equal(a, b) for a, b in zip(served, plain)) and len(served) == 2
+
+
+@pytest.mark.timeout(60)
+def test_after_fit_the_users_dataloader_has_its_own_class_again():
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    class Served(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            self.gated = trainer.train_dataloader is loader and getattr(loader, "_roundpipe_gated", False)
+
+    loader, served = DataLoader(make_data(n=8), batch_size=4), Served()
+    trainer = L.Trainer(strategy=RoundPipeStrategy(microbatches=2), accelerator="cpu", devices=2, max_steps=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[served])
+    trainer.fit(SeqModule(), loader)
+    assert served.gated  # during fit: the user's own loader, gated
+    assert type(loader) is DataLoader

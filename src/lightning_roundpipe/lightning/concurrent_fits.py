@@ -91,7 +91,14 @@ def _gated_class(cls: type) -> type:
 def gate_data_draws(dataloader):
     """``dataloader`` (a DataLoader; anything else is returned as it is), made to start iterators and
     fetch batches holding torch's CPU generator alone while another RoundPipe fit is live. It stays
-    an instance of its own class (a subclass of it with the same name)."""
+    an instance of its own class (a subclass of it with the same name) until ``ungate``."""
     if isinstance(dataloader, DataLoader) and not getattr(dataloader, "_roundpipe_gated", False):
         dataloader.__class__ = _gated_class(type(dataloader))
     return dataloader
+
+
+def ungate(dataloader) -> None:
+    """Give a DataLoader ``gate_data_draws`` changed its own class back (the fit that served it is over)."""
+    cls = type(dataloader)
+    if cls in _gated_classes.values():
+        dataloader.__class__ = cls.__mro__[1]

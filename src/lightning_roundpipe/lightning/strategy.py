@@ -36,7 +36,7 @@ from .checkpoint_io import AtomicCheckpointIO
 from .checkpoint_policy import (checkpoint_state, load_checkpoint_state, load_overlap_state, overlap_state,
                                 overlap_state_of_finished, refuse_unloadable_optimizer_states)
 from .call_overlap import calls_may_overlap
-from .concurrent_fits import LiveFit, gate_data_draws
+from .concurrent_fits import LiveFit, gate_data_draws, ungate
 from .early_steps import early_steps_allowed, layer_loss_scaler, unscales_inside_step
 from .node_collectives import NodeCollectives
 from .precision import HostScaledMixedPrecision, compute_dtype_of, translate
@@ -72,6 +72,7 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             self.checkpoint_io.verify = self.options.verify_checkpoints
         self.runtime: RoundPipeRuntime | None = None
         self._live_fit: LiveFit | None = None  # while a runtime is attached (concurrent_fits.py)
+        self._served_loaders: list = []  # the DataLoaders process_dataloader gated, given back at teardown
         self._direct_calls: DirectDecoderCalls | None = None  # a causal LM's decoder called around the pipeline
         self.num_nodes = 1
         self._trace_dir: str | None = None
@@ -192,7 +193,9 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """A DataLoader's draws from torch's CPU generator wait for other fits' layers (``concurrent_fits``)."""
-        return gate_data_draws(dataloader)
+        gated = gate_data_draws(dataloader)
+        self._served_loaders.append(gated)
+        return gated
 
     def _steps_layer_by_layer(self, optimizer) -> bool:
         """Whether ``optimizer`` may be stepped layer by layer behind the pipeline; if not, Lightning
@@ -330,6 +333,8 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             steps.append(runtime.detach)
         if self._live_fit is not None:
             steps.append(self._live_fit.leave)
+        loaders, self._served_loaders = self._served_loaders, []
+        steps.extend(lambda loader=loader: ungate(loader) for loader in loaders)
         if self._direct_calls is not None:
             steps.append(self._direct_calls.remove)
             self._direct_calls = None
