@@ -534,8 +534,8 @@ class StrategyOptions(RuntimeOptions):
         (``strategy.runtime.last_metrics`` during fit).
     verify_checkpoints: check every entry of a checkpoint against the CRC-32 stored in it before
         loading it, and refuse a changed file (``CheckpointIntegrityError`` naming the file). Off by
-        default: it added 24% to a 1 GiB load measured here (0.82 s of CRC-32 on a 1.73 s load; ``python -m
-        benchmarks.calibration.checkpoint_integrity``), over the 5% a default may cost.
+        default: it added 24% and 36% to a 1 GiB load in two runs here (0.82 s of CRC-32 on a 1.73 s load,
+        0.45 s on 1.03 s; ``python -m benchmarks.calibration.checkpoint_integrity``), over the 5% a default may cost.
     """
 
     module: Optional[str] = None
