@@ -25,8 +25,10 @@ from torch import nn
 from .options import OptionError, RuntimeOptions
 from .workers.matmul_accumulation import Fp16Accumulation
 from .workers.host_gc import OlderObjectsFrozen
+from .workers.host_heap import TRIM_EVERY_STEPS, return_free_heap
 from .engine import PipelineEngine
 from .engine.buffers import expect_buffer_writes
+from .engine.rng import CPU_GENERATOR
 from .engine.microbatch import MicrobatchError, batch_size_of, register_batch_types
 from .schedule.dispatch_order import schedule_named
 from .schedule.plan import PlanError
@@ -262,6 +264,8 @@ class RoundPipeRuntime:
 
     def _after_step(self, run) -> None:
         self.host_clock.backward_done(run, self.trace.records(run.step))
+        if run.step % TRIM_EVERY_STEPS == 0:
+            return_free_heap()  # the host threads' arenas keep freed pages otherwise (workers/host_heap.py)
         new_plan = self.planner.after_step(run.measurements)
         if new_plan is not None:
             self.engine.set_plan(new_plan)
@@ -274,8 +278,8 @@ class RoundPipeRuntime:
                 self.last_metrics["peak_device_bytes"] = self.pool.peak_device_bytes()
             if len(self.kept_steps) < self.options.trace_steps:
                 self.kept_steps.append(run.step)
-            else:
-                self.trace.discard_step(run.step)
+            # late records of earlier steps (host-lane updates) too: memory stays flat (issue 43)
+            self.trace.discard_unkept(run.step, self.kept_steps)
 
     def export_timeline(self, directory) -> list[str]:
         """Write the kept steps as a Chrome/Perfetto trace and, with matplotlib, a PNG Gantt chart."""
@@ -504,6 +508,13 @@ def check_writable_dir(directory, option: str) -> str:
     except OSError as err:
         raise OptionError(f"{option}={os.fspath(directory)!r}: cannot write there ({err}); pass a writable folder") from err
     return os.fspath(directory)
+
+
+def holding_cpu_generator(what: str):
+    """A context holding torch's CPU generator alone: no runtime's layer that guards it runs meanwhile.
+    For draws made outside pipelined calls while another runtime's layers may run (``what`` names
+    the holder in timeout messages)."""
+    return CPU_GENERATOR.exclusive(what)
 
 
 def run_all(steps) -> None:

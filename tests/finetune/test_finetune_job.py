@@ -71,7 +71,7 @@ def test_default_config_composes_to_documented_values():
         # the rest of lightning_roundpipe.options.StrategyOptions, which the YAML extends (defaults)
         "cpu_threads_per_worker": 1, "cpu_reuse_freed_memory": True, "seed": 0, "trace_steps": 0,
         "step_metrics": True, "workers": None, "trace_dir": None, "checkpoint_weights": "full",
-        "progress_bar_metrics": False,
+        "progress_bar_metrics": False, "log_step_metrics": True, "verify_checkpoints": False,
         "allow_unverified": False, "logits_with_loss": False, "optimizer_undo": True, "overlap_calls": True, "cpu_memory_cap_bytes": None,
         "batch_statistics": "refuse",
         "schedule": "round_robin",

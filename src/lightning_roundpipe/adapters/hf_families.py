@@ -139,3 +139,30 @@ def refusal_reason(family: Family, config: Any) -> str | None:
         if getattr(config, attribute, False):
             return f"config.{attribute}={getattr(config, attribute)!r}: {reason}"
     return None
+
+
+STATE_SPACE = "a state-space (SSM) model, whose blocks carry a recurrent state instead of attention"
+HYBRID = "a hybrid of state-space (SSM) and attention layers of different kinds"
+ENCODER_DECODER = "an encoder-decoder model"
+VISION_LANGUAGE = "a vision-language model (an image encoder wrapped around a language model)"
+
+UNSUPPORTED_KINDS: dict[str, str] = {
+    **{t: STATE_SPACE for t in ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm")},
+    **{t: HYBRID for t in ("jamba", "zamba", "zamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h",
+                           "lfm2", "qwen3_next", "recurrent_gemma", "plamo2", "minimax")},
+}
+"""Layer kinds the causal-LM adapter does not pipeline, by ``config.model_type`` (others are read from
+the config: ``is_encoder_decoder``, a ``vision_config``)."""
+
+
+def unsupported_kind(model_type: str | None, config: Any) -> str | None:
+    """What kind of model this is when the causal-LM adapter cannot pipeline its kind (None: it may)."""
+    if model_type in FAMILIES:
+        return None
+    if model_type in UNSUPPORTED_KINDS:
+        return UNSUPPORTED_KINDS[str(model_type)]
+    if getattr(config, "is_encoder_decoder", False):
+        return ENCODER_DECODER
+    if getattr(config, "vision_config", None) is not None:
+        return VISION_LANGUAGE
+    return None

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .input_errors import UnsupportedInputError
+
 
 class HiddenStatesNotReturnedError(LookupError):
     """A hidden state other than the last one was read from a pipelined output (not an ``IndexError``, which
@@ -131,10 +133,10 @@ def logits_to_keep_for_batch(logits_to_keep: Any, batch_size: int) -> Any:
             return logits_to_keep.unsqueeze(0).expand(batch_size, -1)
         if logits_to_keep.dim() == 2 and logits_to_keep.shape[0] == batch_size:
             return logits_to_keep
-        raise ValueError(f"logits_to_keep must be an int, a 1-D tensor of positions or a [batch, ...] tensor; got "
+        raise UnsupportedInputError(f"logits_to_keep must be an int, a 1-D tensor of positions or a [batch, ...] tensor; got "
                          f"shape {tuple(logits_to_keep.shape)} for a batch of {batch_size}")
     if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int):
-        raise ValueError(f"logits_to_keep must be an int or a tensor, got {logits_to_keep!r}")
+        raise UnsupportedInputError(f"logits_to_keep must be an int or a tensor, got {logits_to_keep!r}")
     return None if logits_to_keep == 0 else logits_to_keep
 
 
@@ -152,7 +154,7 @@ def pooled_logits(logits: torch.Tensor, input_ids: torch.Tensor, config: Any) ->
     pad = config.get_text_config().pad_token_id
     rows = input_ids.shape[0]
     if pad is None and rows != 1:
-        raise ValueError("Cannot handle batch sizes > 1 if no padding token is defined.")
+        raise UnsupportedInputError("Cannot handle batch sizes > 1 if no padding token is defined.")
     if pad is None:
         last = -1
     else:

@@ -46,6 +46,7 @@ from torch import nn
 from .grouped_experts import install_grouped_experts
 from .hf_causal_lm import CausalLMLayers, UnsupportedModelError, count_loss_tokens, unwrap_peft
 from .hf_moe import aux_loss
+from .input_errors import UnsupportedInputError
 from .hf_self_check import build_layers, check_unverified
 from .mask_facts import host_facts
 from .unpipelined_calls import CACHE_GIVEN, USE_CACHE, UnpipelinedNotice
@@ -163,7 +164,7 @@ class PipelinedCausalLMForward:
                                             cache=cache if cache is not None else past_key_values,
                                             use_cache=use_cache, **kwargs)
         if inputs_embeds is not None or input_ids is None:
-            raise ValueError("the RoundPipe pipeline of a causal LM takes input_ids (inputs_embeds is not supported)")
+            raise UnsupportedInputError("the RoundPipe pipeline of a causal LM takes input_ids (inputs_embeds is not supported)")
         hidden_request, num_items_in_batch, keep = self.read_options(input_ids, labels, kwargs)
         batch = self.batch(input_ids, attention_mask, position_ids, labels, use_cache, hidden_request, keep)
         tokens = int(input_ids.numel())
@@ -180,7 +181,7 @@ class PipelinedCausalLMForward:
         if labels is None:
             return self.logits_output(batch, tokens, with_stats, hidden_request)
         if labels.shape != input_ids.shape:
-            raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+            raise UnsupportedInputError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
         own_loss = user_loss_function(self.inner)
         if own_loss is not None:
             return self.user_loss_output(batch, tokens, with_stats, hidden_request, labels, num_items_in_batch, own_loss)
@@ -199,9 +200,9 @@ class PipelinedCausalLMForward:
         keep = logits_to_keep_for_batch(keep.get(self.keep_option, 0), int(input_ids.shape[0]))
         unknown = sorted(set(kwargs) - _IGNORED_KWARGS)
         if unknown:
-            raise ValueError(f"the RoundPipe pipeline of a causal LM does not take {unknown}")
+            raise UnsupportedInputError(f"the RoundPipe pipeline of a causal LM does not take {unknown}")
         if keep is not None and labels is not None:
-            raise ValueError(f"the RoundPipe pipeline takes {self.keep_option} without labels only (the model's loss "
+            raise UnsupportedInputError(f"the RoundPipe pipeline takes {self.keep_option} without labels only (the model's loss "
                              f"would compare the kept positions' logits with every label); pass one or the other")
         return hidden_request, num_items_in_batch, keep
 

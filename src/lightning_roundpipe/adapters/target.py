@@ -96,6 +96,48 @@ def _refuse_compiled_hf(module: Any, where: str) -> None:
             "parts of your own code outside the model)")
 
 
+def _refuse_unsupported_kind(module: Any, where: str, path: str) -> None:
+    """Refuse, before the adapter looks for Llama's attributes, a Hugging Face model whose kind (SSM,
+    hybrid, encoder-decoder, vision-language) the causal-LM adapter does not pipeline, saying what is
+    supported and whether ``allow_unverified`` or ``module=`` would help."""
+    from .hf_families import ENCODER_DECODER, FAMILIES, HYBRID, unsupported_kind
+
+    inner = _base_model(module)
+    config = getattr(inner, "config", None)
+    model_type = getattr(config, "model_type", None)
+    kind = unsupported_kind(model_type, config)
+    if kind is None:
+        return
+    stacks = [] if kind == ENCODER_DECODER else find_stacks(inner, "" if inner is module else "base_model.model.")
+    where_path = path or "<path to the model>"
+    if stacks:
+        suggested = " or ".join(f"RoundPipeStrategy(module='{where_path}.{s.path}')" for s in stacks)
+        module_help = (f"module= can pipeline its stack of blocks alone ({', '.join(s.describe() for s in stacks)}): "
+                       f"{suggested} (plain PyTorch: RoundPipeRuntime.attach(model.{stacks[0].path})); the rest of "
+                       "its forward runs on the host, and a stack whose blocks hand other values along is refused on "
+                       "the first call, before any weight changes")
+    elif kind == ENCODER_DECODER:
+        module_help = ("module= would not help either: its blocks hand values other than the hidden states along "
+                       "(T5's position bias, the encoder's states for the decoder's cross-attention), which a "
+                       "pipelined stack of blocks refuses. Train it with Lightning's default strategy")
+    else:
+        module_help = ("module= would not help either: " + ("its layers are not one stack of like blocks"
+                                                            if kind == HYBRID else "RoundPipe found no stack of "
+                                                            "blocks in it") + ". Train it with Lightning's default strategy")
+    raise PipelineTargetError(
+        f"{where} is a {type(inner).__name__} (model_type={model_type!r}): {kind}, which RoundPipe's causal-LM "
+        "adapter does not support. It pipelines decoder-only causal LMs whose forward is embeddings -> decoder "
+        f"layers -> norm -> head: the verified families {', '.join(sorted(FAMILIES))} (docs/models.md), an "
+        "nn.Sequential, or a stack of blocks named with module=. allow_unverified=True would not help: it accepts "
+        f"only decoder-only causal LMs laid out like those families. {module_help}.")
+
+
+def _base_model(module: Any) -> Any:
+    """A peft model's base model; any other module itself."""
+    get_base = getattr(module, "get_base_model", None)
+    return get_base() if callable(get_base) and _is_hf_model(module) else module
+
+
 def _the_one_stack(stacks: list, several: str) -> Target:
     """The target for the only block stack found; ``several`` (a message with ``{}`` for the list) if more."""
     if len(stacks) > 1:
@@ -106,6 +148,8 @@ def _the_one_stack(stacks: list, several: str) -> Target:
 def _named(module: nn.Module, path: str, where: str) -> Target:
     """The target for a module the user named (or handed to ``attach``)."""
     kind = _kind_of(module)
+    if kind == "causal_lm":
+        _refuse_unsupported_kind(module, where, path)
     if kind is not None:
         return Target(path, module, kind)
     _refuse_compiled_hf(module, where)
@@ -141,6 +185,8 @@ def find_target(lightning_module: nn.Module, path: str | None = None) -> Target:
     found = [(n, c, k) for n, c, k in found if k is not None]
     if len(found) == 1:
         name, child, kind = found[0]
+        if kind == "causal_lm":
+            _refuse_unsupported_kind(child, f"{type(lightning_module).__name__}.{name}", name)
         return Target(name, child, kind)
     cls = type(lightning_module).__name__
     if found:
@@ -155,12 +201,37 @@ def find_target(lightning_module: nn.Module, path: str | None = None) -> Target:
     if stacks:
         return _the_one_stack(stacks, f"RoundPipe found several block stacks in {cls}: {{}}. Name the one to pipeline "
                               f"with RoundPipeStrategy(module='{stacks[-1].path}') (the others run unpipelined on the host)")
+    nested = _nested_hf_models(lightning_module)
+    if nested:
+        named = " or ".join(f"RoundPipeStrategy(module='{p}')" for p, _ in nested)
+        found_text = ", ".join(f"{p} ({type(m).__name__})" for p, m in nested)
+        raise PipelineTargetError(
+            f"RoundPipe found no module to pipeline at the top level of {cls}, but it holds a Hugging Face model "
+            f"below it: {found_text}. Name it: {named}")
     raise PipelineTargetError(
         f"RoundPipe found no module to pipeline in {cls}: it looks for one top-level nn.Sequential attribute, one "
         "supported Hugging Face causal LM, or one stack of blocks (an nn.ModuleList of blocks applied one after another "
         "in forward). Put the layers in an nn.Sequential attribute, or pass "
         f"RoundPipeStrategy(module='dotted.path.to.module'). {_DECLARE}"
     )
+
+
+def _nested_hf_models(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost Hugging Face models below ``root``'s children (``self.model.lm``), with their paths."""
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if _is_hf_model(child):
+                found.append((path, child))
+            else:
+                visit(child, path + ".")
+
+    for name, child in root.named_children():
+        if not _is_hf_model(child):
+            visit(child, name + ".")
+    return found
 
 
 def _is_causal_lm_class(model: nn.Module) -> bool:

@@ -7,7 +7,8 @@ pipeline, because the pipeline cannot split them into stages: a call with a key/
 samples in ``validation_step``; in training it silently moves the whole step onto the host CPU.
 So the first such call that trains (grad enabled, module in training mode) warns with an
 ``UnpipelinedCallWarning`` saying why and what to do, once per reason and runtime;
-``generate()`` (no grad) never warns.
+``generate()`` (no grad) never warns. ``DirectDecoderCalls`` does the same for a training call of the
+decoder inside a pipelined causal LM (``self.model.model(...)``), which bypasses the pipeline.
 """
 
 from __future__ import annotations
@@ -49,3 +50,43 @@ class UnpipelinedNotice:
             f"RoundPipe: a training call of {type(model).__name__} runs unpipelined, with the model's own forward on "
             f"the host CPU (exact, but nothing of it runs on the workers): {_WHY[reason]}. Said once per fit.",
             UnpipelinedCallWarning, stacklevel=4)
+
+
+class DirectDecoderCalls:
+    """Warns once when the decoder inside a pipelined causal LM (``LlamaForCausalLM.model``) is called
+    directly in training: that call runs the whole decoder unpipelined on the host CPU, silently.
+    Calls that come through the pipelined model itself (its own unpipelined paths) say nothing here.
+    ``remove`` takes the hooks away (the module is as it was)."""
+
+    def __init__(self, outer: nn.Module, decoder: nn.Module) -> None:
+        self.depth = 0
+        self.said = False
+        self.outer_name, self.decoder_name = type(outer).__name__, type(decoder).__name__
+        self.handles = [
+            outer.register_forward_pre_hook(self._enter),
+            outer.register_forward_hook(self._leave, always_call=True),
+            decoder.register_forward_pre_hook(self._decoder_called),
+        ]
+
+    def _enter(self, module, args) -> None:
+        self.depth += 1
+
+    def _leave(self, module, args, output) -> None:
+        self.depth -= 1
+
+    def _decoder_called(self, module, args) -> None:
+        if self.said or self.depth or not (torch.is_grad_enabled() and module.training):
+            return
+        self.said = True
+        warnings.warn(
+            f"RoundPipe: the {self.decoder_name} inside the pipelined {self.outer_name} was called directly in "
+            "training, so it ran whole and unpipelined on the host CPU (exact, but nothing of it runs on the workers: "
+            f"slow on a GPU server). Call the {self.outer_name} itself (with labels for its loss, or "
+            "output_hidden_states=True for the last hidden state), or name the decoder's layers with "
+            "RoundPipeStrategy(module=...). Said once per fit.", UnpipelinedCallWarning, stacklevel=3)
+
+    def remove(self) -> None:
+        """Take the hooks away."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []

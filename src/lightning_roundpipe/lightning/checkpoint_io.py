@@ -31,6 +31,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ..setup_progress import FileProgress, ProgressCallback
 from .checkpoint_errors import check_space, disk_filled, is_full_disk, unreadable
+from .checkpoint_integrity import verify_archive
 
 try:
     import fcntl
@@ -46,15 +47,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     Args:
         progress: called at each load for the ``progress(phase, done, total)`` callback to use
             (``None``: none), so that only rank zero draws.
+        verify: check every entry of a local checkpoint against its CRC-32 before loading it
+            (``checkpoint_integrity.verify_archive``; the strategy's ``verify_checkpoints``).
     """
 
-    def __init__(self, progress: Callable[[], ProgressCallback | None] | None = None):
+    def __init__(self, progress: Callable[[], ProgressCallback | None] | None = None, verify: bool = False):
         super().__init__()
         self.progress = progress
+        self.verify = verify
 
     def load_checkpoint(self, path, map_location=lambda storage, loc: storage, weights_only=None) -> dict:
         progress = self.progress() if self.progress is not None else None
         local = os.path.isfile(os.fspath(path))
+        if self.verify and local:
+            verify_archive(path)  # before anything is read into the model
         try:
             if progress is None or not local:
                 return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
 from ..adapters.target import find_target
+from ..adapters.unpipelined_calls import DirectDecoderCalls
 from ..optim.per_layer_support import declaration_hint, why_not_per_layer
 from ..option_docs import args_section
 from ..options import OptionError, StrategyOptions, option_keywords_signature, strategy_options
@@ -35,6 +36,7 @@ from .checkpoint_io import AtomicCheckpointIO
 from .checkpoint_policy import (checkpoint_state, load_checkpoint_state, load_overlap_state, overlap_state,
                                 overlap_state_of_finished, refuse_unloadable_optimizer_states)
 from .call_overlap import calls_may_overlap
+from .concurrent_fits import LiveFit, gate_data_draws, ungate
 from .early_steps import early_steps_allowed, layer_loss_scaler, unscales_inside_step
 from .node_collectives import NodeCollectives
 from .precision import HostScaledMixedPrecision, compute_dtype_of, translate
@@ -66,7 +68,12 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
         if options is not None and option_values:
             raise TypeError("RoundPipeStrategy takes either options=StrategyOptions(...) or keyword options, not both")
         self.options = options.validate() if options is not None else strategy_options(**option_values)
+        if isinstance(self.checkpoint_io, AtomicCheckpointIO):
+            self.checkpoint_io.verify = self.options.verify_checkpoints
         self.runtime: RoundPipeRuntime | None = None
+        self._live_fit: LiveFit | None = None  # while a runtime is attached (concurrent_fits.py)
+        self._served_loaders: list = []  # the DataLoaders process_dataloader gated, given back at teardown
+        self._direct_calls: DirectDecoderCalls | None = None  # a causal LM's decoder called around the pipeline
         self.num_nodes = 1
         self._trace_dir: str | None = None
         self._announced: str | None = None  # the plan table last printed
@@ -155,10 +162,12 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             from ..distributed.gradient_sync import broadcast_module
 
             broadcast_module(self.lightning_module)  # every node starts from rank 0's weights
+        self._live_fit = LiveFit()
         self.runtime = RoundPipeRuntime.attach(
             target.module, backend=backend, num_workers=self.num_workers, options=self.options.runtime_options(),
             kind=target.kind, path=target.path, device_indices=indices, sync_gradients=self.world_size > 1,
             root_module=self.lightning_module, options_owner="RoundPipeStrategy", progress=self.setup_progress())
+        self._direct_calls = _watch_decoder(target)
         plugin = self.precision_plugin
         if isinstance(plugin, HostScaledMixedPrecision):
             plugin.steps_early(None)  # a previous fit's optimizers
@@ -175,10 +184,18 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             weight_reads.join_before_reads(self.lightning_module, self.join)
         self.calls_overlap = bool(fitting and self.options.overlap_calls
                                    and calls_may_overlap(trainer, self.lightning_module))
-        if self.options.step_metrics and not any(isinstance(cb, RoundPipeStepMetrics) for cb in trainer.callbacks):
+        if (self.options.step_metrics and self.options.log_step_metrics
+                and not any(isinstance(cb, RoundPipeStepMetrics) for cb in trainer.callbacks)):
             trainer.callbacks.append(RoundPipeStepMetrics(prog_bar=self.options.progress_bar_metrics))
         # The plan table once the plan that will run is known (after the first batch chose an open microbatch count).
         self.runtime.when_plan_settled(lambda runtime=self.runtime: self._announce_plan(target, runtime))
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """A DataLoader's draws from torch's CPU generator wait for other fits' layers (``concurrent_fits``)."""
+        gated = gate_data_draws(dataloader)
+        self._served_loaders.append(gated)
+        return gated
 
     def _steps_layer_by_layer(self, optimizer) -> bool:
         """Whether ``optimizer`` may be stepped layer by layer behind the pipeline; if not, Lightning
@@ -314,8 +331,15 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             if self.options.trace_steps and self._trace_dir:
                 steps.append(lambda: self._export_timeline(runtime))
             steps.append(runtime.detach)
+        if self._live_fit is not None:
+            steps.append(self._live_fit.leave)
+        loaders, self._served_loaders = self._served_loaders, []
+        steps.extend(lambda loader=loader: ungate(loader) for loader in loaders)
+        if self._direct_calls is not None:
+            steps.append(self._direct_calls.remove)
+            self._direct_calls = None
         steps.append(super().teardown)
-        self.runtime = None
+        self.runtime, self._live_fit = None, None
         run_all(steps)
 
     def _keep_overlap_state(self, runtime: RoundPipeRuntime) -> None:
@@ -325,7 +349,13 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             self._overlap_after_fit = overlap_state_of_finished(runtime.overlapped)
 
     def _export_timeline(self, runtime: RoundPipeRuntime) -> None:
-        written = runtime.export_timeline(self._trace_dir)
+        # The steps trained already: an artefact that cannot be written must not fail the fit (issue 43).
+        try:
+            written = runtime.export_timeline(self._trace_dir)
+        except OSError as err:
+            rank_zero_warn(f"RoundPipe could not write its timeline to RoundPipeStrategy(trace_dir={self._trace_dir!r}): "
+                           f"{err}. Training finished; choose a writable trace_dir (or trace_steps=0) next time.")
+            return
         if written:
             rank_zero_info(f"RoundPipe timeline written: {', '.join(written)}")
 
@@ -344,6 +374,19 @@ RoundPipeStrategy.__init__.__doc__ = "\n".join((
     *(f"    {name}: set by the Trainer." for name in
       ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")),
 ))
+
+
+def _watch_decoder(target) -> DirectDecoderCalls | None:
+    """For a pipelined causal LM: warn once if its decoder is called directly (``adapters/unpipelined_calls``)."""
+    if target.kind != "causal_lm":
+        return None
+    from ..adapters.hf_causal_lm import unwrap_peft
+
+    get_decoder = getattr(unwrap_peft(target.module), "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    if not isinstance(decoder, torch.nn.Module) or decoder is target.module:
+        return None
+    return DirectDecoderCalls(target.module, decoder)
 
 
 def register() -> None:

@@ -119,14 +119,18 @@ class PlanKeeper:
         if microbatches is None:
             microbatches = choose_microbatches(costs, num_workers, ASSUMED_TOKENS_PER_MICROBATCH * step_microbatches,
                                                predicted_step)
-        self.memory_check_pending = False  # the budget is checked against the first batch's real microbatches
+        # Under a budget, the first batch's real microbatches are checked against it before anything runs:
+        # the plan was priced for ``budget_checked_tokens`` tokens per microbatch (issue 43: a longer
+        # first batch was refused only by a worker's allocation, after layers had run).
+        self.memory_check_pending = memory_budget_bytes is not None
+        self.budget_checked_tokens = ASSUMED_TOKENS_PER_MICROBATCH
         try:
             self.use(costs, microbatches)
         except PlanError:
             if memory_budget_bytes is None:
                 raise
             self.use(rescaled(costs, 1), microbatches)  # still refused when weights and gradients alone do not fit
-            self.memory_check_pending = True
+            self.budget_checked_tokens = 1
         self.steps_seen = 0
         self.choice_note: str | None = None  # how the first batch changed the microbatch count, if it did
         self.host_source = "estimate"
@@ -168,9 +172,12 @@ class PlanKeeper:
              if self.open_microbatches else self.microbatches)
         if self.memory_check_pending:  # a PlanError here names the budget's option; the next batch checks again
             split = max(1, min(m, batch_size))
-            self.use(rescaled(costs, -(-tokens // split)), m)
-            self.memory_check_pending = self.open_microbatches = False
-            return self.plan
+            per_microbatch = -(-tokens // split)
+            if self.budget_checked_tokens < ASSUMED_TOKENS_PER_MICROBATCH or per_microbatch > self.budget_checked_tokens:
+                self.use(rescaled(costs, per_microbatch), m)
+                self.memory_check_pending = self.open_microbatches = False
+                return self.plan
+            self.memory_check_pending = False  # the plan was priced for longer microbatches: it fits these
         self.open_microbatches = False
         if m == self.microbatches:
             if not repriced:

@@ -89,6 +89,19 @@ class TraceRecorder:
         with self._lock:
             self._records = [r for r in self._records if r.step != step]
 
+    def discard_unkept(self, through: int, kept=()) -> None:
+        """Forget the records of every step up to ``through`` that is not in ``kept``: records that
+        arrive after their step's metrics were taken (a host-lane optimizer update finishing after
+        backward) go at the next step, so a long run holds at most about one step's records."""
+        kept = set(kept)
+        with self._lock:
+            self._records = [r for r in self._records if r.step > through or r.step in kept]
+
+    def __len__(self) -> int:
+        """How many records are kept now."""
+        with self._lock:
+            return len(self._records)
+
     def discard_before(self, step: int) -> None:
         """Forget the records of every step before ``step`` (calls whose records nobody read)."""
         with self._lock:
