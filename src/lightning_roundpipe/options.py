@@ -4,7 +4,8 @@ The dataclasses here are the only definition of the options: ``RoundPipeStrategy
 arguments are the fields of ``StrategyOptions``, ``RoundPipeRuntime`` takes
 ``RuntimeOptions``, the engine ``EngineOptions``, and the Hydra groups ``strategy``,
 ``partition`` and ``transfer`` under ``conf/`` extend the structured configs that
-``register_configs`` stores in Hydra's ``ConfigStore``. Validation lives here too, and its
+``register_configs`` stores in Hydra's ``ConfigStore`` (where Hydra is installed: the library itself
+imports neither Hydra nor OmegaConf). Validation lives here too, and its
 errors name the option as the caller spelled it: ``RoundPipeStrategy(timeout=nan)`` for a
 strategy user, ``RuntimeOptions(timeout=nan)`` for a user of the Lightning-free runtime.
 """
@@ -16,11 +17,10 @@ import inspect
 import math
 import numbers
 import os
+import sys
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional
-
-from omegaconf import OmegaConf
 
 from .schedule.dispatch_order import SCHEDULES
 from .schedule.lowering import DEFAULT_PRIORITIES
@@ -95,8 +95,12 @@ def overlap_optimizer_default(backend: str, num_workers: int, threads_per_worker
 
 
 def plain(value: Any) -> Any:
-    """A Hydra/OmegaConf container as plain dicts and lists (anything else unchanged)."""
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    """A Hydra/OmegaConf container as plain dicts and lists (anything else unchanged). Only a process that
+    imported OmegaConf can hold one, so the library never imports it itself."""
+    omegaconf = sys.modules.get("omegaconf")
+    if omegaconf is None:
+        return value
+    return omegaconf.OmegaConf.to_container(value, resolve=True) if omegaconf.OmegaConf.is_config(value) else value
 
 
 @dataclass
@@ -614,14 +618,19 @@ def strategy_config_class():
     return dataclasses.make_dataclass("RoundPipeStrategyConfig", [target, *own], namespace={"__module__": __name__})
 
 
-def register_configs() -> None:
-    """Store the structured configs the YAML files under ``conf/`` extend (``defaults: [<name>, _self_]``).
+def register_configs() -> bool:
+    """Store the structured configs the YAML files under ``conf/`` extend (``defaults: [<name>, _self_]``);
+    False, storing nothing, where Hydra or OmegaConf cannot be imported (a training run needs neither).
 
     ``strategy/roundpipe_schema``, ``partition/partition_schema`` (``manual_partition_schema`` for
     ``policy: manual``, whose ranges are required) and ``transfer/transfer_schema``:
     Hydra then checks types and rejects unknown keys when it composes the job's config.
     """
-    from hydra.core.config_store import ConfigStore
+    try:
+        from hydra.core.config_store import ConfigStore
+        from omegaconf import OmegaConf
+    except ImportError:  # the fine-tuning job's dependencies, not the library's
+        return False
 
     store = ConfigStore.instance()
     store.store(group="strategy", name="roundpipe_schema", node=strategy_config_class())
@@ -630,3 +639,4 @@ def register_configs() -> None:
     store.store(group="partition", name="manual_partition_schema",
                 node=OmegaConf.structured(PartitionConfig(policy="manual", manual_forward="???")))
     store.store(group="transfer", name="transfer_schema", node=TransferConfig)
+    return True
