@@ -251,3 +251,103 @@ def test_only_the_compilers_own_exceptions_count_as_compile_failures():
     with pytest.raises(LayerCompileError, match="set compile_layers=False") as info:
         naming_compile_failures(compiler_error)()
     assert info.value.__cause__ is wrapped
+
+
+class DeviceIndexProbe(nn.Module):
+    """A layer as a worker of GPU ``device_index`` runs it. On CUDA dynamo guards each graph on its tensors'
+    device index; on the CPU every tensor is on ``cpu``, so the probe carries the index as an int attribute,
+    which dynamo guards by value in the same way (a graph per index)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.device_index = 0
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) + self.device_index
+
+
+def counting_compile(monkeypatch):
+    """``torch.compile`` with dynamo's real guards and caches, and a backend that runs the traced graph as is
+    (no inductor: milliseconds per graph) and counts the graphs it got and the calls that ran one of them."""
+    from collections import Counter
+
+    real_compile = torch.compile
+    seen = Counter()
+
+    def backend(graph_module, example_inputs):
+        seen["graphs"] += 1
+
+        def run(*args):
+            seen["compiled calls"] += 1
+            return graph_module.forward(*args)
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, backend=backend))
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_eight_gpus_in_both_grad_modes_keep_a_graph_each_and_no_call_runs_eagerly(monkeypatch):
+    """8 devices x 2 grad modes = 16 graphs of one layer class, twice dynamo's recompile limit of 8: each
+    (class, device, grad mode) has a compiled callable, so every call runs a compiled graph and each device
+    holds one graph, none recompiled. (One callable per class for every device ran the calls past its 8th
+    graph eagerly, with nothing but a log line.)"""
+    from torch._dynamo import config
+
+    from lightning_roundpipe.engine.compiled_layers import CompiledLayers
+
+    seen = counting_compile(monkeypatch)
+    assert config.recompile_limit == 8
+    layers, layer = CompiledLayers(), DeviceIndexProbe()
+    params = dict(layer.named_parameters())
+    x = torch.randn(2, 3, WIDTH)
+    calls = 0
+    for _ in range(2):  # the second round runs the graphs the first compiled
+        for grad in (False, True):
+            for index in range(8):
+                layer.device_index = index
+                with torch.set_grad_enabled(grad):
+                    out = layers.call(layer, params, x, device=f"cuda:{index}")
+                torch.testing.assert_close(out, layer(x), rtol=0, atol=0)
+                calls += 1
+    assert seen["graphs"] == 16 and seen["compiled calls"] == calls == 32
+    graphs = layers.graphs()
+    assert len(graphs) == 16 and set(graphs.values()) == {1} and layers.recompiles() == 0
+    assert "compiled_DeviceIndexProbe_cuda_7_grad" in graphs and "compiled_DeviceIndexProbe_cuda_0_nograd" in graphs
+    # compile seconds are counted per device: 16 first calls, each named with its device
+    assert sorted(what for what, _ in layers.compiles)[:2] == ["DeviceIndexProbe grad=False on cuda:0",
+                                                               "DeviceIndexProbe grad=False on cuda:1"]
+    assert len(layers.compiles) == 16
+
+
+@pytest.mark.timeout(120)
+def test_reaching_the_recompile_limit_fails_naming_the_layer_device_and_remedy_instead_of_running_eagerly(monkeypatch):
+    """More variants of one key than dynamo's limit (here 2: the probe's guarded attribute takes a third
+    value on one device): the third call raises ``RecompileLimitError`` naming the compiled function, the
+    limit, the graphs held and what to change, where dynamo alone would run it eagerly."""
+    from torch._dynamo import config
+
+    from lightning_roundpipe.engine.compile_keys import RecompileLimitError
+    from lightning_roundpipe.engine.compiled_layers import CompiledLayers
+
+    seen = counting_compile(monkeypatch)
+    layers, layer = CompiledLayers(), DeviceIndexProbe()
+    params = dict(layer.named_parameters())
+    x = torch.randn(2, 3, WIDTH)
+    with config.patch(recompile_limit=2), torch.no_grad():
+        for value in (0, 1):
+            layer.device_index = value
+            layers.call(layer, params, x, device="cuda:0")
+        layer.device_index = 2
+        with pytest.raises(RecompileLimitError) as info:
+            layers.call(layer, params, x, device="cuda:0")
+    message = str(info.value)
+    assert message.startswith("compiled_DeviceIndexProbe_cuda_0_nograd reached torch._dynamo's recompile limit "
+                              "(torch._dynamo.config.recompile_limit = 2, graphs held: 2)")
+    assert "Raise torch._dynamo.config.recompile_limit before fit" in message
+    assert "set compile_layers=False" in message
+    assert seen["graphs"] == 2 and seen["compiled calls"] == 2
+    assert layers.graphs() == {"compiled_DeviceIndexProbe_cuda_0_nograd": 2} and layers.recompiles() == 1
+    assert config.fail_on_recompile_limit_hit is False  # set only while our calls run
