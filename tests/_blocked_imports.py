@@ -20,6 +20,14 @@ sys.meta_path.insert(0, NotInstalled())
 """
 
 
+def blocking_site(folder: Path) -> dict:
+    """An environment whose Python processes, and every process they start, cannot import the blocked modules:
+    a ``sitecustomize.py`` in ``folder`` (first on ``PYTHONPATH``) installs the finder at start-up."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(PRELUDE)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(folder), str(REPO / "src"), str(REPO)]))
+
+
 def run_without_job_dependencies(code: str, timeout: float = 300, args: tuple = ()) -> subprocess.CompletedProcess:
     """``code`` after the blocking prelude, in a fresh interpreter with only the repository's ``src`` and root
     on ``PYTHONPATH``; its completed process (stdout and stderr as text)."""

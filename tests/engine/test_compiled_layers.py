@@ -351,3 +351,26 @@ def test_reaching_the_recompile_limit_fails_naming_the_layer_device_and_remedy_i
     assert seen["graphs"] == 2 and seen["compiled calls"] == 2
     assert layers.graphs() == {"compiled_DeviceIndexProbe_cuda_0_nograd": 2} and layers.recompiles() == 1
     assert config.fail_on_recompile_limit_hit is False  # set only while our calls run
+
+
+@pytest.mark.timeout(120)
+def test_the_step_metrics_report_the_graphs_recompiles_and_compile_seconds(monkeypatch):
+    """Under the strategy with compiled layers (dynamo's real caches, the counting backend), each step logs
+    ``roundpipe/compile/*``. One stage of 2 identical blocks each way: the forward runs without grad, the
+    backward stage recomputes its first block with grad and takes the early-stop vjp of its last: one graph
+    for each of the three compiled callables on the CPU device, nothing recompiled over 2 steps of one shape."""
+    from lightning_roundpipe.engine import compiled_layers, early_stop, task_work
+
+    counting_compile(monkeypatch)
+    fresh_layers, fresh_vjps = compiled_layers.CompiledLayers(), early_stop.EarlyStopBackward()
+    for module, name, value in ((task_work, "COMPILED_LAYERS", fresh_layers), (compiled_layers, "COMPILED_LAYERS",
+                                fresh_layers), (task_work, "EARLY_STOP", fresh_vjps),
+                                (early_stop, "EARLY_STOP", fresh_vjps)):
+        monkeypatch.setattr(module, name, value)
+    trainer, _ = fit(BlocksModule(), RoundPipeStrategy(**compiled()), devices=2, max_steps=2)
+    logged = {k: float(v) for k, v in trainer.logged_metrics.items() if k.startswith("roundpipe/compile/")}
+    assert fresh_layers.graphs() == {"compiled_Sequential_cpu_nograd": 1, "compiled_Sequential_cpu_grad": 1}
+    assert fresh_vjps.graphs() == {"early_stop_Sequential_cpu_grad": 1}
+    assert logged["roundpipe/compile/graphs"] == 3
+    assert logged["roundpipe/compile/recompiles"] == 0
+    assert logged["roundpipe/compile/seconds"] > 0

@@ -14,7 +14,10 @@ After each training batch, the metrics of the step the runtime just timed
   process's resident memory, where the weights, optimizer state and activations live),
   ``roundpipe/memory/pinned_bytes`` (page-locked host memory; 0 on the CPU backend) and
   ``roundpipe/memory/w{i}_device_peak_bytes`` (the most device bytes worker ``i`` held during the
-  step; see ``RoundPipeRuntime.memory_metrics``).
+  step; see ``RoundPipeRuntime.memory_metrics``);
+- with compiled layers, ``roundpipe/compile/graphs`` and ``roundpipe/compile/recompiles`` (the graphs
+  dynamo holds for the process's compiled layer calls, and those beyond the first of each compiled
+  callable: ``engine/compiled_layers.py``) and ``roundpipe/compile/seconds`` (the first calls' time).
 
 They go to the loggers only; ``prog_bar=True`` (the strategy option ``progress_bar_metrics``)
 shows them in the progress bar too. The strategy adds this callback when ``step_metrics=True``
@@ -37,6 +40,18 @@ def memory_log_values(memory: dict) -> dict[str, float]:
     return values
 
 
+def compile_log_values() -> dict[str, float]:
+    """The logged compile figures of the process's compiled layer forwards and early-stop vjps."""
+    from ..engine.compiled_layers import COMPILED_LAYERS
+    from ..engine.early_stop import EARLY_STOP
+
+    graphs = sum(COMPILED_LAYERS.graphs().values()) + sum(EARLY_STOP.graphs().values())
+    seconds = COMPILED_LAYERS.compile_seconds() + sum(s for _, s in EARLY_STOP.compiles)
+    return {"roundpipe/compile/graphs": float(graphs),
+            "roundpipe/compile/recompiles": float(COMPILED_LAYERS.recompiles() + EARLY_STOP.recompiles()),
+            "roundpipe/compile/seconds": float(seconds)}
+
+
 class RoundPipeStepMetrics(pl.Callback):
     """Log the pipeline's per-step and memory metrics; ``prog_bar`` also shows them in the progress bar.
 
@@ -54,4 +69,6 @@ class RoundPipeStepMetrics(pl.Callback):
         measured = runtime.last_metrics
         values = {f"roundpipe/{k}": float(measured[k]) for k in METRICS if measured.get(k) is not None}
         values.update(memory_log_values(runtime.memory_metrics(reset_peaks=True)))
+        if runtime.engine.options.compile_layers:
+            values.update(compile_log_values())
         pl_module.log_dict(values, on_step=True, on_epoch=False, prog_bar=self.prog_bar, batch_size=1)
