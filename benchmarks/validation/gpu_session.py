@@ -26,6 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+if __package__ in (None, ""):  # run as a file: the repository root holds benchmarks/
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.harness import write_json  # noqa: E402
+
 RESULT_MARK = "GPU_SESSION_RESULT "
 VERDICTS = ("pass", "fail", "skip")
 MIN_PART_S = 20.0  # a part given less than this is skipped: it could not even import torch and build a model
@@ -153,18 +158,12 @@ def spawn(name: str, args, deadline_s: float, log) -> dict:
     return part_result(out, proc.returncode, timed_out, deadline_s, seconds)
 
 
-def write_report(path: Path, report: dict) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str))
-    tmp.replace(path)
-
-
 def parent(args) -> int:
     """Every part in order within the budget; the JSON after each. Exit status 0 unless a part failed."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    report = dict(producer="benchmarks.validation.gpu_session", device=args.device, quick=args.quick,
+    report = dict(device=args.device, quick=args.quick,
                   budget_s=args.budget, started=time.strftime("%Y-%m-%dT%H:%M:%S"), parts={}, verdict="incomplete")
     json_path = out / "gpu_session.json"
     with open(out / "gpu_session.log", "w") as log:
@@ -182,12 +181,12 @@ def parent(args) -> int:
             entry["what"] = part.what
             report["parts"][name] = entry
             report["seconds"] = time.monotonic() - started
-            write_report(json_path, report)
+            write_json(json_path, report)
             print(f"{entry['verdict'].upper():4s} {name:18s} {entry['seconds']:6.1f}s  {entry['summary']}", flush=True)
     verdicts = [p["verdict"] for p in report["parts"].values()]
     report["verdict"] = "fail" if "fail" in verdicts else "pass"
     report["seconds"] = time.monotonic() - started
-    write_report(json_path, report)
+    write_json(json_path, report)
     print(f"overall: {report['verdict'].upper()} in {report['seconds']:.0f}s ({json_path})", flush=True)
     return 1 if report["verdict"] == "fail" else 0
 

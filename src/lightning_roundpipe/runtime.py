@@ -359,6 +359,19 @@ class RoundPipeRuntime:
             self.pool.reset_step_peaks()
         return metrics
 
+    def compile_metrics(self) -> dict | None:
+        """With compiled layers, the process's compiled layer calls (forwards and early-stop vjps): ``graphs``
+        dynamo holds for them, ``recompiles`` (graphs beyond the first of each compiled callable: one per
+        layer class, device, grad mode and autocast) and ``compile_seconds`` (their first calls); else None."""
+        if not self.engine.options.compile_layers:
+            return None
+        from .engine.compiled_layers import COMPILED_LAYERS
+        from .engine.early_stop import EARLY_STOP
+
+        return {"graphs": sum(COMPILED_LAYERS.graphs().values()) + sum(EARLY_STOP.graphs().values()),
+                "recompiles": COMPILED_LAYERS.recompiles() + EARLY_STOP.recompiles(),
+                "compile_seconds": COMPILED_LAYERS.compile_seconds() + sum(s for _, s in EARLY_STOP.compiles)}
+
     # ------------------------------------------------------------------ gradients across processes
     def begin_backward(self, accumulating: bool) -> None:
         """Before a backward: an accumulation-only one communicates nothing, a synced one starts afresh."""

@@ -17,7 +17,7 @@ After each training batch, the metrics of the step the runtime just timed
   step; see ``RoundPipeRuntime.memory_metrics``);
 - with compiled layers, ``roundpipe/compile/graphs`` and ``roundpipe/compile/recompiles`` (the graphs
   dynamo holds for the process's compiled layer calls, and those beyond the first of each compiled
-  callable: ``engine/compiled_layers.py``) and ``roundpipe/compile/seconds`` (the first calls' time).
+  callable) and ``roundpipe/compile/compile_seconds`` (``RoundPipeRuntime.compile_metrics``).
 
 They go to the loggers only; ``prog_bar=True`` (the strategy option ``progress_bar_metrics``)
 shows them in the progress bar too. The strategy adds this callback when ``step_metrics=True``
@@ -40,18 +40,6 @@ def memory_log_values(memory: dict) -> dict[str, float]:
     return values
 
 
-def compile_log_values() -> dict[str, float]:
-    """The logged compile figures of the process's compiled layer forwards and early-stop vjps."""
-    from ..engine.compiled_layers import COMPILED_LAYERS
-    from ..engine.early_stop import EARLY_STOP
-
-    graphs = sum(COMPILED_LAYERS.graphs().values()) + sum(EARLY_STOP.graphs().values())
-    seconds = COMPILED_LAYERS.compile_seconds() + sum(s for _, s in EARLY_STOP.compiles)
-    return {"roundpipe/compile/graphs": float(graphs),
-            "roundpipe/compile/recompiles": float(COMPILED_LAYERS.recompiles() + EARLY_STOP.recompiles()),
-            "roundpipe/compile/seconds": float(seconds)}
-
-
 class RoundPipeStepMetrics(pl.Callback):
     """Log the pipeline's per-step and memory metrics; ``prog_bar`` also shows them in the progress bar.
 
@@ -69,6 +57,7 @@ class RoundPipeStepMetrics(pl.Callback):
         measured = runtime.last_metrics
         values = {f"roundpipe/{k}": float(measured[k]) for k in METRICS if measured.get(k) is not None}
         values.update(memory_log_values(runtime.memory_metrics(reset_peaks=True)))
-        if runtime.engine.options.compile_layers:
-            values.update(compile_log_values())
+        compiled = runtime.compile_metrics()
+        if compiled is not None:
+            values.update({f"roundpipe/compile/{k}": float(v) for k, v in compiled.items()})
         pl_module.log_dict(values, on_step=True, on_epoch=False, prog_bar=self.prog_bar, batch_size=1)
