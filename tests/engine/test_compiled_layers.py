@@ -374,3 +374,22 @@ def test_the_step_metrics_report_the_graphs_recompiles_and_compile_seconds(monke
     assert logged["roundpipe/compile/graphs"] == 3
     assert logged["roundpipe/compile/recompiles"] == 0
     assert logged["roundpipe/compile/compile_seconds"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_inductor_compiles_a_graph_per_device_key_that_matches_eager():
+    """The same as the eight-GPU test with inductor itself (no counting backend) on three device keys: one graph
+    per key, none recompiled, each output equal to the eager layer's within fp32 rounding."""
+    from lightning_roundpipe.engine.compiled_layers import CompiledLayers
+
+    layers, layer = CompiledLayers(), DeviceIndexProbe()
+    params = dict(layer.named_parameters())
+    x = torch.randn(2, 3, WIDTH)
+    with torch.no_grad():
+        for index in range(3):
+            layer.device_index = index
+            torch.testing.assert_close(layers.call(layer, params, x, device=f"cuda:{index}"), layer(x),
+                                       rtol=1e-6, atol=1e-6)
+    assert layers.graphs() == {f"compiled_DeviceIndexProbe_cuda_{i}_nograd": 1 for i in range(3)}
+    assert layers.recompiles() == 0

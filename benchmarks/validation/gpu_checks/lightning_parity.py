@@ -21,6 +21,8 @@ def roundpipe_strategy(ctx: Ctx, workers: int, **options):
     driver (the CUDA backend's protocol on CPU threads; Lightning then runs on the CPU accelerator)."""
     from lightning_roundpipe import RoundPipeStrategy
 
+    if ctx.compile_layers is not None:
+        options.setdefault("compile_layers", ctx.compile_layers)
     if ctx.cuda:
         return RoundPipeStrategy(parallel_devices=[torch.device("cuda", 0)] * workers, **options)
 
