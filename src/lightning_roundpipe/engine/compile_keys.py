@@ -69,7 +69,8 @@ def graphs_of(code: types.CodeType) -> int | None:
 
 class _StrictLimit:
     """``torch._dynamo.config.fail_on_recompile_limit_hit`` set while any of our compiled calls runs (a
-    count, so concurrent workers do not unset it under each other), and restored after the last one."""
+    count, so concurrent workers do not unset it under each other), and restored after the last one. Dynamo's
+    config is process-wide: a user's own compiled function reaching its limit in that window raises too."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
