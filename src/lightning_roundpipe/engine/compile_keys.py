@@ -81,7 +81,8 @@ class _StrictLimit:
     def __call__(self):
         from torch._dynamo import config
 
-        if config.suppress_errors:  # dynamo refuses both at once; the user asked errors to run eagerly
+        # dynamo refuses both at once (the user asked errors to run eagerly); a torch without the flag: as it is
+        if config.suppress_errors or not hasattr(config, "fail_on_recompile_limit_hit"):
             yield
             return
         with self._lock:
@@ -123,18 +124,19 @@ class KeyedCompiles:
 
     def call(self, key: CompileKey, *args: Any) -> Any:
         """``fn(*args)`` compiled for ``key``; ``RecompileLimitError`` where its code object reached the limit."""
-        from torch._dynamo.exc import FailOnRecompileLimitHit
+        from torch._dynamo import exc as dynamo_errors
 
+        limit_hit = getattr(dynamo_errors, "FailOnRecompileLimitHit", ())  # () catches nothing where torch lacks it
         fn = self.callable_for(key)
         try:
             with STRICT_LIMIT():
                 return fn(*args)
-        except FailOnRecompileLimitHit as exc:
+        except limit_hit as exc:
             from torch._dynamo import config
 
             raise RecompileLimitError(
                 f"{key.name(self._prefix)} reached torch._dynamo's recompile limit "
-                f"(torch._dynamo.config.recompile_limit = {config.recompile_limit}, graphs held: "
+                f"(torch._dynamo.config.recompile_limit = {getattr(config, 'recompile_limit', None)}, graphs held: "
                 f"{self.graphs().get(key.name(self._prefix))}): this layer's inputs took more shapes or branches "
                 f"(mask variants) on {key.device} than the limit holds, and its next call would have run eagerly "
                 "behind compiled ones. Raise torch._dynamo.config.recompile_limit before fit (each device, grad "
