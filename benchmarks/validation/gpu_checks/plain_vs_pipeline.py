@@ -103,7 +103,7 @@ def plain_run(ctx: Ctx, config: dict, ids: torch.Tensor, steps: int) -> dict:
             model(input_ids=ids, labels=ids).loss.backward()
         ctx.sync()
 
-    out = timed_steps(ctx, lambda: (step(), opt.step()), steps)
+    out = timed_steps(ctx, step, steps, opt.step)
     del model, opt
     if ctx.cuda:
         torch.cuda.empty_cache()
