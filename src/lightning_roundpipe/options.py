@@ -297,7 +297,8 @@ class RuntimeOptions:
         time, so only one layer's graph is alive: for long sequences; costs one more forward of
         each backward stage) or "never" (keep forward graphs; CPU backend only; a second backward
         of one call recomputes).
-    timeout: seconds any wait may take before it fails with an error naming what it waited for.
+    timeout: seconds any wait may take before it fails with an error naming what it waited for
+        (seconds spent in ``torch.compile`` meanwhile do not count).
     partition: how layers are cut into stages (``PartitionConfig``).
     transfer: transfer priorities, chunking, prefetch and CPU link model (``TransferConfig``).
     compute_dtype: a ``torch.dtype`` weights are uploaded in (None: as stored). The strategy sets
@@ -307,7 +308,8 @@ class RuntimeOptions:
         layer class, grad mode and shape, reused by every layer, stage and worker of the process
         (a second shape compiles once more with dynamic dimensions, torch's automatic dynamic
         shapes); the first step pays it (measured on the CPU backend, 2 cores: tens of seconds for
-        a tiny decoder layer, forward and backward), inside the pool's ``timeout``. Exact within
+        a tiny decoder layer, forward and backward), which no ``timeout`` counts and the step metrics'
+        ``step_s`` leaves out (``workers/compile_clock.py``). Exact within
         fp32 rounding of the eager path (summation order only, DESIGN's "exact by default");
         dropout draws the eager layer's numbers and recompute replays them. The causal LM's prefix
         (masks) and postfix (chunked loss) stay eager. None (default): the backend's rule

@@ -36,6 +36,7 @@ from .adapters.target import STACK_KINDS, locate, patch_forward, unpatch
 from .setup_progress import ProgressCallback
 from .tracing.records import TraceRecorder
 from .workers import backend_class, make_pool
+from .workers.compile_clock import COMPILE_CLOCK
 
 log = logging.getLogger("lightning_roundpipe")
 
@@ -74,6 +75,7 @@ class RoundPipeRuntime:
         self.kept_steps: list[int] = []
         self.last_metrics: dict = {}
         self.last_tokens: int | None = None
+        self._compile_mark = 0.0  # COMPILE_CLOCK's reading when the last call began
         # Called once, when the plan that will run is known: at set-up, or after the first call chose
         # its microbatch count (``planner.wants_first_batch``); the strategy prints the plan table here.
         self.plan_settled_hooks: list[Callable[[], None]] = []
@@ -207,6 +209,7 @@ class RoundPipeRuntime:
     def run(self, inputs, loss_scale: float | None = None, tokens: int | None = None):
         """One pipelined call (what the patched forward does); keeps the step's bookkeeping."""
         self.last_tokens = tokens
+        self._compile_mark = COMPILE_CLOCK.seconds()  # the step's compile seconds are not its time
         register_batch_types(inputs)
         self._choose_microbatches(inputs)
         self._settle_plan()
@@ -270,7 +273,8 @@ class RoundPipeRuntime:
 
             records = self.trace.records(run.step)
             if records:
-                self.last_metrics = step_metrics(records, self.last_tokens)
+                self.last_metrics = step_metrics(records, self.last_tokens,
+                                                 compile_s=COMPILE_CLOCK.seconds() - self._compile_mark)
                 self.last_metrics["peak_device_bytes"] = self.pool.peak_device_bytes()
             if len(self.kept_steps) < self.options.trace_steps:
                 self.kept_steps.append(run.step)

@@ -7,6 +7,7 @@ marked slow.
 """
 
 import copy
+import time
 
 import lightning as L
 import pytest
@@ -393,3 +394,47 @@ def test_inductor_compiles_a_graph_per_device_key_that_matches_eager():
                                        rtol=1e-6, atol=1e-6)
     assert layers.graphs() == {f"compiled_DeviceIndexProbe_cuda_{i}_nograd": 1 for i in range(3)}
     assert layers.recompiles() == 0
+
+
+class StepMetricsSeen(L.Callback):
+    """The runtime's metrics of each step, as the step-metrics callback logs them."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append(dict(trainer.strategy.runtime.last_metrics))
+
+
+@pytest.mark.timeout(120)
+def test_compiles_longer_than_the_timeout_count_against_no_wait_nor_the_steps_time(monkeypatch):
+    """Each graph's compile takes 4 s (a dynamo backend that sleeps, then runs the graph as is) under a 2 s
+    ``timeout`` (not 1 s: on this shared 2-core machine a loaded second is not unheard of): the first step compiles 3 graphs (forward without grad, recompute with grad, the early-stop
+    vjp), each inside a task the host and the next tasks wait for. The fit completes with the weights of the
+    eager run, bit for bit, and the first step reports the compile seconds apart from its time. (Before the
+    compile clock, the first step failed with a PipelineTimeout after 2 s.)"""
+    from lightning_roundpipe.engine import compiled_layers, early_stop, task_work
+
+    real_compile = torch.compile
+    compiles = []
+
+    def slow_backend(graph_module, example_inputs):
+        compiles.append(graph_module)
+        time.sleep(4.0)
+        return graph_module.forward
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, backend=slow_backend))
+    fresh_layers, fresh_vjps = compiled_layers.CompiledLayers(), early_stop.EarlyStopBackward()
+    for module, name, value in ((task_work, "COMPILED_LAYERS", fresh_layers), (compiled_layers, "COMPILED_LAYERS",
+                                fresh_layers), (task_work, "EARLY_STOP", fresh_vjps),
+                                (early_stop, "EARLY_STOP", fresh_vjps)):
+        monkeypatch.setattr(module, name, value)
+    eager = BlocksModule("adamw")
+    fit(eager, RoundPipeStrategy(**compiled(compile_layers=False)), devices=2, max_steps=2)
+    m, seen = BlocksModule("adamw"), StepMetricsSeen()
+    fit(m, RoundPipeStrategy(**compiled(timeout=2.0)), devices=2, max_steps=2, callbacks=[seen])
+    assert len(compiles) == 3
+    assert all(torch.equal(a, b) for a, b in zip(weights(m).values(), weights(eager).values()))
+    first, second = seen.steps
+    assert first["compile_s"] >= 3 * 4.0 and second["compile_s"] == 0.0
+    assert first["step_s"] < 4.0  # one compile's length: with the compiles in it, the step took over 12 s

@@ -6,7 +6,8 @@ object, and guards each graph on the inputs' device index. One code object share
 fills its cache on 8 GPUs with the forward alone, and past the limit dynamo runs the function eagerly without
 a word. ``KeyedCompiles`` gives every key a copy of the function with a code object of its own (named after
 the key in dynamo's logs), counts the graphs dynamo holds for it, and calls it with dynamo's
-``fail_on_recompile_limit_hit`` set, so reaching the limit raises ``RecompileLimitError``.
+``fail_on_recompile_limit_hit`` set, so reaching the limit raises ``RecompileLimitError``. Compiles feed the
+process's ``COMPILE_CLOCK``, so that no timeout counts them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
+
+from ..workers.compile_clock import COMPILE_CLOCK
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,7 @@ class KeyedCompiles:
 
         limit_hit = getattr(dynamo_errors, "FailOnRecompileLimitHit", ())  # () catches nothing where torch lacks it
         fn = self.callable_for(key)
+        COMPILE_CLOCK.watch_dynamo()  # each call: torch._dynamo.reset() drops the clock's callbacks
         try:
             with STRICT_LIMIT():
                 return fn(*args)

@@ -5,7 +5,8 @@ After each training batch, the metrics of the step the runtime just timed
 ``LightningModule.log``:
 
 - ``roundpipe/bubble_fraction``, ``roundpipe/exposed_transfer_s``, ``roundpipe/step_s`` (the
-  pipeline's span of the step: first task start to last task end) and ``roundpipe/tokens_per_s``
+  pipeline's span of the step: first task start to last task end, less ``roundpipe/compile_s``, the
+  seconds ``torch.compile`` took during the step) and ``roundpipe/tokens_per_s``
   (the batch's tokens over that span, the last only when the batch has a token count). The span
   leaves out the host's loss, the optimizer's tail and the training loop, so this figure is
   above a wall-clock one such as the fine-tuning job's ``tokens_per_s``
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
-METRICS = ("bubble_fraction", "exposed_transfer_s", "step_s", "tokens_per_s")
+METRICS = ("bubble_fraction", "exposed_transfer_s", "step_s", "compile_s", "tokens_per_s")
 
 
 def memory_log_values(memory: dict) -> dict[str, float]:
