@@ -400,10 +400,11 @@ class StepMetricsSeen(L.Callback):
     """The runtime's metrics of each step, as the step-metrics callback logs them."""
 
     def __init__(self):
-        self.steps = []
+        self.steps, self.measured = [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps.append(dict(trainer.strategy.runtime.last_metrics))
+        self.measured.append(len(trainer.strategy.runtime.engine.measurements))
 
 
 @pytest.mark.timeout(120)
@@ -411,7 +412,8 @@ def test_compiles_longer_than_the_timeout_count_against_no_wait_nor_the_steps_ti
     """Each graph's compile takes 4 s (a dynamo backend that sleeps, then runs the graph as is) under a 2 s
     ``timeout`` (not 1 s: on this shared 2-core machine a loaded second is not unheard of): the first step compiles 3 graphs (forward without grad, recompute with grad, the early-stop
     vjp), each inside a task the host and the next tasks wait for. The fit completes with the weights of the
-    eager run, bit for bit, and the first step reports the compile seconds apart from its time. (Before the
+    eager run, bit for bit, and the first step reports the compile seconds apart from its time and gives the
+    planner no stage times. (Before the
     compile clock, the first step failed with a PipelineTimeout after 2 s.)"""
     from lightning_roundpipe.engine import compiled_layers, early_stop, task_work
 
@@ -438,3 +440,4 @@ def test_compiles_longer_than_the_timeout_count_against_no_wait_nor_the_steps_ti
     first, second = seen.steps
     assert first["compile_s"] >= 3 * 4.0 and second["compile_s"] == 0.0
     assert first["step_s"] < 4.0  # one compile's length: with the compiles in it, the step took over 12 s
+    assert seen.measured[0] == 0 and seen.measured[1] > 0  # the planner learns no stage time from compiles
