@@ -4,7 +4,8 @@ The dataclasses here are the only definition of the options: ``RoundPipeStrategy
 arguments are the fields of ``StrategyOptions``, ``RoundPipeRuntime`` takes
 ``RuntimeOptions``, the engine ``EngineOptions``, and the Hydra groups ``strategy``,
 ``partition`` and ``transfer`` under ``conf/`` extend the structured configs that
-``register_configs`` stores in Hydra's ``ConfigStore``. Validation lives here too, and its
+``register_configs`` stores in Hydra's ``ConfigStore`` (where Hydra is installed: the library itself
+imports neither Hydra nor OmegaConf). Validation lives here too, and its
 errors name the option as the caller spelled it: ``RoundPipeStrategy(timeout=nan)`` for a
 strategy user, ``RuntimeOptions(timeout=nan)`` for a user of the Lightning-free runtime.
 """
@@ -16,11 +17,10 @@ import inspect
 import math
 import numbers
 import os
+import sys
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional
-
-from omegaconf import OmegaConf
 
 from .schedule.dispatch_order import SCHEDULES
 from .schedule.lowering import DEFAULT_PRIORITIES
@@ -95,8 +95,12 @@ def overlap_optimizer_default(backend: str, num_workers: int, threads_per_worker
 
 
 def plain(value: Any) -> Any:
-    """A Hydra/OmegaConf container as plain dicts and lists (anything else unchanged)."""
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    """A Hydra/OmegaConf container as plain dicts and lists (anything else unchanged). Only a process that
+    imported OmegaConf can hold one, so the library never imports it itself."""
+    omegaconf = sys.modules.get("omegaconf")
+    if omegaconf is None:
+        return value
+    return omegaconf.OmegaConf.to_container(value, resolve=True) if omegaconf.OmegaConf.is_config(value) else value
 
 
 @dataclass
@@ -293,7 +297,8 @@ class RuntimeOptions:
         time, so only one layer's graph is alive: for long sequences; costs one more forward of
         each backward stage) or "never" (keep forward graphs; CPU backend only; a second backward
         of one call recomputes).
-    timeout: seconds any wait may take before it fails with an error naming what it waited for.
+    timeout: seconds any wait may take before it fails with an error naming what it waited for
+        (seconds spent in ``torch.compile`` meanwhile do not count).
     partition: how layers are cut into stages (``PartitionConfig``).
     transfer: transfer priorities, chunking, prefetch and CPU link model (``TransferConfig``).
     compute_dtype: a ``torch.dtype`` weights are uploaded in (None: as stored). The strategy sets
@@ -303,7 +308,8 @@ class RuntimeOptions:
         layer class, grad mode and shape, reused by every layer, stage and worker of the process
         (a second shape compiles once more with dynamic dimensions, torch's automatic dynamic
         shapes); the first step pays it (measured on the CPU backend, 2 cores: tens of seconds for
-        a tiny decoder layer, forward and backward), inside the pool's ``timeout``. Exact within
+        a tiny decoder layer, forward and backward), which no ``timeout`` counts and the step metrics'
+        ``step_s`` leaves out (``workers/compile_clock.py``). Exact within
         fp32 rounding of the eager path (summation order only, DESIGN's "exact by default");
         dropout draws the eager layer's numbers and recompute replays them. The causal LM's prefix
         (masks) and postfix (chunked loss) stay eager. None (default): the backend's rule
@@ -625,14 +631,19 @@ def strategy_config_class():
     return dataclasses.make_dataclass("RoundPipeStrategyConfig", [target, *own], namespace={"__module__": __name__})
 
 
-def register_configs() -> None:
-    """Store the structured configs the YAML files under ``conf/`` extend (``defaults: [<name>, _self_]``).
+def register_configs() -> bool:
+    """Store the structured configs the YAML files under ``conf/`` extend (``defaults: [<name>, _self_]``);
+    False, storing nothing, where Hydra or OmegaConf cannot be imported (a training run needs neither).
 
     ``strategy/roundpipe_schema``, ``partition/partition_schema`` (``manual_partition_schema`` for
     ``policy: manual``, whose ranges are required) and ``transfer/transfer_schema``:
     Hydra then checks types and rejects unknown keys when it composes the job's config.
     """
-    from hydra.core.config_store import ConfigStore
+    try:
+        from hydra.core.config_store import ConfigStore
+        from omegaconf import OmegaConf
+    except ImportError:  # the fine-tuning job's dependencies, not the library's
+        return False
 
     store = ConfigStore.instance()
     store.store(group="strategy", name="roundpipe_schema", node=strategy_config_class())
@@ -641,3 +652,4 @@ def register_configs() -> None:
     store.store(group="partition", name="manual_partition_schema",
                 node=OmegaConf.structured(PartitionConfig(policy="manual", manual_forward="???")))
     store.store(group="transfer", name="transfer_schema", node=TransferConfig)
+    return True

@@ -38,6 +38,7 @@ from .adapters.target import STACK_KINDS, locate, patch_forward, unpatch
 from .setup_progress import ProgressCallback
 from .tracing.records import TraceRecorder
 from .workers import backend_class, make_pool
+from .workers.compile_clock import COMPILE_CLOCK
 
 log = logging.getLogger("lightning_roundpipe")
 
@@ -76,6 +77,7 @@ class RoundPipeRuntime:
         self.kept_steps: list[int] = []
         self.last_metrics: dict = {}
         self.last_tokens: int | None = None
+        self._compile_mark = 0.0  # COMPILE_CLOCK's reading when the last call began
         # Called once, when the plan that will run is known: at set-up, or after the first call chose
         # its microbatch count (``planner.wants_first_batch``); the strategy prints the plan table here.
         self.plan_settled_hooks: list[Callable[[], None]] = []
@@ -209,6 +211,7 @@ class RoundPipeRuntime:
     def run(self, inputs, loss_scale: float | None = None, tokens: int | None = None):
         """One pipelined call (what the patched forward does); keeps the step's bookkeeping."""
         self.last_tokens = tokens
+        self._compile_mark = COMPILE_CLOCK.seconds()  # the step's compile seconds are not its time
         register_batch_types(inputs)
         self._choose_microbatches(inputs)
         self._settle_plan()
@@ -274,7 +277,8 @@ class RoundPipeRuntime:
 
             records = self.trace.records(run.step)
             if records:
-                self.last_metrics = step_metrics(records, self.last_tokens)
+                self.last_metrics = step_metrics(records, self.last_tokens,
+                                                 compile_s=COMPILE_CLOCK.seconds() - self._compile_mark)
                 self.last_metrics["peak_device_bytes"] = self.pool.peak_device_bytes()
             if len(self.kept_steps) < self.options.trace_steps:
                 self.kept_steps.append(run.step)
@@ -362,6 +366,19 @@ class RoundPipeRuntime:
         if reset_peaks:
             self.pool.reset_step_peaks()
         return metrics
+
+    def compile_metrics(self) -> dict | None:
+        """With compiled layers, the process's compiled layer calls (forwards and early-stop vjps): ``graphs``
+        dynamo holds for them, ``recompiles`` (graphs beyond the first of each compiled callable: one per
+        layer class, device, grad mode and autocast) and ``compile_seconds`` (their first calls); else None."""
+        if not self.engine.options.compile_layers:
+            return None
+        from .engine.compiled_layers import COMPILED_LAYERS
+        from .engine.early_stop import EARLY_STOP
+
+        return {"graphs": sum(COMPILED_LAYERS.graphs().values()) + sum(EARLY_STOP.graphs().values()),
+                "recompiles": COMPILED_LAYERS.recompiles() + EARLY_STOP.recompiles(),
+                "compile_seconds": COMPILED_LAYERS.compile_seconds() + sum(s for _, s in EARLY_STOP.compiles)}
 
     # ------------------------------------------------------------------ gradients across processes
     def begin_backward(self, accumulating: bool) -> None:

@@ -105,6 +105,8 @@ def classify(line: str) -> Decision:
         if any(w.startswith("/models/") for w in words):  # tests/planning/test_sim_plan_inputs.py runs it on a generated one
             return Decision("skip", reason="the reader's own downloaded model directory")
         return Decision("run", tuple(words))
+    if "benchmarks.validation.gpu_session" in words and "fake_cuda" not in words:
+        return Decision("skip", reason="the GPU machine's run (its fake-driver twin, documented beside it, runs here)")
     if words[:2] == ["python", "-m"] and words[2].startswith("benchmarks."):
         if words[2].endswith(("own_engine_reference", "dispatch_cost", "host_accumulate_cost")):
             return Decision("help", ("python", "-m", words[2], "--help"),
@@ -161,6 +163,8 @@ def test_the_classifier_shrinks_jobs_and_refuses_downloads():
     assert classify("python examples/finetune.py ckpt_path=outputs/<date>/<time>/last.ckpt").kind == "skip"
     assert classify("python -m lightning_roundpipe.sim plan --model /models/Qwen3-8B --gpus 2").kind == "skip"
     assert classify("python -m benchmarks.validation.sim_validation --json x.json").argv[-1] == "--quick"
+    assert classify("timeout 590 python -m benchmarks.validation.gpu_session --budget 480 --out d").kind == "skip"
+    assert classify("python -m benchmarks.validation.gpu_session --device fake_cuda --quick --out d").kind == "run"
     assert classify("python -m lightning_roundpipe.sim compare --model m [--microbatches 32]").argv == (
         "python", "-m", "lightning_roundpipe.sim", "compare", "--model", "m")
 

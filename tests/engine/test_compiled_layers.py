@@ -7,6 +7,7 @@ marked slow.
 """
 
 import copy
+import time
 
 import lightning as L
 import pytest
@@ -251,3 +252,192 @@ def test_only_the_compilers_own_exceptions_count_as_compile_failures():
     with pytest.raises(LayerCompileError, match="set compile_layers=False") as info:
         naming_compile_failures(compiler_error)()
     assert info.value.__cause__ is wrapped
+
+
+class DeviceIndexProbe(nn.Module):
+    """A layer as a worker of GPU ``device_index`` runs it. On CUDA dynamo guards each graph on its tensors'
+    device index; on the CPU every tensor is on ``cpu``, so the probe carries the index as an int attribute,
+    which dynamo guards by value in the same way (a graph per index)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.device_index = 0
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) + self.device_index
+
+
+def counting_compile(monkeypatch):
+    """``torch.compile`` with dynamo's real guards and caches, and a backend that runs the traced graph as is
+    (no inductor: milliseconds per graph) and counts the graphs it got and the calls that ran one of them."""
+    from collections import Counter
+
+    real_compile = torch.compile
+    seen = Counter()
+
+    def backend(graph_module, example_inputs):
+        seen["graphs"] += 1
+
+        def run(*args):
+            seen["compiled calls"] += 1
+            return graph_module.forward(*args)
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, backend=backend))
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_eight_gpus_in_both_grad_modes_keep_a_graph_each_and_no_call_runs_eagerly(monkeypatch):
+    """8 devices x 2 grad modes = 16 graphs of one layer class, twice dynamo's recompile limit of 8: each
+    (class, device, grad mode) has a compiled callable, so every call runs a compiled graph and each device
+    holds one graph, none recompiled. (One callable per class for every device ran the calls past its 8th
+    graph eagerly, with nothing but a log line.)"""
+    from torch._dynamo import config
+
+    from lightning_roundpipe.engine.compiled_layers import CompiledLayers
+
+    seen = counting_compile(monkeypatch)
+    assert config.recompile_limit == 8
+    layers, layer = CompiledLayers(), DeviceIndexProbe()
+    params = dict(layer.named_parameters())
+    x = torch.randn(2, 3, WIDTH)
+    calls = 0
+    for _ in range(2):  # the second round runs the graphs the first compiled
+        for grad in (False, True):
+            for index in range(8):
+                layer.device_index = index
+                with torch.set_grad_enabled(grad):
+                    out = layers.call(layer, params, x, device=f"cuda:{index}")
+                torch.testing.assert_close(out, layer(x), rtol=0, atol=0)
+                calls += 1
+    assert seen["graphs"] == 16 and seen["compiled calls"] == calls == 32
+    graphs = layers.graphs()
+    assert len(graphs) == 16 and set(graphs.values()) == {1} and layers.recompiles() == 0
+    assert "compiled_DeviceIndexProbe_cuda_7_grad" in graphs and "compiled_DeviceIndexProbe_cuda_0_nograd" in graphs
+    # compile seconds are counted per device: 16 first calls, each named with its device
+    assert sorted(what for what, _ in layers.compiles)[:2] == ["DeviceIndexProbe grad=False on cuda:0",
+                                                               "DeviceIndexProbe grad=False on cuda:1"]
+    assert len(layers.compiles) == 16
+
+
+@pytest.mark.timeout(120)
+def test_reaching_the_recompile_limit_fails_naming_the_layer_device_and_remedy_instead_of_running_eagerly(monkeypatch):
+    """More variants of one key than dynamo's limit (here 2: the probe's guarded attribute takes a third
+    value on one device): the third call raises ``RecompileLimitError`` naming the compiled function, the
+    limit, the graphs held and what to change, where dynamo alone would run it eagerly."""
+    from torch._dynamo import config
+
+    from lightning_roundpipe.engine.compile_keys import RecompileLimitError
+    from lightning_roundpipe.engine.compiled_layers import CompiledLayers
+
+    seen = counting_compile(monkeypatch)
+    layers, layer = CompiledLayers(), DeviceIndexProbe()
+    params = dict(layer.named_parameters())
+    x = torch.randn(2, 3, WIDTH)
+    with config.patch(recompile_limit=2), torch.no_grad():
+        for value in (0, 1):
+            layer.device_index = value
+            layers.call(layer, params, x, device="cuda:0")
+        layer.device_index = 2
+        with pytest.raises(RecompileLimitError) as info:
+            layers.call(layer, params, x, device="cuda:0")
+    message = str(info.value)
+    assert message.startswith("compiled_DeviceIndexProbe_cuda_0_nograd reached torch._dynamo's recompile limit "
+                              "(torch._dynamo.config.recompile_limit = 2, graphs held: 2)")
+    assert "Raise torch._dynamo.config.recompile_limit before fit" in message
+    assert "set compile_layers=False" in message
+    assert seen["graphs"] == 2 and seen["compiled calls"] == 2
+    assert layers.graphs() == {"compiled_DeviceIndexProbe_cuda_0_nograd": 2} and layers.recompiles() == 1
+    assert config.fail_on_recompile_limit_hit is False  # set only while our calls run
+
+
+@pytest.mark.timeout(120)
+def test_the_step_metrics_report_the_graphs_recompiles_and_compile_seconds(monkeypatch):
+    """Under the strategy with compiled layers (dynamo's real caches, the counting backend), each step logs
+    ``roundpipe/compile/*``. One stage of 2 identical blocks each way: the forward runs without grad, the
+    backward stage recomputes its first block with grad and takes the early-stop vjp of its last: one graph
+    for each of the three compiled callables on the CPU device, nothing recompiled over 2 steps of one shape."""
+    from lightning_roundpipe.engine import compiled_layers, early_stop, task_work
+
+    counting_compile(monkeypatch)
+    fresh_layers, fresh_vjps = compiled_layers.CompiledLayers(), early_stop.EarlyStopBackward()
+    for module, name, value in ((task_work, "COMPILED_LAYERS", fresh_layers), (compiled_layers, "COMPILED_LAYERS",
+                                fresh_layers), (task_work, "EARLY_STOP", fresh_vjps),
+                                (early_stop, "EARLY_STOP", fresh_vjps)):
+        monkeypatch.setattr(module, name, value)
+    trainer, _ = fit(BlocksModule(), RoundPipeStrategy(**compiled()), devices=2, max_steps=2)
+    logged = {k: float(v) for k, v in trainer.logged_metrics.items() if k.startswith("roundpipe/compile/")}
+    assert fresh_layers.graphs() == {"compiled_Sequential_cpu_nograd": 1, "compiled_Sequential_cpu_grad": 1}
+    assert fresh_vjps.graphs() == {"early_stop_Sequential_cpu_grad": 1}
+    assert logged["roundpipe/compile/graphs"] == 3
+    assert logged["roundpipe/compile/recompiles"] == 0
+    assert logged["roundpipe/compile/compile_seconds"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_inductor_compiles_a_graph_per_device_key_that_matches_eager():
+    """The same as the eight-GPU test with inductor itself (no counting backend) on three device keys: one graph
+    per key, none recompiled, each output equal to the eager layer's within fp32 rounding."""
+    from lightning_roundpipe.engine.compiled_layers import CompiledLayers
+
+    layers, layer = CompiledLayers(), DeviceIndexProbe()
+    params = dict(layer.named_parameters())
+    x = torch.randn(2, 3, WIDTH)
+    with torch.no_grad():
+        for index in range(3):
+            layer.device_index = index
+            torch.testing.assert_close(layers.call(layer, params, x, device=f"cuda:{index}"), layer(x),
+                                       rtol=1e-6, atol=1e-6)
+    assert layers.graphs() == {f"compiled_DeviceIndexProbe_cuda_{i}_nograd": 1 for i in range(3)}
+    assert layers.recompiles() == 0
+
+
+class StepMetricsSeen(L.Callback):
+    """The runtime's metrics of each step, as the step-metrics callback logs them."""
+
+    def __init__(self):
+        self.steps, self.measured = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append(dict(trainer.strategy.runtime.last_metrics))
+        self.measured.append(len(trainer.strategy.runtime.engine.measurements))
+
+
+@pytest.mark.timeout(120)
+def test_compiles_longer_than_the_timeout_count_against_no_wait_nor_the_steps_time(monkeypatch):
+    """Each graph's compile takes 4 s (a dynamo backend that sleeps, then runs the graph as is) under a 2 s
+    ``timeout`` (not 1 s: on this shared 2-core machine a loaded second is not unheard of): the first step compiles 3 graphs (forward without grad, recompute with grad, the early-stop
+    vjp), each inside a task the host and the next tasks wait for. The fit completes with the weights of the
+    eager run, bit for bit, and the first step reports the compile seconds apart from its time and gives the
+    planner no stage times. (Before the
+    compile clock, the first step failed with a PipelineTimeout after 2 s.)"""
+    from lightning_roundpipe.engine import compiled_layers, early_stop, task_work
+
+    real_compile = torch.compile
+    compiles = []
+
+    def slow_backend(graph_module, example_inputs):
+        compiles.append(graph_module)
+        time.sleep(4.0)
+        return graph_module.forward
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, backend=slow_backend))
+    fresh_layers, fresh_vjps = compiled_layers.CompiledLayers(), early_stop.EarlyStopBackward()
+    for module, name, value in ((task_work, "COMPILED_LAYERS", fresh_layers), (compiled_layers, "COMPILED_LAYERS",
+                                fresh_layers), (task_work, "EARLY_STOP", fresh_vjps),
+                                (early_stop, "EARLY_STOP", fresh_vjps)):
+        monkeypatch.setattr(module, name, value)
+    eager = BlocksModule("adamw")
+    fit(eager, RoundPipeStrategy(**compiled(compile_layers=False)), devices=2, max_steps=2)
+    m, seen = BlocksModule("adamw"), StepMetricsSeen()
+    fit(m, RoundPipeStrategy(**compiled(timeout=2.0)), devices=2, max_steps=2, callbacks=[seen])
+    assert len(compiles) == 3
+    assert all(torch.equal(a, b) for a, b in zip(weights(m).values(), weights(eager).values()))
+    first, second = seen.steps
+    assert first["compile_s"] >= 3 * 4.0 and second["compile_s"] == 0.0
+    assert first["step_s"] < 4.0  # one compile's length: with the compiles in it, the step took over 12 s
+    assert seen.measured[0] == 0 and seen.measured[1] > 0  # the planner learns no stage time from compiles

@@ -57,7 +57,7 @@ def test_early_stop_matches_lightnings_default_strategy(opt):
     strategy's; the unused weight keeps a None gradient (AdamW would decay it on a zero one)."""
     g_err, w_err = parity(lambda: BlocksModule(opt), strategy_kwargs=early(), max_steps=3)
     assert g_err <= GRAD_TOL and w_err <= WEIGHT_TOL
-    assert any(what == "MlpBlock vjp" for what, _ in EARLY_STOP.compiles)
+    assert any(what == "MlpBlock vjp on cpu" for what, _ in EARLY_STOP.compiles)
 
 
 @pytest.mark.timeout(900)
@@ -163,7 +163,7 @@ def test_by_default_a_layer_that_cannot_stop_early_recomputes_whole_and_stays_ex
                                                         "compile_layers": True, "partition": MANUAL}, max_steps=2)
     assert g_err <= GRAD_TOL and w_err <= WEIGHT_TOL
     compiled = [what for what, _ in EARLY_STOP.compiles]
-    assert "MlpBlock vjp" in compiled and "PicksRows vjp" not in compiled
+    assert "MlpBlock vjp on cpu" in compiled and not any(what.startswith("PicksRows") for what in compiled)
 
 
 @pytest.mark.timeout(60)
@@ -216,7 +216,7 @@ def test_early_stop_on_llama_decoder_layers_matches_the_default_strategy():
     cuts = {"policy": "manual", "manual_forward": [[0, 3], [3, 5]], "manual_backward": [[0, 2], [2, 3], [3, 5]]}
     pipelined = train_causal_lm(model, RoundPipeStrategy(microbatches=3, compile_layers=True, recompute="always",
                                                          recompute_early_stop=True, partition=cuts), 2)
-    assert any(what.endswith(" vjp") and what.startswith("DecoderStep") for what, _ in EARLY_STOP.compiles)
+    assert any(what.endswith(" vjp on cpu") and what.startswith("DecoderStep") for what, _ in EARLY_STOP.compiles)
     for name, ref in reference.items():
         update = (ref - start[name]).norm()
         assert update > 0, name

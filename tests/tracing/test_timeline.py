@@ -104,10 +104,14 @@ def test_step_metrics_and_summary_by_step():
         "exposed_transfer_s": 3.5,
         "optim_hidden_share": 0.4,
         "step_s": 6.0,  # from -1 to 5
+        "compile_s": 0.0,
         "tokens": 1200,
         "tokens_per_s": 200.0,
     }
     assert step_metrics(records, tokens=None)["tokens_per_s"] is None
+    # seconds spent compiling during the step are not the step's: 6 s of span, 2 of them compiling
+    compiling = step_metrics(records, tokens=1200, compile_s=2.0)
+    assert (compiling["step_s"], compiling["compile_s"], compiling["tokens_per_s"]) == (4.0, 2.0, 300.0)
 
     two_steps = records + two_worker_step(step=1, shift=8.0)
     summary = summarize_by_step(two_steps, tokens={0: 1200, 1: 600})

@@ -15,8 +15,10 @@ TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, nu
 class Ctx:
     """What differs between a GPU run and the fake-stream run on the CPU, and what checks share."""
 
-    def __init__(self, device: str, quick: bool, gpus: int | None):
+    def __init__(self, device: str, quick: bool, gpus: int | None, compile_layers: bool | None = None):
         self.cuda = device == "cuda"
+        self.compile_layers = compile_layers  # for every runtime of the run (None: the backend's rule)
+        self.device_assert = False  # the failures check also runs a device-side assert (its own process only)
         self.backend = "cuda" if self.cuda else "fake_cuda"
         self.device_type = "cuda" if self.cuda else "cpu"
         self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
@@ -35,6 +37,8 @@ class Ctx:
         """``module`` pipelined over ``workers`` workers of this context's backend."""
         from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
 
+        if self.compile_layers is not None:
+            options.setdefault("compile_layers", self.compile_layers)
         return RoundPipeRuntime.attach(module, self.backend, workers, RuntimeOptions(**options),
                                        device_indices=self.indices(workers, shared))
 

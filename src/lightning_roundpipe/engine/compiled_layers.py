@@ -2,11 +2,12 @@
 
 Eager Hugging Face layers launch one kernel per element-wise operation (RMSNorm's fp32 round
 trip, rotary, residual adds, activations); inductor fuses those chains. What is compiled is the eager path's own call,
-``functional_call(layer, weights, (carry,))``, one copy of that function per layer class. Dynamo
-keeps its compiled graphs on a function's code object, guarded on the module's structure and the inputs' shapes and dtypes (parameters are graph
-inputs, not constants), so the graph compiled for the first decoder layer serves every other layer
-of that class and shape, in every stage, on every worker, for the rest of the process: one compile
-per (layer class, grad mode, autocast, shapes), with a forward and a backward graph each.
+``functional_call(layer, weights, (carry,))``. Dynamo keeps its graphs, and its recompile limit
+(``torch._dynamo.config.recompile_limit``, 8), per code object, guarded on the module's structure, the inputs'
+shapes, dtypes and device (index included). So each (layer class, device, grad mode, autocast) gets a copy of
+that function with a code object of its own (``CompileKey``): one graph of it serves every layer of that class
+and shape, in every stage, for the rest of the process, and 8 GPUs x 2 grad modes do not share one cache of 8.
+What is left to vary inside one code object is the shapes and the layer's own Python branches (mask variants).
 
 Exact within fp32 rounding of the eager path: inductor may sum in another order (a norm's mean),
 nothing else changes. Random numbers: ``fallback_random`` makes inductor call the eager random
@@ -14,15 +15,13 @@ ops on the same generator, so dropout draws what the eager layer draws, and the 
 seeds replay it in recompute exactly as for eager layers. Shapes follow torch's automatic dynamic
 shapes (``dynamic=None``): the first shape compiles static, a second one (another padded length,
 a shorter last microbatch) compiles once more with those dimensions dynamic, which then serves
-every later shape, so dynamic padding does not compile every step (dynamo's recompile limit bounds
-the rest; past it the layer runs eagerly, still exact).
+every later shape, so dynamic padding does not compile every step.
 
-A compiler's failure (an exception of ``torch._dynamo`` or ``torch._inductor``, in a forward or in
-the backward graph's first run) fails the task with ``LayerCompileError``, which says how to run
-the layers eagerly; like any failed step, it leaves the weights and the optimizer state as they
-were. Nothing falls back to eager by itself: a layer whose forward ran compiled and whose recompute
-then ran eagerly would mix two roundings in one step, and the user should know their GPU run is
-eager.
+Every graph is counted (``CompiledLayers.graphs``, ``recompiles``), and a code object that reaches dynamo's
+recompile limit fails the step with ``RecompileLimitError`` instead of running eagerly: a layer whose forward ran
+compiled and whose recompute then ran eagerly would mix two roundings in one step. Any other compiler failure (an
+exception of ``torch._dynamo`` or ``torch._inductor``) fails the task with ``LayerCompileError``, which says how
+to run the layers eagerly; like any failed step, it leaves the weights and the optimizer state as they were.
 
 A layer class may keep its eager forward by setting ``compiled_on_workers = False`` (the causal
 LM's prefix builds masks in Python, data-dependent; its postfix's chunked loss is a loop of
@@ -33,7 +32,6 @@ from __future__ import annotations
 
 import threading
 import time
-import types
 from typing import Any, Callable
 
 import torch
@@ -42,6 +40,7 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from ..workers.completions import raised_from
+from .compile_keys import CompileKey, KeyedCompiles, RecompileLimitError, autocast_in_force, device_of
 
 # Inductor options: random ops run eagerly on the layer's generator (the RNG replay stays exact).
 INDUCTOR_OPTIONS = {"fallback_random": True}
@@ -51,58 +50,53 @@ def _layer_call(layer: nn.Module, params: dict, carry: Any) -> Any:
     return functional_call(layer, params, (carry,))
 
 
-def _call_for(cls: type) -> Callable:
-    """A copy of ``_layer_call`` with a code object of its own: dynamo's graphs and its recompile limit
-    are per code object, so each layer class gets its own (named after it in dynamo's logs)."""
-    code = _layer_call.__code__.replace(co_name=f"compiled_{cls.__name__}")
-    return types.FunctionType(code, _layer_call.__globals__, code.co_name)
-
-
 class CompiledLayers:
-    """The compiled forward of each layer class, shared by every engine of the process, and the time
-    the calls that compiled took (``compile_seconds``)."""
+    """The compiled forward of each (layer class, device, grad mode, autocast), shared by every engine of the
+    process; the time the calls that compiled took (``compile_seconds``) and the graphs dynamo holds
+    (``graphs``, ``recompiles``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._forwards: dict[type, Callable] = {}
+        self._forwards = KeyedCompiles(_layer_call, "compiled", INDUCTOR_OPTIONS)
         self._seen: set[tuple] = set()
         self.compiles: list[tuple[str, float]] = []  # (what compiled, seconds of its first call)
 
-    def _compiled_forward(self, cls: type) -> Callable:
-        with self._lock:
-            fn = self._forwards.get(cls)
-            if fn is None:
-                fn = torch.compile(_call_for(cls), dynamic=None, options=dict(INDUCTOR_OPTIONS))
-                self._forwards[cls] = fn
-            return fn
-
-    def call(self, layer: nn.Module, params: dict, carry: Any) -> Any:
-        """``functional_call(layer, params, (carry,))``, compiled unless the layer's class opts out."""
+    def call(self, layer: nn.Module, params: dict, carry: Any, device: str | None = None) -> Any:
+        """``functional_call(layer, params, (carry,))``, compiled unless the layer's class opts out. ``device``:
+        the device the call's graph is kept for (default: the first tensor's, as dynamo guards it)."""
         if not getattr(layer, "compiled_on_workers", True):
             return functional_call(layer, params, (carry,))
-        forward = self._compiled_forward(type(layer))
-        key = self._signature(layer, carry)
-        first = key not in self._seen
+        key = CompileKey(type(layer), device or device_of(carry, params), torch.is_grad_enabled(), autocast_in_force())
+        signature = (key, self._shapes(carry))
+        first = signature not in self._seen
         start = time.perf_counter()
-        out = forward(layer, params, carry)
+        out = self._forwards.call(key, layer, params, carry)
         if first:
             with self._lock:
-                if key not in self._seen:
-                    self._seen.add(key)
-                    self.compiles.append((f"{type(layer).__name__} grad={key[1]}", time.perf_counter() - start))
+                if signature not in self._seen:
+                    self._seen.add(signature)
+                    self.compiles.append((f"{key.cls.__name__} grad={key.grad} on {key.device}",
+                                          time.perf_counter() - start))
         return out
 
     @staticmethod
-    def _signature(layer: nn.Module, carry: Any) -> tuple:
-        """What a new compile depends on besides the module's structure: grad mode, autocast, input shapes."""
+    def _shapes(carry: Any) -> tuple:
+        """What a new compile depends on besides the key and the module's structure: the inputs' shapes."""
         leaves = pytree.tree_leaves(carry)
-        shapes = tuple((tuple(x.shape), x.dtype, x.requires_grad) for x in leaves if isinstance(x, torch.Tensor))
-        return (type(layer), torch.is_grad_enabled(), tuple(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")), shapes)
+        return tuple((tuple(x.shape), x.dtype, x.requires_grad) for x in leaves if isinstance(x, torch.Tensor))
 
     def compile_seconds(self) -> float:
         """Seconds spent in the calls that compiled (first calls of each signature: compile plus one run)."""
         with self._lock:
             return sum(s for _, s in self.compiles)
+
+    def graphs(self) -> dict[str, int]:
+        """Graphs dynamo holds per compiled forward (``compiled_<class>_<device>_<grad mode>``)."""
+        return self._forwards.graphs()
+
+    def recompiles(self) -> int:
+        """Graphs beyond the first of each compiled forward: new shapes or branches of one key."""
+        return sum(max(0, n - 1) for n in self.graphs().values())
 
 
 COMPILER_MODULES = ("torch._dynamo", "torch._inductor")  # where a compiler's own exceptions live
@@ -125,7 +119,7 @@ def naming_compile_failures(fn: Callable[[], Any]) -> Callable[[], Any]:
         try:
             return fn()
         except Exception as exc:
-            if not is_compile_failure(exc):
+            if isinstance(exc, (LayerCompileError, RecompileLimitError)) or not is_compile_failure(exc):
                 raise
             root = exc  # the compiler's wrappers keep what raised inside as inner_exception or __cause__
             for _ in range(10):

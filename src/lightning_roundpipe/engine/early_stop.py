@@ -10,9 +10,10 @@ compiled by inductor, which drops every forward operation whose result the gradi
 need: 20-25% of a decoder layer's forward FLOPs (``cost/transformer.py``,
 ``down_projection_fraction``; measured on the CPU: ``benchmarks/calibration/early_stop_recompute.py``).
 
-What is the same as the compiled recompute (``compiled_layers.py``): one graph per (layer class,
-autocast, positions of the differentiable inputs and of the output gradients, shapes), reused by
-every layer, stage and worker of the process; random ops fall back to the eager ones
+What is the same as the compiled recompute (``compiled_layers.py``): one compiled callable per (layer class,
+device, autocast) (``compile_keys.CompileKey``), each with one graph per (positions of the differentiable inputs
+and of the output gradients, shapes), reused by every layer and stage of the process, its graphs counted and its
+recompile limit a failure (``RecompileLimitError``), never an eager run; random ops fall back to the eager ones
 (``fallback_random``), so dropout draws the numbers the forward drew under the engine's per-layer
 seed; the autocast of the forward is applied inside the traced forward only, and the backward runs
 without it, as the eager backward does. Exact within fp32 rounding of the eager path.
@@ -35,8 +36,7 @@ import contextlib
 import logging
 import threading
 import time
-import types
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,6 +44,7 @@ from torch.func import functional_call, vjp
 from torch.utils import _pytree as pytree
 
 from ..workers.completions import PipelineError
+from .compile_keys import CompileKey, KeyedCompiles, device_of
 from .compiled_layers import INDUCTOR_OPTIONS
 
 Autocast = tuple[str, bool, Any]  # (device type, enabled, dtype) of the forward
@@ -80,14 +81,6 @@ def _layer_vjp(layer: nn.Module, trainable: dict, fixed: dict, carry: Any, diff_
     return back(tuple(g.to(o.dtype) for g, o in zip(out_grads, outs)))
 
 
-def _vjp_for(cls: type) -> Callable:
-    """A copy of ``_layer_vjp`` with a code object of its own (dynamo's graphs and recompile limit are per code
-    object, so each layer class gets its own, named after it)."""
-    code = _layer_vjp.__code__.replace(co_name=f"early_stop_{cls.__name__}")
-    return types.FunctionType(code, _layer_vjp.__globals__, code.co_name, _layer_vjp.__defaults__,
-                              _layer_vjp.__closure__)
-
-
 def _meta(x: torch.Tensor, grad: bool) -> torch.Tensor:
     return torch.empty_like(x, device="meta").requires_grad_(grad)
 
@@ -99,20 +92,20 @@ class EarlyStopBackward:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._fns: dict[type, Callable] = {}
+        self._vjps = KeyedCompiles(_layer_vjp, "early_stop", INDUCTOR_OPTIONS)
         self._reach: dict[tuple, tuple[nn.Module, frozenset, frozenset]] = {}
         self._unsupported: dict[tuple, tuple[nn.Module, EarlyStopUnsupported]] = {}
         self._told: set[type] = set()  # layer classes logged as recomputing whole (``grads``, not required)
         self._seen: set[tuple] = set()
         self.compiles: list[tuple[str, float]] = []  # (what compiled, seconds of its first call)
 
-    def _compiled(self, cls: type) -> Callable:
-        with self._lock:
-            fn = self._fns.get(cls)
-            if fn is None:
-                fn = torch.compile(_vjp_for(cls), dynamic=None, options=dict(INDUCTOR_OPTIONS))
-                self._fns[cls] = fn
-            return fn
+    def graphs(self) -> dict[str, int]:
+        """Graphs dynamo holds per compiled vjp (``early_stop_<class>_<device>_grad[_<autocast>]``)."""
+        return self._vjps.graphs()
+
+    def recompiles(self) -> int:
+        """Graphs beyond the first of each compiled vjp: new shapes or input/output positions of one key."""
+        return sum(max(0, n - 1) for n in self.graphs().values())
 
     def reached(self, layer: nn.Module, trainable: dict, fixed: dict, leaves: list, spec, diff_pos: tuple,
                 out_pos: tuple, autocast: Autocast, key: tuple) -> tuple[frozenset, frozenset]:
@@ -184,17 +177,19 @@ class EarlyStopBackward:
         in_grads: list = [None] * len(leaves)
         if not out_pos:
             return {}, in_grads
-        fn = self._compiled(type(layer))
-        signature = (type(layer),) + key[1:]  # what a compile depends on besides the module's structure
+        device_type, enabled, dtype = autocast
+        compile_key = CompileKey(type(layer), device_of(leaves, trainable), True, ((device_type, dtype),) if enabled else ())
+        signature = (compile_key,) + key[1:]  # what a compile depends on besides the module's structure
         first = signature not in self._seen
         start = time.perf_counter()
-        weight_grads, input_grads = fn(layer, trainable, fixed, pytree.tree_unflatten(leaves, spec), diff_pos, out_pos,
-                                       tuple(out_grads[i] for i in out_pos), autocast)
+        weight_grads, input_grads = self._vjps.call(compile_key, layer, trainable, fixed, pytree.tree_unflatten(leaves, spec),
+                                                    diff_pos, out_pos, tuple(out_grads[i] for i in out_pos), autocast)
         if first:
             with self._lock:
                 if signature not in self._seen:
                     self._seen.add(signature)
-                    self.compiles.append((f"{type(layer).__name__} vjp", time.perf_counter() - start))
+                    self.compiles.append((f"{type(layer).__name__} vjp on {compile_key.device}",
+                                          time.perf_counter() - start))
         for p, g in zip(diff_pos, input_grads):
             in_grads[p] = g if p in positions else None
         return {n: g for n, g in weight_grads.items() if n in weights}, in_grads

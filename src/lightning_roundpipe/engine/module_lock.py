@@ -2,8 +2,8 @@
 
 ``functional_call`` swaps a module's tensors for the call's duration, so one module object never
 runs on two workers at once (see ``engine._shared_module_locks``). A call can wait for another
-as long as a layer runs: the wait is bounded by the pool's timeout, and its error names the
-layer waiting and the layer call holding the module.
+as long as a layer runs: the wait is bounded by the pool's timeout (compile seconds excluded), and
+its error names the layer waiting and the layer call holding the module.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+from ..workers.compile_clock import wait_excluding_compiles
 from ..workers.completions import PipelineTimeout
 
 
@@ -27,7 +28,7 @@ class ModuleLock:
     def acquire(self, timeout: float, layer: int, microbatch: int, task_of: Callable[[threading.Thread], str]) -> None:
         """Take the lock for ``layer`` on ``microbatch`` within ``timeout`` seconds, or raise naming who holds
         it."""
-        if not self._lock.acquire(timeout=timeout):
+        if not wait_excluding_compiles(lambda left: self._lock.acquire(timeout=left), timeout):
             holder = self._holder
             held = ("another call" if holder is None else
                     f"layer {holder[1]}, microbatch {holder[2]} ({task_of(holder[0])})")

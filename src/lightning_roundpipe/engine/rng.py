@@ -75,6 +75,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..workers.compile_clock import COMPILE_CLOCK
 from ..workers.completions import PipelineTimeout
 
 _MASK = (1 << 63) - 1
@@ -176,7 +177,7 @@ class CpuGeneratorGate:
         """Wait on the condition (its lock held) until ``free()``; raise a timeout naming who holds it."""
         deadline = time.monotonic() + timeout
         while not free():
-            left = deadline - time.monotonic()
+            left = deadline + COMPILE_CLOCK.seconds_between(deadline - timeout) - time.monotonic()
             if left <= 0:
                 holders = ([self._exclusive] if self._exclusive is not None else []) + list(self._shared.values())
                 held = "; ".join(h.describe() for h in holders)

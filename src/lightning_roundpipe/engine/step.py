@@ -17,6 +17,7 @@ import torch
 from ..params.weights import StageWeights, accumulate_host_grads
 from ..schedule.lowering import GraphTask, TaskGraph
 from ..schedule.plan import Stage
+from ..workers.compile_clock import COMPILE_CLOCK
 from ..workers.completions import Completion, TaskLabel
 from .carry import HostCarry
 from .device_values import NOT_READING, DeviceReaders
@@ -46,6 +47,7 @@ class StepRun:
         # A seed per (layer, microbatch): recompute draws what forward drew.
         self.rng = CallRng(timeout_s=self.pool.timeout_s, owner=self.pool, task_of=self.pool.task_text)
         self.step = step
+        self.compile_mark = COMPILE_CLOCK.seconds()  # a call that compiles measures its compiles
         self.backwards = 0  # backward phases submitted (a second one recomputes: the first freed kept graphs)
         self.graph: TaskGraph = ctx.lower(self.M, training=training, fused=self.fused,
                                           input_gradient=input_requires_grad)
@@ -203,7 +205,9 @@ class StepRun:
     # ------------------------------------------------------------------ measurements
     @property
     def measurements(self) -> list[tuple[Stage, str, float]]:
-        """(stage, kind, seconds) of every compute task of this call (``measurements.call_measurements``)."""
+        """(stage, kind, seconds) of every compute task of this call (``measurements.call_measurements``); none
+        from a call during which ``torch.compile`` ran: its tasks' times hold compiles, not the stages' work."""
         if self._measurements is None:
-            self._measurements = call_measurements(self.pool, self.step, self.work.stages, self.work.keep_graph)
+            measured = call_measurements(self.pool, self.step, self.work.stages, self.work.keep_graph)
+            self._measurements = [] if COMPILE_CLOCK.seconds() > self.compile_mark else measured
         return self._measurements

@@ -5,7 +5,8 @@ After each training batch, the metrics of the step the runtime just timed
 ``LightningModule.log``:
 
 - ``roundpipe/bubble_fraction``, ``roundpipe/exposed_transfer_s``, ``roundpipe/step_s`` (the
-  pipeline's span of the step: first task start to last task end) and ``roundpipe/tokens_per_s``
+  pipeline's span of the step: first task start to last task end, less ``roundpipe/compile_s``, the
+  seconds ``torch.compile`` took during the step) and ``roundpipe/tokens_per_s``
   (the batch's tokens over that span, the last only when the batch has a token count). The span
   leaves out the host's loss, the optimizer's tail and the training loop, so this figure is
   above a wall-clock one such as the fine-tuning job's ``tokens_per_s``
@@ -14,7 +15,10 @@ After each training batch, the metrics of the step the runtime just timed
   process's resident memory, where the weights, optimizer state and activations live),
   ``roundpipe/memory/pinned_bytes`` (page-locked host memory; 0 on the CPU backend) and
   ``roundpipe/memory/w{i}_device_peak_bytes`` (the most device bytes worker ``i`` held during the
-  step; see ``RoundPipeRuntime.memory_metrics``).
+  step; see ``RoundPipeRuntime.memory_metrics``);
+- with compiled layers, ``roundpipe/compile/graphs`` and ``roundpipe/compile/recompiles`` (the graphs
+  dynamo holds for the process's compiled layer calls, and those beyond the first of each compiled
+  callable) and ``roundpipe/compile/compile_seconds`` (``RoundPipeRuntime.compile_metrics``).
 
 They go to the loggers only; ``prog_bar=True`` (the strategy option ``progress_bar_metrics``)
 shows them in the progress bar too. The strategy adds this callback when ``step_metrics=True``
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
-METRICS = ("bubble_fraction", "exposed_transfer_s", "step_s", "tokens_per_s")
+METRICS = ("bubble_fraction", "exposed_transfer_s", "step_s", "compile_s", "tokens_per_s")
 
 
 def memory_log_values(memory: dict) -> dict[str, float]:
@@ -54,4 +58,7 @@ class RoundPipeStepMetrics(pl.Callback):
         measured = runtime.last_metrics
         values = {f"roundpipe/{k}": float(measured[k]) for k in METRICS if measured.get(k) is not None}
         values.update(memory_log_values(runtime.memory_metrics(reset_peaks=True)))
+        compiled = runtime.compile_metrics()
+        if compiled is not None:
+            values.update({f"roundpipe/compile/{k}": float(v) for k, v in compiled.items()})
         pl_module.log_dict(values, on_step=True, on_epoch=False, prog_bar=self.prog_bar, batch_size=1)

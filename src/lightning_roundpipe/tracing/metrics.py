@@ -117,16 +117,18 @@ def hidden_share(records: Sequence[TraceRecord], kind: str = "optim") -> float:
     return hidden / total
 
 
-def step_metrics(records: Sequence[TraceRecord], tokens: int | None) -> dict:
+def step_metrics(records: Sequence[TraceRecord], tokens: int | None, compile_s: float = 0.0) -> dict:
     """The headline numbers of one step (or of any window of records).
 
     Keys: ``bubble_fraction`` (``bubble_fraction``), ``exposed_transfer_s``
     (``exposed_transfer_seconds``), ``optim_hidden_share`` (``hidden_share`` of the
-    ``"optim"`` host tasks), ``step_s`` (first start to last end over all records),
+    ``"optim"`` host tasks), ``step_s`` (first start to last end over all records, less
+    ``compile_s``: the seconds compiles took during the step, kept as ``compile_s``),
     ``tokens`` and ``tokens_per_s`` (``tokens / step_s``; ``None`` when ``tokens`` is ``None``,
     0.0 when ``step_s`` is 0).
     """
-    step_s = (max(r.end for r in records) - min(r.start for r in records)) if records else 0.0
+    span = (max(r.end for r in records) - min(r.start for r in records)) if records else 0.0
+    step_s = max(0.0, span - compile_s)
     if tokens is None:
         tokens_per_s = None
     else:
@@ -136,6 +138,7 @@ def step_metrics(records: Sequence[TraceRecord], tokens: int | None) -> dict:
         "exposed_transfer_s": exposed_transfer_seconds(records),
         "optim_hidden_share": hidden_share(records, "optim"),
         "step_s": step_s,
+        "compile_s": compile_s,
         "tokens": tokens,
         "tokens_per_s": tokens_per_s,
     }

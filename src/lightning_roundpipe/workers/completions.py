@@ -7,7 +7,7 @@ host. Host code that needs the data calls ``Completion.wait``, which also waits 
 event. On the fake-stream backend the value itself is produced by the stream's executor, so it
 may be a ``Deferred`` that reading ``value`` resolves.
 
-Every wait has a timeout. Errors name the task (kind, stage, microbatch, worker, queue) and,
+Every wait has a timeout (compile seconds do not count: ``compile_clock``). Errors name the task (kind, stage, microbatch, worker, queue) and,
 for worker exceptions, carry the original traceback.
 """
 
@@ -18,6 +18,8 @@ import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
+
+from .compile_clock import COMPILE_CLOCK, wait_excluding_compiles
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class Deferred:
 
     def result(self) -> Any:
         """The value, waiting at most ``timeout_s``; re-raises the work's error."""
-        if not self._ready.wait(self.timeout_s):
+        if not wait_excluding_compiles(self._ready.wait, self.timeout_s):
             raise PipelineTimeout(f"the work of [{self.label}] did not run on its stream within {self.timeout_s:g}s")
         if self._error is not None:
             raise self._error
@@ -208,13 +210,14 @@ class Completion:
         """Block until set and, on a stream backend, its device work finished; raise its error or a
         timeout naming it. ``diagnose(self)`` returns text naming what is stuck."""
         deadline = time.monotonic() + timeout
-        if not self._flag.wait(timeout):
+        if not wait_excluding_compiles(self._flag.wait, timeout):  # compile seconds do not count
             extra = f"\n{diagnose(self)}" if diagnose is not None else ""
             raise PipelineTimeout(
                 f"{waiter} timed out after {timeout:g}s waiting for [{self.label}] to complete{extra}"
             )
         if self.error is not None:
             raise self.error
+        deadline += COMPILE_CLOCK.seconds_between(deadline - timeout)
         event = self.device_event
         if event is not None and not event.wait(max(0.0, deadline - time.monotonic())):
             extra = f"\n{diagnose(self)}" if diagnose is not None else ""

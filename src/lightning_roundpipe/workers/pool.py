@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..tracing.records import TraceRecord, TraceRecorder
+from .compile_clock import COMPILE_CLOCK
 from .completions import Completion, PipelineTimeout, TaskLabel
 from .device_memory import DeviceMemory
 from .threads import keep_intra_op_threads, set_intra_op_threads
@@ -286,7 +287,9 @@ class Lane:
         tally.tasks_examined += 1
         # A little after the timeout: a host wait for the same work, begun after the submit, times
         # out first and reports it from the caller's side (as the lanes' old 0.5 s look-again did).
-        left = oldest.submitted + self.pool.timeout_s + min(0.5, self.pool.timeout_s / 4) - now
+        # Compile seconds since the submit do not count (``compile_clock``).
+        left = (oldest.submitted + self.pool.timeout_s + min(0.5, self.pool.timeout_s / 4)
+                + COMPILE_CLOCK.seconds_between(oldest.submitted, now) - now)
         if left > 0:
             return None, None, left
         if self.strict_order:
@@ -491,7 +494,7 @@ class WorkerPool:
         deadline = time.monotonic() + timeout
         with self._cv:
             while not all(lane.pending_count() == 0 for lane in self.lanes()):
-                left = deadline - time.monotonic()
+                left = deadline + COMPILE_CLOCK.seconds_between(deadline - timeout) - time.monotonic()
                 if left <= 0:
                     raise PipelineTimeout(f"worker queues did not drain within {timeout:g}s\n{self.diagnose_locked()}")
                 self._cv.wait(timeout=min(left, 0.5))
