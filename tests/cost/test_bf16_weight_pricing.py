@@ -106,3 +106,24 @@ def test_frozen_linear_weights_stay_bf16_on_the_worker():
     norms = sum(p.numel() for p in layers[0].parameters() if id(p) not in cast)
     assert (cost.weight_bytes, cost.device_weight_bytes, cost.grad_bytes) == (
         2 * linear + 4 * norms, 2 * linear + 4 * norms, 4 * norms)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_the_simulators_shape_prices_a_decoder_layer_as_the_module_estimate(family):
+    # The shape model (sim plan) and the module estimate (the strategy's planner) agree byte for byte on a
+    # decoder layer under bf16, for dense Linear projections and for transformers 5's fused experts and
+    # router (not Linear layers, so kept in fp32 as autocast_cast_parameters says).
+    from lightning_roundpipe.cost.hardware import load_hardware
+    from lightning_roundpipe.cost.transformer import ModelShape, shape_layer_costs
+
+    model = tiny_model(family)
+    c = model.config
+    moe = dict(num_experts=c.num_experts, experts_per_token=c.num_experts_per_tok,
+               expert_intermediate=c.moe_intermediate_size) if family == "qwen3_moe" else {}
+    shape = ModelShape(family, c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+                       c.head_dim, c.vocab_size, c.num_hidden_layers, qk_norm=family == "qwen3_moe", **moe)
+    real = estimate_costs([model.model.layers[0]], 16, None, torch.bfloat16).layers[0]
+    sim = shape_layer_costs(shape, load_hardware("rtx4090"), 16, 1, 2).layers[1]
+    assert (sim.weight_bytes, sim.device_weight_bytes, sim.grad_bytes) == (
+        real.weight_bytes, real.device_weight_bytes, real.grad_bytes)

@@ -389,10 +389,16 @@ def shape_layer_costs(
         dispatch = moe_loop.dispatch_cost(shape, tokens, hardware, moe_loop.for_shape(moe_dispatch, shape.name),
                                           dtype_bytes, fp16_accumulation)
     saved += dispatch.graph_bytes_per_token  # the padded dispatch's empty slots (cost/moe_loop.py)
-    norms = shape.decoder_norm_params()
-    decoder_trainable = ParamSplit(adapters, 0) if lora else ParamSplit(base - norms, norms)
+    # Kept in fp32 under a mixed precision: the norms and, in an MoE layer, the router and the experts
+    # (transformers 5 holds them as fused tensors, not Linear layers; so are their adapters).
+    kept = shape.decoder_norm_params() + (base - shape.decoder_norm_params() - sum(
+        a * b for a, b in shape.attention_shapes()) if shape.is_moe else 0)
+    kept_adapters = adapters - sum(lora_rank * (a + b) for a, b in shape.attention_shapes()) if lora and shape.is_moe else 0
+    decoder_trainable = (ParamSplit(adapters - kept_adapters, kept_adapters) if lora
+                         else ParamSplit(base - kept, kept))
     for _ in range(num_layers):
-        layers.append(layer(fwd, bwd, ParamSplit(base - norms + adapters, norms), decoder_trainable, carry))
+        layers.append(layer(fwd, bwd, ParamSplit(base - kept + adapters - kept_adapters, kept + kept_adapters),
+                            decoder_trainable, carry))
         layers[-1].forward_s += dispatch.forward_s
         layers[-1].recompute_s += dispatch.forward_s
         layers[-1].backward_s += dispatch.backward_s
