@@ -37,7 +37,9 @@ def test_the_flash_attention_workspace_by_hand():
 @pytest.mark.timeout(60)
 def test_the_planner_takes_the_overheads_off_each_gpu():
     hw = load_hardware("rtx4090")
-    # Qwen3-1.7B on 8x RTX 4090: 133,376 tokens with 90% of 24 GiB usable; 130,048 with 90% of what the
+    # Qwen3-1.7B on 8x RTX 4090: 123,904 tokens with 90% of 24 GiB usable; 120,576 with 90% of what the
     # context, workspaces and pages leave. A GPU larger by exactly those gives the old figure back.
-    assert longest_seq_len("qwen3-1.7b", hw) == 130_048
-    assert longest_seq_len("qwen3-1.7b", hw.replace(gpu_memory_bytes=hw.gpu_memory_bytes + d.device_reserved_bytes())) == 133_376
+    # (Before bf16-mixed kept norms and embeddings in fp32 with fp32 leaves and gradients on the worker,
+    # params/autocast_cast.py, these were 133,376 and 130,048: the weights a stage holds grew.)
+    assert longest_seq_len("qwen3-1.7b", hw) == 120_576
+    assert longest_seq_len("qwen3-1.7b", hw.replace(gpu_memory_bytes=hw.gpu_memory_bytes + d.device_reserved_bytes())) == 123_904

@@ -92,14 +92,17 @@ def test_layer_costs_follow_flops_and_sizes():
     linear = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * i
     decoder = costs.layers[1]
     assert decoder.forward_s == pytest.approx(tokens * (2 * linear + 2 * 32 * heads * hd))
-    assert decoder.weight_bytes == 2 * (linear + 2 * h)
+    # bf16-mixed (params/autocast_cast.py): projections travel in bf16, the two norms in fp32; on the
+    # worker a trainable projection is an fp32 leaf plus autocast's bf16 copy; gradients are fp32.
+    assert decoder.weight_bytes == 2 * linear + 4 * 2 * h
+    assert decoder.device_weight_bytes == 6 * linear + 4 * 2 * h and decoder.grad_bytes == 4 * (linear + 2 * h)
     # Doubling the sequence at the same token count doubles only the attention term (the seq^2 term).
     longer = transformer_layer_costs(h, i, heads, kv, hd, vocab, layers, 64, 1, 2, hw)
     assert longer.layers[1].forward_s - decoder.forward_s == pytest.approx(tokens * 2 * 32 * heads * hd)
     # LoRA: frozen base, only adapters travel home; the head needs input gradients only.
     lora = transformer_layer_costs(h, i, heads, kv, hd, vocab, layers, 32, 2, 2, hw, lora_rank=4)
     adapters = 4 * sum(a + b for a, b in get_model_shape_of(h, i, heads, kv, hd).projection_shapes())
-    assert lora.layers[1].grad_bytes == 2 * adapters
+    assert lora.layers[1].grad_bytes == 4 * adapters  # fp32 leaves' gradients
     assert lora.layers[0].grad_bytes == 0 and lora.layers[-1].grad_bytes == 0
     assert lora.layers[-1].backward_s == pytest.approx(head.forward_s)
 

@@ -24,6 +24,7 @@ from torch import nn
 from .attention_blocks import attention_blocks, attention_flops_per_token
 from .experts import inactive_parameters
 from .profile import CostProfile, LayerCost
+from ..params.autocast_cast import layer_device_bytes
 from ..schedule.plan import Plan
 from ..setup_progress import ProgressCallback, report
 
@@ -82,10 +83,11 @@ def estimate_costs(
       (``attention_blocks``: ``4 x q_dim x min(context / 2, window)`` FLOPs per token);
     * ``active_params``: the parameters one token runs through (all of them in a dense layer);
     * recompute time equals the forward, backward time is twice the forward;
-    * ``weight_bytes``: parameters in the compute dtype (the worker uploads them cast), buffers
-      and non-floating parameters in their own dtype;
-    * ``grad_bytes``: trainable parameters in the compute dtype (gradients come back in the
-      compute dtype and are accumulated into fp32 host buffers on the host);
+    * ``weight_bytes``: parameters as uploaded (``params.autocast_cast``: those autocast casts in
+      the compute dtype, other floating ones such as embeddings and norms in their own), buffers in
+      their own dtype; ``device_weight_bytes``: as the worker holds them (a trainable cast
+      parameter as its fp32 leaf plus autocast's compute-dtype copy);
+    * ``grad_bytes``: trainable parameters in their own dtype (the fp32 leaves' gradients);
     * ``act_bytes_per_token``: ``hidden_bytes_per_token`` for every layer when given, otherwise
       the width of the layer's last Linear/Embedding/Norm times the compute dtype size.
 
@@ -99,18 +101,16 @@ def estimate_costs(
     if not compute_dtype.is_floating_point:
         raise ValueError(f"compute_dtype must be a floating dtype, got {compute_dtype}")
     dtype_bytes = torch.empty((), dtype=compute_dtype).element_size()
+    device_bytes = layer_device_bytes(layers, compute_dtype)
     out = []
     for index, layer in enumerate(layers):
         report(progress, ESTIMATE_PHASE, index, len(layers))
         params = _unique_tensors(layer.parameters())
-        buffers = _unique_tensors(layer.buffers())
         lookups = _embedding_param_ids(layer)
         inactive = inactive_parameters(layer)
         idle = sum(p.numel() * inactive[id(p)] for p in params if id(p) in inactive)
         matmul_params = sum(p.numel() for p in params if id(p) not in lookups) - idle
-        weight_bytes = sum(p.numel() * (dtype_bytes if p.is_floating_point() else p.element_size()) for p in params)
-        weight_bytes += sum(b.numel() * b.element_size() for b in buffers)
-        grad_bytes = sum(p.numel() * dtype_bytes for p in params if p.requires_grad)
+        on_device = device_bytes[index]
         if hidden_bytes_per_token is not None:
             act_bytes = int(hidden_bytes_per_token)
         else:
@@ -119,10 +119,11 @@ def estimate_costs(
         attention = attention_flops_per_token(attention_blocks(layer), context_tokens) if context_tokens else 0.0
         forward_s = (2.0 * matmul_params * example_tokens + output_elements * example_tokens
                      + attention * example_tokens) / flops_per_second
-        out.append(LayerCost(forward_s, forward_s, 2.0 * forward_s, int(weight_bytes), int(grad_bytes), act_bytes,
+        out.append(LayerCost(forward_s, forward_s, 2.0 * forward_s, on_device.upload, on_device.grads, act_bytes,
                              params=sum(p.numel() for p in params),
                              trainable_params=sum(p.numel() for p in params if p.requires_grad),
-                             active_params=round(sum(p.numel() for p in params) - idle)))
+                             active_params=round(sum(p.numel() for p in params) - idle),
+                             device_weight_bytes=on_device.held))
     report(progress, ESTIMATE_PHASE, len(layers), len(layers))
     return CostProfile(out, tokens_per_microbatch=int(example_tokens), measured=False, source="estimate",
                        dtype_bytes=dtype_bytes, link_bytes_per_second=link_bytes_per_second)

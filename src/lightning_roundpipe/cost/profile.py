@@ -25,8 +25,8 @@ class LayerCost:
     forward_s: float  # forward of one microbatch
     recompute_s: float  # the forward again inside backward (same as forward_s unless measured otherwise)
     backward_s: float  # the backward proper of one microbatch (about 2x forward), recompute excluded
-    weight_bytes: int  # uploaded bytes of the layer's weights and buffers, in compute dtype
-    grad_bytes: int  # downloaded bytes of its trainable weights' gradients (0 when frozen)
+    weight_bytes: int  # uploaded bytes of the layer's weights and buffers (params/autocast_cast.py's dtypes)
+    grad_bytes: int  # its trainable weights' gradients on the worker and downloaded (0 when frozen)
     act_bytes_per_token: int  # bytes of the layer's output activation per token
     params: int | None = None  # parameter count (weights the host keeps a compute-dtype copy of)
     trainable_params: int | None = None  # parameters the host optimizer updates
@@ -41,6 +41,15 @@ class LayerCost:
     # Seconds of ``recompute_s`` the layer skips when a backward stage's recompute stops early at it
     # (``recompute_early_stop``: the work only its output needs, a decoder layer's MLP down projection).
     early_stop_s: float = 0.0
+    # Bytes the worker holds for the weights while the layer computes, where more than ``weight_bytes``:
+    # under a mixed precision a trainable bf16 upload is an fp32 leaf there, plus autocast's bf16 copy
+    # of it (params/autocast_cast.py). None: ``weight_bytes``.
+    device_weight_bytes: int | None = None
+
+    @property
+    def held_weight_bytes(self) -> int:
+        """Device bytes of the layer's weights while it computes (``device_weight_bytes`` or the upload)."""
+        return self.weight_bytes if self.device_weight_bytes is None else self.device_weight_bytes
 
     def scaled(self, factor: float) -> "LayerCost":
         """The same layer with its compute times multiplied by ``factor``."""
@@ -129,7 +138,7 @@ class StageCost:
     microbatch_download_s: float  # output (or input gradient) of one microbatch
     weight_upload_s: float
     grad_download_s: float
-    weight_bytes: int
+    weight_bytes: int  # weights as the worker holds them (``LayerCost.held_weight_bytes``)
     grad_bytes: int  # weight gradients held on the worker until downloaded (0 in forward)
     activation_bytes: int  # activations of one microbatch held while it runs
 
@@ -196,6 +205,7 @@ class StageCostModel:
         self._rec = prefix(c.recompute_s for c in layers)
         self._bwd = prefix(c.backward_s for c in layers)
         self._weights = prefix(c.weight_bytes for c in layers)
+        self._held = prefix(c.held_weight_bytes for c in layers)
         self._grads = prefix(c.grad_bytes for c in layers)
         from .view import CostView  # the view reads this module's profile types
 
@@ -242,7 +252,7 @@ class StageCostModel:
             microbatch_download_s=self._transfer_s(down),
             weight_upload_s=self._transfer_s(weights),
             grad_download_s=self._transfer_s(grads),
-            weight_bytes=weights,
+            weight_bytes=int(self._held[end] - self._held[start]),
             grad_bytes=grads,
             activation_bytes=int(held),
         )

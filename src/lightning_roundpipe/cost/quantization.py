@@ -68,6 +68,8 @@ def packed_costs(costs: CostProfile, shape: ModelShape, hardware: HardwareProfil
                              else c.forward_transient_bytes_per_token + dequantized_per_token)
         layers[i] = dataclasses.replace(
             c, weight_bytes=c.weight_bytes - saved_per_layer, forward_s=c.forward_s + dequant_s,
+            # the frozen base is held as uploaded, so it shrinks on the worker by as much as on the link
+            device_weight_bytes=None if c.device_weight_bytes is None else c.device_weight_bytes - saved_per_layer,
             recompute_s=c.recompute_s + dequant_s, backward_s=c.backward_s + dequant_s,
             params=costs.layer_params()[i], forward_transient_bytes_per_token=forward_transient,
             backward_transient_bytes_per_token=(c.backward_transient_bytes_per_token or 0) + dequantized_per_token)

@@ -113,8 +113,11 @@ class ModelShape:
         experts = self.num_experts if self.is_moe else 1
         linear = (sum(a * b for a, b in self.attention_shapes()) + experts * sum(a * b for a, b in self.mlp_shapes())
                   + self.router_params())
-        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
-        return linear + norms
+        return linear + self.decoder_norm_params()
+
+    def decoder_norm_params(self) -> int:
+        """Norm weights of one decoder layer (the two RMSNorms, and Qwen3's query and key norms)."""
+        return 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
 
     def lora_params_per_layer(self, rank: int) -> int:
         """Adapter parameters of one decoder layer with LoRA of ``rank`` on all linear maps but the router."""
@@ -157,6 +160,31 @@ MODEL_PRESETS: dict[str, ModelShape] = {
     "gpt-oss-20b": ModelShape("GPT-OSS-20B", 2880, 2880, 64, 8, 64, 201088, 24,
                               num_experts=32, experts_per_token=4, expert_intermediate=2880),
 }
+
+
+FP32_BYTES = 4  # the host masters' dtype
+
+
+@dataclass(frozen=True)
+class ParamSplit:
+    """Parameter counts of a layer (or of its trainable part): ``linear``, those autocast casts to the
+    compute dtype (held by Linear layers alone, params/autocast_cast.py), and the ``other`` ones
+    (embeddings, norms, a tied head), which a mixed precision keeps in fp32."""
+
+    linear: int
+    other: int
+
+    def device_bytes(self, trainable: "ParamSplit", dtype_bytes: int) -> tuple[int, int, int]:
+        """(uploaded, held on the worker, gradient) bytes of these parameters, ``trainable`` of them
+        trainable, computing in ``dtype_bytes``. Under a mixed precision (``dtype_bytes`` < 4) a
+        trainable Linear weight travels in the compute dtype and is held as an fp32 leaf plus
+        autocast's compute-dtype copy; its gradient, like every gradient, is fp32."""
+        if dtype_bytes >= FP32_BYTES:
+            total = self.linear + self.other
+            return total * dtype_bytes, total * dtype_bytes, (trainable.linear + trainable.other) * dtype_bytes
+        upload = self.linear * dtype_bytes + self.other * FP32_BYTES
+        held = upload + trainable.linear * FP32_BYTES
+        return upload, held, (trainable.linear + trainable.other) * FP32_BYTES
 
 
 def get_model_shape(name: str | ModelShape) -> ModelShape:
@@ -322,9 +350,10 @@ def shape_layer_costs(
     def seconds(work: LayerWork) -> float:
         return layer_seconds(work, tokens, hardware, fp16_accumulation)
 
-    def layer(fwd: LayerWork, bwd: LayerWork, params: int, trainable: int, act: int) -> LayerCost:
+    def layer(fwd: LayerWork, bwd: LayerWork, params: "ParamSplit", trainable: "ParamSplit", act: int) -> LayerCost:
         f = seconds(fwd)
-        return LayerCost(f, f, seconds(bwd), params * dtype_bytes, trainable * dtype_bytes, act)
+        upload, held, grads = params.device_bytes(trainable, dtype_bytes)
+        return LayerCost(f, f, seconds(bwd), upload, grads, act, device_weight_bytes=held)
 
     layers, params, trainable, graph = [], [], [], []
     carry = activations.carry_bytes(shape, dtype_bytes, labels=loss_in_pipeline)
@@ -332,7 +361,7 @@ def shape_layer_costs(
     # Prefix: the embedding gather. Frozen under LoRA (adapters go on the projections only).
     emb = shape.embedding_params()
     layers.append(layer(LayerWork(hidden, 0, 2 * hidden * dtype_bytes), LayerWork(2 * hidden, 0, 2 * hidden * dtype_bytes),
-                        emb, 0 if lora else emb, carry))
+                        ParamSplit(0, emb), ParamSplit(0, 0 if lora else emb), carry))
     layers[-1].act_grad_bytes_per_token = activations.hidden_grad_bytes(shape, dtype_bytes)
     params.append(emb)
     trainable.append(0 if lora else emb)
@@ -360,8 +389,16 @@ def shape_layer_costs(
         dispatch = moe_loop.dispatch_cost(shape, tokens, hardware, moe_loop.for_shape(moe_dispatch, shape.name),
                                           dtype_bytes, fp16_accumulation)
     saved += dispatch.graph_bytes_per_token  # the padded dispatch's empty slots (cost/moe_loop.py)
+    # Kept in fp32 under a mixed precision: the norms and, in an MoE layer, the router and the experts
+    # (transformers 5 holds them as fused tensors, not Linear layers; so are their adapters).
+    kept = shape.decoder_norm_params() + (base - shape.decoder_norm_params() - sum(
+        a * b for a, b in shape.attention_shapes()) if shape.is_moe else 0)
+    kept_adapters = adapters - sum(lora_rank * (a + b) for a, b in shape.attention_shapes()) if lora and shape.is_moe else 0
+    decoder_trainable = (ParamSplit(adapters - kept_adapters, kept_adapters) if lora
+                         else ParamSplit(base - kept, kept))
     for _ in range(num_layers):
-        layers.append(layer(fwd, bwd, base + adapters, adapters if lora else base, carry))
+        layers.append(layer(fwd, bwd, ParamSplit(base - kept + adapters - kept_adapters, kept + kept_adapters),
+                            decoder_trainable, carry))
         layers[-1].forward_s += dispatch.forward_s
         layers[-1].recompute_s += dispatch.forward_s
         layers[-1].backward_s += dispatch.backward_s
@@ -378,8 +415,10 @@ def shape_layer_costs(
     # Postfix: final norm + LM head + loss. Its output is the logits (or only a scalar when fused).
     head = shape.head_params()
     head_fwd, head_bwd = head_work(shape, lora_rank, dtype_bytes, chunked_loss=loss_chunk_tokens is not None)
-    layers.append(layer(head_fwd, head_bwd,
-                        head, 0 if lora else head, vocab * dtype_bytes))
+    # A head tied to the embedding is also used by a lookup, so autocast does not cast it (params/autocast_cast.py).
+    head_matrix = ParamSplit(0, head - hidden) if shape.tie_embeddings else ParamSplit(head - hidden, 0)
+    head_split = ParamSplit(head_matrix.linear, head_matrix.other + hidden)
+    layers.append(layer(head_fwd, head_bwd, head_split, ParamSplit(0, 0) if lora else head_split, vocab * dtype_bytes))
     params.append(head)
     # A tied head's gradient travels home and adds into the embedding's; the optimizer updates
     # that matrix once, with the prefix, so only the final norm is the postfix's own.

@@ -51,7 +51,11 @@ class CostView:
         return self.grad_per_token[layer] * self.tokens
 
     def weights(self, a: int, b: int) -> int:
-        """Weight bytes of layers ``[a, b)``."""
+        """Weight bytes the worker holds for layers ``[a, b)`` (``LayerCost.held_weight_bytes``)."""
+        return sum(self.layers[i].held_weight_bytes for i in range(a, b))
+
+    def uploaded_weights(self, a: int, b: int) -> int:
+        """Weight bytes uploaded for layers ``[a, b)`` (over the link)."""
         return sum(self.layers[i].weight_bytes for i in range(a, b))
 
     def grads(self, a: int, b: int) -> int:

@@ -234,7 +234,7 @@ class TaskWork:
             dev = self.pool.copy_to_device(worker, weights.upload_sources(chunk), [weights.dtypes[i] for i in chunk],
                                            read_only=[weights.is_param[i] for i in chunk])
             weights.store_chunk(chunk, dev)
-            worker.track_weights(weights.chunk_bytes(chunk))
+            worker.track_weights(weights.device_chunk_bytes(chunk))  # as held: fp32 leaves at 4 bytes
 
         return fn, weights.chunk_bytes(chunk), ctx.weight_gates(range(*t.layers))
 
@@ -311,7 +311,7 @@ class TaskWork:
 
         def fn():
             weights.release()
-            worker.track_weights(-weights.nbytes)
+            worker.track_weights(-weights.device_nbytes)
 
         return fn, 0, []
 

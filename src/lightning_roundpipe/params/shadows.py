@@ -36,21 +36,8 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-# Modules whose forward autocast runs in its lower precision, weight and bias included (F.linear, conv).
-AUTOCAST_CAST_FORWARDS = frozenset(m.forward for m in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
+from .autocast_cast import autocast_cast_parameters
 
-
-def autocast_cast_parameters(layers: Sequence[nn.Module]) -> set[int]:
-    """Ids of the parameters that autocast casts to its lower precision wherever they are used:
-    those held only by modules running ``nn.Linear``'s or ``nn.Conv*d``'s own forward. A
-    parameter also held by any other module (a head tied to the embedding) is not among them."""
-    cast, kept = set(), set()
-    for layer in layers:
-        for m in layer.modules():
-            lower = type(m).forward in AUTOCAST_CAST_FORWARDS
-            for p in m.parameters(recurse=False):
-                (cast if lower else kept).add(id(p))
-    return cast - kept
 
 class ShadowStore:
     """Shadows of floating parameters, keyed by the master tensor's id, in flat buffers.

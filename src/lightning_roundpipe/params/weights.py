@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .autocast_cast import device_dtype
 from .grad_hooks import accumulate_with_hooks, has_grad_hooks
 
 
@@ -83,14 +84,15 @@ class StageWeights:
         # Trainable parameters uploaded in a lower precision than their masters become leaves in the
         # master's dtype on the device (autocast casts them back at use, to the same values): their
         # gradients then add up over microbatches in fp32, as under Lightning's mixed precision.
-        self.grad_dtypes = [t.dtype if tr and t.is_floating_point() else d
-                            for t, d, tr in zip(self.host, self.dtypes, self.trainable)]
+        self.grad_dtypes = [device_dtype(t, d, tr) for t, d, tr in zip(self.host, self.dtypes, self.trainable)]
         # Forward stages too upload a parameter that requires grad as requiring grad (no graph is built without
         # grad): some kernels choose their algorithm by it (F.linear on a transposed input, as in
         # nn.MultiheadAttention), so the forward stage computes bit for bit what recompute and the model compute.
         self.grad_flags = [p and t.requires_grad for t, p in zip(self.host, self.is_param)]
         self.nbytes = sum(tensor_bytes(t, d) for t, d in zip(self.host, self.dtypes))
         self.grad_bytes = sum(tensor_bytes(t, d) for t, d, tr in zip(self.host, self.grad_dtypes, self.trainable) if tr)
+        # What the worker holds once uploaded: the tensors in their device dtypes (fp32 leaves included).
+        self.device_nbytes = sum(tensor_bytes(t, d) for t, d in zip(self.host, self.grad_dtypes))
         # chunking: consecutive tensors until chunk_bytes is reached
         self.chunks: list[list[int]] = []
         current, size = [], 0
@@ -129,6 +131,11 @@ class StageWeights:
     def chunk_bytes(self, chunk: list[int]) -> int:
         """Upload bytes of the tensors of ``chunk``, in their upload dtypes."""
         return sum(tensor_bytes(self.host[i], self.dtypes[i]) for i in chunk)
+
+    def device_chunk_bytes(self, chunk: list[int]) -> int:
+        """Bytes the worker holds for ``chunk`` once stored (``store_chunk``): trainable lower-precision
+        uploads as fp32 leaves, so more than ``chunk_bytes`` under a mixed precision."""
+        return sum(tensor_bytes(self.host[i], self.grad_dtypes[i]) for i in chunk)
 
     def grad_chunk_bytes(self, chunk: list[int]) -> int:
         """Download bytes of the gradients of ``chunk`` (a list of ``grad_chunks``), in their dtypes."""

@@ -49,7 +49,7 @@ def no_recompute_peak_bytes(costs: CostProfile, microbatches: int) -> int:
     ``microbatches`` (the forward stages a worker ran keep theirs until their backward) plus
     the two largest layers' weights and weight gradients (the stage it runs and the one it prefetches)."""
     view = CostView(costs)
-    states = sorted((c.weight_bytes + c.grad_bytes for c in costs.layers), reverse=True)
+    states = sorted((c.held_weight_bytes + c.grad_bytes for c in costs.layers), reverse=True)
     return microbatches * view.graph(0, len(costs)) + sum(states[:2])
 
 

@@ -374,8 +374,10 @@ class _RoundPipeBuilder:
                     deps += done[host_output[t.microbatch]]  # the host computes the loss and its gradient
                 if t.kind == "weights":
                     deps += [op for layer in range(*t.layers) for op in self.calls.gate.get(layer, [])]
+                # Weights are held as the worker holds them (fp32 leaves under a mixed precision), not as sent.
+                held = self.view.weights(*t.layers) if t.kind == "weights" else t.bytes
                 op = Op(w, "upload", t.kind, name, t.microbatch, step, bytes=t.bytes, priority=t.priority,
-                        deps=deps + gate, alloc=[(w, t.bytes)])
+                        deps=deps + gate, alloc=[(w, held)])
                 if t.kind == "weights":
                     spread.copy_weights(op, self.add)
             elif t.lane == "compute":
