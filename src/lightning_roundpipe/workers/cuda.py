@@ -288,6 +288,7 @@ class StreamWorkerPool(WorkerPool):
             return 0
         seen = set()
         pageable = 0
+        reasons_before = collections.Counter(self.pageable_reasons)
         for t in tensors:
             if id(t) in seen:  # a tensor whose pages are pinned already is registered without a call
                 continue
@@ -298,8 +299,10 @@ class StreamWorkerPool(WorkerPool):
             else:
                 pageable += t.numel() * t.element_size()
         if pageable:
+            reasons = collections.Counter(self.pageable_reasons) - reasons_before  # this call's (the registry is shared)
             log.warning("pinned=%r: %d bytes the uploads read stay pageable (their copies are synchronous): %s",
-                        policy, pageable, "; ".join(f"{why}: {n}" for why, n in self.pageable_reasons.items()))
+                        policy, pageable, "; ".join(f"{why}: {n}" for why, n in reasons.items())
+                        or "no reason was counted (a defect: please report it)")
         return self.pinned_bytes
 
     def pinned_host_bytes(self) -> int:

@@ -49,6 +49,18 @@ def _poll_until(done: Callable[[], bool], timeout: float) -> bool:
     return True
 
 
+def register_in_place(pins: PinRegistry, t: torch.Tensor, storage_pinned: bool) -> bool:
+    """Both drivers' ``register``. ``storage_pinned`` is the driver's ``is_pinned(t)``, which ATen
+    answers from the page of the *storage's start* only: when that page is one ``pins`` registered
+    (for a neighbouring view of the storage), ``t`` itself may still reach into unpinned pages, so
+    it is registered like any tensor. When the storage start is pinned by someone else (torch's
+    pinned host allocator, which pins whole storages), ``t`` is pinned already: nothing to register."""
+    if t.device.type == "cpu" and storage_pinned and not pins.holds(t.untyped_storage().data_ptr()):
+        pins.pinned_elsewhere += 1
+        return True
+    return pins.register(t)
+
+
 # ---------------------------------------------------------------------------- CUDA
 
 
@@ -166,9 +178,7 @@ class CudaStreams:
     def register(self, t: torch.Tensor) -> bool:
         """Pin an existing host tensor in place (``cudaHostRegister``, errors checked and cleared:
         ``pinning.py``); False if it stays pageable (the reason is counted in ``pins.pageable_reasons``)."""
-        if t.device.type == "cpu" and t.is_pinned() and not self.pins.covers(t):
-            return False  # pinned by someone else (torch's host allocator): nothing to register
-        return self.pins.register(t)
+        return register_in_place(self.pins, t, self.is_pinned(t))
 
     def unregister(self, t: torch.Tensor) -> None:
         """Unpin ``t`` (pinned in place)."""
@@ -425,12 +435,17 @@ class FakeStreams:
             dst.copy_(src)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` lies in pages registered with the fake driver."""
-        return self.pins.covers(t)
+        """ATen's answer: whether the page holding the *start of ``t``'s storage* is registered (not
+        ``t`` itself: a view that starts further on, or reaches past that page, gets its storage's answer)."""
+        if t.device.type != "cpu":
+            return False
+        start = t.untyped_storage().data_ptr()
+        return start != 0 and self.cudart.is_registered(start)
 
     def register(self, t: torch.Tensor) -> bool:
-        """Pin ``t`` in place with the fake driver; False when it refused."""
-        return self.pins.register(t)
+        """Pin ``t`` in place with the fake driver, by the same rule as ``CudaStreams.register``;
+        False when it stays pageable."""
+        return register_in_place(self.pins, t, self.is_pinned(t))
 
     def unregister(self, t: torch.Tensor) -> None:
         """Unpin ``t``."""
