@@ -74,3 +74,46 @@ def test_a_tensor_pinned_by_torchs_host_allocator_counts_as_pinned_and_a_refusal
         assert not caplog.text.rstrip().endswith(":")
     finally:
         pool.shutdown()
+
+
+# ------------------------------------------------------------------ 2. current_stream: a new object per call
+
+
+def _downloads(pool, n):
+    from lightning_roundpipe.workers import TaskLabel
+
+    w = pool.workers[0]
+    src = torch.randn(64)
+    done = [w.submit("download", lambda: pool.copy_to_host(w, [src]), [], TaskLabel("act_out", "F0", i, 0, "download"))
+            for i in range(n)]  # all queued at once: many copies in flight, as in a step
+    assert all(torch.equal(c.wait(10)[0], src) for c in done)
+
+
+@pytest.mark.timeout(60)
+def test_current_stream_is_a_new_object_per_call_equal_to_the_lanes_stream():
+    pool = make_pool("fake_cuda", 1).start()
+    try:
+        seen = []
+        lane = pool.workers[0].lanes["download"]
+        from lightning_roundpipe.workers import TaskLabel
+
+        c = pool.workers[0].submit("download", lambda: seen.extend(pool.driver.current_stream(None) for _ in range(2)),
+                                   [], TaskLabel("act_out", "F0", 0, 0, "download"))
+        c.wait(10)
+        assert seen[0] is not seen[1] and seen[0] == seen[1] == lane.stream and hash(seen[0]) == hash(lane.stream)
+    finally:
+        pool.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_repeated_downloads_do_not_grow_the_stream_holds():
+    """At 2c9c60c ``copy_to_host`` keyed its holds by ``id(current_stream())``: 200 downloads left
+    200 queues in ``StreamHolds`` (never removed, each scanned by every task's ``collect``)."""
+    pool = make_pool("fake_cuda", 1).start()
+    try:
+        _downloads(pool, 200)
+        pool.synchronize()
+        assert pool.holds.held == 0
+        assert pool.holds.queue_count <= 3  # one per lane's stream at most
+    finally:
+        pool.shutdown()

@@ -230,7 +230,7 @@ class StreamWorkerPool(WorkerPool):
 
     def copy_to_host(self, worker: Worker, tensors, reusable: bool = False):
         drv = self.driver
-        stream = drv.current_stream(worker.device)
+        stream = self._lane_stream(worker, drv.current_stream(worker.device))
         out, sources = [], []
         for t in tensors:
             if t is None:
@@ -253,6 +253,13 @@ class StreamWorkerPool(WorkerPool):
             if reusable:
                 self.host_buffers.fence(out, landed)
         return out
+
+    @staticmethod
+    def _lane_stream(worker: Worker, current):
+        """The lane's own stream object for ``current``: CUDA's ``current_stream()`` is a new Python
+        object on each call (equal, never the same), so holds and event waiters keyed by it would
+        gain an entry per call."""
+        return next((lane.stream for lane in worker.lanes.values() if lane.stream == current), current)
 
     def release_host(self, tensors) -> None:
         self.host_buffers.give_back(tensors)

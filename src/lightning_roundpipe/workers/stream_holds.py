@@ -36,13 +36,21 @@ class StreamHolds:
             self.held += 1
             self.holds += 1
 
+    @property
+    def queue_count(self) -> int:
+        """How many per-stream queues the bookkeeping keeps (``collect`` scans each of them)."""
+        with self._lock:
+            return len(self._by_stream)
+
     def collect(self) -> int:
         """Drop what every finished event held; returns how many entries went."""
         dropped = []
         with self._lock:
-            for q in self._by_stream.values():
+            for key, q in list(self._by_stream.items()):
                 while q and q[0][0].query():
                     dropped.append(q.popleft())
+                if not q:  # bounded bookkeeping whatever the callers key by
+                    del self._by_stream[key]
             self.held -= len(dropped)
         n = len(dropped)
         del dropped  # the tensors are freed here, outside the lock

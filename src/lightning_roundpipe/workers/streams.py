@@ -205,14 +205,17 @@ class CudaStreams:
 class FakeEvent:
     """Completes when the executor of the stream it was recorded on reaches it."""
 
-    __slots__ = ("_done", "_recorded", "time", "_callbacks")
+    __slots__ = ("_done", "_recorded", "time", "_callbacks", "stream", "order")
     _callbacks_lock = threading.Lock()  # one for all events: registering and completing are a few steps
+    _orders = itertools.count()
 
     def __init__(self, timing: bool = False):
         self._done = threading.Event()
         self._recorded = False
         self.time = 0.0
         self._callbacks: list | None = None
+        self.stream = None  # as ``CudaEvent``: the stream object it was last recorded on, kept alive
+        self.order = 0
 
     def complete(self) -> None:
         """Mark the event done (its stream's executor reached it) and run the callbacks of ``when_done``."""
@@ -236,6 +239,8 @@ class FakeEvent:
     def record(self, stream: "FakeStream") -> None:
         """Record the event on the fake ``stream``: it completes when the stream's thread gets there."""
         self._recorded = True
+        self.stream = stream
+        self.order = next(FakeEvent._orders)
         stream.put(("event", self))
 
     def recorded(self) -> bool:
@@ -335,6 +340,25 @@ class FakeStream:
                     self._after.pop(0)()
 
 
+class FakeStreamHandle:
+    """A new object for one fake stream, as each ``torch.cuda.current_stream()`` call returns: it
+    compares and hashes as its stream does, and does what its stream does."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream: FakeStream):
+        self.stream = stream
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+    def __eq__(self, other) -> bool:
+        return self.stream is getattr(other, "stream", other)
+
+    def __hash__(self) -> int:
+        return hash(self.stream)
+
+
 class FakeStreams:
     """CPU stand-in for CUDA streams; ``jitter_s`` delays each piece of stream work at random;
     ``threads``: torch intra-op threads of each executor (1: the executors stand for device
@@ -393,9 +417,10 @@ class FakeStreams:
         stream.put(("work", fn, deferred))
         return deferred
 
-    def current_stream(self, device) -> FakeStream:
-        """The stream the calling thread issues to."""
-        return self.local.stream
+    def current_stream(self, device) -> "FakeStreamHandle":
+        """The stream the calling thread issues to, as CUDA gives it: ``torch.cuda.current_stream``
+        builds a new Python object on each call (equal and of equal hash, never the same object)."""
+        return FakeStreamHandle(self.local.stream)
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         """As CUDA's allocator: when ``tensor`` is freed, its memory stays held until ``stream``
