@@ -2,11 +2,18 @@
 fixed. Every test here failed on commit 2c9c60c once the fake driver had the behaviour (the test's
 docstring says how), and passes with the fix."""
 
+import gc
 import logging
+import re
+import threading
+import time
+import weakref
 
 import pytest
 import torch
+from torch import nn
 
+from lightning_roundpipe import EngineOptions, PipelineEngine, WorkerError, simple_plan
 from lightning_roundpipe.workers import make_pool
 from lightning_roundpipe.workers.pinning import PAGE
 
@@ -62,15 +69,18 @@ def test_a_tensor_pinned_by_torchs_host_allocator_counts_as_pinned_and_a_refusal
 
     rt = FakeCudart()
     pool = make_pool("fake_cuda", 1, cudart=rt)
-    elsewhere = torch.zeros(2 * PAGE // 4)
-    assert rt.cudaHostRegister(elsewhere.data_ptr(), 2 * PAGE, 0) == 0  # as torch's pinned host allocator
+    big = 256 * PAGE
+    pageable = torch.randn(big // 4)  # allocated first: its first page is not one of ``elsewhere``'s
+    elsewhere = torch.zeros(big // 4)
+    assert rt.cudaHostRegister(elsewhere.data_ptr(), big, 0) == 0  # as torch's pinned host allocator
     rt.fail_with = 2
-    pageable = torch.randn(3000)
     try:
         with caplog.at_level(logging.WARNING, logger="lightning_roundpipe"):
-            assert pool.pin_uploads("register", [elsewhere, pageable]) == 2 * PAGE
+            assert pool.pin_uploads("register", [elsewhere, pageable]) == big
         assert pool.driver.is_pinned(elsewhere)
-        assert "cudaHostRegister failed with CUDA error 2: 1" in caplog.text
+        # error 2, or 712 where its last page is ``elsewhere``'s first: a reason either way
+        assert re.search(r"stay pageable \(their copies are synchronous\): cudaHostRegister failed with CUDA error "
+                         r"(2|712): 1$", caplog.text.strip())
         assert not caplog.text.rstrip().endswith(":")
     finally:
         pool.shutdown()
@@ -115,5 +125,125 @@ def test_repeated_downloads_do_not_grow_the_stream_holds():
         pool.synchronize()
         assert pool.holds.held == 0
         assert pool.holds.queue_count <= 3  # one per lane's stream at most
+    finally:
+        pool.shutdown()
+
+
+# ------------------------------------------------------------------ 3. device errors and out-of-memory
+
+
+class _FailingEvent:
+    """Stands for a ``CudaEvent`` whose ``synchronize`` raises a device-side assert after ``after_s``."""
+
+    def __init__(self, order, stream, after_s=0.05):
+        self.order, self.stream, self.after_s = order, stream, after_s
+        self.failed = False
+
+    def block(self):
+        time.sleep(self.after_s)
+        self.failed = True
+        raise torch.AcceleratorError("CUDA error: device-side assert triggered")
+
+    def query(self):
+        if self.failed:
+            raise torch.AcceleratorError("CUDA error: device-side assert triggered")
+        return False
+
+
+@pytest.mark.timeout(30)
+def test_a_device_error_in_the_event_waiter_calls_every_waiter_back_and_nothing_queues_to_a_dead_thread():
+    """At 2c9c60c the waiter thread died of the error inside ``synchronize``: no callback ever came
+    (the lanes waited out their timeout), and ``EventWaiters.add`` went on queueing to the dead thread."""
+    from lightning_roundpipe.workers.event_waiter import EventWaiters
+
+    waiters = EventWaiters()
+    stream = object()
+    told = [threading.Event() for _ in range(3)]
+    try:
+        for i, ev in enumerate(told):
+            assert waiters.add(_FailingEvent(i, stream), ev.set)
+        t0 = time.monotonic()
+        assert all(ev.wait(5) for ev in told), "the waiters were not called back after the device error"
+        assert time.monotonic() - t0 < 1.0
+        late = threading.Event()
+        assert waiters.add(_FailingEvent(9, stream), late.set) is False  # the caller looks itself: no dead queue
+        assert waiters.threads_alive() == []
+    finally:
+        waiters.close(2)
+
+
+class _Asserting(nn.Linear):
+    """Fails a device-side assert on the stream it runs on (the fake driver's, found at call time)."""
+
+    def __init__(self, n, driver):
+        super().__init__(n, n)
+        self.driver = driver
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:
+            self.driver.device_assert(self.driver.local.stream)
+        return super().forward(x)
+
+
+def _ours():
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("roundpipe-"))
+
+
+@pytest.mark.timeout(60)
+def test_a_device_side_assert_reaches_the_caller_within_5_s_naming_the_task():
+    """A kernel of stage F1's second microbatch fails a device-side assert (CUDA's sticky error: every
+    later query, wait and launch raises). At 2c9c60c the waiter thread died of it and the caller got a
+    bare ``AcceleratorError`` naming no task after the pool's whole timeout (10.07 s with ``timeout_s=10``;
+    here it ran into pytest's 60 s); now a ``WorkerError`` naming a task (stage, microbatch, worker)
+    within 5 s (0.04 s measured), with the pool's timeout at 60 s."""
+    torch.manual_seed(0)
+    pool = make_pool("fake_cuda", 2, timeout_s=60.0)
+    layers = [nn.Linear(8, 8), nn.Linear(8, 8), _Asserting(8, pool.driver), nn.Linear(8, 8)]
+    eng = PipelineEngine(layers, pool, simple_plan(4, 2), EngineOptions(microbatches=4))
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerError) as info:
+            (eng(torch.randn(8, 8)) ** 2).mean().backward()
+        took = time.monotonic() - t0
+    finally:
+        eng.close()
+    msg = str(info.value)
+    assert took < 5.0, f"the device error took {took:.1f}s to reach the caller"
+    assert "device-side assert triggered" in msg
+    assert re.search(r"in task \[\w+, stage [FB]\d, microbatch \d, worker \d", msg), msg
+    deadline = time.monotonic() + 3
+    while _ours() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _ours() == []
+
+
+@pytest.mark.timeout(30)
+def test_a_tasks_tensors_are_not_kept_alive_by_its_out_of_memory_error():
+    """``torch.OutOfMemoryError`` (what CUDA's allocator raises) is not a ``MemoryError``. At 2c9c60c
+    the error's traceback kept the failed task's frames, and with them its device tensors, alive for
+    as long as the caller held the error (the weakref below stayed alive)."""
+    from lightning_roundpipe.workers import TaskLabel
+
+    pool = make_pool("fake_cuda", 1).start()
+    alive = []
+
+    def task():
+        big = torch.empty(1 << 20)
+        alive.append(weakref.ref(big))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (fake driver)")
+
+    try:
+        w = pool.workers[0]
+        c = w.submit("compute", task, [], TaskLabel("forward", "F0", 3, 0, "compute"))
+        with pytest.raises(WorkerError) as info:
+            c.wait(10)
+        err = info.value
+        gc.collect()
+        assert alive and alive[0]() is None, "the failed task's tensor is still alive through its error"
+        assert "OutOfMemoryError in task [forward, stage F0, microbatch 3, worker 0" in str(err)
+        assert "Tried to allocate 2.00 GiB" in str(err) and "in task" in str(err)
+        assert "in task\n" in str(err) and "raise torch.OutOfMemoryError(" in str(err)  # the traceback, as text
     finally:
         pool.shutdown()

@@ -97,12 +97,19 @@ class StreamWorkerPool(WorkerPool):
             return False
         if lane.queue == "compute" or dep.device_event is None:
             return True
-        return dep.device_event.query()
+        try:
+            return dep.device_event.query()
+        except Exception:  # a device error: the task runs now and fails on it, naming itself (execute)
+            return True
 
     def notify_when_device_done(self, dep: Completion, fn) -> bool:
         """The driver calls ``fn`` when ``dep``'s device event completes (the fake stream's executor
-        reaching it; on CUDA a waiter thread blocked on the event): lanes never poll for it."""
-        return self.driver.when_done(dep.device_event, fn)
+        reaching it; on CUDA a waiter thread blocked on the event): lanes never poll for it. False
+        (the task goes on, and meets the error in ``execute``) when the device reports an error."""
+        try:
+            return self.driver.when_done(dep.device_event, fn)
+        except Exception:
+            return False
 
     def execute(self, lane: Lane, task: Task) -> None:
         self.holds.collect()

@@ -36,6 +36,10 @@ from .pinning import FakeCudart, PinRegistry, cuda_pin_registry
 from .threads import set_intra_op_threads
 
 
+STICKY_ERROR_CLASS = getattr(torch, "AcceleratorError", RuntimeError)  # what torch raises for a CUDA error
+STICKY_POLL_S = 0.02  # how often a fake event's wait looks for a sticky device error
+
+
 def _poll_until(done: Callable[[], bool], timeout: float) -> bool:
     """Wait for ``done()`` without spinning a core: sleeps that grow from 20 us to 1 ms."""
     deadline = time.monotonic() + timeout
@@ -88,6 +92,10 @@ class CudaEvent:
     def query(self) -> bool:
         """Whether the work before the event is done."""
         return self.raw.query()
+
+    def block(self) -> None:
+        """Block until the event completes (the GIL released); raises the device's error (a device-side assert)."""
+        self.raw.synchronize()
 
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for the event; False when it did not come. Told by the stream's
@@ -205,7 +213,7 @@ class CudaStreams:
 class FakeEvent:
     """Completes when the executor of the stream it was recorded on reaches it."""
 
-    __slots__ = ("_done", "_recorded", "time", "_callbacks", "stream", "order")
+    __slots__ = ("_done", "_recorded", "time", "_callbacks", "stream", "order", "driver")
     _callbacks_lock = threading.Lock()  # one for all events: registering and completing are a few steps
     _orders = itertools.count()
 
@@ -216,6 +224,7 @@ class FakeEvent:
         self._callbacks: list | None = None
         self.stream = None  # as ``CudaEvent``: the stream object it was last recorded on, kept alive
         self.order = 0
+        self.driver: "FakeStreams | None" = None  # whose sticky device error its calls raise
 
     def complete(self) -> None:
         """Mark the event done (its stream's executor reached it) and run the callbacks of ``when_done``."""
@@ -236,8 +245,13 @@ class FakeEvent:
             self._callbacks.append(fn)
             return True
 
+    def _check(self) -> None:
+        if self.driver is not None:
+            self.driver.check()
+
     def record(self, stream: "FakeStream") -> None:
         """Record the event on the fake ``stream``: it completes when the stream's thread gets there."""
+        self._check()
         self._recorded = True
         self.stream = stream
         self.order = next(FakeEvent._orders)
@@ -248,12 +262,36 @@ class FakeEvent:
         return self._recorded
 
     def query(self) -> bool:
-        """Whether the event completed (never recorded counts as done, as on CUDA)."""
+        """Whether the event completed (never recorded counts as done, as on CUDA); raises the
+        driver's sticky device error, as ``cudaEventQuery`` returns it."""
+        self._check()
         return not self._recorded or self._done.is_set()  # as on CUDA: never recorded means done
 
-    def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` for the event; False when it did not come."""
+    def reached(self, timeout: float) -> bool:
+        """The executors' own wait (never raises): whether the event completed within ``timeout``."""
         return not self._recorded or self._done.wait(timeout)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the event; False when it did not come. Raises the driver's
+        sticky device error when it is or becomes set (a blocking CUDA event wakes with it)."""
+        if self.driver is None:
+            return self.reached(timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check()
+            left = deadline - time.monotonic()
+            if self.reached(min(STICKY_POLL_S, max(0.0, left))):
+                self._check()
+                return True
+            if left <= 0:
+                return False
+
+    def block(self) -> None:
+        """Block until the event completes (``cudaEventSynchronize``); raises the sticky device error.
+        Returns early once the driver is closed (its stopped streams complete nothing more)."""
+        while not self.wait(1.0):
+            if self.driver is None or self.driver.closed:
+                return
 
     def seconds_until(self, later: "FakeEvent") -> float:
         """Seconds between this event and ``later``."""
@@ -300,8 +338,8 @@ class FakeStream:
 
     def stop_at(self, event: "FakeEvent") -> None:
         """A wait item: stop here until ``event`` completes (or the stream is stopped)."""
-        while not event.wait(0.1):
-            if self._stopping:
+        while not event.reached(0.1):
+            if self._stopping or self.driver.device_error is not None:
                 break
 
     def reach(self, event: "FakeEvent") -> None:
@@ -325,10 +363,16 @@ class FakeStream:
                             rest[1].fail(RuntimeError(f"the fake stream {self.name} was stopped before this work ran"))
                     return
                 kind, *rest = self._items.popleft()
+            if self.driver.device_error is not None:  # the context is lost: nothing runs or completes
+                if kind == "work":
+                    rest[1].fail(self.driver.sticky_error())
+                continue
             if kind == "wait":
                 self.stop_at(rest[0])
             elif kind == "event":
                 self.reach(rest[0])
+            elif kind == "assert":
+                self.driver.device_error = rest[0]
             else:
                 fn, deferred = rest
                 self.driver.pause()
@@ -383,6 +427,28 @@ class FakeStreams:
         self._streams: list[FakeStream] = []
         self.local = threading.local()
         self.record_stream_calls = 0
+        self.device_error: str | None = None  # CUDA's sticky error: once set, every call raises it
+        self.closed = False
+        self._waiters = EventWaiters()  # when_done as on CUDA: a waiter thread per awaited stream
+
+    def device_assert(self, stream: FakeStream, message: str = "device-side assert triggered") -> None:
+        """Queue a kernel that fails a device-side assert on ``stream``: once the stream reaches it,
+        the error is sticky, as CUDA's: every later event query, wait, synchronize, record and
+        launch raises it, later stream work fails with it, and no later event completes."""
+        if getattr(self.local, "stream", None) is stream:  # from the stream's own work: right after it
+            stream.after_current(lambda: setattr(self, "device_error", message))
+        else:
+            stream.put(("assert", message))
+
+    def sticky_error(self) -> BaseException:
+        """A new exception for the sticky device error, of the class torch raises for it."""
+        return STICKY_ERROR_CLASS(f"CUDA error: {self.device_error}\nCUDA kernel errors might be asynchronously "
+                                  f"reported at some other API call (fake driver)")
+
+    def check(self) -> None:
+        """Raise the sticky device error if the fake device has one."""
+        if self.device_error is not None:
+            raise self.sticky_error()
 
     def pause(self) -> None:
         """Sleep a random time in [0, jitter_s) (the race amplifier)."""
@@ -399,20 +465,24 @@ class FakeStreams:
 
     def new_event(self, timing: bool = False) -> FakeEvent:
         """A new fake event."""
-        return self.event_class(timing)
+        ev = self.event_class(timing)
+        ev.driver = self
+        return ev
 
     def when_done(self, event: FakeEvent, fn: Callable[[], None]) -> bool:
-        """Have ``fn`` called (on the executor thread) when ``event`` completes; False, and no call,
-        when it is done already."""
-        return event.when_done(fn)
+        """Have ``fn`` called, on the waiter thread of the event's stream (as ``CudaStreams`` does),
+        when ``event`` completes; False, and no call, when it is done already."""
+        return not event.query() and self._waiters.add(event, fn)
 
     def wait_event(self, stream: FakeStream, event: FakeEvent) -> None:
         """Make ``stream`` wait for ``event`` (nothing when it was never recorded)."""
+        self.check()
         if event.recorded():
             stream.put(("wait", event))
 
     def issue(self, stream: FakeStream, device, fn: Callable[[], Any], label: TaskLabel, timeout_s: float) -> Deferred:
         """Queue ``fn`` on ``stream``; returns the ``Deferred`` its result arrives in."""
+        self.check()  # a launch returns the sticky error
         deferred = Deferred(label, timeout_s)
         stream.put(("work", fn, deferred))
         return deferred
@@ -480,20 +550,22 @@ class FakeStreams:
         """Wait up to ``timeout`` until ``streams`` reached everything queued; False when they did not."""
         deadline = time.monotonic() + timeout
         for s in streams:
-            ev = FakeEvent()
+            ev = self.new_event()
             ev.record(s)
             if not ev.wait(max(0.0, deadline - time.monotonic())):
                 return False
         return True
 
     def close(self, timeout: float) -> None:
-        """Stop every stream's thread, waiting up to ``timeout`` in all."""
+        """Stop every stream's thread and the event waiters, waiting up to ``timeout`` in all."""
+        self.closed = True
         for s in self._streams:
             s.stop()
         deadline = time.monotonic() + timeout
         for s in self._streams:
             s.join(max(0.0, deadline - time.monotonic()))
+        self._waiters.close(max(0.0, deadline - time.monotonic()))
 
     def threads_alive(self) -> list[str]:
-        """Names of the stream threads still running."""
-        return [s.name for s in self._streams if s.alive()]
+        """Names of the stream threads and event waiters still running."""
+        return [s.name for s in self._streams if s.alive()] + self._waiters.threads_alive()
