@@ -247,3 +247,59 @@ def test_a_tasks_tensors_are_not_kept_alive_by_its_out_of_memory_error():
         assert "in task\n" in str(err) and "raise torch.OutOfMemoryError(" in str(err)  # the traceback, as text
     finally:
         pool.shutdown()
+
+
+# ------------------------------------------------------------------ 5. no release under a copy in flight
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_never_unregisters_host_memory_a_copy_in_flight_still_writes():
+    """A download into a pinned reusable buffer lands 0.5 s after the work that issued it, and the pool
+    is shut down at once with little time left (a failed step's close). At 2c9c60c ``on_shutdown``
+    unregistered and dropped the buffer without waiting for the stream: the fake driver recorded the
+    unregistration of memory the copy in flight was writing. Now the transfer streams are drained
+    (bounded) first, and everything is unpinned once they have."""
+    from lightning_roundpipe.workers import TaskLabel
+
+    pool = make_pool("fake_cuda", 1).start()
+    pool.driver.copy_delay_s = 0.5
+    w = pool.workers[0]
+    src = torch.full((4096,), 7.0)
+    c = w.submit("download", lambda: pool.copy_to_host(w, [src], reusable=True), [],
+                 TaskLabel("grad_out", "B0", 0, 0, "download"))
+    deadline = time.monotonic() + 10
+    while (not c.is_set() or pool.driver.copies_in_flight() == 0) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert pool.driver.copies_in_flight() == 1 and pool.download_pinned_bytes == 4096 * 4
+    pool.shutdown(timeout=0.05)
+    assert pool.driver.use_after_release == []
+    assert pool.driver.copies_in_flight() == 0 and pool.driver.cudart.pages == {}
+
+
+@pytest.mark.timeout(60)
+def test_a_cancelled_release_runs_only_once_the_device_work_it_frees_has_finished():
+    """After a timeout ``cancel_pending`` fails the queued tasks and runs the releases. At 2c9c60c it ran
+    them at once, while the compute that reads the stage's weights was still running on its stream
+    (its device event not complete when the release dropped them)."""
+    from lightning_roundpipe import PipelineTimeout
+    from lightning_roundpipe.workers import TaskLabel
+    from lightning_roundpipe.workers.completions import Completion
+
+    pool = make_pool("fake_cuda", 1).start()
+    w = pool.workers[0]
+    try:
+        busy = w.submit("compute", lambda: time.sleep(0.5), [], TaskLabel("forward", "F0", 0, 0, "compute"))
+        never = Completion(TaskLabel("input that never comes"))
+        w.submit("compute", lambda: None, [never], TaskLabel("forward", "F0", 1, 0, "compute"))
+        seen = []
+        release = w.submit("compute", lambda: seen.append(busy.device_event.query()), [busy],
+                           TaskLabel("release", "F0", -1, 0, "compute"), always=True)
+        deadline = time.monotonic() + 10
+        while not busy.is_set() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert not busy.device_event.query()
+        pool.cancel_pending(PipelineTimeout("a timeout elsewhere"))
+        release.wait(10)
+        assert seen == [True]  # the stage's compute had finished when its weights went
+    finally:
+        pool.shutdown()

@@ -47,6 +47,7 @@ from .host_buffers import DEFAULT_CAP_BYTES, HostBufferPool
 from .pinning import PAGE, page_span
 
 IN_FLIGHT_BYTES = 64 << 20  # a transfer lane's issued, unfinished copies: two 32 MiB chunks' worth
+TRANSFER_DRAIN_S = 5.0  # the most a shutdown waits for the copies in flight before it releases their memory
 from .pool import Lane, Task, Worker, WorkerPool
 from .stream_holds import StreamHolds
 from .streams import CudaStreams, FakeStreams
@@ -165,6 +166,32 @@ class StreamWorkerPool(WorkerPool):
                                       f"work of [{dep.label}] before freeing its memory")
         task.done.set(task.fn())
 
+    def run_cancelled_release(self, task: Task) -> None:
+        """A release ``cancel_pending`` took: run it once the device work of its dependencies (the
+        stage's computes and downloads, which read what it frees) has finished, told by the driver,
+        never waiting here. Until then the memory stays held (a device error counts as finished:
+        the device runs nothing more)."""
+        pending = [d.device_event for d in task.deps if d.device_event is not None and not _finished(d.device_event)]
+        left = [len(pending)]
+        lock = threading.Lock()
+
+        def one_done() -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                super(StreamWorkerPool, self).run_cancelled_release(task)
+
+        if not pending:
+            super().run_cancelled_release(task)
+        for ev in pending:
+            try:
+                told = self.driver.when_done(ev, one_done)
+            except Exception:  # a device error: nothing runs any more
+                told = False
+            if not told:  # finished meanwhile, or the driver is closed: ``on_shutdown`` drained the streams
+                one_done()
+
     def finish_step(self) -> None:
         """Read the timing events of every task issued so far, once: per device an anchor event on an
         idle stream gives the host time of "now", and each record is placed relative to it."""
@@ -207,7 +234,26 @@ class StreamWorkerPool(WorkerPool):
         self.holds.collect()
 
     def on_shutdown(self, timeout: float) -> None:
-        self.driver.close(timeout)
+        """Drain the transfer streams (their copies read and write the host memory released below),
+        bounded by ``max(timeout, TRANSFER_DRAIN_S)``, stop the driver, then unpin and drop. Copies that
+        did not land by then keep their memory: it stays pinned and held (logged), never released
+        under a copy. Transfer streams never wait for unfinished work (``ready_for``), so on a working
+        device they drain in the time of their last ``max_in_flight`` copies."""
+        start = time.monotonic()
+        deadline = start + max(timeout, TRANSFER_DRAIN_S)
+        drained = True
+        for w in self.workers:
+            streams = [lane.stream for lane in w.lanes.values() if lane.queue != "compute"]
+            try:
+                drained &= self.driver.synchronize(w.device, streams, max(0.0, deadline - time.monotonic()))
+            except Exception as exc:  # a device error: the device runs nothing more
+                log.warning("draining the streams of worker %d at shutdown: %s", w.index, exc)
+        self.driver.close(max(0.0, timeout - (time.monotonic() - start)))  # what is left of the caller's timeout
+        if not drained:
+            log.error("copies of the transfer streams did not land within %.1fs of shutdown: their host memory "
+                      "stays pinned and held (%d bytes), never released under a copy",
+                      max(timeout, TRANSFER_DRAIN_S), self.pinned_host_bytes())
+            return
         self.holds.clear()
         self.unpin()
         for t in self._buffer_pins.values():
@@ -344,6 +390,14 @@ class StreamWorkerPool(WorkerPool):
             self.driver.unregister(t)
         self._pinned = []
         self.pinned_bytes = 0
+
+
+def _finished(event) -> bool:
+    """Whether ``event`` completed; a device error counts as finished (nothing runs any more)."""
+    try:
+        return event.query()
+    except Exception:
+        return True
 
 
 def _page_aligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:

@@ -429,6 +429,9 @@ class FakeStreams:
         self.record_stream_calls = 0
         self.device_error: str | None = None  # CUDA's sticky error: once set, every call raises it
         self.closed = False
+        self._copies: collections.Counter = collections.Counter()  # host (start, end) of copies issued, not landed
+        self._copies_lock = threading.Lock()
+        self.use_after_release: list[str] = []  # host memory unregistered while a copy in flight used it
         self._waiters = EventWaiters()  # when_done as on CUDA: a waiter thread per awaited stream
 
     def device_assert(self, stream: FakeStream, message: str = "device-side assert triggered") -> None:
@@ -513,9 +516,30 @@ class FakeStreams:
                 del self._stream_held[k]
             return sum(n for _, n, _ in self._stream_held.values())
 
+    def _copy_begins(self, host: torch.Tensor):
+        span = (host.data_ptr(), host.data_ptr() + host.numel() * host.element_size())
+        with self._copies_lock:
+            self._copies[span] += 1
+        return span
+
+    def _copy_lands(self, span) -> None:
+        with self._copies_lock:
+            self._copies[span] -= 1
+            if self._copies[span] <= 0:
+                del self._copies[span]
+
+    def copies_in_flight(self) -> int:
+        """Host-side copies issued on a stream that have not landed."""
+        with self._copies_lock:
+            return sum(self._copies.values())
+
     def to_device(self, src: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
         """A copy of ``src`` in ``dtype`` (the device is host memory here)."""
-        return src.to(dtype=dtype, copy=True)  # runs on the stream's executor: the "copy engine"
+        span = self._copy_begins(src)
+        try:
+            return src.to(dtype=dtype, copy=True)  # runs on the stream's executor: the "copy engine"
+        finally:
+            self._copy_lands(span)
 
     def empty_host(self, shape, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
         """An empty host tensor (pinning is registered, not allocated, on this driver)."""
@@ -525,7 +549,14 @@ class FakeStreams:
         """Copy ``src`` into ``dst``, landing ``copy_delay_s`` late when issued on a stream."""
         stream = getattr(self.local, "stream", None)
         if self.copy_delay_s > 0 and stream is not None:
-            stream.after_current(lambda: (time.sleep(self.copy_delay_s), dst.copy_(src)))
+            span = self._copy_begins(dst)  # in flight from now until it lands, as a non-blocking copy
+
+            def land():
+                time.sleep(self.copy_delay_s)
+                dst.copy_(src)
+                self._copy_lands(span)
+
+            stream.after_current(land)
         else:
             dst.copy_(src)
 
@@ -543,7 +574,14 @@ class FakeStreams:
         return register_in_place(self.pins, t, self.is_pinned(t))
 
     def unregister(self, t: torch.Tensor) -> None:
-        """Unpin ``t``."""
+        """Unpin ``t``. Memory a copy in flight still reads or writes is recorded in ``use_after_release``
+        (on CUDA the copy would go on into memory no longer pinned, or freed and reused)."""
+        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        with self._copies_lock:
+            hit = [span for span in self._copies if span[0] < hi and lo < span[1]]
+        if hit:
+            self.use_after_release.append(f"unregistered {hi - lo} bytes at {lo:#x} while {len(hit)} copy(ies) "
+                                          f"in flight used them")
         self.pins.unregister(t)
 
     def synchronize(self, device, streams, timeout: float) -> bool:
