@@ -303,3 +303,43 @@ def test_a_cancelled_release_runs_only_once_the_device_work_it_frees_has_finishe
         assert seen == [True]  # the stage's compute had finished when its weights went
     finally:
         pool.shutdown()
+
+
+# ------------------------------------------------------------------ 4. the GPU budget and the allocator
+
+
+def test_the_cuda_budget_is_what_the_memory_model_assumes(monkeypatch):
+    """At 2c9c60c the CUDA budget was 90% of the whole GPU (21.6 GiB of a 24 GiB card; now 21.09 GiB), with nothing
+    taken off for the CUDA context and cuBLAS workspaces that ``planning/capacity.py`` deducts."""
+    from types import SimpleNamespace
+
+    from lightning_roundpipe.cost.device_overheads import device_reserved_bytes, usable_gpu_bytes
+    from lightning_roundpipe.planning.capacity import DEFAULT_MEMORY_FRACTION
+    from lightning_roundpipe.workers.cuda import MEMORY_FRACTION, CudaWorkerPool
+
+    GiB = 2**30
+    cards = {0: (24 * GiB, (8, 9)), 1: (80 * GiB, (9, 0))}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=cards[i][0]))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: cards[i][1])
+    assert MEMORY_FRACTION == DEFAULT_MEMORY_FRACTION
+    for i, (total, cap) in cards.items():
+        model = usable_gpu_bytes(SimpleNamespace(gpu_memory_bytes=total, reserved_gpu_bytes=device_reserved_bytes(cap[0] == 9)),
+                                 DEFAULT_MEMORY_FRACTION)
+        assert CudaWorkerPool.memory_budget_bytes([i], None) == int(model)
+    assert CudaWorkerPool.memory_budget_bytes([0, 1], None) == int(0.9 * (24 * GiB - device_reserved_bytes()))
+
+
+@pytest.mark.parametrize("conf, expected", [(None, ["expandable_segments:True"]), ("expandable_segments:False", []),
+                                            ("max_split_size_mb:128", ["expandable_segments:True"])])
+def test_expandable_segments_are_set_unless_the_user_configured_them(monkeypatch, conf, expected):
+    """At 2c9c60c nothing set ``expandable_segments``, which the memory model assumes."""
+    from lightning_roundpipe.workers import cuda
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    for name in cuda.ALLOC_CONF_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    if conf is not None:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    assert cuda.use_expandable_segments() is bool(expected)
+    assert calls == expected

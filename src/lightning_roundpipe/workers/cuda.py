@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from typing import Iterable
 
 import torch
 
+from ..cost.device_overheads import device_reserved_bytes
 from .completions import Completion, PipelineTimeout
 from .host_buffers import DEFAULT_CAP_BYTES, HostBufferPool
 from .pinning import PAGE, page_span
@@ -430,10 +432,43 @@ def inductor_generates_gpu_code(device_indices=None) -> bool:
     return all(torch.cuda.get_device_capability(int(i)) >= TRITON_MIN_CAPABILITY for i in indices)
 
 
+MEMORY_FRACTION = 0.9  # of what a GPU leaves after its context and workspaces: planning.capacity's default (tested)
+ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def use_expandable_segments() -> bool:
+    """Turn on the caching allocator's ``expandable_segments`` (what the memory model assumes,
+    ``cost/device_overheads.py``) unless the user configured it in ``PYTORCH_CUDA_ALLOC_CONF`` or
+    ``PYTORCH_ALLOC_CONF``; it applies to the segments allocated from then on. Returns whether it set it."""
+    if any("expandable_segments" in os.environ.get(name, "") for name in ALLOC_CONF_VARIABLES):
+        return False
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter("expandable_segments:True")
+    return True
+
+
+def gpu_budget_bytes(total_bytes: int, capability: tuple[int, int]) -> int:
+    """What the memory model lets a worker's tensors fill on a GPU of ``total_bytes``: ``MEMORY_FRACTION``
+    of its memory less the CUDA context, cuBLAS workspaces and allocator pages (``device_reserved_bytes``;
+    an SM 9.x card's larger cuBLASLt workspace included), as ``planning/capacity.py`` plans it."""
+    return int(MEMORY_FRACTION * max(0, total_bytes - device_reserved_bytes(sm90=capability[0] == 9)))
+
+
 class CudaWorkerPool(StreamWorkerPool):
-    """The CUDA backend: one worker per entry of ``device_indices``, each with its own streams."""
+    """The CUDA backend: one worker per entry of ``device_indices``, each with its own streams.
+
+    Allocation pools: the caching allocator keeps one pool per stream, and blocks freed on one
+    stream are reused only by allocations on that stream. Uploaded tensors (weights, activation
+    and gradient uploads) are allocated on the upload stream, computed ones on the compute
+    stream. Allocating the uploads in the compute stream's pool instead is not safe without
+    ordering the upload after everything queued on the compute stream (a block freed there may
+    still be read by queued kernels), which would end the prefetch's overlap, so the two pools stay;
+    with ``expandable_segments`` (set unless the user configured it) a pool's free pages go back
+    to the device page by page when the other needs them (an allocator retry, counted in
+    ``torch.cuda.memory_stats()["num_alloc_retries"]``).
+    """
     backend = "cuda"
-    budget_option = "partition.memory_budget_bytes (default: 90% of the GPU's memory)"
+    budget_option = "partition.memory_budget_bytes (default: 90% of the GPU's memory less its CUDA context and workspaces)"
 
     @classmethod
     def create(cls, num_workers: int, device_indices=None, **options) -> "CudaWorkerPool":
@@ -452,9 +487,10 @@ class CudaWorkerPool(StreamWorkerPool):
 
     @classmethod
     def memory_budget_bytes(cls, device_indices, options) -> int | None:
-        """90% of the smallest GPU."""
+        """``gpu_budget_bytes`` of the smallest GPU: what the memory model assumes a worker may fill."""
         indices = list(device_indices) if device_indices is not None else [0]
-        return int(0.9 * min(torch.cuda.get_device_properties(i).total_memory for i in indices))
+        return min(gpu_budget_bytes(torch.cuda.get_device_properties(i).total_memory,
+                                    tuple(torch.cuda.get_device_capability(i))) for i in indices)
 
     def __init__(self, device_indices, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
                  pin_memory: bool = True, fifo_transfers: bool = False,
@@ -462,6 +498,7 @@ class CudaWorkerPool(StreamWorkerPool):
         """``device_indices`` may repeat a GPU: several workers (each with its own streams) on one device."""
         if not torch.cuda.is_available():
             raise RuntimeError("the CUDA backend needs CUDA: use accelerator='cpu' for virtual CPU workers")
+        self.expandable_segments_set = use_expandable_segments()
         super().__init__(CudaStreams(stream_jitter_cycles, seed), [torch.device("cuda", int(i)) for i in device_indices],
                          timeout_s=timeout_s,
                          trace=trace, max_in_flight=max_in_flight, pin_memory=pin_memory,
