@@ -44,7 +44,7 @@ from typing import Iterable
 import torch
 
 from ..cost.device_overheads import device_reserved_bytes
-from .completions import Completion, PipelineTimeout
+from .completions import Completion, PipelineTimeout, worker_error
 from .host_buffers import DEFAULT_CAP_BYTES, HostBufferPool
 from .pinning import PAGE, page_span
 
@@ -212,7 +212,11 @@ class StreamWorkerPool(WorkerPool):
             lane, label, nbytes, step, start, end = item
             anchor = anchors[lane.worker.device]
             left = max(0.0, deadline - time.monotonic())
-            if not end.wait(left) or not anchor.wait(left):
+            try:
+                finished = end.wait(left) and anchor.wait(left)
+            except Exception as exc:  # a device error: name the task whose timing was read
+                raise worker_error(label, exc) from exc
+            if not finished:
                 unfinished.append(item)
                 continue
             now = self.trace.now()

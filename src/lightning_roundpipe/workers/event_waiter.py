@@ -114,7 +114,7 @@ class EventWaiters:
     """The waiters of one driver, one per stream, created when a stream's first event is awaited."""
 
     def __init__(self):
-        self._by_stream: dict[int, tuple[Any, StreamEventWaiter]] = {}
+        self._by_stream: dict[Any, StreamEventWaiter] = {}  # by the stream itself: equal handles, one waiter
         self._all: list[StreamEventWaiter] = []  # every waiter started, for ``threads_alive``
         self._lock = threading.Lock()
         self._closed = False
@@ -124,12 +124,12 @@ class EventWaiters:
         with self._lock:
             if self._closed:
                 return False
-            entry = self._by_stream.get(id(event.stream))
-            if entry is None:
-                entry = (event.stream, StreamEventWaiter(f"roundpipe-event-waiter-{len(self._all)}"))
-                self._by_stream[id(event.stream)] = entry  # the stream is kept alive with its waiter
-                self._all.append(entry[1])
-        return entry[1].add(event, fn)
+            waiter = self._by_stream.get(event.stream)
+            if waiter is None:
+                waiter = StreamEventWaiter(f"roundpipe-event-waiter-{len(self._all)}")
+                self._by_stream[event.stream] = waiter  # the stream is kept alive with its waiter
+                self._all.append(waiter)
+        return waiter.add(event, fn)
 
     def threads_alive(self) -> list[str]:
         """Names of the waiter threads still running (those ``close`` left behind included)."""
@@ -140,7 +140,7 @@ class EventWaiters:
         """Stop every waiter, waiting up to ``timeout`` in all."""
         with self._lock:
             self._closed = True
-            waiters = [w for _, w in self._by_stream.values()]
+            waiters = list(self._by_stream.values())
             self._by_stream = {}
         for w in waiters:
             w.stop()

@@ -22,7 +22,9 @@ class StreamHolds:
     stream complete in order, so only the oldest of each stream is ever checked)."""
 
     def __init__(self) -> None:
-        self._by_stream: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        # Keyed by the stream itself: CUDA's stream objects compare and hash by their handle, so two
+        # objects for one stream (``current_stream()`` makes a new one per call) share a queue.
+        self._by_stream: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
         self._lock = threading.Lock()
         self.held = 0  # entries now held
         self.holds = 0  # over the pool's life
@@ -32,7 +34,7 @@ class StreamHolds:
         if not objs:
             return
         with self._lock:
-            self._by_stream[id(stream)].append((event, objs))
+            self._by_stream[stream].append((event, objs))
             self.held += 1
             self.holds += 1
 
