@@ -82,6 +82,7 @@ class StreamWorkerPool(WorkerPool):
         self.host_buffers = HostBufferPool(self._new_host_buffer, self._drop_host_buffer, host_buffer_cap_bytes)
         self._buffer_pins: dict[int, torch.Tensor] = {}
         self.holds = StreamHolds()
+        self._deferred_releases: dict[int, Task] = {}  # cancelled releases waiting for their device work
         self.download_pinned_bytes = 0
         for w in self.workers:
             for lane in w.lanes.values():
@@ -180,12 +181,15 @@ class StreamWorkerPool(WorkerPool):
         def one_done() -> None:
             with lock:
                 left[0] -= 1
-                last = left[0] == 0
+                last = left[0] == 0 and self._deferred_releases.pop(id(task), None) is not None
             if last:
                 super(StreamWorkerPool, self).run_cancelled_release(task)
 
         if not pending:
             super().run_cancelled_release(task)
+            return
+        with lock:
+            self._deferred_releases[id(task)] = task
         for ev in pending:
             try:
                 told = self.driver.when_done(ev, one_done)
@@ -255,6 +259,10 @@ class StreamWorkerPool(WorkerPool):
             except Exception as exc:  # a device error: the device runs nothing more
                 log.warning("draining the streams of worker %d at shutdown: %s", w.index, exc)
         self.driver.close(max(0.0, timeout - (time.monotonic() - start)))  # what is left of the caller's timeout
+        for task in list(self._deferred_releases.values()):  # the driver calls back no more: run those now safe
+            if (all(d.device_event is None or _finished(d.device_event) for d in task.deps)
+                    and self._deferred_releases.pop(id(task), None) is not None):
+                super().run_cancelled_release(task)
         if not drained:
             log.error("copies of the transfer streams did not land within %.1fs of shutdown: their host memory "
                       "stays pinned and held (%d bytes), never released under a copy",

@@ -16,6 +16,10 @@ Pinned memory on the fake driver is plain memory, registered through ``FakeCudar
 returned, as a non-blocking copy on a GPU does (the host holds the buffer before its data).
 ``record_stream`` is emulated as CUDA's caching allocator does it: the memory of a tensor marked
 for a stream is held, once the tensor is freed, until that stream reaches the point of the free.
+Also as on CUDA: ``current_stream()`` is a new object per call; host callbacks come from the same
+event-waiter threads (``event_waiter.py``); ``device_assert`` makes a sticky device error that every
+later query, wait and launch raises; host memory unregistered under a copy in flight is recorded
+(``use_after_release``). What the fake cannot model: ``docs/fake_cuda.md``.
 """
 
 from __future__ import annotations
