@@ -309,24 +309,28 @@ def test_a_cancelled_release_runs_only_once_the_device_work_it_frees_has_finishe
 
 
 def test_the_cuda_budget_is_what_the_memory_model_assumes(monkeypatch):
-    """At 2c9c60c the CUDA budget was 90% of the whole GPU (21.6 GiB of a 24 GiB card; now 21.09 GiB), with nothing
-    taken off for the CUDA context and cuBLAS workspaces that ``planning/capacity.py`` deducts."""
+    """At 2c9c60c the CUDA budget was 90% of the whole GPU (21.6 GiB of a 24 GiB card), with nothing
+    taken off for the CUDA context and cuBLAS workspaces that ``planning/capacity.py`` deducts. Now it is
+    what the memory model lets tensors fill (21.09 GiB), times the two allocation pools' share
+    (``TWO_POOL_SHARE``, see tests/workers/test_fake_allocator.py): 12.05 GiB."""
     from types import SimpleNamespace
 
     from lightning_roundpipe.cost.device_overheads import device_reserved_bytes, usable_gpu_bytes
     from lightning_roundpipe.planning.capacity import DEFAULT_MEMORY_FRACTION
-    from lightning_roundpipe.workers.cuda import MEMORY_FRACTION, CudaWorkerPool
+    from lightning_roundpipe.workers.cuda import MEMORY_FRACTION, TWO_POOL_SHARE, CudaWorkerPool, usable_bytes
 
     GiB = 2**30
     cards = {0: (24 * GiB, (8, 9)), 1: (80 * GiB, (9, 0))}
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=cards[i][0]))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: cards[i][1])
-    assert MEMORY_FRACTION == DEFAULT_MEMORY_FRACTION
+    assert MEMORY_FRACTION == DEFAULT_MEMORY_FRACTION and TWO_POOL_SHARE == 4 / 7
     for i, (total, cap) in cards.items():
         model = usable_gpu_bytes(SimpleNamespace(gpu_memory_bytes=total, reserved_gpu_bytes=device_reserved_bytes(cap[0] == 9)),
                                  DEFAULT_MEMORY_FRACTION)
-        assert CudaWorkerPool.memory_budget_bytes([i], None) == int(model)
-    assert CudaWorkerPool.memory_budget_bytes([0, 1], None) == int(0.9 * (24 * GiB - device_reserved_bytes()))
+        assert usable_bytes(total, cap) == int(model)
+        assert CudaWorkerPool.memory_budget_bytes([i], None) == int(TWO_POOL_SHARE * int(model))
+    assert CudaWorkerPool.memory_budget_bytes([0, 1], None) == int(4 / 7 * int(0.9 * (24 * GiB - device_reserved_bytes())))
+    assert round(CudaWorkerPool.memory_budget_bytes([0], None) / GiB, 2) == 12.05
 
 
 @pytest.mark.parametrize("conf, expected", [(None, ["expandable_segments:True"]), ("expandable_segments:False", []),

@@ -88,6 +88,10 @@ class Deferred:
         self._error = exc if isinstance(exc, PipelineError) else worker_error(self.label, exc)
         self._ready.set()
 
+    def failed(self) -> PipelineError | None:
+        """The work's error if it has run and failed (never waits)."""
+        return self._error if self._ready.is_set() else None
+
     def result(self) -> Any:
         """The value, waiting at most ``timeout_s``; re-raises the work's error."""
         if not self._ready.wait(self.timeout_s):

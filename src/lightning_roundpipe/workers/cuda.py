@@ -44,7 +44,8 @@ from typing import Iterable
 import torch
 
 from ..cost.device_overheads import device_reserved_bytes
-from .completions import Completion, PipelineTimeout, worker_error
+from .completions import Completion, Deferred, PipelineTimeout, worker_error
+from .fake_allocator import FakeCachingAllocator, PoolTally, fake_gpu_capacity_bytes
 from .host_buffers import DEFAULT_CAP_BYTES, HostBufferPool
 from .pinning import PAGE, page_span
 
@@ -144,7 +145,10 @@ class StreamWorkerPool(WorkerPool):
         # taken before the issue, since the task drops the values it was the last reader of.
         reads = ([d.raw_value() for d in task.deps if d.label.queue == "upload" and d.label.worker == lane.worker.index]
                  if lane.queue == "compute" else [])
-        value = drv.issue(stream, lane.worker.device, task.fn, task.done.label, self.timeout_s)
+        fn = task.fn
+        if drv.fake:  # what a dependency's failed work would have raised on the host, at its issue, on CUDA
+            fn = _after_inputs(fn, [d.raw_value() for d in task.deps if isinstance(d.raw_value(), Deferred)])
+        value = drv.issue(stream, lane.worker.device, fn, task.done.label, self.timeout_s)
         end = drv.new_event(timing=timed)
         end.record(stream)
         self.holds.hold(stream, end, [r for r in reads if r is not None])
@@ -398,12 +402,42 @@ class StreamWorkerPool(WorkerPool):
             for device in {w.device for w in self.workers}:
                 torch.cuda.reset_peak_memory_stats(device)
 
+    def device_memory_stats(self) -> list[dict]:
+        """Per worker, its GPU's caching allocator since the last ``reset_step_peaks``: ``allocated_peak_bytes``,
+        ``reserved_peak_bytes``, ``alloc_retries`` (``num_alloc_retries``: frees of every cached block after a
+        failed allocation, each a device synchronize) and ``ooms`` (workers sharing a GPU report that GPU's)."""
+        out = []
+        for w in self.workers:
+            stats = torch.cuda.memory_stats(w.device)
+            out.append(dict(allocated_peak_bytes=stats.get("allocated_bytes.all.peak", 0),
+                            reserved_peak_bytes=stats.get("reserved_bytes.all.peak", 0),
+                            alloc_retries=stats.get("num_alloc_retries", 0), ooms=stats.get("num_ooms", 0)))
+        return out
+
     def unpin(self) -> None:
         """Unregister the host tensors this pool pinned in place."""
         for t in self._pinned:
             self.driver.unregister(t)
         self._pinned = []
         self.pinned_bytes = 0
+
+
+def _after_inputs(fn, inputs: list[Deferred]):
+    """``fn``, run on a fake stream after its dependencies' work (its stream waits for their events), failing
+    instead with the first error of that work. On CUDA an allocation fails on the host, at the issue (an
+    out-of-memory error fails the task, and its dependants never run); on the fake driver the work allocates
+    on its stream, after the issue: without this, a compute would run on the ``None`` of a failed upload."""
+    if not inputs:
+        return fn
+
+    def run():
+        for d in inputs:
+            err = d.failed()
+            if err is not None:
+                raise err
+        return fn()
+
+    return run
 
 
 def _finished(event) -> bool:
@@ -445,6 +479,14 @@ def inductor_generates_gpu_code(device_indices=None) -> bool:
 
 
 MEMORY_FRACTION = 0.9  # of what a GPU leaves after its context and workspaces: planning.capacity's default (tested)
+# The runtime's planner fits every stage in half the budget b (``planning/budget.py``: a stage and its prefetch),
+# a rule for one allocation pool. A worker has two (``CudaWorkerPool``), and neither reuses the other's cached
+# blocks, so what they reserve adds up: the upload pool up to two stages' weights (b: a forward stage has no
+# gradients, so its weights alone may fill b/2), the compute pool up to three gradients of a backward stage
+# (the previous stage's, held until downloaded; the accumulated; the microbatch's new one: 3b/4, as a backward
+# stage's weights and gradients share its b/2) and its activations. 1.75 b must fit the usable memory, or steps
+# near the budget make allocator retries (tests/workers/test_fake_allocator.py: 5 per worker in 3 steps at b = usable).
+TWO_POOL_SHARE = 4 / 7
 ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
@@ -460,9 +502,16 @@ def use_expandable_segments() -> bool:
 
 
 def gpu_budget_bytes(total_bytes: int, capability: tuple[int, int]) -> int:
-    """What the memory model lets a worker's tensors fill on a GPU of ``total_bytes``: ``MEMORY_FRACTION``
-    of its memory less the CUDA context, cuBLAS workspaces and allocator pages (``device_reserved_bytes``;
-    an SM 9.x card's larger cuBLASLt workspace included), as ``planning/capacity.py`` plans it."""
+    """The runtime planner's per-worker budget on a GPU of ``total_bytes``: ``TWO_POOL_SHARE`` of what the memory
+    model lets a worker's tensors fill (``usable_gpu_bytes``: ``MEMORY_FRACTION`` of the GPU less its CUDA context,
+    cuBLAS workspaces and allocator pages, ``device_reserved_bytes``; an SM 9.x card's larger cuBLASLt workspace
+    included), so that the two allocation pools' reserved bytes fit it."""
+    return int(TWO_POOL_SHARE * usable_bytes(total_bytes, capability))
+
+
+def usable_bytes(total_bytes: int, capability: tuple[int, int]) -> int:
+    """What the memory model lets a worker's tensors fill on a GPU of ``total_bytes``, as ``planning/capacity.py``
+    plans it: ``MEMORY_FRACTION`` of the GPU less its context, workspaces and allocator pages."""
     return int(MEMORY_FRACTION * max(0, total_bytes - device_reserved_bytes(sm90=capability[0] == 9)))
 
 
@@ -480,7 +529,8 @@ class CudaWorkerPool(StreamWorkerPool):
     ``torch.cuda.memory_stats()["num_alloc_retries"]``).
     """
     backend = "cuda"
-    budget_option = "partition.memory_budget_bytes (default: 90% of the GPU's memory less its CUDA context and workspaces)"
+    budget_option = ("partition.memory_budget_bytes (default: 4/7 of 90% of the GPU's memory less its CUDA context, "
+                     "workspaces and allocator pages: two allocation pools)")
 
     @classmethod
     def create(cls, num_workers: int, device_indices=None, **options) -> "CudaWorkerPool":
@@ -499,7 +549,8 @@ class CudaWorkerPool(StreamWorkerPool):
 
     @classmethod
     def memory_budget_bytes(cls, device_indices, options) -> int | None:
-        """``gpu_budget_bytes`` of the smallest GPU: what the memory model assumes a worker may fill."""
+        """``gpu_budget_bytes`` of the smallest GPU: what the memory model assumes a worker may fill, less the
+        share its two allocation pools cost."""
         indices = list(device_indices) if device_indices is not None else [0]
         return min(gpu_budget_bytes(torch.cuda.get_device_properties(i).total_memory,
                                     tuple(torch.cuda.get_device_capability(i))) for i in indices)
@@ -539,7 +590,42 @@ class FakeCudaWorkerPool(StreamWorkerPool):
     def __init__(self, num_workers: int, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
                  pin_memory: bool = True, fifo_transfers: bool = False,
                  stream_jitter_s: float = 0.0, seed: int = 0, host_buffer_cap_bytes: int = DEFAULT_CAP_BYTES,
-                 cudart=None, copy_delay_s: float = 0.0):
+                 cudart=None, copy_delay_s: float = 0.0, device_memory_bytes: int | None = None):
+        """``device_memory_bytes``: model CUDA's caching allocator (``model_allocator``) on fake GPUs of this size."""
         super().__init__(self.driver_class(stream_jitter_s, seed, cudart, copy_delay_s), [torch.device("cpu")] * num_workers,
                          timeout_s=timeout_s, trace=trace, max_in_flight=max_in_flight, pin_memory=pin_memory,
                          fifo_transfers=fifo_transfers, host_buffer_cap_bytes=host_buffer_cap_bytes)
+        self.allocators: list[FakeCachingAllocator] = []  # one per worker once ``model_allocator`` was called
+        if device_memory_bytes is not None:
+            self.model_allocator(device_memory_bytes)
+
+    def model_allocator(self, device_memory_bytes: int | None = None) -> None:
+        """From the next task on, each worker is a fake GPU of ``device_memory_bytes`` with CUDA's caching
+        allocator (``fake_allocator.py``): what its upload and compute tasks allocate is charged to that
+        stream's pool, up to the GPU less its context and workspaces, with allocator retries and
+        ``torch.OutOfMemoryError`` as on CUDA (None: no limit, the pools measured only; a Python call per
+        operator). Call between steps."""
+        capacity = None if device_memory_bytes is None else fake_gpu_capacity_bytes(device_memory_bytes)
+        self.allocators = []
+        for w in self.workers:
+            allocator = FakeCachingAllocator(capacity, f"fake GPU {w.index}", self.driver.stream_held_bytes)
+            for queue in ("upload", "compute"):  # a download allocates host memory only
+                self.driver.allocate_on(w.lanes[queue].stream, PoolTally(allocator, queue))
+            self.allocators.append(allocator)
+
+    def device_memory_stats(self) -> list[dict]:
+        """As ``CudaWorkerPool.device_memory_stats``, from the modelled allocators (none before
+        ``model_allocator``), with ``reserved_peak_bytes_by_pool``: each stream's pool's peak."""
+        return [a.memory_stats() for a in self.allocators]
+
+    def step_peak_device_bytes(self) -> list[int]:
+        """Per worker, the larger of the ledger's peak and the modelled allocator's allocated peak."""
+        ledger = self.peak_device_bytes()
+        if not self.allocators:
+            return ledger
+        return [max(held, a.peak_allocated) for held, a in zip(ledger, self.allocators)]
+
+    def reset_step_peaks(self) -> None:
+        super().reset_step_peaks()
+        for a in self.allocators:
+            a.reset_peaks()

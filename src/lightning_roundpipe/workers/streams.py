@@ -19,7 +19,8 @@ for a stream is held, once the tensor is freed, until that stream reaches the po
 Also as on CUDA: ``current_stream()`` is a new object per call; host callbacks come from the same
 event-waiter threads (``event_waiter.py``); ``device_assert`` makes a sticky device error that every
 later query, wait and launch raises; host memory unregistered under a copy in flight is recorded
-(``use_after_release``). What the fake cannot model: ``docs/fake_cuda.md``.
+(``use_after_release``); with ``allocate_on``, tensors are allocated per stream as by CUDA's caching
+allocator (``fake_allocator.py``). What the fake cannot model: ``docs/fake_cuda.md``.
 """
 
 from __future__ import annotations
@@ -437,6 +438,7 @@ class FakeStreams:
         self._copies_lock = threading.Lock()
         self.use_after_release: list[str] = []  # host memory unregistered while a copy in flight used it
         self._waiters = EventWaiters()  # when_done as on CUDA: a waiter thread per awaited stream
+        self.tallies: dict = {}  # stream -> the PoolTally its work allocates through (``fake_allocator.py``)
 
     def device_assert(self, stream: FakeStream, message: str = "device-side assert triggered") -> None:
         """Queue a kernel that fails a device-side assert on ``stream``: once the stream reaches it,
@@ -490,9 +492,16 @@ class FakeStreams:
     def issue(self, stream: FakeStream, device, fn: Callable[[], Any], label: TaskLabel, timeout_s: float) -> Deferred:
         """Queue ``fn`` on ``stream``; returns the ``Deferred`` its result arrives in."""
         self.check()  # a launch returns the sticky error
+        tally = self.tallies.get(stream)
+        if tally is not None:  # the caching allocator is modelled: charge what ``fn`` allocates to the stream's pool
+            fn = tally.running(fn, label)
         deferred = Deferred(label, timeout_s)
         stream.put(("work", fn, deferred))
         return deferred
+
+    def allocate_on(self, stream: FakeStream, tally) -> None:
+        """Charge the tensors that work on ``stream`` creates to ``tally``'s pool (``fake_allocator.py``)."""
+        self.tallies[stream] = tally
 
     def current_stream(self, device) -> "FakeStreamHandle":
         """The stream the calling thread issues to, as CUDA gives it: ``torch.cuda.current_stream``
