@@ -626,6 +626,7 @@ class FakeCudaWorkerPool(StreamWorkerPool):
         return [max(held, a.peak_allocated) for held, a in zip(ledger, self.allocators)]
 
     def reset_step_peaks(self) -> None:
+        """Start the step's peaks afresh, the modelled allocators' included."""
         super().reset_step_peaks()
         for a in self.allocators:
             a.reset_peaks()
