@@ -123,7 +123,7 @@ def test_a_pipelined_step_at_the_cuda_budget_makes_no_allocator_retry():
     three steps make no allocator retry, with the two pools' peaks adding up to 73-83% of the capacity (3 runs).
     Planned at what the memory model lets tensors fill (``usable_bytes``, the CUDA budget before the two pools
     were counted) on GPUs of 1.8 MiB, the upload pool keeps two forward stages' weights cached through the
-    backward while the compute pool holds gradients: 5 retries in 3 steps in each of 3 runs (the pools' peaks
+    backward while the compute pool holds gradients: 5 retries (both workers) in 3 steps in each of 3 runs (the pools' peaks
     adding up to 103-117% of the capacity)."""
     stats = _step_retries(2.2, gpu_budget_bytes(_fake_gpu(2.2), AMPERE))
     assert [s["alloc_retries"] for s in stats] == [0, 0] and [s["ooms"] for s in stats] == [0, 0]
