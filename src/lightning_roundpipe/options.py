@@ -117,8 +117,10 @@ class PartitionConfig:
     manual_forward / manual_backward: lists of [start, end) layer ranges for "manual"
         (manual_backward None: the forward ranges).
     replan_threshold: "auto" re-plans when measured costs move by more than this fraction.
-    memory_budget_bytes: per-worker budget for "auto" (None: 90% of the device's memory, or
-        unlimited on CPU).
+    memory_budget_bytes: per-worker memory budget the stages are planned in (None: on CUDA, 4/7 of
+        what the memory model lets tensors fill, 90% of the GPU's memory less its CUDA context,
+        cuBLAS workspaces and allocator pages, as the upload and compute streams' allocator pools
+        do not share cached memory; elsewhere ``cpu_memory_cap_bytes``, unlimited without one).
     """
 
     policy: str = "compute"

@@ -115,6 +115,9 @@ class _Event:
     def query(self):
         return self.raw.done.is_set()
 
+    def block(self):  # as ``CudaEvent.block``
+        self.raw.synchronize()
+
     def finish(self):
         self.raw.done.set()
 

@@ -49,9 +49,10 @@ ALLOWED = {
     ("workers/streams.py", "self._cond.wait()"):
         "a fake stream executor's idle wait for its next item; stop() wakes it, and callers wait on the items' "
         "events with timeouts",
-    ("workers/event_waiter.py", "oldest.raw.synchronize()"):
-        "a CUDA stream's event waiter blocks on its oldest awaited event (CUDA events take no timeout); the lane "
-        "task waiting for that event keeps the pool's timeout and names it, and the waiter is a daemon thread",
+    ("workers/streams.py", "self.raw.synchronize()"):
+        "CudaEvent.block: a CUDA stream's event waiter blocks on its oldest awaited event (CUDA events take no "
+        "timeout); the lane task waiting for that event keeps the pool's timeout and names it, and the waiter is "
+        "a daemon thread",
     ("finetune/throughput.py", "torch.cuda.synchronize(index)"):
         "torch.cuda.synchronize takes no timeout; the throughput callback calls it after a training batch whose "
         "device work the pipeline already waited for with bounded waits, so only work issued outside it can remain",

@@ -96,11 +96,10 @@ def simulated_tokens_per_s(ctx: Ctx, runtime, shape: Shape, gpus: int, sequences
         return None, f"{type(err).__name__}: {err}"[:300]
 
 
-def _memory_stats(ctx: Ctx) -> list[dict]:
-    return [dict(allocated_peak_bytes=torch.cuda.max_memory_allocated(i),
-                 reserved_peak_bytes=torch.cuda.max_memory_reserved(i),
-                 alloc_retries=torch.cuda.memory_stats(i).get("num_alloc_retries", 0)) for i in range(ctx.gpus)] \
-        if ctx.cuda else []
+def _memory_stats(runtime) -> list[dict]:
+    """Per worker its allocator's allocated and reserved peaks, retries and OOMs (``device_memory_stats``: CUDA's
+    caching allocator, or the fake driver's model of it, with each stream pool's reserved peak)."""
+    return runtime.pool.device_memory_stats()
 
 
 def throughput_run(ctx: Ctx, model, shape: Shape, gpus: int, steps: int) -> dict:
@@ -112,6 +111,8 @@ def throughput_run(ctx: Ctx, model, shape: Shape, gpus: int, steps: int) -> dict
 
     sequences = shape.sequences_per_gpu * gpus
     runtime = ctx.runtime(model, gpus, compute_dtype=torch.bfloat16, trace_steps=1)
+    if not ctx.cuda:
+        runtime.pool.model_allocator()  # the fake driver's caching allocator, unlimited: its pools measured
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     runtime.overlap_optimizer(opt)
     g = torch.Generator().manual_seed(0)
@@ -129,10 +130,8 @@ def throughput_run(ctx: Ctx, model, shape: Shape, gpus: int, steps: int) -> dict
         runtime.join()
         ctx.sync()
         warmup_s = time.perf_counter() - w0
-        if ctx.cuda:
-            for i in range(gpus):
-                torch.cuda.reset_peak_memory_stats(i)
-        retries_before = [m["alloc_retries"] for m in _memory_stats(ctx)]
+        runtime.pool.reset_step_peaks()
+        retries_before = [m["alloc_retries"] for m in _memory_stats(runtime)]
         walls, cpu = [], []
         for _ in range(steps):
             r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
@@ -157,7 +156,7 @@ def throughput_run(ctx: Ctx, model, shape: Shape, gpus: int, steps: int) -> dict
             ups = [r for r in records if r.queue == "upload" and r.kind == "weights" and r.duration > 0]
             out.update(upload_gbps=(sum(r.bytes for r in ups) / sum(r.duration for r in ups) / 1e9) if ups else None,
                        exposed_transfer_s=exposed_transfer_seconds(records))
-        stats = _memory_stats(ctx)
+        stats = _memory_stats(runtime)
         try:
             bound = roundpipe_gpu_bytes(runtime.planner.plan, runtime.planner.moving.profile(), gpus,
                                         microbatches=runtime.planner.microbatches)

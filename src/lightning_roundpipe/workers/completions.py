@@ -19,6 +19,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .compile_clock import COMPILE_CLOCK, wait_excluding_compiles
 
 
@@ -88,6 +90,10 @@ class Deferred:
         self._error = exc if isinstance(exc, PipelineError) else worker_error(self.label, exc)
         self._ready.set()
 
+    def failed(self) -> PipelineError | None:
+        """The work's error if it has run and failed (never waits)."""
+        return self._error if self._ready.is_set() else None
+
     def result(self) -> Any:
         """The value, waiting at most ``timeout_s``; re-raises the work's error."""
         if not wait_excluding_compiles(self._ready.wait, self.timeout_s):
@@ -107,11 +113,29 @@ def raised_from(exc: BaseException | None):
         exc = exc.__cause__ or exc.__context__
 
 
+def is_out_of_memory(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is, or was raised from, an out-of-memory error: a ``MemoryError`` (the CPU
+    backend's cap) or ``torch.OutOfMemoryError`` (CUDA's allocator; a ``RuntimeError``, not a ``MemoryError``)."""
+    return any(isinstance(e, (MemoryError, torch.OutOfMemoryError)) for e in raised_from(exc))
+
+
+def forget_frames(exc: BaseException) -> None:
+    """Drop the frames of ``exc`` and of what it was raised from: their locals (a failed task's
+    device tensors) would stay allocated as long as the error lives. Call after formatting it."""
+    for e in list(raised_from(exc)):
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+            e.__traceback__ = None
+
+
 def worker_error(label: TaskLabel, exc: BaseException) -> WorkerError:
-    """A ``WorkerError`` naming the task, with the original traceback in its message."""
+    """A ``WorkerError`` naming the task, with the original traceback in its message (for an
+    out-of-memory error, only there: its frames are dropped, see ``forget_frames``)."""
     tb_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     err = WorkerError(label, exc, tb_text)
     err.__cause__ = exc
+    if is_out_of_memory(exc):
+        forget_frames(exc)
     return err
 
 
@@ -199,11 +223,11 @@ class Completion:
 
     def fail_from_exception(self, exc: BaseException) -> None:
         """Fail with ``exc`` turned into the pipeline error that names this task."""
-        if isinstance(exc, MemoryError) and isinstance(exc, WorkerError):
+        if isinstance(exc, WorkerError) and is_out_of_memory(exc):
             # Out of (capped) device memory: keep the worker's traceback as text, not its frames,
             # whose locals would keep the failed task's tensors allocated as long as the error lives.
             exc.worker_traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-            exc.__traceback__ = None
+            forget_frames(exc)
         self.fail(exc if isinstance(exc, PipelineError) else worker_error(self.label, exc))
 
     def wait(self, timeout: float, waiter: str = "the caller", diagnose=None) -> Any:
@@ -219,7 +243,11 @@ class Completion:
             raise self.error
         deadline += COMPILE_CLOCK.seconds_between(deadline - timeout)
         event = self.device_event
-        if event is not None and not event.wait(max(0.0, deadline - time.monotonic())):
+        try:
+            landed = event is None or event.wait(max(0.0, deadline - time.monotonic()))
+        except Exception as exc:  # a device error (a device-side assert): name the task waited for
+            raise worker_error(self.label, exc) from exc
+        if not landed:
             extra = f"\n{diagnose(self)}" if diagnose is not None else ""
             raise PipelineTimeout(
                 f"{waiter} timed out after {timeout:g}s waiting for the device work of [{self.label}] to finish{extra}"

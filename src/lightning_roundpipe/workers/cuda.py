@@ -36,17 +36,21 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from typing import Iterable
 
 import torch
 
-from .completions import Completion, PipelineTimeout
+from ..cost.device_overheads import device_reserved_bytes
+from .completions import Completion, Deferred, PipelineTimeout, worker_error
+from .fake_allocator import FakeCachingAllocator, PoolTally, fake_gpu_capacity_bytes
 from .host_buffers import DEFAULT_CAP_BYTES, HostBufferPool
 from .pinning import PAGE, page_span
 
 IN_FLIGHT_BYTES = 64 << 20  # a transfer lane's issued, unfinished copies: two 32 MiB chunks' worth
+TRANSFER_DRAIN_S = 5.0  # the most a shutdown waits for the copies in flight before it releases their memory
 from .pool import Lane, Task, Worker, WorkerPool
 from .stream_holds import StreamHolds
 from .streams import CudaStreams, FakeStreams
@@ -79,6 +83,7 @@ class StreamWorkerPool(WorkerPool):
         self.host_buffers = HostBufferPool(self._new_host_buffer, self._drop_host_buffer, host_buffer_cap_bytes)
         self._buffer_pins: dict[int, torch.Tensor] = {}
         self.holds = StreamHolds()
+        self._deferred_releases: dict[int, Task] = {}  # cancelled releases waiting for their device work
         self.download_pinned_bytes = 0
         for w in self.workers:
             for lane in w.lanes.values():
@@ -97,12 +102,19 @@ class StreamWorkerPool(WorkerPool):
             return False
         if lane.queue == "compute" or dep.device_event is None:
             return True
-        return dep.device_event.query()
+        try:
+            return dep.device_event.query()
+        except Exception:  # a device error: the task runs now and fails on it, naming itself (execute)
+            return True
 
     def notify_when_device_done(self, dep: Completion, fn) -> bool:
         """The driver calls ``fn`` when ``dep``'s device event completes (the fake stream's executor
-        reaching it; on CUDA a waiter thread blocked on the event): lanes never poll for it."""
-        return self.driver.when_done(dep.device_event, fn)
+        reaching it; on CUDA a waiter thread blocked on the event): lanes never poll for it. False
+        (the task goes on, and meets the error in ``execute``) when the device reports an error."""
+        try:
+            return self.driver.when_done(dep.device_event, fn)
+        except Exception:
+            return False
 
     def execute(self, lane: Lane, task: Task) -> None:
         self.holds.collect()
@@ -133,7 +145,10 @@ class StreamWorkerPool(WorkerPool):
         # taken before the issue, since the task drops the values it was the last reader of.
         reads = ([d.raw_value() for d in task.deps if d.label.queue == "upload" and d.label.worker == lane.worker.index]
                  if lane.queue == "compute" else [])
-        value = drv.issue(stream, lane.worker.device, task.fn, task.done.label, self.timeout_s)
+        fn = task.fn
+        if drv.fake:  # what a dependency's failed work would have raised on the host, at its issue, on CUDA
+            fn = _after_inputs(fn, [d.raw_value() for d in task.deps if isinstance(d.raw_value(), Deferred)])
+        value = drv.issue(stream, lane.worker.device, fn, task.done.label, self.timeout_s)
         end = drv.new_event(timing=timed)
         end.record(stream)
         self.holds.hold(stream, end, [r for r in reads if r is not None])
@@ -158,6 +173,35 @@ class StreamWorkerPool(WorkerPool):
                                       f"work of [{dep.label}] before freeing its memory")
         task.done.set(task.fn())
 
+    def run_cancelled_release(self, task: Task) -> None:
+        """A release ``cancel_pending`` took: run it once the device work of its dependencies (the
+        stage's computes and downloads, which read what it frees) has finished, told by the driver,
+        never waiting here. Until then the memory stays held (a device error counts as finished:
+        the device runs nothing more)."""
+        pending = [d.device_event for d in task.deps if d.device_event is not None and not _finished(d.device_event)]
+        left = [len(pending)]
+        lock = threading.Lock()
+
+        def one_done() -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0 and self._deferred_releases.pop(id(task), None) is not None
+            if last:
+                super(StreamWorkerPool, self).run_cancelled_release(task)
+
+        if not pending:
+            super().run_cancelled_release(task)
+            return
+        with lock:
+            self._deferred_releases[id(task)] = task
+        for ev in pending:
+            try:
+                told = self.driver.when_done(ev, one_done)
+            except Exception:  # a device error: nothing runs any more
+                told = False
+            if not told:  # finished meanwhile, or the driver is closed: ``on_shutdown`` drained the streams
+                one_done()
+
     def finish_step(self) -> None:
         """Read the timing events of every task issued so far, once: per device an anchor event on an
         idle stream gives the host time of "now", and each record is placed relative to it."""
@@ -176,7 +220,11 @@ class StreamWorkerPool(WorkerPool):
             lane, label, nbytes, step, start, end = item
             anchor = anchors[lane.worker.device]
             left = max(0.0, deadline - time.monotonic())
-            if not end.wait(left) or not anchor.wait(left):
+            try:
+                finished = end.wait(left) and anchor.wait(left)
+            except Exception as exc:  # a device error: name the task whose timing was read
+                raise worker_error(label, exc) from exc
+            if not finished:
                 unfinished.append(item)
                 continue
             now = self.trace.now()
@@ -200,7 +248,30 @@ class StreamWorkerPool(WorkerPool):
         self.holds.collect()
 
     def on_shutdown(self, timeout: float) -> None:
-        self.driver.close(timeout)
+        """Drain the transfer streams (their copies read and write the host memory released below),
+        bounded by ``max(timeout, TRANSFER_DRAIN_S)``, stop the driver, then unpin and drop. Copies that
+        did not land by then keep their memory: it stays pinned and held (logged), never released
+        under a copy. Transfer streams never wait for unfinished work (``ready_for``), so on a working
+        device they drain in the time of their last ``max_in_flight`` copies."""
+        start = time.monotonic()
+        deadline = start + max(timeout, TRANSFER_DRAIN_S)
+        drained = True
+        for w in self.workers:
+            streams = [lane.stream for lane in w.lanes.values() if lane.queue != "compute"]
+            try:
+                drained &= self.driver.synchronize(w.device, streams, max(0.0, deadline - time.monotonic()))
+            except Exception as exc:  # a device error: the device runs nothing more
+                log.warning("draining the streams of worker %d at shutdown: %s", w.index, exc)
+        self.driver.close(max(0.0, timeout - (time.monotonic() - start)))  # what is left of the caller's timeout
+        for task in list(self._deferred_releases.values()):  # the driver calls back no more: run those now safe
+            if (all(d.device_event is None or _finished(d.device_event) for d in task.deps)
+                    and self._deferred_releases.pop(id(task), None) is not None):
+                super().run_cancelled_release(task)
+        if not drained:
+            log.error("copies of the transfer streams did not land within %.1fs of shutdown: their host memory "
+                      "stays pinned and held (%d bytes), never released under a copy",
+                      max(timeout, TRANSFER_DRAIN_S), self.pinned_host_bytes())
+            return
         self.holds.clear()
         self.unpin()
         for t in self._buffer_pins.values():
@@ -230,7 +301,7 @@ class StreamWorkerPool(WorkerPool):
 
     def copy_to_host(self, worker: Worker, tensors, reusable: bool = False):
         drv = self.driver
-        stream = drv.current_stream(worker.device)
+        stream = self._lane_stream(worker, drv.current_stream(worker.device))
         out, sources = [], []
         for t in tensors:
             if t is None:
@@ -253,6 +324,13 @@ class StreamWorkerPool(WorkerPool):
             if reusable:
                 self.host_buffers.fence(out, landed)
         return out
+
+    @staticmethod
+    def _lane_stream(worker: Worker, current):
+        """The lane's own stream object for ``current``: CUDA's ``current_stream()`` is a new Python
+        object on each call (equal, never the same), so holds and event waiters keyed by it would
+        gain an entry per call."""
+        return next((lane.stream for lane in worker.lanes.values() if lane.stream == current), current)
 
     def release_host(self, tensors) -> None:
         self.host_buffers.give_back(tensors)
@@ -288,6 +366,7 @@ class StreamWorkerPool(WorkerPool):
             return 0
         seen = set()
         pageable = 0
+        reasons_before = collections.Counter(self.pageable_reasons)
         for t in tensors:
             if id(t) in seen:  # a tensor whose pages are pinned already is registered without a call
                 continue
@@ -298,8 +377,10 @@ class StreamWorkerPool(WorkerPool):
             else:
                 pageable += t.numel() * t.element_size()
         if pageable:
+            reasons = collections.Counter(self.pageable_reasons) - reasons_before  # this call's (the registry is shared)
             log.warning("pinned=%r: %d bytes the uploads read stay pageable (their copies are synchronous): %s",
-                        policy, pageable, "; ".join(f"{why}: {n}" for why, n in self.pageable_reasons.items()))
+                        policy, pageable, "; ".join(f"{why}: {n}" for why, n in reasons.items())
+                        or "no reason was counted (a defect: please report it)")
         return self.pinned_bytes
 
     def pinned_host_bytes(self) -> int:
@@ -321,12 +402,50 @@ class StreamWorkerPool(WorkerPool):
             for device in {w.device for w in self.workers}:
                 torch.cuda.reset_peak_memory_stats(device)
 
+    def device_memory_stats(self) -> list[dict]:
+        """Per worker, its GPU's caching allocator since the last ``reset_step_peaks``: ``allocated_peak_bytes``,
+        ``reserved_peak_bytes``, ``alloc_retries`` (``num_alloc_retries``: frees of every cached block after a
+        failed allocation, each a device synchronize) and ``ooms`` (workers sharing a GPU report that GPU's)."""
+        out = []
+        for w in self.workers:
+            stats = torch.cuda.memory_stats(w.device)
+            out.append(dict(allocated_peak_bytes=stats.get("allocated_bytes.all.peak", 0),
+                            reserved_peak_bytes=stats.get("reserved_bytes.all.peak", 0),
+                            alloc_retries=stats.get("num_alloc_retries", 0), ooms=stats.get("num_ooms", 0)))
+        return out
+
     def unpin(self) -> None:
         """Unregister the host tensors this pool pinned in place."""
         for t in self._pinned:
             self.driver.unregister(t)
         self._pinned = []
         self.pinned_bytes = 0
+
+
+def _after_inputs(fn, inputs: list[Deferred]):
+    """``fn``, run on a fake stream after its dependencies' work (its stream waits for their events), failing
+    instead with the first error of that work. On CUDA an allocation fails on the host, at the issue (an
+    out-of-memory error fails the task, and its dependants never run); on the fake driver the work allocates
+    on its stream, after the issue: without this, a compute would run on the ``None`` of a failed upload."""
+    if not inputs:
+        return fn
+
+    def run():
+        for d in inputs:
+            err = d.failed()
+            if err is not None:
+                raise err
+        return fn()
+
+    return run
+
+
+def _finished(event) -> bool:
+    """Whether ``event`` completed; a device error counts as finished (nothing runs any more)."""
+    try:
+        return event.query()
+    except Exception:
+        return True
 
 
 def _page_aligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
@@ -359,10 +478,59 @@ def inductor_generates_gpu_code(device_indices=None) -> bool:
     return all(torch.cuda.get_device_capability(int(i)) >= TRITON_MIN_CAPABILITY for i in indices)
 
 
+MEMORY_FRACTION = 0.9  # of what a GPU leaves after its context and workspaces: planning.capacity's default (tested)
+# The runtime's planner fits every stage in half the budget b (``planning/budget.py``: a stage and its prefetch),
+# a rule for one allocation pool. A worker has two (``CudaWorkerPool``), and neither reuses the other's cached
+# blocks, so what they reserve adds up: the upload pool up to two stages' weights (b: a forward stage has no
+# gradients, so its weights alone may fill b/2), the compute pool up to three gradients of a backward stage
+# (the previous stage's, held until downloaded; the accumulated; the microbatch's new one: 3b/4, as a backward
+# stage's weights and gradients share its b/2) and its activations. 1.75 b must fit the usable memory, or steps
+# near the budget make allocator retries (tests/workers/test_fake_allocator.py: 5 in 3 steps of 2 workers at b = usable).
+TWO_POOL_SHARE = 4 / 7
+ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def use_expandable_segments() -> bool:
+    """Turn on the caching allocator's ``expandable_segments`` (what the memory model assumes,
+    ``cost/device_overheads.py``) unless the user configured it in ``PYTORCH_CUDA_ALLOC_CONF`` or
+    ``PYTORCH_ALLOC_CONF``; it applies to the segments allocated from then on. Returns whether it set it."""
+    if any("expandable_segments" in os.environ.get(name, "") for name in ALLOC_CONF_VARIABLES):
+        return False
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter("expandable_segments:True")
+    return True
+
+
+def gpu_budget_bytes(total_bytes: int, capability: tuple[int, int]) -> int:
+    """The runtime planner's per-worker budget on a GPU of ``total_bytes``: ``TWO_POOL_SHARE`` of what the memory
+    model lets a worker's tensors fill (``usable_gpu_bytes``: ``MEMORY_FRACTION`` of the GPU less its CUDA context,
+    cuBLAS workspaces and allocator pages, ``device_reserved_bytes``; an SM 9.x card's larger cuBLASLt workspace
+    included), so that the two allocation pools' reserved bytes fit it."""
+    return int(TWO_POOL_SHARE * usable_bytes(total_bytes, capability))
+
+
+def usable_bytes(total_bytes: int, capability: tuple[int, int]) -> int:
+    """What the memory model lets a worker's tensors fill on a GPU of ``total_bytes``, as ``planning/capacity.py``
+    plans it: ``MEMORY_FRACTION`` of the GPU less its context, workspaces and allocator pages."""
+    return int(MEMORY_FRACTION * max(0, total_bytes - device_reserved_bytes(sm90=capability[0] == 9)))
+
+
 class CudaWorkerPool(StreamWorkerPool):
-    """The CUDA backend: one worker per entry of ``device_indices``, each with its own streams."""
+    """The CUDA backend: one worker per entry of ``device_indices``, each with its own streams.
+
+    Allocation pools: the caching allocator keeps one pool per stream, and blocks freed on one
+    stream are reused only by allocations on that stream. Uploaded tensors (weights, activation
+    and gradient uploads) are allocated on the upload stream, computed ones on the compute
+    stream. Allocating the uploads in the compute stream's pool instead is not safe without
+    ordering the upload after everything queued on the compute stream (a block freed there may
+    still be read by queued kernels), which would end the prefetch's overlap, so the two pools stay;
+    with ``expandable_segments`` (set unless the user configured it) a pool's free pages go back
+    to the device page by page when the other needs them (an allocator retry, counted in
+    ``torch.cuda.memory_stats()["num_alloc_retries"]``).
+    """
     backend = "cuda"
-    budget_option = "partition.memory_budget_bytes (default: 90% of the GPU's memory)"
+    budget_option = ("partition.memory_budget_bytes (default: 4/7 of 90% of the GPU's memory less its CUDA context, "
+                     "workspaces and allocator pages: two allocation pools)")
 
     @classmethod
     def create(cls, num_workers: int, device_indices=None, **options) -> "CudaWorkerPool":
@@ -381,9 +549,11 @@ class CudaWorkerPool(StreamWorkerPool):
 
     @classmethod
     def memory_budget_bytes(cls, device_indices, options) -> int | None:
-        """90% of the smallest GPU."""
+        """``gpu_budget_bytes`` of the smallest GPU: what the memory model assumes a worker may fill, less the
+        share its two allocation pools cost."""
         indices = list(device_indices) if device_indices is not None else [0]
-        return int(0.9 * min(torch.cuda.get_device_properties(i).total_memory for i in indices))
+        return min(gpu_budget_bytes(torch.cuda.get_device_properties(i).total_memory,
+                                    tuple(torch.cuda.get_device_capability(i))) for i in indices)
 
     def __init__(self, device_indices, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
                  pin_memory: bool = True, fifo_transfers: bool = False,
@@ -391,6 +561,7 @@ class CudaWorkerPool(StreamWorkerPool):
         """``device_indices`` may repeat a GPU: several workers (each with its own streams) on one device."""
         if not torch.cuda.is_available():
             raise RuntimeError("the CUDA backend needs CUDA: use accelerator='cpu' for virtual CPU workers")
+        self.expandable_segments_set = use_expandable_segments()
         super().__init__(CudaStreams(stream_jitter_cycles, seed), [torch.device("cuda", int(i)) for i in device_indices],
                          timeout_s=timeout_s,
                          trace=trace, max_in_flight=max_in_flight, pin_memory=pin_memory,
@@ -419,7 +590,43 @@ class FakeCudaWorkerPool(StreamWorkerPool):
     def __init__(self, num_workers: int, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
                  pin_memory: bool = True, fifo_transfers: bool = False,
                  stream_jitter_s: float = 0.0, seed: int = 0, host_buffer_cap_bytes: int = DEFAULT_CAP_BYTES,
-                 cudart=None, copy_delay_s: float = 0.0):
+                 cudart=None, copy_delay_s: float = 0.0, device_memory_bytes: int | None = None):
+        """``device_memory_bytes``: model CUDA's caching allocator (``model_allocator``) on fake GPUs of this size."""
         super().__init__(self.driver_class(stream_jitter_s, seed, cudart, copy_delay_s), [torch.device("cpu")] * num_workers,
                          timeout_s=timeout_s, trace=trace, max_in_flight=max_in_flight, pin_memory=pin_memory,
                          fifo_transfers=fifo_transfers, host_buffer_cap_bytes=host_buffer_cap_bytes)
+        self.allocators: list[FakeCachingAllocator] = []  # one per worker once ``model_allocator`` was called
+        if device_memory_bytes is not None:
+            self.model_allocator(device_memory_bytes)
+
+    def model_allocator(self, device_memory_bytes: int | None = None) -> None:
+        """From the next task on, each worker is a fake GPU of ``device_memory_bytes`` with CUDA's caching
+        allocator (``fake_allocator.py``): what its upload and compute tasks allocate is charged to that
+        stream's pool, up to the GPU less its context and workspaces, with allocator retries and
+        ``torch.OutOfMemoryError`` as on CUDA (None: no limit, the pools measured only; a Python call per
+        operator). Call between steps."""
+        capacity = None if device_memory_bytes is None else fake_gpu_capacity_bytes(device_memory_bytes)
+        self.allocators = []
+        for w in self.workers:
+            allocator = FakeCachingAllocator(capacity, f"fake GPU {w.index}", self.driver.stream_held_bytes)
+            for queue in ("upload", "compute"):  # a download allocates host memory only
+                self.driver.allocate_on(w.lanes[queue].stream, PoolTally(allocator, queue))
+            self.allocators.append(allocator)
+
+    def device_memory_stats(self) -> list[dict]:
+        """As ``CudaWorkerPool.device_memory_stats``, from the modelled allocators (none before
+        ``model_allocator``), with ``reserved_peak_bytes_by_pool``: each stream's pool's peak."""
+        return [a.memory_stats() for a in self.allocators]
+
+    def step_peak_device_bytes(self) -> list[int]:
+        """Per worker, the larger of the ledger's peak and the modelled allocator's allocated peak."""
+        ledger = self.peak_device_bytes()
+        if not self.allocators:
+            return ledger
+        return [max(held, a.peak_allocated) for held, a in zip(ledger, self.allocators)]
+
+    def reset_step_peaks(self) -> None:
+        """Start the step's peaks afresh, the modelled allocators' included."""
+        super().reset_step_peaks()
+        for a in self.allocators:
+            a.reset_peaks()

@@ -156,7 +156,7 @@ class AllocationTally(TorchDispatchMode):
                 for s in outputs:
                     if s.data_ptr() not in inputs:  # views and in-place results reuse an input's storage
                         self.memory.hold(s, self.label)
-            except WorkerOutOfMemoryError:
+            except (WorkerOutOfMemoryError, torch.OutOfMemoryError):  # the cap's, or the fake GPU allocator's
                 del out, outputs, s  # the error's traceback must not keep the refused allocation alive
                 raise
         return out

@@ -7,6 +7,11 @@ next: each callback comes when its event completes, with no polling. The events 
 ``blocking``, so ``synchronize`` sleeps in the driver with the GIL released: the lanes that
 launch kernels keep the interpreter while the waiter waits.
 
+A device error raised by the wait or a query (a device-side assert is sticky: every later call
+raises it) stops the thread: it first calls back every waiter, whose lane or host wait then asks
+the event itself and fails, naming its task, and ``add`` refuses anything more (no queueing to a
+thread that will never call back).
+
 One limit: an event awaited only after the waiter began blocking on a later one of the same
 stream is reported when that later one completes (the wait cannot be interrupted); events are
 mostly awaited in the order they are issued, so this is rare and costs latency, never a hang.
@@ -37,15 +42,20 @@ class StreamEventWaiter:
         self._count = 0
         self._cond = threading.Condition()
         self._stopping = False
+        self.error: BaseException | None = None  # the device error the thread stopped on
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def add(self, event, fn: Callable[[], None]) -> None:
-        """Call ``fn`` once ``event`` (recorded on this waiter's stream) has completed."""
+    def add(self, event, fn: Callable[[], None]) -> bool:
+        """Call ``fn`` once ``event`` (recorded on this waiter's stream) has completed; False (no call)
+        when the thread stopped on a device error: the caller then asks the event itself, which raises."""
         with self._cond:
+            if self.error is not None or not self._thread.is_alive():
+                return False
             self._count += 1
             heapq.heappush(self._heap, (event.order, self._count, event, fn))
             self._cond.notify()
+            return True
 
     def stop(self) -> None:
         """End the thread once its current wait returns."""
@@ -58,8 +68,32 @@ class StreamEventWaiter:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    @property
+    def name(self) -> str:
+        """The thread's name."""
+        return self._thread.name
+
+    def alive(self) -> bool:
+        """Whether the thread still runs."""
+        return self._thread.is_alive()
+
     def _loop(self) -> None:
         set_intra_op_threads(WAITING_THREADS)  # explicit: unset, a thread takes whatever count was set last
+        try:
+            self._serve()
+        except BaseException as exc:  # a device error (CUDA's are sticky): every waiter is told at once
+            with self._cond:
+                self.error = exc
+                pending, self._heap = self._heap, []
+            log.error("%s stopped on a device error; calling back its %d waiter(s): %s",
+                      self._thread.name, len(pending), exc)
+            for *_, fn in pending:  # each looks at its event, which raises the error in the task it names
+                try:
+                    fn()
+                except Exception:
+                    log.exception("a device-event callback failed")
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 while not self._heap and not self._stopping:
@@ -67,7 +101,7 @@ class StreamEventWaiter:
                 if self._stopping:
                     return
                 oldest = self._heap[0][2]
-            oldest.raw.synchronize()  # GIL released, core yielded (a blocking event); see the module doc
+            oldest.block()  # GIL released, core yielded (a blocking event); see the module doc
             with self._cond:
                 done = []
                 while self._heap and self._heap[0][2].query():
@@ -83,7 +117,8 @@ class EventWaiters:
     """The waiters of one driver, one per stream, created when a stream's first event is awaited."""
 
     def __init__(self):
-        self._by_stream: dict[int, tuple[Any, StreamEventWaiter]] = {}
+        self._by_stream: dict[Any, StreamEventWaiter] = {}  # by the stream itself: equal handles, one waiter
+        self._all: list[StreamEventWaiter] = []  # every waiter started, for ``threads_alive``
         self._lock = threading.Lock()
         self._closed = False
 
@@ -92,18 +127,23 @@ class EventWaiters:
         with self._lock:
             if self._closed:
                 return False
-            entry = self._by_stream.get(id(event.stream))
-            if entry is None:
-                entry = (event.stream, StreamEventWaiter(f"roundpipe-event-waiter-{len(self._by_stream)}"))
-                self._by_stream[id(event.stream)] = entry  # the stream is kept alive with its waiter
-        entry[1].add(event, fn)
-        return True
+            waiter = self._by_stream.get(event.stream)
+            if waiter is None:
+                waiter = StreamEventWaiter(f"roundpipe-event-waiter-{len(self._all)}")
+                self._by_stream[event.stream] = waiter  # the stream is kept alive with its waiter
+                self._all.append(waiter)
+        return waiter.add(event, fn)
+
+    def threads_alive(self) -> list[str]:
+        """Names of the waiter threads still running (those ``close`` left behind included)."""
+        with self._lock:
+            return [w.name for w in self._all if w.alive()]
 
     def close(self, timeout: float) -> None:
         """Stop every waiter, waiting up to ``timeout`` in all."""
         with self._lock:
             self._closed = True
-            waiters = [w for _, w in self._by_stream.values()]
+            waiters = list(self._by_stream.values())
             self._by_stream = {}
         for w in waiters:
             w.stop()

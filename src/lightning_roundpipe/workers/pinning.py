@@ -47,6 +47,7 @@ class PinRegistry:
         self._users: dict[tuple[int, int], list[int]] = {}  # (data_ptr, nbytes) -> starts of its runs
         self.pageable_reasons: collections.Counter = collections.Counter()
         self.register_calls = 0
+        self.pinned_elsewhere = 0  # tensors found pinned by someone else (torch's host allocator)
         self._lock = threading.Lock()
 
     @staticmethod
@@ -81,6 +82,11 @@ class PinRegistry:
             return False
         with self._lock:
             return not self._gaps(*page_span(t.data_ptr(), t.numel() * t.element_size()))
+
+    def holds(self, ptr: int) -> bool:
+        """Whether ``ptr`` lies in a run of pages this registry registered."""
+        with self._lock:
+            return bool(self._overlapping(ptr, ptr + 1))
 
     def _clear_error(self) -> None:
         self.cudart.cudaGetLastError()  # the failed call's error must not surface at a later launch
@@ -198,6 +204,12 @@ class FakeCudart:
         """Return and clear this thread's last error code."""
         code, self._last.code = self.last_error, 0
         return code
+
+    def is_registered(self, ptr: int) -> bool:
+        """Whether the page holding ``ptr`` is registered (what ``cudaPointerGetAttributes`` answers)."""
+        with self._pages_lock:
+            i = bisect.bisect_right(self._span_starts, ptr) - 1
+            return i >= 0 and self._span_ends[self._span_starts[i]] > ptr
 
 
 def page_runs(pages: dict[int, int]):

@@ -504,20 +504,28 @@ class WorkerPool:
         """Fail every queued task with ``error`` (running ones finish); releases still run.
 
         Used after a timeout or an interrupt, when waiting for the queues to drain could take
-        as long again. A release only drops references and updates the memory count, so it is
-        safe to run here, and it keeps the per-worker memory accounting right.
+        as long again. A release only drops references and updates the memory count, and it keeps
+        the per-worker memory accounting right; it runs once the device work it frees memory
+        under has finished (``run_cancelled_release``: at once here, later on the stream backends).
         """
         with self._cv:
+            releases = []
             for lane in self.lanes():
                 for task in lane.take_all():
                     if task.always:
-                        try:
-                            task.done.set(task.fn())
-                        except BaseException as exc:  # pragma: no cover - releases do not raise
-                            task.done.fail_from_exception(exc)
+                        releases.append(task)
                     else:
                         task.done.fail_from_exception(error)
             self._wake_all_locked()
+        for task in releases:  # outside the lock: a backend may wait for the device here
+            self.run_cancelled_release(task)
+
+    def run_cancelled_release(self, task: Task) -> None:
+        """Run a release ``cancel_pending`` took from its lane (no device here: now)."""
+        try:
+            task.done.set(task.fn())
+        except BaseException as exc:  # pragma: no cover - releases do not raise
+            task.done.fail_from_exception(exc)
 
     def _wake_all_locked(self) -> None:
         self._cv.notify_all()

@@ -22,7 +22,9 @@ class StreamHolds:
     stream complete in order, so only the oldest of each stream is ever checked)."""
 
     def __init__(self) -> None:
-        self._by_stream: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        # Keyed by the stream itself: CUDA's stream objects compare and hash by their handle, so two
+        # objects for one stream (``current_stream()`` makes a new one per call) share a queue.
+        self._by_stream: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
         self._lock = threading.Lock()
         self.held = 0  # entries now held
         self.holds = 0  # over the pool's life
@@ -32,17 +34,25 @@ class StreamHolds:
         if not objs:
             return
         with self._lock:
-            self._by_stream[id(stream)].append((event, objs))
+            self._by_stream[stream].append((event, objs))
             self.held += 1
             self.holds += 1
+
+    @property
+    def queue_count(self) -> int:
+        """How many per-stream queues the bookkeeping keeps (``collect`` scans each of them)."""
+        with self._lock:
+            return len(self._by_stream)
 
     def collect(self) -> int:
         """Drop what every finished event held; returns how many entries went."""
         dropped = []
         with self._lock:
-            for q in self._by_stream.values():
+            for key, q in list(self._by_stream.items()):
                 while q and q[0][0].query():
                     dropped.append(q.popleft())
+                if not q:  # bounded bookkeeping whatever the callers key by
+                    del self._by_stream[key]
             self.held -= len(dropped)
         n = len(dropped)
         del dropped  # the tensors are freed here, outside the lock

@@ -16,6 +16,11 @@ Pinned memory on the fake driver is plain memory, registered through ``FakeCudar
 returned, as a non-blocking copy on a GPU does (the host holds the buffer before its data).
 ``record_stream`` is emulated as CUDA's caching allocator does it: the memory of a tensor marked
 for a stream is held, once the tensor is freed, until that stream reaches the point of the free.
+Also as on CUDA: ``current_stream()`` is a new object per call; host callbacks come from the same
+event-waiter threads (``event_waiter.py``); ``device_assert`` makes a sticky device error that every
+later query, wait and launch raises; host memory unregistered under a copy in flight is recorded
+(``use_after_release``); with ``allocate_on``, tensors are allocated per stream as by CUDA's caching
+allocator (``fake_allocator.py``). What the fake cannot model: ``docs/fake_cuda.md``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ from .pinning import FakeCudart, PinRegistry, cuda_pin_registry
 from .threads import set_intra_op_threads
 
 
+STICKY_ERROR_CLASS = getattr(torch, "AcceleratorError", RuntimeError)  # what torch raises for a CUDA error
+STICKY_POLL_S = 0.02  # how often a fake event's wait looks for a sticky device error
+
+
 def _poll_until(done: Callable[[], bool], timeout: float) -> bool:
     """Wait for ``done()`` without spinning a core: sleeps that grow from 20 us to 1 ms."""
     deadline = time.monotonic() + timeout
@@ -47,6 +56,18 @@ def _poll_until(done: Callable[[], bool], timeout: float) -> bool:
         time.sleep(min(pause, left))
         pause = min(pause * 2, 1e-3)
     return True
+
+
+def register_in_place(pins: PinRegistry, t: torch.Tensor, storage_pinned: bool) -> bool:
+    """Both drivers' ``register``. ``storage_pinned`` is the driver's ``is_pinned(t)``, which ATen
+    answers from the page of the *storage's start* only: when that page is one ``pins`` registered
+    (for a neighbouring view of the storage), ``t`` itself may still reach into unpinned pages, so
+    it is registered like any tensor. When the storage start is pinned by someone else (torch's
+    pinned host allocator, which pins whole storages), ``t`` is pinned already: nothing to register."""
+    if t.device.type == "cpu" and storage_pinned and not pins.holds(t.untyped_storage().data_ptr()):
+        pins.pinned_elsewhere += 1
+        return True
+    return pins.register(t)
 
 
 # ---------------------------------------------------------------------------- CUDA
@@ -76,6 +97,10 @@ class CudaEvent:
     def query(self) -> bool:
         """Whether the work before the event is done."""
         return self.raw.query()
+
+    def block(self) -> None:
+        """Block until the event completes (the GIL released); raises the device's error (a device-side assert)."""
+        self.raw.synchronize()
 
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for the event; False when it did not come. Told by the stream's
@@ -166,9 +191,7 @@ class CudaStreams:
     def register(self, t: torch.Tensor) -> bool:
         """Pin an existing host tensor in place (``cudaHostRegister``, errors checked and cleared:
         ``pinning.py``); False if it stays pageable (the reason is counted in ``pins.pageable_reasons``)."""
-        if t.device.type == "cpu" and t.is_pinned() and not self.pins.covers(t):
-            return False  # pinned by someone else (torch's host allocator): nothing to register
-        return self.pins.register(t)
+        return register_in_place(self.pins, t, self.is_pinned(t))
 
     def unregister(self, t: torch.Tensor) -> None:
         """Unpin ``t`` (pinned in place)."""
@@ -195,14 +218,18 @@ class CudaStreams:
 class FakeEvent:
     """Completes when the executor of the stream it was recorded on reaches it."""
 
-    __slots__ = ("_done", "_recorded", "time", "_callbacks")
+    __slots__ = ("_done", "_recorded", "time", "_callbacks", "stream", "order", "driver")
     _callbacks_lock = threading.Lock()  # one for all events: registering and completing are a few steps
+    _orders = itertools.count()
 
     def __init__(self, timing: bool = False):
         self._done = threading.Event()
         self._recorded = False
         self.time = 0.0
         self._callbacks: list | None = None
+        self.stream = None  # as ``CudaEvent``: the stream object it was last recorded on, kept alive
+        self.order = 0
+        self.driver: "FakeStreams | None" = None  # whose sticky device error its calls raise
 
     def complete(self) -> None:
         """Mark the event done (its stream's executor reached it) and run the callbacks of ``when_done``."""
@@ -223,9 +250,16 @@ class FakeEvent:
             self._callbacks.append(fn)
             return True
 
+    def _check(self) -> None:
+        if self.driver is not None:
+            self.driver.check()
+
     def record(self, stream: "FakeStream") -> None:
         """Record the event on the fake ``stream``: it completes when the stream's thread gets there."""
+        self._check()
         self._recorded = True
+        self.stream = stream
+        self.order = next(FakeEvent._orders)
         stream.put(("event", self))
 
     def recorded(self) -> bool:
@@ -233,12 +267,36 @@ class FakeEvent:
         return self._recorded
 
     def query(self) -> bool:
-        """Whether the event completed (never recorded counts as done, as on CUDA)."""
+        """Whether the event completed (never recorded counts as done, as on CUDA); raises the
+        driver's sticky device error, as ``cudaEventQuery`` returns it."""
+        self._check()
         return not self._recorded or self._done.is_set()  # as on CUDA: never recorded means done
 
-    def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` for the event; False when it did not come."""
+    def reached(self, timeout: float) -> bool:
+        """The executors' own wait (never raises): whether the event completed within ``timeout``."""
         return not self._recorded or self._done.wait(timeout)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the event; False when it did not come. Raises the driver's
+        sticky device error when it is or becomes set (a blocking CUDA event wakes with it)."""
+        if self.driver is None:
+            return self.reached(timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check()
+            left = deadline - time.monotonic()
+            if self.reached(min(STICKY_POLL_S, max(0.0, left))):
+                self._check()
+                return True
+            if left <= 0:
+                return False
+
+    def block(self) -> None:
+        """Block until the event completes (``cudaEventSynchronize``); raises the sticky device error.
+        Returns early once the driver is closed (its stopped streams complete nothing more)."""
+        while not self.wait(1.0):
+            if self.driver is None or self.driver.closed:
+                return
 
     def seconds_until(self, later: "FakeEvent") -> float:
         """Seconds between this event and ``later``."""
@@ -285,8 +343,8 @@ class FakeStream:
 
     def stop_at(self, event: "FakeEvent") -> None:
         """A wait item: stop here until ``event`` completes (or the stream is stopped)."""
-        while not event.wait(0.1):
-            if self._stopping:
+        while not event.reached(0.1):
+            if self._stopping or self.driver.device_error is not None:
                 break
 
     def reach(self, event: "FakeEvent") -> None:
@@ -310,10 +368,16 @@ class FakeStream:
                             rest[1].fail(RuntimeError(f"the fake stream {self.name} was stopped before this work ran"))
                     return
                 kind, *rest = self._items.popleft()
+            if self.driver.device_error is not None:  # the context is lost: nothing runs or completes
+                if kind == "work":
+                    rest[1].fail(self.driver.sticky_error())
+                continue
             if kind == "wait":
                 self.stop_at(rest[0])
             elif kind == "event":
                 self.reach(rest[0])
+            elif kind == "assert":
+                self.driver.device_error = rest[0]
             else:
                 fn, deferred = rest
                 self.driver.pause()
@@ -323,6 +387,25 @@ class FakeStream:
                     deferred.fail(exc)
                 while self._after:
                     self._after.pop(0)()
+
+
+class FakeStreamHandle:
+    """A new object for one fake stream, as each ``torch.cuda.current_stream()`` call returns: it
+    compares and hashes as its stream does, and does what its stream does."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream: FakeStream):
+        self.stream = stream
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+    def __eq__(self, other) -> bool:
+        return self.stream is getattr(other, "stream", other)
+
+    def __hash__(self) -> int:
+        return hash(self.stream)
 
 
 class FakeStreams:
@@ -349,6 +432,32 @@ class FakeStreams:
         self._streams: list[FakeStream] = []
         self.local = threading.local()
         self.record_stream_calls = 0
+        self.device_error: str | None = None  # CUDA's sticky error: once set, every call raises it
+        self.closed = False
+        self._copies: collections.Counter = collections.Counter()  # host (start, end) of copies issued, not landed
+        self._copies_lock = threading.Lock()
+        self.use_after_release: list[str] = []  # host memory unregistered while a copy in flight used it
+        self._waiters = EventWaiters()  # when_done as on CUDA: a waiter thread per awaited stream
+        self.tallies: dict = {}  # stream -> the PoolTally its work allocates through (``fake_allocator.py``)
+
+    def device_assert(self, stream: FakeStream, message: str = "device-side assert triggered") -> None:
+        """Queue a kernel that fails a device-side assert on ``stream``: once the stream reaches it,
+        the error is sticky, as CUDA's: every later event query, wait, synchronize, record and
+        launch raises it, later stream work fails with it, and no later event completes."""
+        if getattr(self.local, "stream", None) is stream:  # from the stream's own work: right after it
+            stream.after_current(lambda: setattr(self, "device_error", message))
+        else:
+            stream.put(("assert", message))
+
+    def sticky_error(self) -> BaseException:
+        """A new exception for the sticky device error, of the class torch raises for it."""
+        return STICKY_ERROR_CLASS(f"CUDA error: {self.device_error}\nCUDA kernel errors might be asynchronously "
+                                  f"reported at some other API call (fake driver)")
+
+    def check(self) -> None:
+        """Raise the sticky device error if the fake device has one."""
+        if self.device_error is not None:
+            raise self.sticky_error()
 
     def pause(self) -> None:
         """Sleep a random time in [0, jitter_s) (the race amplifier)."""
@@ -365,27 +474,39 @@ class FakeStreams:
 
     def new_event(self, timing: bool = False) -> FakeEvent:
         """A new fake event."""
-        return self.event_class(timing)
+        ev = self.event_class(timing)
+        ev.driver = self
+        return ev
 
     def when_done(self, event: FakeEvent, fn: Callable[[], None]) -> bool:
-        """Have ``fn`` called (on the executor thread) when ``event`` completes; False, and no call,
-        when it is done already."""
-        return event.when_done(fn)
+        """Have ``fn`` called, on the waiter thread of the event's stream (as ``CudaStreams`` does),
+        when ``event`` completes; False, and no call, when it is done already."""
+        return not event.query() and self._waiters.add(event, fn)
 
     def wait_event(self, stream: FakeStream, event: FakeEvent) -> None:
         """Make ``stream`` wait for ``event`` (nothing when it was never recorded)."""
+        self.check()
         if event.recorded():
             stream.put(("wait", event))
 
     def issue(self, stream: FakeStream, device, fn: Callable[[], Any], label: TaskLabel, timeout_s: float) -> Deferred:
         """Queue ``fn`` on ``stream``; returns the ``Deferred`` its result arrives in."""
+        self.check()  # a launch returns the sticky error
+        tally = self.tallies.get(stream)
+        if tally is not None:  # the caching allocator is modelled: charge what ``fn`` allocates to the stream's pool
+            fn = tally.running(fn, label)
         deferred = Deferred(label, timeout_s)
         stream.put(("work", fn, deferred))
         return deferred
 
-    def current_stream(self, device) -> FakeStream:
-        """The stream the calling thread issues to."""
-        return self.local.stream
+    def allocate_on(self, stream: FakeStream, tally) -> None:
+        """Charge the tensors that work on ``stream`` creates to ``tally``'s pool (``fake_allocator.py``)."""
+        self.tallies[stream] = tally
+
+    def current_stream(self, device) -> "FakeStreamHandle":
+        """The stream the calling thread issues to, as CUDA gives it: ``torch.cuda.current_stream``
+        builds a new Python object on each call (equal and of equal hash, never the same object)."""
+        return FakeStreamHandle(self.local.stream)
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         """As CUDA's allocator: when ``tensor`` is freed, its memory stays held until ``stream``
@@ -408,9 +529,30 @@ class FakeStreams:
                 del self._stream_held[k]
             return sum(n for _, n, _ in self._stream_held.values())
 
+    def _copy_begins(self, host: torch.Tensor):
+        span = (host.data_ptr(), host.data_ptr() + host.numel() * host.element_size())
+        with self._copies_lock:
+            self._copies[span] += 1
+        return span
+
+    def _copy_lands(self, span) -> None:
+        with self._copies_lock:
+            self._copies[span] -= 1
+            if self._copies[span] <= 0:
+                del self._copies[span]
+
+    def copies_in_flight(self) -> int:
+        """Host-side copies issued on a stream that have not landed."""
+        with self._copies_lock:
+            return sum(self._copies.values())
+
     def to_device(self, src: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
         """A copy of ``src`` in ``dtype`` (the device is host memory here)."""
-        return src.to(dtype=dtype, copy=True)  # runs on the stream's executor: the "copy engine"
+        span = self._copy_begins(src)
+        try:
+            return src.to(dtype=dtype, copy=True)  # runs on the stream's executor: the "copy engine"
+        finally:
+            self._copy_lands(span)
 
     def empty_host(self, shape, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
         """An empty host tensor (pinning is registered, not allocated, on this driver)."""
@@ -420,40 +562,61 @@ class FakeStreams:
         """Copy ``src`` into ``dst``, landing ``copy_delay_s`` late when issued on a stream."""
         stream = getattr(self.local, "stream", None)
         if self.copy_delay_s > 0 and stream is not None:
-            stream.after_current(lambda: (time.sleep(self.copy_delay_s), dst.copy_(src)))
+            span = self._copy_begins(dst)  # in flight from now until it lands, as a non-blocking copy
+
+            def land():
+                time.sleep(self.copy_delay_s)
+                dst.copy_(src)
+                self._copy_lands(span)
+
+            stream.after_current(land)
         else:
             dst.copy_(src)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` lies in pages registered with the fake driver."""
-        return self.pins.covers(t)
+        """ATen's answer: whether the page holding the *start of ``t``'s storage* is registered (not
+        ``t`` itself: a view that starts further on, or reaches past that page, gets its storage's answer)."""
+        if t.device.type != "cpu":
+            return False
+        start = t.untyped_storage().data_ptr()
+        return start != 0 and self.cudart.is_registered(start)
 
     def register(self, t: torch.Tensor) -> bool:
-        """Pin ``t`` in place with the fake driver; False when it refused."""
-        return self.pins.register(t)
+        """Pin ``t`` in place with the fake driver, by the same rule as ``CudaStreams.register``;
+        False when it stays pageable."""
+        return register_in_place(self.pins, t, self.is_pinned(t))
 
     def unregister(self, t: torch.Tensor) -> None:
-        """Unpin ``t``."""
+        """Unpin ``t``. Memory a copy in flight still reads or writes is recorded in ``use_after_release``
+        (on CUDA the copy would go on into memory no longer pinned, or freed and reused)."""
+        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        with self._copies_lock:
+            hit = [span for span in self._copies if span[0] < hi and lo < span[1]]
+        if hit:
+            self.use_after_release.append(f"unregistered {hi - lo} bytes at {lo:#x} while {len(hit)} copy(ies) "
+                                          f"in flight used them")
         self.pins.unregister(t)
 
     def synchronize(self, device, streams, timeout: float) -> bool:
         """Wait up to ``timeout`` until ``streams`` reached everything queued; False when they did not."""
         deadline = time.monotonic() + timeout
         for s in streams:
-            ev = FakeEvent()
+            ev = self.new_event()
             ev.record(s)
             if not ev.wait(max(0.0, deadline - time.monotonic())):
                 return False
         return True
 
     def close(self, timeout: float) -> None:
-        """Stop every stream's thread, waiting up to ``timeout`` in all."""
+        """Stop every stream's thread and the event waiters, waiting up to ``timeout`` in all."""
+        self.closed = True
         for s in self._streams:
             s.stop()
         deadline = time.monotonic() + timeout
         for s in self._streams:
             s.join(max(0.0, deadline - time.monotonic()))
+        self._waiters.close(max(0.0, deadline - time.monotonic()))
 
     def threads_alive(self) -> list[str]:
-        """Names of the stream threads still running."""
-        return [s.name for s in self._streams if s.alive()]
+        """Names of the stream threads and event waiters still running."""
+        return [s.name for s in self._streams if s.alive()] + self._waiters.threads_alive()
