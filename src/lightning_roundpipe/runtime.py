@@ -28,6 +28,7 @@ from .workers.host_gc import OlderObjectsFrozen
 from .engine import PipelineEngine
 from .engine.buffers import expect_buffer_writes
 from .engine.microbatch import MicrobatchError, batch_size_of, register_batch_types
+from .engine.split_invariance import SplitInvarianceCheck
 from .schedule.dispatch_order import schedule_named
 from .schedule.plan import PlanError
 from .planning.keeper import PlanKeeper
@@ -68,6 +69,13 @@ class RoundPipeRuntime:
                                                 options_owner or type(options).__name__)
         for layer in self.batch_statistics.layers_accepted():
             expect_buffer_writes(layers[layer])  # per-microbatch statistics were asked for: no warning
+        self.split_check = None
+        if self.options.split_check:
+            from .adapters.hf_families import dynamic_rope_note
+
+            self.split_check = SplitInvarianceCheck(layers, options_owner or type(options).__name__, self.root,
+                                                    skip=self.batch_statistics.layers_accepted(),
+                                                    hint=dynamic_rope_note)
         self.num_workers = num_workers
         self.trace = trace or TraceRecorder()
         self.trace.ask_for_timeline(bool(options.step_metrics or options.trace_steps))
@@ -211,6 +219,7 @@ class RoundPipeRuntime:
         self._choose_microbatches(inputs)
         self._settle_plan()
         self._check_batch_statistics(inputs)
+        self._check_split_invariance(inputs)
         called = self.trace.now()
         out = self.engine(inputs, loss_scale=loss_scale)
         run = self.engine.last_run
@@ -259,6 +268,19 @@ class RoundPipeRuntime:
         except MicrobatchError:
             return  # the engine's split says what is wrong with the batch
         self.batch_statistics.check(min(size, self.engine.options.microbatches))
+
+    def _check_split_invariance(self, inputs) -> None:
+        """Before the first call in each training mode: every layer whole against per microbatch, on the host
+        (``engine/split_invariance.py``); a layer whose in-place buffer writes were found split-invariant
+        (LongRoPE's ``inv_freq``) is exact, so ``engine/buffers.py`` need not warn about it."""
+        if self.split_check is None or not self.split_check.wanted():
+            return
+        self.join()  # the check reads the host weights
+        report = self.split_check.run(inputs, self.engine.options.microbatches)
+        if report is not None:
+            for layer in report.invariant_writers:
+                expect_buffer_writes(self.layers[layer])
+            log.info("split-invariance check: %d rows, %.3f s on the host", report.rows, report.seconds)
 
     def _after_step(self, run) -> None:
         self.host_clock.backward_done(run, self.trace.records(run.step))
