@@ -137,8 +137,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _as_split(whole: Any, parts: list) -> tuple[list, list]:
-    """Leaf by leaf: the whole run's leaf and what the split runs give for it (concatenated rows, a sum of
-    per-microbatch scalars, or each microbatch's own copy), as (pairs to compare, leaf kinds)."""
+    """Leaf by leaf: the whole run's leaf and what the split runs give for it (concatenated rows; for a leaf of
+    the whole's shape, each microbatch's own copy, or their sum: a loss sum, router statistics), as (pairs to
+    compare, leaf kinds)."""
     wl, spec = pytree.tree_flatten(whole)
     pl = [pytree.tree_flatten(p) for p in parts]
     if any(s != spec for _, s in pl):
@@ -158,9 +159,8 @@ def _as_split(whole: Any, parts: list) -> tuple[list, list]:
         elif all(isinstance(p, torch.Tensor) and p.shape == w.shape for p in ps):
             kinds.append("same")
             err = max(_rel(p, w) for p in ps)
-            if w.dim() == 0 and err > 0:
-                kinds[-1] = "sum"
-                err = _rel(torch.stack(ps).sum(0), w)
+            if err > 0:  # additive statistics (a loss sum, router counts): the microbatches' values add up
+                err = min(err, _rel(torch.stack(ps).sum(0), w))
             pairs.append((f"leaf {i}", err, tolerance(w.dtype) if w.is_floating_point() else 0.0))
         else:
             kinds.append("same")
