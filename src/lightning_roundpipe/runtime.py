@@ -222,7 +222,7 @@ class RoundPipeRuntime:
         self._choose_microbatches(inputs)
         self._settle_plan()
         self._check_batch_statistics(inputs)
-        self.hook_guard.wrap_new()  # a hook that keeps outputs is refused at its first call
+        self.hook_guard.wrap_new(torch.is_grad_enabled())  # in training, a hook keeping outputs is refused
         self._check_split_invariance(inputs)
         called = self.trace.now()
         out = self.engine(inputs, loss_scale=loss_scale)
@@ -275,14 +275,14 @@ class RoundPipeRuntime:
 
     def _check_split_invariance(self, inputs) -> None:
         """Before the first call in each training mode: every layer whole against per microbatch, on the host
-        (``engine/split_invariance.py``); a layer whose in-place buffer writes were found split-invariant
-        (LongRoPE's ``inv_freq``) is exact, so ``engine/buffers.py`` need not warn about it."""
+        (``engine/split_invariance.py``); a layer found split-invariant with its buffer writes (LongRoPE's
+        ``inv_freq``) is exact, so ``engine/buffers.py`` need not warn about it."""
         if self.split_check is None or not self.split_check.wanted():
             return
         self.join()  # the check reads the host weights
         report = self.split_check.run(inputs, self.engine.options.microbatches)
         if report is not None:
-            for layer in report.invariant_writers:
+            for layer in report.verified:
                 expect_buffer_writes(self.layers[layer])
             log.info("split-invariance check: %d rows, %.3f s on the host", report.rows, report.seconds)
 

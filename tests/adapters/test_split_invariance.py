@@ -209,3 +209,70 @@ def test_the_check_costs_about_two_forwards_of_the_checked_rows():
           f"the check itself {report.seconds * 1e3:.1f} ms on {report.rows} of 64 rows")
     assert report.rows == 32
     assert report.seconds < with_check
+
+
+_TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=8, pad_token_id=0)
+
+
+def _dynamic_rope_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**_TINY, max_position_embeddings=8,
+                                        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
+
+
+@pytest.mark.timeout(60)
+def test_dynamic_rope_past_max_positions_is_refused_and_within_them_runs():
+    model = _dynamic_rope_llama()
+    ids = torch.randint(3, 64, (4, 12))  # 12 > max_position_embeddings=8: forward rescales inv_freq
+    rotary = model.model.rotary_emb
+    inv_freq, before = rotary.inv_freq, _state(model)
+    runtime = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(microbatches=2))
+    try:
+        # before: it trained with the host inv_freq unscaled after fit (error 0.069), no warning
+        with pytest.raises(SplitInvarianceError) as err:
+            model(input_ids=ids, labels=ids)
+        assert rotary.inv_freq is inv_freq and rotary.max_seq_len_cached == 8  # the check put everything back
+        short = model(input_ids=ids[:, :8], labels=ids[:, :8]).loss  # within the cached length: nothing changes
+    finally:
+        runtime.detach()
+    msg = str(err.value)
+    assert msg.startswith("RuntimeOptions(split_check=True): pipelined layer 0 (`model.embed_tokens`, Embedding) "
+                          "replaces its buffer model.rotary_emb.inv_freq in forward with new tensors")
+    assert "dynamic RoPE scaling (rope_type 'dynamic')" in msg and "max_position_embeddings (8 tokens)" in msg
+    assert all(torch.equal(v, _state(model)[k]) for k, v in before.items())
+    assert short.item() == pytest.approx(_dynamic_rope_llama()(input_ids=ids[:, :8], labels=ids[:, :8]).loss.item(),
+                                         rel=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_longrope_is_exact_and_no_longer_warned_about():
+    """LongRoPE writes inv_freq in place, the same value for every microbatch: exact, so no warning."""
+    import warnings
+
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(Phi3Config(**_TINY, max_position_embeddings=32, original_max_position_embeddings=8,
+                                       rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                                        "short_factor": [1.0, 1.1, 1.2, 1.3],
+                                                        "long_factor": [2.0, 3.0, 4.0, 5.0],
+                                                        "original_max_position_embeddings": 8}))
+    ids = torch.randint(3, 64, (4, 12))  # longer than 8: the long factors
+    ref = model(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    runtime = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(microbatches=2))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # before: "pipelined layer 0 (CausalLMPrefix) updates its buffers ..."
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+    finally:
+        runtime.detach()
+    assert out.loss.item() == pytest.approx(ref.loss.item(), rel=1e-6)
+    for n, p in model.named_parameters():
+        assert (p.grad - want[n]).norm() <= 1e-5 * want[n].norm(), n

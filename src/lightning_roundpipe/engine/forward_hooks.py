@@ -6,8 +6,10 @@ A hook that returns a replacement output is exact: what it returns flows through
 that returns None can only act by side effect, typically keeping the output to use it later (a
 penalty on an activation added to the loss): that kept tensor is a microbatch's piece of a worker's
 graph, which backward cannot reach (torch: "Trying to backward through the graph a second time"), or
-no gradient at all. So such a hook is refused at its first call, with a message that says what to do,
-before any weight changes (on the host, in the split-invariance check, when that runs first).
+no gradient at all. So in a call made with grad enabled (training) such a hook is refused at its
+first call, with a message that says what to do, before any weight changes (on the host, in the
+split-invariance check, when that runs first). In a call without grad (evaluation, reading hidden
+states) it runs, once per microbatch, on that microbatch's rows.
 
 ``HookGuard.wrap_new`` wraps every forward hook found on the layers at each pipelined call (the hook's
 own handle still removes it); ``unwrap`` puts the user's hooks back at detach.
@@ -27,13 +29,14 @@ class ForwardHookError(RuntimeError):
 class GuardedHook:
     """A user's forward hook, called as registered; a None result raises ``ForwardHookError``."""
 
-    def __init__(self, hook: Callable, where: str) -> None:
+    def __init__(self, hook: Callable, where: str, guard: "HookGuard") -> None:
         self.hook = hook
         self.where = where
+        self.guard = guard
 
     def __call__(self, *args: Any) -> Any:
         result = self.hook(*args)
-        if result is None:
+        if result is None and self.guard.training_call:
             name = getattr(self.hook, "__qualname__", type(self.hook).__name__)
             raise ForwardHookError(
                 f"a forward hook ({name}) on {self.where} returned None: under RoundPipe a pipelined layer runs on a "
@@ -51,6 +54,7 @@ class HookGuard:
 
     def __init__(self, layers: list[nn.Module]) -> None:
         self.layers = layers
+        self.training_call = False  # the pipelined call now running was made with grad enabled
 
     def _hook_tables(self):
         for index, layer in enumerate(self.layers):
@@ -58,14 +62,16 @@ class HookGuard:
                 if module._forward_hooks:
                     yield index, name, module, module._forward_hooks
 
-    def wrap_new(self) -> None:
-        """Wrap every hook not wrapped yet (a few dict reads per module when there is none)."""
+    def wrap_new(self, training_call: bool) -> None:
+        """Wrap every hook not wrapped yet (a few dict reads per module when there is none), for a call made
+        with grad enabled (``training_call``: hooks returning None are refused) or not."""
+        self.training_call = training_call
         for index, name, module, hooks in self._hook_tables():
             for key, hook in list(hooks.items()):
                 if not isinstance(hook, GuardedHook):
                     where = f"pipelined layer {index}" + (f" (its `{name}`, {type(module).__name__})" if name
                                                           else f" ({type(module).__name__})")
-                    hooks[key] = GuardedHook(hook, where)
+                    hooks[key] = GuardedHook(hook, where, self)
 
     def unwrap(self) -> None:
         """Give every wrapped hook back as the user registered it."""

@@ -3,13 +3,13 @@
 The pipeline cuts each batch along dim 0 and runs every layer once per microbatch. That is exact
 only for layers whose output rows depend on their own input rows alone, and whose state writes do
 not depend on the cut. Before the first call in each training mode (``RoundPipeRuntime.run``), the
-check runs the layers on the host, under no grad, on the rows of the first two microbatches: each
-layer once on those rows whole and once on each microbatch, from the same input, and compares
+check runs the layers on the host, under no grad, on the rows of the first two microbatches (one row
+with a single microbatch): each layer once on those rows whole and once per microbatch, and compares
 outputs and the state the layer keeps (buffers, tensor and plain attributes). It refuses, naming
 the layer, a layer whose outputs or state differ, and a layer that replaces a registered buffer
 in forward (a worker's replacement never reaches the host). Random state, buffers and attributes
-are put back, so nothing the caller sees changes. Costs about 2 x (rows checked / batch rows)
-forwards of the first batch on the host (``check_cost_seconds``).
+are put back, so nothing the caller sees changes. Costs two host forwards of the rows checked, once
+per training mode (priced by ``cost/split_check.py``).
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ def tolerance(dtype: torch.dtype) -> float:
 @dataclass
 class CheckReport:
     """What one run of the check saw: seconds on the host, rows checked, layers that draw random numbers
-    (their outputs cannot be compared) and layers whose in-place buffer writes were found split-invariant."""
+    (their outputs cannot be compared) and the layers found split-invariant, state writes included."""
 
     seconds: float = 0.0
     rows: int = 0
     random_layers: list = field(default_factory=list)
-    invariant_writers: list = field(default_factory=list)
+    verified: list = field(default_factory=list)
 
 
 def _first_rows(tree: Any, rows: int) -> Any:
@@ -236,10 +236,10 @@ class SplitInvarianceCheck:
         except Exception:  # noqa: BLE001 - the engine's split says what is wrong with the batch
             return None
         m = min(microbatches, total)
-        parts = split_microbatches(inputs, m)[:2] if m > 1 else [inputs]
-        rows = sum(batch_size_of(p) for p in parts)
-        whole = _first_rows(inputs, rows) if m > 1 else inputs
-        parts = split_microbatches(whole, len(parts)) if m > 1 else []
+        # One microbatch: nothing is cut, only a buffer replaced in forward can go wrong; one row shows it.
+        rows = sum(batch_size_of(p) for p in split_microbatches(inputs, m)[:2]) if m > 1 else 1
+        whole = _first_rows(inputs, rows)
+        parts = split_microbatches(whole, 2) if m > 1 else []
         report = CheckReport(rows=rows)
         names = {id(mod): n for n, mod in (self.root.named_modules() if self.root is not None else [])}
         with torch.random.fork_rng(devices=[]), torch.no_grad():
@@ -277,8 +277,6 @@ class SplitInvarianceCheck:
             report.random_layers.append(i)
         pairs, kinds = _as_split(whole_out, split_out)
         if i not in self.skip:
-            before = {**{f"{n}.{k}" if n else k: v for (n, k), (_, v) in state.buffers.items()},
-                      **{f"{n}.{k}" if n else k: v for n, a in state.attrs.items() for k, (_, v) in a.items()}}
             differing = [p for p in sorted(set(after_whole) | set(after_split))
                          if not _equal_state(after_whole.get(p), after_split.get(p), tol_of(after_whole.get(p)))]
             state_text = (f"changes its state in forward ({', '.join(_state_path(layer, p, names) for p in differing)}) "
@@ -295,8 +293,7 @@ class SplitInvarianceCheck:
                              what_to_do=("microbatches", "batch_dim", "module"))
             if differing:
                 self._refuse(i, names, state_text, what_to_do=("microbatches", "module"))
-            if any(not _equal_state(before.get(p), v, tol_of(v)) for p, v in after_whole.items()):
-                report.invariant_writers.append(i)
+            report.verified.append(i)
         return whole_out, _resync(whole_out, split_out, kinds)
 
     def _refuse(self, i, names, what: str, what_to_do) -> None:
@@ -329,8 +326,3 @@ def _equal_state(a: Any, b: Any, tol: float) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return False
     return a == b
-
-
-def check_cost_seconds(forward_flops_per_row: float, rows_checked: int, host_flops_per_s: float) -> float:
-    """The check's price: the layers' forward on ``rows_checked`` rows twice (whole and split), on the host."""
-    return 2.0 * forward_flops_per_row * rows_checked / host_flops_per_s
