@@ -19,6 +19,6 @@ def test_check_price_at_a_1_7b_shape():
     eight_microbatches = split_check_seconds("qwen3-1.7b", 4096, batch=8, microbatches=8)
     assert eight_microbatches == pytest.approx(2 * 2 * 4096 * per_token / HOST_FP32_FLOPS)  # 2 rows, 2 passes
     one = split_check_seconds("qwen3-1.7b", 4096, batch=8, microbatches=1)
-    assert one == pytest.approx(4096 * per_token / HOST_FP32_FLOPS)  # one row, one pass
+    assert one == pytest.approx(2 * 4096 * per_token / HOST_FP32_FLOPS)  # two rows, one pass
     print(f"Qwen3-1.7B, 8 x 4096 tokens: check {eight_microbatches:.1f} s with 8 microbatches, {one:.1f} s with 1 "
           f"(host at {HOST_FP32_FLOPS:.0e} FLOP/s, assumed)")

@@ -25,7 +25,7 @@ def forward_flops_per_token(shape: ModelShape | str, seq_len: int) -> float:
 def split_check_seconds(shape: ModelShape | str, seq_len: int, batch: int, microbatches: int,
                         host_flops_per_s: float = HOST_FP32_FLOPS) -> float:
     """Seconds the check takes on the host for a batch of ``batch`` sequences of ``seq_len`` tokens cut
-    into ``microbatches``: two forwards of the first two microbatches' rows (one forward of one row with one)."""
-    rows = min(batch, 2 * -(-batch // microbatches)) if microbatches > 1 else 1
+    into ``microbatches``: two forwards of the first two microbatches' rows (one forward of two rows with one)."""
+    rows = min(batch, 2 * -(-batch // microbatches)) if microbatches > 1 else min(batch, 2)
     passes = 2 if microbatches > 1 else 1
     return passes * rows * seq_len * forward_flops_per_token(shape, seq_len) / host_flops_per_s

@@ -3,7 +3,7 @@
 The pipeline cuts each batch along dim 0 and runs every layer once per microbatch. That is exact
 only for layers whose output rows depend on their own input rows alone, and whose state writes do
 not depend on the cut. Before the first call in each training mode (``RoundPipeRuntime.run``), the
-check runs the layers on the host, under no grad, on the rows of the first two microbatches (one row
+check runs the layers on the host, under no grad, on the rows of the first two microbatches (two rows
 with a single microbatch): each layer once on those rows whole and once per microbatch, and compares
 outputs and the state the layer keeps (buffers, tensor and plain attributes). It refuses, naming
 the layer, a layer whose outputs or state differ, and a layer that replaces a registered buffer
@@ -236,18 +236,29 @@ class SplitInvarianceCheck:
         except Exception:  # noqa: BLE001 - the engine's split says what is wrong with the batch
             return None
         m = min(microbatches, total)
-        # One microbatch: nothing is cut, only a buffer replaced in forward can go wrong; one row shows it.
-        rows = sum(batch_size_of(p) for p in split_microbatches(inputs, m)[:2]) if m > 1 else 1
-        whole = _first_rows(inputs, rows)
-        parts = split_microbatches(whole, 2) if m > 1 else []
-        report = CheckReport(rows=rows)
         names = {id(mod): n for n, mod in (self.root.named_modules() if self.root is not None else [])}
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            for i, layer in enumerate(self.layers):
-                whole, parts = self._layer(i, layer, whole, parts, m, names, report)
+        if m > 1:
+            report = self._run(inputs, sum(batch_size_of(p) for p in split_microbatches(inputs, m)[:2]), m, names)
+        else:  # nothing is cut: only a buffer replaced in forward can go wrong, and two rows show it
+            try:
+                report = self._run(inputs, min(total, 2), m, names)
+            except SplitInvarianceError:
+                raise
+            except Exception:  # noqa: BLE001 - a layer that needs the whole batch (its size written in): give it
+                report = self._run(inputs, total, m, names)
         self.checked.add(key)
         report.seconds = time.perf_counter() - started
         self.last = report
+        return report
+
+    def _run(self, inputs: Any, rows: int, m: int, names: dict) -> CheckReport:
+        """Every layer in turn on the first ``rows`` rows of ``inputs``, whole and (``m`` > 1) as two microbatches."""
+        whole = _first_rows(inputs, rows)
+        parts = split_microbatches(whole, 2) if m > 1 else []
+        report = CheckReport(rows=rows)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            for i, layer in enumerate(self.layers):
+                whole, parts = self._layer(i, layer, whole, parts, m, names, report)
         return report
 
     def _layer(self, i, layer, whole, parts, m, names, report):
