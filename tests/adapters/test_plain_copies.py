@@ -128,17 +128,22 @@ def test_a_forward_hook_that_keeps_an_output_is_refused_before_any_weight_change
     with pytest.raises(ForwardHookError) as err:
         fit(m, RoundPipeStrategy(microbatches=2), devices=2, max_steps=2, record_grads=False)
     msg = str(err.value)
-    assert "a forward hook (KeptActivation.__init__.<locals>.<lambda>) on pipelined layer 1 (Sequential) returned " \
-           "None" in msg
+    assert "a forward hook (KeptActivation.__init__.<locals>.<lambda>) on pipelined layer 1 (Sequential) keeps the " \
+           "layer's output" in msg
     assert "Return what you need from the model's forward instead" in msg and msg.endswith("as they were.")
     assert all(torch.equal(v, weights(m)[k]) for k, v in before.items())
     assert not any("GuardedHook" in type(h).__name__ for h in m.net[1]._forward_hooks.values())  # given back
 
 
-def test_a_forward_hook_that_returns_the_output_is_run_and_kept_as_registered():
+@pytest.mark.parametrize("hook", ["replaces", "edits in place", "keeps a detached copy"])
+def test_a_forward_hook_that_does_not_keep_the_output_is_run_and_kept_as_registered(hook):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
-    handle = net[0].register_forward_hook(lambda module, args, out: out * 2)
+    seen = []
+    hooks = {"replaces": lambda module, args, out: out * 2,
+             "edits in place": lambda module, args, out: out.mul_(2),  # returns the output itself
+             "keeps a detached copy": lambda module, args, out: seen.append(out.detach() * 2) or out.mul_(2)}
+    handle = net[0].register_forward_hook(hooks[hook])
     x = torch.randn(8, 4)
     want = net(x)
     runtime = RoundPipeRuntime.attach(net, "cpu", 2, RuntimeOptions(microbatches=2, step_metrics=False))

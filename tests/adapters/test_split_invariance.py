@@ -282,3 +282,25 @@ def test_longrope_is_exact_and_no_longer_warned_about():
     assert out.loss.item() == pytest.approx(ref.loss.item(), rel=1e-6)
     for n, p in model.named_parameters():
         assert (p.grad - want[n]).norm() <= 1e-5 * want[n].norm(), n
+
+
+class DeviceOnly(nn.Module):
+    """Stands for a layer whose kernel exists only on the device: it fails when called on the host thread."""
+
+    def forward(self, x):
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            raise RuntimeError("no host kernel")
+        return x * 2
+
+
+def test_a_layer_that_cannot_run_on_the_host_skips_the_check_with_a_warning():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), DeviceOnly(), nn.Linear(4, 1))
+    x = torch.randn(8, 4)
+    with pytest.warns(UserWarning, match=r"RuntimeOptions\(split_check=True\): pipelined layer 1 \(`1`, DeviceOnly\) "
+                                         r"cannot run on the host \(RuntimeError: no host kernel\), so the "
+                                         r"split-invariance check was skipped"):
+        out = _runs(net, x)
+    assert torch.allclose(out, net[2](net[0](x) * 2), rtol=1e-6, atol=1e-7)

@@ -15,6 +15,7 @@ per training mode (priced by ``cost/split_check.py``).
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..options import OptionError
+from .forward_hooks import ForwardHookError
 from .microbatch import HostRows, batch_size_of, split_microbatches
 
 MEASURED_FLOOR = 5.7e-7
@@ -39,6 +41,23 @@ PLAIN_TYPES = (bool, int, float, str, type(None))
 
 class SplitInvarianceError(OptionError):
     """A pipelined layer computes something else on microbatches than on the whole batch; nothing ran."""
+
+
+class _HostRunError(Exception):
+    """A layer raised when the check ran it on the host (``__cause__``: its error)."""
+
+    def __init__(self, layer: int):
+        super().__init__(layer)
+        self.layer = layer
+
+
+def _host_call(index: int, layer: nn.Module, carry: Any) -> Any:
+    try:
+        return layer(carry)
+    except ForwardHookError:  # a refusal of its own (a hook keeping outputs): raised as it is
+        raise
+    except Exception as err:  # noqa: BLE001 - reported by SplitInvarianceCheck.run, which then skips the check
+        raise _HostRunError(index) from err
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -237,15 +256,21 @@ class SplitInvarianceCheck:
             return None
         m = min(microbatches, total)
         names = {id(mod): n for n, mod in (self.root.named_modules() if self.root is not None else [])}
-        if m > 1:
-            report = self._run(inputs, sum(batch_size_of(p) for p in split_microbatches(inputs, m)[:2]), m, names)
-        else:  # nothing is cut: only a buffer replaced in forward can go wrong, and two rows show it
-            try:
-                report = self._run(inputs, min(total, 2), m, names)
-            except SplitInvarianceError:
-                raise
-            except Exception:  # noqa: BLE001 - a layer that needs the whole batch (its size written in): give it
-                report = self._run(inputs, total, m, names)
+        try:
+            if m > 1:
+                report = self._run(inputs, sum(batch_size_of(p) for p in split_microbatches(inputs, m)[:2]), m, names)
+            else:  # nothing is cut: only a buffer replaced in forward can go wrong, and two rows show it
+                try:
+                    report = self._run(inputs, min(total, 2), m, names)
+                except _HostRunError:  # a layer that needs the whole batch (its size written in): give it that
+                    report = self._run(inputs, total, m, names)
+        except _HostRunError as err:  # a layer that only runs on the device (a CUDA-only kernel): not checked
+            self.checked.add(key)
+            warnings.warn(f"{self.owner}(split_check=True): {_describe(self.layers[err.layer], err.layer, names)} "
+                          f"cannot run on the host ({type(err.__cause__).__name__}: {err.__cause__}), so the "
+                          "split-invariance check was skipped; the run goes on unchecked (split_check=False "
+                          "silences this)", stacklevel=3)
+            return None
         self.checked.add(key)
         report.seconds = time.perf_counter() - started
         self.last = report
@@ -265,7 +290,7 @@ class SplitInvarianceCheck:
         state = _State(layer)
         rng = torch.get_rng_state()
         try:
-            whole_out = layer(whole)
+            whole_out = _host_call(i, layer, whole)
             draws = not torch.equal(rng, torch.get_rng_state())
             after_whole, replaced = state.changes()
         finally:
@@ -279,7 +304,7 @@ class SplitInvarianceCheck:
         if not parts:
             return whole_out, parts
         try:
-            split_out = [layer(p) for p in parts]
+            split_out = [_host_call(i, layer, p) for p in parts]
             after_split, _ = state.changes()
         finally:
             state.restore()
