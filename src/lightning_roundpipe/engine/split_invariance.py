@@ -96,6 +96,7 @@ class _State:
         self.modules = list(layer.named_modules())
         self.buffers = {}
         self.attrs = {}
+        self.none_buffers = {name: {k for k, b in m._buffers.items() if b is None} for name, m in self.modules}
         for name, m in self.modules:
             for key, b in m._buffers.items():
                 if b is not None:
@@ -126,6 +127,11 @@ class _State:
             with torch.no_grad():
                 obj.copy_(value)
         for name, m in self.modules:
+            for key in [k for k in m._buffers if (name, k) not in self.buffers and m._buffers[k] is not None]:
+                if key in self.none_buffers[name]:
+                    m._buffers[key] = None
+                else:
+                    del m._buffers[key]  # registered by the forward the check ran
             saved = self.attrs[name]
             for k in [k for k, v in vars(m).items() if _is_state_attribute(k, v) and k not in saved]:
                 delattr(m, k)
