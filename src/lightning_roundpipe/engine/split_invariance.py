@@ -43,12 +43,8 @@ class SplitInvarianceError(OptionError):
     """A pipelined layer computes something else on microbatches than on the whole batch; nothing ran."""
 
 
-class _HostRunError(Exception):
-    """A layer raised when the check ran it on the host (``__cause__``: its error)."""
-
-    def __init__(self, layer: int):
-        super().__init__(layer)
-        self.layer = layer
+LAYER_MARK = "split_check_layer"
+"""The attribute ``_host_call`` puts on an error a layer raised on the host: the layer's index."""
 
 
 def _host_call(index: int, layer: nn.Module, carry: Any) -> Any:
@@ -57,7 +53,8 @@ def _host_call(index: int, layer: nn.Module, carry: Any) -> Any:
     except ForwardHookError:  # a refusal of its own (a hook keeping outputs): raised as it is
         raise
     except Exception as err:  # noqa: BLE001 - reported by SplitInvarianceCheck.run, which then skips the check
-        raise _HostRunError(index) from err
+        setattr(err, LAYER_MARK, index)
+        raise
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -268,14 +265,18 @@ class SplitInvarianceCheck:
             else:  # nothing is cut: only a buffer replaced in forward can go wrong, and two rows show it
                 try:
                     report = self._run(inputs, min(total, 2), m, names)
-                except _HostRunError:  # a layer that needs the whole batch (its size written in): give it that
+                except Exception as err:  # noqa: BLE001 - a layer that needs the whole batch (its size written in)
+                    if not hasattr(err, LAYER_MARK):
+                        raise
                     report = self._run(inputs, total, m, names)
-        except _HostRunError as err:  # a layer that only runs on the device (a CUDA-only kernel): not checked
+        except Exception as err:  # noqa: BLE001 - a layer that only runs on the device (a CUDA-only kernel)
+            if not hasattr(err, LAYER_MARK):
+                raise
             self.checked.add(key)
-            warnings.warn(f"{self.owner}(split_check=True): {_describe(self.layers[err.layer], err.layer, names)} "
-                          f"cannot run on the host ({type(err.__cause__).__name__}: {err.__cause__}), so the "
-                          "split-invariance check was skipped; the run goes on unchecked (split_check=False "
-                          "silences this)", stacklevel=3)
+            layer = getattr(err, LAYER_MARK)
+            warnings.warn(f"{self.owner}(split_check=True): {_describe(self.layers[layer], layer, names)} "
+                          f"cannot run on the host ({type(err).__name__}: {err}), so the split-invariance check was "
+                          "skipped; the run goes on unchecked (split_check=False silences this)", stacklevel=3)
             return None
         self.checked.add(key)
         report.seconds = time.perf_counter() - started
@@ -287,7 +288,9 @@ class SplitInvarianceCheck:
         whole = _first_rows(inputs, rows)
         parts = split_microbatches(whole, 2) if m > 1 else []
         report = CheckReport(rows=rows)
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        # fp32 on the host whatever the caller's autocast: split invariance is the layer's arithmetic, and bf16's
+        # own rounding would hide behind (or fake) a difference
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), torch.autocast("cpu", enabled=False):
             for i, layer in enumerate(self.layers):
                 whole, parts = self._layer(i, layer, whole, parts, m, names, report)
         return report
@@ -320,7 +323,7 @@ class SplitInvarianceCheck:
         pairs, kinds = _as_split(whole_out, split_out)
         if i not in self.skip:
             differing = [p for p in sorted(set(after_whole) | set(after_split))
-                         if not _equal_state(after_whole.get(p), after_split.get(p), tol_of(after_whole.get(p)))]
+                         if not _equal_state(after_whole.get(p), after_split.get(p), _tol_of(after_whole.get(p)))]
             state_text = (f"changes its state in forward ({', '.join(_state_path(layer, p, names) for p in differing)}) "
                           f"differently when called once per microbatch ({len(parts)} calls) than once on their rows "
                           "whole (a counter, statistics or an iteration run per call)")
@@ -358,7 +361,7 @@ class SplitInvarianceCheck:
             "Nothing ran: the weights are as they were.")
 
 
-def tol_of(value: Any) -> float:
+def _tol_of(value: Any) -> float:
     return tolerance(value.dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else 0.0
 
 
