@@ -395,6 +395,13 @@ class RuntimeOptions:
         its own statistics and the running statistics are updated once per microbatch, in
         microbatch order (``num_batches_tracked`` counts microbatches); see
         ``adapters/batch_statistics.py``.
+    split_check: before the first pipelined call in each training mode, run every pipelined layer on
+        the host (no grad, random state and the layers' state put back) on the rows of the first two
+        microbatches, once whole and once per microbatch, and refuse, naming the layer, one whose
+        output or state written in forward differs, or that replaces a buffer in forward
+        (``engine/split_invariance.py``): batch-coupled layers of any kind, inputs whose batch is not
+        dim 0, counters, power iterations, dynamic RoPE. Costs about two host forwards of those rows,
+        once (docs/measurements.md). False: no check (a layer of that kind then trains inexactly).
     schedule: the order stages are dispatched to workers in (``schedule/dispatch_order.py``):
         "round_robin" (each stage to the worker after the previous one's, and the next call goes
         on from where this one ended) or "sticky" (round-robin from worker 0 in every call, so a
@@ -442,6 +449,7 @@ class RuntimeOptions:
     overlap_calls: bool = True
     optimizer_undo: bool = True
     batch_statistics: str = "refuse"
+    split_check: bool = True
     schedule: str = "round_robin"
     moe_experts: str = "hf"
     gc_freeze: bool = True
@@ -476,6 +484,7 @@ class RuntimeOptions:
         _flag(owner, "optimizer_undo", self.optimizer_undo)
         _flag(owner, "overlap_calls", self.overlap_calls)
         _flag(owner, "gc_freeze", self.gc_freeze)
+        _flag(owner, "split_check", self.split_check)
         if self.staleness not in (0, 1) or isinstance(self.staleness, bool):
             _fail(owner, "staleness", self.staleness, "use 0 (exact) or 1 (one-step-delayed update)")
         if self.staleness and self.overlap_optimizer is False:

@@ -30,11 +30,13 @@ from .engine import PipelineEngine
 from .engine.buffers import expect_buffer_writes
 from .engine.rng import CPU_GENERATOR
 from .engine.microbatch import MicrobatchError, batch_size_of, register_batch_types
+from .engine.forward_hooks import HookGuard
+from .engine.split_invariance import SplitInvarianceCheck
 from .schedule.dispatch_order import schedule_named
 from .schedule.plan import PlanError
 from .planning.keeper import PlanKeeper
 from .adapters.batch_statistics import BatchStatistics
-from .adapters.target import STACK_KINDS, locate, patch_forward, unpatch
+from .adapters.target import STACK_KINDS, ParameterHomes, locate, patch_forward, unpatch
 from .setup_progress import ProgressCallback
 from .tracing.records import TraceRecorder
 from .workers import backend_class, make_pool
@@ -67,10 +69,19 @@ class RoundPipeRuntime:
         self.layers = layers
         self.options = options.validate(options_owner)
         self.refuse_if_partly_updated(self.root, "train")
+        self.parameter_homes = ParameterHomes(self.root)  # put back at detach (peft target_parameters)
         self.batch_statistics = BatchStatistics(layers, self.options.batch_statistics,
                                                 options_owner or type(options).__name__)
         for layer in self.batch_statistics.layers_accepted():
             expect_buffer_writes(layers[layer])  # per-microbatch statistics were asked for: no warning
+        self.hook_guard = HookGuard(layers)
+        self.split_check = None
+        if self.options.split_check:
+            from .adapters.hf_families import dynamic_rope_note
+
+            self.split_check = SplitInvarianceCheck(layers, options_owner or type(options).__name__, self.root,
+                                                    skip=self.batch_statistics.layers_accepted(),
+                                                    hint=dynamic_rope_note)
         self.num_workers = num_workers
         self.trace = trace or TraceRecorder()
         self.trace.ask_for_timeline(bool(options.step_metrics or options.trace_steps))
@@ -134,7 +145,7 @@ class RoundPipeRuntime:
             inside = {id(p) for p in masters}
             self.params_outside = [p for p in (root_module or module).parameters() if p.requires_grad and id(p) not in inside]
             self.engine.step_end_hooks.append(self._after_step)
-            patch_forward(module, forward(self))
+            patch_forward(module, forward(self), before_copy=self.join)
         except BaseException:
             run_all([self.grad_sync.close if self.grad_sync is not None else (lambda: None), self.pool.shutdown,
                      self._release_fp16_accumulation, self._release_gc_freeze])
@@ -216,6 +227,8 @@ class RoundPipeRuntime:
         self._choose_microbatches(inputs)
         self._settle_plan()
         self._check_batch_statistics(inputs)
+        self.hook_guard.wrap_new(torch.is_grad_enabled())  # in training, a hook keeping outputs is refused
+        self._check_split_invariance(inputs)
         called = self.trace.now()
         out = self.engine(inputs, loss_scale=loss_scale)
         run = self.engine.last_run
@@ -264,6 +277,19 @@ class RoundPipeRuntime:
         except MicrobatchError:
             return  # the engine's split says what is wrong with the batch
         self.batch_statistics.check(min(size, self.engine.options.microbatches))
+
+    def _check_split_invariance(self, inputs) -> None:
+        """Before the first call in each training mode: every layer whole against per microbatch, on the host
+        (``engine/split_invariance.py``); a layer found split-invariant with its buffer writes (LongRoPE's
+        ``inv_freq``) is exact, so ``engine/buffers.py`` need not warn about it."""
+        if self.split_check is None or not self.split_check.wanted():
+            return
+        self.join()  # the check reads the host weights
+        report = self.split_check.run(inputs, self.engine.options.microbatches)
+        if report is not None:
+            for layer in report.verified:
+                expect_buffer_writes(self.layers[layer])
+            log.info("split-invariance check: %d rows, %.3f s on the host", report.rows, report.seconds)
 
     def _after_step(self, run) -> None:
         self.host_clock.backward_done(run, self.trace.records(run.step))
@@ -423,7 +449,8 @@ class RoundPipeRuntime:
         steps = [self.engine.finish_backward] + [ov.close for ov in self.overlapped]
         if self.grad_sync is not None:
             steps.append(self.grad_sync.close)
-        steps += [lambda: unpatch(self.module), self.engine.close, self._release_fp16_accumulation,
+        steps += [lambda: unpatch(self.module), self.engine.close, self.parameter_homes.restore, self.hook_guard.unwrap,
+                  self._release_fp16_accumulation,
                   self._release_gc_freeze]
         try:
             run_all(steps)

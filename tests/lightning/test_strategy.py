@@ -130,7 +130,9 @@ class ProbeModule(SeqModule):
 def test_autocast_is_reentered_on_workers_and_in_recompute():
     AutocastProbe.seen.clear()
     m = ProbeModule()
-    fit(m, RoundPipeStrategy(microbatches=2, recompute="always"), devices=2, max_steps=2, precision="bf16-mixed")
+    # split_check=False: the check's own host calls of the probe (3, once) are not the workers' calls counted here
+    fit(m, RoundPipeStrategy(microbatches=2, recompute="always", split_check=False), devices=2, max_steps=2,
+        precision="bf16-mixed")
     # forward and recompute, 2 microbatches, 2 steps
     assert len(AutocastProbe.seen) == 8
     assert all(s == (True, torch.bfloat16) for s in AutocastProbe.seen)

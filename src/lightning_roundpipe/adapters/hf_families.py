@@ -166,3 +166,19 @@ def unsupported_kind(model_type: str | None, config: Any) -> str | None:
     if getattr(config, "vision_config", None) is not None:
         return VISION_LANGUAGE
     return None
+
+
+def dynamic_rope_note(layer) -> str | None:
+    """For a refused layer holding a Hugging Face rotary embedding with dynamic scaling (``rope_type``
+    "dynamic"): what that scaling does and what avoids it, as a sentence; None for any other layer."""
+    for module in layer.modules():
+        rope_type = getattr(module, "rope_type", None)
+        types = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+        if any(isinstance(t, str) and "dynamic" in t for t in types):
+            limit = getattr(module, "original_max_seq_len", None)
+            within = f" ({limit} tokens)" if limit else ""
+            return ("Its rotary embedding uses dynamic RoPE scaling (rope_type 'dynamic'), which recomputes "
+                    "inv_freq in forward whenever a sequence is longer than max_position_embeddings"
+                    f"{within}: keep sequences within that length, or configure a static scaling "
+                    "(rope_type 'linear', a different model).")
+    return None

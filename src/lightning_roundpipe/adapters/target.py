@@ -21,6 +21,8 @@ teardown, so the module is exactly as it was after ``fit``.
 
 from __future__ import annotations
 
+import copy
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -267,16 +269,97 @@ def stack_hint(model: nn.Module, path: str | None = None) -> str:
             "along, as T5's position bias, is refused on the first call, before any weight changes).")
 
 
-def patch_forward(module: nn.Module, forward: Callable) -> None:
-    """Give ``module`` an instance-level ``forward`` (the pipelined one); refused if it already has one."""
+class ParameterHomes:
+    """Where every parameter under a module lives at attach, so that ``restore`` can put back one that a
+    layer's forward moved: peft's LoRA on expert tensors (``target_parameters``) registers a parametrization
+    on the tensor a worker swapped in and removes it again, which re-registers that plain tensor as a
+    buffer, and the swap then puts the module's own parameter back into ``_buffers`` (``engine/tensor_swap``)."""
+
+    def __init__(self, root: nn.Module):
+        self.homes = [(m, list(m._parameters.items())) for m in root.modules() if m._parameters]
+
+    def restore(self) -> None:
+        """Move each recorded parameter that now sits in its module's ``_buffers`` (or is an attribute) back
+        into ``_parameters``, in the order they had."""
+        for module, items in self.homes:
+            back = {}
+            for key, param in items:
+                if key in module._parameters:
+                    continue
+                if module._buffers.get(key) is param:
+                    del module._buffers[key]
+                    module._non_persistent_buffers_set.discard(key)
+                    back[key] = param
+                elif vars(module).get(key) is param:
+                    del vars(module)[key]
+                    back[key] = param
+                # else: replaced by something else since, the module's own change: left alone
+            if not back:
+                continue
+            current = {**module._parameters, **back}
+            recorded = [k for k, _ in items if k in current]
+            module._parameters.clear()
+            for key in recorded + [k for k in current if k not in recorded]:
+                module._parameters[key] = current[key]
+
+
+_STRIPPED = object()  # what a pipeline attribute becomes in a deep copy; removed from the copy afterwards
+
+
+class PlainCopy:
+    """The pipelined module's instance ``__deepcopy__`` (``copy.deepcopy`` looks it up on the instance): the
+    copy is the module as it was before pipelining, a plain module with the current host weights. The pool,
+    its threads and locks stay with the original, which stays pipelined. ``before_copy``: called first
+    (the runtime's ``join``: an owed backward tail and the overlapped optimizer's steps land in the weights)."""
+
+    def __init__(self, module: nn.Module, before_copy: Callable[[], None] | None):
+        self.module = weakref.ref(module)
+        self.before_copy = before_copy
+
+    def __call__(self, memo: dict) -> nn.Module:
+        module = self.module()
+        if self.before_copy is not None:
+            self.before_copy()
+        relays = {}  # marker -> relay: a block's own earlier instance forward, if any, is copied in its place
+        for m in module.modules():  # the pipeline's instance forwards are not copied
+            installed = vars(m).get("forward")
+            if m is module:
+                memo[id(installed)] = _STRIPPED
+            elif isinstance(installed, (BlockRelay, GroupedExpertsForward)):
+                marker = object()
+                relays[id(marker)] = (marker, installed)
+                memo[id(installed)] = marker
+        memo[id(self)] = _STRIPPED
+        new = type(module).__new__(type(module))
+        memo[id(module)] = new
+        new.__setstate__(copy.deepcopy(dict(vars(module)), memo))
+        for m in new.modules():
+            for key in [k for k, v in vars(m).items() if v is _STRIPPED]:
+                delattr(m, key)
+            entry = relays.get(id(vars(m).get("forward")))
+            if entry is not None:
+                replaced = getattr(entry[1], "replaced", None)
+                if replaced is None:
+                    del m.forward
+                else:
+                    m.forward = copy.deepcopy(replaced, memo)
+        return new
+
+
+def patch_forward(module: nn.Module, forward: Callable, before_copy: Callable[[], None] | None = None) -> None:
+    """Give ``module`` an instance-level ``forward`` (the pipelined one); refused if it already has one.
+    ``copy.deepcopy`` of the module then gives a plain, unpipelined copy (``PlainCopy``, ``before_copy`` first)."""
     if "forward" in vars(module):
         raise PipelineTargetError(f"{type(module).__name__} already has an instance-level forward; is it pipelined twice?")
     module.forward = forward  # instance attribute: shadows the class's forward, leaves everything else alone
+    module.__deepcopy__ = PlainCopy(module, before_copy)
 
 
 def unpatch(module: nn.Module) -> None:
     """Undo ``patch_forward`` and remove every relay installed below ``module``."""
     vars(module).pop("forward", None)
+    if isinstance(vars(module).get("__deepcopy__"), PlainCopy):
+        del vars(module)["__deepcopy__"]
     for m in module.modules():  # the relays a block stack's blocks got (see block_chain), grouped experts
         relay = vars(m).get("forward")
         if isinstance(relay, (BlockRelay, GroupedExpertsForward)):

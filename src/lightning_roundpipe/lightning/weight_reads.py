@@ -7,11 +7,14 @@ over the inner model's tensors could not be caught any other way; measured cost 
 while layers step during backward (a tensor hook calling ``self.parameters()``) and
 ``staleness=1``, whose update runs behind the next step by design. ``parameters``,
 ``named_parameters`` and ``state_dict`` of the LightningModule instance join first;
-``restore`` removes the wrappers.
+``restore`` removes the wrappers. A deep copy of the module (an EMA callback's
+``copy.deepcopy(pl_module)``) gets the class's own methods bound to the copy, so it reads its own weights.
 """
 
 from __future__ import annotations
 
+import copy
+import types
 from typing import Callable
 
 from torch import nn
@@ -19,16 +22,25 @@ from torch import nn
 READS = ("parameters", "named_parameters", "state_dict")
 
 
+class JoinedRead:
+    """``module.<name>(...)`` that calls ``join`` first."""
+
+    def __init__(self, module: nn.Module, name: str, join: Callable[[], None]) -> None:
+        self.module, self.name, self.join = module, name, join
+
+    def __call__(self, *args, **kwargs):
+        self.join()
+        return getattr(type(self.module), self.name)(self.module, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict):
+        # the copy under construction is in memo already (copy's _reconstruct puts it there first)
+        return types.MethodType(getattr(type(self.module), self.name), copy.deepcopy(self.module, memo))
+
+
 def join_before_reads(module: nn.Module, join: Callable[[], None]) -> None:
     """Make the module's weight reads (``parameters()``, ``state_dict()``, ...) call ``join`` first."""
     for name in READS:
-        original = getattr(type(module), name)
-
-        def joined(*args, _original=original, **kwargs):
-            join()
-            return _original(module, *args, **kwargs)
-
-        object.__setattr__(module, name, joined)
+        object.__setattr__(module, name, JoinedRead(module, name, join))
 
 
 def restore(module: nn.Module) -> None:
