@@ -19,6 +19,7 @@ from lightning_roundpipe.adapters.hf_causal_lm import (  # noqa: E402
     UnsupportedModelError,
     count_loss_tokens,
 )
+from lightning_roundpipe.adapters.input_errors import UnsupportedInputError  # noqa: E402
 
 VOCAB, BATCH, SEQ = 128, 6, 12
 COMMON = dict(
@@ -228,15 +229,22 @@ def test_postfix_modes_and_errors():
     layers = CausalLMLayers.from_model(model, postfix_mode="loss")
     batch = make_batch(False)
     without_labels = {k: v for k, v in batch.items() if k != "labels"}
-    with pytest.raises(ValueError, match="needs 'labels'"):
+    with pytest.raises(UnsupportedInputError, match="^CausalLMPostfix in loss mode needs 'labels' in the microbatch$"):
         layers.run(without_labels)
     layers.set_postfix_mode("auto")
     assert set(layers.run(without_labels)) == {"logits"}
     assert set(layers.run(batch)) == {"loss_sum"}
-    with pytest.raises(ValueError, match="'auto', 'logits', 'loss', 'loss_and_logits' or 'loss_and_stats'"):
+    with pytest.raises(ValueError, match="'auto', 'logits', 'loss', 'loss_and_logits' or 'loss_and_stats'") as mode:
         layers.set_postfix_mode("both")
-    with pytest.raises(ValueError, match=r"unsupported input keys \['token_type_ids'\]"):
+    assert type(mode.value) is ValueError  # a programming error about internal modes, not the user's input
+    with pytest.raises(UnsupportedInputError, match=r"^CausalLMPrefix got unsupported input keys \['token_type_ids'\]; "
+                                                     r"a microbatch may hold only \["):
         layers.run({**batch, "token_type_ids": torch.zeros_like(batch["input_ids"])})
+    with pytest.raises(UnsupportedInputError, match=r"^CausalLMPrefix needs 'input_ids' of shape \[batch, seq\]; got \(72,\)$"):
+        layers.run({**batch, "input_ids": batch["input_ids"].reshape(-1)})
+    with pytest.raises(UnsupportedInputError, match="^router statistics were asked for, but the model has no MoE router$"):
+        layers.run({**batch, "router_stats": True})
+    assert issubclass(UnsupportedInputError, ValueError)  # existing `except ValueError` code still catches them
 
 
 def test_count_loss_tokens_is_hf_denominator():

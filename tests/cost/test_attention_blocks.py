@@ -105,3 +105,22 @@ def test_the_keeper_prices_attention_for_the_first_batchs_sequences():
 def test_without_attention_the_first_batch_has_nothing_to_price():
     k = keeper([nn.Linear(8, 8), nn.Linear(8, 8)])
     assert not k.wants_first_batch and k.first_batch(batch_size=4, tokens=4) is None
+
+
+def test_blocks_that_materialise_their_scores_and_what_the_estimate_adds_for_them():
+    from lightning_roundpipe.cost.attention_blocks import materialised_score_heads
+
+    eager, sdpa = HFStyle(), HFStyle()
+    eager.config._attn_implementation, sdpa.config._attn_implementation = "eager", "sdpa"
+    assert materialised_score_heads(eager) == 4 and materialised_score_heads(sdpa) == 0
+    assert materialised_score_heads(nn.Sequential(Decoder(), Decoder(16))) == 8  # MultiheadAttention's training path
+    assert materialised_score_heads(nn.Linear(8, 8)) == 0
+    # Per token at 100-token sequences, fp32: one [4, 100, 100] score tensor is 4 x 100 x 4 bytes, kept once
+    # (on top of the 64-wide output), two more at once in forward and in backward.
+    layer = estimate_costs([nn.Sequential(eager, nn.Linear(64, 64))], 200, None, torch.float32,
+                           context_tokens=100).layers[0]
+    assert (layer.act_bytes_per_token, layer.graph_bytes_per_token) == (256, 256 + 1600)
+    assert layer.forward_transient_bytes_per_token == layer.backward_transient_bytes_per_token == 3200
+    plain = estimate_costs([nn.Sequential(sdpa, nn.Linear(64, 64))], 200, None, torch.float32,
+                           context_tokens=100).layers[0]
+    assert plain.graph_bytes_per_token is None and plain.forward_transient_bytes_per_token is None

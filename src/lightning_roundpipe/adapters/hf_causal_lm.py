@@ -48,8 +48,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cost.activations import dense_mask_bytes_per_token
 from .chunked_loss import IDENTITY, LogitTransform, chunked_lm_head_loss
 from .hf_families import FAMILIES, UNSUPPORTED_FAMILIES, config_value, family_of, refusal_reason
+from .input_errors import UnsupportedInputError
 from .hf_moe import STAT_KEYS, Router, RouterTap, add_layer_stats, empty_stats, find_router, routers_in
 from .hf_outputs import slice_positions
 from .mask_facts import FACT_KEYS, builder_arguments
@@ -207,16 +209,24 @@ class CausalLMPrefix(nn.Module):
         self.rotary_layer_types = rotary_layer_types
         self.num_experts = num_experts
 
+    def dense_mask_bytes_per_token(self, context_tokens: int, dtype_bytes: int) -> int:
+        """Per token, the dense masks this prefix puts in the carry for sequences of ``context_tokens``
+        (the planner's memory estimate): eager attention gets one additive ``[b, 1, s, s]`` mask per
+        attention kind in the compute dtype; fused kernels (sdpa) get none or a boolean one, not counted."""
+        if getattr(self.config, "_attn_implementation", None) != "eager":
+            return 0
+        return dense_mask_bytes_per_token(len(self.mask_kinds), context_tokens, dtype_bytes)
+
     def forward(self, carry: Carry) -> Carry:
         unknown = sorted(set(carry) - set(INPUT_KEYS))
         if unknown:
-            raise ValueError(
+            raise UnsupportedInputError(
                 f"CausalLMPrefix got unsupported input keys {unknown}; a microbatch may hold only "
                 f"{list(INPUT_KEYS)}. Drop the other keys from the batch before the model call."
             )
         input_ids = carry.get("input_ids")
         if input_ids is None or input_ids.dim() != 2:
-            raise ValueError(
+            raise UnsupportedInputError(
                 "CausalLMPrefix needs 'input_ids' of shape [batch, seq]; got "
                 f"{None if input_ids is None else tuple(input_ids.shape)}"
             )
@@ -269,7 +279,7 @@ class CausalLMPrefix(nn.Module):
                 out[key] = carry[key]
         if carry.get("router_stats"):
             if self.num_experts is None:
-                raise ValueError("router statistics were asked for, but the model has no MoE router")
+                raise UnsupportedInputError("router statistics were asked for, but the model has no MoE router")
             out.update(empty_stats(hidden, self.num_experts))
             if attention_mask is not None:
                 out["token_mask"] = attention_mask
@@ -406,7 +416,7 @@ class CausalLMPostfix(nn.Module):
             return {"logits": self._logits(hidden if keep is None else slice_positions(hidden, keep)), **extra}
         labels = carry.get("labels")
         if labels is None:
-            raise ValueError("CausalLMPostfix in loss mode needs 'labels' in the microbatch")
+            raise UnsupportedInputError("CausalLMPostfix in loss mode needs 'labels' in the microbatch")
         if mode == "loss_and_logits":
             logits = self._logits(hidden)
             loss_sum = self._loss_from_logits(logits, labels)

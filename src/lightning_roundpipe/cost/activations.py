@@ -151,3 +151,23 @@ def postfix_backward_transient_bytes(shape: "ModelShape", dtype_bytes: int, toke
     if loss_in_pipeline and loss_chunk_tokens is not None:
         return max(0, int(norm_backward - _chunk_bytes(shape, dtype_bytes, tokens, loss_chunk_tokens, trainable_head)))
     return norm_backward
+
+
+# Materialised attention scores (eager attention), counted on the CPU backend with the tally of
+# ``workers/device_memory.py`` on a tiny llama at 1,024 and 4,096 tokens per sequence: a forward
+# without autograd holds two ``[heads, seq, seq]`` tensors at once (the scores and the masked or
+# softmaxed copy), a forward with autograd keeps one (the softmax output, for its backward) and
+# back-propagating it adds two (the gradients of the probabilities and of the scores). Softmax
+# runs in fp32, so elements are priced at least 4 bytes.
+SCORES_FORWARD, SCORES_KEPT, SCORES_BACKWARD = 2, 1, 2
+
+
+def scores_bytes_per_token(heads: int, context_tokens: int, dtype_bytes: int) -> int:
+    """Per token, one ``[heads, seq, seq]`` tensor of attention scores for sequences of ``context_tokens``."""
+    return heads * context_tokens * max(dtype_bytes, FP32)
+
+
+def dense_mask_bytes_per_token(mask_kinds: int, context_tokens: int, element_bytes: int) -> int:
+    """Per token, ``mask_kinds`` dense ``[batch, 1, seq, seq]`` attention masks (eager attention's additive
+    masks, one per attention kind) of ``element_bytes`` elements: they travel in the carry."""
+    return mask_kinds * context_tokens * element_bytes

@@ -63,3 +63,19 @@ def attention_flops_per_token(blocks: list[tuple[int, int | None]], context_toke
         seen = context_tokens / 2 if window is None else min(context_tokens / 2, window)
         total += 4.0 * q_dim * seen
     return total
+
+
+def materialised_score_heads(layer: nn.Module) -> int:
+    """Query heads of the blocks in ``layer`` that hold their ``[batch, heads, seq, seq]`` scores in
+    memory: Hugging Face attention run ``eager`` (``config._attn_implementation``) and
+    ``torch.nn.MultiheadAttention`` (its training path). Fused kernels (sdpa, flash) keep none."""
+    heads = 0
+    inside: set[int] = set()
+    for module in layer.modules():
+        if id(module) in inside:
+            continue
+        implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        if isinstance(module, nn.MultiheadAttention) or (implementation == "eager" and _int(getattr(module, "head_dim", None))):
+            heads += _query_heads(module) or 0
+            inside.update(id(m) for m in module.modules())
+    return heads

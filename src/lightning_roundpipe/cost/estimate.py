@@ -21,7 +21,8 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from .attention_blocks import attention_blocks, attention_flops_per_token
+from .activations import SCORES_BACKWARD, SCORES_FORWARD, SCORES_KEPT, scores_bytes_per_token
+from .attention_blocks import attention_blocks, attention_flops_per_token, materialised_score_heads
 from .experts import inactive_parameters
 from .profile import CostProfile, LayerCost
 from ..params.autocast_cast import layer_device_bytes
@@ -91,6 +92,12 @@ def estimate_costs(
     * ``act_bytes_per_token``: ``hidden_bytes_per_token`` for every layer when given, otherwise
       the width of the layer's last Linear/Embedding/Norm times the compute dtype size.
 
+    With ``context_tokens``, what grows with the sequence is priced too (``cost.activations``): a
+    layer with attention that materialises its scores (``materialised_score_heads``) holds them in
+    its working sets, and a layer with a ``dense_mask_bytes_per_token(context_tokens, dtype_bytes)``
+    method (the Hugging Face prefix) puts dense masks in its output, which every following layer
+    with attention blocks passes on (they read it).
+
     ``link_bytes_per_second`` (host <-> worker) is kept with the profile for the partitioner.
     ``progress(phase, done, total)`` hears of each layer done (phase ``ESTIMATE_PHASE``).
     """
@@ -103,6 +110,7 @@ def estimate_costs(
     dtype_bytes = torch.empty((), dtype=compute_dtype).element_size()
     device_bytes = layer_device_bytes(layers, compute_dtype)
     out = []
+    carried_mask = 0  # per token, dense attention masks in the carry (passed on by attention layers)
     for index, layer in enumerate(layers):
         report(progress, ESTIMATE_PHASE, index, len(layers))
         params = _unique_tensors(layer.parameters())
@@ -119,14 +127,37 @@ def estimate_costs(
         attention = attention_flops_per_token(attention_blocks(layer), context_tokens) if context_tokens else 0.0
         forward_s = (2.0 * matmul_params * example_tokens + output_elements * example_tokens
                      + attention * example_tokens) / flops_per_second
-        out.append(LayerCost(forward_s, forward_s, 2.0 * forward_s, on_device.upload, on_device.grads, act_bytes,
-                             params=sum(p.numel() for p in params),
-                             trainable_params=sum(p.numel() for p in params if p.requires_grad),
-                             active_params=round(sum(p.numel() for p in params) - idle),
-                             device_weight_bytes=on_device.held))
+        cost = LayerCost(forward_s, forward_s, 2.0 * forward_s, on_device.upload, on_device.grads, act_bytes,
+                         params=sum(p.numel() for p in params),
+                         trainable_params=sum(p.numel() for p in params if p.requires_grad),
+                         active_params=round(sum(p.numel() for p in params) - idle),
+                         device_weight_bytes=on_device.held)
+        if context_tokens:
+            carried_mask = _price_sequence_memory(cost, layer, context_tokens, dtype_bytes, carried_mask)
+        out.append(cost)
     report(progress, ESTIMATE_PHASE, len(layers), len(layers))
     return CostProfile(out, tokens_per_microbatch=int(example_tokens), measured=False, source="estimate",
                        dtype_bytes=dtype_bytes, link_bytes_per_second=link_bytes_per_second)
+
+
+def _price_sequence_memory(cost: LayerCost, layer: nn.Module, context_tokens: int, dtype_bytes: int,
+                           carried_mask: int) -> int:
+    """Add to ``cost`` what grows with the sequence (see ``estimate_costs``); return the mask bytes per
+    token its output carries on."""
+    own_mask = getattr(layer, "dense_mask_bytes_per_token", None)
+    if callable(own_mask):
+        carried_mask = int(own_mask(context_tokens, dtype_bytes))
+    elif not attention_blocks(layer):
+        carried_mask = 0  # a layer without attention does not pass the masks on
+    cost.act_bytes_per_token += carried_mask
+    cost.act_grad_bytes_per_token = cost.act_bytes_per_token - carried_mask  # a mask gets no gradient
+    heads = materialised_score_heads(layer)
+    if heads:
+        scores = scores_bytes_per_token(heads, context_tokens, dtype_bytes)
+        cost.graph_bytes_per_token = cost.act_bytes_per_token + SCORES_KEPT * scores
+        cost.forward_transient_bytes_per_token = SCORES_FORWARD * scores
+        cost.backward_transient_bytes_per_token = SCORES_BACKWARD * scores
+    return carried_mask
 
 
 # --------------------------------------------------------------------- how far costs moved

@@ -48,7 +48,8 @@ def check_layers_fit(model: StageCostModel, memory_budget_bytes: int | None, fus
                 f"{format_bytes(worst.weight_bytes)}, weight gradients {format_bytes(worst.grad_bytes)}, one "
                 f"microbatch's activations {format_bytes(worst.activation_bytes)}) but a stage may use "
                 f"{budget_text(memory_budget_bytes)}. Raise {budget_option}, use fewer tokens per "
-                f"microbatch, or split the layer."
+                f"microbatch (more microbatches, or shorter sequences: attention scores and masks grow with "
+                f"their square), or split the layer."
             )
 
 

@@ -173,7 +173,9 @@ class PlanKeeper:
         if self.memory_check_pending:  # a PlanError here names the budget's option; the next batch checks again
             split = max(1, min(m, batch_size))
             per_microbatch = -(-tokens // split)
-            if self.budget_checked_tokens < ASSUMED_TOKENS_PER_MICROBATCH or per_microbatch > self.budget_checked_tokens:
+            # Re-priced sequences (attention scores, dense masks) change every layer's bytes per token.
+            if (repriced or self.budget_checked_tokens < ASSUMED_TOKENS_PER_MICROBATCH
+                    or per_microbatch > self.budget_checked_tokens):
                 self.use(rescaled(costs, per_microbatch), m)
                 self.memory_check_pending = self.open_microbatches = False
                 return self.plan
