@@ -1,5 +1,7 @@
 """Long sequences in the memory model and the planner: layer-grain recompute and the chunked loss."""
 
+import math
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -12,6 +14,7 @@ from lightning_roundpipe.schedule.plan import Plan
 from lightning_roundpipe.cost.hardware import load_hardware
 from lightning_roundpipe.cost.transformer import preset_costs
 from lightning_roundpipe.planning.capacity import plan_training
+from lightning_roundpipe.cost.device_overheads import TWO_POOL_SHARE, two_pool_budget_bytes
 from lightning_roundpipe.cost.hardware import HardwareProfile
 from lightning_roundpipe.planning.capacity import fitting_recompute, least_memory_plans
 
@@ -81,30 +84,43 @@ def _hardware(gpu_bytes, host_bytes):
     return HardwareProfile("hand", 1, 1.0, gpu_bytes, 1e9, host_bytes, 1e9)
 
 
+def _gpu_for(budget):
+    """The smallest GPU whose planning budget (``TWO_POOL_SHARE`` of it at memory_fraction 1) is ``budget`` bytes."""
+    gpu = math.ceil(budget / TWO_POOL_SHARE)
+    while two_pool_budget_bytes(gpu) < budget:
+        gpu += 1
+    while two_pool_budget_bytes(gpu - 1) >= budget:
+        gpu -= 1
+    return gpu
+
+
 def test_planner_picks_layer_grain_when_stage_grain_does_not_fit():
     costs = hand_costs()
     # host: 16 B of fp32 state, 4 B compute copy, 4 B gradient buffer and 12 B of undo before-images per
     # parameter (8): 288 B, plus the saved stage inputs (100 B each): one layer per stage saves 3 (588 B),
     # 2-layer backward stages 1 (388 B)
-    hw = _hardware(gpu_bytes=2000, host_bytes=496)
+    # GPUs sized by _gpu_for: the planner budgets TWO_POOL_SHARE of a GPU (two allocator pools), so a budget
+    # of 2000 B is a 3500 B GPU (these were GPUs of the budgets themselves before that rule)
+    hw = _hardware(gpu_bytes=_gpu_for(2000), host_bytes=496)
     # finest plan: host too small; 2-layer backward: 2648 B at stage grain, 1748 B at layer grain (the
     # 900 B of one layer's graph less its input: test_layer_grain_working_set_by_hand); 4-layer: 4532 / 1832
     assert fitting_recompute(costs, hw, 1, memory_fraction=1.0, fused_last=False) == "layer"
-    assert fitting_recompute(costs, _hardware(2648, 496), 1, memory_fraction=1.0, fused_last=False) == "stage"
-    assert fitting_recompute(costs, _hardware(1747, 496), 1, memory_fraction=1.0, fused_last=False) is None
-    assert fitting_recompute(costs, _hardware(1632, 588), 1, memory_fraction=1.0, fused_last=False) == "stage"  # finest
-    assert fitting_recompute(costs, _hardware(1632, 587), 1, memory_fraction=1.0, fused_last=False) is None  # undo priced
+    assert fitting_recompute(costs, _hardware(_gpu_for(2648), 496), 1, memory_fraction=1.0, fused_last=False) == "stage"
+    assert fitting_recompute(costs, _hardware(_gpu_for(1748) - 1, 496), 1, memory_fraction=1.0, fused_last=False) is None
+    assert fitting_recompute(costs, _hardware(_gpu_for(1632), 588), 1, memory_fraction=1.0, fused_last=False) == "stage"  # finest
+    assert fitting_recompute(costs, _hardware(_gpu_for(1632), 587), 1, memory_fraction=1.0, fused_last=False) is None  # undo priced
 
 
 @pytest.mark.timeout(120)
 def test_plan_training_chooses_layer_grain_for_a_host_bound_long_sequence():
     import dataclasses
 
-    # Qwen3-1.7B on 8 GPUs of 20 GiB with a 64 GiB host: at 64K tokens the host cannot keep one input per
+    # Qwen3-1.7B on 8 GPUs of 35 GiB with a 64 GiB host: at 64K tokens the host cannot keep one input per
     # layer and microbatch, and backward stages of 2 layers need too much worker memory at stage grain.
     # (16 GiB GPUs until bf16-mixed held trainable weights as fp32 leaves with fp32 gradients,
     # params/autocast_cast.py: 16 and 18 GiB no longer fit at all.)
-    hw = dataclasses.replace(load_hardware("rtx4090"), gpu_memory_bytes=20 * 2**30, host_memory_bytes=64 * 2**30)
+    # (GPUs of 35 GiB = 20 x 7/4 since the planner budgets TWO_POOL_SHARE of the usable memory: two allocator pools.)
+    hw = dataclasses.replace(load_hardware("rtx4090"), gpu_memory_bytes=35 * 2**30, host_memory_bytes=64 * 2**30)
     # The host is sized to the state here, so no headroom is kept (tests/planning/test_host_truth.py tests it).
     report = plan_training("qwen3-1.7b", hw, 65536, microbatches=8, find_max_seq_len=False, host_headroom_bytes=0)
     assert report.fits and report.recompute == "layer" and report.choice is not None

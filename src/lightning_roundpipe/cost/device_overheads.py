@@ -59,6 +59,24 @@ def usable_gpu_bytes(hardware, memory_fraction: float) -> float:
     return max(0.0, hardware.gpu_memory_bytes - hardware.reserved_gpu_bytes) * memory_fraction
 
 
+# The runtime's planner fits every stage in half the budget b (``planning/budget.py``: a stage and its prefetch),
+# a rule for one allocation pool. A CUDA worker has two (``workers/cuda.py``, ``CudaWorkerPool``: weights on the
+# upload stream, activations and gradients on the compute stream), and neither reuses the other's cached
+# blocks, so what they reserve adds up: the upload pool up to two stages' weights (b: a forward stage has no
+# gradients, so its weights alone may fill b/2), the compute pool up to three gradients of a backward stage
+# (the previous stage's, held until downloaded; the accumulated; the microbatch's new one: 3b/4, as a backward
+# stage's weights and gradients share its b/2) and its activations. 1.75 b must fit the usable memory, or steps
+# near the budget make allocator retries (tests/workers/test_fake_allocator.py: 5 in 3 steps of 2 workers at b = usable).
+TWO_POOL_SHARE = 4 / 7
+
+
+def two_pool_budget_bytes(usable_bytes: float) -> int:
+    """The budget a worker's plan gets out of ``usable_bytes`` (``usable_gpu_bytes``): ``TWO_POOL_SHARE`` of it,
+    so that the two allocation pools' reserved bytes fit. Both the runtime (``workers/cuda.py``) and the
+    offline planner (``planning/capacity.py``, ``planning/fit.py``) budget a GPU with it."""
+    return int(TWO_POOL_SHARE * usable_bytes)
+
+
 def attention_backward_bytes_per_token(shape, dtype_bytes: int = 2) -> int:
     """FlashAttention-2's backward working set per token: fp32 dQ accumulator and softmax_d, and dQ, dK, dV."""
     return 4 * shape.q_dim + 4 * shape.num_heads + dtype_bytes * (shape.q_dim + 2 * shape.kv_dim)

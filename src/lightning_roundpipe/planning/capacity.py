@@ -7,7 +7,8 @@ profile and a sequence length, and answers:
   LoRA adapters' state plus the frozen compute-dtype base) and the saved activations;
 - whether a worker can hold two stages' weights (and a stage's gradients) plus one microbatch's
   activations, under ``memory_fraction`` of what its memory leaves after the CUDA context,
-  cuBLAS workspaces and allocator pages (``cost/device_overheads.py``);
+  cuBLAS workspaces and allocator pages, times ``TWO_POOL_SHARE`` for the worker's two allocator
+  pools: the runtime's budget (``cost/device_overheads.py``);
 - which plan and microbatch count give the most tokens/s (candidates: the project's
   ``partition("auto")`` when present and balanced plans with 2-6 stages per worker, each timed by
   ``simulate_roundpipe``); the smallest microbatch count
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Callable
 
 from ..cost.profile import CostProfile
@@ -51,7 +53,7 @@ from .fit import (MAX_SEQ_LEN, SEQ_QUANTUM, DEFAULT_HOST_HEADROOM_FRACTION, MIN_
                   fit_problems, least_memory_plans, longest_fitting_seq, longest_multiple,
                   model_costs)
 from ..cost.activations import DEFAULT_LOSS_CHUNK_TOKENS
-from ..cost.device_overheads import usable_gpu_bytes
+from ..cost.device_overheads import TWO_POOL_SHARE, two_pool_budget_bytes, usable_gpu_bytes
 from ..sim.simulate import SimConfig, SimResult, simulate_roundpipe
 
 DEFAULT_MEMORY_FRACTION = 0.9  # of what a GPU leaves after its context and workspaces (cost/device_overheads.py)
@@ -107,7 +109,7 @@ def best_plan(
     """
     nw = num_workers or hardware.num_gpus
     config = dataclasses.replace(config or SimConfig(), layer_recompute=recompute == "layer")
-    budget = usable_gpu_bytes(hardware, memory_fraction)
+    budget = two_pool_budget_bytes(usable_gpu_bytes(hardware, memory_fraction))  # what the runtime's keeper gets
     best_per_m: dict[int, PlanChoice] = {}
 
     def time_fitting(plans_of) -> None:
@@ -174,9 +176,14 @@ class TrainingPlan:
         return self.hardware.host_memory_bytes - self.host_headroom_bytes
 
     @property
-    def gpu_budget_bytes(self) -> float:
-        """The share of each GPU's memory the plan may use."""
+    def gpu_usable_bytes(self) -> float:
+        """What the memory model lets a worker's tensors fill (``usable_gpu_bytes``)."""
         return usable_gpu_bytes(self.hardware, self.memory_fraction)
+
+    @property
+    def gpu_budget_bytes(self) -> int:
+        """The share of each GPU's memory the plan may use: the runtime's budget, ``two_pool_budget_bytes``."""
+        return two_pool_budget_bytes(self.gpu_usable_bytes)
 
     def host_ram_line(self) -> str:
         """The host RAM assumed, where the figure came from, and the headroom kept free of it."""
@@ -230,11 +237,12 @@ class TrainingPlan:
         )
         need = self.choice.gpu_bytes if self.choice else self.min_gpu_bytes
         lines.append(
-            f"GPU memory per worker: {'' if self.fits else 'at least '}{need / GiB:.1f} GiB needed of {self.gpu_budget_bytes / GiB:.1f} GiB usable "
-            f"({self.memory_fraction:.0%} of {hw.gpu_memory_bytes / GiB:.1f} GiB"
+            f"GPU memory per worker: {'' if self.fits else 'at least '}{need / GiB:.1f} GiB needed of "
+            f"{self.gpu_budget_bytes / GiB:.1f} GiB budget ({Fraction(TWO_POOL_SHARE).limit_denominator(100)} of {self.gpu_usable_bytes / GiB:.1f} GiB usable: weights and "
+            f"activations sit in two allocator pools that do not share cached blocks; usable: {self.memory_fraction:.0%} "
+            f"of {hw.gpu_memory_bytes / GiB:.1f} GiB"
             + (f" less {hw.reserved_gpu_bytes / GiB:.2f} GiB of CUDA context and workspaces" if hw.reserved_gpu_bytes else "")
-            + "; two stages' weights and gradients "
-            f"+ one microbatch's activations)"
+            + "; needed: two stages' weights and gradients + one microbatch's activations)"
         )
         for reason in self.reasons:
             lines.append(f"  - {reason}")

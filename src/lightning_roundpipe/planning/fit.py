@@ -14,7 +14,7 @@ microbatch, the least the host can keep).
 from __future__ import annotations
 
 from ..cost.activations import DEFAULT_LOSS_CHUNK_TOKENS
-from ..cost.device_overheads import extra_attention_backward_bytes_per_token, usable_gpu_bytes
+from ..cost.device_overheads import extra_attention_backward_bytes_per_token, two_pool_budget_bytes, usable_gpu_bytes
 from ..cost.hardware import HardwareProfile
 from ..cost.memory import HostMemory, host_bytes, roundpipe_gpu_bytes
 from ..cost.profile import CostProfile
@@ -90,7 +90,7 @@ def fit_problems(costs: CostProfile, hardware: HardwareProfile, memory_fraction:
     """Every reason the run cannot fit with any of the least-memory plans (none when one fits), the
     host memory and the GPU need: of the first plan that fits, else the least any plan needs (module
     doc). ``host_budget_bytes``: the host's usable RAM (default: all of it)."""
-    budget = usable_gpu_bytes(hardware, memory_fraction)
+    budget = two_pool_budget_bytes(usable_gpu_bytes(hardware, memory_fraction))  # the runtime's budget (two pools)
     host_budget = hardware.host_memory_bytes if host_budget_bytes is None else host_budget_bytes
     plans = least_memory_plans(len(costs.layers), fused_last)
     for plan in plans:
@@ -109,7 +109,7 @@ def fit_problems(costs: CostProfile, hardware: HardwareProfile, memory_fraction:
         view = CostView(costs)
         heaviest = max(range(len(view)), key=lambda i: view.graph_per_token[i])
         problems.append(f"GPU memory: even with one layer per stage a worker needs {gpu / GiB:.1f} GiB of "
-                        f"{budget / GiB:.1f} GiB usable (layer {heaviest} keeps {view.graph(heaviest, heaviest + 1) / GiB:.1f} "
+                        f"{budget / GiB:.1f} GiB budget (layer {heaviest} keeps {view.graph(heaviest, heaviest + 1) / GiB:.1f} "
                         f"GiB of activations per microbatch)")
         if least_host.total <= host_budget < finest_host.total:
             problems.append(f"host memory: one layer per stage, the least GPU memory, saves "
@@ -121,7 +121,7 @@ def fit_problems(costs: CostProfile, hardware: HardwareProfile, memory_fraction:
         problems.append(f"no plan fits both memories: one layer per stage keeps {finest_host.total / GiB:.1f} GiB on the "
                         f"host (saved stage inputs {finest_host.saved_activations / GiB:.1f} GiB) of "
                         f"{host_budget / GiB:.1f} GiB usable, and coarser backward stages need more worker memory "
-                        f"than the {budget / GiB:.1f} GiB usable")
+                        f"than the {budget / GiB:.1f} GiB budget")
     return problems, least_host, gpu
 
 

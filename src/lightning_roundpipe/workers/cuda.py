@@ -43,7 +43,7 @@ from typing import Iterable
 
 import torch
 
-from ..cost.device_overheads import device_reserved_bytes
+from ..cost.device_overheads import TWO_POOL_SHARE, device_reserved_bytes, two_pool_budget_bytes  # noqa: F401 (TWO_POOL_SHARE re-exported)
 from .completions import Completion, Deferred, PipelineTimeout, worker_error
 from .fake_allocator import FakeCachingAllocator, PoolTally, fake_gpu_capacity_bytes
 from .host_buffers import DEFAULT_CAP_BYTES, HostBufferPool
@@ -479,14 +479,6 @@ def inductor_generates_gpu_code(device_indices=None) -> bool:
 
 
 MEMORY_FRACTION = 0.9  # of what a GPU leaves after its context and workspaces: planning.capacity's default (tested)
-# The runtime's planner fits every stage in half the budget b (``planning/budget.py``: a stage and its prefetch),
-# a rule for one allocation pool. A worker has two (``CudaWorkerPool``), and neither reuses the other's cached
-# blocks, so what they reserve adds up: the upload pool up to two stages' weights (b: a forward stage has no
-# gradients, so its weights alone may fill b/2), the compute pool up to three gradients of a backward stage
-# (the previous stage's, held until downloaded; the accumulated; the microbatch's new one: 3b/4, as a backward
-# stage's weights and gradients share its b/2) and its activations. 1.75 b must fit the usable memory, or steps
-# near the budget make allocator retries (tests/workers/test_fake_allocator.py: 5 in 3 steps of 2 workers at b = usable).
-TWO_POOL_SHARE = 4 / 7
 ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
@@ -506,7 +498,7 @@ def gpu_budget_bytes(total_bytes: int, capability: tuple[int, int]) -> int:
     model lets a worker's tensors fill (``usable_gpu_bytes``: ``MEMORY_FRACTION`` of the GPU less its CUDA context,
     cuBLAS workspaces and allocator pages, ``device_reserved_bytes``; an SM 9.x card's larger cuBLASLt workspace
     included), so that the two allocation pools' reserved bytes fit it."""
-    return int(TWO_POOL_SHARE * usable_bytes(total_bytes, capability))
+    return two_pool_budget_bytes(usable_bytes(total_bytes, capability))
 
 
 def usable_bytes(total_bytes: int, capability: tuple[int, int]) -> int:
