@@ -1,5 +1,5 @@
 """bf16-mixed weight pricing: the cost model's per-layer weight and gradient bytes are what a worker
-really holds (params/autocast_cast.py): Linear weights uploaded in bf16, embedding and norms in
+really holds (cost/autocast_cast.py): Linear weights uploaded in bf16, embedding and norms in
 fp32, trainable bf16 uploads held as fp32 leaves with fp32 gradients, plus autocast's bf16 copy."""
 
 import gc
@@ -11,7 +11,7 @@ from torch import nn
 from _family_configs import family_batch, tiny_model
 from lightning_roundpipe.cost.estimate import estimate_costs
 from lightning_roundpipe.options import PartitionConfig, RuntimeOptions
-from lightning_roundpipe.params.autocast_cast import autocast_cast_parameters
+from lightning_roundpipe.cost.autocast_cast import autocast_cast_parameters
 from lightning_roundpipe.params.weights import StageWeights
 from lightning_roundpipe.runtime import RoundPipeRuntime
 from lightning_roundpipe.workers.device_memory import AllocationTally, DeviceMemory

@@ -40,7 +40,7 @@ def test_the_planner_takes_the_overheads_off_each_gpu():
     # Qwen3-1.7B on 8x RTX 4090: 123,904 tokens with 90% of 24 GiB usable; 120,576 with 90% of what the
     # context, workspaces and pages leave. A GPU larger by exactly those gives the old figure back.
     # (Before bf16-mixed kept norms and embeddings in fp32 with fp32 leaves and gradients on the worker,
-    # params/autocast_cast.py, these were 133,376 and 130,048: the weights a stage holds grew.)
+    # cost/autocast_cast.py, these were 133,376 and 130,048: the weights a stage holds grew.)
     # (Since the planner budgets TWO_POOL_SHARE = 4/7 of that, the runtime's two-pool budget, these are 60,928 and
     # 62,720: 120,576 and 123,904 before.)
     assert longest_seq_len("qwen3-1.7b", hw) == 60_928

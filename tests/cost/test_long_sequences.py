@@ -118,7 +118,7 @@ def test_plan_training_chooses_layer_grain_for_a_host_bound_long_sequence():
     # Qwen3-1.7B on 8 GPUs of 35 GiB with a 64 GiB host: at 64K tokens the host cannot keep one input per
     # layer and microbatch, and backward stages of 2 layers need too much worker memory at stage grain.
     # (16 GiB GPUs until bf16-mixed held trainable weights as fp32 leaves with fp32 gradients,
-    # params/autocast_cast.py: 16 and 18 GiB no longer fit at all.)
+    # cost/autocast_cast.py: 16 and 18 GiB no longer fit at all.)
     # (GPUs of 35 GiB = 20 x 7/4 since the planner budgets TWO_POOL_SHARE of the usable memory: two allocator pools.)
     hw = dataclasses.replace(load_hardware("rtx4090"), gpu_memory_bytes=35 * 2**30, host_memory_bytes=64 * 2**30)
     # The host is sized to the state here, so no headroom is kept (tests/planning/test_host_truth.py tests it).

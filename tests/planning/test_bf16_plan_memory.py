@@ -1,5 +1,5 @@
 """``sim plan`` for a bf16 full fine-tune prices the weights as a worker holds them under bf16-mixed
-(params/autocast_cast.py): Linear weights as fp32 leaves plus autocast's bf16 copy, norms and the
+(cost/autocast_cast.py): Linear weights as fp32 leaves plus autocast's bf16 copy, norms and the
 embedding in fp32, every gradient in fp32."""
 
 import dataclasses

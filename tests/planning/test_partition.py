@@ -291,7 +291,7 @@ def test_estimate_costs_from_module_sizes():
     assert emb.forward_s == pytest.approx(16 * 8 / 1e9)  # lookup: one FLOP per output element only
     assert mid.forward_s == pytest.approx((2 * 272 * 8 + 16 * 8) / 1e9)
     assert mid.recompute_s == mid.forward_s and mid.backward_s == pytest.approx(2 * mid.forward_s)
-    # bf16-mixed (params/autocast_cast.py): the embedding stays fp32; Linear weights travel in bf16 and,
+    # bf16-mixed (cost/autocast_cast.py): the embedding stays fp32; Linear weights travel in bf16 and,
     # trainable, are held as fp32 leaves plus autocast's bf16 copy; gradients are fp32; a frozen Linear stays bf16.
     assert (emb.weight_bytes, emb.device_weight_bytes, emb.grad_bytes) == (1600 * 4, 1600 * 4, 1600 * 4)
     assert mid.weight_bytes == 272 * 2 + 16 * 4  # buffer in its own dtype

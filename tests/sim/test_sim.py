@@ -92,7 +92,7 @@ def test_layer_costs_follow_flops_and_sizes():
     linear = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * i
     decoder = costs.layers[1]
     assert decoder.forward_s == pytest.approx(tokens * (2 * linear + 2 * 32 * heads * hd))
-    # bf16-mixed (params/autocast_cast.py): projections travel in bf16, the two norms in fp32; on the
+    # bf16-mixed (cost/autocast_cast.py): projections travel in bf16, the two norms in fp32; on the
     # worker a trainable projection is an fp32 leaf plus autocast's bf16 copy; gradients are fp32.
     assert decoder.weight_bytes == 2 * linear + 4 * 2 * h
     assert decoder.device_weight_bytes == 6 * linear + 4 * 2 * h and decoder.grad_bytes == 4 * (linear + 2 * h)

@@ -25,7 +25,7 @@ from .activations import SCORES_BACKWARD, SCORES_FORWARD, SCORES_KEPT, scores_by
 from .attention_blocks import attention_blocks, attention_flops_per_token, materialised_score_heads
 from .experts import inactive_parameters
 from .profile import CostProfile, LayerCost
-from ..params.autocast_cast import layer_device_bytes
+from .autocast_cast import layer_device_bytes
 from ..schedule.plan import Plan
 from ..setup_progress import ProgressCallback, report
 
@@ -84,7 +84,7 @@ def estimate_costs(
       (``attention_blocks``: ``4 x q_dim x min(context / 2, window)`` FLOPs per token);
     * ``active_params``: the parameters one token runs through (all of them in a dense layer);
     * recompute time equals the forward, backward time is twice the forward;
-    * ``weight_bytes``: parameters as uploaded (``params.autocast_cast``: those autocast casts in
+    * ``weight_bytes``: parameters as uploaded (``cost.autocast_cast``: those autocast casts in
       the compute dtype, other floating ones such as embeddings and norms in their own), buffers in
       their own dtype; ``device_weight_bytes``: as the worker holds them (a trainable cast
       parameter as its fp32 leaf plus autocast's compute-dtype copy);

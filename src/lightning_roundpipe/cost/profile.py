@@ -25,7 +25,7 @@ class LayerCost:
     forward_s: float  # forward of one microbatch
     recompute_s: float  # the forward again inside backward (same as forward_s unless measured otherwise)
     backward_s: float  # the backward proper of one microbatch (about 2x forward), recompute excluded
-    weight_bytes: int  # uploaded bytes of the layer's weights and buffers (params/autocast_cast.py's dtypes)
+    weight_bytes: int  # uploaded bytes of the layer's weights and buffers (cost/autocast_cast.py's dtypes)
     grad_bytes: int  # its trainable weights' gradients on the worker and downloaded (0 when frozen)
     act_bytes_per_token: int  # bytes of the layer's output activation per token
     params: int | None = None  # parameter count (weights the host keeps a compute-dtype copy of)
@@ -43,7 +43,7 @@ class LayerCost:
     early_stop_s: float = 0.0
     # Bytes the worker holds for the weights while the layer computes, where more than ``weight_bytes``:
     # under a mixed precision a trainable bf16 upload is an fp32 leaf there, plus autocast's bf16 copy
-    # of it (params/autocast_cast.py). None: ``weight_bytes``.
+    # of it (cost/autocast_cast.py). None: ``weight_bytes``.
     device_weight_bytes: int | None = None
 
     @property

@@ -168,7 +168,7 @@ FP32_BYTES = 4  # the host masters' dtype
 @dataclass(frozen=True)
 class ParamSplit:
     """Parameter counts of a layer (or of its trainable part): ``linear``, those autocast casts to the
-    compute dtype (held by Linear layers alone, params/autocast_cast.py), and the ``other`` ones
+    compute dtype (held by Linear layers alone, cost/autocast_cast.py), and the ``other`` ones
     (embeddings, norms, a tied head), which a mixed precision keeps in fp32."""
 
     linear: int
@@ -415,7 +415,7 @@ def shape_layer_costs(
     # Postfix: final norm + LM head + loss. Its output is the logits (or only a scalar when fused).
     head = shape.head_params()
     head_fwd, head_bwd = head_work(shape, lora_rank, dtype_bytes, chunked_loss=loss_chunk_tokens is not None)
-    # A head tied to the embedding is also used by a lookup, so autocast does not cast it (params/autocast_cast.py).
+    # A head tied to the embedding is also used by a lookup, so autocast does not cast it (cost/autocast_cast.py).
     head_matrix = ParamSplit(0, head - hidden) if shape.tie_embeddings else ParamSplit(head - hidden, 0)
     head_split = ParamSplit(head_matrix.linear, head_matrix.other + hidden)
     layers.append(layer(head_fwd, head_bwd, head_split, ParamSplit(0, 0) if lora else head_split, vocab * dtype_bytes))

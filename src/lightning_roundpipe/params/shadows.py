@@ -36,7 +36,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from .autocast_cast import autocast_cast_parameters
+from ..cost.autocast_cast import autocast_cast_parameters
 
 
 class ShadowStore:

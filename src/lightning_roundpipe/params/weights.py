@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .autocast_cast import device_dtype
+from ..cost.autocast_cast import device_dtype
 from .grad_hooks import accumulate_with_hooks, has_grad_hooks
 
 

@@ -2,8 +2,8 @@
 
 Under ``bf16-mixed`` / ``16-mixed`` autocast runs ``nn.Linear`` and ``nn.Conv*d`` in the lower
 precision and keeps everything else (embedding lookups, norms) in fp32. The runtime uploads
-only the parameters autocast casts in the lower dtype (``shadows.py``); a trainable one becomes
-an fp32 leaf on the worker, so its gradient accumulates in fp32 (``weights.py``). This module
+only the parameters autocast casts in the lower dtype (``params/shadows.py``); a trainable one becomes
+an fp32 leaf on the worker, so its gradient accumulates in fp32 (``params/weights.py``). This module
 holds that rule once: the runtime's uploads and the cost model's per-layer bytes both read it.
 """
 
