@@ -161,7 +161,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _as_split(whole: Any, parts: list) -> tuple[list, list]:
     """Leaf by leaf: the whole run's leaf and what the split runs give for it (concatenated rows; for a leaf of
     the whole's shape, each microbatch's own copy, or their sum: a loss sum, router statistics), as (pairs to
-    compare, leaf kinds)."""
+    compare, leaf kinds). A leaf that is a tensor in some runs and None in others is not compared: the outputs of
+    the layers that read it are."""
     wl, spec = pytree.tree_flatten(whole)
     pl = [pytree.tree_flatten(p) for p in parts]
     if any(s != spec for _, s in pl):
@@ -169,6 +170,13 @@ def _as_split(whole: Any, parts: list) -> tuple[list, list]:
     pairs, kinds = [], []
     for i, w in enumerate(wl):
         ps = [p[0][i] for p in pl]
+        runs = [w, *ps]
+        if all(v is None or isinstance(v, torch.Tensor) for v in runs) and any(v is None for v in runs) and \
+                any(isinstance(v, torch.Tensor) for v in runs):
+            # an optional tensor some calls leave out (HF builds no mask for rows without padding): it is the
+            # layer's choice of representation, not a value to compare; the layers reading it are checked next
+            kinds.append("same")
+            continue
         if not isinstance(w, torch.Tensor):  # plain values must agree; opaque objects are not compared
             same = all(p is w or not isinstance(w, PLAIN_TYPES) or (type(p) is type(w) and p == w) for p in ps)
             kinds.append("same")
