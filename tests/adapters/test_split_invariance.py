@@ -345,3 +345,31 @@ def test_a_mask_built_for_some_microbatches_only_is_not_a_difference():
         assert torch.equal(_runs(net, x), expected)
     msg = _refused(nn.Sequential(MaskWhenFlagged(), ApplyMask(coupled=True), nn.Linear(4, 1)), x)
     assert "pipelined layer 1 (`1`, ApplyMask) computes a different output" in msg
+
+
+class ScaledByBuffer(nn.Module):
+    """Multiplies by a scalar buffer that autograd saves for backward (Gemma's ``embed_scale``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_a_graph_recorded_before_the_check_still_backpropagates():
+    """Regression (gemma2's reference loss.backward() failed after a pipelined call: 'modified by an inplace
+    operation'): the check puts back only the buffers the forward wrote, so a buffer it only read keeps its
+    version."""
+    torch.manual_seed(0)
+    net = nn.Sequential(ScaledByBuffer(), nn.Linear(4, 1))
+    x = torch.randn(8, 4)
+    ref = net(x).sum()
+    _runs(net, x)
+    ref.backward()
+    assert net[0].lin.weight.grad is not None
+    counter = CallCounter()
+    msg = _refused(nn.Sequential(nn.Linear(4, 4), counter), x)  # a written buffer is still put back
+    assert "changes its state in forward" in msg and counter.calls.item() == 0

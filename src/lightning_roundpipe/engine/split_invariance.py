@@ -97,8 +97,8 @@ class _State:
         for name, m in self.modules:
             for key, b in m._buffers.items():
                 if b is not None:
-                    self.buffers[(name, key)] = (b, b.detach().clone())
-            self.attrs[name] = {k: (v, v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                    self.buffers[(name, key)] = (b, _Saved(b))
+            self.attrs[name] = {k: (v, _Saved(v) if isinstance(v, torch.Tensor) else v)
                                 for k, v in vars(m).items() if _is_state_attribute(k, v)}
 
     def changes(self) -> tuple[dict, list]:
@@ -121,8 +121,7 @@ class _State:
             m = dict(self.modules)[name]
             if key in m._buffers or key not in m._parameters:
                 m._buffers[key] = obj
-            with torch.no_grad():
-                obj.copy_(value)
+            value.put_back(obj)
         for name, m in self.modules:
             for key in [k for k in m._buffers if (name, k) not in self.buffers and m._buffers[k] is not None]:
                 if key in self.none_buffers[name]:
@@ -134,9 +133,29 @@ class _State:
                 delattr(m, k)
             for k, (obj, value) in saved.items():
                 if isinstance(obj, torch.Tensor):
-                    with torch.no_grad():
-                        obj.copy_(value)
+                    value.put_back(obj)
                 object.__setattr__(m, k, obj)
+
+
+class _Saved:
+    """A tensor's value and version counter; ``put_back`` copies the value back only if the tensor was written
+    since, so a buffer the forward only read keeps its version (a graph recorded before the check, that saved
+    it for backward, e.g. Gemma's ``embed_scale``, still backpropagates)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.value = tensor.detach().clone()
+        self.version = _version_of(tensor)
+
+    def put_back(self, tensor: torch.Tensor) -> None:
+        if self.version is None or _version_of(tensor) != self.version:
+            with torch.no_grad():
+                tensor.copy_(self.value)
+            self.version = _version_of(tensor)
+
+
+def _version_of(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (bumped by every in-place write); None for an inference tensor, which has none."""
+    return None if tensor.is_inference() else tensor._version
 
 
 def _is_state_attribute(key: str, value: Any) -> bool:
