@@ -304,3 +304,72 @@ def test_a_layer_that_cannot_run_on_the_host_skips_the_check_with_a_warning():
                                          r"split-invariance check was skipped"):
         out = _runs(net, x)
     assert torch.allclose(out, net[2](net[0](x) * 2), rtol=1e-6, atol=1e-7)
+
+
+class MaskWhenFlagged(nn.Module):
+    """Builds a bool mask only when some row is flagged (its first feature negative), else None: as HF builds
+    no attention mask for rows without padding."""
+
+    def forward(self, x):
+        flagged = x[:, :1] < 0
+        return x, (flagged.expand_as(x).clone() if bool(flagged.any()) else None)
+
+
+class ApplyMask(nn.Module):
+    """Zeroes the masked entries; ``coupled`` also subtracts the batch mean (batch-coupled)."""
+
+    def __init__(self, coupled=False):
+        super().__init__()
+        self.coupled = coupled
+
+    def forward(self, carry):
+        x, mask = carry
+        x = x if mask is None else x.masked_fill(mask, 0.0)
+        return x - x.mean(0, keepdim=True) if self.coupled else x
+
+
+def _flagged_rows_in_the_first_microbatch_only():
+    torch.manual_seed(0)
+    x = torch.randn(8, 4).abs()
+    x[1, 0] = -1.0  # rows 0-3 (microbatch 1) hold a flagged row, rows 4-7 (microbatch 2) none
+    return x
+
+
+def test_a_mask_built_for_some_microbatches_only_is_not_a_difference():
+    """Regression (JetMoE with router logits refused at embed_tokens, 'relative difference inf, tolerance 0'):
+    the whole rows get a bool mask, the unflagged microbatch None; the layers reading the mask are compared."""
+    x = _flagged_rows_in_the_first_microbatch_only()
+    net = nn.Sequential(MaskWhenFlagged(), ApplyMask(), nn.Linear(4, 1))
+    with torch.no_grad():
+        expected = net(x)
+        assert torch.equal(_runs(net, x), expected)
+    msg = _refused(nn.Sequential(MaskWhenFlagged(), ApplyMask(coupled=True), nn.Linear(4, 1)), x)
+    assert "pipelined layer 1 (`1`, ApplyMask) computes a different output" in msg
+
+
+class ScaledByBuffer(nn.Module):
+    """Multiplies by a scalar buffer that autograd saves for backward (Gemma's ``embed_scale``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_a_graph_recorded_before_the_check_still_backpropagates():
+    """Regression (gemma2's reference loss.backward() failed after a pipelined call: 'modified by an inplace
+    operation'): the check puts back only the buffers the forward wrote, so a buffer it only read keeps its
+    version."""
+    torch.manual_seed(0)
+    net = nn.Sequential(ScaledByBuffer(), nn.Linear(4, 1))
+    x = torch.randn(8, 4)
+    ref = net(x).sum()
+    _runs(net, x)
+    ref.backward()
+    assert net[0].lin.weight.grad is not None
+    counter = CallCounter()
+    msg = _refused(nn.Sequential(nn.Linear(4, 4), counter), x)  # a written buffer is still put back
+    assert "changes its state in forward" in msg and counter.calls.item() == 0

@@ -97,8 +97,8 @@ class _State:
         for name, m in self.modules:
             for key, b in m._buffers.items():
                 if b is not None:
-                    self.buffers[(name, key)] = (b, b.detach().clone())
-            self.attrs[name] = {k: (v, v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                    self.buffers[(name, key)] = (b, _Saved(b))
+            self.attrs[name] = {k: (v, _Saved(v) if isinstance(v, torch.Tensor) else v)
                                 for k, v in vars(m).items() if _is_state_attribute(k, v)}
 
     def changes(self) -> tuple[dict, list]:
@@ -121,8 +121,7 @@ class _State:
             m = dict(self.modules)[name]
             if key in m._buffers or key not in m._parameters:
                 m._buffers[key] = obj
-            with torch.no_grad():
-                obj.copy_(value)
+            value.put_back(obj)
         for name, m in self.modules:
             for key in [k for k in m._buffers if (name, k) not in self.buffers and m._buffers[k] is not None]:
                 if key in self.none_buffers[name]:
@@ -134,9 +133,29 @@ class _State:
                 delattr(m, k)
             for k, (obj, value) in saved.items():
                 if isinstance(obj, torch.Tensor):
-                    with torch.no_grad():
-                        obj.copy_(value)
+                    value.put_back(obj)
                 object.__setattr__(m, k, obj)
+
+
+class _Saved:
+    """A tensor's value and version counter; ``put_back`` copies the value back only if the tensor was written
+    since, so a buffer the forward only read keeps its version (a graph recorded before the check, that saved
+    it for backward, e.g. Gemma's ``embed_scale``, still backpropagates)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.value = tensor.detach().clone()
+        self.version = _version_of(tensor)
+
+    def put_back(self, tensor: torch.Tensor) -> None:
+        if self.version is None or _version_of(tensor) != self.version:
+            with torch.no_grad():
+                tensor.copy_(self.value)
+            self.version = _version_of(tensor)
+
+
+def _version_of(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (bumped by every in-place write); None for an inference tensor, which has none."""
+    return None if tensor.is_inference() else tensor._version
 
 
 def _is_state_attribute(key: str, value: Any) -> bool:
@@ -161,7 +180,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _as_split(whole: Any, parts: list) -> tuple[list, list]:
     """Leaf by leaf: the whole run's leaf and what the split runs give for it (concatenated rows; for a leaf of
     the whole's shape, each microbatch's own copy, or their sum: a loss sum, router statistics), as (pairs to
-    compare, leaf kinds)."""
+    compare, leaf kinds). A leaf that is a tensor in some runs and None in others is not compared: the outputs of
+    the layers that read it are."""
     wl, spec = pytree.tree_flatten(whole)
     pl = [pytree.tree_flatten(p) for p in parts]
     if any(s != spec for _, s in pl):
@@ -169,6 +189,13 @@ def _as_split(whole: Any, parts: list) -> tuple[list, list]:
     pairs, kinds = [], []
     for i, w in enumerate(wl):
         ps = [p[0][i] for p in pl]
+        runs = [w, *ps]
+        if all(v is None or isinstance(v, torch.Tensor) for v in runs) and any(v is None for v in runs) and \
+                any(isinstance(v, torch.Tensor) for v in runs):
+            # an optional tensor some calls leave out (HF builds no mask for rows without padding): it is the
+            # layer's choice of representation, not a value to compare; the layers reading it are checked next
+            kinds.append("same")
+            continue
         if not isinstance(w, torch.Tensor):  # plain values must agree; opaque objects are not compared
             same = all(p is w or not isinstance(w, PLAIN_TYPES) or (type(p) is type(w) and p == w) for p in ps)
             kinds.append("same")
