@@ -48,6 +48,9 @@ LAYER_MARK = "split_check_layer"
 
 
 def _host_call(index: int, layer: nn.Module, carry: Any) -> Any:
+    # each call gets its own copy of its input: a layer that writes its input in place (``x.mul_``, ReLU(inplace))
+    # would otherwise change the caller's batch and the carry the next call (whole or split) reads
+    carry = pytree.tree_map(lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, carry)
     try:
         return layer(carry)
     except ForwardHookError:  # a refusal of its own (a hook keeping outputs): raised as it is
