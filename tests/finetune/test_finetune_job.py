@@ -73,7 +73,7 @@ def test_default_config_composes_to_documented_values():
         "step_metrics": True, "workers": None, "trace_dir": None, "checkpoint_weights": "full",
         "progress_bar_metrics": False, "log_step_metrics": True, "verify_checkpoints": False,
         "allow_unverified": False, "logits_with_loss": False, "optimizer_undo": True, "overlap_calls": True, "cpu_memory_cap_bytes": None,
-        "batch_statistics": "refuse",
+        "batch_statistics": "refuse", "split_check": True,
         "schedule": "round_robin",
         "moe_experts": "hf", "gc_freeze": True,
         "compile_layers": None, "recompute_early_stop": None, "fp16_accumulation": False,
