@@ -27,6 +27,7 @@ each figure. Every predicted number is simulated; the measured ones are the refe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from lightning_roundpipe.cost.transformer import get_model_shape, shape_layer_costs
 from lightning_roundpipe.cost.hardware import load_hardware
@@ -61,6 +62,16 @@ def rows(hardware: str = "rtx4090", planner: bool = False) -> list[dict]:
     return out
 
 
+def fp16_held(costs):
+    """``costs`` with every weight and gradient at 2 B on the GPU, as the baseline systems hold them
+    (fp16 weights and gradients; Megatron's fp32 main gradient and Adam are its 14 extra bytes). The
+    shape model prices RoundPipe's bf16-mixed instead (fp32 norms, fp32 leaves and gradients:
+    params/autocast_cast.py), which is not what these other systems keep on their GPUs."""
+    layers = [dataclasses.replace(c, weight_bytes=2 * c.params, device_weight_bytes=None,
+                                  grad_bytes=2 * (c.trainable_params or 0)) for c in costs.layers]
+    return dataclasses.replace(costs, layers=layers)
+
+
 def baseline_rows(hardware: str = "rtx4090") -> list[dict]:
     """Megatron-PP-like and Mobius-like simulations beside their published figures (see the module doc)."""
     hw = load_hardware(hardware)
@@ -68,14 +79,14 @@ def baseline_rows(hardware: str = "rtx4090") -> list[dict]:
                           cpu_optimizer_params_per_s=hw.num_gpus * hw.memory_bytes_per_s / MEGATRON_UPDATE_BYTES)
     out = []
     for model, (sequences, per_microbatch, measured) in MEGATRON_PP.items():
-        costs = shape_layer_costs(get_model_shape(model), hw, 2048, per_microbatch, fp16_accumulation=False)
+        costs = fp16_held(shape_layer_costs(get_model_shape(model), hw, 2048, per_microbatch, fp16_accumulation=False))
         r = simulate_bound("1f1b", costs, gpu_adam, sequences // per_microbatch, offload="resident",
                            optimizer_state_bytes_per_param=MEGATRON_OPTIMIZER_BYTES, config=SimConfig(steps=2))
         out.append(dict(model=model, system="Megatron-PP-like", simulated=r.tokens_per_s if r.fits else None,
                         measured=measured, peak_gib=max(r.notes["estimated_gpu_bytes"]) / 2**30,
                         note=f"1F1B, {sequences // per_microbatch} x {per_microbatch} sequences, Adam on the GPUs"))
     for model, measured in MOBIUS.items():
-        costs = shape_layer_costs(get_model_shape(model), hw, 2048, 1, fp16_accumulation=True)
+        costs = fp16_held(shape_layer_costs(get_model_shape(model), hw, 2048, 1, fp16_accumulation=True))
         for barrier in (True, False):
             best = None
             for chunks in (1, 2, 3):

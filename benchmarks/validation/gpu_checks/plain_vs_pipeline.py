@@ -110,10 +110,20 @@ def plain_run(ctx: Ctx, config: dict, ids: torch.Tensor, steps: int) -> dict:
     return out
 
 
-def stage_bytes(runtime, dtype_bytes: int = 2) -> int:
-    """Weight bytes of the largest stage in the compute dtype (forward and backward stages)."""
+def stage_bytes(runtime, compute_dtype: torch.dtype = torch.bfloat16) -> int:
+    """Weight bytes the worker's ledger holds for the largest stage (forward and backward stages)
+    under ``compute_dtype`` autocast: parameters autocast casts upload in ``compute_dtype``, and
+    trainable ones are held as leaves in their masters' dtype (params/autocast_cast.py's rule)."""
+    from lightning_roundpipe.params.autocast_cast import autocast_cast_parameters, device_dtype
+
     layers = runtime.layers
-    per_layer = [sum(p.numel() * dtype_bytes for p in layer.parameters()) for layer in layers]
+    cast = autocast_cast_parameters(layers)
+
+    def held(p: torch.Tensor) -> int:
+        upload = compute_dtype if id(p) in cast and p.is_floating_point() else p.dtype
+        return p.numel() * device_dtype(p, upload, p.requires_grad).itemsize
+
+    per_layer = [sum(held(p) for p in layer.parameters()) for layer in layers]
     plan = runtime.planner.plan
     return max(sum(per_layer[s.start:s.end]) for s in plan.forward_stages() + plan.backward_stages())
 
