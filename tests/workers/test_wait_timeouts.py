@@ -34,6 +34,11 @@ ALLOWED = {
     ("runtime.py", "ov.join()"): f"OverlappedOptimizer.join: {OURS_BOUNDED}",
     ("runtime.py", "self.join()"): f"RoundPipeRuntime.join -> OverlappedOptimizer.join: {OURS_BOUNDED}",
     ("workers/completions.py", "v.result()"): "Deferred.result waits with the timeout_s it was made with",
+    ("lightning/weight_reads.py", "self.join()"):
+        f"JoinedRead.join is the runtime's join that join_before_reads was given (RoundPipeRuntime.join): {OURS_BOUNDED}",
+    ("lightning/checkpoint_integrity.py", "done.result()"):
+        "a CRC-32 check of one checkpoint entry on a thread of a local pool: CPU work over a memory-mapped file "
+        "of known size, no wait on another party; an error in it is re-raised here",
     ("lightning/node_collectives.py", "torch.distributed.barrier()"):
         "bounded by the process group's timeout: the strategy creates the gloo group with timeout=options.timeout",
     ("finetune/config.py", "HydraConfig.get()"): "not a wait: returns Hydra's current config",
