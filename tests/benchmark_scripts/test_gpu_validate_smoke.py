@@ -112,7 +112,13 @@ def test_the_simulators_prediction_for_the_throughput_runs_plan_and_workload():
     assert note == "h200 profile, 2 microbatches, eager layers" and 1e3 < tokens_per_s < 1e6
     compiled, compiled_note = gpu_validate.predicted_tokens_per_s(simple_plan(30, 1, fused_last=True), 2, qwen,
                                                                   "NVIDIA H200", 1, 2, compiled_layers=True)
-    # the CUDA backend's default: fused element-wise chains and fewer launches make the prediction faster
-    assert compiled_note == "h200 profile, 2 microbatches, compiled layers" and compiled > tokens_per_s
+    # One stage of 2 microbatches is bound by the host optimizer and the transfers, not by launches: compiled
+    # layers change nothing there (they were 1 ulp faster before the bf16 pricing of 2026-12-06, by chance).
+    assert compiled_note == "h200 profile, 2 microbatches, compiled layers" and compiled == pytest.approx(tokens_per_s)
+    # the CUDA backend's default: fewer launches make a launch-bound step faster (4 stages x 8 microbatches: 1.15x)
+    plan = simple_plan(30, 4, fused_last=True)
+    eager_8, _ = gpu_validate.predicted_tokens_per_s(plan, 8, qwen, "NVIDIA H200", 1, 8)
+    compiled_8, _ = gpu_validate.predicted_tokens_per_s(plan, 8, qwen, "NVIDIA H200", 1, 8, compiled_layers=True)
+    assert compiled_8 > 1.1 * eager_8
     with pytest.raises(ValueError, match="the cost profile has 30 layers, the plan 12"):
         gpu_validate.predicted_tokens_per_s(simple_plan(12, 1), 2, qwen, "NVIDIA H200", 1, 2)
