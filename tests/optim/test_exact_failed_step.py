@@ -62,11 +62,48 @@ class GroupFailingAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def _net(switch, mode):
+class HoldForUpperStep(torch.autograd.Function):
+    """Identity whose backward, once armed, waits (at most ``HOLD_S``) until the watched upper weight changed."""
+
+    @staticmethod
+    def forward(ctx, x, switch):
+        ctx.switch = switch
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        watch = getattr(ctx.switch, "upper", None)
+        if ctx.switch.armed and watch is not None:
+            param, value = watch
+            deadline = time.monotonic() + HOLD_S
+            while torch.equal(param.detach(), value) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return g, None
+
+
+HOLD_S = 2.0  # bounded, so a schedule where the upper step cannot come first only delays (never hangs) the test
+
+
+class Hold(nn.Module):
+    def __init__(self, switch):
+        super().__init__()
+        self.switch = switch
+
+    def forward(self, x):
+        return HoldForUpperStep.apply(x, self.switch)
+
+
+def _net(switch, mode, hold_low_backward=False):
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(5)]
     if mode in ("raise", "hang", "nan"):
         blocks[1] = nn.Sequential(Fault(switch, mode), *blocks[1])  # low in the net: upper layers step first
+    elif hold_low_backward:
+        # The lane runs the layer steps waiting together lowest first; on a loaded host it may not start any
+        # before layers 0-1's gradients come home too, and then layer 0 fails first and nothing was updated
+        # (seen 3 in 8 runs with 4 copies in parallel, 1 in 8 on 2c9c60c). Holding layer 1's backward until the
+        # top layer stepped makes "layers stepped before the failing group" the case these tests describe.
+        blocks[1] = nn.Sequential(Hold(switch), *blocks[1])
     return nn.Sequential(*blocks, nn.Linear(8, 2))
 
 
@@ -94,7 +131,7 @@ def assert_same(before, after):
 def _train(mode, *, fail_group=0, early=True, timeout=30.0, steps=FAIL_STEP + 1, delay=0.0, undo=True, then=None):
     """Train until the failing step; returns (error, seconds to it, state before it, state after, stepped)."""
     switch = Switch()
-    net = _net(switch, mode)
+    net = _net(switch, mode, hold_low_backward=mode == "optimizer" and early and fail_group == 0)
     params = list(net.parameters())
     groups = [{"params": params[:4]}, {"params": params[4:]}]  # layers 0-1, layers 2-5
     groups[fail_group]["fail"] = mode == "optimizer"
@@ -124,6 +161,7 @@ def _train(mode, *, fail_group=0, early=True, timeout=30.0, steps=FAIL_STEP + 1,
             if step == FAIL_STEP:
                 runtime.join()
                 before = snapshot(net, opt)
+                switch.upper = (net[-1].weight, net[-1].weight.detach().clone())
                 switch.armed = True
             t0 = time.monotonic()
             try:
