@@ -143,17 +143,27 @@ class _State:
 class _Saved:
     """A tensor's value and version counter; ``put_back`` copies the value back only if the tensor was written
     since, so a buffer the forward only read keeps its version (a graph recorded before the check, that saved
-    it for backward, e.g. Gemma's ``embed_scale``, still backpropagates)."""
+    it for backward, e.g. Gemma's ``embed_scale``, still backpropagates). Written means a moved version counter
+    or a changed value: some kernels write without bumping the counter (BatchNorm's running statistics)."""
 
     def __init__(self, tensor: torch.Tensor):
         self.value = tensor.detach().clone()
         self.version = _version_of(tensor)
 
     def put_back(self, tensor: torch.Tensor) -> None:
-        if self.version is None or _version_of(tensor) != self.version:
+        if self.version is None or _version_of(tensor) != self.version or not _same_bits(tensor, self.value):
             with torch.no_grad():
                 tensor.copy_(self.value)
             self.version = _version_of(tensor)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same values, NaNs in the same places counting as equal."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
 def _version_of(tensor: torch.Tensor) -> int | None:
