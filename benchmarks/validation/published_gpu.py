@@ -66,7 +66,7 @@ def fp16_held(costs):
     """``costs`` with every weight and gradient at 2 B on the GPU, as the baseline systems hold them
     (fp16 weights and gradients; Megatron's fp32 main gradient and Adam are its 14 extra bytes). The
     shape model prices RoundPipe's bf16-mixed instead (fp32 norms, fp32 leaves and gradients:
-    params/autocast_cast.py), which is not what these other systems keep on their GPUs."""
+    cost/autocast_cast.py), which is not what these other systems keep on their GPUs."""
     layers = [dataclasses.replace(c, weight_bytes=2 * c.params, device_weight_bytes=None,
                                   grad_bytes=2 * (c.trainable_params or 0)) for c in costs.layers]
     return dataclasses.replace(costs, layers=layers)

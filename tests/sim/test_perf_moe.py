@@ -25,7 +25,7 @@ def test_moe_parameters_count_every_expert_flops_count_routed_ones():
     # forward: 2 x 100 projection FLOPs + attention 2 x seq_len x q_dim = 8; backward 4 x 100 + 2 x 8.
     assert layer.forward_s == pytest.approx(208e-12)
     assert layer.backward_s == pytest.approx(416e-12)
-    # bf16-mixed (params/autocast_cast.py, a6938d8 and 5a516cd): the attention projections travel in bf16,
+    # bf16-mixed (cost/autocast_cast.py, a6938d8 and 5a516cd): the attention projections travel in bf16,
     # the norms, router and fused experts stay fp32 (transformers 5 holds experts as tensors); grads are fp32.
     assert (layer.weight_bytes, layer.grad_bytes, layer.trainable_params) == (2 * 64 + 4 * (3 * 24 + 12 + 8),
                                                                              4 * 156, 156)

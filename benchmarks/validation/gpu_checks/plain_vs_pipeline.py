@@ -113,8 +113,8 @@ def plain_run(ctx: Ctx, config: dict, ids: torch.Tensor, steps: int) -> dict:
 def stage_bytes(runtime, compute_dtype: torch.dtype = torch.bfloat16) -> int:
     """Weight bytes the worker's ledger holds for the largest stage (forward and backward stages)
     under ``compute_dtype`` autocast: parameters autocast casts upload in ``compute_dtype``, and
-    trainable ones are held as leaves in their masters' dtype (params/autocast_cast.py's rule)."""
-    from lightning_roundpipe.params.autocast_cast import autocast_cast_parameters, device_dtype
+    trainable ones are held as leaves in their masters' dtype (cost/autocast_cast.py's rule)."""
+    from lightning_roundpipe.cost.autocast_cast import autocast_cast_parameters, device_dtype
 
     layers = runtime.layers
     cast = autocast_cast_parameters(layers)
