@@ -11,27 +11,14 @@ import threading
 import pytest
 import torch
 
+from benchmarks.calibration.device_rng_cost import StandInGenerator
 from lightning_roundpipe.engine.rng import CallRng, abandon_generators, layer_seed
 from lightning_roundpipe.workers.completions import PipelineTimeout
 
 
-class DeviceGenerator:
-    """CUDA's generator, reduced to what ``CallRng`` and a dropout kernel use of it."""
-
-    def __init__(self):
-        self.seed, self.offset = 0, 0
-
-    def manual_seed(self, seed):
-        self.seed, self.offset = int(seed), 0
-
-    def get_offset(self):
-        return self.offset
-
-    def get_state(self):
-        return torch.tensor([self.seed, self.offset], dtype=torch.int64)
-
-    def set_state(self, state):
-        self.seed, self.offset = int(state[0]), int(state[1])
+class DeviceGenerator(StandInGenerator):
+    """CUDA's generator, reduced to what ``CallRng`` and a dropout kernel use of it (the benchmark's stand-in,
+    which times ``CallRng`` against it, plus a kernel's draw)."""
 
     def draw(self):
         """What a dropout kernel launched now would draw (its mask depends on seed and offset)."""
