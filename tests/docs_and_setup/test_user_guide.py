@@ -98,3 +98,16 @@ def test_the_measured_summary_has_the_lines_the_committed_block_has():
     measured = figures.default_job_summary()
     assert summary_labels(measured.split("```\n")[1]) == summary_labels(quickstart_block())
     assert re.search(r"\(measured \d{4}-\d\d-\d\d on \d+ cores; load average [0-9.]+ before", measured)
+
+
+def test_planning_lists_every_model_preset_and_every_plan_flag(capsys):
+    from lightning_roundpipe.analysis.cli import build_parser
+    from lightning_roundpipe.cost.transformer import MODEL_PRESETS
+
+    page = (DOCS / "planning.md").read_text()
+    plan = build_parser()._subparsers._group_actions[0].choices["plan"]
+    flags = {option for action in plan._actions for option in action.option_strings
+             if option.startswith("--") and option not in ("--help", "--num-gpus")}
+    assert "--detect" in flags and "--quantize" in flags
+    assert sorted(flag for flag in flags if not re.search(re.escape(flag) + r"(?![\w-])", page)) == []
+    assert sorted(name for name in MODEL_PRESETS if f"`{name}`" not in page) == []
