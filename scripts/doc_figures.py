@@ -7,11 +7,15 @@ makes figure NAME and writes what it printed into every such block:
     python scripts/doc_figures.py            # rewrite the blocks in README.md and docs/*.md
     python scripts/doc_figures.py --check    # rewrite nothing; exit 1 naming each stale block
     python scripts/doc_figures.py --timeline # also redraw docs/img/timeline.png from the default job
+    python scripts/doc_figures.py --measured # also rerun the default job for its summary (measured)
 
 The blocks hold simulator output only (seconds, no training, no GPU), so
 ``tests/docs_and_setup/test_doc_figures.py`` runs ``--check`` on every change. ``--timeline``
 trains (the default job with ``trace=true``, about a minute on 2 cores) and the picture is
-measured, so no test compares it byte for byte.
+measured, so no test compares it byte for byte. The same holds for the measured blocks
+(``MEASURED``: the default job's printed summary, its time included): ``--measured`` rewrites
+them, ``--check`` leaves their numbers alone, and a test checks that they have the lines the job
+prints.
 
 Commands run in a subprocess with a fixed terminal width, as a reader would run them, and the
 block holds their output verbatim: this reads no numbers out of printed tables, so a change of
@@ -27,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -62,31 +67,53 @@ FIGURES: dict[str, Callable[[], str]] = {
     "host-bytes-per-param": lambda: command_output(["-m", "lightning_roundpipe.sim", "host-bytes"]) + "\n",
 }
 
+RUN_DIR_SHOWN = "outputs/<date>/<time>"  # the run directory as a measured block shows it
+
+
+def default_job_summary() -> str:
+    """The summary the default job (``make run``) prints at its end, measured now on this machine,
+    and under it the date, the cores and how loaded they were (other processes slow it down)."""
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as run_dir:
+        printed = command_output(["examples/finetune.py", f"hydra.run.dir={run_dir}"])
+        summary = printed[printed.rindex("\nsteps:") + 1:].replace(run_dir, RUN_DIR_SHOWN)
+    when = time.strftime("%Y-%m-%d", time.gmtime())
+    return ("```\n" + summary + "\n```\n\n" + f"(measured {when} on {os.cpu_count()} cores; load average "
+            f"{load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after)\n")
+
+
+# Figures measured by running something (seconds of wall time vary): rewritten only with --measured.
+MEASURED: dict[str, Callable[[], str]] = {"default-job-summary": default_job_summary}
+
 
 def blocks(text: str) -> list[tuple[str, str]]:
     """(name, current body) of each figure block of a page."""
     return [(m["name"], m["body"]) for m in BLOCK.finditer(text)]
 
 
-def rewrite(text: str, made: dict[str, str]) -> str:
-    """The page with each block's body replaced by its figure (unknown names are an error)."""
+def rewrite(text: str, made: dict[str, str], keep=frozenset(MEASURED)) -> str:
+    """The page with each block's body replaced by its figure (unknown names are an error; blocks
+    named in ``keep`` and not in ``made`` stay as they are)."""
     def replace(m: re.Match) -> str:
+        if m["name"] in keep and m["name"] not in made:
+            return m[0]
         if m["name"] not in made:
             raise KeyError(f"no figure named {m['name']!r} in scripts/doc_figures.py (known: {sorted(FIGURES)})")
         return f"<!-- figures:{m['name']} -->\n{made[m['name']]}<!-- /figures -->"
     return BLOCK.sub(replace, text)
 
 
-def stale_blocks(pages=PAGES, figures=FIGURES) -> tuple[list[str], dict[Path, str]]:
-    """Which blocks differ from what their figure makes now, and every page as it should be."""
+def stale_blocks(pages=PAGES, figures=FIGURES, measured=MEASURED) -> tuple[list[str], dict[Path, str]]:
+    """Which blocks differ from what their figure makes now, and every page as it should be
+    (blocks named in ``measured`` are left as they are)."""
     texts = {page: page.read_text() for page in pages}
-    names = {name for text in texts.values() for name, _ in blocks(text)}
+    names = {name for text in texts.values() for name, _ in blocks(text)} - set(measured)
     unknown = sorted(names - set(figures))
     if unknown:
         raise KeyError(f"figure blocks without a figure in scripts/doc_figures.py: {unknown}")
     made = {name: figures[name]() for name in sorted(names)}
     stale = [f"{page.relative_to(REPO) if page.is_relative_to(REPO) else page}: {name}"
-             for page, text in texts.items() for name, body in blocks(text) if body != made[name]]
+             for page, text in texts.items() for name, body in blocks(text) if name in made and body != made[name]]
     return stale, {page: rewrite(text, made) for page, text in texts.items()}
 
 
@@ -105,8 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="rewrite nothing; exit 1 if a block is stale")
     parser.add_argument("--timeline", action="store_true", help="also redraw docs/img/timeline.png (trains)")
+    parser.add_argument("--measured", action="store_true", help="also rerun the measured figures (trains)")
     args = parser.parse_args(argv)
     stale, pages = stale_blocks()
+    if args.measured and not args.check:
+        made = {name: figure() for name, figure in MEASURED.items()}
+        pages = {page: rewrite(text, made, keep=set(FIGURES)) for page, text in pages.items()}
     if args.check:
         for where in stale:
             print(f"stale figure block {where}: run python scripts/doc_figures.py", file=sys.stderr)

@@ -1,22 +1,10 @@
 """Layers whose training forward depends on the whole batch: BatchNorm, and running statistics.
 
-A BatchNorm in training mode normalises with the statistics of the samples it is given, and
-updates its running statistics once per call. Split into microbatches, each microbatch is
-normalised with its own statistics and the running statistics move once per microbatch, which
-no single-device run computes: the gradients, the running statistics and ``num_batches_tracked``
-(2x with 2 microbatches) all differ. An InstanceNorm normalises per sample, but one that tracks
-running statistics updates them per microbatch too.
-
-So the call is refused by default (``batch_statistics="refuse"``) when such a layer would run in
-that mode on more than one microbatch, before anything runs: at the first training step, so before
-any weight changes. ``batch_statistics="per_microbatch"`` accepts GPipe's semantics instead:
-microbatch i of a layer is normalised with its own statistics, and the running statistics are
-updated once per microbatch in microbatch order (exactly what running the layer on each
-microbatch in turn computes). With ``microbatches=1``, or such layers in eval mode (a frozen
-backbone), the run is exact and nothing is refused.
-
-Only these module classes are known here; another module writing its buffers in forward is
-noticed only once it did (``engine/buffers.py`` warns).
+Split into microbatches, a BatchNorm in training mode normalises each with its own statistics
+and updates its running statistics once per microbatch, which no single-device run computes. So
+the call is refused by default (``batch_statistics="refuse"``) before any weight changes;
+``"per_microbatch"`` accepts GPipe's semantics. With ``microbatches=1``, or such layers in eval
+mode, the run is exact. Details: docs/design.md, design notes, ``adapters/batch_statistics.py``.
 """
 
 from __future__ import annotations

@@ -1,38 +1,12 @@
 """A stack of blocks pipelined from inside the model's own ``forward``.
 
-The model's ``forward`` runs on the host unchanged: its embedding, norm, head, loss and any
-other code outside the stack run there, in the host dtype, under ordinary autograd. Each block
-gets a *relay* as its instance ``forward``:
-
-- block 0's relay takes its arguments (the hidden state first, then masks, rotary tables and
-  the like), runs every block through the pipeline at once and keeps the final output;
-- block i's relay checks that it was called with block i-1's output as its first argument and
-  with the very same other arguments, and hands on the output; the last block's relay returns
-  the real final output.
-
-What block i < n-1 "returns" is a stand-in (``PendingOutput``) with the output's shape
-and dtype: passing it to the next block is all a chain does with it, and any other use (adding
-to it, storing it and reading it later) raises ``BlockChainError`` instead of computing
-with a wrong value. So a ``forward`` that is not a plain chain is refused, never run wrongly.
-
-A block may return a tuple whose item 0 is the next block's input (``return x, attn``), when
-the loop keeps item 0 and ignores the rest (``x = block(x)[0]``, ``x, _ = block(x)``). The
-*calling convention* is found before anything runs, by calling block 0 once on the host on the
-first two samples (no grad, random state and buffers restored): a tensor, or such a tuple. For a
-tuple, the pipeline runs only when the last block is called, so the whole pass is seen to be a
-chain first: every block "returns" a tuple of stand-ins, item 0 as above and the other items
-(``IgnoredOutput``) raising on any use. A loop that uses them (T5 hands its position bias
-from block 0 to the others) is refused before any weight is uploaded. The workers pass item 0
-on and drop the rest. Any other output (a dict, a dataclass) is refused.
-
-On a worker, a block runs through ``BlockLayer``, which calls the block with the carried
-arguments; the relay sees that it runs on a worker and calls the block's own ``forward``.
-
-The carry between layers is ``(output, per_sample, arguments)``: ``per_sample`` holds the other
-arguments that have a batch dimension (split into microbatches with the hidden state; a gradient
-flows into them, e.g. an encoder's output fed to every decoder block), ``arguments`` an opaque
-``ChainArguments`` that rebuilds the rest (masks without a batch dimension, flags, None) on
-the worker's device. The last layer returns the output alone.
+The model's ``forward`` runs on the host unchanged (embedding, head, loss in the host dtype);
+each block gets a *relay* as its instance ``forward``: block 0's runs every block through the
+pipeline at once, the others check that they are called with the previous block's output and
+the same other arguments, and hand it on. What a block "returns" before the last is a stand-in
+(``PendingOutput``) that raises ``BlockChainError`` on any use but being passed on, so a
+``forward`` that is not a plain chain is refused, never run wrongly. The calling convention, tuple
+outputs and the carry: docs/design.md, design notes, ``adapters/block_chain.py``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Language-model head + cross-entropy without materialising the full logits.
 
-A causal LM's last stage computes ``logits = hidden @ W.T`` of shape [tokens, vocab] and a
-cross-entropy over them. For a 150k vocabulary and a long sequence the logits (kept in fp32 for
-the loss, and kept again for backward) are the largest tensor of the whole step. The pipeline's
-last stage is *fused* (forward, loss and backward at once per microbatch), so the gradients can be
-computed right away, chunk by chunk of rows: only one chunk's logits ever exist, and backward
-just scales the stored gradients by the incoming gradient (exact for any use of the scalar).
-
-Numerics follow Hugging Face's ``ForCausalLMLoss``: the head runs in the input dtype, the logits
-are upcast to fp32 for the loss, and the logits gradient is cast back to the input dtype before
-the two matmuls of the head's backward.
-
-Under the caller's autocast (``torch.autocast`` around the model call, or a bf16-mixed precision
-plugin) the head runs as autocast runs ``F.linear``: rows, weight and bias cast to autocast's
-dtype, the logits in that dtype, and the backward's matmuls and bias sum in it too, each result
-then cast back to its input's dtype, as autograd does through autocast's casts.
-
-Some families transform the logits before the loss (Cohere multiplies them, Granite divides
-them, Gemma2/3 soft-cap them with ``cap * tanh(logits / cap)``): ``LogitTransform`` applies
-the same arithmetic in the same order, in the head's dtype, inside each chunk, and its derivative
-in the chunk's backward, so the transform never needs the full logits either.
+For a large vocabulary and a long sequence the logits are the largest tensor of the step. The
+fused last stage computes forward, loss and gradients at once, chunk by chunk of rows, so only
+one chunk's logits ever exist and backward scales the stored gradients by the incoming one
+(exact). Numerics follow Hugging Face's ``ForCausalLMLoss`` and the caller's autocast; a family's
+logit transform (scale, soft-cap: ``LogitTransform``) runs inside each chunk with its
+derivative. Details: docs/design.md, design notes, ``adapters/chunked_loss.py``.
 """
 
 from __future__ import annotations

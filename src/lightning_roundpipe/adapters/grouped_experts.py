@@ -1,34 +1,11 @@
 """Grouped expert computation for Hugging Face MoE layers (``moe_experts="grouped"``).
 
-HF's eager experts forward loops over the experts that got tokens: ``nonzero`` on the routing
-mask and a ``torch.where`` per expert (host syncs on a GPU), then per expert a gather, two
-matmuls and an ``index_add_``. Here the
-(token, expert) pairs are sorted by expert once, and each projection is ONE grouped matmul over
-the sorted rows (``torch.nn.functional.grouped_mm`` with device-side group ends); the routing
-weights and the scatter back to tokens are one multiply and one ``index_add``. Nothing reads a
-tensor's value on the host (the padded path below reads one number per layer call).
-
-Exactness: every row meets the same expert weights as in HF's loop, and ``index_add`` adds a
-token's expert outputs in ascending expert order, as the loop does. The router, its logits and
-the aux loss are not touched (they are computed before the experts are called).
-
-**The padded path** (``moe_experts="padded_bmm"``, kernel ``"padded_bmm"``): the sorted pairs are
-placed in ``capacity`` slots per expert, where ``capacity`` is the busiest expert's pair count
-rounded up to ``CAPACITY_MULTIPLE`` (ONE host read per layer call, ``counts.max().item()``: the
-reference RoundPipe's loop reads its counts once per layer too), and each projection is ONE
-``torch.bmm`` over ``[experts, capacity, in]``. ``bmm`` takes fp16 and cuBLAS runs it with fp16
-accumulation when ``torch.backends.cuda.matmul.allow_fp16_accumulation`` is on (the reference's
-precision); ``grouped_mm`` takes bf16 only. The gate and the biases run on the padded block (a
-per-expert broadcast of the bias), and the real rows are read back by their slots before the
-routing weights. Exactness: a real row meets its expert's matrix and bias exactly as in the
-loop; an empty slot's input row is zero, and since the outputs of empty slots are never read
-back, their gradient is exactly zero, so they add exact zeros to every weight and bias gradient.
-
-Only the expert layouts mapped below are swapped (the fused 3-D tensors of transformers 5:
-``gate_up_proj`` / ``down_proj`` with the experts first, the default ``act_fn(gate) * up`` gate
-over the concatenated halves, and GPT-OSS's biased, interleaved, clamped SwiGLU); any other
-experts module keeps HF's forward and is named by ``install_grouped_experts``.
-The swap is an instance-level ``forward``: parameters, buffers and ``state_dict`` are unchanged.
+Replaces HF's per-expert loop (host syncs on a GPU) by the (token, expert) pairs sorted by
+expert once and ONE grouped matmul per projection (``grouped_mm``), or, for
+``moe_experts="padded_bmm"``, ONE fp16-capable ``bmm`` over slots padded to the busiest expert
+(one host read per layer call). Both are exact against the loop; the router and aux loss are
+untouched. Only the mapped expert layouts are swapped, as an instance ``forward``. The kernels
+and why they are exact: docs/design.md, design notes, ``adapters/grouped_experts.py``.
 """
 
 from __future__ import annotations

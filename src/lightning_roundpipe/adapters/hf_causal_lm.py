@@ -1,40 +1,13 @@
 """Hugging Face decoder-only causal LMs as a sequence of pipeline layers.
 
 ``CausalLMLayers.from_model(model).layers`` is ``[CausalLMPrefix, DecoderStep x N,
-CausalLMPostfix]``. Every layer takes one argument, the *carry* (a flat dict of tensors or
-None), and returns the next carry, so the engine can run any layer with
-``torch.func.functional_call(layer, params_and_buffers, (carry,))``.
-
-The layers are thin wrappers that hold references to the ORIGINAL submodules of the user's
-model (no copies): their parameters are the model's parameters, and the model itself (state
-dict, config, attributes) is never modified. The wrappers follow the submodules' train/eval
-mode, so dropout etc. behave as in ``model(...)``.
-
-Carry keys
-----------
-input of layer 0 (one microbatch of the user's batch):
-    ``input_ids`` [b, s] (required), ``attention_mask`` [b, s] of 1/0 (optional),
-    ``position_ids`` (optional, default ``arange(s)[None]`` exactly like the model),
-    ``labels`` [b, s] (optional, -100 = ignored).
-between layers:
-    ``hidden`` [b, s, h] (the only key that carries a gradient, see
-    ``DIFFERENTIABLE_CARRY_KEYS``), ``cos``/``sin`` (rotary position embeddings),
-    ``position_ids``, ``mask`` (the full-attention mask from HF's own ``create_causal_mask``;
-    None when the attention implementation needs no dense mask, e.g. sdpa without padding),
-    ``sliding_mask`` / ``chunked_mask`` (only for models with such layers, from HF's
-    ``create_sliding_window_causal_mask`` / ``create_chunked_causal_mask``), ``cos.<type>`` /
-    ``sin.<type>`` instead of ``cos``/``sin`` when the rotary embedding is per layer type (Gemma3),
-    ``labels`` and ``outputs`` (passed through when given), and for MoE models asked for router
-    statistics ``moe_counts`` / ``moe_probs`` / ``moe_rows`` plus ``token_mask`` (see ``hf_moe``).
-output of the last layer:
-    ``{"logits": [b, s, vocab]}`` in logits mode, ``{"loss_sum": 0-dim fp32}`` in loss mode, or
-    ``{"loss_sum": [1], ...}`` when the host combines the outputs (see ``CausalLMPostfix``).
-    ``last_hidden`` [b, s, h] (the final norm's output) with them when the carry asks for it.
-
-Where each family keeps its modules and what its forward adds is in ``hf_families``.
-
-Loss bookkeeping: HF's loss is the mean over the shifted, non-ignored tokens of the whole batch,
-so ``loss = sum(loss_sum over microbatches) / count_loss_tokens(labels of the whole batch)``.
+CausalLMPostfix]``: thin wrappers holding the model's own submodules (no copies; the model is
+never modified). Every layer takes one *carry* (a flat dict of tensors, only ``hidden`` carrying
+a gradient) and returns the next, so the engine can run any layer with
+``torch.func.functional_call``. The loss is ``sum(loss_sum over microbatches) /
+count_loss_tokens(labels of the whole batch)``, exactly HF's mean. The carry's keys, layer by
+layer: docs/design.md, design notes, ``adapters/hf_causal_lm.py``; each family's modules and
+forward: ``hf_families``.
 """
 
 from __future__ import annotations

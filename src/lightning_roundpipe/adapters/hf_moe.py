@@ -1,20 +1,11 @@
 """The MoE router's auxiliary (load-balancing) loss, exact across microbatches and stages.
 
-Hugging Face's ``load_balancing_loss_func`` (the same in every MoE family) takes the router
-logits of every MoE layer for the whole batch and returns
-
-    aux = E * sum_e (A_e / N) * (P_e / N)
-
-with, over every (MoE layer, token) pair weighted by the attention mask: ``A_e`` the number of
-top-k assignments to expert e, ``P_e`` the sum of the softmax routing probabilities of e, and
-``N`` the number of pairs. It is a product of batch-wide sums, not a sum over microbatches, so
-the pipeline carries the three sums (``A``, ``P``, ``N``) through the layers of each microbatch,
-and the host adds them over microbatches and forms ``aux`` from the totals. ``A`` and ``N`` carry no
-gradient; ``P`` does, so ``d aux / d P_e = E * A_e / N^2`` reaches every router with the
-whole batch's counts: loss and router gradients equal the unpipelined model's.
-
-The router is found through the model's own ``_can_record_outputs["router_logits"]`` (the
-recorder HF uses to collect router logits), so no family needs its router named here.
+Hugging Face's load-balancing loss is a product of batch-wide sums, not a sum over microbatches,
+so the pipeline carries the three sums (assignments ``A``, routing probabilities ``P``, pairs
+``N``) through each microbatch's layers and the host forms the loss from their totals: loss and
+router gradients equal the unpipelined model's. The router is found through the model's own
+``_can_record_outputs["router_logits"]``. The formula: docs/design.md, design notes,
+``adapters/hf_moe.py``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """What a Hugging Face model's forward does with its call options, reproduced for the pipelined forward.
 
-The pipelined forward (``hf_runtime``) runs the model's layers on the workers; the options of
-the call decide what those layers build and what comes back, and each is read here exactly as the
-model's own forward reads it:
-
-- ``use_cache``: the model's forward creates an empty cache when its effective ``use_cache`` is on
-  (the argument, else ``config.use_cache``, off under gradient checkpointing in training), and the
-  mask builders then skip the packed-sequence detection (``forward_uses_cache``).
-- ``output_hidden_states``: only the last hidden state (the final norm's output, what
-  ``hidden_states[-1]`` is) leaves the pipeline; the others never reach the host
-  (``hidden_states_request``, ``LastHiddenStateOnly``).
-- ``logits_to_keep``: the positions the LM head is applied to (``logits_to_keep_for_batch``).
-- sequence classification: the logits of the last non-padding token of each row (``pooled_logits``).
+Each call option is read exactly as the model's own forward reads it: ``use_cache``
+(``forward_uses_cache``), ``output_hidden_states`` (only the last hidden state leaves the
+pipeline: ``hidden_states_request``, ``LastHiddenStateOnly``), ``logits_to_keep``
+(``logits_to_keep_for_batch``) and sequence classification's pooling (``pooled_logits``).
+Details: docs/design.md, design notes, ``adapters/hf_outputs.py``.
 """
 
 from __future__ import annotations

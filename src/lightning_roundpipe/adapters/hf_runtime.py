@@ -2,36 +2,10 @@
 
 Takes the arguments users pass in a training step (``input_ids``, ``attention_mask``,
 ``position_ids``, ``labels``, ``output_router_logits``) and returns the output class the model
-would (``CausalLMOutputWithPast``, or ``MoeCausalLMOutputWithPast`` for MoE models).
-
-- With labels, the loss is computed inside the pipeline's last stage, per microbatch, and only
-  scalars come home: ``loss = sum(loss_sum_i) / (non-ignored tokens of the whole batch)``, which
-  is exactly HF's mean. Full logits are never materialised, so reading ``.logits`` raises an
-  error that says how to get them (``logits_with_loss=True`` returns them with the loss).
-- MoE with ``output_router_logits`` (argument or config): the last stage is an ordinary one that
-  returns the loss sum and the router statistics of its microbatch; the host adds the
-  statistics over microbatches and forms HF's load-balancing loss from the batch totals (see
-  ``hf_moe``), so loss and router gradients are exact. ``aux_loss`` is returned as HF does;
-  ``router_logits`` are not (they would be every layer's [tokens, experts] logits).
-- Without labels, logits come back as usual (only the ``logits_to_keep`` positions when given).
-- ``num_items_in_batch`` divides the summed loss instead of the batch's token count, as HF's loss does.
-- A loss of the user's own (``model.loss_function = ...``, anything but HF's ``ForCausalLMLoss``):
-  the last stage returns the full logits and the host calls that function on them as the model's
-  forward would (exact; costs one [batch, seq, vocab] logits tensor, as ``logits_with_loss``).
-- A subclass that overrides the model's ``forward`` (a z-loss term, say) is refused at set-up,
-  since the pipeline runs the family's forward, not the override; with ``allow_unverified`` it
-  runs only once the first microbatch matched the override's own forward (``hf_self_check``).
-- ``output_hidden_states``: the last hidden state comes back (with its gradient); the others and
-  ``output_attentions`` cannot, see ``hf_outputs``. Packed ``position_ids`` get the masks the
-  model's forward builds for its effective ``use_cache``.
-- Sequence / token classifiers (transformers' generic ones) return their logits from the last
-  stage; pooling and loss run on the host with the model's own ``loss_function``.
-- Generation (``use_cache=True`` or a cache, as ``model.generate()`` calls it) runs the model's
-  own forward on the host, on the real weights, after the pending optimizer steps: exact, but on
-  the CPU; it is meant for a few samples in ``validation_step``. In training (peft's prefix tuning
-  passes its prefix as a cache) it warns once (see ``unpipelined_calls``).
-- An unverified family (``allow_unverified=True``) is checked on the first call: logits, loss and
-  aux loss of the first microbatch against the model's own forward (see ``hf_self_check``).
+would. With labels the loss is fused into the last stage and only scalars come home (exactly
+HF's mean; ``.logits`` then raises unless ``logits_with_loss``); MoE router losses are formed on
+the host from batch totals; generation and cache calls run the model's own forward on the host.
+Every case, and why: docs/design.md, design notes, ``adapters/hf_runtime.py``.
 """
 
 from __future__ import annotations

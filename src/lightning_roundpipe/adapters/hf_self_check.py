@@ -1,20 +1,11 @@
 """The self-check of a Hugging Face family that is not verified (``allow_unverified=True``).
 
-An unverified family is pipelined only after two things held, before any weight changes:
-
-1. its pipeline layers could be built (``build_layers``): the adapter found its modules and,
-   for a Mixture-of-Experts model, its router and aux-loss settings;
-2. on the first call, the pipeline's layers run one after another on the host compute what the
-   model's own ``forward`` returns for the first microbatch (``check_first_microbatch``):
-   the logits, the loss (the user's labels, or the inputs as labels when the call has none) and,
-   for an MoE model, the aux loss and the loss with the aux term the family adds (the adapter
-   reads its coefficient from that forward, see ``hf_moe.aux_coefficient``). Both run in
-   eval mode under no_grad.
-
-Any failure of either, an exception of the family's code or a difference above
-``PARITY_TOLERANCE``, becomes an ``UnsupportedModelError`` that names the family and the
-failing part (the adapter function or pipeline layer that raised, or the output that differs),
-and says what to do. Nothing of the user's model is changed by the check.
+Before any weight changes, the family's pipeline layers must build (``build_layers``) and, on the
+first call, compute on the host what the model's own ``forward`` returns for the first microbatch
+(``check_first_microbatch``: logits, loss and, for MoE, the aux loss). Any exception or a
+difference above ``PARITY_TOLERANCE`` becomes an ``UnsupportedModelError`` naming the family, the
+failing part and what to do; the user's model is not changed. Details: docs/design.md, design
+notes, ``adapters/hf_self_check.py``.
 """
 
 from __future__ import annotations

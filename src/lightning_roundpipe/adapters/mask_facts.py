@@ -1,27 +1,11 @@
 """What HF's mask builders would read from the device, decided on the host instead.
 
-Hugging Face's ``create_causal_mask`` (and its sliding and chunked siblings) take a Python
-decision on tensor values: with an ``attention_mask``, sdpa's "can the mask be skipped" test
-reads whether every token is kept (``fast_all`` in a condition); without one and without a
-cache, the packed-sequence test reads whether ``position_ids`` restart. On a GPU each read is a
-device sync, once per mask kind per microbatch, in the worker thread that runs layer 0.
-
-The answers are known on the host before the batch is uploaded. ``host_facts`` computes them
-once per batch, per row, as ``HostRows`` (split with the batch, never uploaded), and
-``builder_arguments`` turns a microbatch's rows into builder arguments that give the same mask
-without the read:
-
-- a mask that keeps every token (as wide as the sequence): no mask and no positions. HF with an
-  all-ones mask never looks for packed sequences, and an all-ones padding mask adds nothing to
-  any pattern, so the result is the same (None for sdpa where it would skip, the same pattern
-  where it would not);
-- a mask that pads some token: the mask, no positions (a given mask turns the packed test off),
-  and ``allow_is_causal_skip=False``, since the skip test would answer no (a padded token is
-  inside the query length);
-- no mask: positions only where they are packed (HF's own ``find_packed_sequence_indices`` run on
-  the host rows); plain ones (or positions the prefix made, an arange) are dropped, which is the
-  packed test's own answer. Packed rows keep HF's path (one read), as do masks given on the
-  device or of another shape, and flash-attention's padded masks (its builder reads the mask).
+Hugging Face's ``create_causal_mask`` and its siblings read tensor values to decide (is every
+token kept, do ``position_ids`` restart): on a GPU, a device sync per mask kind and microbatch in
+the worker running layer 0. ``host_facts`` computes those answers once per batch on the host, per
+row (``HostRows``), and ``builder_arguments`` gives each microbatch builder arguments that yield
+the same mask, bit for bit, without the read. The cases: docs/design.md, design notes,
+``adapters/mask_facts.py``.
 """
 
 from __future__ import annotations

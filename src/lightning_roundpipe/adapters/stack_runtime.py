@@ -1,18 +1,11 @@
 """What the runtime needs for a block stack or a declared chain: the module to patch, the layers, the forward.
 
-Block stack: the layers are the blocks (as ``BlockLayer``), the code outside
-the stack stays in the model's own ``forward`` on the host, and every block gets a relay (see
-``block_chain``). The container's instance ``forward`` is patched too: an ``nn.Sequential``
-called directly runs the pipeline, a ``ModuleList`` stays uncallable as before.
-
-Declared chain: a module that defines ``roundpipe_layers(self)`` returning its layers in order
-states that ``module(x)`` equals ``for layer in layers: x = layer(x)``; its ``forward`` is
-replaced by the pipeline of those layers, each taking and returning one value (a tensor, tuple
-or dict of tensors). Put the embedding and the head in the list and they run on the workers.
-
-Compiled modules (``torch.compile``) are pipelined through their original module: the layers
-run eagerly on the workers (compilation is not kept per block), and the patched forwards are
-excluded from compilation, so a compiled model calls the pipeline as ordinary Python.
+Block stack: the layers are the blocks (``BlockLayer``), the code outside the stack stays in the
+model's ``forward`` on the host and every block gets a relay (``block_chain``). Declared chain: a
+module whose ``roundpipe_layers()`` returns its layers in order has its ``forward`` replaced by
+the pipeline of those layers (put the embedding and head in the list to run them on the
+workers). Compiled modules are pipelined through their original module, eagerly. Details:
+docs/design.md, design notes, ``adapters/stack_runtime.py``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Where a model keeps its stack of blocks, and which modules declare their own chain of layers.
 
-A *block stack* is an ``nn.ModuleList`` (or an ``nn.Sequential`` that is not a top-level
-attribute) whose children are blocks: modules of one class that have submodules of their own
-(a transformer block, ``nn.TransformerEncoderLayer``, ``nn.Sequential(Linear, GELU)``). Bare
-layers (``nn.Linear``, activations) do not count, so lists of heads or the layers of a small MLP
-are not taken for the model's backbone; name such a list with ``module=`` to pipeline it anyway.
-
-A *declared chain* is any module with a ``roundpipe_layers()`` method (see
-``stack_runtime``). The search does not look inside a stack or a declared chain, so the
-expert lists of a Mixture-of-Experts block are never candidates.
-
-``torch.compile`` wraps a module in an ``OptimizedModule`` holding the original as
-``_orig_mod``; the search looks through it.
+A *block stack* is an ``nn.ModuleList`` (or a nested ``nn.Sequential``) of blocks: modules of one
+class with submodules of their own, so lists of bare layers are not taken for the backbone. A
+*declared chain* is a module with ``roundpipe_layers()``. The search does not look inside either
+(an MoE block's expert list is never a candidate) and looks through ``torch.compile``'s wrapper.
+Details: docs/design.md, design notes, ``adapters/stack_search.py``.
 """
 
 from __future__ import annotations

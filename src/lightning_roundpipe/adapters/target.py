@@ -1,22 +1,12 @@
 """Which module of a LightningModule is pipelined, and how it becomes a list of layers.
 
-Found automatically when unambiguous, in this order:
-
-1. exactly one top-level ``nn.Sequential`` attribute (compiled or not), or exactly one Hugging
-   Face causal LM (plain or peft-wrapped) that the adapter recognises;
-2. otherwise exactly one *block stack* anywhere in the model (an ``nn.ModuleList`` or nested
-   ``nn.Sequential`` of blocks, see ``stack_search``) or one module that declares its chain
-   with ``roundpipe_layers()``.
-
-Otherwise the user names it with a dotted attribute path (``RoundPipeStrategy(module="net")``):
-an ``nn.Sequential``, a causal LM, a block list, a module declaring its chain, or a model
-holding exactly one block stack. ``locate`` does the same for a module given directly
-(``RoundPipeRuntime.attach``).
-
-The module is pipelined by giving its *instance* a ``forward`` that runs the engine (for a
-block stack: every block gets a relay, see ``block_chain``); the class, the parameters and
-the ``state_dict`` are untouched, and ``unpatch`` removes the instance attributes at
-teardown, so the module is exactly as it was after ``fit``.
+Found automatically when unambiguous (one top-level ``nn.Sequential`` or recognised Hugging Face
+causal LM, else one block stack or one module declaring ``roundpipe_layers()``), or named by the
+user with a dotted path (``RoundPipeStrategy(module="net")``); ``locate`` does the same for a
+module given directly (``RoundPipeRuntime.attach``). The module is pipelined by giving its
+*instance* a ``forward`` that runs the engine; ``unpatch`` removes it at teardown, so the module
+is exactly as it was after ``fit``. The search order: docs/design.md, design notes,
+``adapters/target.py``.
 """
 
 from __future__ import annotations

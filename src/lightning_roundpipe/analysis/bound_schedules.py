@@ -1,31 +1,11 @@
 """Bound pipeline schedules with CPU offload (GPipe, 1F1B, interleaved 1F1B), for comparison.
 
-Here each GPU owns fixed stages: the layers are split into ``P`` (``P * v`` for interleaved)
-contiguous stages with the smallest largest per-stage time (forward + recompute + backward),
-and virtual stage ``s`` lives on GPU ``s % P``. Model state lives on the host as for RoundPipe
-(fp32 masters and Adam on the CPU); the simulator grants the baselines the same favours it grants
-RoundPipe, so the comparison isolates the schedule:
-
-- Activations between GPUs go through host memory (consumer GPUs have no peer-to-peer), one
-  download and one upload, at high priority.
-- Activation checkpointing per layer (each layer's input kept on the GPU, one layer's graph live
-  during its backward): the smallest memory a bound schedule can have at the same FLOPs.
-- Offload policy, per GPU: if the GPU's stage weights and gradients plus checkpoints and working
-  set fit, weights stay resident; each step uploads the updated compute-dtype weights once (after
-  the host optimizer updated that layer) and downloads the accumulated gradients once. Otherwise
-  weights are streamed: every forward or backward of a microbatch uploads its layers one at a
-  time (two layers resident) and every backward sends that layer's gradients home.
-- The host optimizer overlaps layer by layer, exactly as for RoundPipe (no step barrier).
-
-``mobius`` (Mobius-like, Feng et al. ASPLOS '23): ``chunks`` x ``P`` stages mapped round-robin
-onto the GPUs, each GPU running its stages breadth-first (all microbatches of one stage, then its
-next stage; backward in reverse), and every stage's weights streamed from host memory once per
-direction: uploaded before the stage's first microbatch (at most two stages' weights on a GPU, so
-the next one prefetches while one runs), its gradients accumulated on the GPU over the
-microbatches and sent home after the last one.
-
-On-GPU optimizer state (``optimizer_state_bytes_per_param``, for Megatron-like runs whose
-optimizer lives on the GPUs) only adds to the memory check.
+Each GPU owns fixed stages (virtual stage ``s`` on GPU ``s % P``), with model state on the host as
+for RoundPipe and the same favours the simulator grants RoundPipe (activations through host
+memory, per-layer checkpointing, resident or streamed weights, an overlapped host optimizer), so
+the comparison isolates the schedule. ``mobius`` is the Mobius-like schedule (stages mapped
+round-robin, weights streamed per direction). The assumptions in full: docs/design.md, design
+notes, ``analysis/bound_schedules.py``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """Command line of the simulator: ``python -m lightning_roundpipe.sim {plan,compare,paper,small-steps,scaling}``.
 
 It lives in the analysis layer because it reaches every layer below (the capacity planner, the
-bound-schedule baselines, the published runs); ``sim/__main__.py`` only runs ``main``.
-
-- ``plan``: does training fit, and with which microbatches, plan and sequence length
-  (exit status 0 when it fits, 1 when it does not);
-- ``compare``: RoundPipe against GPipe, 1F1B and interleaved 1F1B with offload, as a table;
-- ``paper``: the paper's comparison on the workload it published (``analysis/paper.py``): the
-  reference measured and simulated, this engine's defaults and best exact setups, the bound
-  baselines as published; ``--json PATH`` writes the rows;
-- ``small-steps``: RoundPipe against the bound schedules for Qwen3-1.7B/8B/32B-sized models at 32
-  single-sequence microbatches per step, bf16 (``compare.paper_table``);
-- ``scaling``: predicted tokens/s of the reference workload on 1..N GPUs;
-- ``host-bytes``: host bytes per parameter of full fine-tuning (with and without the undo copy),
-  LoRA and QLoRA, from the memory model (the docs' table).
-
-``--num-gpus`` (every command) replaces the profile's GPU count: any count, any profile. ``plan``
-and ``compare`` take the machine's own numbers too (``--gpus``, ``--gpu-memory``, ``--host-memory``,
-``--pcie``; ``machine``), or read them off this machine with
-``--detect``; ``--model`` there is a preset or a local Hugging Face model directory or
-``config.json`` (``hf_shape``). What was assumed is printed first.
+bound-schedule baselines, the published runs); ``sim/__main__.py`` only runs ``main``. ``plan``
+says whether training fits (exit 1 when it does not), ``compare``, ``paper`` and ``small-steps``
+set RoundPipe beside other schedules and the published runs, ``scaling`` predicts 1..N GPUs and
+``host-bytes`` prints host bytes per parameter. ``--num-gpus`` and the machine options
+(``--detect``) replace the profile's figures. Each command: docs/design.md, design notes,
+``analysis/cli.py``, and docs/planning.md.
 """
 
 from __future__ import annotations

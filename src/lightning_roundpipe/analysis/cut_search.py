@@ -1,17 +1,10 @@
 """A local search of a setup's stage cuts with every candidate plan simulated whole (an analysis tool).
 
-The planner's ``auto`` search prices plans with a fast list-scheduling model of one call
-(``planning/predictor.py``). On the reference workload a step has several calls, and the round-robin
-cursor moves on between them by the call's stage count modulo the workers, so which worker gets
-which stages over the step is what the one-call model does not see. This search asks the simulator
-instead: starting from the plan a partition policy gives, it tries moving one cut by a layer,
-removing one (two neighbouring stages merged) or adding one (a stage split), forward or backward,
-takes the first move that simulates faster (by more than ``MIN_GAIN``), and stops when no move does or
-the time budget is spent: a local optimum, not the best plan. Each simulation takes 1-3 s on the
-published models, so it is for finding out what a plan can reach, not for the engine's start-up.
-
-A plan it finds is one a user can set: ``partition.policy="manual"`` with the printed
-``manual_forward`` and ``manual_backward``.
+The planner's one-call timing model does not see which worker gets which stages over a step of
+several calls; this search simulates instead, moving, removing or adding one cut at a time while
+the step gets faster by more than ``MIN_GAIN``: a local optimum, 1-3 s per simulation. The plan it
+finds can be set with ``partition.policy="manual"``. Details: docs/design.md, design notes,
+``analysis/cut_search.py``.
 
     python -m lightning_roundpipe.analysis.cut_search MODEL --microbatches M --calls C [--start POLICY] [--budget S]
 """

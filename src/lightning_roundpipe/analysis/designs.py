@@ -1,18 +1,10 @@
 """Designs the engine does not have, for the simulator to price (``SimConfig(design=...)``).
 
-The simulator runs the engine's design (``EngineDesign``):
-the next call waits for ``backward()`` to return, and one worker runs the fused last stage. The
-studies of this layer (``own_engine.py``: what would close the gap to the reference) price two
+The simulator runs the engine's design (``EngineDesign``); the studies of this layer price two
 changes the engine has not made, kept here so that the simulator models only what runs:
-
-- ``call_barrier=False``: an asynchronous ``backward()``; the next call's tasks are submitted right
-  after this call's (the forward/backward barrier stays). ``call_barrier="step"`` is what the
-  engine does with ``overlap_calls`` (the default): only the first call of an optimizer step
-  waits for the previous ``backward()``; the accumulation calls go on (``EngineDesign``);
-- ``fused_spread=k``: the fused last stage's microbatches round-robin on ``k`` workers (microbatch
-  i to the stage's worker - i mod k, i.e. the workers of the stages just before it, in their
-  compute order); each uploads the stage's weights and sends its own gradient of them home, which
-  the host adds. The extra copies of the weights are not held to the two-stage slots.
+``call_barrier=False`` (an asynchronous ``backward()``) and ``fused_spread=k`` (the fused last
+stage's microbatches spread over ``k`` workers). Details: docs/design.md, design notes,
+``analysis/designs.py``.
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
 """Where the exact optimizer's time goes against the one-step-stale one, read off the simulated timeline.
 
-Under the stale optimizer the next optimizer step's first call starts while this step's last call
-still drains the pipeline (its uploads wait for the update two steps back). Under the exact one
-the first forward stage of the next step needs layer 0's new version, and layer 0's gradient
-comes from the last backward stage of the last call: the next step starts only after
-
-1. ``drain``: the last call's compute ends (the stale run had started the next call this much
-   earlier, on the workers the drain leaves idle);
-2. ``gradient home``: layer 0's gradient downloaded;
-3. ``host queue``: the host optimizer finishing the updates queued before layer 0's;
-4. ``first layer update``: layer 0's update (the embedding: the largest single layer);
-5. ``upload and start``: the first stage's weights uploaded and its first compute started.
-
-``exact_gap`` returns those seconds per optimizer step for a ``Setup`` (its staleness is set to
-0 and 1 in turn); their sum is how much later the next step starts.
-
-``step_breakdown`` splits one simulated optimizer step's period into what adds up to it per
-worker, averaged over the workers: compute, fill (a worker's first compute after the step's
-first), drain (its last compute before the step's last), idle inside (gaps between its first and
-last compute) and the boundary (the step's last compute to the next step's first: the exact
-optimizer's wait for layer 0, the call barrier). It also gives the busiest worker's compute.
-With one call per step and the call barrier, the stale and the exact run of a setup have the
-same period; what then separates a setup from the reference is how evenly its stages load the
-workers in one call, which ``max_compute`` against ``compute`` shows.
-
-``bound`` turns that into the most an exact setup can reach against the reference's setup: the
-reference's period is the one its tokens/s implies (the step's tokens over tokens/s, the figure
-the comparison divides by), and an exact step lasts at least its compute per worker plus its
-boundary (layer 0's gradient home, its update and the first upload: nothing of the next step runs
-before them), so ``bound_ratio`` = reference period / (compute + boundary), with fill, drain and
-idle all at zero; ``slack_at`` is what fill, drain, idle and boundary together may cost at a
-target ratio.
+``exact_gap`` splits the time the next step starts later under the exact optimizer into drain,
+gradient home, host queue, first layer update and upload; ``step_breakdown`` splits one step's
+period per worker into compute, fill, drain, idle and the boundary; ``bound`` gives the most an
+exact setup can reach against the reference's. Why these terms: docs/design.md, design notes,
+``analysis/exact_gap.py``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """This project's engine on the reference benchmark's workload, and where it differs from the reference.
 
-The published RoundPipe measurements (``PUBLISHED_RUNS``)
-ran the reference implementation with its own choices: fp16 with fp16 accumulation in matmuls,
-a one-step-stale optimizer, its partitioner, 10 microbatches per call. This engine, on the same
-sequences per optimizer step and the same calls, runs by default:
-
-- bf16-mixed: matmuls at the fp32-accumulate tensor rate;
-- the exact overlapped optimizer (staleness 0): each layer steps on the host as soon as its
-  gradients of the step's last call are added, and the next forward's upload of a layer waits
-  for that layer's update;
-- its own partition policy and microbatch count (``RuntimeOptions``
-  defaults, read when this runs);
-- what one Python process does per call: it submits every task of every worker
-  (``dispatch_s``, the CPU backend's measured figure), issues the kernels (the profile's
-  ``launch_s``), sums the fused stage's loss scalars, adds every downloaded gradient into the
-  fp32 ``.grad`` on its main thread (``host_accumulate_bytes_per_s``), and dispatches the next
-  call only once ``backward()`` has returned.
-
-A ``Setup`` holds one such way to run; ``waterfall`` changes one cause at a time from
-the reference's setup to this engine's default, simulating each, so every difference in tokens/s
-has a name and a share; ``best_setup`` searches the options a user can set. All numbers are
-simulated, with whatever hardware profile is present (``benchmarks/own_engine_reference.py``
-prints them).
+The published RoundPipe runs (``PUBLISHED_RUNS``) used fp16 accumulation, a one-step-stale
+optimizer, its own partitioner and 10 microbatches per call; this engine runs bf16-mixed, the
+exact overlapped optimizer, its own partition and the host work of one Python process. A
+``Setup`` holds one way to run; ``waterfall`` changes one cause at a time from the reference's
+setup to this engine's default, so every difference has a name and a share; ``best_setup``
+searches what a user can set. All simulated. Details: docs/design.md, design notes,
+``analysis/own_engine.py``; results: docs/reference_workload.md.
 """
 
 from __future__ import annotations

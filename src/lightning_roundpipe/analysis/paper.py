@@ -1,31 +1,11 @@
 """The paper's comparison on the workload it published: a row per system, simulated beside measured.
 
-The reference RoundPipe's published 8x RTX 4090 figures (``workload.PUBLISHED_RUNS``: same
-sequences per optimizer step, forward-backward calls, 2048-token sequences, fp16 with fp16
-accumulation) are the yardstick. Per model, ``paper_rows`` gives:
-
-- ``reference (measured)``: the published figure;
-- ``reference (simulated)``: the reference's setup (its partition, 10 microbatches, one step
-  stale, fp16 with fp16 accumulation, no host barriers), simulated;
-- ``ours: defaults``: this engine's defaults (``own_engine.our_default``);
-- ``ours: best exact``: the faster of the defaults and the setups of ``exact_candidates`` at the
-  default precision (bf16-mixed);
-- ``ours: best exact, reference precision``: the same search with fp16 and fp16 accumulation
-  (under the host loss scaler layers still step early, each checking its own gradients; an
-  overflow is put back by the failed-step undo: ``cost.precision.waits_for_every_gradient``);
-- the bound baselines of the paper, as published (Megatron-PP and Mobius on the same machine,
-  their measured figures; ``simulated`` null: ``benchmarks.validation.published_gpu
-  --baselines`` simulates them under assumptions of their own).
-
-``ours: defaults`` runs the partition the engine's default ``compute`` policy gives (searched on
-the engine's own FLOP estimate, ``own_engine.engine_estimate``). The best exact search tries the
-reference's partition and the planner's own (``auto``: the same search on the simulated costs,
-what the engine's ``auto`` policy re-plans to from measured costs). The reference's partition is
-cut for a stale optimizer over several overlapping calls; in one call of an exact step it leaves
-one worker with the fused LM-head stage and a backward stage (qwen3-1.7b: 25.2 s busy against
-16.2 s on average, a 39% bubble; see ``docs/reference_workload.md``). Rows are dicts with
-``model``, ``system``, ``simulated`` and ``measured`` (None where there is none) and a ``setting``
-in words.
+The reference RoundPipe's published 8x RTX 4090 figures (``workload.PUBLISHED_RUNS``) are the
+yardstick; per model ``paper_rows`` gives the reference measured and simulated, this engine's
+defaults, its best exact setup at bf16 and at the reference's fp16 accumulation, and the
+published bound baselines. Rows are dicts with ``model``, ``system``, ``simulated``,
+``measured`` and a ``setting`` in words. What each row runs: docs/design.md, design notes,
+``analysis/paper.py``; the results: docs/reference_workload.md and docs/simulator.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The reference RoundPipe benchmark's workload, simulated: calls per step, stale or synchronous optimizer.
 
-The published measurements (8x RTX 4090, sequence length 2048, fp16 compute with fp16
-accumulation in matmuls, full fine-tuning, fp32 Adam on the host, stage-grain recompute) run,
-per optimizer step, ``calls`` forward-backward calls of ``microbatches`` microbatches each,
-``sequences_per_step`` sequences in all. RoundPipe overlaps the optimizer one step stale;
-RoundPipe-sync waits for it and accumulates over more calls to amortise it.
-
-``simulate_workload`` times that on the simulator: each forward-backward call is one
-simulated step (``SimConfig.accumulation`` calls per optimizer step), the optimizer is either
-one step stale (``SimConfig.stale_optimizer``) or synchronous (``SimConfig.optimizer_barrier``:
-it starts once every gradient of the step is home and the next uploads wait for all of it),
-and tokens/s is tokens per optimizer step over the steady period between optimizer steps.
+The published runs (8x RTX 4090, 2048 tokens, fp16 accumulation, full fine-tuning) run ``calls``
+forward-backward calls of ``microbatches`` microbatches per optimizer step, with the optimizer
+one step stale (RoundPipe) or synchronous (RoundPipe-sync). ``simulate_workload`` times that on
+the simulator; tokens/s is tokens per optimizer step over the steady period. Details:
+docs/design.md, design notes, ``analysis/workload.py``.
 """
 
 from __future__ import annotations

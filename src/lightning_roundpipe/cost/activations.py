@@ -1,20 +1,11 @@
 """Activation bytes per token of a decoder-only transformer as this project runs it (the Hugging Face layers).
 
-Three numbers per layer feed the memory model (``cost/memory.py``):
-
-- the carry a layer boundary holds (``carry_bytes``): what an activation upload or download of
-  one token moves and what a stage input buffer holds;
-- the graph (``decoder_graph_bytes``, ``postfix_graph_bytes``): the tensors autograd keeps for a
-  layer's backward, plus the layer's output (inside a stage the next layer keeps it; the last
-  layer's output is alive while the stage's backward runs);
-- the backward transient (``decoder_backward_transient_bytes``): gradients that exist at once on
-  top of the graph while a layer back-propagates.
-
-Every term below was counted tensor by tensor on the CPU backend (fp32) with the device-memory
-tally of ``workers/device_memory.py`` (see ``docs/memory.md`` for the counts) and names the
-operator that keeps it. ``u`` is the fp32 upcast Hugging Face's RMSNorm makes of its input
-(``hidden_states.to(torch.float32)``): a new tensor that the norm keeps when the compute dtype
-is narrower than fp32, the input itself in fp32.
+Three numbers per layer feed the memory model (``cost/memory.py``): the carry a layer boundary
+holds (``carry_bytes``), the graph autograd keeps for a layer's backward (``decoder_graph_bytes``,
+``postfix_graph_bytes``) and the gradients alive at once while it back-propagates
+(``decoder_backward_transient_bytes``). Every term was counted tensor by tensor on the CPU backend
+with ``workers/device_memory.py``'s tally (``docs/memory.md``). Details: docs/design.md, design
+notes, ``cost/activations.py``.
 """
 
 from __future__ import annotations

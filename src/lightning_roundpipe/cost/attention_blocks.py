@@ -1,25 +1,11 @@
 """The attention blocks inside a layer, and the FLOPs their scores and weighted sums cost per token.
 
-``estimate_costs`` prices a layer from its matmul parameters, ``2 x params`` FLOPs per token.
-Attention adds work no parameter counts: each query's dot products with the keys it may see and
-the weighted sum of their values, ``2 x q_dim`` FLOPs per key each. Under a causal mask a query
-sees on average half of the sequence (flash attention skips the masked blocks), so per token
-
-    4 x q_dim x min(context / 2, window)         (forward; recompute the same, backward twice)
-
-with ``q_dim`` the heads times the head dimension and ``window`` a sliding window's width where
-the block has one (the cost model's ``cost/attention.py`` prices the same FLOPs). At 2,048
-tokens per sequence that is 8% of a Qwen3-1.7B decoder layer's forward (``q_dim`` 2,048 against
-50M matmul parameters) and 4% of a Llama-3.1-8B one: small per layer, but the estimate balances
-decoder layers against a large LM head, so leaving it out cut the first plan of a model like
-Qwen3-1.7B 8% slower than the plan on measured costs (``analysis/own_engine.engine_estimate``).
-
-A block is found by what attention modules expose rather than by class: an integer ``head_dim``
-and the number of query heads as ``num_heads`` (``torch.nn.MultiheadAttention``, many custom
-blocks) or as its ``config.num_attention_heads`` (Hugging Face attention modules); the window is
-the module's own ``sliding_window`` when an integer (Hugging Face sets it on sliding layers only; a
-config's ``sliding_window`` may be set where no layer slides, so it is not read). Blocks inside a
-found block are not counted again.
+``estimate_costs`` prices a layer from its matmul parameters; attention adds work no parameter
+counts, ``4 x q_dim x min(context / 2, window)`` FLOPs per token forward under a causal mask.
+Small per layer, but leaving it out made the first plan of a model like Qwen3-1.7B 8% slower. A
+block is found by what attention modules expose (``head_dim`` and ``num_heads`` or
+``config.num_attention_heads``, a ``sliding_window``), not by class. Details: docs/design.md,
+design notes, ``cost/attention_blocks.py``.
 """
 
 from __future__ import annotations

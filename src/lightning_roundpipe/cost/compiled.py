@@ -1,36 +1,10 @@
 """What compiling each decoder layer (``torch.compile`` on the worker) changes in its cost.
 
-A compiled layer keeps its matmuls and flash attention as they are (inductor calls cuBLAS and the
-attention kernel; their FLOPs and rates do not change) and fuses every element-wise chain
-between them into one kernel that reads its inputs once and writes its outputs once. Two terms
-of ``cost.transformer`` change, counted from first principles (bytes per element of 2-byte
-activations, forward; backward moves about twice as much, as for the eager layer):
-
-- element-wise traffic (eager: ``transformer.elementwise_bytes_per_token``, 405,504 bytes per
-  token forward for a Qwen3-1.7B layer):
-  - input RMSNorm: read x, write the normalised x: 4 bytes per ``hidden`` element (eager: 36, the
-    fp32 round trip);
-  - Qwen3's q/k norms and rotary fused into one kernel per tensor: read q (k), write it: 4 per
-    ``q_dim + kv_dim`` element (eager: 20 for rotary plus 36 for the norms);
-  - the attention residual add fused with the post-attention RMSNorm: read both summands, write
-    the sum and the normalised sum: 8 per ``hidden`` element (eager: 6 + 36);
-  - the gated MLP's activation and product: read gate and up, write one: 6 per intermediate
-    element (eager: 10);
-  - the MLP residual add: read both, write the sum: 6 per ``hidden`` element (as eager; a
-    per-layer compile cannot fuse it into the next layer's norm).
-  That is ``18 * hidden + 4 * (q_dim + kv_dim) + 6 * intermediate`` bytes per token: 86,016 for
-  Qwen3-1.7B, 4.7x less.
-- kernel launches per decoder layer and microbatch (eager: the profile's
-  ``forward_launches_per_layer`` / ``backward_launches_per_layer``, 53 / 149 measured by
-  ``benchmarks.calibration.launch_budget``): forward 7 projections + 1 attention + 6 fused
-  element-wise kernels (the five above, q's and k's counted apart) = 14 (``FUSED_FORWARD_LAUNCHES``);
-  a backward task recomputes the forward (14) and runs 14 matmuls (input and weight gradient of
-  each projection), 3 flash-attention backward kernels (preprocess, main, dq conversion), 6 fused
-  element-wise backward kernels and 9 gradient accumulations (7 weights, 2 norm weights) = 46
-  (``FUSED_BACKWARD_LAUNCHES``). The launch cost itself (``launch_s``) is the profile's.
-
-Neither is measured on a GPU (none here): both are counts, and what a GPU run of the compiled
-layer (``RuntimeOptions.compile_layers``) measures should replace them.
+A compiled layer keeps its matmuls and flash attention and fuses each element-wise chain between
+them into one kernel, so two terms of ``cost.transformer`` change: element-wise traffic (about
+4.7x less for a Qwen3-1.7B layer) and kernel launches per layer and microbatch
+(``FUSED_FORWARD_LAUNCHES``, ``FUSED_BACKWARD_LAUNCHES``). Both are counts from first principles,
+not GPU measurements (none here). The counts: docs/design.md, design notes, ``cost/compiled.py``.
 """
 
 from __future__ import annotations

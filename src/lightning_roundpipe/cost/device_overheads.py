@@ -1,39 +1,11 @@
 """What a real GPU holds beyond the model's tensors: the CUDA context, cuBLAS workspaces, allocator pages.
 
-The memory model (``cost/memory.py``, checked against the CPU backend's measured tensors) counts
-the tensors a worker's tasks create. On a GPU the process also holds, per device:
-
-- **the CUDA context** (``CUDA_CONTEXT_BYTES``, 500 MiB): created by the first CUDA call, it
-  holds the driver's state and the device code of the kernels loaded. A PyTorch process showed
-  a 723 MiB floor after its first tensor on a CUDA of before lazy loading
-  (discuss.pytorch.org/t/what-is-the-reason-for-pytorchs-gpu-memory-floor/73021); since CUDA
-  12.2 Linux loads modules lazily by default (``CUDA_MODULE_LOADING=LAZY``, NVIDIA developer
-  forum, "How to enable the CUDA's lazy module loading"), so only the kernels a training step
-  uses are resident. 500 MiB is assumed between the two; it is the largest of these terms.
-- **cuBLAS workspaces** (``CUBLAS_WORKSPACE_BYTES``, 8.1 MiB + 4 MiB): PyTorch gives each
-  (cuBLAS handle, stream) pair a workspace of the size ``CUBLAS_WORKSPACE_CONFIG`` names, by
-  default ``:4096:2:16:8`` = 2 x 4096 KiB + 8 x 16 KiB = 8,519,680 bytes (the fixed
-  8,519,680-byte block a first matmul allocates, discuss.pytorch.org/t/178671), and cuBLASLt
-  one of 4 MiB on SM 8.x cards of 24 GiB or more (32 MiB on SM 9.x; PyTorch PR #120925,
-  ``CUDABlas.cpp``). A worker runs its matmuls on one compute stream: one of each.
-- **allocator pages** (``ALLOCATOR_SLACK_BYTES``, 64 MiB): with
-  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (what the reference ran) each stream's
-  segment grows by mapping 2 MiB pages, so freed blocks in the middle go back page by page
-  and what is lost is the partly used page at the end of live blocks: about half a page for
-  each of the ~64 large blocks a worker holds at its peak (two stages' weights of one layer
-  each, one layer's saved activations, the carried inputs).
-- **flash attention's backward workspace** (``attention_backward_bytes_per_token``): FlashAttention-2
-  accumulates dQ in fp32 (``4 * q_dim`` bytes per token) and keeps ``softmax_d`` (``4 * heads``)
-  beside dQ, dK, dV in the compute dtype. It is alive only inside the attention backward, after
-  the MLP's gradients are gone, so it raises a layer's backward peak only where it exceeds the
-  MLP's gradients that ``cost/activations.py`` counts (``extra_attention_backward_bytes_per_token``:
-  0 for every dense and MoE preset here, e.g. 16.4 KB against 24.6 KB per token for Qwen3-1.7B).
-
-``device_reserved_bytes`` sums the fixed terms (0.56 GiB; 0.59 on SM 9.x), which the GPU profiles
-carry as ``reserved_gpu_bytes``; the planner takes them off each GPU's memory before its
-``memory_fraction`` (``planning/capacity.py``), whose remaining 10%
-stands for the memory model's own error (within -3.5% to +6.8% of measured peaks) and the
-allocator's fragmentation that page granularity does not remove.
+The memory model (``cost/memory.py``) counts the tensors a worker's tasks create; a GPU process
+also holds a CUDA context (500 MiB assumed), cuBLAS and cuBLASLt workspaces, partly used
+allocator pages and flash attention's backward workspace. ``device_reserved_bytes`` sums the fixed
+terms (0.56 GiB; 0.59 on SM 9.x), which the GPU profiles carry as ``reserved_gpu_bytes`` and the
+planner takes off each GPU's memory. Where each figure comes from: docs/design.md, design notes,
+``cost/device_overheads.py``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Which parameters of a layer a token actually runs through: routed experts run top_k of E.
 
-A Mixture-of-Experts layer holds every expert's weights (uploaded and their gradients downloaded
-in full) but routes each token through ``top_k`` of its ``num_experts`` experts, so its compute
-follows the *active* parameters, not all of them. The experts are found from the modules
-themselves, with the attribute names every Hugging Face MoE family uses (and common hand-written
-MoE blocks follow):
-
-* a **router** is a module with integer ``num_experts`` and ``top_k`` attributes;
-* **fused experts** (transformers 5: ``gate_up_proj`` [E, ...], ``down_proj`` [E, ...]) are a
-  module with an integer ``num_experts`` and no ``top_k`` whose own parameters have ``E`` rows
-  in their first dimension; its ``top_k`` is that of the layer's router with the same ``E``;
-* **listed experts** are an ``nn.ModuleList`` of ``num_experts`` modules that is a direct child
-  of a module carrying both ``num_experts`` and ``top_k`` (the usual hand-written block).
-
-Everything else (attention, norms, the router, shared experts, which see every token) is dense.
-A layer whose routers disagree on ``top_k`` for the same ``E`` is priced dense (the upper bound).
+A Mixture-of-Experts layer holds every expert's weights but routes each token through ``top_k``
+of its ``num_experts``, so its compute follows the *active* parameters. Routers, fused experts
+(transformers 5) and listed experts are found from the modules' attribute names, as every Hugging
+Face MoE family (and common hand-written blocks) spells them; everything else is dense. The rules:
+docs/design.md, design notes, ``cost/experts.py``.
 """
 
 from __future__ import annotations

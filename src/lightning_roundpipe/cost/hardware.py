@@ -1,19 +1,11 @@
 """Hardware profiles: the few numbers of a machine that decide how fast a pipeline step runs.
 
-A profile is a plain dataclass, loaded from ``<name>.yaml`` shipped in the package
-(``lightning_roundpipe/cost/profiles/``, read with ``importlib.resources`` so it works from a wheel). The YAML keys are the
-field names; sizes may be written with units (``24 GiB``, ``25 GB/s``) so the files stay
-readable, and every file says where its numbers come from.
-
-The simulator reads compute speed from ``tflops`` (only when costs are estimated from a model
-shape; measured ``CostProfile`` times are used as they are), the
-host link from ``host_device_bytes_per_s`` and ``latency_s``, and the host optimizer from
-``cpu_optimizer_params_per_s``, or the host memory bandwidth over the bytes an update moves when
-the profile gives ``host_memory_bytes_per_s`` and that is lower (``HardwareProfile.optimizer_params_per_s``).
-Profiles with datasheet rates (``tensor_tflops_*``, ``memory_bytes_per_s``) and achievable ones
-(``matmul_tflops_*``, ``attention_tflops``) are timed by ``lightning_roundpipe.cost.physical``. The same fields describe the CPU backend's virtual workers
-(``profiles/cpu2.yaml``), whose injected bandwidth limit and latency play the role of the
-PCIe link, so a simulated step can be checked against a measured CPU run.
+A profile is a plain dataclass loaded from ``<name>.yaml`` in ``lightning_roundpipe/cost/profiles/``
+(keys are field names, sizes may carry units, every file says where its numbers come from). The
+simulator reads compute rates, the host link, the host optimizer's rate and memory bandwidth from
+it; the same fields describe the CPU backend's virtual workers (``profiles/cpu2.yaml``), so a
+simulated step can be checked against a measured CPU run. Which field feeds what:
+docs/design.md, design notes, ``cost/hardware.py``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """A ``ModelShape`` read from a local Hugging Face ``config.json``.
 
-``sim plan --model`` takes a preset name, a local model directory or a ``config.json`` path;
-``resolve_model_shape`` decides which. Configs are read with ``transformers.AutoConfig``
-from local files only: the planner never downloads, so a hub id (``Qwen/Qwen3-8B``) that is not
-a local path is refused with the command that fetches the config first.
-
-Field names differ between families; ``shape_from_config`` reads the common ones
-(``hidden_size``, ``num_attention_heads``... which most configs also map from their own names
-through ``attribute_map``) and the MoE ones of each verified family (experts:
-``num_local_experts``, ``num_experts`` or ``n_routed_experts``; top-k: ``num_experts_per_tok``;
-an expert's width: ``moe_intermediate_size``, else ``intermediate_size``). What the shape cannot
-hold (shared experts, dense layers between MoE layers, latent attention) is returned as notes,
-so the caller can say the estimate is approximate.
+``sim plan --model`` takes a preset name, a local model directory or a ``config.json`` path
+(``resolve_model_shape``). Configs are read with ``transformers.AutoConfig`` from local files
+only (a hub id is refused with the command that fetches the config); ``shape_from_config`` reads
+the common fields and each verified MoE family's, and returns what the shape cannot hold as notes
+so the caller can say the estimate is approximate. Details: docs/design.md, design notes,
+``cost/hf_shape.py``.
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """Memory a RoundPipe plan needs: per worker (GPU) and on the host.
 
-GPU, per worker (``roundpipe_gpu_bytes``): the largest peak of the stages it runs, each
-stage's peak (``stage_peak_bytes``) being its weights and gradients with the next stage's
-prefetch, one microbatch's activation working set (``stage_activation_bytes``, whose graph
-term is ``CostView.stage_graph``: the one place a recompute grain changes what a stage keeps)
-and the microbatch buffers around it, plus whatever the link may still be moving. The terms were
-checked against the CPU backend's measured per-worker peaks (``docs/memory.md``); with the link
-unknown every in-flight transfer is counted, and the simulator's peak never exceeds that (tested).
-With layer-grain recompute (``recompute="layer"``) a backward or fused stage holds one layer's
-graph at a time plus the inputs of its layers after the first (the first is the input buffer):
-``max_l graph(l) + sum_{a < c < b} in(c)`` (``layer_grain_graph``).
-
-Host: fp32 master weights, fp32 gradients and two fp32 Adam moments (16 bytes) per trainable
-parameter, the compute-dtype copy of every parameter that uploads read from (frozen LoRA bases
-live only in that copy), the host buffers the weight gradients are downloaded into (compute
-dtype, every trainable parameter: a fused last stage keeps a step's gradient downloads until its
-call is gone), and the stage-boundary activations the forward saves for recompute (every
-microbatch, every backward stage start).
-
-With packed (4-bit) base weights the upload copy is the packed bytes (``CostProfile.host_copy_bytes``,
-``cost/quantization.py``).
-
-Pinned: under a pinned policy ("alloc", "register") the upload copy, the gradient download
-buffers and the saved activations are page-locked (the stream pools pin exactly those, at their
-exact size). Page-locked memory cannot be swapped out, so it is reported as its own figure: the
-host must hold it in RAM, whatever else it pages (``memlock_kib``: the ``ulimit -l`` that covers it).
+GPU, per worker (``roundpipe_gpu_bytes``): the largest peak of the stages it runs (weights and
+gradients with the next stage's prefetch, one microbatch's activations, buffers, transfers in
+flight), checked against the CPU backend's measured peaks (``docs/memory.md``). Host: fp32 state
+per trainable parameter, the upload copy, gradient download buffers, saved activations, and the
+pinned part of them with the ``ulimit -l`` that covers it (``memlock_kib``). The terms:
+docs/design.md, design notes, ``cost/memory.py``.
 """
 
 from __future__ import annotations

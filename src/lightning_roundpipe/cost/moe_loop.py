@@ -1,77 +1,11 @@
 """What an MoE layer's expert dispatch costs beyond its routed FLOPs: the per-expert loop or one grouped call.
 
-``cost/transformer.py`` prices a token through its ``top_k`` routed experts as if every routed
-row met its expert in one large GEMM. Real eager code does not. Two dispatches are priced here:
-
-**The per-expert loop** (Hugging Face's eager experts, and the reference RoundPipe's own
-``GptOssOptExperts`` / ``Qwen3MoeOptSparseMoeBlock``, which the published GPT-OSS-20B and
-Qwen3-235B figures ran; transformers 5 runs it only with ``experts_implementation="eager"``,
-its default is ``grouped_mm``). For every expert that got tokens the host issues a gather of
-its rows, the projections, the gate, the routing-weight multiply and an ``index_add_`` back
-into the tokens. Its terms, per MoE layer and microbatch of ``T`` tokens:
-
-- **launches**: ``E x kernels_per_expert`` kernel launches (plus a few per layer), issued from
-  Python on the host; the simulator charges them on its one host dispatch queue with the
-  profile's ``launch_s``, as it does the dense layers' launches (``HardwareProfile.launch_s``).
-  One host drives every worker, so these serialise across workers.
-- **host syncs**: ``syncs_per_expert`` device-to-host reads per expert (HF's eager loop: the
-  ``expert_idx == num_experts`` test, ``torch.where`` on the mask, and each fused weight indexed
-  with a 0-d tensor, which PyTorch turns into ``.item()``) and ``syncs_per_layer`` per layer
-  (the reference reads its token counts once, ``.cpu()``): each drains the GPU queue and costs a
-  round trip, the profile's ``latency_s``, of device time.
-- **small GEMMs**: each expert's GEMM has ``rows = T * top_k / E`` rows, and a GPU runs a GEMM in
-  waves of output tiles over its SMs: ``ceil(tiles / SMs)`` waves for ``tiles =
-  ceil(rows / 128) * ceil(cols / 128)``, so a GEMM whose tiles fill a wave badly runs at
-  ``tiles / (waves * SMs)`` of the dense rate. Dense layers' GEMMs (thousands of rows) fill
-  their waves; the loop's lose ``expert FLOPs * (1 / efficiency - 1)`` at the matmul rate.
-- **scatter in backward**: the gather ``hidden[token_idx]`` is differentiated by
-  ``index_put_`` into a zero tensor of the whole ``[T, hidden]`` input, once per expert, then
-  added into the input's gradient: ``E * T * hidden * dtype * 4`` bytes (zero-fill 1, the add
-  reads 2 and writes 1).
-
-**Both dispatches** move the routed rows: the gather (read and write a row, ``4 * hidden``
-bytes at 2-byte activations), the routing-weight multiply (``4 * hidden``) and the
-``index_add`` (read the row, read and write the output: ``6 * hidden``): ``14 * hidden`` per
-routed row forward, twice that backward. A gate other than the plain ``act(gate) * up`` moves
-more (``gate_bytes_per_intermediate``: GPT-OSS's bias add on ``2 I``, interleaved strided
-halves read as whole lines, two clamps, ``sigmoid(alpha * g)``, ``(up + 1) * glu``: 44 bytes per
-intermediate element where the dense model counts 10), and biased experts add a bias on the
-output (``4 * hidden``).
-
-**The grouped dispatch** (``moe_experts="grouped"``: the pairs sorted by expert once, each
-projection one ``grouped_mm``): a fixed handful of launches per layer, no sync, GEMMs at the
-dense rate. ``grouped_mm`` takes bf16 only: under fp16 (``fp16_accumulation``) the adapter
-falls back to a padded ``bmm`` that computes every expert on every token, ``E / top_k`` times
-the routed FLOPs, and that is what is priced (the grouped path is for bf16 runs).
-
-**The padded dispatch** (``moe_experts="padded_bmm"``: the sorted pairs placed in ``C`` slots per
-expert, ``C`` the busiest expert's count rounded up to 128 rows, read once on the host; each
-projection one ``torch.bmm`` over ``[E, C, .]``, which takes fp16 and runs at the
-fp16-accumulate rate under ``fp16_accumulation``). Its terms beyond both dispatches' rows:
-
-- **padding**: the expected capacity is ``C = ceil(imbalance * pairs / E / 128) * 128`` (at most
-  the tokens rounded up), ``imbalance`` the busiest expert's load over the mean
-  (``ExpertDispatch.load_imbalance``, an assumption: routing statistics of the trained model on
-  the workload's data are not known here); the batched GEMM runs ``E * ceil(C/128) *
-  ceil(cols/128)`` output tiles in waves over the SMs, so it does ``pairs * cols`` useful work of
-  ``waves * SMs * 128^2`` tile work: ``expert FLOPs * (1 / efficiency - 1)`` extra at the matmul
-  rate forward, twice that backward (the data and weight gradients run over the same block);
-- **the block's traffic**: the zero-filled ``[E C, H]`` input (``2 H`` bytes a slot), the
-  ``index_copy`` of the routed rows into it and their ``index_select`` out of the output block
-  (``4 H`` each per routed row), and the gate (``gate_bytes_per_intermediate * I``) and output
-  bias (``4 H``) on every empty slot; twice that backward;
-- **one host read per layer call** (``counts.max().item()``) at ``latency_s``, paid again by the
-  recompute's forward;
-- **memory**: the saved block tensors (the input, the gate's input and output, ``H + 3 I``
-  elements a slot) of the empty slots, per token of the microbatch.
-
-Not modelled, stated: the loop's fused weights indexed per expert (GPT-OSS's
-``gate_up_proj[e]``) are differentiated by ``select_backward``, which writes a zero tensor the
-size of the whole fused weight per expert and ``add_``s it into the running gradient (counted
-on the CPU: 8 ``zeros`` and 7 ``add_`` for 8 experts). At DRAM speed that is ~200 GB per
-GPT-OSS layer and microbatch (~0.2 s), which the reference's measured backward (81.8 ms per
-layer at 8,192 tokens) rules out; whatever the GPU does with these mostly-zero tensors, the
-measurements do not show this cost, so it is left out.
+``cost/transformer.py`` prices routed rows as if each met its expert in one large GEMM; real eager
+code does not. This module prices three dispatches so that the planner and the simulator can
+compare them: Hugging Face's (and the reference's) per-expert loop (launches, host syncs, small
+GEMMs, the backward scatter), ``moe_experts="grouped"`` (one ``grouped_mm`` per projection) and
+``moe_experts="padded_bmm"`` (one fp16 ``bmm`` over slots padded to the busiest expert). Each
+term, its derivation and what is left out: docs/design.md, design notes, ``cost/moe_loop.py``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Layer time from physical rates: tensor FLOPs, attention FLOPs and memory traffic.
 
-A hardware profile may give, besides its single ``tflops``, the rates a datasheet states
-(``HardwareProfile`` fields ``tensor_tflops_fp32_acc``,
-``tensor_tflops_fp16_acc``, ``memory_bytes_per_s``). Then the time of a layer's work is
-
-    matmul FLOPs / tensor rate (fp16 accumulate when the run enables it, else fp32 accumulate)
-  + attention FLOPs / fp32-accumulate tensor rate (flash attention accumulates in fp32)
-  + element-wise bytes / memory bandwidth
-
-i.e. the three kinds of kernels run one after another on one stream, each at its own limit.
-A profile may also give achievable rates measured on whole layers (``matmul_tflops_fp16_acc``,
-``matmul_tflops_fp32_acc``, ``attention_tflops``): they replace the datasheet peaks, since a
-GPU under its power limit sustains less than its boost-clock peak and flash attention does not
-reach the tensor peak (softmax and rescaling between its matmuls).
-Without those fields everything compute-bound runs at ``tflops`` and element-wise traffic is
-free, as the estimate always did.
+When a hardware profile gives datasheet rates (``tensor_tflops_fp32_acc``, ``tensor_tflops_fp16_acc``,
+``memory_bytes_per_s``), a layer's time is its matmul FLOPs at the tensor rate of the accumulation
+used, plus its attention FLOPs at the fp32-accumulate rate, plus its element-wise bytes at memory
+bandwidth: three kinds of kernels one after another on one stream. Achievable rates measured on
+whole layers (``matmul_tflops_*``, ``attention_tflops``) replace the peaks; without any of these
+fields everything runs at ``tflops``. Details: docs/design.md, design notes, ``cost/physical.py``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Frozen base weights kept 4-bit (NF4, QLoRA): their host bytes, upload bytes and dequantization time.
 
-NF4 as bitsandbytes and torchao store it: two 4-bit codes per byte (0.5 B/parameter) and one
-absmax scale per block of ``NF4_BLOCK`` (64) parameters. The scale is fp32 (4 B per block), or
-with double quantization 8-bit, with one fp32 scale per ``NF4_SCALE_BLOCK`` (256) of those
-scales: 0.5 + 4/64 = 0.5625 B/parameter plain, 0.5 + (1 + 4/256)/64 = 0.5159 double-quantized.
-
-What is packed: the decoder layers' projections (attention, MLP, every expert), what
-``BitsAndBytesConfig(load_in_4bit=True)`` quantizes; the embedding, the LM head, the norms, MoE
-routers and the LoRA adapters stay in the compute dtype. The host keeps the packed bytes (the
-upload copy), uploads cross the link packed, and each compute of a layer (forward, recompute,
-backward's input gradient) dequantizes its projections on the worker, reading the packed bytes and
-writing compute-dtype ones at the profile's memory bandwidth (nothing without ``memory_bytes_per_s``).
-The dequantized copy of one projection is alive at a time (a temporary of the matmul): the largest
-is added to the layer's forward and backward working sets (spread over the microbatch's tokens,
-as those are counted per token).
+NF4 as bitsandbytes and torchao store it: 0.5625 B per parameter, 0.5159 double-quantized. The
+decoder layers' projections are packed (what ``BitsAndBytesConfig(load_in_4bit=True)``
+quantizes); they stay packed on the host and across the link, and each compute dequantizes them
+on the worker at the profile's memory bandwidth, one projection's copy alive at a time. The
+byte counts: docs/design.md, design notes, ``cost/quantization.py``.
 """
 
 from __future__ import annotations

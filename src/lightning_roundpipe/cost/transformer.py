@@ -1,39 +1,12 @@
 """Per-layer costs of a decoder-only transformer, estimated from its shape and a hardware profile.
 
-The pipelined module has ``num_layers + 2`` layers: a prefix (token embedding), the decoder
-layers, and a postfix (final norm, LM head and loss). Times come from FLOPs divided by the
-profile's achievable rate; bytes from parameter counts in the compute dtype.
-
-FLOPs per token, forward (``q = heads * head_dim``, ``kv = kv_heads * head_dim``):
-
-- decoder layer: ``2 * linear_params`` for the seven projections, plus attention scores and
-  the weighted sum, ``2 * seq_len * q`` (causal: ``4 * seq_len * q`` halved, as flash attention
-  skips the masked blocks). Summed over a microbatch this is the ``seq_len^2`` term.
-- postfix: ``2 * hidden * vocab`` for the LM head (norm and loss are negligible next to it).
-- prefix: a gather, costed as ``hidden`` FLOPs so it is not free.
-
-Backward proper (recompute excluded) is twice the forward: gradients of inputs and of weights.
-With LoRA (``lora_rank``) the base weights are frozen, so the base projections and the LM head
-only need input gradients (once the forward); the adapters on all seven projections add their
-own small FLOPs, and only their gradients travel home.
-
-Mixture-of-Experts layers (``num_experts > 0``) replace the MLP by ``num_experts`` experts of
-``expert_intermediate`` (gate, up, down each) and a router (``hidden x num_experts``): every
-expert's parameters are held, uploaded and (full fine-tuning) updated, but a token runs only
-the router and its ``experts_per_token`` routed experts, so FLOPs per token count those alone.
-With LoRA the adapters go on the attention projections and on every expert's three projections
-(all linear layers but the router); only the routed experts' adapters compute.
-
-When the hardware profile gives physical rates (``tensor_tflops_*`` and ``memory_bytes_per_s``,
-see ``lightning_roundpipe.cost.physical``), a layer's time is its projection and LM-head FLOPs
-at the tensor rate of the accumulation used, its attention FLOPs at the fp32-accumulate rate
-(flash attention accumulates in fp32 whatever cuBLAS does), plus its element-wise traffic
-(norms, residual adds, rotary, activation, cross-entropy) at the memory bandwidth.
-
-Besides times and bytes, every layer gives what the memory planner needs: the activations
-autograd keeps for its backward and its (trainable) parameter counts; the profile gives
-``unique_params`` (tied embeddings counted once), ``dtype_bytes`` and ``input_bytes_per_token``
-(int64 token ids).
+The pipelined module has ``num_layers + 2`` layers (embedding prefix, decoder layers, norm + LM
+head + loss postfix). Times are FLOPs over the profile's rate (or, with physical rates, matmuls at
+the tensor rate plus element-wise traffic at memory bandwidth); bytes come from parameter counts
+in the compute dtype; each layer also gives the activations autograd keeps and its trainable
+parameters, for the memory planner. LoRA and Mixture-of-Experts layers are priced by what they
+hold and what a token runs. The FLOP formulas: docs/design.md, design notes,
+``cost/transformer.py``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Data parallel across nodes: one process per node, gradients averaged on the host buffers.
 
-Each node runs RoundPipe over its own workers; after each layer's gradients are complete on
-the host (the engine's per-stage hook), that layer's trainable gradients are flattened into
-one buffer and all-reduced asynchronously over gloo, so communication overlaps the rest of
-backward. Before a layer's optimizer step (or at the end of backward, for clipping and
-callbacks) the reduction is waited for, divided by the world size and copied back. Steps that
-only accumulate (Lightning's ``block_backward_sync``) communicate nothing.
-
-A watcher thread waits on the reductions in order and records each one on the timeline
-(host queue, kind "allreduce"), so the share of communication hidden behind backward can be
-read from the trace. A peer that dies makes the reduction fail after the process-group
-timeout; the error names this rank, the layer and the timeout.
+Each node runs RoundPipe over its own workers; once a layer's gradients are complete on the host,
+they are all-reduced asynchronously over gloo, overlapping the rest of backward, and waited for
+before that layer steps. Accumulation-only steps communicate nothing. A watcher thread records
+each reduction on the timeline; a dead peer fails the reduction after the process-group timeout,
+naming rank, layer and timeout. Details: docs/design.md, design notes,
+``distributed/gradient_sync.py``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Buffers a layer writes in forward (BatchNorm's running statistics, ``num_batches_tracked``).
 
-Semantics (GPipe's): a stage's microbatches run in order on one worker, each updating the
-worker's copy of the buffers, and after each forward microbatch the buffers it wrote are
-copied home, so the host holds the statistics of microbatch 0, then of 0 and 1, and so on: one
-update per microbatch, in microbatch order. With ``microbatches=1`` this is exactly the
-default strategy's update. With more, a batch-norm layer also normalises with per-microbatch
-statistics, which differs from a single-device run: BatchNorm and InstanceNorm layers are refused
-before the call unless ``batch_statistics="per_microbatch"`` accepts it (``adapters/batch_statistics.py``);
-any other layer writing its buffers gets a warning once.
-Recompute in backward updates only the worker's copy, never the host: the statistics are
-updated once per forward. A write is noticed by a buffer's version counter (in-place ops bump
-it); a layer whose buffers all change without any bump (a custom kernel) is not noticed.
+GPipe's semantics: after each forward microbatch the buffers it wrote are copied home, one
+update per microbatch in order (exactly the default strategy's with ``microbatches=1``);
+recompute updates only the worker's copy. Batch-norm layers are refused with several microbatches
+unless ``batch_statistics="per_microbatch"`` (``adapters/batch_statistics.py``); other writers
+warn once. Writes are seen by version counters. Details: docs/design.md, design notes,
+``engine/buffers.py``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Which pipelined calls still owe the weights a gradient, and what the running backward asks for.
 
-A step may call the pipelined module more than once (``f(net(x)) + f(net(x2))``, DPO's chosen
-and rejected halves) and may run backward more than once (``torch.autograd.grad(loss, x)`` for a
-gradient penalty, then ``loss.backward()``). The overlapped optimizer may step a layer early only
-once every contribution to that layer's gradient has arrived; this file is what tells it.
-
-- A training call is *pending* from its forward until a backward has added its weight gradients
-  (or until its graph is freed: the call is held weakly, so a call whose output was dropped
-  never blocks anything).
-- A backward adds weight gradients only if autograd will run the accumulator of the engine's
-  anchor leaf (an input of every pipelined call): ``loss.backward()`` does,
-  ``torch.autograd.grad(loss, x)`` and ``backward(inputs=[x])`` do not, exactly as they would
-  leave a plain module's ``.grad`` alone.
-- Parameters of the pipeline that the same backward also reaches outside the pipeline (a
-  regulariser on a pipelined weight, a weight tied to a module outside it) get a gradient
-  from autograd too; their layers never step early.
+A step may call the pipelined module more than once and run backward more than once
+(``torch.autograd.grad`` before ``loss.backward()``); the overlapped optimizer may step a layer
+early only once every contribution to its gradient has arrived, and this module tells it: which
+training calls are pending, whether a backward adds weight gradients (it runs the engine's anchor
+leaf's accumulator) and which pipelined parameters it also reaches outside the pipeline. The
+rules: docs/design.md, design notes, ``engine/calls.py``.
 """
 
 from __future__ import annotations

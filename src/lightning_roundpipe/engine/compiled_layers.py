@@ -1,31 +1,12 @@
 """Layers run through ``torch.compile`` on the workers (``compile_layers``: True, or None on GPUs).
 
-Eager Hugging Face layers launch one kernel per element-wise operation (RMSNorm's fp32 round
-trip, rotary, residual adds, activations); inductor fuses those chains. What is compiled is the eager path's own call,
-``functional_call(layer, weights, (carry,))``. Dynamo keeps its graphs, and its recompile limit
-(``torch._dynamo.config.recompile_limit``, 8), per code object, guarded on the module's structure, the inputs'
-shapes, dtypes and device (index included). So each (layer class, device, grad mode, autocast) gets a copy of
-that function with a code object of its own (``CompileKey``): one graph of it serves every layer of that class
-and shape, in every stage, for the rest of the process, and 8 GPUs x 2 grad modes do not share one cache of 8.
-What is left to vary inside one code object is the shapes and the layer's own Python branches (mask variants).
-
-Exact within fp32 rounding of the eager path: inductor may sum in another order (a norm's mean),
-nothing else changes. Random numbers: ``fallback_random`` makes inductor call the eager random
-ops on the same generator, so dropout draws what the eager layer draws, and the engine's per-layer
-seeds replay it in recompute exactly as for eager layers. Shapes follow torch's automatic dynamic
-shapes (``dynamic=None``): the first shape compiles static, a second one (another padded length,
-a shorter last microbatch) compiles once more with those dimensions dynamic, which then serves
-every later shape, so dynamic padding does not compile every step.
-
-Every graph is counted (``CompiledLayers.graphs``, ``recompiles``), and a code object that reaches dynamo's
-recompile limit fails the step with ``RecompileLimitError`` instead of running eagerly: a layer whose forward ran
-compiled and whose recompute then ran eagerly would mix two roundings in one step. Any other compiler failure (an
-exception of ``torch._dynamo`` or ``torch._inductor``) fails the task with ``LayerCompileError``, which says how
-to run the layers eagerly; like any failed step, it leaves the weights and the optimizer state as they were.
-
-A layer class may keep its eager forward by setting ``compiled_on_workers = False`` (the causal
-LM's prefix builds masks in Python, data-dependent; its postfix's chunked loss is a loop of
-custom autograd Functions): those stay eager and exact.
+Eager layers launch one kernel per element-wise operation; inductor fuses those chains. The
+eager path's own call, ``functional_call(layer, weights, (carry,))``, is compiled once per
+(layer class, device, grad mode, autocast) (``CompileKey``), so one graph serves every layer of
+that class and shape. Exact within fp32 rounding; dropout replays under ``fallback_random``.
+Graphs are counted, and reaching dynamo's recompile limit (``RecompileLimitError``) or any
+compiler failure (``LayerCompileError``) fails the step instead of running eagerly. Why:
+docs/design.md, design notes, ``engine/compiled_layers.py``.
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
 """Early-stop recompute: a layer recomputed and back-propagated as one compiled ``torch.func.vjp`` graph.
 
-A backward stage recomputes its layers' forward and back-propagates the gradient of its output.
-Its last layer's output is never read by that backward: in a decoder layer the MLP's down
-projection and the residual add only make it (their backward needs their inputs, not their
-output). torch's non-reentrant checkpoint stops a recompute early for that reason
-(``set_checkpoint_early_stop``); here the layer's forward and backward are traced together, as
-``torch.func.vjp`` of the layer's ``functional_call`` with the output gradient applied, and
-compiled by inductor, which drops every forward operation whose result the gradients do not
-need: 20-25% of a decoder layer's forward FLOPs (``cost/transformer.py``,
-``down_projection_fraction``; measured on the CPU: ``benchmarks/calibration/early_stop_recompute.py``).
-
-What is the same as the compiled recompute (``compiled_layers.py``): one compiled callable per (layer class,
-device, autocast) (``compile_keys.CompileKey``), each with one graph per (positions of the differentiable inputs
-and of the output gradients, shapes), reused by every layer and stage of the process, its graphs counted and its
-recompile limit a failure (``RecompileLimitError``), never an eager run; random ops fall back to the eager ones
-(``fallback_random``), so dropout draws the numbers the forward drew under the engine's per-layer
-seed; the autocast of the forward is applied inside the traced forward only, and the backward runs
-without it, as the eager backward does. Exact within fp32 rounding of the eager path.
-
-What differs, and how it is kept exact: ``vjp`` returns a zero gradient for a weight or an input
-the outputs do not depend on, where autograd leaves ``.grad`` None (an optimizer such as AdamW
-skips a None gradient but decays and moves its moments on a zero one). So the first call of each
-layer module and signature traces the layer once on meta tensors (no compute, no random draw)
-to find which weights and inputs the outputs reach, and those get None. A layer whose forward
-meta tensors cannot run (data-dependent shapes: Hugging Face's MoE expert loop picks tokens with
-``nonzero``) cannot be checked: when the option was asked for (``recompute_early_stop=True``) the step
-fails before any weight changes, with ``EarlyStopUnsupported`` saying to turn the option off; under its
-default (None, on where layers are compiled) ``grads`` returns None for it (``required=False``) and the engine
-recomputes that layer whole instead (``TaskWork.layer_vjp``).
+A backward stage's last layer's output is never read by its own backward, so its forward and
+backward are traced together and inductor drops the forward work only that output needs (a
+decoder layer's MLP down projection: 20-25% of its forward FLOPs), as torch's checkpoint does
+with ``set_checkpoint_early_stop``. Compiled, counted and exact as ``compiled_layers.py``; a
+one-off meta trace keeps ``None`` gradients where autograd would. A layer that cannot be traced
+fails with ``EarlyStopUnsupported`` when the option was asked for, else recomputes whole. Details:
+docs/design.md, design notes, ``engine/early_stop.py``.
 """
 
 from __future__ import annotations

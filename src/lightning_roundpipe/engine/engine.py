@@ -1,16 +1,11 @@
 """The pipeline engine: runs a plan over a worker pool, from plain PyTorch.
 
-``engine(inputs)`` runs the pipelined forward of ``layers`` (a list of modules, each taking the
-previous one's output) and returns the merged output. When grad is enabled and something needs
-a gradient, the output is attached to a custom autograd Function, so ``loss.backward()`` runs
-the pipelined backward and leaves the weight gradients in the host parameters' ``.grad``, as
-a plain run would. Knows nothing of Lightning.
-
-Inside ``returning_early()`` a backward may return as soon as its stages are submitted, before
-the weight-gradient tail (downloads added into ``.grad``) is done, so the next call's forward
-starts while the pipeline still drains; the next engine entry, or ``finish_backward()``,
-finishes that tail (see "Backward that returns early" in docs/design.md for when a caller
-may ask for it).
+``engine(inputs)`` runs the pipelined forward of ``layers`` and returns the merged output; with
+grad, the output is attached to a custom autograd Function, so ``loss.backward()`` runs the
+pipelined backward and leaves the weight gradients in the host parameters' ``.grad``. Inside
+``returning_early()`` a backward may return before its weight-gradient tail, which the next
+engine entry or ``finish_backward()`` finishes ("Backward that returns early" in
+docs/design.md). Knows nothing of Lightning.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Forward hooks on pipelined layers: those that keep the output (to use it in the loss) are refused.
 
-A forward hook registered on a pipelined layer (or a module inside one) runs where the layer runs: on
-a worker, once per microbatch, and again in the recompute of backward, with the worker's tensors.
-A hook that returns a replacement output, or edits it in place (``enable_input_require_grads``), is
-exact: the output flows through the pipeline. A hook that keeps a reference to the output (a penalty
-on an activation added to the loss later) keeps a microbatch's piece of a worker's graph, which
-backward cannot reach (torch: "Trying to backward through the graph a second time"), or no gradient
-at all. Keeping is seen by the output's reference count growing across the hook call, beyond what
-the hook returns (the output, or a view of it); a hook that keeps only a tensor computed from the
-output is not seen. In a call made with grad enabled
-(training) such a hook is refused at its first call, with a message that says what to do, before
-any weight changes (on the host, in the split-invariance check, when that runs first). In a call
-without grad (evaluation, reading hidden states) it runs, once per microbatch.
-
-``HookGuard.wrap_new`` wraps every forward hook found on the layers at each pipelined call (the hook's
-own handle still removes it); ``unwrap`` puts the user's hooks back at detach.
+A forward hook on a pipelined layer runs on a worker, once per microbatch and again in recompute.
+One that returns or edits the output is exact; one that keeps a reference to it (a penalty added
+to the loss later) would hold a piece of a worker's graph backward cannot reach, so in a training
+call it is refused at its first call, before any weight changes (seen by the output's reference
+count). ``HookGuard`` wraps and unwraps the user's hooks. Details: docs/design.md, design notes,
+``engine/forward_hooks.py``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Layer-grain recompute: a backward stage back-propagated one layer at a time.
 
-Stage-grain recompute runs a backward stage's whole forward with grad and then its backward,
-so every layer's graph is alive at once: at long sequences that graph, not the weights, is
-what a worker cannot hold. Here the stage instead
-
-1. runs its layers without grad from the stage input, keeping only each layer's input, then
-2. for each layer from the last to the first: recomputes it with grad from its kept input,
-   back-propagates the gradient of its output (the loss, for the fused last layer), which adds
-   its weight gradients to the stage's device ``.grad``, and drops its graph and its input.
-
-So one layer's graph plus the layer inputs of the stage are alive, for one more forward of
-the stage. Each layer runs under the caller's ``run`` (the engine's per-(layer, microbatch)
-seed, lock and buffer rule), so the no-grad pass and the recompute draw the same random
-numbers the forward drew, and only a forward writes buffers home.
-
-Kept inputs: the floating values that get a gradient (the hidden states) are handed to the
-next layer as a copy, since a layer may write its input in place. The rest (masks, rotary
-tables, position ids) are shared by the kept inputs of every layer, as they pass unchanged
-through the carry; a layer that writes one of them in place would change the input of a
-layer still to be recomputed, so that is checked (by version counter) and refused.
+Stage-grain recompute keeps every layer's graph of a backward stage alive at once, which at long
+sequences a worker cannot hold. Here the stage runs its layers without grad from the stage input,
+keeping each layer's input, then recomputes and back-propagates one layer at a time, last to
+first: one layer's graph plus the layer inputs are alive, for one more forward. Each layer runs
+under the engine's per-layer seed, so the draws match the forward's; a layer writing a shared
+carry input in place is refused. Details: docs/design.md, design notes, ``engine/layer_recompute.py``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The caller's output assembled while the pipeline still runs: no copy left after the last microbatch.
 
-The pipelined module returns one output for the whole batch, the microbatch outputs stacked
-along dim 0 (``merge_microbatches``). Stacking them after the last one arrived is a copy of the
-whole output on the host thread while every worker is idle; for a language model's logits that
-is the largest tensor of the step. Instead, each microbatch's output is copied into its rows of
-one batch-sized tensor as soon as it is on the host, while the workers compute the next
-microbatches: only the last microbatch's copy is left after the forward.
-
-A leaf is placed when it is a contiguous strided tensor whose dim 0 is its microbatch's size and
-whose other dims and dtype match the first microbatch's (what the split of one batch gives). Any
-other leaf, or a later microbatch that does not match, is stacked with ``torch.cat`` as before:
-the merged output is the same tensor, bit for bit, either way.
+Stacking the microbatch outputs after the last one arrived is a copy of the whole output (for a
+language model, the logits) while every worker idles; instead each microbatch's output is copied
+into its rows of one batch-sized tensor as soon as it is on the host. A leaf that does not fit
+that shape is stacked with ``torch.cat`` as before: the merged output is the same, bit for bit.
+Details: docs/design.md, design notes, ``engine/output_merge.py``.
 """
 
 from __future__ import annotations

@@ -1,66 +1,12 @@
 """Per-layer random seeds, so that recompute reproduces the forward's random numbers exactly.
 
-Every layer of every microbatch that draws random numbers runs with its device's generator
-seeded to its own seed, derived from one base seed per pipelined call, and restored afterwards:
-dropout, Mixtral's router jitter, sampled routing, any ``torch.rand*``/``randn``/``multinomial``
-call get the same numbers in forward and in recompute, and the same seed gives the same run
-whatever the timing (forward and backward stages may be cut differently, so seeding per stage
-would not do). No layer has to be recognised as random.
-
-The caller's random stream: the base seed is what one draw from the caller's CPU generator
-would give, but it is only *peeked*; the draw is made (the stream advanced by it) once the
-call's forward is over and only if some layer actually drew random numbers. A run whose layers
-draw nothing leaves the caller's stream exactly as a plain run would; one with dropout leaves
-it where earlier versions of this engine did (one draw per call).
-
-On CUDA a seeded layer runs with its device's generator and holds it alone while it runs
-(``device_generator_gate``): workers on distinct GPUs never wait for one another, but workers
-sharing one GPU (``devices=[0, 0]``) share its one generator, and without the gate one worker's
-seed could land between another's seed and its draws, so forward and recompute would draw
-different masks, silently. The hold covers only the host's launch of the layer's kernels (a
-kernel takes its generator seed and offset when launched, so a draw shows on the host at once).
-On the CPU backend all workers share the process's CPU generator. On both, a seeded layer must
-have its generator to itself, and layers known not to draw need not wait for one another (the
-same gate, over the device's generator on CUDA: its per-layer cost on the host is the CPU's):
-
-- **Exclusive** (seeded, one at a time, as on CUDA): a layer that may draw. That is one the
-  static check ``uses_randomness`` flags, one that drew on an earlier call, and one never
-  run before with these training flags (``m.training`` of each submodule; dropout draws only in
-  training).
-- **Shared** (any number at once, the generator left alone): a layer whose earlier call with
-  these flags ran exclusive and drew nothing. No exclusive call runs while shared ones do, and
-  an exclusive call puts back the state it found, so when a shared call ends the generator must
-  be in the state it had when the shared period began; any change is an unseeded draw.
-- **A quiet run** (one shared period for a run of layers): once every layer of a call is known not
-  to draw, a worker's run of several layers (a stage's forward, a recompute) enters one shared
-  period for the whole run and is checked once at its end, instead of once per layer. The
-  check is the same (any change of the generator inside is an unseeded draw), but a draw seen
-  names the run's layers rather than one, and marks all of them as drawing. A call with a layer
-  that may draw keeps one period per layer, so a seeded layer on another worker waits for one
-  layer, not a stage. Per layer, on two CPU workers, this took the gate's cost from 80-85 us to
-  under 5 (``docs/measurements.md`` section 13).
-- **An unseeded draw is never used.** Every shared call inside when the change is seen fails
-  with ``UnseededDraw`` (the pipeline raises it; a failed step puts back what it changed),
-  its layer is marked as drawing so its later calls run seeded (running the step again is
-  exact), and the generator is put back. A recompute whose seeded draws end elsewhere than its
-  forward's did (the forward and the recompute drew different numbers) fails the same way.
-
-Waits and hung layers: every wait for the gate is bounded by the pool's timeout, and its error
-names the waiting layer's task and what holds the gate. A layer that never returns keeps its
-hold (Python cannot stop its thread); when its engine closes (after the timeout that ended the
-call) the gate gives up that pool's holds (``CpuGeneratorGate.abandon``) and puts back the
-generator state the holder found, so a new call does not wait for the stuck thread, and the
-thread's own exit, whenever the layer returns, leaves the generator alone. While it still runs,
-a draw it makes is another thread's draw to the new call (caught as below).
-
-Other threads: the generator is the process's, so a thread other than the workers (the main
-thread's data loading, a callback) must not draw from torch's default CPU generator while a
-pipelined call's layers run. Such a draw during a shared period is caught as above (the message
-names both possible culprits); during a seeded layer's forward or recompute it shifts that
-layer's numbers, so the two no longer match (caught as above). Only a layer that is never
-recomputed (recompute off, or the fused last stage) can take such a draw unnoticed, and then it
-changes which numbers the layer drew, not the consistency of the gradient with them. Lightning's
-loops fetch batches and call hooks between pipelined calls, not while layers run.
+Every layer of every microbatch that draws runs with its device's generator seeded to its own
+seed (from one base seed per pipelined call) and restored afterwards, so forward and recompute
+draw the same numbers whatever the timing, without recognising random layers. A gate gives a
+seeded layer its generator alone; layers known not to draw share it, and a run of them is
+checked once. An unseeded draw (another thread's, a layer that starts drawing) is never used:
+the call fails with ``UnseededDraw``. Why each rule, and the waits: docs/design.md, design
+notes, ``engine/rng.py``.
 """
 
 from __future__ import annotations

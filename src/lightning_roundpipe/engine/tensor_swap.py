@@ -1,24 +1,11 @@
 """A layer called with a worker's tensors in place of its own parameters and buffers (eager layers).
 
-``torch.func.functional_call`` does this for any module and any subset of names. Per call it
-walks the module for tied tensors and resolves every dotted name through a member accessor:
-60-90 us of Python per decoder block alone, and 0.22 ms per block inside a busy 2-worker
-pipeline, where its ~200 Python calls take turns with the other threads for the GIL (13% of a
-width-256 block's forward, measured in the compute lane beside a plain call; issue 22). The
-engine always passes every parameter and buffer of the layer (``params.weights.LayerTable``:
-``named_parameters`` and ``named_buffers`` without removing duplicates, a tied tensor under each
-of its names), so the tie search has nothing to add, and the submodule that owns each name can be found
-once per call. The call then swaps one entry per tensor, runs the layer, and puts the module's
-own tensors back (also when the layer raises), each where its name lives at that moment: in the
-owner's ``_parameters``, else its ``_buffers``, else as an attribute, as ``functional_call``'s
-``swap_tensor`` does. That matters for layers that change their own structure inside forward:
-peft's LoRA on expert tensors registers a parametrization on the swapped tensor and removes it
-again, which leaves the tensor registered as a buffer. A name whose owner the module no longer
-holds (its structure changed between calls) falls back to ``functional_call`` itself.
-
-The module's lock (``module_lock.py``) keeps one call at a time inside a module object, so no
-other thread sees its tensors swapped. Compiled layers (``compiled_layers.py``) keep
-``functional_call``, which dynamo traces into the graph.
+``torch.func.functional_call`` does this for any module, but walks the module for ties and
+resolves every dotted name on each call: 0.22 ms per block in a busy 2-worker pipeline. The
+engine always passes every tensor of the layer, so the owner of each name is found once and the
+call swaps one entry per tensor, runs the layer and puts the module's tensors back (also when it
+raises), falling back to ``functional_call`` when the module's structure changed. Compiled layers
+keep ``functional_call``. Why: docs/design.md, design notes, ``engine/tensor_swap.py``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """A local data file as a causal-LM data module: loaded and tokenized once with ``datasets``,
 made into ``seq_len`` rows, split train/val.
 
-The file is a ``.txt`` (one document), ``.json``/``.jsonl`` or ``.parquet`` (records), read by
-``datasets.load_dataset`` with no download (see ``data_formats``). Two formats:
-
-- ``text``: the ``text_field`` of each record, tokenized with the model's own tokenizer, the
-  records joined by the end-of-text token (a ``.txt`` file is one stream) and cut into
-  ``seq_len``-token blocks (the tail that does not fill a block is dropped); every token is
-  predicted.
-- ``chat``: each record's conversation (a ``messages`` list of ``{role, content}``, or an
-  instruction and a response field) rendered by the tokenizer's chat template (or
-  ``chat_template``), with loss only on the assistant tokens (``labels`` -100 elsewhere); one
-  right-padded row per conversation.
-
-``packing=True`` instead concatenates the samples (records) into full rows with
-``position_ids`` restarting per sample, as Hugging Face packs them (see ``data_formats.pack_rows``).
-
-The last ``val_fraction`` of the rows is the validation set, so validation text is text the
-training batches never contain (with packing, a sample cut at that boundary has its parts on
-both sides). Every sample is a dict of ``input_ids``, ``labels`` (the model shifts them) and
-``attention_mask``, or ``position_ids`` when packed. With ``padded=True`` (text, unpacked) each
-block is cut to a seeded random length and right-padded, with ``attention_mask`` 0 and ``labels``
--100 on the padding, to exercise variable-length batches.
+Reads ``.txt``, ``.json``/``.jsonl`` or ``.parquet`` with no download, in two formats: ``text``
+(records joined and cut into ``seq_len``-token blocks, every token predicted) and ``chat`` (each
+conversation through the tokenizer's chat template, loss only on assistant tokens).
+``packing=True`` concatenates samples with restarting ``position_ids``; the last
+``val_fraction`` of the rows is validation. The formats and options in full: docs/design.md,
+design notes, ``finetune/data.py``; the user's view: docs/finetune.md.
 """
 
 from __future__ import annotations

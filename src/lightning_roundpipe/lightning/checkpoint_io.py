@@ -1,18 +1,11 @@
 """Checkpoints written atomically: a crash mid-write leaves the previous file intact.
 
-The file is written next to its destination under a temporary name, flushed to disk, and
-renamed over the destination (``os.replace`` is atomic on POSIX and Windows). The format is
-Lightning's own (``torch.save`` of the checkpoint dict), so it loads with plain ``torch.load``
-and into a model trained under any strategy. A local file that cannot be read (empty,
-truncated) and a disk that fills up mid-save fail with a
-``CheckpointError`` naming the file, the cause and what to do; a save
-whose tensors do not fit the free space is refused before it writes. Loading a local file reports its bytes read to
-``progress`` (a set-up progress bar, shown for large files only). A save interrupted hard enough to skip its own
-clean-up (a killed process, a power cut) leaves a ``.tmp-<name>-<random>`` file; the next save
-into that folder removes such files before it writes, but only those no writer owns: a save
-holds an exclusive ``flock`` on its temporary file until the file is renamed, so another
-process saving into the same folder at the same time keeps its file. Where locks are not
-available (Windows, a filesystem without them) only leftovers untouched for a day are removed.
+The file is written under a temporary name, flushed and renamed over the destination
+(``os.replace``), in Lightning's own format (plain ``torch.load`` reads it). An unreadable file,
+a disk that fills up, or a save that cannot fit the free space fail with ``CheckpointError``
+naming the file, the cause and what to do. Leftover temporary files of killed saves are removed
+by the next save, except those another writer holds (``flock``). Details: docs/design.md, design
+notes, ``lightning/checkpoint_io.py``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Which weights a checkpoint holds, and how strictly it loads.
 
-``checkpoint_weights="full"`` (the default) saves the whole ``state_dict``, exactly what
-Lightning's default strategy saves, so a checkpoint of a LoRA run resumes under any strategy
-with no extra code. ``"trainable"`` keeps only trainable parameters and buffers: the small
-adapter checkpoint, for runs whose frozen base is rebuilt from its model path.
-
-Loading is as strict as the default strategy's ``load_state_dict(strict=strict)``: an unexpected
-key, a missing trainable weight or a shape mismatch fails with PyTorch's own message. The one
-exception is the documented case of a trainable-only checkpoint: frozen parameters may be absent
-(they keep the values the module was built with) when nothing else is missing or unexpected.
-
-A ``staleness=1`` run's checkpoint also carries, under the key ``"roundpipe"``, what the
-one-step-delayed update needs to resume exactly (the weights the next gradient is taken at,
-one update behind the saved ones): Lightning's default strategy ignores the key, and
-``staleness=0`` checkpoints do not have it.
-
-A fit resumed from a checkpoint whose optimizer state does not fit the run's optimizers (saved
-by SGD, resumed with Adam) is refused before any weight is loaded: Lightning loads the weights
-first and the optimizer state later, where the mismatch surfaces as ``KeyError: 'step'``.
+``checkpoint_weights="full"`` (default) saves exactly what Lightning's default strategy saves;
+``"trainable"`` keeps only trainable tensors (the small adapter checkpoint). Loading is as strict
+as the default strategy's, except that a trainable-only checkpoint may lack frozen parameters. A
+``staleness=1`` checkpoint also carries what the delayed update needs under ``"roundpipe"``; an
+optimizer state that does not fit the run's optimizers is refused before any weight loads.
+Details: docs/design.md, design notes, ``lightning/checkpoint_policy.py``.
 """
 
 from __future__ import annotations

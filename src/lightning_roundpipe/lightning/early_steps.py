@@ -1,23 +1,11 @@
 """When the overlapped optimizer may step a layer during backward, under Lightning.
 
-A layer's update can start as soon as its gradients are on the host only if nothing between
-``backward()`` and ``optimizer.step()`` can still change gradients: no clipping, no
-manual optimization, or user code that Lightning runs there and that may edit
-``.grad``: the LightningModule's ``on_after_backward``, ``on_before_optimizer_step``,
-``configure_gradient_clipping``, its own ``backward`` or an ``optimizer_step`` override (whose
-closure may edit gradients after the backward), and a callback's ``on_after_backward`` or
-``on_before_optimizer_step``. Otherwise layers step right after the closure, in layer order.
-
-Tensor hooks on the host parameters (``register_hook``, ``register_post_accumulate_grad_hook``)
-need no such care: the engine runs them as it adds each stage's gradients
-(``params/grad_hooks.py``), before the layer counts as complete.
-
-A loss scaler (fp16, ``16-mixed``) does not stop early steps when the precision plugin is the
-host-scaled one (``precision.py``) and the failed-step undo is on: each layer unscales and
-checks its own gradients before it steps, and a step that overflows anywhere puts back the
-layers that stepped early. Any other plugin with a scaler (its ``unscale_`` reads every
-gradient), or ``optimizer_undo=False`` (nothing to put back with), keeps layers stepping after
-the closure, where the scaler has checked every gradient first.
+Only if nothing between ``backward()`` and ``optimizer.step()`` can still change gradients: no
+clipping, no manual optimization, no user hook or override that may edit ``.grad`` there.
+Otherwise layers step right after the closure, in layer order. Tensor hooks on parameters need
+no such care (the engine runs them as gradients are added); under ``16-mixed`` with the host
+loss scaler and the undo on, layers still step early, each checking its own gradients. The rules
+in full: docs/design.md, design notes, ``lightning/early_steps.py``.
 """
 
 from __future__ import annotations

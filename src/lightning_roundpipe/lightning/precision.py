@@ -1,24 +1,11 @@
 """Precision: what Lightning's precision plugins mean for a pipeline whose state lives on the host.
 
-- ``32-true``: fp32 everywhere; nothing to translate.
-- ``bf16-mixed`` (Lightning's ``MixedPrecision``): fp32 masters on the host, bf16 weights
-  uploaded (from bf16 shadows refreshed by each layer's optimizer step), autocast re-entered on
-  the workers and in recompute. Gradients come back in bf16 and are accumulated in fp32.
-- ``16-mixed``: as bf16-mixed with fp16, plus loss scaling. The scaler must unscale and check
-  the gradients where they live, on the host, so a CUDA ``GradScaler`` is replaced by a host
-  one (``HostScaledMixedPrecision``); on overflow the step is skipped whole. Lightning turns
-  ``precision="16-mixed"`` into bf16 on ``accelerator="cpu"``; to get fp16 with loss scaling
-  on the CPU backend, pass ``plugins=[HostScaledMixedPrecision()]``.
-
-  Where the overlapped optimizer may step layers early (``early_steps.py``), the strategy hands
-  it the scaler (``steps_early``): the plugin then runs the closure inside the overlapped
-  ``step``, each layer unscales and checks its own gradients before it steps, and an overflow
-  anywhere puts back the layers that stepped (``optim/overlap.py``); then ``update()`` as
-  Lightning's ``MixedPrecision`` does. Otherwise (clipping, a gradient hook, ``optimizer_undo=False``)
-  the plugin is Lightning's: the whole backward, ``unscale_``, the hooks and clipping, then
-  ``GradScaler.step``, whose ``optimizer.step()`` submits every layer.
-- ``bf16-true`` / ``16-true`` (Lightning's ``HalfPrecision``): the module itself is converted, so
-  masters, gradients and optimizer state are in that dtype on the host (no fp32 masters).
+``32-true`` needs nothing; ``bf16-mixed`` keeps fp32 masters on the host, uploads bf16 shadows
+and re-enters autocast on the workers, accumulating gradients in fp32; ``16-mixed`` does the same
+in fp16 with loss scaling, which must unscale and check gradients where they live, so a host
+``GradScaler`` replaces CUDA's (``HostScaledMixedPrecision``; on the CPU backend pass it as a
+plugin); ``bf16-true`` / ``16-true`` convert the module itself (no fp32 masters). How early layer
+steps work under the scaler: docs/design.md, design notes, ``lightning/precision.py``.
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """The pipeline's step and memory metrics as a Lightning Callback, so they reach every logger.
 
-After each training batch, the metrics of the step the runtime just timed
-(``lightning_roundpipe.tracing.timeline.step_metrics``) are logged through
-``LightningModule.log``:
-
-- ``roundpipe/bubble_fraction``, ``roundpipe/exposed_transfer_s``, ``roundpipe/step_s`` (the
-  pipeline's span of the step: first task start to last task end, less ``roundpipe/compile_s``, the
-  seconds ``torch.compile`` took during the step) and ``roundpipe/tokens_per_s``
-  (the batch's tokens over that span, the last only when the batch has a token count). The span
-  leaves out the host's loss, the optimizer's tail and the training loop, so this figure is
-  above a wall-clock one such as the fine-tuning job's ``tokens_per_s``
-  (``TokenThroughput``): read it against the plan's prediction;
-- memory, as torchtitan logs it every logging step: ``roundpipe/memory/host_rss_bytes`` (this
-  process's resident memory, where the weights, optimizer state and activations live),
-  ``roundpipe/memory/pinned_bytes`` (page-locked host memory; 0 on the CPU backend) and
-  ``roundpipe/memory/w{i}_device_peak_bytes`` (the most device bytes worker ``i`` held during the
-  step; see ``RoundPipeRuntime.memory_metrics``);
-- with compiled layers, ``roundpipe/compile/graphs`` and ``roundpipe/compile/recompiles`` (the graphs
-  dynamo holds for the process's compiled layer calls, and those beyond the first of each compiled
-  callable) and ``roundpipe/compile/compile_seconds`` (``RoundPipeRuntime.compile_metrics``).
-
-They go to the loggers only; ``prog_bar=True`` (the strategy option ``progress_bar_metrics``)
-shows them in the progress bar too. The strategy adds this callback when ``step_metrics=True``
-(the default) and none is given.
+After each training batch it logs, through ``LightningModule.log``, the step just timed
+(``roundpipe/bubble_fraction``, ``exposed_transfer_s``, ``step_s``, ``tokens_per_s``, ``compile_s``),
+memory (``roundpipe/memory/host_rss_bytes``, ``pinned_bytes``, ``w{i}_device_peak_bytes``) and,
+with compiled layers, graph counts. ``roundpipe/step_s`` is the pipeline's span of the step, so
+its tokens/s is above a wall-clock figure: read it against the plan's prediction. The strategy
+adds this callback when ``step_metrics=True`` (the default). Each metric: docs/design.md, design
+notes, ``lightning/step_metrics.py``.
 """
 
 from __future__ import annotations

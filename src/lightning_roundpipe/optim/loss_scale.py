@@ -1,17 +1,11 @@
 """Loss-scaled gradients unscaled and checked layer by layer, as torch's ``GradScaler`` does them all at once.
 
-``GradScaler.unscale_`` multiplies every gradient of the optimizer by ``1/scale`` (the
-reciprocal taken in fp64, then rounded to fp32) and records whether any gradient held an inf
-or a NaN, with one ``torch._amp_foreach_non_finite_check_and_unscale_`` per device and dtype.
-That op is element-wise and only ever sets the found-inf flag, so running it on each layer's
-gradients as the layer becomes complete, into one flag per device for the whole step, gives
-the same unscaled values and the same flag: this is what lets a layer step before the others
-have their gradients (``overlap.py``), and put back if a later layer overflows.
-
-``StepUnscale.record`` then hands the step's flag to the scaler through its public
-``unscale_`` (on a one-element stand-in gradient that is inf exactly when the step overflowed),
-so ``GradScaler.update`` backs off, or counts a good step towards growth, exactly as after
-``GradScaler.step``.
+``GradScaler.unscale_``'s op is element-wise and only ever sets the found-inf flag, so running it
+on each layer's gradients as they complete, into one flag per device for the step, gives the same
+values and flag: this lets a layer step before the others have their gradients (``overlap.py``).
+``StepUnscale.record`` hands the step's flag to the scaler through its public ``unscale_``, so
+``GradScaler.update`` behaves exactly as after ``GradScaler.step``. Details: docs/design.md,
+design notes, ``optim/loss_scale.py``.
 """
 
 from __future__ import annotations

@@ -1,50 +1,12 @@
 """The user's optimizer, stepped layer by layer on a host thread, hidden behind the pipeline.
 
-Exact by default: each layer's step uses that layer's complete gradient of the step, and the
-next forward's upload of a layer waits only for that layer's new version (``weight_gates``),
-so results equal the synchronous ``optimizer.step()`` bit for bit while the step's time hides
-behind the rest of backward and the next forward.
-
-When a layer may step early: during the closure's last backward (the caller says so with
-``OverlappedOptimizer.last_backward``; Lightning's strategy does, around the backward it
-runs after ``training_step`` returned, so no further pipelined call can come), once the
-backward stages holding the layer's parameters have added their gradients, no other
-pipelined call of the step still owes its backward, the same backward reaches none of the
-layer's parameters outside the pipeline (``engine.calls``), and nothing between backward and
-the step can change gradients (no clipping, no ``on_before_optimizer_step``,
-``on_after_backward`` or ``configure_gradient_clipping`` override: the strategy decides and
-sets ``early_steps``). Otherwise every layer is submitted right after the closure returns
-(after clipping), in layer order, so the next forward's first layers are ready first.
-
-Under a loss scaler (``loss_scaler``, fp16): layers still step early. Each layer's step first
-unscales and checks its own gradients on the lane, exactly as ``GradScaler.unscale_`` would
-(``loss_scale.py``), and steps only while no gradient of the step has overflowed. Once every
-layer is checked, an overflow anywhere (also in a layer not stepped yet) puts back every layer
-that stepped, from the before-images the undo keeps, so the step is skipped whole, as
-``GradScaler.step`` skips ``optimizer.step()``; the overflow is recorded for the scaler's
-``update()``. ``step`` returns once the step is decided.
-
-A failed step leaves the host weights and the optimizer state as they were (``step_undo.py``):
-each layer's before-image is copied on the lane ahead of its step, while the lane is idle during
-the forward (``_capture_ahead``; just before the step when the lane had no idle time), into
-buffers reused by every step (``before_images``); a failure anywhere in the step (the closure
-raising, a layer step raising, a timeout) puts every stepped layer back before the error
-reaches the caller.
-
-Every wait honours ``timeout_s`` (the runtime's ``timeout``) and names the layer step it waited for.
-
-A layer's step runs on a shallow view of the optimizer (same ``state``, its own
-``param_groups`` holding only that layer's parameters and the hyper-parameters snapshotted at
-submission), so a scheduler changing ``lr`` meanwhile cannot leak into a step already
-submitted. This needs an optimizer whose update of a parameter depends only on that
-parameter's gradient and ``state[p]``: the ``torch.optim`` ones of ``per_layer_support.py``
-(every one but LBFGS) or one declaring ``roundpipe_per_layer = True``; others are refused here.
-
-``staleness=1`` (RoundPipe's one-step-delayed update, inexact by design): the pipeline reads
-weights from host shadows that are refreshed to the previous version only at the end of each
-backward, so step t's gradient is taken at the weights from before update t-1 while update
-t-1 runs on the masters behind step t's forward and backward. Those shadows are state a resume
-needs: ``OverlappedOptimizer.state_dict`` holds them (save it beside the optimizer's own).
+Exact by default: each layer steps on its complete gradient of the step, and the next forward's
+upload of a layer waits only for that layer's new version (``weight_gates``), so results equal
+the synchronous ``optimizer.step()`` bit for bit. Layers step during the last backward only
+when nothing between backward and the step can change gradients; under a loss scaler each layer
+unscales and checks its own gradients, and an overflow puts every stepped layer back. A failed
+step is undone (``step_undo.py``). When a layer may step early, loss scaling and
+``staleness=1``: docs/design.md, design notes, ``optim/overlap.py``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Which optimizers the overlapped optimizer may step layer by layer, exactly.
 
-The overlapped optimizer runs the optimizer's own ``step`` once per layer, on a view holding
-that layer's parameters (``overlap.py``). That equals one ``step()`` over all parameters only
-if the update of each parameter reads nothing but its gradient, its hyper-parameters and
-``optimizer.state[p]``. An optimizer that keeps anything else (a step counter on the optimizer
-or in its parameter groups, Lookahead's slow weights synchronised every k steps, schedule-free's
-running sums, a warm-up inside ``step``), or that couples parameters (LBFGS, a global norm),
-would count each step N times, lose the counts, or mix layers. Step hooks
-(``register_step_pre_hook`` / ``register_step_post_hook``, per optimizer or global) would also
-run once per layer.
-
-So per-layer stepping is allowed only for the ``torch.optim`` optimizers below, whose state is
-per parameter (checked against their source), used as they are or through a subclass that does
-not replace ``step`` and has no step hooks; and for any optimizer class that declares
-``roundpipe_per_layer = True`` (its author's promise that the update is per parameter). Any
-other optimizer is stepped whole, after backward, exactly as Lightning's default strategy does.
+Stepping one layer at a time equals one ``step()`` only if each parameter's update reads nothing
+but its gradient, hyper-parameters and ``optimizer.state[p]``. So it is allowed only for the
+``torch.optim`` optimizers listed here (checked against their source), or a subclass that keeps
+their ``step`` and has no step hooks, and for a class declaring ``roundpipe_per_layer = True``;
+any other is stepped whole after backward, as Lightning's default strategy does. Why:
+docs/design.md, design notes, ``optim/per_layer_support.py``.
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """What one optimizer step changed, kept until the whole step has succeeded, so a failed step is put back.
 
-Layers step one by one on the optimizer lane, some while backward still runs. If anything fails
-after some layers stepped (a worker error or timeout later in backward, ``detect_anomaly``, the
-optimizer raising for one parameter group), the promise is that the host weights and the
-optimizer state are exactly as before the step. So before a layer steps, the lane copies that
-layer's parameters and their optimizer state (every tensor: Adam's step count and moments);
-once the step's last layer has stepped the copies are no longer needed.
-
-When the copies are taken: ahead, while the lane is idle (``OverlappedOptimizer`` has it
-``capture`` every layer, in stepping order, from the start of the step; nothing else writes
-those weights before they step), and just before the step only for a layer the lane reached
-first (``save``). Torch's optimizers update in place, so keeping the old values exact costs one
-copy of what the step changes whichever way it is arranged (an out-of-place update into a
-second buffer would need that buffer filled first, the same copy); taking it ahead moves it off
-the path from a complete gradient to the updated layer, into time the lane has no other work.
-
-The copies land in ``BeforeImages``, one buffer per layer allocated once and reused every
-step: a fresh copy per step would fault in (and zero) new pages for all of them each time,
-which costs about as much as the copy itself. They hold one copy of the parameters and of their
-optimizer state for as long as the optimizer is overlapped (a fresh copy per step held the same
-at the step's peak; measured: +1.13 GiB peak RSS for 100.7M parameters under AdamW, the copy
-itself, ``benchmarks/step_undo_cost.py``).
-
-``keep=False`` (the opt-out for models whose host memory cannot hold that copy) keeps only the
-names of the layers stepped, so a failure can say which ones changed; the overlapped optimizer
-then refuses to step or save until the state is restored from a checkpoint.
+Layers step one by one on the optimizer lane, some during backward; if anything fails later, the
+host weights and optimizer state must be exactly as before the step. So each layer's parameters
+and optimizer state are copied before it steps, ahead while the lane is idle, into
+``BeforeImages`` reused every step. ``keep=False`` (``optimizer_undo=False``) keeps only the
+names of the layers stepped, and training then waits for a checkpoint. Why it is arranged so, and
+its measured cost: docs/design.md, design notes, ``optim/step_undo.py``.
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """Host shadows: compute-dtype copies of the fp32 masters that the workers upload.
 
-With ``bf16-mixed`` (or ``16-mixed``) the pipeline uploads in bf16 (fp16) only the parameters
-autocast runs in that precision at every use: those held by ``nn.Linear`` / ``nn.Conv*d``
-modules alone (``autocast_cast_parameters``). The others (the embedding table, norm weights,
-anything autocast keeps in fp32, a tied embedding / head) are uploaded as the fp32 masters,
-as Lightning's bf16-mixed computes with them. Casting the fp32 masters on every
-upload would cost a conversion per stage per step (and, on CUDA, a pageable copy); instead each
-parameter has a bf16 shadow, refreshed as part of its layer's optimizer step, and pinned so the
-copy to the GPU is asynchronous. With ``staleness=1`` shadows (in the parameter dtype) also
-hold the previous version of the weights while the optimizer writes the next one.
-
-Edits outside optimizer steps (a callback or an ``optimizer_step`` override writing a weight in
-place under ``torch.no_grad()``): with ``follow_edits`` each upload first compares the masters'
-autograd version counters with those seen at their last copy and re-copies the ones that
-changed (one integer read per tensor). Writes through ``.data`` bypass the counter, as they
-bypass autograd's own checks: call ``RoundPipeRuntime.weights_loaded()`` after those.
-
-Storage: one flat, exactly sized host buffer per dtype holds every shadow (views into it), so
-pinning the shadows is one registration of exactly their bytes: no staging copy per upload and
-no power-of-two rounding of the caching host allocator, which also never returns memory.
-
-Pinned-memory policy (``pinned``, applied by the stream pools' ``pin_uploads`` to exactly what
-the uploads read: the shadows' buffers where shadows exist, else the masters): ``alloc`` and
-``register`` pin those tensors in place once (``cudaHostRegister``), and download buffers are
-pinned; ``off`` keeps everything pageable (least pinned memory, staged synchronous copies).
-On the CPU backend pinning does not exist and the policy changes nothing; the fake-stream
-backend counts what would be pinned.
+Under ``bf16-mixed`` / ``16-mixed`` only the parameters autocast casts at every use go up in the
+compute dtype; a shadow per parameter, refreshed by its layer's optimizer step and pinned, saves a
+conversion and a pageable copy per upload. Edits outside optimizer steps are followed by version
+counters (``follow_edits``); one flat buffer per dtype holds every shadow, so pinning is one
+registration; the ``pinned`` policy (``alloc``, ``register``, ``off``) decides what is locked. Why
+each choice: docs/design.md, design notes, ``params/shadows.py``.
 """
 
 from __future__ import annotations

@@ -1,37 +1,12 @@
 """The planner: will this training run fit, and how should it be cut and fed?
 
-``plan_training`` takes a model (a preset name or a ``ModelShape``), a hardware
-profile and a sequence length, and answers:
-
-- whether the host can hold the training state (fp32 masters, gradients and Adam moments, or
-  LoRA adapters' state plus the frozen compute-dtype base) and the saved activations;
-- whether a worker can hold two stages' weights (and a stage's gradients) plus one microbatch's
-  activations, under ``memory_fraction`` of what its memory leaves after the CUDA context,
-  cuBLAS workspaces and allocator pages, times ``TWO_POOL_SHARE`` for the worker's two allocator
-  pools: the runtime's budget (``cost/device_overheads.py``);
-- which plan and microbatch count give the most tokens/s (candidates: the project's
-  ``partition("auto")`` when present and balanced plans with 2-6 stages per worker, each timed by
-  ``simulate_roundpipe``); the smallest microbatch count
-  within 5% of the best throughput is recommended, as it keeps the global batch small;
-- the longest sequence length that fits at all (one layer per forward stage, backward stages of
-  1, 2, 4, ... layers: fewer backward stages keep fewer stage inputs on the host), with its
-  throughput; ``longest_fitting_seq_len`` answers the same for any cost profile, plan and
-  per-worker cap;
-- the recompute grain: stage grain (a backward stage's whole graph) where it fits, else layer
-  grain (``recompute="layer"``: one layer's graph plus the stage's layer inputs), which lets
-  larger backward stages (and so fewer saved stage inputs) fit at long sequences. Layer grain
-  runs each backward stage's layers but its last once more without grad; the simulations time
-  and hold what the lowered layer-grain computes do (``SimConfig.layer_recompute``).
-
-The host side is stated, not assumed: the answer says how much RAM it assumed and where that came
-from, keeps a headroom of it free (``fit.host_headroom_bytes``), gives one needed figure per memory
-(the recommended plan's, or the least any plan needs when none fits, ``fit.fit_problems``), names
-every reason it does not fit, lists the options that would make it fit with their figures
-(``advice.py``) and states the pinned bytes with the ``memlock`` limit they need.
-
-The loss is the engine's chunked cross-entropy (``DEFAULT_LOSS_CHUNK_TOKENS`` rows of logits at
-a time, what a Hugging Face model's fused last stage uses) unless ``loss_chunk_tokens`` says
-otherwise (None: the full logits).
+``plan_training`` takes a model (a preset name or a ``ModelShape``), a hardware profile and a
+sequence length, and answers whether host RAM and each worker's memory hold the run, which plan
+and microbatch count give the most tokens/s (timed by ``simulate_roundpipe``), the longest
+sequence that fits, the recompute grain, and what would make a run that does not fit fit
+(``advice.py``), with the pinned bytes and the ``memlock`` limit they need. It states the host RAM
+it assumed rather than assuming silently. What each answer counts: docs/design.md, design notes,
+``planning/capacity.py``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The choices RoundPipe makes when the user leaves them open: recompute, microbatches, host work.
 
-* ``recompute="auto"``: keep the forward graphs (``never``: no recompute, about a quarter less
-  compute) when that is allowed and fits, else recompute (``always``). Keeping graphs is allowed
-  only on the CPU backend (its workers share the host's memory; on GPUs the graph would have to
-  stay on the worker that ran the forward). It fits when ``no_recompute_peak_bytes`` (every
-  layer's graph for the whole batch, which a worker may hold until backward, plus the two
-  largest layers' weights and gradients) is at most the memory budget: ``memory_budget_bytes``
-  when set, else half the host's physical memory (``host_memory_budget``).
-* ``microbatches=None``: the count the timing model predicts fastest for the same batch, among
-  ``num_workers`` times 1, 2 and 4 (counts that split power-of-two batches evenly when the worker
-  count is one), the fewest of those predicted within ``TIE_TOLERANCE`` of the fastest: more
-  microbatches shorten the pipeline's fill and drain, but every one adds tasks, per-call costs
-  and smaller, less efficient kernels that the model does not price, so a gain within the
-  model's noise is not worth them.
-* the host's work before it is measured (``estimate_host_work``): without a fused last
-  stage the caller's loss runs on the merged full outputs, on the host, after the last
-  microbatch's output is copied into the merged one.
+``recompute="auto"`` keeps the forward graphs (no recompute) on the CPU backend when they fit the
+memory budget, else recomputes; ``microbatches=None`` takes the count the timing model predicts
+fastest among 1, 2 and 4 per worker, the fewest within ``TIE_TOLERANCE`` of the fastest;
+``estimate_host_work`` prices the host's work before it is measured. Why each: docs/design.md,
+design notes, ``planning/defaults.py``; the user's view: docs/tuning.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Keeps the plan of a running pipeline: the first plan from estimates, re-plans from measurements.
 
-Before any step the costs are estimated from sizes and FLOPs (``cost_estimate``), so the first
-step already runs a reasonable plan; attention is priced for the first batch's sequence length
-(assumed ``ASSUMED_TOKENS_PER_MICROBATCH`` tokens until it is seen). Each training step's
-measured stage times feed per-layer moving averages; with the ``auto`` policy the plan is
-rebuilt when they move by more than the threshold (``partition.Replanner`` logs when and why). Other policies never re-plan: the default
-``compute`` policy runs the same search on the estimate once, so the plan depends only on the
-model's shapes, the options and the first batch's shape (same seed and data, same plan,
-bit-identical weights).
-
-Left open, the microbatch count and recompute are chosen here from the estimate
-(``defaults``). The host's own work (the caller's loss on the merged outputs, the training
-loop between steps) is estimated, then replaced by moving averages of what the runtime measures
-(``PlanKeeper.observe_host``), and priced into the plan table's predicted step.
+The first plan comes from costs estimated from sizes and FLOPs (``cost_estimate``), so the first
+step already runs a reasonable plan. Measured stage times feed per-layer moving averages; only the
+``auto`` policy re-plans when they move by more than the threshold, so the default ``compute``
+plan depends only on shapes, options and the first batch (bit-identical weights for the same seed
+and data). Microbatches, recompute and the host's work are chosen and priced here too
+(``defaults``, ``PlanKeeper.observe_host``).
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """The partitioner's timing model: a fast list-scheduling estimate of one step of a plan.
 
-It prices the tasks of ``lower`` stage by stage
-rather than task by task, so the search can price thousands of plans; ``tests/schedule/test_lowering.py``
-bounds its error against the simulator, which times the lowered graph itself.
-
-* stages run in dispatch order on the worker ``dispatch``
-  gives them; a worker runs its stages one after another, paying ``stage_overhead_s`` per stage
-  (dispatch, events, launch gaps) and ``microbatch_overhead_s`` per microbatch of a stage (the
-  host's submission of its tasks, the hand-overs between lanes and workers: what makes many small
-  microbatches slower than a few large ones);
-* microbatch i of a stage starts when the worker is free, the stage's weights are on the
-  worker, and its input is: the previous stage's microbatch i output, downloaded to the host
-  and uploaded again (workers are stateless, data goes through the host);
-* weights of a worker's next stage are prefetched from the moment its current stage starts,
-  after the current stage's input uploads (which have priority); gradients are downloaded
-  last and only delay the end of the step;
-* without a fused last stage, backward starts when the whole forward is done
-  (``loss.backward()`` runs after the forward returned); with one, backward microbatch i
-  starts as soon as the fused stage sent back its input gradient (the engine dispatches the
-  backward stages right after the fused stage, no barrier);
-* what the host does between the workers' tasks (``HostWork``): without a fused last stage
-  the backward cannot start before the host has merged the microbatch outputs, the caller has
-  computed its loss on them (on the full logits of an LM head) and back-propagated it, and the
-  output gradient is split again, so the barrier lasts ``between_s`` past the last forward
-  output; the host's work between two steps (the training loop, the optimizer's submission,
-  data) adds ``outside_s`` to the step.
+It prices the tasks of ``lower`` stage by stage rather than task by task, so the search can price
+thousands of plans; ``tests/schedule/test_lowering.py`` bounds its error against the simulator,
+which times the lowered graph itself. It charges per-stage and per-microbatch overheads, weight
+prefetch behind input uploads, the barrier before backward without a fused last stage, and the
+host's own work (``HostWork``). The rules: docs/design.md, design notes, ``planning/predictor.py``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """A readable account of a plan: each stage's layers, predicted time and memory, and the step.
 
-``build_report(plan, costs, num_workers, microbatches).to_table()`` prints what the
-partitioner expects before anything runs, so a user can see why the plan looks as it does
-(and compare with the measured trace later). Predictions come from ``partition.predict``.
-
-Each stage shows its compute time next to its weight bytes and parameter counts (all held, and
-the ones a token runs through): a Mixture-of-Experts stage carries the bytes of every expert but
-computes only with the ``top_k`` routed ones, so it has many bytes for little compute; a line
-under the table gives that cost shape per MoE layer.
-
-The predicted step includes the host's own work (``HostWork``): a line under
-the table says how much of it is the forward/backward barrier's host part (merging the outputs,
-the caller's loss on them and its backward) and how much the host's work between steps, and
-whether those seconds are estimated or measured.
+``build_report(plan, costs, num_workers, microbatches).to_table()`` prints what the partitioner
+expects before anything runs (predictions from ``partition.predict``), so a user can see why the
+plan looks as it does and compare with the measured trace: per stage compute next to weight
+bytes and parameters (all held, and those a token runs through, for MoE), and the predicted step
+with the host's own work (``HostWork``), estimated or measured.
 """
 
 from __future__ import annotations

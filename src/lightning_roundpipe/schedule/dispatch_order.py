@@ -1,19 +1,10 @@
 """The schedule as an object: which worker runs each dispatched stage, and where the next call starts.
 
-A ``Schedule`` answers two questions, and every reader asks it instead of re-deriving the
-rule: the lowering (which worker each stage's tasks go to), the history's cursor across calls
-and steps (``WorkerHistory``), the timing model and the search (which worker a
-stage waits for), the memory model (which stages share a worker over steps), the plan report,
-the engine and the simulator.
-
-- ``dispatch(plan, num_workers, cursor, fused)``: the stages of one call in dispatch order
-  (forward stages in order, then backward stages last layers first; ``dispatch``),
-  each with its worker, the first one going to worker ``cursor``;
-- ``cursor_after(cursor, dispatched, num_workers)``: the cursor of the next call, after a call
-  dispatched ``dispatched`` stages from ``cursor``.
-
-Schedules are named (``SCHEDULES``); ``EngineOptions.schedule`` and ``RuntimeOptions.schedule``
-select one by name.
+A ``Schedule`` answers two questions for every reader (the lowering, the history's cursor, the
+timing model, the memory model, the plan report, the engine and the simulator), so none
+re-derives the rule: ``dispatch(plan, num_workers, cursor, fused)`` gives the stages of one call
+in dispatch order with their workers, and ``cursor_after`` the next call's cursor. Schedules are
+named (``SCHEDULES``) and selected with the ``schedule`` option.
 """
 
 from __future__ import annotations

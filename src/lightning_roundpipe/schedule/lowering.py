@@ -1,38 +1,11 @@
 """The plan lowered into one training step's task graph, as plain data.
 
-This is the only place where the rules of a RoundPipe step live; the executor submits the
-graph, the simulator times it and the partitioner's test checks its predictor against that:
-
-- dispatch (``dispatch_order``): forward stages in order, then the dispatched backward
-  stages (last layers first), each to the worker the schedule names (round-robin by default:
-  the next worker after ``first_worker``, the history's cursor);
-- per stage: its weights go up (in chunks), then per microbatch its input (and, in backward,
-  the gradient of its output) goes up, the worker computes, and what another stage needs
-  comes down: the output and the stage-internal inputs backward recomputes from, or the input
-  gradient; after the last microbatch the weight gradients come down (depending on every
-  microbatch's compute, so that any microbatch's failure reaches the host) and the stage's slot
-  is released;
-- the fused last stage runs forward, loss and backward per microbatch; only the loss scalar
-  and the input gradient come down;
-- with layer-grain recompute a backward stage's compute (and the fused stage's) is marked
-  ``grain="layer"``: the same tasks and transfers, but the worker runs the stage's layers
-  without grad first and then recomputes and back-propagates them one at a time;
-- without recompute the forward keeps its graph and weights until the stage's backward, which
-  then uploads neither; the backward's worker is the one that ran the forward;
-- memory bounds, as waits on the worker's history (``WorkerHistory``, which
-  also spans calls and steps): a weights upload waits for the release ``prefetch_depth + 1``
-  back on its worker; an input upload waits for the compute two back (double buffering); a
-  compute waits for the downloads of the compute two back;
-- priorities (lower first): uploads by stage serial, then kind, so everything the running
-  stage needs goes before a later stage's prefetch; downloads by kind, then stage serial, so
-  activations other workers wait for go before weight gradients; releases first of all.
-
-A task's ``deps`` name earlier tasks of the same graph; its ``waits`` name history entries
-(``("release", 2)``: the second most recent release recorded on its worker when it is
-submitted). Every weights upload also waits for the new weight versions of the layers it
-covers (the host optimizer), which the reader supplies. Bytes come from a ``Sizes`` the reader passes:
-the simulator's from a cost profile, the engine's from its weight tables (activation bytes
-there are only known when a task runs, so they are 0 in the graph).
+This is the only place where the rules of a RoundPipe step live: dispatch order, per-stage
+uploads, computes and downloads, the fused last stage, layer-grain recompute, memory bounds as
+waits on the worker's history, and priorities. The executor submits the graph, the simulator
+times it, and the partitioner's predictor is checked against it. A task's ``deps`` name earlier
+tasks of the graph; its ``waits`` name history entries (``("release", 2)``). The rules one by
+one: docs/design.md, design notes, ``schedule/lowering.py``.
 """
 
 from __future__ import annotations

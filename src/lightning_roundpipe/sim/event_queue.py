@@ -1,20 +1,10 @@
 """A small discrete-event engine: operations on queues, with dependencies and memory effects.
 
-Schedules (RoundPipe, GPipe, 1F1B, ...) are built as lists of ``Op`` and run here. The
-queues behave like the executor's:
-
-- ``compute`` queues run their operations strictly in the order they were added (a CUDA stream
-  or a worker thread), each as soon as its dependencies are done;
-- ``upload`` / ``download`` queues are links: among the ready transfers the one with the lowest
-  ``priority`` goes first, and transfers are cut into chunks so a more urgent one overtakes a
-  long weight prefetch at the next chunk boundary. When the link is not duplex the two queues of
-  a worker share one link;
-- the ``host`` queue (worker -1) runs ready operations one at a time, lowest ``priority`` first,
-  then the one ready first (the host optimizer, fed as gradients arrive).
-
-Memory: an operation can allocate bytes on a worker when it starts and free bytes when it ends;
-the engine keeps the running total and its peak per worker. Every operation leaves one
-``TraceRecord`` per uninterrupted run on its queue.
+Schedules (RoundPipe, GPipe, 1F1B, ...) are built as lists of ``Op`` and run here on queues that
+behave like the executor's: ``compute`` in order, ``upload`` / ``download`` links lowest
+``priority`` first in chunks, and a ``host`` queue for the host optimizer. Operations may
+allocate and free bytes on a worker (running total and peak kept), and each leaves one
+``TraceRecord`` per run on its queue. Details: docs/design.md, design notes, ``sim/event_queue.py``.
 """
 
 from __future__ import annotations

@@ -1,37 +1,12 @@
 """Simulated RoundPipe training steps: the lowered task graph the engine submits, timed.
 
-One step, as the engine runs it (see ``docs/simulator.md`` for the assumptions):
-
-- Tasks, their workers, lanes, dependencies and priorities come from
-  ``lightning_roundpipe.schedule.lowering.lower``, the function that gives the engine its
-  tasks: forward stages in order, then the dispatched backward stages, each to the next
-  worker. With ``continue_round_robin`` the next step's dispatch starts on the worker after
-  the last one.
-- Every worker has an upload, a compute and a download queue. A stage uploads its layers'
-  weights, then per microbatch uploads its input (and for backward the output gradient),
-  computes, and downloads its output (and the stage-internal activations backward recompute
-  starts from, and for backward the input gradient). The weights of a stage may upload only
-  once the worker's stage two back released its slot: at most two stages' weights are resident.
-- Uploads go by dispatch order, then kind (the lowered graph's priorities, as the engine):
-  a stage's inputs, then its weights, before anything of a later stage, so the next stage's
-  weight prefetch fills the gaps while the running stage waits for its inputs. Downloads go by
-  kind, then dispatch order: activations and input gradients, then weight gradients.
-- Microbatch i of a stage waits only for microbatch i of the stage before it (event-based
-  synchronisation), and an activation moves from worker to worker through host memory.
-- The fused last stage runs forward, loss and backward of its layers per microbatch.
-- After a stage's last backward microbatch its weight gradients go home (lowest priority), layer
-  by layer; the host optimizer updates each layer once its gradients have arrived (or after all
-  of them with ``clip_grad_norm``), and the next step's upload of a layer waits for it.
-- Host barriers (``SimConfig.host_barriers``, on by default): the engine is driven by autograd,
-  so without a fused last stage the host computes the loss from every microbatch's output
-  before ``loss.backward()`` dispatches the backward stages (a fused run dispatches them right
-  after the fused stage), and in every run the next step is dispatched only once ``backward()``
-  has returned (every weight gradient and loss scalar home). Nothing a dispatch submits
-  (weight or input uploads) starts earlier. Off, the backward of microbatch i starts as soon as
-  its own output gradient exists and the next step's weights prefetch during this step's tail:
-  what an engine that started backward per microbatch could reach.
-
-Several steps are simulated; the step time is the steady-state period between step ends.
+Tasks, workers, lanes, dependencies and priorities come from
+``lightning_roundpipe.schedule.lowering.lower``, the function that gives the engine its tasks;
+this module times them on per-worker upload, compute and download queues, with the host
+optimizer and (``SimConfig.host_barriers``) the host's barriers between forward, loss and
+backward. Several steps are simulated; the step time is the steady-state period between step
+ends. One step as simulated: docs/design.md, design notes, ``sim/simulate.py``; the
+assumptions: docs/simulator.md.
 """
 
 from __future__ import annotations

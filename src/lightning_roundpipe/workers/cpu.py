@@ -1,33 +1,11 @@
 """CPU backend: N virtual workers in one process that keep the asynchrony of the CUDA backend.
 
-Every lane is a real thread, so uploads, compute and downloads of different workers (and of one
-worker) overlap the way CUDA streams do, and the engine's event waits are exercised for real.
-Optional knobs make the machine behave like a slower or noisier one, for tests and for
-measuring the effect of transfer priorities on this machine:
-
-- ``compute_delay_s`` / ``jitter_s``: sleep a fixed / random (uniform [0, jitter)) time before each
-  compute task (jitter applies to transfers too);
-- ``bandwidth_bytes_per_s`` / ``latency_s``: each transfer sleeps ``latency + bytes / bandwidth``
-  (for example 25e9 for PCIe 4.0 x16), so a long weight prefetch really delays what queues
-  behind it, unless priorities let it overtake;
-- ``threads_per_worker``: torch intra-op threads in each compute lane (default 1: one core each;
-  transfer lanes get 1, see ``lane_threads``);
-- ``measure_memory``: measure each worker's device bytes (``device_memory.py``): a tally of every
-  tensor its compute tasks and activation/gradient uploads create, plus its uploaded weights;
-  read with ``peak_device_bytes()``. It costs a Python call per operator, so it is off unless
-  asked for or a cap is set;
-- ``memory_cap_bytes``: a virtual GPU of that many bytes per worker: a task whose allocation
-  takes its worker over it fails with ``WorkerOutOfMemoryError`` (implies ``measure_memory``).
-
-"Device" memory is host memory here. What a GPU's copy engine would move without using a CPU
-core is not copied by a CPU core here either: a parameter upload in the host dtype shares the
-host tensor (the engine only reads it, and its optimizer gates keep the host from changing it
-while a stage runs; buffers, which a forward may write, are copied), and a download hands the finished device tensor to the host (nothing on the device
-side writes it afterwards). Activation and gradient inputs are copied, so a stage owns its inputs
-as on a GPU, and a cast to the compute dtype is a real copy. The tasks, lanes, priorities and
-completions are the same as with copies, so the asynchrony is unchanged. When measuring memory,
-downloads are real copies too: the device tensor and its host copy are then distinct storages,
-and the device one is counted until the worker's side drops it, as on a GPU.
+Every lane is a real thread, so uploads, compute and downloads overlap the way CUDA streams do
+and the engine's event waits are exercised for real: this is how everything is tested without a
+GPU. Knobs make the machine slower or noisier for tests and measurements (``compute_delay_s``,
+``jitter_s``, ``bandwidth_bytes_per_s``, ``latency_s``), set threads per worker, measure each
+worker's "device" bytes (``measure_memory``) or cap them (``memory_cap_bytes``). What is copied
+and what is shared, as a GPU's copy engine would: docs/design.md, design notes, ``workers/cpu.py``.
 """
 
 from __future__ import annotations

@@ -1,35 +1,11 @@
 """Stream backends: the CUDA protocol, run on CUDA streams or on the CPU fake of ``streams.py``.
 
-Per worker an upload, a compute and a download stream, one per lane. A lane issues its task
-on its stream after making the stream wait for the device events of the task's dependencies,
-then records an event; the completion is set when the work is *issued*, so the host never
-blocks on the device except where it reads data (``Completion.wait`` also waits for the event,
-bounded by the timeout). Frees are ordered by events, never by ``record_stream``
-(``stream_holds.py``): a compute holds the uploads it reads until its end event, a download
-holds its sources until its copy event, and a release (host-only: it drops the stage's weights)
-runs once its dependencies' device work has finished, so the weights go when the stage's last
-compute is done, not after the work queued behind it.
-
-Priorities on FIFO streams: a transfer is issued only once its dependencies' device work has
-*finished* (``ready_for``), not merely been issued. Otherwise an activation upload whose input
-is still being computed on another worker sits at the head of the upload stream waiting for it,
-and the next stage's weight prefetch queues behind it instead of filling the gap. Transfer lanes
-also keep at most ``max_in_flight`` copies issued and unfinished, and at most
-``max_in_flight_bytes`` of them (the bytes a task declares; one copy is always let through), so a
-later high-priority copy waits behind at most that many chunks and that many bytes, however
-large a task is.
-
-Timing: with tracing on, a task gets a start and an end event; they are read once per step in
-``finish_step`` (never one synchronize per task), so the records hold device times.
-
-Pinned memory: nothing is pinned per copy. ``pin_uploads`` pins, once and in place, exactly
-the host tensors the uploads read; an upload from pageable memory is a plain (staged) copy and
-of weights is counted in ``pageable_upload_bytes``. Downloads the engine marks ``reusable`` land
-in right-sized, page-aligned buffers from ``HostBufferPool`` (pinned in place
-when ``pin_memory``; at most ``host_buffer_cap_bytes`` kept), which the engine hands back with
-``release_host`` once the host has read them; a buffer is lent again only after the copy into
-it has landed (its fence event), so buffers handed back after a failure are never reused early.
-Registration failures leave the tensor pageable and are counted in ``pageable_reasons``.
+Per worker an upload, a compute and a download stream, one per lane: a lane makes its stream
+wait for the dependencies' events, issues the task and records an event, so the host blocks only
+where it reads data. Frees are ordered by events (``stream_holds.py``); transfers are issued
+only once their dependencies finished, so priorities hold on FIFO streams; host tensors the
+uploads read are pinned once, in place, and downloads land in reusable page-aligned buffers.
+Why each rule: docs/design.md, design notes, ``workers/cuda.py``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """What each worker holds "on its device", measured, and the cap that makes the CPU backend a small GPU.
 
-Every worker has a ``DeviceMemory`` ledger with two parts:
-
-- ``weight_bytes``: the stage weights uploaded and not yet released, counted by the engine's
-  weights uploads and releases (all backends). On the CPU backend an upload in the host dtype
-  shares the host tensor, so nothing is allocated that a tally of new storages could see.
-- ``tensor_bytes`` (CPU backend, with measuring on): every other tensor a worker's tasks
-  create, counted by ``AllocationTally``, a ``TorchDispatchMode`` (a thread-local mode
-  stack) that the CPU backend enters around each task of the worker's compute lane and its
-  activation and gradient uploads. For every output of every operator it counts the output's
-  untyped storage once (a view or an in-place result shares a storage of an input and is not
-  new) and a ``weakref.finalize`` on the storage takes the bytes off when the storage dies. So
-  the tally sees the uploaded stage inputs and output gradients, the outputs, the tensors
-  autograd saves for backward (including recompute), the weight gradients until the stage's
-  release, and every transient, at the moment it exists. Memory an operator uses internally
-  and frees before returning (a kernel's workspace) is not seen.
-
-``peak_bytes`` is the largest ``weight_bytes + tensor_bytes`` since the last reset. With a cap
-(``cap_bytes``), an allocation or weights upload that takes the worker over it raises
-``WorkerOutOfMemoryError`` inside the task: the task fails as any failing task does, and
-the error reaches the caller naming worker, task, bytes asked and held, and what to change.
+A ``DeviceMemory`` ledger per worker counts ``weight_bytes`` (stage weights uploaded and not yet
+released, every backend) and, on the CPU backend with measuring on, ``tensor_bytes``: every
+storage the worker's tasks create, tallied by a ``TorchDispatchMode`` (``AllocationTally``) and
+taken off when the storage dies. ``peak_bytes`` is their largest sum; over ``cap_bytes`` a task
+fails with ``WorkerOutOfMemoryError``. What the tally sees and misses: docs/design.md, design
+notes, ``workers/device_memory.py``.
 """
 
 from __future__ import annotations

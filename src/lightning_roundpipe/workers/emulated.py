@@ -1,35 +1,11 @@
 """Emulated GPUs: the fake-stream backend whose device work takes the time a hardware profile gives it.
 
-The ``fake_cuda`` backend runs the CUDA protocol on CPU executor threads standing for streams.
-This backend is that protocol unchanged (dispatch, lanes, events, completions, the overlapped
-optimizer, undo, gradient accumulation and the loss are all the real host code), with one
-addition: each stream keeps a device clock, and the events recorded on it complete when that
-clock says the device got there, not when the executor thread does. The work of a task runs on
-the stream's thread (the real tensor work on a model scaled down in width, which stands for the
-host's cost of launching the task's kernels) and moves the stream's clock to
-``max(launches done, max(clock, launch start) + device time)``; the thread then goes on to the
-next item at once, as a host goes on launching while a GPU runs what it was given, and a clock
-thread completes each event at its time (``EmulatedStreams``). A stream told to wait for another
-stream's event waits until that stream's executor has passed it (its data is there) and moves its
-own clock to that event's time. A busy emulated device therefore costs the host nothing, as a
-busy GPU does, and a task whose launches take longer than its device time is launch-bound here as
-it would be on the GPU (the excess is counted in ``late_seconds``).
-
-The device time of a task comes from a ``device_time(label, nbytes) -> seconds`` callable handed
-to ``EmulatedWorkerPool.emulate``. ``cost.task_seconds.ProfileDeviceTimes`` is the one the
-benchmarks use: the calibrated cost model of a real model shape (``cost/transformer.py``) on a hardware profile
-(``cost/profiles/*.yaml``), exactly as the simulator prices the same task (``sim/simulate.py``):
-compute seconds from the cost view, transfers as latency plus bytes over the host link, the bytes
-being those of the *real* shape (the scaled tensors' bytes only say which share of a stage's
-weights a chunk carries). Without ``emulate`` every task takes its real time (``fake_cuda``).
-
-``time_scale`` multiplies every device time: the published workloads take 20-370 s per optimizer
-step on the profiles' GPUs, so benchmarks on a small host may run them faster than life. Host work
-is not scaled, so a scale below 1 makes the host's share look ``1 / time_scale`` times larger than
-it would be (``docs/emulated_gpus.md``).
-
-On a profile whose link is not ``duplex`` a worker's uploads and downloads take turns on one
-link (one clock per worker that both transfer streams advance).
+The ``fake_cuda`` protocol unchanged (all host code real), plus a device clock per stream: events
+complete when the clock says the device got there, so a busy emulated device costs the host
+nothing and a launch-bound task shows as late (``late_seconds``). Device times come from a
+``device_time(label, nbytes)`` callable, in the benchmarks ``cost.task_seconds.ProfileDeviceTimes``
+(the simulator's prices); ``time_scale`` scales them. How the clock moves: docs/design.md, design
+notes, ``workers/emulated.py``; results: docs/emulated_gpus.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """CUDA only: tell the lanes when a device event completes, instead of lanes polling for it.
 
-One waiter thread per CUDA stream whose events a lane task or a host ``CudaEvent.wait`` waits for. Events on one stream
-complete in the order they were recorded, so the thread blocks on its stream's oldest awaited
-event (``CudaEvent.order``), runs the callbacks of every event done by then, and blocks on the
-next: each callback comes when its event completes, with no polling. The events are created
-``blocking``, so ``synchronize`` sleeps in the driver with the GIL released: the lanes that
-launch kernels keep the interpreter while the waiter waits.
-
-A device error raised by the wait or a query (a device-side assert is sticky: every later call
-raises it) stops the thread: it first calls back every waiter, whose lane or host wait then asks
-the event itself and fails, naming its task, and ``add`` refuses anything more (no queueing to a
-thread that will never call back).
-
-One limit: an event awaited only after the waiter began blocking on a later one of the same
-stream is reported when that later one completes (the wait cannot be interrupted); events are
-mostly awaited in the order they are issued, so this is rare and costs latency, never a hang.
-
-``synchronize`` takes no timeout. The waits that matter keep theirs: a lane task waiting on an
-event that never completes times out with the pool's ``timeout_s`` and names it, and a waiter
-thread stuck on such an event is a daemon that ``close`` leaves behind (and names in the log).
+One waiter thread per CUDA stream blocks on its stream's oldest awaited event (events on one
+stream complete in order), runs the callbacks of every event done by then, and goes on: no
+polling, and ``blocking`` events sleep in the driver with the GIL released. A device error
+stops the thread after calling every waiter back, so each fails naming its task. Its one limit
+(latency, never a hang) and how timeouts still hold: docs/design.md, design notes,
+``workers/event_waiter.py``.
 """
 
 from __future__ import annotations

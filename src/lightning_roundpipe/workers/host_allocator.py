@@ -1,35 +1,11 @@
 """Freed host memory kept for reuse: large tensors that come back every step stop page-faulting.
 
-glibc's ``malloc`` serves a block above its mmap threshold (at most 32 MiB by default) with a
-fresh ``mmap`` and gives it back with ``munmap`` when freed. A training step on the CPU backend
-allocates the same large tensors every step: a language model's merged logits, the caller's
-log-softmax and the logits' gradient (50 MB each on issue 22's bar model, 16 x 128 x 6144
-floats). Each comes back as new pages, and every page faults on first touch: on the 2-core
-development machine a copy into the merged logits plus ``F.cross_entropy`` forward and backward
-on them took 153-162 ms with 49,156 page faults and 60-81 ms with none once freed blocks were
-reused (one thread, medians of 10, 2026-12-02, load average 9 from other jobs,
-``python benchmarks/figures/host_allocator_faults.py``). That host work runs while every
-worker waits.
-
-``keep_freed_memory`` raises glibc's mmap threshold and trim threshold to ``KEEP_BYTES``: blocks up
-to that size come from the heap and freed ones stay there for the next allocation of that size.
-
-It also sets glibc's top pad to ``KEEP_HEAPS_PAD`` (64 MiB). The threads other than the main one
-(the workers' lanes) allocate from arenas made of heaps of at most 64 MiB. When a heap after an
-arena's first one empties, glibc unmaps it whole, whatever the trim threshold, unless the heap
-before it has less free room than the top pad. So a thread holding one large tensor that
-allocates and frees another every step got a new heap, and new pages, every step (a 40 MiB block:
-10,241 faults every time; with the pad, none after the first, ``tests/workers``). On issue 22's bar
-model (``benchmarks.peers.out_of_box --bar``) that was 9,600-10,900 faults a step, and the pad
-took them to 3,300-3,700 and the mean step from 549 / 483 ms to 475 / 449 ms (steps 5-12, two
-runs each, 2026-12-05; ``docs/measurements.md`` section 12). The pad also makes the main heap grow
-by that much more address space at a time; pages are only touched when used.
-
-The cost: the process keeps up to ``KEEP_BYTES`` of freed memory it would have returned to the
-OS, which a training loop allocates again every step anyway, and each thread keeps the heaps its
-busiest step needed. It applies to the whole process (glibc has one setting) and stays for its
-life: glibc cannot report the setting it replaces. On a C library other than glibc it does
-nothing and says so (False).
+glibc returns large freed blocks to the OS at once, so every step's large fresh tensors (merged
+logits, log-softmax, the logits' gradient) page-fault again while every worker waits.
+``keep_freed_memory`` raises glibc's mmap and trim thresholds to ``KEEP_BYTES`` and its top pad
+to ``KEEP_HEAPS_PAD``, for the whole process and its life (option ``cpu_reuse_freed_memory``);
+it does nothing, and says so, on another C library. The measurements and the cost:
+docs/design.md, design notes, ``workers/host_allocator.py``.
 """
 
 from __future__ import annotations

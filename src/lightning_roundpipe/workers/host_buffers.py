@@ -1,28 +1,11 @@
 """Reusable host buffers for device-to-host copies, right-sized and kept per shape and dtype.
 
-On CUDA a download allocated per copy with ``torch.empty(..., pin_memory=True)`` goes through the
-caching host allocator, which rounds each block up to a power of two and never gives memory
-back: gradient and activation downloads of one step then cost up to twice their size in pinned
-memory, held for the life of the process. Here each buffer is allocated at its exact size by the
-driver and, once the host has consumed its data, returned to a free list for the next copy of
-the same shape and dtype. A step downloads the same shapes as the step before, so after the
-first step every download reuses a buffer and the bytes held stay at the first step's peak.
-
-Bounded: with dynamic padding the shapes change every step, and buffers of last step's shapes
-would never be reused. Free buffers are kept in least-recently-returned order and the oldest
-are evicted (``on_evict`` unpins them) once the pool holds more than ``cap_bytes``
-(``DEFAULT_CAP_BYTES``, 2 GiB, by default). The cap bounds what the pool *keeps*: buffers
-lent out are never taken back early, so while one step lends more than the cap the pool holds
-what is lent and keeps nothing free.
-
-Never reused while a copy may still write it: a buffer is lent with the event recorded after the
-copy into it (``fence``). After a failure or a timeout the engine hands buffers back without
-waiting for their copies (the stream may still be working through them); such a buffer is
-handed out again, or evicted, only once its fence has completed.
-
-Who returns a buffer: the engine, when it knows nothing reads it any more (weight gradients
-right after they are added into the host ``.grad``; activations when the call that kept them
-for recompute is gone). A buffer handed to the user is simply never returned.
+CUDA's caching host allocator rounds each pinned block up to a power of two and never gives it
+back; here each download buffer is allocated at its exact size and, once the host has read it,
+reused by the next copy of the same shape and dtype, so the bytes held stay at the first step's
+peak. Free buffers beyond ``cap_bytes`` are evicted oldest first, and a buffer is lent again only
+after the copy into it has landed (its ``fence`` event). Who returns buffers, and why the cap
+bounds only what is kept: docs/design.md, design notes, ``workers/host_buffers.py``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """Pinning host memory in place (``cudaHostRegister``), with its errors checked and cleared.
 
-CUDA pins whole pages: two registrations that touch one page (two small tensors side by side
-in the CPU allocator's memory) make the second fail "already registered" (error 712), and a
-failed runtime call leaves CUDA's last error set on the calling thread, where the next kernel
-launch check (``cudaGetLastError`` after a launch) reports it as that kernel's failure. So:
-
-- a tensor is registered as the page-aligned run of pages that holds it, minus the pages
-  already registered (by this registry): no page is ever registered twice, and a tensor whose
-  pages are all registered already is pinned without a call;
-- every failed call is followed by ``cudaGetLastError`` (which clears the error), the tensor
-  stays pageable, and the reason is counted in ``pageable_reasons`` (nothing fails silently:
-  the pools report these counts);
-- a run is unregistered when the last tensor that relied on it is unregistered.
-
-``cudart`` is anything with ``cudaHostRegister(ptr, nbytes, flags)``, ``cudaHostUnregister(ptr)``
-and ``cudaGetLastError()`` returning CUDA error codes: ``torch_cudart`` on a GPU,
-``FakeCudart`` (CUDA's page rule and errors, on the CPU) on the fake streams.
+CUDA pins whole pages (a second registration of a page fails, error 712) and a failed call leaves
+an error that the next kernel launch check would report as its own. So a tensor is registered
+as its run of pages minus those already registered, every failed call is cleared with
+``cudaGetLastError`` and the tensor stays pageable with its reason counted in
+``pageable_reasons``, and a run is unregistered with the last tensor that relied on it.
+``cudart`` is ``torch_cudart`` on a GPU or ``FakeCudart`` on the fake streams. Details:
+docs/design.md, design notes, ``workers/pinning.py``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """The worker pool: N stateless workers, each with an upload, a compute and a download queue.
 
-Each queue is a ``Lane``: a host thread with its own list of pending tasks. A task runs
-once every completion it depends on is set; its own completion is then set. The compute lane
-runs its tasks strictly in submission order (so gradients accumulate in a fixed order); the two
-transfer lanes pick the highest-priority task whose inputs are ready (lower number first), so an
-activation the running stage waits for overtakes a queued weight prefetch.
-
-What "running a task" means is the backend's business (``WorkerPool.execute``): the CPU
-backend runs it on the lane thread (with optional injected delay, jitter and bandwidth cost);
-the stream backends (CUDA, and its CPU fake) issue it on the lane's stream and record an event.
-The code that orders work (the engine) is the same for all.
-
-Lanes wait on events, not polls: a task is told when each dependency becomes ready (``Lane``),
-a device event's completion is reported by the stream driver, and ``lane_counters`` counts the
-wake-ups, looks and bookkeeping time. A completion a lane task depends on must be made with
-the pool as its notifier (``Worker.submit`` and the optimizer's host lane do): nothing else
-looks at it again before its timeout.
-
-Every wait is bounded by the pool's ``timeout_s``: a queued task whose inputs do not arrive, a
-host wait, a drain. A timeout names the task that is really stuck (``WorkerPool.blocker``
-follows the chain of unfinished dependencies to a running task or to an event nobody sets), and
-``WorkerPool.shutdown`` never waits long for a lane stuck inside a task: Python cannot stop
-a thread, so such a lane (a daemon thread) ends when its task returns.
+Each queue is a ``Lane``, a host thread running a task once every completion it depends on is
+set: the compute lane in submission order (gradients accumulate in a fixed order), the transfer
+lanes highest priority first, so an activation the running stage waits for overtakes a weight
+prefetch. Running a task is the backend's business (``WorkerPool.execute``); lanes wait on
+events, not polls; every wait is bounded by ``timeout_s`` and a timeout names the task really
+stuck (``WorkerPool.blocker``). Details: docs/design.md, design notes, ``workers/pool.py``.
 """
 
 from __future__ import annotations

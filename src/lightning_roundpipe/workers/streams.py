@@ -1,26 +1,11 @@
 """Streams and events: the small interface the stream backend's protocol is written against.
 
-Two drivers implement it. ``CudaStreams`` maps it onto CUDA streams and events.
-``FakeStreams`` runs it on the CPU so the same protocol runs in CI: each stream is an
-in-order executor thread, work "issued" on a stream is queued to that thread and runs later,
-an event recorded on a stream completes when the executor reaches it, and a stream told to
-wait for an event stops there until the event completes. The lane that issues work therefore
-runs ahead of the "device" exactly as on a GPU, so races between host writes and copies in
-flight, or decisions made on work that is issued but not finished, show up on the CPU.
-``jitter_s`` inserts a random delay before each piece of work on a fake stream (never in the
-host threads): the race amplifier.
-
-Pinned memory on the fake driver is plain memory, registered through ``FakeCudart``
-(CUDA's page rule and error codes), so the pinned policies' bookkeeping and their failures run too.
-``copy_delay_s`` makes a device-to-host copy land that long after the work that issued it has
-returned, as a non-blocking copy on a GPU does (the host holds the buffer before its data).
-``record_stream`` is emulated as CUDA's caching allocator does it: the memory of a tensor marked
-for a stream is held, once the tensor is freed, until that stream reaches the point of the free.
-Also as on CUDA: ``current_stream()`` is a new object per call; host callbacks come from the same
-event-waiter threads (``event_waiter.py``); ``device_assert`` makes a sticky device error that every
-later query, wait and launch raises; host memory unregistered under a copy in flight is recorded
-(``use_after_release``); with ``allocate_on``, tensors are allocated per stream as by CUDA's caching
-allocator (``fake_allocator.py``). What the fake cannot model: ``docs/fake_cuda.md``.
+``CudaStreams`` maps it onto CUDA streams and events; ``FakeStreams`` runs it on the CPU so the
+same protocol runs in CI: each stream an in-order executor thread, so the issuing lane runs ahead
+of the "device" as on a GPU and races between host writes and copies in flight show up
+(``jitter_s`` amplifies them). The fake also models pinning (``FakeCudart``), late copies,
+``record_stream``, sticky device asserts and a per-stream allocator. What it models and what it
+cannot: docs/design.md, design notes, ``workers/streams.py``, and ``docs/fake_cuda.md``.
 """
 
 from __future__ import annotations
