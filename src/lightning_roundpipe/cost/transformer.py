@@ -187,6 +187,15 @@ class ParamSplit:
         return upload, held, (trainable.linear + trainable.other) * FP32_BYTES
 
 
+def projection_split(shape: ModelShape) -> ParamSplit:
+    """The projections of one decoder layer (attention, the MLP or every expert), split as a mixed
+    precision uploads them: Linear layers in the compute dtype, an MoE layer's experts in fp32
+    (transformers 5 holds them as fused tensors, not Linear layers, so autocast does not cast them)."""
+    attention = sum(a * b for a, b in shape.attention_shapes())
+    mlp = (shape.num_experts if shape.is_moe else 1) * sum(a * b for a, b in shape.mlp_shapes())
+    return ParamSplit(attention, mlp) if shape.is_moe else ParamSplit(attention + mlp, 0)
+
+
 def get_model_shape(name: str | ModelShape) -> ModelShape:
     """A preset by name, case-insensitive (``"qwen3-8b"``, ``"Llama-3.1-8B"``), or the shape itself."""
     if isinstance(name, ModelShape):
