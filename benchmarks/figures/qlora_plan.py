@@ -11,9 +11,10 @@
    predicted tokens/s at 8192 tokens and at the reference's 2048, beside the reference's measured bf16
    LoRA (r32 on every linear layer but the router, 64 sequences of 2048 in 10 microbatches: 1,820
    tokens/s, ``moe_presets.MEASURED``) and this simulator's reproduction of that run. The planner
-   prices an MoE layer's routed FLOPs alone; the QLoRA plans are also re-simulated with Hugging Face's
-   eager per-expert loop priced (``moe_dispatch="hf_eager_loop"``, cost/moe_loop.py), the dispatch a
-   per-expert ``Linear4bit`` model runs. ``--quick`` prints the 8K verdict only (no simulation).
+   prices an MoE layer's routed FLOPs alone; the QLoRA plans are also re-simulated with the experts'
+   dispatch priced (cost/moe_loop.py): ``grouped`` (the engine's ``moe_experts="grouped"``, one
+   grouped GEMM per projection) and ``hf_eager_loop`` (Hugging Face's per-expert loop, what a model
+   of per-expert ``Linear4bit`` layers runs). ``--quick`` prints the 8K verdict only (no simulation).
 """
 
 from __future__ import annotations
@@ -76,11 +77,11 @@ def verdict_235b(seq_len: int = 8192) -> str:
             f"{host.total / GiB:.1f} of {budget / GiB:.1f} GiB usable, worker {gpu / GiB:.1f} GiB)")
 
 
-def eager_loop_tokens_per_s(report) -> float:
-    """The plan of ``report`` re-simulated with the per-expert eager loop priced (module doc)."""
+def dispatch_tokens_per_s(report, dispatch: str) -> float:
+    """The plan of ``report`` re-simulated with an expert ``dispatch`` of cost/moe_loop.py priced (module doc)."""
     hw, shape = report.hardware, report.model
     costs = shape_layer_costs(shape, hw, report.seq_len, 1, lora_rank=report.lora_rank,
-                              loss_chunk_tokens=report.loss_chunk_tokens, moe_dispatch="hf_eager_loop")
+                              loss_chunk_tokens=report.loss_chunk_tokens, moe_dispatch=dispatch)
     costs = packed_costs(costs, shape, hw, "nf4")
     c = report.choice
     cfg = SimConfig(steps=2, layer_recompute=report.recompute == "layer")
@@ -97,7 +98,8 @@ def plan_rows_235b() -> list[str]:
         lines.append(f"| QLoRA r16 on q, k, v, o (simulated, sim plan) | {seq} | {'fits' if r.fits else 'does not fit'} "
                      f"| {r.host.total / GiB:.1f} of {r.host_budget_bytes / GiB:.1f} GiB | "
                      f"{(c.gpu_bytes if c else r.min_gpu_bytes) / GiB:.1f} of {r.gpu_budget_bytes / GiB:.1f} GiB | "
-                     + (f"{c.result.tokens_per_s:,.0f} ({eager_loop_tokens_per_s(r):,.0f} with the eager expert loop) |"
+                     + (f"{c.result.tokens_per_s:,.0f}; with the experts' dispatch priced: grouped "
+                        f"{dispatch_tokens_per_s(r, 'grouped'):,.0f}, eager loop {dispatch_tokens_per_s(r, 'hf_eager_loop'):,.0f} |"
                         if c else "- |"))
     sequences, microbatches, measured = MEASURED[("qwen3-235b-a22b", 32)]
     workload = Workload(sequences, microbatches, 1, seq_len=2048, lora_rank=32)

@@ -22,13 +22,15 @@ GiB = 2**30
 FAST = ["--hardware", "rtx4090", "--seq-len", "512", "--microbatches", "8", "--no-max-seq"]
 QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                   vocab_size=151936, num_hidden_layers=28, tie_word_embeddings=True)
+TINY = dict(hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            vocab_size=4096, num_hidden_layers=4, tie_word_embeddings=True)  # plans in a second
 BNB_NF4 = dict(quant_method="bitsandbytes", load_in_4bit=True, bnb_4bit_quant_type="nf4",
                bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype="bfloat16")
 
 
-def saved_config(tmp_path, name: str, quantization: dict | None):
+def saved_config(tmp_path, name: str, quantization: dict | None, shape: dict = QWEN3_0_6B):
     folder = tmp_path / ("quantized" if quantization else "plain") / name
-    fields = dict(QWEN3_0_6B, **({"quantization_config": quantization} if quantization else {}))
+    fields = dict(shape, **({"quantization_config": quantization} if quantization else {}))
     AutoConfig.for_model("qwen3", **fields).save_pretrained(folder)
     return folder
 
@@ -50,8 +52,8 @@ def test_a_bitsandbytes_nf4_quantization_config_reads_as_an_nf4_base(tmp_path):
 
 @pytest.mark.timeout(100)
 def test_sim_plan_prices_the_configs_nf4_base_as_quantize_nf4(tmp_path, capsys):
-    folder = saved_config(tmp_path, "q4", BNB_NF4)
-    plain = saved_config(tmp_path, "q4", None)  # the same model unquantized, same name
+    folder = saved_config(tmp_path, "q4", BNB_NF4, TINY)
+    plain = saved_config(tmp_path, "q4", None, TINY)  # the same model unquantized, same name
 
     def lines(*argv):
         status = main(["plan", *argv, *FAST])
@@ -61,13 +63,17 @@ def test_sim_plan_prices_the_configs_nf4_base_as_quantize_nf4(tmp_path, capsys):
     assert status == 0
     assumed = [line for line in read.out.splitlines() if line.startswith("Assumed: model q4 from")]
     assert len(assumed) == 1 and assumed[0].endswith("tied embeddings, nf4 base")
-    assert "q4 (0.60B parameters), LoRA rank 8 on a 4-bit NF4 base, on rtx4090" in read.out
+    assert "q4 (0.00B parameters), LoRA rank 8 on a 4-bit NF4 base, on rtx4090" in read.out
     assert "packed nf4 base and compute-dtype copy" in read.out
     # the same answer as --quantize nf4 on the unquantized config, and --quantize none prices it unpacked
     status, flag = lines("--model", str(plain), "--lora-rank", "8", "--quantize", "nf4")
     assert status == 0 and flag.out.splitlines()[1:] == read.out.splitlines()[1:]
     status, unpacked = lines("--model", str(folder), "--lora-rank", "8", "--quantize", "none")
     assert status == 0 and "NF4" not in unpacked.out and "packed" not in unpacked.out
+    status, attention = lines("--model", str(folder), "--lora-rank", "8", "--lora-targets", "attention")
+    assert status == 0 and "q4 (0.00B parameters), LoRA rank 8 (q, k, v, o) on a 4-bit NF4 base, on rtx4090" in attention.out
+    assert [l for l in attention.out.splitlines() if l.startswith("Assumed: model q4 from")][0].endswith(
+        "tied embeddings, nf4 base, LoRA on the attention only")
     status, refused = lines("--model", str(folder))
     assert status == 2 and refused.err == ("error: a packed nf4 base is frozen: give --lora-rank (QLoRA), or "
                                            "--quantize none to price the base unpacked\n")

@@ -197,11 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = None
         if hasattr(args, "model"):
             model, notes = resolve_model_shape(args.model)
+            if getattr(args, "lora_targets", None):
+                model = dataclasses.replace(model, lora_targets=args.lora_targets)
             if model.name.lower() != args.model.lower():
                 assumed.append(f"model {model.name} from {args.model}: {shape_summary(model)}")
             assumed += [f"model {model.name}: {note}" for note in notes]
-            if getattr(args, "lora_targets", None):
-                model = dataclasses.replace(model, lora_targets=args.lora_targets)
         for line in assumed:
             print(f"Assumed: {line}")
         if args.command == "scaling":
