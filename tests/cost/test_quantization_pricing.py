@@ -6,12 +6,14 @@ the simulator's weight uploads of a step (the packed bytes cross the link)."""
 import pytest
 
 from lightning_roundpipe.cost.hardware import load_hardware
+from lightning_roundpipe.cost.task_seconds import ProfileDeviceTimes
 from lightning_roundpipe.cost.quantization import (dequantized_params_per_call, nf4_bytes_per_param,
                                                    packed_params_per_layer)
 from lightning_roundpipe.cost.transformer import get_model_shape
 from lightning_roundpipe.planning.fit import model_costs
 from lightning_roundpipe.schedule.plan import Plan
 from lightning_roundpipe.sim.simulate import SimConfig, simulate_roundpipe
+from lightning_roundpipe.workers.completions import TaskLabel
 
 HW = load_hardware("rtx4090")  # 1008 GB/s of GPU memory bandwidth, 25 GB/s per host link
 NF4 = 0.5 + (1 + 4 / 256) / 64  # 4-bit codes, 8-bit block scales, fp32 scale of 256 scales
@@ -78,3 +80,18 @@ def test_the_simulator_uploads_the_packed_weights_of_every_stage():
         assert uploaded[name] == sum(costs.layers[i].weight_bytes for a, b in stages for i in range(a, b))
     packed_saving = 36 * (packed_params_per_layer(shape) * 2 - round(packed_params_per_layer(shape) * NF4))
     assert uploaded["bf16"] - uploaded["nf4"] == 2 * packed_saving  # each decoder layer goes up twice per step
+
+
+def test_emulated_gpus_time_a_packed_stages_upload_and_its_dequantization_as_the_simulator():
+    shape, bf16, nf4 = _pair("qwen3-8b", 1024)
+    plan = Plan(38, ((0, 19), (19, 37), (37, 38)), ((0, 19), (19, 37), (37, 38)), fused_last=True).validate()
+    for costs in (bf16, nf4):
+        times = ProfileDeviceTimes(plan, costs, HW, [1] * 38)
+        uploaded = sum(costs.layers[i].weight_bytes for i in range(19, 37))
+        # the stage's uploaded bytes over the link (a trainable adapter is held wider than it travels)
+        assert times(TaskLabel("weights", "F1"), 18) == pytest.approx(HW.latency_s + uploaded / 25e9, rel=1e-12)
+        assert sum(costs.layers[i].held_weight_bytes for i in range(19, 37)) > uploaded
+        assert times(TaskLabel("forward", "F1"), 0) == pytest.approx(sum(costs.layers[i].forward_s for i in range(19, 37)))
+    dequant = 18 * packed_params_per_layer(shape) * (NF4 + 2) / 1008e9
+    forward = [ProfileDeviceTimes(plan, c, HW, [1] * 38)(TaskLabel("forward", "F1"), 0) for c in (bf16, nf4)]
+    assert forward[1] - forward[0] == pytest.approx(dequant, rel=1e-9)
