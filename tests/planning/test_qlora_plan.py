@@ -14,6 +14,7 @@ from lightning_roundpipe.cost.hf_shape import resolve_model_shape
 from lightning_roundpipe.cost.machine import override_profile
 from lightning_roundpipe.cost.quantization import nf4_bytes_per_param, packed_params_per_layer
 from lightning_roundpipe.cost.transformer import MODEL_PRESETS, get_model_shape
+from lightning_roundpipe.planning.advice import RunSettings, alternatives
 from lightning_roundpipe.planning.capacity import DEFAULT_MEMORY_FRACTION, plan_training
 from lightning_roundpipe.planning.fit import fit_problems, host_headroom_bytes, model_costs
 from lightning_roundpipe.sim.__main__ import main
@@ -105,6 +106,7 @@ def test_issue_44_qwen3_235b_qlora_at_8k_fits_256_gb_with_the_default_headroom()
     problems, host, gpu = fit_problems(costs, hw, DEFAULT_MEMORY_FRACTION, 8, True, "stage",
                                        host_budget_bytes=hw.host_memory_bytes - headroom)
     assert problems == []
+    least, least_gpu = host, gpu
     trainable = 94 * 540_672
     assert host.optimizer_state == 16 * trainable and host.gradient_downloads == 2 * trainable
     packed = packed_params_per_layer(get_model_shape("qwen3-235b-a22b"))
@@ -116,6 +118,13 @@ def test_issue_44_qwen3_235b_qlora_at_8k_fits_256_gb_with_the_default_headroom()
     problems, host, gpu = fit_problems(every_expert, hw, DEFAULT_MEMORY_FRACTION, 8, True, "stage",
                                        host_budget_bytes=hw.host_memory_bytes - headroom)
     assert host.optimizer_state == 16 * 94 * 35_143_680
+    assert problems  # no plan fits both memories (one layer per stage overfills the host)
+    run = RunSettings(8192, 1, 16, "nf4", 8, ("stage",), True, 1024, DEFAULT_MEMORY_FRACTION, True)
+    advice = {a.option: a for a in alternatives(get_model_shape("qwen3-235b-a22b"), hw, run,
+                                                hw.host_memory_bytes - headroom)}
+    attention = advice["LoRA on the attention only (--lora-targets attention)"]
+    assert attention.fits and attention.host_bytes == least.total and attention.gpu_bytes == least_gpu
+    assert "--quantize nf4" not in " ".join(advice)  # already packed: not advised again
 
 
 @pytest.mark.slow
