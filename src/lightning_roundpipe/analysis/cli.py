@@ -202,6 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if model.name.lower() != args.model.lower():
                 assumed.append(f"model {model.name} from {args.model}: {shape_summary(model)}")
             assumed += [f"model {model.name}: {note}" for note in notes]
+            if args.command == "compare" and model.quantization:
+                assumed.append(f"model {model.name}: compare prices the base unpacked (sim plan prices its "
+                               f"{model.quantization} base)")
         for line in assumed:
             print(f"Assumed: {line}")
         if args.command == "scaling":
