@@ -12,6 +12,7 @@ set RoundPipe beside other schedules and the published runs, ``scaling`` predict
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ from ..cost.hf_shape import resolve_model_shape, shape_summary
 from ..cost.machine import (DEFAULT_DETECT_PROFILE, apply_detection, detect_machine, override_profile, profile_for_gpu,
                              size_in_gib)
 from ..cost.quantization import QUANTIZE_CHOICES
-from ..cost.transformer import MODEL_PRESETS
+from ..cost.transformer import LORA_TARGETS, MODEL_PRESETS
 from ..planning.bytes_per_param import DEFAULT_MODEL as BYTES_MODEL, bytes_per_param_table
 from ..planning.capacity import DEFAULT_MEMORY_FRACTION, plan_training
 from .compare import PAPER_MODELS, compare_schedules, paper_table
@@ -80,9 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "of the RAM ('15%%') (default: 10%% of the RAM, at least 8 GiB)")
     p.add_argument("--no-optimizer-undo", action="store_true",
                    help="price optimizer_undo=False (no failed-step undo copy on the host)")
-    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES + ("none",), default=None,
                    help="keep the frozen base weights packed (nf4: 4-bit NF4 with double-quantized block scales, "
-                        "QLoRA; needs --lora-rank)")
+                        "QLoRA; needs --lora-rank); default: the model's (a config's quantization_config, a "
+                        "-qlora preset), none: price the base unpacked")
+    p.add_argument("--lora-targets", choices=LORA_TARGETS, default=None,
+                   help="linear maps LoRA adapts: all (every one but an MoE router) or attention (q, k, v, o); "
+                        "default: the preset's (all, attention for a -qlora preset)")
     add_machine_options(p)
 
     b = sub.add_parser("host-bytes", help="host bytes per parameter of full fine-tuning, LoRA and QLoRA (a Markdown table)")
@@ -164,6 +169,13 @@ def headroom_bytes(text: str | None, host_memory_bytes: int) -> int | None:
     return int(size_in_gib(text))
 
 
+def quantize_of(args: argparse.Namespace, model) -> str | None:
+    """``plan``'s packed base: ``--quantize`` where given ("none": unpacked), else the model's own."""
+    if args.quantize is not None:
+        return None if args.quantize == "none" else args.quantize
+    return model.quantization
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -172,9 +184,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = None
         if hasattr(args, "model"):
             model, notes = resolve_model_shape(args.model)
+            if getattr(args, "lora_targets", None):
+                model = dataclasses.replace(model, lora_targets=args.lora_targets)
             if model.name.lower() != args.model.lower():
                 assumed.append(f"model {model.name} from {args.model}: {shape_summary(model)}")
             assumed += [f"model {model.name}: {note}" for note in notes]
+            if args.command == "compare" and model.quantization:
+                assumed.append(f"model {model.name}: compare prices the base unpacked (sim plan prices its "
+                               f"{model.quantization} base)")
         for line in assumed:
             print(f"Assumed: {line}")
         if args.command == "scaling":
@@ -185,6 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(bytes_per_param_table(model, hardware))
             return 0
         if args.command == "plan":
+            if quantize_of(args, model) and not args.lora_rank:
+                raise ValueError(f"a packed {quantize_of(args, model)} base is frozen: give --lora-rank (QLoRA), or "
+                                 f"--quantize none to price the base unpacked")
             report = plan_training(model, hardware, args.seq_len, microbatch_size=args.microbatch_size,
                                    lora_rank=args.lora_rank, microbatches=args.microbatches,
                                    loss_chunk_tokens=None if args.full_logits else args.loss_chunk,
@@ -192,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    recompute=args.recompute,
                                    host_headroom_bytes=headroom_bytes(args.host_headroom, hardware.host_memory_bytes),
                                    host_memory_source=host_memory_source(args, hardware),
-                                   optimizer_undo=not args.no_optimizer_undo, quantize=args.quantize)
+                                   optimizer_undo=not args.no_optimizer_undo, quantize=quantize_of(args, model))
             print(report.to_text())
             return 0 if report.fits else 1
         if args.command == "compare":

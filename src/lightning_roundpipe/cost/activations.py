@@ -69,8 +69,8 @@ def decoder_graph_bytes(shape: "ModelShape", dtype_bytes: int, lora_rank: int | 
     out += 4 * mlp * d
     # MoE router logits (one per expert).
     out += shape.num_experts * d
-    if lora_rank is not None:
-        out += 7 * lora_rank * d  # each adapted projection's A output, kept by its B
+    if lora_rank is not None:  # each adapted projection's A output, kept by its B
+        out += (7 if shape.lora_on_mlp else 4) * lora_rank * d
     return out
 
 
@@ -89,7 +89,7 @@ def decoder_forward_transient_bytes(shape: "ModelShape", dtype_bytes: int, lora_
     without autograd (a forward stage): in the MLP the residual, the norm's output, the activated
     gate, up and their product; a LoRA adapter's B output exists beside the base projection's."""
     mlp = _mlp_width(shape)
-    return (3 * mlp + 2 * shape.hidden + (mlp if lora_rank is not None else 0)) * dtype_bytes
+    return (3 * mlp + 2 * shape.hidden + (mlp if lora_rank is not None and shape.lora_on_mlp else 0)) * dtype_bytes
 
 
 def hidden_grad_bytes(shape: "ModelShape", dtype_bytes: int) -> int:

@@ -48,6 +48,7 @@ def shape_from_config(config: Any, name: str | None = None) -> tuple[ModelShape,
         if _first(config, "first_k_dense_replace", "mlp_only_layers") or (_first(config, "decoder_sparse_step",
                                                                                    default=1) or 1) > 1:
             notes.append("every layer is costed as MoE (the config's dense layers are not modelled)")
+    quantization, quantization_notes = quantization_from_config(config)
     if getattr(config, "kv_lora_rank", None):
         notes.append("multi-head latent attention is costed as plain attention of head_dim "
                      f"{head_dim}")
@@ -62,9 +63,29 @@ def shape_from_config(config: Any, name: str | None = None) -> tuple[ModelShape,
         num_layers=int(config.num_hidden_layers),
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         qk_norm=config.model_type in QK_NORM_FAMILIES,
+        quantization=quantization,
         **moe,
     )
-    return shape, notes
+    return shape, notes + quantization_notes
+
+
+def quantization_from_config(config: Any) -> tuple[str | None, list[str]]:
+    """The packed-base scheme a config's ``quantization_config`` names ("nf4" or None), and notes on
+    what the planner prices differently from it."""
+    q = getattr(config, "quantization_config", None)
+    if not q:
+        return None, []
+    q = q if isinstance(q, dict) else q.to_dict()
+    method = q.get("quant_method", "unknown")
+    if method == "bitsandbytes" and q.get("load_in_4bit"):
+        kind = q.get("bnb_4bit_quant_type", "fp4")  # bitsandbytes' own default
+        notes = [] if kind == "nf4" else [f"bitsandbytes {kind} is priced as nf4 (the same packed bytes)"]
+        if not q.get("bnb_4bit_use_double_quant", False):
+            notes.append("block scales without double quantization (0.5625 B/param) are priced double-quantized "
+                         "(0.5159 B/param)")
+        return "nf4", notes
+    what = "bitsandbytes 8-bit" if method == "bitsandbytes" else f"quantization {method!r}"
+    return None, [f"{what} is not priced: the base is priced in the compute dtype"]
 
 
 def shape_summary(shape: ModelShape) -> str:
@@ -75,6 +96,10 @@ def shape_summary(shape: ModelShape) -> str:
     if shape.is_moe:
         text += (f", {shape.num_experts} experts (top-{shape.experts_per_token}) of intermediate "
                  f"{shape.expert_intermediate}")
+    if shape.quantization:
+        text += f", {shape.quantization} base"
+    if shape.lora_targets != "all":
+        text += f", LoRA on the {shape.lora_targets} only"
     return text
 
 

@@ -54,7 +54,7 @@ class ProfileDeviceTimes:
         if kind == "weights":
             scaled = sum(self.scaled[a:b])
             share = nbytes / scaled if scaled > 0 and nbytes > 0 else 1.0
-            return self.link_s(share * v.weights(a, b))
+            return self.link_s(share * v.uploaded_weights(a, b))  # as they cross the link, not as held
         if kind == "wgrad":
             return self.link_s(v.grads(a, b))
         if kind == "loss":

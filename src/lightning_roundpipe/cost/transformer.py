@@ -42,6 +42,19 @@ class ModelShape:
     num_experts: int = 0  # MoE: experts per layer (0: a dense MLP of ``intermediate``)
     experts_per_token: int = 0  # MoE: routed experts each token runs
     expert_intermediate: int = 0  # MoE: intermediate size of one expert
+    # Base weights as stored ("nf4": a 4-bit base, cost/quantization.py; None: the compute dtype), and which
+    # linear maps LoRA adapts ("all": every one but the router; "attention": q, k, v and o only).
+    quantization: str | None = None
+    lora_targets: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.lora_targets not in LORA_TARGETS:
+            raise ValueError(f"lora_targets must be one of {LORA_TARGETS}, got {self.lora_targets!r}")
+
+    @property
+    def lora_on_mlp(self) -> bool:
+        """Whether LoRA adapts the MLP (every expert's in an MoE layer) besides the attention."""
+        return self.lora_targets == "all"
 
     @property
     def is_moe(self) -> bool:
@@ -93,14 +106,15 @@ class ModelShape:
         return 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
 
     def lora_params_per_layer(self, rank: int) -> int:
-        """Adapter parameters of one decoder layer with LoRA of ``rank`` on all linear maps but the router."""
-        experts = self.num_experts if self.is_moe else 1
+        """Adapter parameters of one decoder layer with LoRA of ``rank`` on ``lora_targets``."""
+        experts = (self.num_experts if self.is_moe else 1) if self.lora_on_mlp else 0
         return (sum(rank * (a + b) for a, b in self.attention_shapes())
                 + experts * sum(rank * (a + b) for a, b in self.mlp_shapes()))
 
     def active_lora_params_per_layer(self, rank: int) -> int:
         """Adapter parameters one token computes with in one decoder layer (MoE: routed experts only)."""
-        return sum(rank * (a + b) for a, b in self.projection_shapes())
+        shapes = self.projection_shapes() if self.lora_on_mlp else self.attention_shapes()
+        return sum(rank * (a + b) for a, b in shapes)
 
     def embedding_params(self) -> int:
         """Parameters of the token embedding."""
@@ -116,6 +130,8 @@ class ModelShape:
         return self.embedding_params() + self.num_layers * self.decoder_layer_params() + head
 
 
+LORA_TARGETS = ("all", "attention")
+
 # Published config.json numbers (Hugging Face model repositories of Qwen and Meta).
 MODEL_PRESETS: dict[str, ModelShape] = {
     "qwen3-0.6b": ModelShape("Qwen3-0.6B", 1024, 3072, 16, 8, 128, 151936, 28, tie_embeddings=True, qk_norm=True),
@@ -130,6 +146,13 @@ MODEL_PRESETS: dict[str, ModelShape] = {
                                 num_experts=128, experts_per_token=8, expert_intermediate=768),
     "qwen3-235b-a22b": ModelShape("Qwen3-235B-A22B", 4096, 12288, 64, 4, 128, 151936, 94, qk_norm=True,
                                   num_experts=128, experts_per_token=8, expert_intermediate=1536),
+    # QLoRA of Qwen3-235B-A22B as its users run it (docs/planning.md): a 4-bit NF4 base, LoRA on the
+    # attention's q, k, v, o only. Adapters on every expert (128 x 3 per layer) would train 3.25B
+    # parameters at r=16 (52 GB of fp32 optimizer state), each seeing 1/16 of the tokens; on the
+    # attention, 51M parameters that every token trains, and the routing is left as pre-trained.
+    "qwen3-235b-a22b-qlora": ModelShape("Qwen3-235B-A22B", 4096, 12288, 64, 4, 128, 151936, 94, qk_norm=True,
+                                        num_experts=128, experts_per_token=8, expert_intermediate=1536,
+                                        quantization="nf4", lora_targets="attention"),
     "gpt-oss-20b": ModelShape("GPT-OSS-20B", 2880, 2880, 64, 8, 64, 201088, 24,
                               num_experts=32, experts_per_token=4, expert_intermediate=2880),
 }
@@ -158,6 +181,15 @@ class ParamSplit:
         upload = self.linear * dtype_bytes + self.other * FP32_BYTES
         held = upload + trainable.linear * FP32_BYTES
         return upload, held, (trainable.linear + trainable.other) * FP32_BYTES
+
+
+def projection_split(shape: ModelShape) -> ParamSplit:
+    """The projections of one decoder layer (attention, the MLP or every expert), split as a mixed
+    precision uploads them: Linear layers in the compute dtype, an MoE layer's experts in fp32
+    (transformers 5 holds them as fused tensors, not Linear layers, so autocast does not cast them)."""
+    attention = sum(a * b for a, b in shape.attention_shapes())
+    mlp = (shape.num_experts if shape.is_moe else 1) * sum(a * b for a, b in shape.mlp_shapes())
+    return ParamSplit(attention, mlp) if shape.is_moe else ParamSplit(attention + mlp, 0)
 
 
 def get_model_shape(name: str | ModelShape) -> ModelShape:

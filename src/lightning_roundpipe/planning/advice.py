@@ -1,8 +1,9 @@
 """What would make a run that does not fit fit: each option alone, with the memory it would need.
 
 The options, each changed alone from the run asked about: ``optimizer_undo=False`` (no failed-step
-copy), LoRA, a 4-bit NF4 base (QLoRA), fewer microbatches per step, layer-grain recompute, shorter
-sequences, and one sequence per microbatch. Each is checked as ``fit_problems`` checks the run (the
+copy), LoRA, a 4-bit NF4 base (QLoRA), LoRA on the attention only (an MoE model whose adapters cover
+every expert), fewer microbatches per step, layer-grain recompute, shorter sequences, and one
+sequence per microbatch. Each is checked as ``fit_problems`` checks the run (the
 least-memory plans, fast: no simulation), so its figures are the least that option needs.
 """
 
@@ -65,6 +66,7 @@ def _check(shape: ModelShape, hw: HardwareProfile, run: RunSettings, host_budget
 def alternatives(shape: ModelShape, hw: HardwareProfile, run: RunSettings, host_budget: float) -> list[Alternative]:
     """Every option of the module doc that applies to ``run``, each alone, with its figures."""
     options: list[tuple[str, RunSettings, str]] = []
+    shapes: dict[str, ModelShape] = {}  # options that change the model's LoRA targets
     if run.optimizer_undo:
         options.append(("optimizer_undo=False", replace(run, optimizer_undo=False),
                         "a failed step is no longer undone: resume from a checkpoint"))
@@ -75,6 +77,10 @@ def alternatives(shape: ModelShape, hw: HardwareProfile, run: RunSettings, host_
         rank = run.lora_rank or ADVISED_LORA_RANK
         options.append((f"a 4-bit NF4 base with LoRA rank {rank} (--quantize nf4 --lora-rank {rank})",
                         replace(run, quantize="nf4", lora_rank=rank), "QLoRA"))
+    if run.lora_rank and shape.is_moe and shape.lora_on_mlp:
+        option = "LoRA on the attention only (--lora-targets attention)"
+        options.append((option, run, "no adapters on the experts"))
+        shapes[option] = replace(shape, lora_targets="attention")
     if "layer" not in run.recompute_grains:
         options.append(("recompute='layer' (--recompute layer)", replace(run, recompute_grains=("layer",)),
                         "one more forward per backward stage"))
@@ -83,7 +89,7 @@ def alternatives(shape: ModelShape, hw: HardwareProfile, run: RunSettings, host_
                         "fewer tokens per step"))
     found: list[Alternative] = []
     for option, settings, note in options:
-        fits, host, gpu = _check(shape, hw, settings, host_budget)
+        fits, host, gpu = _check(shapes.get(option, shape), hw, settings, host_budget)
         found.append(Alternative(option, host, gpu, fits, note))
     for m in range(run.microbatches - 1, 0, -1):  # the most microbatches that fit (saved inputs scale with them)
         fits, host, gpu = _check(shape, hw, replace(run, microbatches=m), host_budget)

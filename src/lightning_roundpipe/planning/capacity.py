@@ -175,6 +175,8 @@ class TrainingPlan:
         """The plan as the ``sim plan`` command prints it."""
         hw, shape = self.hardware, self.model
         mode = f"LoRA rank {self.lora_rank}" if self.lora_rank else "full fine-tuning"
+        if self.lora_rank and shape.lora_targets == "attention":
+            mode += " (q, k, v, o)"
         if self.quantize:
             mode += f" on a 4-bit {self.quantize.upper()} base"
         # each reason by the memory it names; "no (candidate) plan fits both ..." names the two together
