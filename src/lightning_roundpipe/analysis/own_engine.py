@@ -20,7 +20,7 @@ sequences per optimizer step and the same calls, runs by default:
 A ``Setup`` holds one such way to run; ``waterfall`` changes one cause at a time from
 the reference's setup to this engine's default, simulating each, so every difference in tokens/s
 has a name and a share; ``best_setup`` searches the options a user can set. All numbers are
-simulated, with whatever hardware profile is present (``benchmarks/own_engine_reference.py``
+simulated, with whatever hardware profile is present (``benchmarks/figures/own_engine_reference.py``
 prints them).
 """
 
@@ -45,7 +45,7 @@ from .designs import PricedDesign
 
 # Measured ratio of one host Adam step to the engine's gradient accumulation (cast to fp32,
 # multiply by the loss scale, add into .grad), per parameter, side by side on one CPU:
-# `python -m benchmarks.host_accumulate_cost` printed adam / cast-scale-add = 1.25, 1.99 and 2.35
+# `python -m benchmarks.calibration.host_accumulate_cost` printed adam / cast-scale-add = 1.25, 1.99 and 2.35
 # in three runs (16M parameters, 2 torch threads, best of 7, load average ~7); the lowest is taken,
 # so the accumulation's simulated cost is an upper bound. Both are memory-bound, so the ratio
 # carries over to a server whose host Adam rate the profile gives.
@@ -389,7 +389,7 @@ def waterfall(run: PublishedRun, hardware: str | HardwareProfile, *, optimizer_s
     """From the reference's setup to this engine's default, one cause at a time (all simulated)."""
     hw = load_hardware(hardware)
     setup = Setup()
-    rows = [Step("reference setup (as benchmarks.published_gpu)", simulate_setup(run, hw, setup,
+    rows = [Step("reference setup (as benchmarks.validation.published_gpu)", simulate_setup(run, hw, setup,
                                                                                optimizer_steps=optimizer_steps), 0.0)]
     for cause, change in causes(hw, run.stale.microbatches):
         setup = replace(setup, **change)

@@ -20,7 +20,7 @@ step: a fresh copy per step would fault in (and zero) new pages for all of them 
 which costs about as much as the copy itself. They hold one copy of the parameters and of their
 optimizer state for as long as the optimizer is overlapped (a fresh copy per step held the same
 at the step's peak; measured: +1.13 GiB peak RSS for 100.7M parameters under AdamW, the copy
-itself, ``benchmarks/step_undo_cost.py``).
+itself; benchmarks/README.md, "What the removed investigations found").
 
 ``keep=False`` (the opt-out for models whose host memory cannot hold that copy) keeps only the
 names of the layers stepped, so a failure can say which ones changed; the overlapped optimizer
