@@ -9,6 +9,7 @@ with the reason in ``Smoke.slow``.
 from __future__ import annotations
 
 import importlib
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,15 +119,19 @@ def smoke_params():
 
 
 @pytest.fixture
-def torch_threads():
-    """Scripts set torch's thread count for their runs; put it back for the rest of the suite."""
-    threads = torch.get_num_threads()
+def process_state():
+    """Scripts set torch's thread count and environment variables for their runs (cpu_peers: glibc's
+    malloc settings for its children); put both back for the rest of the suite."""
+    threads, environ = torch.get_num_threads(), dict(os.environ)
     yield
     torch.set_num_threads(threads)
+    for name in set(os.environ) - set(environ):
+        del os.environ[name]
+    os.environ.update(environ)
 
 
 @pytest.mark.parametrize("script, smoke", smoke_params())
-def test_the_script_runs_on_tiny_arguments(script, smoke, tmp_path, monkeypatch, capfd, torch_threads):
+def test_the_script_runs_on_tiny_arguments(script, smoke, tmp_path, monkeypatch, capfd, process_state):
     monkeypatch.chdir(tmp_path)  # anything a script writes by default lands here
     module = importlib.import_module(f"benchmarks.{script}")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in smoke.argv]
