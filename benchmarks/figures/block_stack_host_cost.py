@@ -88,7 +88,7 @@ def step(model, idx, targets):
     model.zero_grad(set_to_none=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--dim", type=int, default=128)
@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=6)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.manual_seed(0)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq))
     targets = torch.randint(0, args.vocab, (args.batch, args.seq))

@@ -14,6 +14,8 @@ a check only: no constant was set from them.
 
 from __future__ import annotations
 
+import argparse
+
 from lightning_roundpipe.analysis.workload import Workload, simulate_workload
 from lightning_roundpipe.cost.attention import attention_tflops_at
 from lightning_roundpipe.cost.hardware import load_hardware
@@ -25,10 +27,12 @@ SWEEP = {512: (512, "stage", 68_101.64), 1024: (256, "stage", 67_783.21), 2048: 
          32768: (10, "layer", 33_722.51), 65536: (10, "layer", 23_734.40)}
 
 
-def rows(hardware: str = "rtx4090") -> list[dict]:
+def rows(hardware: str = "rtx4090", lengths=None) -> list[dict]:
     hw = load_hardware(hardware)
     out = []
     for seq_len, (sequences, grain, measured) in SWEEP.items():
+        if lengths is not None and seq_len not in lengths:
+            continue
         workload = Workload(sequences, 10, 1, seq_len=seq_len, recompute=grain)
         simulated = simulate_workload("qwen3-1.7b", hw, workload).tokens_per_s
         out.append(dict(seq_len=seq_len, sequences=sequences, recompute=grain, attention_tflops=attention_tflops_at(seq_len, hw),
@@ -36,10 +40,14 @@ def rows(hardware: str = "rtx4090") -> list[dict]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=None, choices=list(SWEEP),
+                        help="only these sequence lengths (default: the whole sweep)")
+    args = parser.parse_args(argv)
     print("| tokens/sequence | sequences/step | recompute | attention TFLOP/s (model) | simulated | measured | error |")
     print("|---:|---:|---|---:|---:|---:|---:|")
-    for r in rows():
+    for r in rows(lengths=args.lengths):
         print(f"| {r['seq_len']:,} | {r['sequences']} | {r['recompute']} | {r['attention_tflops']:.0f} | "
               f"{r['simulated']:,.0f} | {r['measured']:,.0f} | {r['simulated'] / r['measured'] - 1:+.1%} |")
 

@@ -31,10 +31,10 @@ def what_binds(model: str, hardware, seq: int, rank, grain: str) -> str:
     return ", ".join(("GPU" if k.startswith("GPU") else "host" if k.startswith("host") else "GPU+host") for k in kinds)
 
 
-def rows(hardware_names, throughput: bool):
+def rows(hardware_names, throughput: bool, models=None):
     for name in hardware_names:
         hw = load_hardware(name)
-        for model, rank in RUNS:
+        for model, rank in (run for run in RUNS if models is None or run[0] in models):
             row = {"hardware": name, "model": model, "mode": f"LoRA r{rank}" if rank else "full"}
             for grain in ("stage", "layer"):
                 longest = longest_seq_len(model, hw, lora_rank=rank, recompute=grain)
@@ -80,11 +80,14 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hardware", nargs="+", default=["rtx4090", "a100"])
     p.add_argument("--throughput", action="store_true", help="also simulate the recommended plan at each length")
+    p.add_argument("--models", nargs="+", default=None, help="only these models (default: every run)")
+    p.add_argument("--no-paper-check", action="store_true", help="leave out the Qwen3-235B-A22B line")
     a = p.parse_args(argv)
     print("Simulated (planner memory model, not measured): longest trainable sequence, 1 sequence per microbatch, "
           "8 microbatches, chunked loss of 1024 rows")
-    print(markdown(list(rows(a.hardware, a.throughput)), a.throughput))
-    print(paper_check())
+    print(markdown(list(rows(a.hardware, a.throughput, a.models)), a.throughput))
+    if not a.no_paper_check:
+        print(paper_check())
 
 
 if __name__ == "__main__":

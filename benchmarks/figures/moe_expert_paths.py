@@ -51,7 +51,7 @@ def break_even(gpus: int, loop: float, low: float = 1.0, high: float = 3.0, step
     return low
 
 
-def path_rows(gpus: int, imbalances: list[float]) -> list[dict]:
+def path_rows(gpus: int, imbalances: list[float], break_even_steps: int = 7) -> list[dict]:
     loop = tokens_per_s(gpus, "reference_loop")
     rows = [dict(gpus=gpus, path="reference loop, fp16", tokens_per_s=loop),
             dict(gpus=gpus, path="grouped (grouped_mm), bf16", tokens_per_s=tokens_per_s(gpus, "grouped", fp16=False)),
@@ -64,7 +64,7 @@ def path_rows(gpus: int, imbalances: list[float]) -> list[dict]:
     rows.append(dict(gpus=gpus, path="routed FLOPs only (no dispatch cost)", tokens_per_s=tokens_per_s(gpus, None)))
     for row in rows:
         row["over_loop"] = row["tokens_per_s"] / loop
-    rows.append(dict(gpus=gpus, path=f"padded_bmm: largest imbalance still >= {TARGET}x", imbalance=break_even(gpus, loop)))
+    rows.append(dict(gpus=gpus, path=f"padded_bmm: largest imbalance still >= {TARGET}x", imbalance=break_even(gpus, loop, steps=break_even_steps)))
     return rows
 
 
@@ -87,8 +87,10 @@ def main(argv=None) -> dict:
     parser = cli(__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, nargs="+", default=[8, 1])
     parser.add_argument("--imbalance", type=float, nargs="+", default=[1.0, 1.25, 1.5, 2.0])
+    parser.add_argument("--break-even-steps", type=int, default=7, help="bisection steps of the largest imbalance "
+                        "still >= the target (each one simulation; 0: the range's low end only)")
     args = parser.parse_args(argv)
-    rows = [row for gpus in args.gpus for row in path_rows(gpus, args.imbalance)]
+    rows = [row for gpus in args.gpus for row in path_rows(gpus, args.imbalance, args.break_even_steps)]
     terms = term_rows()
     print(f"{MODEL}, {SEQUENCES} x 2048 tokens in {MICROBATCHES} microbatches, RTX 4090s (simulated)")
     print(markdown_table(rows, [("gpus", "GPUs", "{}"), ("path", "experts path", "{}"),

@@ -47,10 +47,10 @@ def training_flops_per_token(model: str, seq_len: int, lora_rank: int | None) ->
     return shape.num_layers * layer + head_fwd.matmul_flops + head_bwd.matmul_flops
 
 
-def rows(hardware: str = "rtx4090", seq_len: int = 2048, lora_rank: int = 32) -> list[dict]:
+def rows(hardware: str = "rtx4090", seq_len: int = 2048, lora_rank: int = 32, models=None) -> list[dict]:
     hw = load_hardware(hardware)
     out = []
-    for name in MOE_PRESETS:
+    for name in (m for m in MOE_PRESETS if models is None or m in models):
         s = get_model_shape(name)
         active = s.num_layers * s.active_linear_params() + s.vocab * s.hidden
         for rank in (None, lora_rank):
@@ -97,8 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hardware", default="rtx4090")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--lora-rank", type=int, default=32)
+    parser.add_argument("--models", nargs="+", default=None, choices=list(MOE_PRESETS), help="default: every preset")
     args = parser.parse_args(argv)
-    print(to_markdown(rows(args.hardware, args.seq_len, args.lora_rank), args.hardware))
+    print(to_markdown(rows(args.hardware, args.seq_len, args.lora_rank, args.models), args.hardware))
 
 
 if __name__ == "__main__":

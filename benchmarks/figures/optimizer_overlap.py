@@ -110,8 +110,7 @@ def run_fit(width, depth, steps, overlap, fused, records_out):
     return timer.times, (sync.times if sync else None), weights
 
 
-def overlap_figures(params: float, steps: int) -> dict:
-    width = 2048
+def overlap_figures(params: float, steps: int, width: int = 2048) -> dict:
     depth = max(2, round(params / (width * width + width)))
     n_params = depth * (width * width + width)
     rows = {}
@@ -143,9 +142,9 @@ def overlap_figures(params: float, steps: int) -> dict:
     return {"params": n_params, "width": width, "depth": depth, "rows": rows, "bit_identical": identical}
 
 
-def kernel_figures(params: float, repeats: int = 3) -> dict:
+def kernel_figures(params: float, repeats: int = 3, side: int = 4096) -> dict:
     n = int(params)
-    shapes = [(4096, 4096)] * max(1, n // (4096 * 4096))
+    shapes = [(side, side)] * max(1, n // (side * side))
     out = {}
     for name, kw in (("fused", {"fused": True}), ("foreach", {"foreach": True}), ("for-loop", {"foreach": False})):
         ps = [torch.zeros(s, requires_grad=True) for s in shapes]
@@ -198,16 +197,19 @@ def main(argv=None):
     ap = cli(__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=100e6)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--width", type=int, default=2048, help="of the Linear layers; AdamW's kernels run on tensors "
+                    "twice as wide (the smoke test: 64)")
     args = ap.parse_args(argv)
-    print(f"# python benchmarks/figures/optimizer_overlap.py --params {args.params:g} --steps {args.steps}")
-    ov = overlap_figures(args.params, args.steps)
+    print(f"# python benchmarks/figures/optimizer_overlap.py --params {args.params:g} --steps {args.steps} "
+          f"--width {args.width}")
+    ov = overlap_figures(args.params, args.steps, args.width)
     print(f"\n## Overlapped host optimizer ({ov['params'] / 1e6:.1f}M parameters, AdamW fused, 2 CPU workers)\n")
     print("| optimizer | step s | optimizer s/step | hidden share |")
     print("|---|---:|---:|---:|")
     for k, r in ov["rows"].items():
         print(f"| {k} | {r['step_s']:.3f} | {r['optimizer_s_per_step']:.3f} | {100 * r['hidden_share']:.0f}% |")
     print(f"\nfinal weights bit-identical across all runs: {ov['bit_identical']}")
-    kern = kernel_figures(args.params)
+    kern = kernel_figures(args.params, side=2 * args.width)
     print(f"\n## torch AdamW kernels on this CPU ({next(iter(kern.values()))['params'] / 1e6:.0f}M parameters)\n")
     print("| implementation | s/step |")
     print("|---|---:|")

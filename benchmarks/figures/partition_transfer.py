@@ -346,10 +346,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
-    print("$ python -m benchmarks.partition_transfer " + shlex.join(argv), flush=True)
+    print("$ python -m benchmarks.figures.partition_transfer " + shlex.join(argv), flush=True)
     args = parse_args(argv)
     result = run_benchmark(config_from_args(args))
-    result["command"] = "python -m benchmarks.partition_transfer " + shlex.join(argv)
+    result["command"] = "python -m benchmarks.figures.partition_transfer " + shlex.join(argv)
     result["date"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     print(render(result))
     if args.json:

@@ -33,7 +33,7 @@ Without recompute both are ``c_l = f_l + b_l``. The whole step is ``m * W`` with
   it steps whole (its default on 2 CPU workers and 2 cores, ``RuntimeOptions.overlaps_optimizer``),
   and nothing when the optimizer is overlapped behind backward (``roundpipe_optimizer_s``); the
   balance bound spreads the whole step over the workers.
-- **RoundPipe, plan model**: the project's list-scheduling model (``partition.predict``) of the
+- **RoundPipe, plan model**: the project's list-scheduling model (``planning.predictor.predict``) of the
   plan actually run, with free dispatch and free copies: round-robin stages, per-microbatch
   dependencies; the fused head's backward stages start per microbatch as soon as the fused
   stage sent its gradient (the engine dispatches them right after it). Its gap to the balance

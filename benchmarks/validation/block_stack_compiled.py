@@ -44,10 +44,10 @@ def run(what: str, backend: str) -> tuple[float, float]:
     return err, time.perf_counter() - t0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", default="inductor")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     print("| compiled | backend | gradient error | first step s (compile included) |\n|---|---|---|---|")
     for what in ("blocks", "whole model"):
         err, seconds = run(what, args.backend)

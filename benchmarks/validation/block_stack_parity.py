@@ -8,6 +8,7 @@ worst per-tensor gradient error after one step, worst update-relative weight err
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -32,9 +33,12 @@ CASES = [
 ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", type=int, default=None, help="only the first CASES models (default: all)")
+    args = parser.parse_args(argv)
     print("| model | optimizer | workers | gradient error | weight error (3 steps) | wall s |\n|---|---|---|---|---|---|")
-    for name, opt, workers, make, kw in CASES:
+    for name, opt, workers, make, kw in CASES[:args.cases]:
         t0 = time.perf_counter()
         g, w, _ = parity(make, workers, **kw)
         print(f"| {name} | {opt} | {workers} | {g:.1e} | {w:.1e} | {time.perf_counter() - t0:.1f} |", flush=True)

@@ -20,8 +20,8 @@ the stream threads (the real tensor work of the scaled model: what stands for ke
 the optimizer thread (updates and undo's before-images); the process's CPU seconds per wall second
 (an upper bound of the GIL's share), and lane wake-ups per second where the pool counts them.
 
-    python -m benchmarks.emulated_gpus --quick --json emulated_gpus.json   # 8 GPUs, real time, ~4-5 min
-    python -m benchmarks.emulated_gpus --json emulated_gpus.json           # 1, 2, 4, 8 GPUs (~45 min)
+    python -m benchmarks.validation.emulated_gpus --quick --json emulated_gpus.json   # 8 GPUs, real time, ~4-5 min
+    python -m benchmarks.validation.emulated_gpus --json emulated_gpus.json           # 1, 2, 4, 8 GPUs (~45 min)
 """
 
 from __future__ import annotations
@@ -379,7 +379,7 @@ def main(argv=None) -> dict:
     print(markdown_table(rows, COLUMNS))
     print(markdown_table(launch, LAUNCH_COLUMNS))
     print(load_line(info))
-    command = " ".join(["python -m benchmarks.emulated_gpus", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python -m benchmarks.validation.emulated_gpus", *(sys.argv[1:] if argv is None else argv)])
     result = dict(rows=rows, launch_decision=launch, profile=args.profile, hidden=args.hidden, target_step_s=target,
                   time_scale=time_scale, steps=steps, undo=args.undo, command=command, run=info)
     if args.json:

@@ -42,17 +42,18 @@ def tally_overhead(case: MemoryCase, steps: int = 6, rounds: int = 3) -> float:
     return sorted(ratios)[len(ratios) // 2]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = cli(__doc__.splitlines()[0], quick="only the test's subset", json_help="write every case's figures to this file")
     parser.add_argument("--overhead", action="store_true", help="only time measuring against not measuring")
-    args = parser.parse_args()
+    parser.add_argument("--cases", type=int, default=None, help="only the first CASES cases (the smoke test: 1)")
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.overhead:
         for case in (MemoryCase(seq_len=256), MemoryCase(seq_len=2048, hidden=64)):
             print(f"{case.label}: step time measuring / not measuring = {tally_overhead(case):.2f}x", flush=True)
         return
     rows = []
-    for case in sweep_cases(args.quick):
+    for case in sweep_cases(args.quick)[:args.cases]:
         row = compare(case)
         rows.append(row)
         print(f"{row['case']:<80} measured {max(row['measured']) / 2**20:8.2f} MiB  predicted "

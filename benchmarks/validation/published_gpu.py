@@ -47,11 +47,11 @@ MEGATRON_OPTIMIZER_BYTES = 14
 MEGATRON_UPDATE_BYTES = 36  # a fused GPU Adam reads and writes those 18 bytes
 
 
-def rows(hardware: str = "rtx4090", planner: bool = False) -> list[dict]:
+def rows(hardware: str = "rtx4090", planner: bool = False, models=None) -> list[dict]:
     """One dict per (model, system): workload, simulated and measured tokens/s, relative error."""
     hw = load_hardware(hardware)
     out = []
-    for run in PUBLISHED_RUNS:
+    for run in (r for r in PUBLISHED_RUNS if models is None or r.model in models):
         plan = None if planner else reference_plan(run.model)
         for system, workload, measured in (("RoundPipe", run.stale, run.measured_stale),
                                            ("RoundPipe-sync", run.sync, run.measured_sync)):
@@ -142,8 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hardware", default="rtx4090")
     parser.add_argument("--planner", action="store_true", help="this project's planner's plans, not the reference's")
     parser.add_argument("--baselines", action="store_true", help="also the Megatron-PP-like and Mobius-like rows")
+    parser.add_argument("--models", nargs="+", default=None, help="only these of the published models (default: all)")
     args = parser.parse_args(argv)
-    print(to_markdown(rows(args.hardware, args.planner), args.hardware))
+    print(to_markdown(rows(args.hardware, args.planner, args.models), args.hardware))
     if args.baselines:
         print()
         print(baselines_markdown(baseline_rows(args.hardware)))

@@ -356,7 +356,7 @@ def config_from_args(args: argparse.Namespace) -> ValidationConfig:
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
-    command = "python -m benchmarks.sim_validation " + shlex.join(argv)
+    command = "python -m benchmarks.validation.sim_validation " + shlex.join(argv)
     print("$ " + command, flush=True)
     args = parse_args(argv)
     result = run_validation(config_from_args(args))

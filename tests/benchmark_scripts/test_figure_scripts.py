@@ -61,7 +61,8 @@ def test_partition_transfer_rows_and_values(transfer_run):
     for c in result["comparisons"]:
         assert c["speedup"] > 0 and math.isfinite(c["speedup"])
     # JSON mirrors the result, with the command and machine facts.
-    assert saved["command"] == "python -m benchmarks.partition_transfer --quick --json " + saved["command"].split()[-1]
+    assert saved["command"] == ("python -m benchmarks.figures.partition_transfer --quick --json "
+                                + saved["command"].split()[-1])
     assert [r["variant"] for r in saved["rows"]] == names
     assert len(saved["loadavg_before"]) == 3 and saved["cpus"] >= 1
 
@@ -155,7 +156,7 @@ def test_sim_validation_quick_run(tmp_path):
     text = sim_validation.render(result)
     assert "| case | plan | measured step s (wall) | traced step s | sim s | error | sim, measured task times s |" in text
     assert "(goal: within 15%)" in text
-    assert saved["command"].startswith("python -m benchmarks.sim_validation --quick")
+    assert saved["command"].startswith("python -m benchmarks.validation.sim_validation --quick")
     assert [r["case"] for r in saved["rows"]] == [c.name for c in cfg.cases]
 
 

@@ -1,15 +1,20 @@
 """The benchmarks' shared harness and layout: common flags, JSON naming its producer, one index of
-every script, and every old command name still running the moved script."""
+every script, and the documented old command names still running the moved script, with a deprecation."""
 
 import importlib
 import json
+import os
 import re
+import runpy
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from benchmarks import old_names
 from benchmarks.harness import cli, cpu_seconds_by_thread_name, producer_name, write_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,23 +70,59 @@ def test_every_json_writing_script_uses_the_harness():
         assert "json.dump(" not in text and "write_text(json" not in text, path
 
 
-def old_command_names():
-    """The top-level modules that keep a moved script's ``python -m benchmarks.NAME`` working (every
-    top-level module but the package's own and the harness). Scripts added since have no such name."""
-    return sorted(p for p in BENCHMARKS.glob("*.py") if p.stem not in ("__init__", "harness"))
+def test_no_module_at_the_top_re_exports_a_script():
+    top = sorted(p.name for p in BENCHMARKS.glob("*.py"))
+    assert top == ["__init__.py", "harness.py", "old_names.py"]
 
 
-def test_the_old_command_names_are_kept():
-    assert len(old_command_names()) >= 36  # the names the scripts had before they moved into folders
+def test_every_old_name_leads_to_a_script_or_to_where_its_results_went():
+    for old, new in old_names.MOVED.items():
+        assert (BENCHMARKS / (new.replace(".", "/") + ".py")).exists(), f"benchmarks.{old} points to a gone script"
+        assert new.rpartition(".")[2] == old
+    for old in old_names.REMOVED:
+        assert not list(BENCHMARKS.glob(f"*/{old}.py")), f"{old} still exists: move it to MOVED"
+    assert "## What the removed investigations found" in (BENCHMARKS / "README.md").read_text()
 
 
-@pytest.mark.parametrize("shim", old_command_names(), ids=lambda p: p.stem)
-def test_the_old_command_name_runs_the_moved_script(shim):
-    moved = re.search(r"benchmarks/(\w+)/(\w+)\.py", shim.read_text().splitlines()[0])
-    assert moved and moved.group(2) == shim.stem, f"{shim.name} names no script it runs"
-    assert (BENCHMARKS / moved.group(1) / shim.name).exists(), f"python -m benchmarks.{shim.stem} points to a gone script"
-    old = importlib.import_module(f"benchmarks.{shim.stem}")
-    assert old.main is importlib.import_module(f"benchmarks.{moved.group(1)}.{shim.stem}").main
+@pytest.mark.parametrize("old", sorted(old_names.MOVED))
+def test_an_old_command_name_warns_on_stderr_and_runs_the_moved_script(old, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [f"benchmarks.{old}", "--help"])
+    with pytest.raises(SystemExit) as exited:  # argparse's --help: the moved script's own parser ran
+        runpy.run_module(f"benchmarks.{old}", run_name="__main__")
+    out, err = capsys.readouterr()
+    assert exited.value.code == 0
+    assert err == f"python -m benchmarks.{old} is deprecated; run python -m benchmarks.{old_names.MOVED[old]} (same arguments)\n"
+    assert re.search(rf"^usage: {old}\.py ", out, flags=re.M), out[:300]  # the moved script's own parser
+    assert sys.argv[0] == f"benchmarks.{old}"  # put back after the run
+
+
+def test_a_removed_investigations_old_name_says_where_its_results_are(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["benchmarks.join_before_hooks_cost"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("benchmarks.join_before_hooks_cost", run_name="__main__")
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (
+        "benchmarks.join_before_hooks_cost was a one-off investigation and has been removed; its results: "
+        "benchmarks/README.md, 'What the removed investigations found'\n")
+
+
+def test_an_old_name_is_a_command_only_and_importing_it_names_the_new_module():
+    with pytest.raises(ImportError, match=r"^benchmarks.cpu_peers is only an old command name; import "
+                                          r"benchmarks.peers.cpu_peers$"):
+        importlib.import_module("benchmarks.cpu_peers")
+    assert "benchmarks.cpu_peers" not in sys.modules
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("benchmarks.never_a_script")
+
+
+@pytest.mark.timeout(60)
+def test_the_old_command_runs_as_a_real_command_line():
+    run = subprocess.run([sys.executable, "-m", "benchmarks.kernel_rates", "--help"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": f"{REPO / 'src'}:{REPO}"})
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == ("python -m benchmarks.kernel_rates is deprecated; run python -m "
+                          "benchmarks.calibration.kernel_rates (same arguments)\n")
+    assert run.stdout.startswith("usage: kernel_rates.py")
 
 
 @pytest.mark.timeout(30)

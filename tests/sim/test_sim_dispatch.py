@@ -71,7 +71,7 @@ def test_host_submissions_hide_behind_compute_until_the_host_is_the_limit():
 
 
 def test_cpu_profile_carries_the_measured_dispatch_figure():
-    # benchmarks/dispatch_cost.py's engine figure (host CPU per task of a training call, the
+    # benchmarks/calibration/dispatch_cost.py's engine figure (host CPU per task of a training call, the
     # layers' own work extrapolated away); see the comment in cost/profiles/cpu2.yaml.
     assert 1e-5 <= load_hardware("cpu2").dispatch_s <= 1e-3
     assert load_hardware("rtx4090").dispatch_s == 0.0  # the GPU profiles leave it to SimConfig / own_engine

@@ -30,7 +30,7 @@ from .designs import PricedDesign
 
 # Measured ratio of one host Adam step to the engine's gradient accumulation (cast to fp32,
 # multiply by the loss scale, add into .grad), per parameter, side by side on one CPU:
-# `python -m benchmarks.host_accumulate_cost` printed adam / cast-scale-add = 1.25, 1.99 and 2.35
+# `python -m benchmarks.calibration.host_accumulate_cost` printed adam / cast-scale-add = 1.25, 1.99 and 2.35
 # in three runs (16M parameters, 2 torch threads, best of 7, load average ~7); the lowest is taken,
 # so the accumulation's simulated cost is an upper bound. Both are memory-bound, so the ratio
 # carries over to a server whose host Adam rate the profile gives.
@@ -374,7 +374,7 @@ def waterfall(run: PublishedRun, hardware: str | HardwareProfile, *, optimizer_s
     """From the reference's setup to this engine's default, one cause at a time (all simulated)."""
     hw = load_hardware(hardware)
     setup = Setup()
-    rows = [Step("reference setup (as benchmarks.published_gpu)", simulate_setup(run, hw, setup,
+    rows = [Step("reference setup (as benchmarks.validation.published_gpu)", simulate_setup(run, hw, setup,
                                                                                optimizer_steps=optimizer_steps), 0.0)]
     for cause, change in causes(hw, run.stale.microbatches):
         setup = replace(setup, **change)

@@ -18,7 +18,7 @@ from .own_engine import REFERENCE, Setup, SetupResult, our_default, published_ru
 from .workload import PUBLISHED_RUNS
 
 REFERENCE_SIMULATED = "reference (simulated)"
-# The simulated systems by the config names of ``benchmarks.own_engine_reference --quick``.
+# The simulated systems by the config names of ``benchmarks.figures.own_engine_reference --quick``.
 CONFIGS = {REFERENCE_SIMULATED: "reference_setup", "ours: defaults": "default", "ours: best exact": "best_exact",
            "ours: best exact, reference precision": "best_exact_reference_precision"}
 # The paper's bound baselines on 8x RTX 4090, tokens/s (exp/raw-data.csv of

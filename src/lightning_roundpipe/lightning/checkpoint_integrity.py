@@ -6,7 +6,7 @@ under every strategy. ``verify_archive`` recomputes each entry's CRC-32 (zlib, w
 GIL, over a read-only memory map; large entries in a few threads) and raises
 ``CheckpointIntegrityError`` naming the file and entry. Nothing is added to the file, so
 checkpoints written by any strategy or torch version can be checked. Files in torch's legacy
-(non-zip) format carry no checksums and load unchecked. Cost: ``benchmarks/checkpoint_integrity.py``.
+(non-zip) format carry no checksums and load unchecked. Cost: ``benchmarks/calibration/checkpoint_integrity.py``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from .pool import Lane, Task, WorkerPool, Worker
 TALLIED_UPLOADS = ("act_in", "grad_in")  # weights are counted by the engine's uploads and releases
 
 # What one more microbatch of a stage costs on the CPU backend besides its compute (the host
-# submitting its tasks, lane and worker hand-overs): ``python -m benchmarks.out_of_box --overhead``
+# submitting its tasks, lane and worker hand-overs): ``python -m benchmarks.peers.out_of_box --overhead``
 # (8 one-layer stages of Linear(8, 8), no recompute, 2 workers: the step at 8 microbatches minus
 # the step at 2, per extra microbatch-stage) measured 0.33 ms on the 2-core development machine
 # at a load average of 4 from other jobs (0.96 ms at 7: it grows with the machine's load).
