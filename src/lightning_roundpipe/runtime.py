@@ -32,6 +32,7 @@ from .engine.rng import CPU_GENERATOR
 from .engine.microbatch import MicrobatchError, batch_size_of, register_batch_types
 from .engine.forward_hooks import HookGuard
 from .engine.split_invariance import SplitInvarianceCheck
+from .params.packed import upload_parts
 from .schedule.dispatch_order import schedule_named
 from .schedule.plan import PlanError
 from .planning.keeper import PlanKeeper
@@ -136,7 +137,8 @@ class RoundPipeRuntime:
             self.engine = PipelineEngine(layers, self.pool, self.planner.plan, engine_opts, shadows=self.shadows,
                                          weight_gates=[self._weight_gates], schedule=schedule_named(options.schedule))
             if pool_class.pins_uploads:  # pin exactly what the uploads read, once; the pool unpins at shutdown
-                self.pool.pin_uploads(options.pinned, self.shadows.upload_tensors(masters) if self.shadows is not None else masters)
+                read = self.shadows.upload_tensors(masters) if self.shadows is not None else masters
+                self.pool.pin_uploads(options.pinned, upload_parts(read))  # packed weights: their parts
             if sync_gradients:
                 from .distributed.gradient_sync import GradientSync
 

@@ -20,7 +20,9 @@ Also as on CUDA: ``current_stream()`` is a new object per call; host callbacks c
 event-waiter threads (``event_waiter.py``); ``device_assert`` makes a sticky device error that every
 later query, wait and launch raises; host memory unregistered under a copy in flight is recorded
 (``use_after_release``); with ``allocate_on``, tensors are allocated per stream as by CUDA's caching
-allocator (``fake_allocator.py``). What the fake cannot model: ``docs/fake_cuda.md``.
+allocator (``fake_allocator.py``). ``to_device`` makes a distinct copy (``to_device_bytes`` counts them);
+with ``check_residency_on``, a stream's work that reads a host tensor no upload moved fails, as a
+kernel given a host tensor does on CUDA (``residency.py``). What the fake cannot model: ``docs/fake_cuda.md``.
 """
 
 from __future__ import annotations
@@ -439,6 +441,9 @@ class FakeStreams:
         self.use_after_release: list[str] = []  # host memory unregistered while a copy in flight used it
         self._waiters = EventWaiters()  # when_done as on CUDA: a waiter thread per awaited stream
         self.tallies: dict = {}  # stream -> the PoolTally its work allocates through (``fake_allocator.py``)
+        self.residency = None  # a ResidencyCheck once ``check_residency_on`` was called
+        self._residency_streams: set = set()
+        self.to_device_bytes = 0  # bytes copied by ``to_device`` (every host-to-"device" copy)
 
     def device_assert(self, stream: FakeStream, message: str = "device-side assert triggered") -> None:
         """Queue a kernel that fails a device-side assert on ``stream``: once the stream reaches it,
@@ -492,12 +497,20 @@ class FakeStreams:
     def issue(self, stream: FakeStream, device, fn: Callable[[], Any], label: TaskLabel, timeout_s: float) -> Deferred:
         """Queue ``fn`` on ``stream``; returns the ``Deferred`` its result arrives in."""
         self.check()  # a launch returns the sticky error
+        if stream in self._residency_streams:  # the work's operators may read only resident tensors
+            fn = self.residency.running(fn, label)
         tally = self.tallies.get(stream)
         if tally is not None:  # the caching allocator is modelled: charge what ``fn`` allocates to the stream's pool
             fn = tally.running(fn, label)
         deferred = Deferred(label, timeout_s)
         stream.put(("work", fn, deferred))
         return deferred
+
+    def check_residency_on(self, stream: FakeStream, check) -> None:
+        """Fail work on ``stream`` that reads a tensor neither uploaded by ``to_device`` nor made by work on a
+        stream (``check``: a ``ResidencyCheck``, ``residency.py``), as CUDA fails a kernel given a host tensor."""
+        self.residency = check
+        self._residency_streams.add(stream)
 
     def allocate_on(self, stream: FakeStream, tally) -> None:
         """Charge the tensors that work on ``stream`` creates to ``tally``'s pool (``fake_allocator.py``)."""
@@ -547,12 +560,17 @@ class FakeStreams:
             return sum(self._copies.values())
 
     def to_device(self, src: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
-        """A copy of ``src`` in ``dtype`` (the device is host memory here)."""
+        """A distinct copy of ``src`` in ``dtype`` (the device is host memory here), never sharing its storage."""
         span = self._copy_begins(src)
         try:
-            return src.to(dtype=dtype, copy=True)  # runs on the stream's executor: the "copy engine"
+            out = src.to(dtype=dtype, copy=True)  # runs on the stream's executor: the "copy engine"
         finally:
             self._copy_lands(span)
+        with self._copies_lock:
+            self.to_device_bytes += src.numel() * src.element_size()
+        if self.residency is not None:
+            self.residency.add(out)
+        return out
 
     def empty_host(self, shape, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
         """An empty host tensor (pinning is registered, not allocated, on this driver)."""
