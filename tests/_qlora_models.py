@@ -10,6 +10,9 @@ The summation-order floors the parity bounds are multiples of (Lightning's defau
 itself, one batch of 6 against 3 accumulated batches of 2, 3 steps, worst per-tensor weight error):
 
     python -m tests._qlora_models     # from the repository root; prints each model's floor
+
+``python -m tests._qlora_models --uploads`` measures the weight bytes one training step uploads on the
+CPU backend (2 workers, 3 microbatches, two stages each way), QLoRA against bf16 LoRA of the same model.
 """
 
 from __future__ import annotations
@@ -142,12 +145,65 @@ def floor(make, opt: str) -> float:
     return weight_error(trainable(split.model), trainable(whole.model), w0)
 
 
+def step_upload_bytes(model) -> int:
+    """Weight bytes that land on the workers in one training step of ``model`` on the CPU backend."""
+    from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
+    from lightning_roundpipe.params.weights import StageWeights
+
+    moved = [0]
+    real_store = StageWeights.store_chunk
+
+    def store_chunk(self, chunk, device_tensors):
+        moved[0] += sum(t.numel() * t.element_size() for t in device_tensors)
+        return real_store(self, chunk, device_tensors)
+
+    rt = RoundPipeRuntime.attach(model, "cpu", 2, RuntimeOptions(
+        microbatches=3, partition={"policy": "uniform", "forward_stages": 2, "backward_stages": 2}))
+    StageWeights.store_chunk = store_chunk
+    try:
+        (ids,) = data()[:BATCH]
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        StageWeights.store_chunk = real_store
+        rt.detach()
+    return moved[0]
+
+
+def upload_figures(path, hidden: int = 256) -> None:
+    """Print the weight bytes per step of QLoRA and of bf16 LoRA (bf16 base, bf16 adapters) of one model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lightning_roundpipe.params.packed import upload_parts
+
+    def linear_bytes(model) -> int:  # the decoder layers' base linear weights as uploaded (4-bit: all parts)
+        weights = [p for n, p in model.named_parameters() if ".layers." in n and "lora_" not in n and p.dim() == 2]
+        return sum(x.numel() * x.element_size() for x in upload_parts(weights))
+
+    qlora_model = bnb_qlora_model("llama", path, hidden=hidden)
+    qlora = step_upload_bytes(qlora_model)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager")
+    lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                           target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]))
+    bf16 = step_upload_bytes(lora.train())
+    print(f"tiny llama (hidden {hidden}, 2 layers), weight upload bytes per step: QLoRA {qlora:,}, "
+          f"bf16 LoRA {bf16:,} ({bf16 / qlora:.2f}x; QLoRA keeps the embedding, head, norms and adapters in fp32, "
+          f"as prepare_model_for_kbit_training makes them)")
+    q, b = linear_bytes(qlora_model), linear_bytes(lora)
+    print(f"the decoder layers' base linear weights, one upload: QLoRA {q:,} (4-bit bytes and quantization state), "
+          f"bf16 {b:,} ({b / q:.2f}x)")
+
+
 def main() -> None:
     import sys
     import tempfile
     from pathlib import Path
 
     sys.path[:0] = [str(Path(__file__).resolve().parent)]
+    if "--uploads" in sys.argv:
+        with tempfile.TemporaryDirectory() as tmp:
+            upload_figures(Path(tmp))
+        return
     for opt in ("sgd", "adamw"):
         for arch in ("llama", "qwen3"):
             with tempfile.TemporaryDirectory() as tmp:

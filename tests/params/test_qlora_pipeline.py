@@ -81,8 +81,9 @@ def pipelined(make, opt, grain, pools=None):
     fit(module, RoundPipeStrategy(microbatches=3, recompute=GRAINS[grain], partition=TWO_STAGES), devices=2)
     after = packed_state(module.model)
     assert all(torch.equal(base[k], after[k]) for k in base)
-    if pools is not None:
+    if pools is not None:  # the check looked at every operator, and every weight upload read pinned memory
         assert pools and all(p.residency is not None and p.residency.checked_ops > 0 for p in pools)
+        assert all(p.pageable_upload_bytes == 0 and p.pinned_bytes > 0 for p in pools)
     return trainable(module.model)
 
 
@@ -241,6 +242,11 @@ def test_only_packed_bytes_are_uploaded(tmp_path, fake_cuda):
     expected = sorted((ids.start, ids.stop, sum(upload_bytes(layers[l]) for l in ids)) for ids in stages)
     assert sorted((ids.start, ids.stop, n) for ids, n in moved.values()) == expected
     assert fake_cuda[0].driver.to_device_bytes > sum(n for *_, n in expected)  # the activations besides
+    # pinned: exactly the parameters' upload bytes (4-bit parts included), once each; no upload was pageable
+    params = {id(p): p for layer in layers for p in layer.parameters()}.values()
+    assert fake_cuda[0].pinned_bytes == sum(x.numel() * x.element_size() for p in params
+                                            for x in (four_bit_parts(p) if hasattr(p, "quant_state") else [p]))
+    assert fake_cuda[0].pageable_upload_bytes == 0
     four_bit = [p for p in model.parameters() if hasattr(p, "quant_state")]
     packed = sum(x.numel() * x.element_size() for p in four_bit for x in four_bit_parts(p))
     bf16 = sum(p.quant_state.shape.numel() * 2 for p in four_bit)
@@ -267,3 +273,30 @@ def test_adapter_saved_after_a_pipelined_qlora_fit_reloads_into_a_plain_peft_mod
         trained = module.model.eval()(input_ids=ids).logits
         assert torch.equal(plain(adapter=True)(input_ids=ids).logits, trained)
         assert not torch.allclose(plain()(input_ids=ids).logits, trained, atol=1e-3)  # the adapters moved it
+
+
+@pytest.mark.timeout(60)
+def test_eval_mode_4bit_layers_are_refused_for_training_on_cpu_workers(tmp_path):
+    """bitsandbytes repacks an eval-mode Linear4bit called without grad on CPU for its bf16 inference kernel
+    (AVX512-BF16 CPUs): forward stages would compute what Lightning's run (with grad) does not (measured:
+    weight error 2.58 of the update after 3 SGD steps, llama). Refused before any weight moves."""
+    from lightning_roundpipe.options import OptionError
+
+    model = bnb_qlora_model("llama", tmp_path).eval()
+    for m in model.modules():  # as on an AVX512-BF16 CPU, whatever this machine has
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = True
+    before = packed_state(model)
+    lora = trainable(model)
+    ids = torch.randint(0, 96, (6, 10), generator=torch.Generator().manual_seed(3))
+    rt = attached(model, "cpu")
+    try:
+        with pytest.raises(OptionError, match=r"bitsandbytes 4-bit layers in eval mode \(layer 1: .*q_proj.*\).* "
+                                              r"Call model\.train\(\) before training"):
+            one_step(model, ids)
+        model.train()
+        one_step(model, ids)
+    finally:
+        rt.detach()
+    assert all(torch.equal(before[k], v) for k, v in packed_state(model).items())
+    assert all(torch.equal(lora[k], p) for k, p in trainable(model).items())  # no optimizer step ran

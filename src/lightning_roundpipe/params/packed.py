@@ -180,6 +180,15 @@ def packed_weight(t: torch.Tensor, name: str = "a tensor") -> PackedWeight | Non
     return packed
 
 
+def cpu_inference_4bit_modules(layers) -> list[tuple[str, torch.nn.Module]]:
+    """``(name, module)`` of the bitsandbytes 4-bit linears of ``layers`` that switch kernels by grad mode on
+    CPU: in eval mode, called on a CPU tensor that does not require grad, ``Linear4bit.forward`` repacks its
+    weight for bitsandbytes' bf16 CPU inference kernel (AVX512-BF16 CPUs), which computes other numbers
+    than the kernel it runs with grad. The pipeline's forward stages run without grad, Lightning's with."""
+    return [(f"layer {i}: {name}", m) for i, layer in enumerate(layers) for name, m in layer.named_modules()
+            if type(m).__module__.split(".")[0] == "bitsandbytes" and getattr(m, "support_avx512bf16_for_cpu", False)]
+
+
 def upload_parts(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The host tensors uploads read for ``tensors``: packed ones replaced by their parts (what to pin)."""
     out = []
