@@ -43,6 +43,13 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(cuda_backend.FakeCudaWorkerPool, "options_from",
                         classmethod(lambda cls, o: dict(real_options.__func__(cls, o), check_residency=True)))
     monkeypatch.setattr(cuda_backend.FakeCudaWorkerPool, "create", classmethod(create))
+    real_pin = cuda_backend.FakeCudaWorkerPool.pin_uploads
+
+    def pin_uploads(self, policy, tensors):  # what the runtime pinned (unpinned again at shutdown)
+        self.pinned_for_uploads = real_pin(self, policy, tensors)
+        return self.pinned_for_uploads
+
+    monkeypatch.setattr(cuda_backend.FakeCudaWorkerPool, "pin_uploads", pin_uploads)
     return pools
 
 
@@ -83,7 +90,7 @@ def pipelined(make, opt, grain, pools=None):
     assert all(torch.equal(base[k], after[k]) for k in base)
     if pools is not None:  # the check looked at every operator, and every weight upload read pinned memory
         assert pools and all(p.residency is not None and p.residency.checked_ops > 0 for p in pools)
-        assert all(p.pageable_upload_bytes == 0 and p.pinned_bytes > 0 for p in pools)
+        assert all(p.pageable_upload_bytes == 0 and p.pinned_for_uploads > 0 for p in pools)
     return trainable(module.model)
 
 
@@ -244,7 +251,7 @@ def test_only_packed_bytes_are_uploaded(tmp_path, fake_cuda):
     assert fake_cuda[0].driver.to_device_bytes > sum(n for *_, n in expected)  # the activations besides
     # pinned: exactly the parameters' upload bytes (4-bit parts included), once each; no upload was pageable
     params = {id(p): p for layer in layers for p in layer.parameters()}.values()
-    assert fake_cuda[0].pinned_bytes == sum(x.numel() * x.element_size() for p in params
+    assert fake_cuda[0].pinned_for_uploads == sum(x.numel() * x.element_size() for p in params
                                             for x in (four_bit_parts(p) if hasattr(p, "quant_state") else [p]))
     assert fake_cuda[0].pageable_upload_bytes == 0
     four_bit = [p for p in model.parameters() if hasattr(p, "quant_state")]
