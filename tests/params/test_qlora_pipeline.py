@@ -307,3 +307,46 @@ def test_eval_mode_4bit_layers_are_refused_for_training_on_cpu_workers(tmp_path)
         rt.detach()
     assert all(torch.equal(before[k], v) for k, v in packed_state(model).items())
     assert all(torch.equal(lora[k], p) for k, p in trainable(model).items())  # no optimizer step ran
+
+
+def test_no_module_of_the_library_imports_bitsandbytes_or_torchao():
+    """The fast form of the check below: no import statement of the package names either library."""
+    import ast
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[2] / "src" / "lightning_roundpipe"
+    found = []
+    for path in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(src)}: {n}" for n in names if n.split(".")[0] in ("bitsandbytes", "torchao")]
+    assert found == []
+
+
+@pytest.mark.slow  # a fresh interpreter importing Lightning and transformers: ~20 s on the 2-core machine
+@pytest.mark.timeout(120)
+def test_the_library_imports_without_bitsandbytes_and_torchao():
+    """Neither library is imported unless a model holds its tensors (packed.py knows them by class):
+    the package and the modules that handle packed weights import where importing them fails."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    code = """
+import sys
+class NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("bitsandbytes", "torchao"):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
+sys.meta_path.insert(0, NotInstalled())
+import lightning_roundpipe, lightning_roundpipe.runtime, lightning_roundpipe.params.packed
+import lightning_roundpipe.workers.residency, lightning_roundpipe.workers.cuda
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "PYTHONPATH": str(repo / "src")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "ok"
