@@ -133,15 +133,15 @@ def trainable(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def floor(make, opt: str) -> float:
+def floor(make, opt: str, **trainer_kwargs) -> float:
     """Weight error of the default strategy against itself: one batch of ``BATCH`` against 3 accumulated
     batches of a third of it (the pipeline's 3 microbatches), ``STEPS`` steps."""
     from _models import weight_error
 
     whole, split = QLoraLM(make(), opt), QLoraLM(make(), opt)
     w0 = trainable(whole.model)
-    fit(whole)
-    fit(split, batch_size=BATCH // 3, accumulate_grad_batches=3)
+    fit(whole, **trainer_kwargs)
+    fit(split, batch_size=BATCH // 3, accumulate_grad_batches=3, **trainer_kwargs)
     return weight_error(trainable(split.model), trainable(whole.model), w0)
 
 

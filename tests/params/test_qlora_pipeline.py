@@ -141,6 +141,26 @@ def test_torchao_nf4_matches_default_strategy_on_fake_cuda(opt, grain, fake_cuda
     check_parity("nf4", nf4_model, opt, grain, fake_cuda)
 
 
+@pytest.mark.slow  # three fits in bf16: ~20 s
+@pytest.mark.timeout(180)
+def test_bf16_compute_under_bf16_mixed_matches_default_strategy(tmp_path):
+    """bitsandbytes computing in bf16 under ``bf16-mixed``: the floor is bf16's (measured here, as the CPU's
+    bf16 kernels vary: 0.246 on the 2-core AMD EPYC, llama AdamW), and the pipeline, which sums its 3
+    microbatches as the split run does, measured 1.0002 floors; bound 2 floors."""
+    from _qlora_models import floor
+
+    make = lambda: bnb_qlora_model("llama", tmp_path, compute_dtype=torch.bfloat16)  # noqa: E731
+    bf16_floor = floor(make, "adamw", precision="bf16-mixed")
+    ref = QLoraLM(make(), "adamw")
+    w0 = trainable(ref.model)
+    fit(ref, precision="bf16-mixed")
+    module = QLoraLM(make(), "adamw")
+    base = packed_state(module.model)
+    fit(module, RoundPipeStrategy(microbatches=3, partition=TWO_STAGES), devices=2, precision="bf16-mixed")
+    assert all(torch.equal(base[k], v) for k, v in packed_state(module.model).items())
+    assert weight_error(trainable(module.model), trainable(ref.model), w0) <= 2 * bf16_floor
+
+
 # ------------------------------------------------------------------ what travels, and what is refused
 def attached(model, backend="fake_cuda", **options):
     """``model`` pipelined on 2 workers of ``backend`` (3 microbatches, two stages each way)."""
