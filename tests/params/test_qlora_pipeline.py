@@ -370,3 +370,29 @@ print("ok")
                           env={**os.environ, "PYTHONPATH": str(repo / "src")})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "ok"
+
+
+def test_stage_weights_count_packed_parts_in_upload_device_and_chunk_bytes():
+    """Under a bf16 compute dtype: plain tensors upload in bf16 (trainable ones held as fp32 leaves), a packed
+    NF4 weight as its five inner tensors in their own dtypes, read-only, whatever the compute dtype."""
+    from lightning_roundpipe.params.weights import LayerTable, StageWeights
+
+    block = nf4_model(width=128, depth=1)[1]
+    nf4 = [block.up.weight, block.down.weight]
+    inner = [getattr(w, n) for w in nf4 for n in ("quantized_data", "scaler_mean", "quantization_factor",
+                                                  "quantized_scalers", "nf4")]
+    packed_bytes = sum(t.numel() * t.element_size() for t in inner)
+    lora = [p for n, p in block.named_parameters() if "lora_" in n]
+    norm = block.norm.weight
+    w = StageWeights([LayerTable(block)], range(0, 1), torch.bfloat16, chunk_bytes=1, need_grads=True)
+    assert w.nbytes == packed_bytes + 2 * (sum(p.numel() for p in lora) + norm.numel())
+    assert w.device_nbytes == packed_bytes + 4 * sum(p.numel() for p in lora) + 2 * norm.numel()
+    assert len(w.chunks) == len(w.host) == 2 + len(lora) + 1  # each tensor a chunk of its own at 1 byte
+    up = next(c for c in w.chunks if w.host[c[0]] is block.up.weight)
+    tensors, dtypes, read_only = w.upload_tensors(up)
+    assert [t.dtype for t in tensors] == [t.dtype for t in inner[:5]] and tensors[0].dtype == torch.uint8
+    assert dtypes == [None] * 5 and read_only == [True] * 5 and w.chunk_bytes(up) == packed_bytes // 2
+    w.store_chunk(up, [t.clone() for t in tensors])
+    x = torch.randn(3, 128)
+    assert torch.equal(torch.nn.functional.linear(x, w.device[up[0]].to(torch.float32)),
+                       torch.nn.functional.linear(x, block.up.weight.to(torch.float32)))
