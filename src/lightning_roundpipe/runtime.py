@@ -32,6 +32,7 @@ from .engine.rng import CPU_GENERATOR
 from .engine.microbatch import MicrobatchError, batch_size_of, register_batch_types
 from .engine.forward_hooks import HookGuard
 from .engine.split_invariance import SplitInvarianceCheck
+from .params.packed import cpu_inference_4bit_modules, upload_parts
 from .schedule.dispatch_order import schedule_named
 from .schedule.plan import PlanError
 from .planning.keeper import PlanKeeper
@@ -75,6 +76,8 @@ class RoundPipeRuntime:
         for layer in self.batch_statistics.layers_accepted():
             expect_buffer_writes(layers[layer])  # per-microbatch statistics were asked for: no warning
         self.hook_guard = HookGuard(layers)
+        # bitsandbytes 4-bit linears whose kernel on CPU workers depends on grad mode in eval mode (packed.py)
+        self.cpu_inference_4bit = cpu_inference_4bit_modules(layers) if backend != "cuda" else []
         self.split_check = None
         if self.options.split_check:
             from .adapters.hf_families import dynamic_rope_note
@@ -136,7 +139,8 @@ class RoundPipeRuntime:
             self.engine = PipelineEngine(layers, self.pool, self.planner.plan, engine_opts, shadows=self.shadows,
                                          weight_gates=[self._weight_gates], schedule=schedule_named(options.schedule))
             if pool_class.pins_uploads:  # pin exactly what the uploads read, once; the pool unpins at shutdown
-                self.pool.pin_uploads(options.pinned, self.shadows.upload_tensors(masters) if self.shadows is not None else masters)
+                read = self.shadows.upload_tensors(masters) if self.shadows is not None else masters
+                self.pool.pin_uploads(options.pinned, upload_parts(read))  # packed weights: their parts
             if sync_gradients:
                 from .distributed.gradient_sync import GradientSync
 
@@ -228,6 +232,8 @@ class RoundPipeRuntime:
         self._settle_plan()
         self._check_batch_statistics(inputs)
         self.hook_guard.wrap_new(torch.is_grad_enabled())  # in training, a hook keeping outputs is refused
+        if torch.is_grad_enabled():
+            self._refuse_grad_dependent_4bit_kernels()
         self._check_split_invariance(inputs)
         called = self.trace.now()
         out = self.engine(inputs, loss_scale=loss_scale)
@@ -238,6 +244,19 @@ class RoundPipeRuntime:
         elif run is not None:
             self.host_clock.forward_returned(run, called, out)
         return out
+
+    def _refuse_grad_dependent_4bit_kernels(self) -> None:
+        """Before a training call on CPU workers: no bitsandbytes 4-bit linear in eval mode, whose forward
+        stages (run without grad) would take bitsandbytes' CPU inference kernel (``cpu_inference_4bit_modules``)."""
+        switching = [name for name, m in self.cpu_inference_4bit if not m.training]
+        if switching:
+            more = f" and {len(switching) - 3} more" if len(switching) > 3 else ""
+            raise OptionError(
+                f"bitsandbytes 4-bit layers in eval mode ({', '.join(switching[:3])}{more}): on CPU workers with "
+                f"AVX512-BF16, bitsandbytes computes an eval-mode Linear4bit called without grad with its bf16 "
+                f"inference kernel, and the pipeline's forward stages run without grad, so they would not compute what "
+                f"Lightning's run computes. Call model.train() before training (from_pretrained returns the model "
+                f"in eval mode, and Lightning keeps submodules' modes)")
 
     def _choose_microbatches(self, inputs) -> None:
         """An open microbatch count is chosen again for the first batch seen (its size was unknown at set-up),

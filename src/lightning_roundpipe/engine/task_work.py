@@ -230,10 +230,9 @@ class TaskWork:
 
         def fn():
             # Parameters are only read; buffers may be written in forward (BatchNorm statistics)
-            # and must not reach the host that way.
-            dev = self.pool.copy_to_device(worker, weights.upload_sources(chunk), [weights.dtypes[i] for i in chunk],
-                                           read_only=[weights.is_param[i] for i in chunk])
-            weights.store_chunk(chunk, dev)
+            # and must not reach the host that way. Packed weights travel as their parts.
+            tensors, dtypes, read_only = weights.upload_tensors(chunk)
+            weights.store_chunk(chunk, self.pool.copy_to_device(worker, tensors, dtypes, read_only=read_only))
             worker.track_weights(weights.device_chunk_bytes(chunk))  # as held: fp32 leaves at 4 bytes
 
         return fn, weights.chunk_bytes(chunk), ctx.weight_gates(range(*t.layers))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..cost.autocast_cast import autocast_cast_parameters
+from .packed import is_plain
 
 
 class ShadowStore:
@@ -37,7 +38,7 @@ class ShadowStore:
         self.masters: dict[int, torch.Tensor] = {}
         unique = []
         for p in params:
-            if id(p) in self.masters or not p.is_floating_point():
+            if id(p) in self.masters or not p.is_floating_point() or not is_plain(p):  # packed: uploaded as is
                 continue
             self.masters[id(p)] = p
             unique.append(p)

@@ -5,7 +5,9 @@ host. For a stage, the unique host tensors of its layers (a tied tensor used twi
 once) are copied to the worker in chunks, cast to the compute dtype (floating parameters only;
 buffers keep their dtype). Trainable ones become leaf tensors that collect the stage's gradient
 over all microbatches; that gradient is downloaded once and added to the host ``.grad`` in a
-fixed order. Frozen parameters are uploaded but never produce or download gradients.
+fixed order. Frozen parameters are uploaded but never produce or download gradients. A packed
+(quantized) weight is uploaded as its packed bytes and quantization state and rebuilt on the
+worker (``packed.py``): its bytes are those parts' everywhere here, never a dequantized copy's.
 """
 
 from __future__ import annotations
@@ -18,15 +20,19 @@ from torch import nn
 
 from ..cost.autocast_cast import device_dtype
 from .grad_hooks import accumulate_with_hooks, has_grad_hooks
+from .packed import PackedWeight, packed_weight
 
 
 class LayerTable:
-    """Names and host tensors of one layer's parameters and buffers, as functional_call keys."""
+    """Names and host tensors of one layer's parameters and buffers, as functional_call keys.
+    Packed weights are recognised here, once (``packed_weights``: by tensor id); a tensor the
+    upload cannot move is refused here, naming it, before any weight is touched."""
 
     def __init__(self, layer: nn.Module):
         self.names: list[str] = []
         self.tensors: list[torch.Tensor] = []
         self.is_param: list[bool] = []
+        self.packed_weights: dict[int, PackedWeight] = {}
         for name, p in layer.named_parameters(remove_duplicate=False):
             self.names.append(name)
             self.tensors.append(p)
@@ -35,6 +41,10 @@ class LayerTable:
             self.names.append(name)
             self.tensors.append(b)
             self.is_param.append(False)
+        for name, t in zip(self.names, self.tensors):
+            packed = packed_weight(t, name)
+            if packed is not None:
+                self.packed_weights[id(t)] = packed
 
 
 def tensor_bytes(t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
@@ -60,6 +70,7 @@ class StageWeights:
         self.is_param: list[bool] = []
         # per layer: list of (name, index into self.host)
         self.layout: dict[int, list[tuple[str, int]]] = {}
+        self.packed: list[PackedWeight | None] = []  # per host tensor: how it is uploaded packed (None: plain)
         for l in layer_ids:
             table = tables[l]
             entries = []
@@ -69,6 +80,7 @@ class StageWeights:
                     seen[key] = len(self.host)
                     self.host.append(t)
                     self.is_param.append(is_param)
+                    self.packed.append(table.packed_weights.get(key))
                 entries.append((name, seen[key]))
             self.layout[l] = entries
         # What is uploaded: the shadow (compute-dtype copy) where one exists, else the master.
@@ -81,6 +93,9 @@ class StageWeights:
             for t, p in zip(self.host, self.is_param)
         ]
         self.trainable = [need_grads and p and t.requires_grad for t, p in zip(self.host, self.is_param)]
+        for i, packed in enumerate(self.packed):
+            if packed is not None and self.host[i].requires_grad:  # frozen when the table was made, not now
+                packed_weight(self.host[i], self._name(i))  # raises the error that says what to do
         # Trainable parameters uploaded in a lower precision than their masters become leaves in the
         # master's dtype on the device (autocast casts them back at use, to the same values): their
         # gradients then add up over microbatches in fp32, as under Lightning's mixed precision.
@@ -89,16 +104,16 @@ class StageWeights:
         # grad): some kernels choose their algorithm by it (F.linear on a transposed input, as in
         # nn.MultiheadAttention), so the forward stage computes bit for bit what recompute and the model compute.
         self.grad_flags = [p and t.requires_grad for t, p in zip(self.host, self.is_param)]
-        self.nbytes = sum(tensor_bytes(t, d) for t, d in zip(self.host, self.dtypes))
+        self.nbytes = sum(self._bytes(i, d) for i, d in enumerate(self.dtypes))
         self.grad_bytes = sum(tensor_bytes(t, d) for t, d, tr in zip(self.host, self.grad_dtypes, self.trainable) if tr)
         # What the worker holds once uploaded: the tensors in their device dtypes (fp32 leaves included).
-        self.device_nbytes = sum(tensor_bytes(t, d) for t, d in zip(self.host, self.grad_dtypes))
+        self.device_nbytes = sum(self._bytes(i, d) for i, d in enumerate(self.grad_dtypes))
         # chunking: consecutive tensors until chunk_bytes is reached
         self.chunks: list[list[int]] = []
         current, size = [], 0
-        for i, (t, d) in enumerate(zip(self.host, self.dtypes)):
+        for i, d in enumerate(self.dtypes):
             current.append(i)
-            size += tensor_bytes(t, d)
+            size += self._bytes(i, d)
             if size >= chunk_bytes:
                 self.chunks.append(current)
                 current, size = [], 0
@@ -121,6 +136,15 @@ class StageWeights:
         self.device: list[torch.Tensor | None] = [None] * len(self.host)
         self._params: dict[int, dict[str, torch.Tensor]] | None = None
 
+    def _name(self, i: int) -> str:
+        return next((f"layer {l}: {name}" for l, entries in self.layout.items() for name, j in entries if j == i),
+                    f"tensor {i}")
+
+    def _bytes(self, i: int, dtype: torch.dtype) -> int:
+        """Bytes of host tensor ``i`` as uploaded and held: its packed parts' for a packed weight."""
+        packed = self.packed[i]
+        return packed.nbytes if packed is not None else tensor_bytes(self.host[i], dtype)
+
     def upload_sources(self, chunk: list[int]) -> list[torch.Tensor]:
         """What an upload of ``chunk`` reads, once the layers' optimizer steps are in: shadows of
         masters written in place since their last copy are re-copied first (``ShadowStore``)."""
@@ -128,22 +152,47 @@ class StageWeights:
             self.shadows.refresh_edited(self.host[i] for i in chunk)
         return [self.sources[i] for i in chunk]
 
+    def upload_tensors(self, chunk: list[int]) -> tuple[list[torch.Tensor], list[torch.dtype | None], list[bool]]:
+        """``(host tensors, dtypes, read-only flags)`` an upload of ``chunk`` copies, for the pool's
+        ``copy_to_device``: a plain tensor in its upload dtype (read-only if a parameter: buffers may be
+        written in forward), a packed weight as its parts in their own dtypes, read-only (frozen)."""
+        tensors: list[torch.Tensor] = []
+        dtypes: list[torch.dtype | None] = []
+        read_only: list[bool] = []
+        for i, src in zip(chunk, self.upload_sources(chunk)):
+            packed = self.packed[i]
+            parts = [src] if packed is None else packed.host_parts()
+            tensors.extend(parts)
+            dtypes.extend([self.dtypes[i]] if packed is None else [None] * len(parts))
+            read_only.extend([self.is_param[i]] if packed is None else [True] * len(parts))
+        return tensors, dtypes, read_only
+
     def chunk_bytes(self, chunk: list[int]) -> int:
-        """Upload bytes of the tensors of ``chunk``, in their upload dtypes."""
-        return sum(tensor_bytes(self.host[i], self.dtypes[i]) for i in chunk)
+        """Upload bytes of the tensors of ``chunk``, in their upload dtypes (packed weights: their parts)."""
+        return sum(self._bytes(i, self.dtypes[i]) for i in chunk)
 
     def device_chunk_bytes(self, chunk: list[int]) -> int:
         """Bytes the worker holds for ``chunk`` once stored (``store_chunk``): trainable lower-precision
         uploads as fp32 leaves, so more than ``chunk_bytes`` under a mixed precision."""
-        return sum(tensor_bytes(self.host[i], self.grad_dtypes[i]) for i in chunk)
+        return sum(self._bytes(i, self.grad_dtypes[i]) for i in chunk)
 
     def grad_chunk_bytes(self, chunk: list[int]) -> int:
         """Download bytes of the gradients of ``chunk`` (a list of ``grad_chunks``), in their dtypes."""
         return sum(tensor_bytes(self.host[i], self.grad_dtypes[i]) for i in chunk)
 
     def store_chunk(self, chunk: list[int], device_tensors: list[torch.Tensor]) -> None:
-        """Keep the uploaded device tensors of ``chunk`` (trainable ones set to require grad)."""
-        for i, t in zip(chunk, device_tensors):
+        """Keep the uploaded device tensors of ``chunk`` (as ``upload_tensors`` listed them: packed
+        weights as their parts, rebuilt here), trainable ones set to require grad."""
+        at = 0
+        for i in chunk:
+            packed = self.packed[i]
+            if packed is not None:
+                n = len(packed.host_parts())
+                self.device[i] = packed.rebuild(device_tensors[at:at + n])
+                at += n
+                continue
+            t = device_tensors[at]
+            at += 1
             if self.trainable[i] and t.dtype != self.grad_dtypes[i]:
                 t = t.to(self.grad_dtypes[i])  # an fp32 leaf: gradients accumulate in fp32 (see __init__)
             if self.grad_flags[i] and not t.requires_grad:

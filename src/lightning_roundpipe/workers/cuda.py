@@ -544,7 +544,9 @@ class FakeCudaWorkerPool(StreamWorkerPool):
     """The CUDA protocol on CPU threads (see ``streams.py``): ``stream_jitter_s`` delays stream work
     at random (the race amplifier), ``seed`` fixes those delays; ``cudart`` answers pinning calls
     (a ``FakeCudart`` by default); ``copy_delay_s`` lands device-to-host copies that
-    long after the work that issued them."""
+    long after the work that issued them; ``check_residency``: a compute that reads a host tensor no
+    upload moved fails with ``HostTensorOnWorkerError``, as CUDA would (``residency.py``; a Python call
+    per operator, so off by default)."""
 
     backend = "fake_cuda"
     keeps_graphs_across_workers = True  # CPU threads standing for streams: one memory
@@ -558,12 +560,21 @@ class FakeCudaWorkerPool(StreamWorkerPool):
     def __init__(self, num_workers: int, timeout_s: float = 300.0, trace=None, max_in_flight: int = 2,
                  pin_memory: bool = True, fifo_transfers: bool = False,
                  stream_jitter_s: float = 0.0, seed: int = 0, host_buffer_cap_bytes: int = DEFAULT_CAP_BYTES,
-                 cudart=None, copy_delay_s: float = 0.0, device_memory_bytes: int | None = None):
-        """``device_memory_bytes``: model CUDA's caching allocator (``model_allocator``) on fake GPUs of this size."""
+                 cudart=None, copy_delay_s: float = 0.0, device_memory_bytes: int | None = None,
+                 check_residency: bool = False):
+        """``device_memory_bytes``: model CUDA's caching allocator (``model_allocator``) on fake GPUs of this size;
+        ``check_residency``: see the class doc."""
         super().__init__(self.driver_class(stream_jitter_s, seed, cudart, copy_delay_s), [torch.device("cpu")] * num_workers,
                          timeout_s=timeout_s, trace=trace, max_in_flight=max_in_flight, pin_memory=pin_memory,
                          fifo_transfers=fifo_transfers, host_buffer_cap_bytes=host_buffer_cap_bytes)
         self.allocators: list[FakeCachingAllocator] = []  # one per worker once ``model_allocator`` was called
+        self.residency = None
+        if check_residency:
+            from .residency import ResidencyCheck  # a test knob: imported when asked for
+
+            self.residency = ResidencyCheck()
+            for w in self.workers:
+                self.driver.check_residency_on(w.lanes["compute"].stream, self.residency)
         if device_memory_bytes is not None:
             self.model_allocator(device_memory_bytes)
 

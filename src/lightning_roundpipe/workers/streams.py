@@ -3,8 +3,8 @@
 ``CudaStreams`` maps it onto CUDA streams and events; ``FakeStreams`` runs it on the CPU so the
 same protocol runs in CI: each stream an in-order executor thread, so the issuing lane runs ahead
 of the "device" as on a GPU and races between host writes and copies in flight show up
-(``jitter_s`` amplifies them). The fake also models pinning (``FakeCudart``), late copies,
-``record_stream``, sticky device asserts and a per-stream allocator. What it models and what it
+(``jitter_s`` amplifies them). The fake also models pinning (``FakeCudart``), late copies, real (counted) copies,
+``record_stream``, sticky device asserts, a per-stream allocator and a residency check. What it models and what it
 cannot: docs/design.md, design notes, ``workers/streams.py``, and ``docs/fake_cuda.md``.
 """
 
@@ -424,6 +424,9 @@ class FakeStreams:
         self.use_after_release: list[str] = []  # host memory unregistered while a copy in flight used it
         self._waiters = EventWaiters()  # when_done as on CUDA: a waiter thread per awaited stream
         self.tallies: dict = {}  # stream -> the PoolTally its work allocates through (``fake_allocator.py``)
+        self.residency = None  # a ResidencyCheck once ``check_residency_on`` was called
+        self._residency_streams: set = set()
+        self.to_device_bytes = 0  # bytes copied by ``to_device`` (every host-to-"device" copy)
 
     def device_assert(self, stream: FakeStream, message: str = "device-side assert triggered") -> None:
         """Queue a kernel that fails a device-side assert on ``stream``: once the stream reaches it,
@@ -477,12 +480,20 @@ class FakeStreams:
     def issue(self, stream: FakeStream, device, fn: Callable[[], Any], label: TaskLabel, timeout_s: float) -> Deferred:
         """Queue ``fn`` on ``stream``; returns the ``Deferred`` its result arrives in."""
         self.check()  # a launch returns the sticky error
+        if stream in self._residency_streams:  # the work's operators may read only resident tensors
+            fn = self.residency.running(fn, label)
         tally = self.tallies.get(stream)
         if tally is not None:  # the caching allocator is modelled: charge what ``fn`` allocates to the stream's pool
             fn = tally.running(fn, label)
         deferred = Deferred(label, timeout_s)
         stream.put(("work", fn, deferred))
         return deferred
+
+    def check_residency_on(self, stream: FakeStream, check) -> None:
+        """Fail work on ``stream`` that reads a tensor neither uploaded by ``to_device`` nor made by work on a
+        stream (``check``: a ``ResidencyCheck``, ``residency.py``), as CUDA fails a kernel given a host tensor."""
+        self.residency = check
+        self._residency_streams.add(stream)
 
     def allocate_on(self, stream: FakeStream, tally) -> None:
         """Charge the tensors that work on ``stream`` creates to ``tally``'s pool (``fake_allocator.py``)."""
@@ -532,12 +543,17 @@ class FakeStreams:
             return sum(self._copies.values())
 
     def to_device(self, src: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
-        """A copy of ``src`` in ``dtype`` (the device is host memory here)."""
+        """A distinct copy of ``src`` in ``dtype`` (the device is host memory here), never sharing its storage."""
         span = self._copy_begins(src)
         try:
-            return src.to(dtype=dtype, copy=True)  # runs on the stream's executor: the "copy engine"
+            out = src.to(dtype=dtype, copy=True)  # runs on the stream's executor: the "copy engine"
         finally:
             self._copy_lands(span)
+        with self._copies_lock:
+            self.to_device_bytes += src.numel() * src.element_size()
+        if self.residency is not None:
+            self.residency.add(out)
+        return out
 
     def empty_host(self, shape, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
         """An empty host tensor (pinning is registered, not allocated, on this driver)."""
