@@ -11,7 +11,13 @@ alternate steps (``OverlappedOptimizer.keep_undo``, read at each step): the figu
 over adjacent on/off pairs of on / off, after ``PAIRED_WARMUP`` steps that allocate the state
 and the undo buffers.
 
+``--paired --journal-layers K``: three systems in one process, on steps taken in turn: undo off, the
+full undo (``journal_bytes=None``: a before-image of every layer, the undo before the journal) and
+a journal holding K layers' before-images (the rest wait until the step is known good), each with
+its own reused buffers; the figures are medians over adjacent triples of full / off and journal / off.
+
     python benchmarks/figures/step_undo_cost.py [--steps 6] [--repeats 2] [--baseline REV] [--paired]
+        [--journal-layers K]
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from torch import nn
 from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
 
 width, depth, steps, undo, workers = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+journal_layers = int(sys.argv[6]) if len(sys.argv) > 6 else 0
 paired = undo == "paired"
 undo = "on" if paired else undo
 torch.manual_seed(0)
@@ -51,10 +58,16 @@ except TypeError:  # a revision from before the undo option: undo always on
         raise SystemExit("this revision has no undo option")
     ov = runtime.overlap_optimizer(opt)
 last = getattr(ov, "last_backward", None)
+if journal_layers:  # off, full undo, journal of K layers in turn, each with its own buffers
+    from lightning_roundpipe.optim.step_undo import BeforeImages
+    layer_image = (width * width + width) * 4 * 3 + 4 * 64  # weight, bias, 2 moments each, 2 step counts (aligned)
+    modes = [(False, None, BeforeImages()), (True, None, BeforeImages()), (True, journal_layers * layer_image, BeforeImages())]
 x, y = torch.randn(8, width), torch.randn(8, width)
 times = []
 for i in range(steps):
-    if paired:
+    if journal_layers:
+        ov.keep_undo, ov.journal_bytes, ov.before_images = modes[i % 3]
+    elif paired:
         ov.keep_undo = i % 2 == 0  # on, off, on, off, ...
     def closure():
         opt.zero_grad()
@@ -74,10 +87,10 @@ print(json.dumps({"params": params, "step_s": times, "peak_rss_bytes": resource.
 """
 
 
-def run(src: str, undo: str, width: int, depth: int, steps: int, workers: int = 2) -> dict:
+def run(src: str, undo: str, width: int, depth: int, steps: int, workers: int = 2, journal_layers: int = 0) -> dict:
     env = dict(os.environ, PYTHONPATH=src)
-    out = subprocess.run([sys.executable, "-c", CHILD, str(width), str(depth), str(steps), undo, str(workers)], env=env,
-                         capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", CHILD, str(width), str(depth), str(steps), undo, str(workers),
+                          str(journal_layers)], env=env, capture_output=True, text=True)
     if out.returncode != 0:
         if "no undo option" in out.stderr:
             return None
@@ -96,6 +109,25 @@ def _sources(tmp: str, baseline: str | None) -> dict[str, str]:
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
         sources[f"baseline {baseline}"] = os.path.join(tmp, "src")
     return sources
+
+
+def triples(args) -> None:
+    """Undo off, full undo and a K-layer journal within one process (see the module doc)."""
+    warmup = 6  # two rounds of the three: state and every system's buffers allocated
+    steps = warmup + 3 * max(2, (args.steps + 2) // 3)
+    full, journal = [], []
+    for _ in range(args.repeats):
+        t = run(os.path.join(ROOT, "src"), "paired", args.width, args.depth, steps, args.workers,
+                args.journal_layers)["step_s"]
+        full += [t[i + 1] / t[i] for i in range(warmup, steps, 3)]
+        journal += [t[i + 2] / t[i] for i in range(warmup, steps, 3)]
+    summary = {"full undo / off step time, median": statistics.median(full),
+               f"journal of {args.journal_layers} of {args.depth} layers / off step time, median": statistics.median(journal),
+               "journal / full undo, median": statistics.median([j / f for j, f in zip(journal, full)]),
+               "triples": len(full), "full/off all": full, "journal/off all": journal}
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        write_json(args.json, summary)
 
 
 def paired(args) -> None:
@@ -125,7 +157,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2, help="CPU workers (--paired only; 1 leaves the lane a core on 2)")
     ap.add_argument("--paired", action="store_true", help="undo on and off on alternate steps of one process")
+    ap.add_argument("--journal-layers", type=int, default=0,
+                    help="--paired: also a journal of this many layers' before-images (off / full / journal in turn)")
     args = ap.parse_args()
+    if args.paired and args.journal_layers:
+        return triples(args)
     if args.paired:
         return paired(args)
     src = os.path.join(ROOT, "src")

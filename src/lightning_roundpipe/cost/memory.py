@@ -13,10 +13,20 @@ graph at a time plus the inputs of its layers after the first (the first is the 
 
 Host: fp32 master weights, fp32 gradients and two fp32 Adam moments (16 bytes) per trainable
 parameter, the compute-dtype copy of every parameter that uploads read from (frozen LoRA bases
-live only in that copy), the host buffers the weight gradients are downloaded into (compute
-dtype, every trainable parameter: a fused last stage keeps a step's gradient downloads until its
-call is gone), and the stage-boundary activations the forward saves for recompute (every
-microbatch, every backward stage start).
+live only in that copy), the host buffers the weight gradients are downloaded into (in their
+device dtype, fp32 for trainable weights under a mixed precision: ``LayerCost.grad_bytes``), the
+failed-step undo's journal (before-images of at most ``DEFAULT_UNDO_JOURNAL_BYTES``, 12 bytes per
+trainable parameter below that), and the stage-boundary activations the forward saves for
+recompute (every microbatch, every backward stage start).
+
+Gradient downloads land in a reusable pool (``workers/host_buffers.py``) that keeps at most
+``DOWNLOAD_POOL_CAP_BYTES`` of free buffers. A call that does not fuse the last stage hands each
+stage's buffers back once they are added to ``.grad`` (lent at once: in steady state one backward
+stage's gradients). A fused call (a Hugging Face model computing its own loss) runs its whole
+backward inside the forward and keeps every gradient download until the call is gone, since a
+second backward through it re-adds them: a step's gradients then arrive while the previous step's
+are still the user's ``.grad`` (Lightning zeroes them after ``training_step``), so both are held,
+4 bytes per trainable parameter each.
 
 With packed (4-bit) base weights the upload copy is the packed bytes (``CostProfile.host_copy_bytes``,
 ``cost/quantization.py``).
@@ -38,6 +48,10 @@ from .view import CostView
 
 FP32_STATE_BYTES_PER_TRAINABLE = 16  # master weight, gradient, Adam m and v, all fp32
 UNDO_BYTES_PER_TRAINABLE = 12  # the failed-step undo's copy: master weight, Adam m and v (optim/step_undo.py)
+# The undo journal's default bound (``optimizer_undo_journal_bytes``): before-images of at most this
+# many bytes per step; layers past it step once the step is known good (optim/overlap.py).
+DEFAULT_UNDO_JOURNAL_BYTES = 4 << 30
+DOWNLOAD_POOL_CAP_BYTES = 2 << 30  # free download buffers kept (workers/host_buffers.py DEFAULT_CAP_BYTES; tested equal)
 
 
 def _is_backward(plan: Plan, stage: Stage) -> bool:
@@ -201,9 +215,9 @@ class HostMemory:
     optimizer_state: int  # fp32 masters, gradients and Adam moments of trainable parameters
     compute_copy: int  # compute-dtype copy of every parameter (uploads read it)
     saved_activations: int  # stage inputs kept for recompute, all microbatches
-    gradient_downloads: int = 0  # host buffers the weight gradients land in (compute dtype)
+    gradient_downloads: int = 0  # host buffers the weight gradients land in (their device dtype, fp32 when trained)
     params: int = 0  # distinct parameters, for the per-parameter figures
-    undo_images: int = 0  # the overlapped optimizer's before-images (optimizer_undo): one more master + moments
+    undo_images: int = 0  # the undo journal (optimizer_undo): before-images of master + moments, bounded
     saved_inputs_per_microbatch: int = 0  # stage inputs the forward saves for recompute (backward stages but the first)
     microbatches: int = 0  # microbatches per step the saved activations are counted for
 
@@ -224,10 +238,13 @@ class HostMemory:
         return self.compute_copy / self.params if self.params else 0.0
 
 
-def host_bytes(costs: CostProfile, plan: Plan | None = None, microbatches: int = 1, undo: bool = True) -> HostMemory:
+def host_bytes(costs: CostProfile, plan: Plan | None = None, microbatches: int = 1, undo: bool = True,
+               journal_bytes: int | None = DEFAULT_UNDO_JOURNAL_BYTES, fused: bool | None = None) -> HostMemory:
     """Host memory of training with ``costs``; activations counted when a plan is given. ``undo``:
     the overlapped optimizer keeps before-images to put a failed step back (``optimizer_undo``,
-    on by default wherever the optimizer overlaps, as it does on a GPU server)."""
+    on by default wherever the optimizer overlaps, as it does on a GPU server), in a journal of at
+    most ``journal_bytes`` (None: no bound). ``fused``: the last stage computes the loss (default:
+    the plan's ``fused_last``; without a plan True, as a Hugging Face model given labels runs)."""
     view = CostView(costs)
     acts, saved = 0, 0
     if plan is not None:
@@ -236,10 +253,26 @@ def host_bytes(costs: CostProfile, plan: Plan | None = None, microbatches: int =
         acts = microbatches * sum(view.in_bytes(b) for b in boundaries)
     trainable = view.unique_trainable_params()
     copy = view.unique_params() * view.dtype_bytes if costs.host_copy_bytes is None else costs.host_copy_bytes
+    fused = (plan.fused_last if plan is not None else True) if fused is None else fused
+    journal = trainable * UNDO_BYTES_PER_TRAINABLE if undo else 0
+    if journal_bytes is not None:
+        journal = min(journal, journal_bytes)
     return HostMemory(trainable * FP32_STATE_BYTES_PER_TRAINABLE, copy, acts,
-                      gradient_downloads=trainable * view.dtype_bytes, params=view.unique_params(),
-                      undo_images=trainable * UNDO_BYTES_PER_TRAINABLE if undo else 0,
+                      gradient_downloads=gradient_download_bytes(view, plan, fused), params=view.unique_params(),
+                      undo_images=journal,
                       saved_inputs_per_microbatch=saved, microbatches=microbatches if plan is not None else 0)
+
+
+def gradient_download_bytes(view: CostView, plan: Plan | None, fused: bool) -> int:
+    """Host bytes the weight-gradient downloads hold at the step's peak (see the module doc): every
+    layer's gradients when the call is fused; otherwise the pool's kept free buffers, or one
+    backward stage's gradients when those are more."""
+    n = len(view.layers)
+    if fused:
+        return view.grads(0, n)
+    stages = plan.backward_stages() if plan is not None else [Stage("B", 0, l, l + 1) for l in range(n)]
+    largest = max((view.grads(s.start, s.end) for s in stages), default=0)
+    return max(min(DOWNLOAD_POOL_CAP_BYTES, view.grads(0, n)), largest)
 
 
 def memlock_kib(pinned_bytes: int) -> int:

@@ -2,29 +2,29 @@
 
 Layers step one by one on the optimizer lane, some while backward still runs. If anything fails
 after some layers stepped (a worker error or timeout later in backward, ``detect_anomaly``, the
-optimizer raising for one parameter group), the promise is that the host weights and the
-optimizer state are exactly as before the step. So before a layer steps, the lane copies that
-layer's parameters and their optimizer state (every tensor: Adam's step count and moments);
-once the step's last layer has stepped the copies are no longer needed.
+optimizer raising for one parameter group, a loss-scale overflow), the promise is that the host
+weights and the optimizer state are exactly as before the step. So before a layer steps, the
+lane copies that layer's parameters and their optimizer state (every tensor: Adam's step count
+and moments) into the step's journal; once the step's last layer has stepped the copies are no
+longer needed.
 
-When the copies are taken: ahead, while the lane is idle (``OverlappedOptimizer`` has it
-``capture`` every layer, in stepping order, from the start of the step; nothing else writes
-those weights before they step), and just before the step only for a layer the lane reached
-first (``save``). Torch's optimizers update in place, so keeping the old values exact costs one
-copy of what the step changes whichever way it is arranged (an out-of-place update into a
-second buffer would need that buffer filled first, the same copy); taking it ahead moves it off
-the path from a complete gradient to the updated layer, into time the lane has no other work.
+The journal is bounded (``journal_bytes``, the runtime's ``optimizer_undo_journal_bytes``): the
+layers it holds are chosen at the step's start in the order they will step, and the others wait
+until the step is known good (the closure returned, every journaled update is done, every
+remaining gradient is checked and reduced) and then step without a copy (``overlap.py``). Torch's
+optimizers update in place, so a copy of what a step changes is the price of putting it back,
+whichever way it is arranged; the bound moves the rest of the step after backward instead.
 
-The copies land in ``BeforeImages``, one buffer per layer allocated once and reused every
-step: a fresh copy per step would fault in (and zero) new pages for all of them each time,
-which costs about as much as the copy itself. They hold one copy of the parameters and of their
-optimizer state for as long as the optimizer is overlapped (a fresh copy per step held the same
-at the step's peak; measured: +1.13 GiB peak RSS for 100.7M parameters under AdamW, the copy
-itself, ``benchmarks/step_undo_cost.py``).
+When the copies are taken: ahead, while the lane is idle (``capture``, in stepping order, from
+the start of the step; nothing else writes those weights before they step), and just before the
+step only for a layer the lane reached first (``save``). The copies land in ``BeforeImages``, one
+buffer per journaled layer, allocated once and reused every step: a fresh copy per step would
+fault in (and zero) new pages each time, which costs about as much as the copy itself.
 
-``keep=False`` (the opt-out for models whose host memory cannot hold that copy) keeps only the
-names of the layers stepped, so a failure can say which ones changed; the overlapped optimizer
-then refuses to step or save until the state is restored from a checkpoint.
+``keep=False`` (``optimizer_undo=False``) keeps only the names of the layers stepped, so a failure
+can say which ones changed; the overlapped optimizer then refuses to step or save until the state
+is restored from a checkpoint. A layer stepped without a copy once the journal is full is named
+the same way if its own update raises.
 """
 
 from __future__ import annotations
@@ -33,6 +33,17 @@ import copy
 import threading
 
 import torch
+
+def image_tensors(state: dict, params) -> list[torch.Tensor]:
+    """What a before-image of ``params`` copies: each parameter and its optimizer state's tensors."""
+    out = []
+    for p in params:
+        out.append(p)
+        st = state.get(p)
+        if st is not None:
+            out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+    return out
+
 
 class BeforeImages:
     """Reused copy buffers: per group of parameters stepped together, one flat host buffer for the
@@ -48,6 +59,17 @@ class BeforeImages:
         self._groups: dict[tuple, tuple[torch.Tensor, tuple, list[int]]] = {}  # -> (flat, layout, offsets)
         self._lock = threading.Lock()  # the host thread saves the parameters outside the pipeline meanwhile
         self.allocations = 0  # flat buffers made: one per layer once every layer has stepped twice
+
+    @classmethod
+    def size_of(cls, tensors) -> int:
+        """Bytes the copies of ``tensors`` take in one buffer (each rounded up to the alignment)."""
+        return sum(-(-t.numel() * t.element_size() // cls._ALIGN) * cls._ALIGN for t in tensors)
+
+    def keep_only(self, groups) -> None:
+        """Drop the buffers of every group not in ``groups`` (the journal's layers changed)."""
+        keep = set(groups)
+        with self._lock:
+            self._groups = {g: entry for g, entry in self._groups.items() if g in keep}
 
     def copies(self, group: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of ``tensors`` (host tensors) in the buffer of ``group``, which is made (or remade) to fit."""
@@ -91,6 +113,7 @@ class StepUndo:
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor, dict | None]] = {}
         self._stepped_ids: list[int] = []  # parameters whose step ran (or began), in order
         self.stepped: list[str] = []  # names of the layer steps done, in order
+        self.unjournaled: list[str] = []  # names of those stepped without a before-image (journal full)
         self.failure: BaseException | None = None
         self.restored = False
         self.finished = False  # committed or restored: nothing more is captured
@@ -130,11 +153,14 @@ class StepUndo:
                 before = {k: tensor_copies[k] if k in tensor_copies else copy.deepcopy(v) for k, v in state[p].items()}
             self.saved[id(p)] = (p, data, before)
 
-    def save(self, params, name: str) -> None:
+    def save(self, params, name: str, journaled: bool = True) -> None:
         """Just before ``params`` step (on the lane): their before-image unless taken ahead, and the
-        record that they stepped."""
+        record that they stepped. ``journaled=False``: no image (the journal is full and the step
+        is known good); only the name is kept, for a failure of this very update."""
         self.stepped.append(name)
-        if not self.keep:
+        if not journaled:
+            self.unjournaled.append(name)
+        if not self.keep or not journaled:
             return
         params = list(params)
         if any(id(p) not in self.saved for p in params):
