@@ -286,9 +286,11 @@ class OverlappedOptimizer:
         self._undo = StepUndo(self.optimizer, keep=self.keep_undo, images=self.before_images)
         self._unscale = StepUnscale(self.loss_scaler) if self.loss_scaler is not None else None
         self._skip = False
-        self._plan_journal()
-        if self.keep_undo:
-            self._capture_ahead(self._undo)
+        self._journaled = set()
+        if not self.staleness:  # with staleness the previous update may still write the state: plan after its join
+            self._plan_journal()
+            if self.keep_undo:
+                self._capture_ahead(self._undo)
         if self._unscale is not None:
             return self._scaled_step(closure)
         try:
@@ -298,6 +300,7 @@ class OverlappedOptimizer:
                 # shadows; now publish it to the shadows, then start this step's update.
                 self.join()
                 self.refresh_shadows()
+                self._plan_journal()
             self.replan_if_changed()  # the closure may have changed the groups too
             hp = self._snapshot()
             later = self._submit_journaled(hp)  # what the units hold that did not step early
