@@ -22,6 +22,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional
 
+from .cost.memory import DEFAULT_UNDO_JOURNAL_BYTES
 from .schedule.dispatch_order import SCHEDULES
 from .schedule.lowering import DEFAULT_PRIORITIES
 
@@ -382,12 +383,20 @@ class RuntimeOptions:
         parameter hooks, an input needing a gradient, manual optimization) the backward waits,
         as with False. See docs/design.md, "Backward that returns early".
     optimizer_undo: a failed overlapped step puts back every layer it stepped (weights and
-        optimizer state; costs one host copy of what a step changes). False (host memory too
-        small for that copy): a failed step raises naming the layers it updated, and training or
-        saving the module is refused until a checkpoint is loaded (``fit(ckpt_path=...)``).
-        Under fp16's loss scaler the copy is also what lets layers step during backward (an
-        overflow puts them back); with False they step after backward, once every gradient is
-        checked.
+        optimizer state, from before-images kept in a bounded journal,
+        ``optimizer_undo_journal_bytes``). False: no journal; a failed step raises naming the
+        layers it updated, and training or saving the module is refused until a checkpoint is
+        loaded (``fit(ckpt_path=...)``). Under fp16's loss scaler the journal is also what lets
+        layers step during backward (an overflow puts them back); with False they step after
+        backward, once every gradient is checked.
+    optimizer_undo_journal_bytes: the most host bytes of before-images (parameters and their
+        optimizer state, 12 per parameter under Adam) one step keeps for the undo (default
+        4 GiB; None: no bound, a copy of every layer stepped). Layers past it (the lowest ones,
+        when layers step during backward) do not step during backward: they wait until the step
+        is known good (backward done, every gradient checked and reduced), then step without a
+        copy. Every failure of the pipeline, the closure or a loss-scale check still leaves
+        weights and optimizer state as before; only the optimizer's own update raising for such
+        a layer cannot be put back (it is named, and training refuses until a checkpoint loads).
     batch_statistics: what a pipelined BatchNorm in training mode (or an InstanceNorm tracking
         running statistics) does with more than one microbatch. "refuse" (default): the call is
         refused before it runs, naming the layer (exact by default: use ``microbatches=1`` or eval
@@ -448,6 +457,7 @@ class RuntimeOptions:
     logits_with_loss: bool = False
     overlap_calls: bool = True
     optimizer_undo: bool = True
+    optimizer_undo_journal_bytes: Optional[int] = DEFAULT_UNDO_JOURNAL_BYTES
     batch_statistics: str = "refuse"
     split_check: bool = True
     schedule: str = "round_robin"
@@ -482,6 +492,7 @@ class RuntimeOptions:
         _flag(owner, "allow_unverified", self.allow_unverified)
         _flag(owner, "logits_with_loss", self.logits_with_loss)
         _flag(owner, "optimizer_undo", self.optimizer_undo)
+        _integer(owner, "optimizer_undo_journal_bytes", self.optimizer_undo_journal_bytes, 0, allow_none=True)
         _flag(owner, "overlap_calls", self.overlap_calls)
         _flag(owner, "gc_freeze", self.gc_freeze)
         _flag(owner, "split_check", self.split_check)

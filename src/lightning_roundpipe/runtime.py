@@ -97,6 +97,7 @@ class RoundPipeRuntime:
         self.plan_settled_hooks: list[Callable[[], None]] = []
         self.plan_settled = False
         self.overlapped: list = []  # OverlappedOptimizer per optimizer handed to overlap_optimizer
+        self.undo_fit_warning: str | None = None  # what the last overlap_optimizer said about the undo journal not fitting the host
         self.shadows = None
         self.grad_sync = None
         pool_class = backend_class(backend)  # what the backend declares about itself
@@ -174,8 +175,8 @@ class RoundPipeRuntime:
         ``join`` before reading weights or optimizer state directly; ``detach`` joins and
         restores the optimizer. ``delay_per_layer_s`` (default ``options.testing.optimizer_delay_s``)
         slows every layer step (tests and benchmarks). ``undo`` (default ``options.optimizer_undo``):
-        a failed step puts back every layer it stepped (costs one host copy of the weights and
-        optimizer state stepped, for one step); False refuses to go on instead (see
+        a failed step puts back every layer it stepped (from a journal of before-images bounded by
+        ``options.optimizer_undo_journal_bytes``); False refuses to go on instead (see
         ``OverlappedOptimizer``), also after ``detach``, until
         ``mark_restored``. ``loss_scaler``: the enabled ``torch.amp.GradScaler`` of an fp16 run;
         each layer then unscales and checks its gradients before it steps, early steps included,
@@ -195,11 +196,26 @@ class RoundPipeRuntime:
         ov = OverlappedOptimizer(optimizer, self.engine.tables, self.trace, notifier=self.pool, staleness=staleness,
                                  delay_per_layer_s=delay, after_layer_step=refresh, refresh_shadows=refresh,
                                  early_steps=early_steps, before_layer_step=sync, timeout_s=self.options.timeout,
-                                 calls=self.engine.calls, shadows=self.shadows, undo=undo, loss_scaler=loss_scaler)
+                                 calls=self.engine.calls, shadows=self.shadows, undo=undo, loss_scaler=loss_scaler,
+                                 journal_bytes=self.options.optimizer_undo_journal_bytes)
+        if undo:
+            self._say_if_undo_does_not_fit(optimizer)
         self.engine.grad_hooks.append(ov.on_layer_grads)
         self.overlapped.append(ov)
         _finish_backward_before_grad_reads(optimizer, self.engine.finish_backward)
         return ov
+
+    def _say_if_undo_does_not_fit(self, optimizer: torch.optim.Optimizer) -> None:
+        """At set-up, not at the first step: warn when the undo journal and the state the first steps
+        allocate exceed the host's available memory (``optim/undo_fit.py``), naming the option."""
+        from .optim.undo_fit import available_host_bytes, undo_fit_message
+
+        available = available_host_bytes()
+        message = None if available is None else undo_fit_message(
+            optimizer, self.options.optimizer_undo_journal_bytes, available)
+        self.undo_fit_warning = message
+        if message is not None:
+            log.warning("RoundPipe: %s", message)
 
     def join(self) -> None:
         """Finish an owed backward tail (``returning_early``), then wait for every submitted layer
@@ -497,8 +513,8 @@ class RoundPipeRuntime:
 
             raise StepFailed(
                 f"cannot {action}: {type(module).__name__} is partly updated: a failed optimizer step reached "
-                f"{', '.join(updated)} and not the other layers, and optimizer_undo=False kept no copy to put them "
-                "back: load its weights from a checkpoint (Trainer.fit(..., ckpt_path=...)), or load them yourself "
+                f"{', '.join(updated)} and not the other layers, and no copy was kept to put them back "
+                "(optimizer_undo=False, or past the undo journal's bound): load its weights from a checkpoint (Trainer.fit(..., ckpt_path=...)), or load them yourself "
                 "and call RoundPipeRuntime.mark_restored(module)")
 
     @staticmethod

@@ -233,10 +233,11 @@ def test_longest_sequences_script_names_what_binds():
     from benchmarks.figures.longest_sequences import markdown, what_binds
 
     assert what_binds("qwen3-1.7b", load_hardware("rtx4090"), 262144, None, "stage") == "GPU"
-    # With the default host headroom (10% of 1 TiB kept free) Qwen3-32B's full fine-tuning state alone
-    # (32 B/parameter with the undo copy, 976 GiB) overfills the 921.6 GiB usable: the host binds, and so
-    # does the GPU since a stage holds its trainable weights as fp32 leaves with fp32 gradients.
-    assert what_binds("qwen3-32b", load_hardware("a100"), 131072, None, "stage") == "host, GPU"
+    # With the default host headroom (10% of 1 TiB kept free) Qwen3-32B's full fine-tuning at 131,072 tokens
+    # binds both: the GPU (a stage holds its trainable weights as fp32 leaves with fp32 gradients) and the
+    # host (its state, 22.5 B/parameter with the undo journal, plus the finest plan's saved stage inputs).
+    # "host, GPU" while the undo copy was 12 B/parameter (32 in all, 976 GiB: the state alone overfilled it).
+    assert what_binds("qwen3-32b", load_hardware("a100"), 131072, None, "stage") == "GPU, host"
     row = {"hardware": "rtx4090", "model": "qwen3-1.7b", "mode": "full", "stage": 512, "stage_binds": "GPU",
            "layer": None, "layer_binds": "host"}
     assert markdown([row], False).splitlines()[-1] == "| rtx4090 | qwen3-1.7b | full | 512 | GPU | none | host |"

@@ -72,7 +72,7 @@ def test_default_config_composes_to_documented_values():
         "cpu_threads_per_worker": 1, "cpu_reuse_freed_memory": True, "seed": 0, "trace_steps": 0,
         "step_metrics": True, "workers": None, "trace_dir": None, "checkpoint_weights": "full",
         "progress_bar_metrics": False, "log_step_metrics": True, "verify_checkpoints": False,
-        "allow_unverified": False, "logits_with_loss": False, "optimizer_undo": True, "overlap_calls": True, "cpu_memory_cap_bytes": None,
+        "allow_unverified": False, "logits_with_loss": False, "optimizer_undo": True, "optimizer_undo_journal_bytes": 4 << 30, "overlap_calls": True, "cpu_memory_cap_bytes": None,
         "batch_statistics": "refuse", "split_check": True,
         "schedule": "round_robin",
         "moe_experts": "hf", "gc_freeze": True,

@@ -34,8 +34,8 @@ class InfAtStep(L.Callback):
     and how many optimizer steps (whole, or one per layer under the overlap) each training step ran. No
     Lightning gradient hook is overridden (that alone keeps layers from stepping early), unless ``late``."""
 
-    def __init__(self, inf_step=INF_STEP, where="grad"):
-        self.inf_step, self.where = inf_step, where
+    def __init__(self, inf_step=INF_STEP, where="grad", layer=0):
+        self.inf_step, self.where, self.layer = inf_step, where, layer
         self.step_calls: dict[int, int] = {}
         self.scales: list[float] = []
         self.before = self.after = None
@@ -47,7 +47,8 @@ class InfAtStep(L.Callback):
         if step == self.inf_step:
             self.before = (weights(pl_module), copy.deepcopy(trainer.optimizers[0].state_dict()["state"]))
             if self.where == "grad":
-                self.inf = next(pl_module.parameters()).register_hook(lambda g: torch.full_like(g, float("inf")))
+                self.inf = next(pl_module.net[self.layer].parameters()).register_hook(
+                    lambda g: torch.full_like(g, float("inf")))
             else:
                 batch[0][-1, 0] = 1e6  # past fp16's 65504: the last sample's microbatch overflows in forward
 
@@ -200,3 +201,23 @@ def test_early_steps_under_the_scaler_with_gradient_accumulation_match_the_late_
     assert seen["ov"].early_layer_steps > 0 and seen_late["ov"].early_layer_steps == 0
     assert seen["scales"] == seen_late["scales"] and len(seen["scales"]) >= 5  # per batch
     assert all(torch.equal(w[k], w_late[k]) for k in w)  # an init_scale fp32 cannot hold: rounded as GradScaler does
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("journal", [0, 1600])
+def test_an_overflow_with_the_undo_journal_full_still_skips_the_whole_step(journal):
+    """A journal of 1,600 B holds the AdamW before-images of the two top layers (Linear(8, 1): 512 B aligned;
+    Linear(8, 8): 1,088 B); 0 holds none. Layers past it wait until every gradient is checked, so the overflow
+    in layer 3 is found before any of them steps, though the lane runs layers 0-2 (lowest first) before it:
+    the step is skipped whole, bit for bit, and the run ends where one with an unbounded journal ends."""
+    bounded, cb, _, (ov,) = run(RoundPipeStrategy(microbatches=2, optimizer_undo_journal_bytes=journal, **LAYERED), 3,
+                                layer=3)
+    (w_before, s_before), (w_after, s_after) = cb.before, cb.after
+    assert all(torch.equal(w_before[k], w_after[k]) for k in w_before) and same_state(s_before, s_after)
+    assert cb.scales == [2.0**16, 2.0**15, 2.0**15] and ov.skipped_steps == 1
+    assert sorted(ov._journaled) == ([4, 5] if journal else [])  # noqa: SLF001 - which units the journal held
+    assert ov.journal_used_bytes == journal
+    unbounded, _, _, _ = run(RoundPipeStrategy(microbatches=2, optimizer_undo_journal_bytes=None, **LAYERED), 3,
+                             layer=3)
+    w, w_ref = weights(bounded), weights(unbounded)
+    assert all(torch.equal(w[k], w_ref[k]) for k in w)

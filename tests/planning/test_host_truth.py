@@ -12,7 +12,9 @@ import pytest
 from lightning_roundpipe.analysis import cli
 from lightning_roundpipe.cost.hardware import load_hardware
 from lightning_roundpipe.cost.machine import DetectedMachine
-from lightning_roundpipe.cost.memory import FP32_STATE_BYTES_PER_TRAINABLE, UNDO_BYTES_PER_TRAINABLE, host_bytes, memlock_kib
+from lightning_roundpipe.cost.memory import (DEFAULT_UNDO_JOURNAL_BYTES, DOWNLOAD_POOL_CAP_BYTES,
+                                             FP32_STATE_BYTES_PER_TRAINABLE, UNDO_BYTES_PER_TRAINABLE, host_bytes,
+                                             memlock_kib)
 from lightning_roundpipe.cost.quantization import nf4_bytes_per_param, packed_params_per_layer
 from lightning_roundpipe.cost.transformer import get_model_shape
 from lightning_roundpipe.planning.bytes_per_param import bytes_per_param_rows, bytes_per_param_table
@@ -82,26 +84,29 @@ def test_the_issue_command_states_the_ram_its_source_and_one_needed_figure(llama
     assert {float(x) for x in re.findall(r"needs at least ([0-9.]+) GiB", out)} == {needed}
     costs = model_costs(get_model_shape("llama-3.1-8b"), load_hardware("rtx4090"), 4096, 1, None)
     least = host_bytes(costs, least_memory_plans(len(costs.layers), True)[-1], 8)
-    assert needed == round(least.total / GiB, 1) == 239.6
+    # 239.6 until the undo copy became a bounded journal (4 GiB instead of 12 B/param) and the fused call's
+    # gradient downloads were priced in fp32 (4 B/param instead of 2)
+    assert needed == round(least.total / GiB, 1) == 168.8
 
 
 @pytest.mark.timeout(120)
 def test_the_advice_lists_every_option_that_fits_with_its_figures(llama_on_192gb):
     out = llama_on_192gb
-    fitting = out.split("Would fit with")[1].split("Would not fit")[0]
+    fitting, not_fitting = out.split("Would fit with")[1].split("Would not fit")
     costs = model_costs(get_model_shape("llama-3.1-8b"), load_hardware("rtx4090"), 4096, 1, None)
-    no_undo = host_bytes(costs, least_memory_plans(len(costs.layers), True)[0], 8, undo=False)
-    assert no_undo.total == host_bytes(costs, least_memory_plans(len(costs.layers), True)[0], 8).total - no_undo.params * 12
-    # GPU 5.4 GiB until bf16-mixed's weights were priced as held (fp32 leaves, fp32 embedding and gradients)
-    assert f"  - optimizer_undo=False: host {no_undo.total / GiB:.1f} GiB, GPU 9.1 GiB per worker" in fitting
+    no_undo = host_bytes(costs, least_memory_plans(len(costs.layers), True)[-1], 8, undo=False)
+    assert no_undo.total == host_bytes(costs, least_memory_plans(len(costs.layers), True)[-1], 8).total - 4 * GiB
+    # GPU 5.4 GiB until bf16-mixed's weights were priced as held (fp32 leaves, fp32 embedding and gradients);
+    # it fitted until the undo's 12 B/param became a 4 GiB journal and gradient downloads were priced in fp32
+    assert f"  - optimizer_undo=False: host {no_undo.total / GiB:.1f} GiB, GPU 9.1 GiB per worker" in not_fitting
     assert "  - LoRA rank 16 (--lora-rank 16): host " in fitting
     assert "  - a 4-bit NF4 base with LoRA rank 16 (--quantize nf4 --lora-rank 16): host " in fitting
     qlora = _figure(r"--quantize nf4 --lora-rank 16\): host ([0-9.]+) GiB", fitting)
     lora = _figure(r"--lora-rank 16\): host ([0-9.]+) GiB", fitting)
     assert qlora < lora < 160.9
     # fewer microbatches alone does not fit, and says so with its figure
-    assert re.search(r"Would not fit with any one of these alone.*\n  - 1 microbatch per step \(--microbatches 1\): "
-                     r"host 239\.[0-9] GiB", out)
+    assert re.search(r"Would not fit with any one of these alone.*\n(?:  - .*\n)*  - 1 microbatch per step \(--microbatches 1\): "
+                     r"host 168\.[0-9] GiB", out)
 
 
 def test_the_default_source_is_the_profile_and_detect_says_so(monkeypatch, capsys):
@@ -190,8 +195,10 @@ def test_nf4_prices_packed_projections_by_hand():
 def test_bytes_per_param_rows_come_from_the_memory_model():
     rows = {name: total for name, total, _ in bytes_per_param_rows()}
     full, no_undo = rows["full fine-tuning (default: optimizer_undo=True)"], rows["full fine-tuning, optimizer_undo=False"]
-    assert full == pytest.approx(FP32_STATE_BYTES_PER_TRAINABLE + UNDO_BYTES_PER_TRAINABLE + 2 + 2)  # 32
-    assert no_undo == pytest.approx(FP32_STATE_BYTES_PER_TRAINABLE + 2 + 2)  # 20
+    params = host_bytes(model_costs(get_model_shape("llama-3.1-8b"), load_hardware("rtx4090"), 1024, 1, None)).params
+    # fp32 state 16, bf16 upload copy 2, the fused call's fp32 gradient downloads 4, the bounded journal
+    assert no_undo == pytest.approx(FP32_STATE_BYTES_PER_TRAINABLE + 2 + 4)  # 22
+    assert full == pytest.approx(no_undo + DEFAULT_UNDO_JOURNAL_BYTES / params)  # 22.53 (32 with the old full copy)
     assert rows["QLoRA r=16 (NF4 base, `--quantize nf4`)"] < rows["LoRA r=16"] < no_undo
 
 
@@ -202,3 +209,26 @@ def test_the_docs_show_the_bytes_per_param_table_the_model_makes_now(page):
     assert block is not None, f"{page} has no host-bytes-per-param block"
     assert block.group(1) == bytes_per_param_table() + "\n", f"stale: run python scripts/doc_figures.py ({page})"
     assert "about 16 bytes per parameter" not in text
+
+
+def test_the_undo_journal_and_the_gradient_downloads_are_priced_as_they_are():
+    from lightning_roundpipe.workers.host_buffers import DEFAULT_CAP_BYTES
+
+    assert DOWNLOAD_POOL_CAP_BYTES == DEFAULT_CAP_BYTES
+    costs = model_costs(get_model_shape("qwen3-8b"), load_hardware("rtx4090"), 1024, 1, None)
+    plan = least_memory_plans(len(costs.layers), True)[0]
+    trainable = host_bytes(costs).params  # full fine-tuning: every parameter trains
+    unbounded = host_bytes(costs, plan, 8, journal_bytes=None)
+    assert unbounded.undo_images == trainable * UNDO_BYTES_PER_TRAINABLE  # the old full copy
+    assert host_bytes(costs, plan, 8).undo_images == DEFAULT_UNDO_JOURNAL_BYTES
+    assert host_bytes(costs, plan, 8, journal_bytes=GiB).undo_images == GiB
+    assert host_bytes(costs, plan, 8, undo=False).undo_images == 0
+    # bf16-mixed downloads trainable weights' gradients in fp32; a fused call keeps them all (2 B/param until
+    # fixed: 15 GiB low for Qwen3-8B)
+    fused = host_bytes(costs, plan, 8)
+    assert fused.gradient_downloads == sum(l.grad_bytes for l in costs.layers) >= 4 * trainable
+    assert fused.gradient_downloads - trainable * 2 > 15 * GiB
+    # unfused, each stage's buffers go back to the pool once added: the pool's cap, or one stage's gradients
+    unfused = least_memory_plans(len(costs.layers), False)[0]
+    largest = max(sum(costs.layers[i].grad_bytes for i in s.layers) for s in unfused.backward_stages())
+    assert host_bytes(costs, unfused, 8).gradient_downloads == max(DOWNLOAD_POOL_CAP_BYTES, largest)

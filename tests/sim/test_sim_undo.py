@@ -80,3 +80,18 @@ def test_loss_scaled_steps_by_hand():
     unscaled = simulate_roundpipe(plan, _costs(), HW, 1, num_workers=1, config=config)
     assert [r.duration for r in unscaled.timeline if r.kind == "optim"] == pytest.approx([12e-3] * 4)
     assert unscaled.step_s == pytest.approx(2 * 6e-3 + 2 * 12e-3)  # the host never idles, as with the undo alone
+
+
+@pytest.mark.timeout(30)
+def test_undo_journal_by_hand():
+    """A journal of one layer's before-image (1,000 x 12 B): L1 (its gradient home first) is journaled as
+    before; L0 is past it, takes no copy, and its update waits for every gradient of the step."""
+    plan = Plan(2, ((0, 1), (1, 2)), ((0, 1), (1, 2)))
+    config = SimConfig(steps=2, optimizer_undo=True, undo_journal_bytes=12_000)
+    res = simulate_roundpipe(plan, _costs(), HW, 1, num_workers=1, config=config)
+    assert sorted((r.step, r.stage) for r in res.timeline if r.kind == "undo") == [(0, "L1"), (1, "L1")]
+    # One worker: L1's copy (0-6 ms) runs during the forward, its update as B1's gradient is home (5.0126 ms)
+    # once the copy is done (6-16 ms); L0's update starts after both gradients are home and L1's update: 16-26 ms.
+    assert res.step_s == pytest.approx(26e-3)
+    assert simulate_roundpipe(plan, _costs(), HW, 1, num_workers=1, config=SimConfig(
+        steps=2, optimizer_undo=True, undo_journal_bytes=None)).step_s == pytest.approx(_run(True).step_s)

@@ -3,7 +3,7 @@
 GPU, per worker (``roundpipe_gpu_bytes``): the largest peak of the stages it runs (weights and
 gradients with the next stage's prefetch, one microbatch's activations, buffers, transfers in
 flight), checked against the CPU backend's measured peaks (``docs/memory.md``). Host: fp32 state
-per trainable parameter, the upload copy, gradient download buffers, saved activations, and the
+per trainable parameter, the upload copy, gradient download buffers, the undo journal, saved activations, and the
 pinned part of them with the ``ulimit -l`` that covers it (``memlock_kib``). The terms:
 docs/design.md, design notes, ``cost/memory.py``.
 """
@@ -19,6 +19,10 @@ from .view import CostView
 
 FP32_STATE_BYTES_PER_TRAINABLE = 16  # master weight, gradient, Adam m and v, all fp32
 UNDO_BYTES_PER_TRAINABLE = 12  # the failed-step undo's copy: master weight, Adam m and v (optim/step_undo.py)
+# The undo journal's default bound (``optimizer_undo_journal_bytes``): before-images of at most this
+# many bytes per step; layers past it step once the step is known good (optim/overlap.py).
+DEFAULT_UNDO_JOURNAL_BYTES = 4 << 30
+DOWNLOAD_POOL_CAP_BYTES = 2 << 30  # free download buffers kept (workers/host_buffers.py DEFAULT_CAP_BYTES; tested equal)
 
 
 def _is_backward(plan: Plan, stage: Stage) -> bool:
@@ -182,9 +186,9 @@ class HostMemory:
     optimizer_state: int  # fp32 masters, gradients and Adam moments of trainable parameters
     compute_copy: int  # compute-dtype copy of every parameter (uploads read it)
     saved_activations: int  # stage inputs kept for recompute, all microbatches
-    gradient_downloads: int = 0  # host buffers the weight gradients land in (compute dtype)
+    gradient_downloads: int = 0  # host buffers the weight gradients land in (their device dtype, fp32 when trained)
     params: int = 0  # distinct parameters, for the per-parameter figures
-    undo_images: int = 0  # the overlapped optimizer's before-images (optimizer_undo): one more master + moments
+    undo_images: int = 0  # the undo journal (optimizer_undo): before-images of master + moments, bounded
     saved_inputs_per_microbatch: int = 0  # stage inputs the forward saves for recompute (backward stages but the first)
     microbatches: int = 0  # microbatches per step the saved activations are counted for
 
@@ -205,10 +209,13 @@ class HostMemory:
         return self.compute_copy / self.params if self.params else 0.0
 
 
-def host_bytes(costs: CostProfile, plan: Plan | None = None, microbatches: int = 1, undo: bool = True) -> HostMemory:
+def host_bytes(costs: CostProfile, plan: Plan | None = None, microbatches: int = 1, undo: bool = True,
+               journal_bytes: int | None = DEFAULT_UNDO_JOURNAL_BYTES, fused: bool | None = None) -> HostMemory:
     """Host memory of training with ``costs``; activations counted when a plan is given. ``undo``:
     the overlapped optimizer keeps before-images to put a failed step back (``optimizer_undo``,
-    on by default wherever the optimizer overlaps, as it does on a GPU server)."""
+    on by default wherever the optimizer overlaps, as it does on a GPU server), in a journal of at
+    most ``journal_bytes`` (None: no bound). ``fused``: the last stage computes the loss (default:
+    the plan's ``fused_last``; without a plan True, as a Hugging Face model given labels runs)."""
     view = CostView(costs)
     acts, saved = 0, 0
     if plan is not None:
@@ -217,10 +224,26 @@ def host_bytes(costs: CostProfile, plan: Plan | None = None, microbatches: int =
         acts = microbatches * sum(view.in_bytes(b) for b in boundaries)
     trainable = view.unique_trainable_params()
     copy = view.unique_params() * view.dtype_bytes if costs.host_copy_bytes is None else costs.host_copy_bytes
+    fused = (plan.fused_last if plan is not None else True) if fused is None else fused
+    journal = trainable * UNDO_BYTES_PER_TRAINABLE if undo else 0
+    if journal_bytes is not None:
+        journal = min(journal, journal_bytes)
     return HostMemory(trainable * FP32_STATE_BYTES_PER_TRAINABLE, copy, acts,
-                      gradient_downloads=trainable * view.dtype_bytes, params=view.unique_params(),
-                      undo_images=trainable * UNDO_BYTES_PER_TRAINABLE if undo else 0,
+                      gradient_downloads=gradient_download_bytes(view, plan, fused), params=view.unique_params(),
+                      undo_images=journal,
                       saved_inputs_per_microbatch=saved, microbatches=microbatches if plan is not None else 0)
+
+
+def gradient_download_bytes(view: CostView, plan: Plan | None, fused: bool) -> int:
+    """Host bytes the weight-gradient downloads hold at the step's peak (see the module doc): every
+    layer's gradients when the call is fused; otherwise the pool's kept free buffers, or one
+    backward stage's gradients when those are more."""
+    n = len(view.layers)
+    if fused:
+        return view.grads(0, n)
+    stages = plan.backward_stages() if plan is not None else [Stage("B", 0, l, l + 1) for l in range(n)]
+    largest = max((view.grads(s.start, s.end) for s in stages), default=0)
+    return max(min(DOWNLOAD_POOL_CAP_BYTES, view.grads(0, n)), largest)
 
 
 def memlock_kib(pinned_bytes: int) -> int:

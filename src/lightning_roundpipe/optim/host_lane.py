@@ -7,7 +7,8 @@ would wait for all of them (the simulator's ``optimizer_order="layer"``: +0-1% o
 workload, docs/simulator.md). Everything else (the step's commit, a restore after a failure, the
 before-images taken ahead) runs after every waiting layer update, in submission order. The order
 changes nothing but timing: each layer's update reads only that layer's parameters, gradients and
-optimizer state.
+optimizer state. A layer update submitted ``after_layers`` (one stepped without a before-image,
+``overlap.py``) runs after every other waiting layer update, lowest layer first among its kind.
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ class HostLane:
         self._thread.start()
 
     def submit(self, fn: Callable[[], object], label: TaskLabel, traced: bool = True,
-               layer: int | None = None) -> Completion:
+               layer: int | None = None, after_layers: bool = False) -> Completion:
         """Run ``fn`` on the lane; ``traced=False``: bookkeeping kept off the timeline. ``layer``: a
         layer update, run before any waiting update of a higher layer and before other work; without
-        it, after everything submitted before."""
+        it, after everything submitted before. ``after_layers``: a layer update that runs after every
+        waiting update not so marked (still before other work)."""
         done = Completion(label, self._notifier)
-        self._put((0, layer) if layer is not None else (1, 0), (fn, done, traced))
+        self._put((0, int(after_layers), layer) if layer is not None else (1, 0, 0), (fn, done, traced))
         return done
 
     def _put(self, rank: tuple, item) -> None:
@@ -84,5 +86,5 @@ class HostLane:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the thread (waits up to ``timeout``)."""
-        self._put((2, 0), None)  # after everything submitted before
+        self._put((2, 0, 0), None)  # after everything submitted before
         self._thread.join(timeout)

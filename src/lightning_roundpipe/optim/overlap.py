@@ -5,7 +5,8 @@ upload of a layer waits only for that layer's new version (``weight_gates``), so
 the synchronous ``optimizer.step()`` bit for bit. Layers step during the last backward only
 when nothing between backward and the step can change gradients; under a loss scaler each layer
 unscales and checks its own gradients, and an overflow puts every stepped layer back. A failed
-step is undone (``step_undo.py``). When a layer may step early, loss scaling and
+step is undone from a bounded journal (``step_undo.py``); layers beyond it wait until the step
+is known good. When a layer may step early, loss scaling and
 ``staleness=1``: docs/design.md, design notes, ``optim/overlap.py``.
 """
 
@@ -25,7 +26,8 @@ from ..workers.completions import Completion, PipelineError, PipelineTimeout, Ta
 from .host_lane import HostLane
 from .loss_scale import StepUnscale
 from .per_layer_support import declaration_hint, why_not_per_layer
-from .step_undo import BeforeImages, StepUndo
+from ..cost.memory import DEFAULT_UNDO_JOURNAL_BYTES
+from .step_undo import BeforeImages, StepUndo, image_tensors
 
 REST = -1  # the key of the parameters outside the pipeline among ``versions`` (loss-scaled steps)
 
@@ -47,7 +49,8 @@ class OverlappedOptimizer:
                  before_layer_step: Callable[[list[torch.Tensor]], None] | None = None,
                  refresh_shadows: Callable[[], None] | None = None, early_steps: bool = True,
                  timeout_s: float = 300.0, calls=None, shadows=None, undo: bool = True,
-                 loss_scaler: "torch.amp.GradScaler | None" = None):
+                 loss_scaler: "torch.amp.GradScaler | None" = None,
+                 journal_bytes: int | None = DEFAULT_UNDO_JOURNAL_BYTES):
         """``before_layer_step``: called with a layer's parameters just before it steps (e.g. to wait
         for the node all-reduce). ``refresh_shadows``: copies the masters into the upload shadows
         (``staleness=1``). ``early_steps``: layers may step during the step's last backward.
@@ -56,6 +59,9 @@ class OverlappedOptimizer:
         (for models whose host memory cannot hold one more copy of the weights and optimizer
         state): a failed step raises naming the layers it updated, and every later ``step``,
         ``join`` and ``state_dict`` refuses until ``mark_restored`` (after loading a checkpoint).
+        ``journal_bytes``: the most bytes of before-images one step keeps (the undo journal;
+        None: every layer's); layers past it step once the step is known good, without a copy
+        (see the module doc). The parameters outside the pipelined module are always copied.
         ``calls``: the engine's ``PipelineCalls`` (None: no early steps).
         ``shadows``: the ``ShadowStore`` uploads read (``staleness=1``
         keeps the previous weights there; ``state_dict`` saves them).
@@ -92,6 +98,11 @@ class OverlappedOptimizer:
         self._commit: Completion | None = None
         self._submitted_undo: StepUndo | None = None  # the step whose layer steps ``versions`` holds
         self.keep_undo = bool(undo)
+        if journal_bytes is not None and (isinstance(journal_bytes, bool) or int(journal_bytes) < 0):
+            raise ValueError(f"journal_bytes must be a byte count >= 0 or None (no bound), got {journal_bytes!r}")
+        self.journal_bytes = None if journal_bytes is None else int(journal_bytes)
+        self._journaled: set[int] = set()  # this step's units whose before-images the journal holds
+        self.journal_used_bytes = 0  # this step's planned before-image bytes (within journal_bytes)
         self.loss_scaler = loss_scaler
         self._unscale: StepUnscale | None = None  # the step in flight's unscaling (loss_scaler set)
         self._skip = False  # skip_step() was called during this step's closure
@@ -199,6 +210,8 @@ class OverlappedOptimizer:
                 continue
             if any(id(p) in calls.reached_outside for _, p in self.unit_params[unit]):
                 continue  # autograd adds a contribution from outside the pipeline: step after the closure
+            if self.keep_undo and unit not in self._journaled:
+                continue  # past the undo journal: steps once the step is known good
             self.early_layer_steps += 1
             self._submit(unit, self._snapshot())
 
@@ -227,8 +240,11 @@ class OverlappedOptimizer:
         self._undo = StepUndo(self.optimizer, keep=self.keep_undo, images=self.before_images)
         self._unscale = StepUnscale(self.loss_scaler) if self.loss_scaler is not None else None
         self._skip = False
-        if self.keep_undo:
-            self._capture_ahead(self._undo)
+        self._journaled = set()
+        if not self.staleness:  # with staleness the previous update may still write the state: plan after its join
+            self._plan_journal()
+            if self.keep_undo:
+                self._capture_ahead(self._undo)
         if self._unscale is not None:
             return self._scaled_step(closure)
         try:
@@ -238,13 +254,14 @@ class OverlappedOptimizer:
                 # shadows; now publish it to the shadows, then start this step's update.
                 self.join()
                 self.refresh_shadows()
+                self._plan_journal()
             self.replan_if_changed()  # the closure may have changed the groups too
             hp = self._snapshot()
-            for unit in sorted(self.unit_params):  # layer order: the next forward needs layer 0 first
-                self._submit(unit, hp)  # what the unit holds that did not step early
+            later = self._submit_journaled(hp)  # what the units hold that did not step early
             if self.rest:  # parameters outside the pipeline: the caller's next code uses them, step them now
                 self._undo.save([p for _, p in self.rest], "parameters outside the pipeline")
                 self._run_view(self.rest, hp, self._grads_of(self.rest))
+            self._submit_known_good(later, hp)  # past the journal: once the step is known good
         except BaseException as exc:
             self._abandon(exc)
             raise
@@ -289,10 +306,10 @@ class OverlappedOptimizer:
             if not self._skip:
                 self.replan_if_changed()
                 hp = self._snapshot()
-                for unit in sorted(self.unit_params):
-                    self._submit(unit, hp)
+                later = self._submit_journaled(hp)
                 if self.rest:  # the caller's next code uses them: step() returns only once they are decided too
-                    self._submit_params(REST, self.rest, "parameters outside the pipeline", hp, "rest")
+                    self._submit_params(REST, self.rest, "parameters outside the pipeline", hp, "rest", layer=-1)
+                self._submit_known_good(later, hp)
         except BaseException as exc:
             self._abandon(exc)
             raise
@@ -335,7 +352,7 @@ class OverlappedOptimizer:
                          f"{err}; restore the weights and optimizer state from a checkpoint before training on")
             return
         if undo.stepped:
-            exc.add_note(_failure_note(undo.stepped, undo.keep))
+            exc.add_note(_failure_note(undo))
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear the gradients, as ``torch.optim.Optimizer.zero_grad``."""
@@ -379,7 +396,7 @@ class OverlappedOptimizer:
         its own image (``StepUndo.save``). A copy that fails here is taken again, and fails
         where it is reported, when its layer steps."""
         plan = self.unit_params  # this step's plan: a re-plan after the closure must not change what runs here
-        units = sorted(plan)
+        units = sorted(u for u in plan if u in self._journaled)
         if self.early_steps and not self.staleness:
             units.reverse()  # the last backward completes the last layers first
         pending = collections.deque(units)
@@ -394,21 +411,78 @@ class OverlappedOptimizer:
 
         self.lane.submit(run, label, traced=False)
 
-    def _submit(self, unit: int, hp: list[dict]) -> None:
-        """Submit the update of the unit's parameters not submitted yet this step (all of them,
-        unless the plan changed after the unit stepped early)."""
+    def _plan_journal(self) -> None:
+        """Choose this step's journaled units: in the order they will step (from the top when layers
+        step during backward), each whose before-image still fits in ``journal_bytes``; the buffers
+        of units left out are dropped, so the journal never holds more."""
+        self._journaled, self.journal_used_bytes = set(), 0
+        if not self.keep_undo:
+            return
+        units = sorted(self.unit_params)
+        if self.early_steps and not self.staleness:
+            units.reverse()
+        state, keep = self.optimizer.state, []
+        for unit in units:
+            params = [p for _, p in self.unit_params[unit]]
+            size = BeforeImages.size_of(image_tensors(state, params))
+            if self.journal_bytes is None or self.journal_used_bytes + size <= self.journal_bytes:
+                self._journaled.add(unit)
+                self.journal_used_bytes += size
+                keep.append(tuple(id(p) for p in params))
+        keep.append(tuple(id(p) for _, p in self.rest))
+        self.before_images.keep_only(keep)
+
+    def _pending(self, unit: int):
+        """The unit's parameters not submitted yet this step (all of them, unless the plan changed
+        after the unit stepped early), marked submitted, with the update's name, stage and layer;
+        None when there are none."""
         self._submitted.add(unit)
         params = [(gi, p) for gi, p in self.unit_params[unit] if id(p) not in self._submitted_ids]
         if not params:
-            return
+            return None
         self._submitted_ids.update(id(p) for _, p in params)
         layers = sorted(self.unit_layers[unit])
         name = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
-        self._submit_params(unit, params, name, hp, f"L{layers[0]}-{layers[-1]}", layer=layers[0])
+        return params, name, f"L{layers[0]}-{layers[-1]}", layers[0]
 
-    def _submit_params(self, key: int, params, name: str, hp: list[dict], stage: str, layer: int | None = None) -> None:
-        grads = self._grads_of(params)
+    def _submit(self, unit: int, hp: list[dict]) -> None:
+        """Submit the update of the unit's parameters not submitted yet this step (journaled)."""
+        pending = self._pending(unit)
+        if pending is not None:
+            params, name, stage, layer = pending
+            self._submit_params(unit, params, name, hp, stage, layer=layer)
+
+    def _submit_journaled(self, hp: list[dict]) -> list[int]:
+        """After the closure: submit every journaled unit not submitted yet, in layer order; return
+        the others (past the journal), which step once the step is known good."""
+        later = []
+        for unit in sorted(self.unit_params):  # layer order: the next forward needs layer 0 first
+            if self.keep_undo and unit not in self._journaled:
+                later.append(unit)
+            else:
+                self._submit(unit, hp)
+        return later
+
+    def _submit_known_good(self, units: list[int], hp: list[dict]) -> None:
+        """Submit the updates past the journal, without before-images, behind one ``_KnownGood``: the
+        first of them to run first reduces and checks the gradients of all of them."""
+        gate = _KnownGood(self.before_layer_step, self._unscale)
+        batch = []
+        for unit in units:
+            pending = self._pending(unit)
+            if pending is not None:
+                grads = self._grads_of(pending[0])
+                gate.add([p for _, p in pending[0]], grads)
+                batch.append((unit, pending, grads))
+        for unit, (params, name, stage, layer), grads in batch:  # the gate knows them all before any runs
+            self._submit_params(unit, params, name, hp, stage, layer=layer, gate=gate, grads=grads)
+
+    def _submit_params(self, key: int, params, name: str, hp: list[dict], stage: str, layer: int | None = None,
+                       gate: "_KnownGood | None" = None, grads: list | None = None) -> None:
+        """Submit one update; with ``gate`` it runs without a before-image once the gate is open."""
+        grads = self._grads_of(params) if grads is None else grads
         undo, unscale = self._undo, self._unscale
+        journaled = gate is None
 
         def run():
             if undo.failure is not None:
@@ -417,13 +491,16 @@ class OverlappedOptimizer:
             try:
                 if self.delay_per_layer_s:
                     time.sleep(self.delay_per_layer_s)
-                if self.before_layer_step is not None:
-                    self.before_layer_step([p for _, p in params])
-                if unscale is not None:
-                    unscale.unscale(grads)
-                    if self._skip or unscale.overflowed():
-                        return  # the step is skipped whole: this layer does not step, and those that did go back
-                undo.save([p for _, p in params], name)
+                if gate is not None:
+                    gate.open()  # every later update's gradients reduced and checked before any of them steps
+                else:
+                    if self.before_layer_step is not None:
+                        self.before_layer_step([p for _, p in params])
+                    if unscale is not None:
+                        unscale.unscale(grads)
+                if unscale is not None and (self._skip or unscale.overflowed()):
+                    return  # the step is skipped whole: this layer does not step, and those that did go back
+                undo.save([p for _, p in params], name, journaled=journaled)
                 self._run_view(params, hp, grads)
                 if self.after_layer_step is not None and not self.staleness:
                     self.after_layer_step([p for _, p in params])
@@ -431,15 +508,15 @@ class OverlappedOptimizer:
                     self._restore(undo)
             except BaseException as exc:
                 undo.failure = exc
-                done = [n for n in undo.stepped if n != name]
                 self._restore(undo)
-                exc.add_note(f"the optimizer step failed in {name}; " + _failure_note(done, undo.keep))
+                exc.add_note(f"the optimizer step failed in {name}; " + _failure_note(undo, name))
                 raise
 
         self._submitted_undo = undo
         if key in self.versions:  # the same lowest layer runs later on the lane: gates wait for the new one
             self._superseded.append(self.versions[key])
-        self.versions[key] = self.lane.submit(run, TaskLabel("optim", stage, queue="optimizer"), layer=layer)
+        self.versions[key] = self.lane.submit(run, TaskLabel("optim", stage, queue="optimizer"), layer=layer,
+                                              after_layers=not journaled)
 
     def _restore(self, undo: StepUndo) -> None:
         """On the lane (nothing else writes the weights now): put back every layer the step changed."""
@@ -449,6 +526,8 @@ class OverlappedOptimizer:
             self.unrestored = list(undo.stepped)
             return
         restored = undo.restore()
+        if undo.unjournaled:  # stepped without a before-image (past the journal): cannot go back
+            self.unrestored = list(undo.unjournaled)
         if self.after_layer_step is not None and restored:
             self.after_layer_step(restored)  # compute-dtype shadows follow the masters back
 
@@ -515,9 +594,9 @@ class OverlappedOptimizer:
     def _refuse_if_unrestored(self) -> None:
         if self.unrestored:
             raise StepFailed(
-                f"a failed optimizer step left {', '.join(self.unrestored)} updated and the others not (undo=False "
-                "keeps no copy to put them back): load the weights and optimizer state from a checkpoint, then "
-                "call mark_restored(), before training or saving")
+                f"a failed optimizer step left {', '.join(self.unrestored)} updated and the others not (no copy was "
+                "kept to put them back: undo=False, or they stepped past the undo journal's bound): load the weights "
+                "and optimizer state from a checkpoint, then call mark_restored(), before training or saving")
 
     def mark_restored(self) -> None:
         """undo=False: the weights and optimizer state were restored (from a checkpoint) after a failed step."""
@@ -568,12 +647,49 @@ class OverlappedOptimizer:
                 self.shadows.get(params[int(i)]).copy_(value)
 
 
-def _failure_note(stepped: list[str], kept: bool) -> str:
-    if not kept:
+def _failure_note(undo: StepUndo, failing: str | None = None) -> str:
+    """What a failed step had updated and what was put back (``failing``: the update that raised,
+    not counted among those done, unless it stepped without a before-image)."""
+    stepped = [n for n in undo.stepped if n != failing]
+    if not undo.keep:
         return (f"the step had updated {', '.join(stepped) or 'nothing'} (undo=False: not put back; restore from a "
                 "checkpoint and call mark_restored() before training or saving)")
+    if undo.unjournaled:
+        back = [n for n in stepped if n not in undo.unjournaled]
+        return (f"the step had updated {', '.join(stepped) or 'nothing'}: {', '.join(back) or 'none'} are back as "
+                f"before the step, but {', '.join(undo.unjournaled)} stepped without a before-image (past the undo "
+                "journal, optimizer_undo_journal_bytes) and are not: restore from a checkpoint and call "
+                "mark_restored() before training or saving")
     return (f"the step had updated {', '.join(stepped) or 'nothing'}: they are back as before the step "
             "(weights and optimizer state)")
+
+
+class _KnownGood:
+    """The point after which updates past the undo journal may run without a before-image: opened
+    (on the lane, by the first of them, after every journaled update, ``HostLane``'s ``after_layers``)
+    it reduces (``before_layer_step``) and unscales every one of their gradients first, so neither a
+    reduction nor a loss-scale overflow can fail the step once the first of them has stepped."""
+
+    def __init__(self, before_layer_step, unscale: StepUnscale | None):
+        self._before_layer_step = before_layer_step
+        self._unscale = unscale
+        self._entries: list[tuple[list, list]] = []
+        self._opened = False
+
+    def add(self, params: list, grads: list) -> None:
+        """One update this gate holds back: its parameters and the gradients it steps with."""
+        self._entries.append((params, grads))
+
+    def open(self) -> None:
+        """Reduce and check every held update's gradients (once; an error fails the step here)."""
+        if self._opened:
+            return
+        self._opened = True
+        for params, grads in self._entries:
+            if self._before_layer_step is not None:
+                self._before_layer_step(params)
+            if self._unscale is not None:
+                self._unscale.unscale(grads)
 
 
 def _layers_of(label: TaskLabel) -> str:

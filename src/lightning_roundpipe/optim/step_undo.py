@@ -2,10 +2,11 @@
 
 Layers step one by one on the optimizer lane, some during backward; if anything fails later, the
 host weights and optimizer state must be exactly as before the step. So each layer's parameters
-and optimizer state are copied before it steps, ahead while the lane is idle, into
-``BeforeImages`` reused every step. ``keep=False`` (``optimizer_undo=False``) keeps only the
-names of the layers stepped, and training then waits for a checkpoint. Why it is arranged so, and
-its measured cost: docs/design.md, design notes, ``optim/step_undo.py``.
+and optimizer state are copied before it steps, ahead while the lane is idle, into a bounded
+journal of ``BeforeImages`` reused every step (``optimizer_undo_journal_bytes``); layers beyond
+it wait until the step is known good and step without a copy. ``keep=False``
+(``optimizer_undo=False``) keeps only the names of the layers stepped, and training then waits
+for a checkpoint. Why it is arranged so: docs/design.md, design notes, ``optim/step_undo.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,17 @@ import copy
 import threading
 
 import torch
+
+def image_tensors(state: dict, params) -> list[torch.Tensor]:
+    """What a before-image of ``params`` copies: each parameter and its optimizer state's tensors."""
+    out = []
+    for p in params:
+        out.append(p)
+        st = state.get(p)
+        if st is not None:
+            out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+    return out
+
 
 class BeforeImages:
     """Reused copy buffers: per group of parameters stepped together, one flat host buffer for the
@@ -29,6 +41,17 @@ class BeforeImages:
         self._groups: dict[tuple, tuple[torch.Tensor, tuple, list[int]]] = {}  # -> (flat, layout, offsets)
         self._lock = threading.Lock()  # the host thread saves the parameters outside the pipeline meanwhile
         self.allocations = 0  # flat buffers made: one per layer once every layer has stepped twice
+
+    @classmethod
+    def size_of(cls, tensors) -> int:
+        """Bytes the copies of ``tensors`` take in one buffer (each rounded up to the alignment)."""
+        return sum(-(-t.numel() * t.element_size() // cls._ALIGN) * cls._ALIGN for t in tensors)
+
+    def keep_only(self, groups) -> None:
+        """Drop the buffers of every group not in ``groups`` (the journal's layers changed)."""
+        keep = set(groups)
+        with self._lock:
+            self._groups = {g: entry for g, entry in self._groups.items() if g in keep}
 
     def copies(self, group: tuple, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of ``tensors`` (host tensors) in the buffer of ``group``, which is made (or remade) to fit."""
@@ -72,6 +95,7 @@ class StepUndo:
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor, dict | None]] = {}
         self._stepped_ids: list[int] = []  # parameters whose step ran (or began), in order
         self.stepped: list[str] = []  # names of the layer steps done, in order
+        self.unjournaled: list[str] = []  # names of those stepped without a before-image (journal full)
         self.failure: BaseException | None = None
         self.restored = False
         self.finished = False  # committed or restored: nothing more is captured
@@ -111,11 +135,14 @@ class StepUndo:
                 before = {k: tensor_copies[k] if k in tensor_copies else copy.deepcopy(v) for k, v in state[p].items()}
             self.saved[id(p)] = (p, data, before)
 
-    def save(self, params, name: str) -> None:
+    def save(self, params, name: str, journaled: bool = True) -> None:
         """Just before ``params`` step (on the lane): their before-image unless taken ahead, and the
-        record that they stepped."""
+        record that they stepped. ``journaled=False``: no image (the journal is full and the step
+        is known good); only the name is kept, for a failure of this very update."""
         self.stepped.append(name)
-        if not self.keep:
+        if not journaled:
+            self.unjournaled.append(name)
+        if not self.keep or not journaled:
             return
         params = list(params)
         if any(id(p) not in self.saved for p in params):

@@ -21,7 +21,8 @@ LORA_RANK = 16
 def bytes_per_param_rows(model: str | ModelShape = DEFAULT_MODEL, hardware: str | HardwareProfile = "rtx4090",
                          lora_rank: int = LORA_RANK) -> list[tuple[str, float, str]]:
     """(training, host bytes per parameter, what they are) for full fine-tuning with and without the
-    failed-step undo copy, LoRA and QLoRA (NF4) of ``lora_rank``."""
+    failed-step undo journal, LoRA and QLoRA (NF4) of ``lora_rank``, each as a Hugging Face model
+    computing its own loss runs (a fused last stage)."""
     shape, hw = get_model_shape(model), load_hardware(hardware)
     rows = []
     settings = (("full fine-tuning (default: optimizer_undo=True)", None, None, True),
@@ -32,8 +33,8 @@ def bytes_per_param_rows(model: str | ModelShape = DEFAULT_MODEL, hardware: str 
         h = host_bytes(model_costs(shape, hw, 1024, 1, rank, quantize=quantize), undo=undo)
         per = lambda n: n / h.params  # noqa: E731
         parts = (f"fp32 master, gradient, Adam m and v {per(h.optimizer_state):.2f}; "
-                 f"undo copy {per(h.undo_images):.2f}; upload copy {per(h.compute_copy):.2f}; "
-                 f"gradient download buffers {per(h.gradient_downloads):.2f}")
+                 f"undo journal {per(h.undo_images):.2f} ({h.undo_images / 2**30:.1f} GiB, bounded); "
+                 f"upload copy {per(h.compute_copy):.2f}; gradient download buffers {per(h.gradient_downloads):.2f}")
         rows.append((name, per(h.total), parts))
     return rows
 

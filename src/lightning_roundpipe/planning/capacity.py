@@ -19,7 +19,7 @@ from typing import Callable
 from ..cost.profile import CostProfile
 from ..schedule.plan import Plan
 from ..cost.hardware import HardwareProfile, load_hardware
-from ..cost.memory import HostMemory, host_bytes, memlock_kib, roundpipe_gpu_bytes
+from ..cost.memory import DEFAULT_UNDO_JOURNAL_BYTES, HostMemory, host_bytes, memlock_kib, roundpipe_gpu_bytes
 from ..cost.transformer import ModelShape, get_model_shape
 from .advice import Alternative, RunSettings, alternatives
 from .balanced import balanced_plan, make_plan
@@ -203,8 +203,9 @@ class TrainingPlan:
             f"(fp32 optimizer state {h.optimizer_state / GiB:.1f}, "
             f"{'packed ' + self.quantize + ' base and ' if self.quantize else ''}compute-dtype copy "
             f"{h.compute_copy / GiB:.1f}, gradient download buffers {h.gradient_downloads / GiB:.1f}, "
-            f"saved activations {h.saved_activations / GiB:.1f}{saved}, failed-step undo copy "
-            + (f"{h.undo_images / GiB:.1f})" if self.optimizer_undo else "off: optimizer_undo=False)")
+            f"saved activations {h.saved_activations / GiB:.1f}{saved}, failed-step undo journal "
+            + (f"{h.undo_images / GiB:.1f}, at most optimizer_undo_journal_bytes)" if self.optimizer_undo
+               else "off: optimizer_undo=False)")
         )
         lines.append(
             f"Pinned host memory: {h.pinned / GiB:.1f} GiB of that is page-locked under a pinned policy and cannot be "
@@ -294,8 +295,8 @@ def plan_training(
     labels does, with the engine's chunked loss of ``loss_chunk_tokens`` rows (None: full
     logits). ``recompute``: "auto" (stage grain where it fits, else layer grain), "stage" or
     "layer". ``config`` tunes the simulations (default: 2 simulated steps, enough for the
-    planner's comparisons, with the overlapped optimizer's failed-step undo copy priced, as a
-    GPU server runs it by default; its bytes are in the host figure too).
+    planner's comparisons, with the overlapped optimizer's failed-step undo journal priced at its
+    default bound, as a GPU server runs it by default; its bytes are in the host figure too).
 
     Host: the state may use the RAM less ``host_headroom_bytes`` (default ``max(10%, 8 GiB)``,
     ``fit.host_headroom_bytes``); ``host_memory_source`` says where the RAM figure came from (default:
@@ -309,7 +310,7 @@ def plan_training(
     hw = load_hardware(hardware)
     headroom = host_headroom_bytes_of(hw.host_memory_bytes, host_headroom_bytes)
     host_budget = hw.host_memory_bytes - headroom
-    cfg = config or SimConfig(steps=2, optimizer_undo=optimizer_undo)
+    cfg = config or SimConfig(steps=2, optimizer_undo=optimizer_undo, undo_journal_bytes=DEFAULT_UNDO_JOURNAL_BYTES)
     nw = hw.num_gpus
     options = [microbatches] if microbatches else [nw, 2 * nw, 4 * nw]
     costs = model_costs(shape, hw, seq_len, microbatch_size, lora_rank, loss_chunk_tokens, quantize)

@@ -21,7 +21,7 @@ from ..schedule.lowering import DEFAULT_PRIORITIES, GraphTask, LoweringOptions
 from ..schedule.plan import Plan, PlanError
 from ..tracing.records import TraceRecord
 from ..cost.view import CostView
-from ..cost.memory import layer_grain_graph
+from ..cost.memory import UNDO_BYTES_PER_TRAINABLE, layer_grain_graph
 from .accumulation import CallAccumulator, submission
 from ..schedule.lowered_steps import LoweredSteps
 from .event_queue import HOST, EventSimulator, LinkSpec, Op
@@ -167,6 +167,11 @@ class SimConfig:
     # previous update is done, and the layer's update waits for it. False: not priced (the
     # engine's ``optimizer_undo=False``, or a synchronous optimizer, which needs no undo).
     optimizer_undo: bool = False
+    # The undo's journal bound (``optimizer_undo_journal_bytes``): layers are journaled in the order
+    # their gradients arrive while their before-images (``UNDO_BYTES_PER_TRAINABLE`` per trainable
+    # parameter) fit; a layer past it takes no copy and its update waits for every gradient of the
+    # step (the step known good), after the journaled ones. None: every layer is journaled.
+    undo_journal_bytes: int | None = None
     # fp16's host loss scaler in the overlapped optimizer: each layer's update first unscales and
     # checks its fp32 gradient (``cost/host_update.py``: ``unscale_seconds``), inside the update.
     host_unscale: bool = False
@@ -441,6 +446,7 @@ class _RoundPipeBuilder:
 
 
 UNDO_PRIORITY = 1 << 30  # after every ready update, whatever order the updates run in
+PAST_JOURNAL_PRIORITY = 1 << 20  # updates past the undo journal: after the journaled ones, lowest layer first
 
 
 def undo_seconds(trainable_params: int, hardware: HardwareProfile) -> float:
@@ -462,8 +468,21 @@ def add_optimizer(sim: EventSimulator, wgrads: dict[int, list[Op]], view: CostVi
     wait_for_all = config.clip_grad_norm or config.optimizer_barrier
     previous = {} if previous is None else previous
     updates: dict[int, Op] = {}
+    journal = config.undo_journal_bytes
     for layer, ops in wgrads.items():
-        deps = list(everything if wait_for_all else ops)
+        image = view.trainable[layer] * UNDO_BYTES_PER_TRAINABLE
+        past_journal = config.optimizer_undo and journal is not None and image > journal
+        if config.optimizer_undo and journal is not None and not past_journal:
+            journal -= image
+        deps = list(everything if wait_for_all or past_journal else ops)
+        if past_journal:
+            seconds = update_seconds(view.trainable[layer], hardware)
+            if config.host_unscale:
+                seconds += unscale_seconds(view.trainable[layer], hardware)
+            updates[layer] = previous[layer] = sim.add(Op(HOST, "host", "optim", f"L{layer}", -1, step,
+                                                          seconds=seconds, priority=PAST_JOURNAL_PRIORITY + layer,
+                                                          deps=deps))
+            continue
         if config.optimizer_undo and view.trainable[layer]:
             last = previous.get(layer)
             deps.append(sim.add(Op(HOST, "host", "undo", f"L{layer}", -1, step,
