@@ -289,7 +289,7 @@ class RoundPipeRuntime:
         if self.split_check is None or not self.split_check.wanted():
             return
         self.join()  # the check reads the host weights
-        report = self.split_check.run(inputs, self.engine.options.microbatches)
+        report = self.split_check.run(inputs, self.engine.options.microbatches, timeout_s=self.options.timeout)
         if report is not None:
             for layer in report.verified:
                 expect_buffer_writes(self.layers[layer])
