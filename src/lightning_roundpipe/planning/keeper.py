@@ -178,8 +178,8 @@ class PlanKeeper:
             split = max(1, min(m, batch_size))
             per_microbatch = -(-tokens // split)
             # Re-priced sequences (attention scores, dense masks) change every layer's bytes per token.
-            self._check_kept_graphs(rescaled(costs, per_microbatch), m)
-            if (repriced or self.budget_checked_tokens < ASSUMED_TOKENS_PER_MICROBATCH
+            switched = self._check_kept_graphs(rescaled(costs, per_microbatch), m)  # to recompute: plan again
+            if (repriced or switched or self.budget_checked_tokens < ASSUMED_TOKENS_PER_MICROBATCH
                     or per_microbatch > self.budget_checked_tokens):
                 self.use(rescaled(costs, per_microbatch), m)
                 self.memory_check_pending = self.open_microbatches = False
@@ -200,21 +200,22 @@ class PlanKeeper:
         self.use(costs, m)
         return self.plan
 
-    def _check_kept_graphs(self, costs, microbatches: int) -> None:
+    def _check_kept_graphs(self, costs, microbatches: int) -> bool:
         """With recompute off, a worker keeps the forward graphs of every microbatch of its stages until their
         backward (``no_recompute_peak_bytes`` bounds them). Chosen for the assumed 512-token microbatches, that may
         not fit the first batch's: ``recompute="auto"`` then recomputes, ``"never"`` is refused here, before any
-        work (issue 43: a 4 x 4,096-token batch used to fail on the worker after its forward stages ran)."""
+        work (issue 43: a 4 x 4,096-token batch used to fail on the worker after its forward stages ran).
+        Returns whether it switched to recompute."""
         if self.recompute or self.memory_budget_bytes is None:
-            return
+            return False
         need = no_recompute_peak_bytes(costs, microbatches)
         if need <= self.memory_budget_bytes:
-            return
+            return False
         if self.recompute_open:
             log.debug("RoundPipe recomputes: %d microbatches' kept forward graphs (%s) exceed the budget (%s)",
                       microbatches, format_bytes(need), format_bytes(self.memory_budget_bytes))
             self.recompute = True
-            return
+            return True
         raise PlanError(
             f"recompute='never' keeps the forward graphs of all {microbatches} microbatches until their backward: "
             f"{format_bytes(need)} ({need} bytes) at {costs.tokens_per_microbatch} tokens per microbatch, over the "
