@@ -285,9 +285,13 @@ class RoundPipeRuntime:
         first = leaves[0]
         # rows of work: every element of token ids, every vector of a floating input
         tokens = first.numel() if not first.is_floating_point() else first.numel() // max(1, first.shape[-1])
+        for layer in self.engine.layers:  # a layer whose memory depends on the batch's content notes it (padding)
+            observe = getattr(layer, "observe_first_batch", None)
+            if callable(observe):
+                observe(inputs)
         plan = self.planner.first_batch(int(first.shape[0]), max(1, tokens))
         if plan is not None:
-            self.engine.set_plan(plan, self.planner.microbatches)
+            self.engine.set_plan(plan, self.planner.microbatches, recompute=self.planner.recompute)
 
     def _settle_plan(self) -> None:
         if self.plan_settled or self.planner.wants_first_batch:
@@ -320,7 +324,7 @@ class RoundPipeRuntime:
         if self.split_check is None or not self.split_check.wanted():
             return
         self.join()  # the check reads the host weights
-        report = self.split_check.run(inputs, self.engine.options.microbatches)
+        report = self.split_check.run(inputs, self.engine.options.microbatches, timeout_s=self.options.timeout)
         if report is not None:
             for layer in report.verified:
                 expect_buffer_writes(self.layers[layer])

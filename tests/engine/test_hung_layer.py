@@ -189,3 +189,31 @@ def test_module_lock_wait_is_bounded_and_names_the_running_call():
         thread.join(10)
     lock.acquire(1, 5, 0, names.get)  # free again
     lock.release()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_a_layer_that_hangs_in_the_split_check_fails_the_fit_in_time_naming_it(opt):
+    # issue 43's split-invariance check runs every layer on the host before the first step; it used to wait for
+    # a hung layer forever. With the runtime's timeout it fails as a hung worker task does, naming the layer.
+    threads_before = our_threads()
+    release = threading.Event()
+    module = Hanging(release, hang_at=0)  # its first call is the check's whole-batch call on the host
+    module.opt = opt
+    w0 = weights(module)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PipelineTimeout) as info:
+            fit(module, RoundPipeStrategy(microbatches=2, timeout=2), devices=2, max_steps=3)
+        assert time.monotonic() - t0 < 10
+        assert str(info.value).startswith(
+            "RoundPipeStrategy(split_check=True): pipelined layer 2 (`net.2`, Hang) did not return within 2s from "
+            "its whole-batch call on the host")
+        assert "raise timeout; split_check=False skips the check" in str(info.value)
+        assert all(torch.equal(w, w0[k]) for k, w in weights(module).items())
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while our_threads() != threads_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert our_threads() == threads_before  # the check's thread ended once the layer returned

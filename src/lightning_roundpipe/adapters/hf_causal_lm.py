@@ -13,6 +13,7 @@ forward: ``hf_families``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -21,13 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cost.activations import dense_mask_bytes_per_token
+from ..cost.activations import (SDPA_MASK_ELEMENT_BYTES, carry_bytes, decoder_activation_bytes,
+                                dense_mask_bytes_per_token, hidden_grad_bytes)
+from ..cost.hf_shape import shape_from_config
 from .chunked_loss import IDENTITY, LogitTransform, chunked_lm_head_loss
 from .hf_families import FAMILIES, UNSUPPORTED_FAMILIES, config_value, family_of, refusal_reason
 from .input_errors import UnsupportedInputError
 from .hf_moe import STAT_KEYS, Router, RouterTap, add_layer_stats, empty_stats, find_router, routers_in
 from .hf_outputs import slice_positions
-from .mask_facts import FACT_KEYS, builder_arguments
+from .mask_facts import FACT_KEYS, ROWS_UNPACKED, ROWS_UNPADDED, builder_arguments
 
 Carry = dict[str, Any]
 PostfixMode = Literal["auto", "logits", "loss", "loss_and_logits", "loss_and_stats"]
@@ -181,14 +184,47 @@ class CausalLMPrefix(nn.Module):
         self.embedding_dropout = float(embedding_dropout)
         self.rotary_layer_types = rotary_layer_types
         self.num_experts = num_experts
+        self.padded_or_packed = False  # of the first batch (``observe_first_batch``), for the memory estimate
 
     def dense_mask_bytes_per_token(self, context_tokens: int, dtype_bytes: int) -> int:
         """Per token, the dense masks this prefix puts in the carry for sequences of ``context_tokens``
         (the planner's memory estimate): eager attention gets one additive ``[b, 1, s, s]`` mask per
-        attention kind in the compute dtype; fused kernels (sdpa) get none or a boolean one, not counted."""
-        if getattr(self.config, "_attn_implementation", None) != "eager":
-            return 0
-        return dense_mask_bytes_per_token(len(self.mask_kinds), context_tokens, dtype_bytes)
+        attention kind in the compute dtype; sdpa a boolean one per kind whose mask Hugging Face cannot
+        skip (``dense_mask_kinds``); other kernels (flash, flex) none that grows with the square."""
+        implementation = getattr(self.config, "_attn_implementation", None)
+        if implementation == "eager":
+            return dense_mask_bytes_per_token(len(self.mask_kinds), context_tokens, dtype_bytes)
+        if implementation == "sdpa":
+            return dense_mask_bytes_per_token(len(self.dense_mask_kinds(context_tokens)), context_tokens,
+                                              SDPA_MASK_ELEMENT_BYTES)
+        return 0
+
+    def dense_mask_kinds(self, context_tokens: int) -> list[str]:
+        """The attention kinds whose sdpa mask is a dense tensor for sequences of ``context_tokens``: all of them
+        when a row of the batch seen (``observe_first_batch``) is padded or packed, else those whose window or
+        chunk is shorter than the sequence (Hugging Face skips a plain causal mask, ``is_causal``)."""
+        if self.padded_or_packed:
+            return list(self.mask_kinds)
+        window = {"sliding_attention": getattr(self.config, "sliding_window", None),
+                  "chunked_attention": getattr(self.config, "attention_chunk_size", None)}
+        return [k for k in self.mask_kinds if isinstance(window.get(k), int) and context_tokens >= window[k]]
+
+    def observe_first_batch(self, carry: Carry) -> None:
+        """Note whether the batch the memory estimate is checked against pads or packs a row (dense sdpa masks):
+        from the host facts of its rows (``mask_facts``); a mask without them is taken as padded."""
+        if not isinstance(carry, dict):
+            return
+        unpadded, unpacked = carry.get(ROWS_UNPADDED), carry.get(ROWS_UNPACKED)
+        padded = (carry.get("attention_mask") is not None and (unpadded is None or not all(unpadded.rows)))
+        self.padded_or_packed = padded or (unpacked is not None and not all(unpacked.rows))
+
+    def activation_bytes_per_token(self, dtype_bytes: int) -> dict[str, int]:
+        """Per token, the carry it makes (hidden state, rotary, position ids and labels; masks are priced by
+        ``dense_mask_bytes_per_token``), all of it new tensors, and the hidden state's gradient."""
+        shape, _ = shape_from_config(self.config)
+        carry = carry_bytes(shape, dtype_bytes)
+        return dict(act_bytes_per_token=carry, graph_bytes_per_token=carry,
+                    act_grad_bytes_per_token=hidden_grad_bytes(shape, dtype_bytes))
 
     def forward(self, carry: Carry) -> Carry:
         unknown = sorted(set(carry) - set(INPUT_KEYS))
@@ -275,6 +311,13 @@ def own_checkpointing_off(layer: nn.Module):
             layer.gradient_checkpointing = True
 
 
+def lora_rank_of(layer: nn.Module) -> int | None:
+    """The largest LoRA rank of the adapters in ``layer`` (peft's ``lora_A`` projections), or None without one."""
+    ranks = [a.out_features for m in layer.modules() if isinstance(getattr(m, "lora_A", None), nn.ModuleDict)
+             for a in m.lora_A.values() if isinstance(a, nn.Linear)]
+    return max(ranks) if ranks else None
+
+
 class DecoderStep(nn.Module):
     """One original decoder layer; replaces ``hidden`` and passes every other key through.
 
@@ -286,9 +329,11 @@ class DecoderStep(nn.Module):
     differentiable_carry_keys = DIFFERENTIABLE_CARRY_KEYS  # read by the engine: what gets a gradient
 
     def __init__(self, decoder_layer: nn.Module, attention_kind: str, rotary_layer_type: str | None = None,
-                 router: Router | None = None, with_rotary: bool = True, extra_kwargs: dict | None = None):
+                 router: Router | None = None, with_rotary: bool = True, extra_kwargs: dict | None = None,
+                 config: Any = None):
         super().__init__()
         self.decoder_layer = decoder_layer
+        self.config = config  # plain attribute, shared with the model: prices the layer's activations
         self.mask_key = MASK_KEY_BY_ATTENTION[attention_kind]
         self.rotary_key = rotary_keys(rotary_layer_type) if with_rotary else None
         self.extra_kwargs = dict(extra_kwargs or {})
@@ -297,6 +342,16 @@ class DecoderStep(nn.Module):
         self.router = router
         # Plain list, not submodules: the routers are already inside decoder_layer.
         self.routers = routers_in(decoder_layer, router) if router is not None else []
+
+    def activation_bytes_per_token(self, dtype_bytes: int) -> dict[str, int]:
+        """Per token, what the layer keeps and passes on (``cost.activations.decoder_activation_bytes`` of the
+        model's config; attention scores and masks are priced by the estimate); none without a config."""
+        if self.config is None:
+            return {}
+        shape, _ = shape_from_config(self.config)
+        if shape.is_moe and not self.routers:  # a dense layer of an MoE model (Qwen3-MoE's mlp_only_layers)
+            shape = dataclasses.replace(shape, num_experts=0, experts_per_token=0, expert_intermediate=0)
+        return decoder_activation_bytes(shape, dtype_bytes, lora_rank_of(self.decoder_layer))
 
     def forward(self, carry: Carry) -> Carry:
         want_stats = bool(self.routers) and STAT_KEYS[0] in carry
@@ -587,7 +642,7 @@ class CausalLMLayers:
         )
         layers: list[nn.Module] = [prefix]
         layers += [DecoderStep(decoder_layers[i], kinds[i], kinds[i] if per_type_rotary else None, router,
-                               with_rotary=rotary_emb is not None, extra_kwargs=dict(spec.layer_kwargs))
+                               with_rotary=rotary_emb is not None, extra_kwargs=dict(spec.layer_kwargs), config=config)
                    for i in range(num_layers)]
         layers.append(CausalLMPostfix(norm, lm_head, mode=postfix_mode, loss_chunk_size=loss_chunk_size,
                                       transform=transform, head_dropout=head_dropout))

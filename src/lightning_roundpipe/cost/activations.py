@@ -162,3 +162,35 @@ def dense_mask_bytes_per_token(mask_kinds: int, context_tokens: int, element_byt
     """Per token, ``mask_kinds`` dense ``[batch, 1, seq, seq]`` attention masks (eager attention's additive
     masks, one per attention kind) of ``element_bytes`` elements: they travel in the carry."""
     return mask_kinds * context_tokens * element_bytes
+
+
+# Fused attention kernels (``attn_implementation="sdpa"``) keep no scores. What they keep, counted with the
+# tally of ``workers/device_memory.py`` on torch 2.13's CPU kernel (fp32, 2 heads of 8, 1 KV head, 4,096 tokens;
+# ``benchmarks/figures/sdpa_cpu_memory.py``): with no mask, with ``is_causal``, with a float mask and with
+# ``enable_gqa`` alike, every call runs ``_scaled_dot_product_flash_attention_for_cpu``, which keeps its output
+# and one fp32 log-sum-exp per head and query (in ``decoder_graph_bytes``); its backward creates the q, k and v
+# gradients (within ``decoder_backward_transient_bytes``). A boolean mask (Hugging Face's sdpa masks where a row
+# is padded, sequences are packed, or a sliding window or chunk is shorter than the sequence) is first turned
+# into an additive ``[batch, 1, seq, seq]`` mask of the query's dtype (``aten.where``) that the call keeps for
+# its backward: one per attention layer, on top of the boolean mask the carry holds. The kernels' own workspaces
+# (per-thread blocks, about 1 MiB forward and 2 MiB backward there, whatever the length) are not tensors the
+# tally sees. GPU rule (from torch's sdpa dispatch, not measured here): the boolean mask is converted the same
+# way before a kernel is chosen; flash attention (no mask) and the memory-efficient kernel (with one, and for
+# fp32) keep the same output, log-sum-exp and additive mask, so the same bytes are priced; the math fallback,
+# which materialises scores, is chosen only where neither kernel applies and is not priced.
+SDPA_MASK_ELEMENT_BYTES = 1  # the carry's boolean mask
+
+
+def sdpa_kept_mask_bytes_per_token(context_tokens: int, dtype_bytes: int) -> int:
+    """Per token, the additive copy of a boolean ``[batch, 1, seq, seq]`` mask that one sdpa call keeps."""
+    return context_tokens * dtype_bytes
+
+
+def decoder_activation_bytes(shape: "ModelShape", dtype_bytes: int, lora_rank: int | None) -> dict[str, int]:
+    """Per token, one decoder layer's activation bytes as ``LayerCost`` fields name them (attention scores and
+    masks aside): the carry it passes on, its output gradient, its graph and its two transients."""
+    return dict(act_bytes_per_token=carry_bytes(shape, dtype_bytes),
+                act_grad_bytes_per_token=hidden_grad_bytes(shape, dtype_bytes),
+                graph_bytes_per_token=decoder_graph_bytes(shape, dtype_bytes, lora_rank),
+                forward_transient_bytes_per_token=decoder_forward_transient_bytes(shape, dtype_bytes, lora_rank),
+                backward_transient_bytes_per_token=decoder_backward_transient_bytes(shape, dtype_bytes))

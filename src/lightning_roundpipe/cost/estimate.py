@@ -21,7 +21,8 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from .activations import SCORES_BACKWARD, SCORES_FORWARD, SCORES_KEPT, scores_bytes_per_token
+from .activations import (SCORES_BACKWARD, SCORES_FORWARD, SCORES_KEPT, scores_bytes_per_token,
+                          sdpa_kept_mask_bytes_per_token)
 from .attention_blocks import attention_blocks, attention_flops_per_token, materialised_score_heads
 from .experts import inactive_parameters
 from .profile import CostProfile, LayerCost
@@ -90,13 +91,16 @@ def estimate_costs(
       parameter as its fp32 leaf plus autocast's compute-dtype copy);
     * ``grad_bytes``: trainable parameters in their own dtype (the fp32 leaves' gradients);
     * ``act_bytes_per_token``: ``hidden_bytes_per_token`` for every layer when given, otherwise
-      the width of the layer's last Linear/Embedding/Norm times the compute dtype size.
+      the width of the layer's last Linear/Embedding/Norm times the compute dtype size; a layer with an
+      ``activation_bytes_per_token(dtype_bytes)`` method (the Hugging Face adapter's layers) gives its
+      own ``LayerCost`` activation fields instead (its carry, graph and transients, ``cost.activations``).
 
     With ``context_tokens``, what grows with the sequence is priced too (``cost.activations``): a
     layer with attention that materialises its scores (``materialised_score_heads``) holds them in
     its working sets, and a layer with a ``dense_mask_bytes_per_token(context_tokens, dtype_bytes)``
     method (the Hugging Face prefix) puts dense masks in its output, which every following layer
-    with attention blocks passes on (they read it).
+    with attention blocks passes on (they read it). A fused attention block (sdpa) that reads a carried
+    dense mask keeps an additive copy of it (``sdpa_kept_mask_bytes_per_token``).
 
     ``link_bytes_per_second`` (host <-> worker) is kept with the profile for the partitioner.
     ``progress(phase, done, total)`` hears of each layer done (phase ``ESTIMATE_PHASE``).
@@ -132,6 +136,10 @@ def estimate_costs(
                          trainable_params=sum(p.numel() for p in params if p.requires_grad),
                          active_params=round(sum(p.numel() for p in params) - idle),
                          device_weight_bytes=on_device.held)
+        own = getattr(layer, "activation_bytes_per_token", None)
+        if hidden_bytes_per_token is None and callable(own):
+            for name, value in own(dtype_bytes).items():
+                setattr(cost, name, int(value))
         if context_tokens:
             carried_mask = _price_sequence_memory(cost, layer, context_tokens, dtype_bytes, carried_mask)
         out.append(cost)
@@ -145,18 +153,28 @@ def _price_sequence_memory(cost: LayerCost, layer: nn.Module, context_tokens: in
     """Add to ``cost`` what grows with the sequence (see ``estimate_costs``); return the mask bytes per
     token its output carries on."""
     own_mask = getattr(layer, "dense_mask_bytes_per_token", None)
+    blocks = attention_blocks(layer)
     if callable(own_mask):
         carried_mask = int(own_mask(context_tokens, dtype_bytes))
-    elif not attention_blocks(layer):
+    elif not blocks:
         carried_mask = 0  # a layer without attention does not pass the masks on
+    if cost.act_grad_bytes_per_token is None:
+        cost.act_grad_bytes_per_token = cost.act_bytes_per_token  # a mask gets no gradient
+    # Without a graph of its own, a layer's graph was its output (``CostProfile``): the carried masks stay out
+    # of it, they are the stage input's (``CostView.in_bytes``) and no new tensor.
+    graph = cost.act_bytes_per_token if cost.graph_bytes_per_token is None else cost.graph_bytes_per_token
+    if callable(own_mask) and cost.graph_bytes_per_token is not None:
+        cost.graph_bytes_per_token = graph = graph + carried_mask  # the masks it makes are new tensors of its own
     cost.act_bytes_per_token += carried_mask
-    cost.act_grad_bytes_per_token = cost.act_bytes_per_token - carried_mask  # a mask gets no gradient
     heads = materialised_score_heads(layer)
     if heads:
         scores = scores_bytes_per_token(heads, context_tokens, dtype_bytes)
-        cost.graph_bytes_per_token = cost.act_bytes_per_token + SCORES_KEPT * scores
-        cost.forward_transient_bytes_per_token = SCORES_FORWARD * scores
-        cost.backward_transient_bytes_per_token = SCORES_BACKWARD * scores
+        cost.graph_bytes_per_token = graph + carried_mask + SCORES_KEPT * scores
+        cost.forward_transient_bytes_per_token = (cost.forward_transient_bytes_per_token or 0) + SCORES_FORWARD * scores
+        cost.backward_transient_bytes_per_token = (cost.backward_transient_bytes_per_token or 0) + SCORES_BACKWARD * scores
+    elif blocks and carried_mask:
+        # a fused kernel turns the carried boolean mask into an additive one it keeps, once per block
+        cost.graph_bytes_per_token = graph + len(blocks) * sdpa_kept_mask_bytes_per_token(context_tokens, dtype_bytes)
     return carried_mask
 
 

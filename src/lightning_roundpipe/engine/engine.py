@@ -84,9 +84,17 @@ class PipelineEngine:
             )
         return plan
 
-    def set_plan(self, plan: Plan, microbatches: int | None = None) -> None:
-        """Run the next calls with ``plan`` (and ``microbatches`` per batch, when given)."""
-        plan = self._checked(plan)
+    def set_plan(self, plan: Plan, microbatches: int | None = None, recompute: bool | None = None) -> None:
+        """Run the next calls with ``plan`` (and ``microbatches`` per batch, and whether backward recomputes,
+        when given)."""
+        before = self.options
+        if recompute is not None and recompute != self.options.recompute:
+            self.options = dataclasses.replace(self.options, recompute=recompute).validate()
+        try:
+            plan = self._checked(plan)
+        except PlanError:
+            self.options = before  # the plan and the options stay as they were
+            raise
         if microbatches is not None:
             self.options = dataclasses.replace(self.options, microbatches=microbatches).validate()
         self.plan = plan

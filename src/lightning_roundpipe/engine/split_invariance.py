@@ -9,11 +9,15 @@ outputs and the state the layer keeps (buffers, tensor and plain attributes). It
 the layer, a layer whose outputs or state differ, and a layer that replaces a registered buffer
 in forward (a worker's replacement never reaches the host). Random state, buffers and attributes
 are put back, so nothing the caller sees changes. Costs two host forwards of the rows checked, once
-per training mode (priced by ``cost/split_check.py``).
+per training mode (priced by ``cost/split_check.py``). With a timeout (the runtime's ``timeout``) the
+check runs in a thread of its own and a layer call that does not return in time fails the call with a
+``PipelineTimeout`` naming the layer; as with a stuck worker lane, Python cannot stop that thread: it ends
+when the layer returns.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -24,6 +28,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..options import OptionError
+from ..workers.completions import PipelineTimeout
 from .forward_hooks import ForwardHookError
 from .microbatch import HostRows, batch_size_of, split_microbatches
 
@@ -281,14 +286,46 @@ class SplitInvarianceCheck:
         self.hint = hint  # layer module -> an extra sentence for a refusal (e.g. a family's dynamic RoPE), or None
         self.checked: set = set()
         self.last: CheckReport | None = None
+        self.running: tuple[int, str] | None = None  # the layer call under way (index, which call), for a timeout
 
     def wanted(self) -> bool:
         """Whether the layers' current training flags were not checked yet."""
         return tuple(layer.training for layer in self.layers) not in self.checked
 
-    def run(self, inputs: Any, microbatches: int) -> CheckReport | None:
+    def run(self, inputs: Any, microbatches: int, timeout_s: float | None = None) -> CheckReport | None:
         """Check ``inputs`` cut into ``microbatches``; raise ``SplitInvarianceError`` naming the first layer that
-        differs. Returns what was seen (None when this training mode was checked already)."""
+        differs. Returns what was seen (None when this training mode was checked already). With ``timeout_s``,
+        a layer call that takes longer raises ``PipelineTimeout`` naming it (see the module doc)."""
+        if timeout_s is None:
+            return self._check(inputs, microbatches)
+        outcome: dict[str, Any] = {}
+
+        def check() -> None:
+            try:
+                outcome["report"] = self._check(inputs, microbatches)
+            except BaseException as err:  # noqa: BLE001 - raised again by the caller's thread below
+                outcome["error"] = err
+
+        self.running = None
+        thread = threading.Thread(target=check, name="roundpipe-split-check", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            index, call = self.running or (0, "first")
+            raise PipelineTimeout(
+                f"{self.owner}(split_check=True): {_describe(self.layers[index], index, self._names())} did not "
+                f"return within {timeout_s:g}s from its {call} call on the host (the split-invariance check runs "
+                "every layer on the first batch's rows before the first step; nothing ran on the workers and the "
+                "weights are as they were). If the layer is only slow on the host, raise timeout; "
+                "split_check=False skips the check (its exactness is then not checked).")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["report"]
+
+    def _names(self) -> dict:
+        return {id(mod): n for n, mod in (self.root.named_modules() if self.root is not None else [])}
+
+    def _check(self, inputs: Any, microbatches: int) -> CheckReport | None:
         key = tuple(layer.training for layer in self.layers)
         if key in self.checked:
             return None
@@ -298,7 +335,7 @@ class SplitInvarianceCheck:
         except Exception:  # noqa: BLE001 - the engine's split says what is wrong with the batch
             return None
         m = min(microbatches, total)
-        names = {id(mod): n for n, mod in (self.root.named_modules() if self.root is not None else [])}
+        names = self._names()
         try:
             if m > 1:
                 report = self._run(inputs, sum(batch_size_of(p) for p in split_microbatches(inputs, m)[:2]), m, names)
@@ -338,6 +375,7 @@ class SplitInvarianceCheck:
     def _layer(self, i, layer, whole, parts, m, names, report):
         state = _State(layer)
         rng = torch.get_rng_state()
+        self.running = (i, "whole-batch")
         try:
             whole_out = _host_call(i, layer, whole)
             draws = not torch.equal(rng, torch.get_rng_state())
@@ -353,7 +391,10 @@ class SplitInvarianceCheck:
         if not parts:
             return whole_out, parts
         try:
-            split_out = [_host_call(i, layer, p) for p in parts]
+            split_out = []
+            for k, part in enumerate(parts):
+                self.running = (i, f"microbatch {k + 1} of {len(parts)}")
+                split_out.append(_host_call(i, layer, part))
             after_split, _ = state.changes()
         finally:
             state.restore()

@@ -18,7 +18,8 @@ from torch import nn
 from ..cost.attention_blocks import attention_blocks
 from ..cost.estimate import MovingCostProfile, estimate_costs
 from .defaults import (MICROBATCHES_PER_WORKER, choose_microbatches, choose_recompute, estimate_host_work,
-                       host_memory_budget, rescaled)
+                       host_memory_budget, no_recompute_peak_bytes, rescaled)
+from ..cost.profile import format_bytes
 from .partition import partition
 from .predictor import HostWork, predict
 from .replan import Replanner
@@ -98,6 +99,8 @@ class PlanKeeper:
         step_microbatches = microbatches or MICROBATCHES_PER_WORKER[1] * num_workers
         if recompute == "auto" and not backward_cut_like_forward(p):
             recompute = "always"  # the user's backward stages differ from the forward ones: only recompute runs them
+        self.recompute_open = recompute == "auto"  # kept graphs are checked again for the first batch's tokens
+        self.memory_budget_bytes, self.budget_option = memory_budget_bytes, budget_option
         if isinstance(recompute, str):
             budget = memory_budget_bytes if memory_budget_bytes is not None else host_memory_budget()
             recompute = choose_recompute(recompute, backend, costs, step_microbatches, budget)
@@ -155,10 +158,11 @@ class PlanKeeper:
         repriced = False
         if self.context_pending:  # attention priced for the first batch's sequences (``tokens / batch_size`` each)
             self.context_pending = False
-            context = max(1, tokens // max(1, batch_size))
-            if context != self.context_tokens:
-                self.context_tokens = context
-                self.moving = MovingCostProfile(self.estimate())
+            self.context_tokens = max(1, tokens // max(1, batch_size))
+            # estimated again even for the assumed length: the batch may have changed what layers price (masks)
+            fresh = self.estimate()
+            if fresh.layers != self.moving.profile().layers:
+                self.moving = MovingCostProfile(fresh)
                 repriced = True
         costs = self.moving.profile()  # still the estimate: nothing has been measured yet
         m = (choose_microbatches(costs, self.num_workers, tokens, self.predicted_step, most=batch_size)
@@ -167,7 +171,8 @@ class PlanKeeper:
             split = max(1, min(m, batch_size))
             per_microbatch = -(-tokens // split)
             # Re-priced sequences (attention scores, dense masks) change every layer's bytes per token.
-            if (repriced or self.budget_checked_tokens < ASSUMED_TOKENS_PER_MICROBATCH
+            switched = self._check_kept_graphs(rescaled(costs, per_microbatch), m)  # to recompute: plan again
+            if (repriced or switched or self.budget_checked_tokens < ASSUMED_TOKENS_PER_MICROBATCH
                     or per_microbatch > self.budget_checked_tokens):
                 self.use(rescaled(costs, per_microbatch), m)
                 self.memory_check_pending = self.open_microbatches = False
@@ -187,6 +192,29 @@ class PlanKeeper:
         log.debug("RoundPipe chose %d microbatches (not %d) for batches of %d samples", m, self.microbatches, batch_size)
         self.use(costs, m)
         return self.plan
+
+    def _check_kept_graphs(self, costs, microbatches: int) -> bool:
+        """With recompute off, a worker keeps the forward graphs of every microbatch of its stages until their
+        backward (``no_recompute_peak_bytes`` bounds them). Chosen for the assumed 512-token microbatches, that may
+        not fit the first batch's: ``recompute="auto"`` then recomputes, ``"never"`` is refused here, before any
+        work (issue 43: a 4 x 4,096-token batch used to fail on the worker after its forward stages ran).
+        Returns whether it switched to recompute."""
+        if self.recompute or self.memory_budget_bytes is None:
+            return False
+        need = no_recompute_peak_bytes(costs, microbatches)
+        if need <= self.memory_budget_bytes:
+            return False
+        if self.recompute_open:
+            log.debug("RoundPipe recomputes: %d microbatches' kept forward graphs (%s) exceed the budget (%s)",
+                      microbatches, format_bytes(need), format_bytes(self.memory_budget_bytes))
+            self.recompute = True
+            return True
+        raise PlanError(
+            f"recompute='never' keeps the forward graphs of all {microbatches} microbatches until their backward: "
+            f"{format_bytes(need)} ({need} bytes) at {costs.tokens_per_microbatch} tokens per microbatch, over the "
+            f"per-worker memory budget of {format_bytes(self.memory_budget_bytes)} ({self.memory_budget_bytes} "
+            f"bytes, {self.budget_option}). Use recompute='auto' or 'always', fewer tokens per microbatch, or raise "
+            f"{self.budget_option}.")
 
     def observe_host(self, between_s: float | None, outside_s: float | None) -> None:
         """Record the host's work of one step as measured (None: not measured this step). The first
