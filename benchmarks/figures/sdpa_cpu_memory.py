@@ -121,10 +121,10 @@ def decoder_case(attn: str, padded: bool, tokens: int) -> None:
           f"{decoder_backward_transient_bytes(shape, 4) + hidden_grad_bytes(shape, 4)}); carried masks {masks or 'none'}")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
-    tokens = parser.parse_args().tokens
+    tokens = parser.parse_args(argv).tokens
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {tokens} tokens; one [1, 2, L, L] fp32 "
           f"score tensor would be {2 * tokens * tokens * 4 / MiB:.0f} MiB")
     for gqa in (False, True):

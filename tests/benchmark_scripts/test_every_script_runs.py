@@ -71,6 +71,8 @@ SMOKE = {
     "figures.moe_presets": Smoke(("--models", "gpt-oss-20b"), "| GPT-OSS-20B | 20.9B |"),
     "figures.optimizer_overlap": Smoke(("--params", "2e4", "--steps", "2", "--width", "64"),
                                        "final weights bit-identical across all runs: True"),
+    "figures.sdpa_cpu_memory": Smoke(("--tokens", "256",), "decoder layer, sdpa , padded: kept",
+                                     slow="imports the Hugging Face stack and runs 10 cases: about 8 s of CPU"),
     "figures.step_undo_cost": Smoke(("--paired", "--journal-layers", "1", "--width", "64", "--depth", "4",
                                      "--steps", "6", "--repeats", "1"), "journal of 1 of 4 layers / off step time, median",
                                     slow="three systems on paired steps in one process: about 11 s on 2 cores"),
