@@ -1,18 +1,13 @@
 """The split-invariance check: does every pipelined layer compute on microbatches what it computes whole?
 
-The pipeline cuts each batch along dim 0 and runs every layer once per microbatch. That is exact
-only for layers whose output rows depend on their own input rows alone, and whose state writes do
-not depend on the cut. Before the first call in each training mode (``RoundPipeRuntime.run``), the
-check runs the layers on the host, under no grad, on the rows of the first two microbatches (two rows
-with a single microbatch): each layer once on those rows whole and once per microbatch, and compares
-outputs and the state the layer keeps (buffers, tensor and plain attributes). It refuses, naming
-the layer, a layer whose outputs or state differ, and a layer that replaces a registered buffer
-in forward (a worker's replacement never reaches the host). Random state, buffers and attributes
-are put back, so nothing the caller sees changes. Costs two host forwards of the rows checked, once
-per training mode (priced by ``cost/split_check.py``). With a timeout (the runtime's ``timeout``) the
-check runs in a thread of its own and a layer call that does not return in time fails the call with a
-``PipelineTimeout`` naming the layer; as with a stuck worker lane, Python cannot stop that thread: it ends
-when the layer returns.
+The pipeline cuts each batch along dim 0, which is exact only for layers whose output rows depend
+on their own input rows alone and whose state writes do not depend on the cut. Before the first
+call in each training mode, the check runs the layers on the host, under no grad, on the rows of
+the first two microbatches, whole and per microbatch, and compares outputs and kept state. It
+refuses, naming the layer, one that differs or replaces a registered buffer in forward; random
+state, buffers and attributes are put back. Priced by ``cost/split_check.py``. It runs in its own
+thread under the run's ``timeout``: a layer call that hangs fails with ``PipelineTimeout`` naming
+the layer. More: docs/design.md, design notes, ``engine/split_invariance.py``.
 """
 
 from __future__ import annotations
