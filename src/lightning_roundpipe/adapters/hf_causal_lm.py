@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import UnsupportedModelError
 from ..cost.activations import dense_mask_bytes_per_token
 from .chunked_loss import IDENTITY, LogitTransform, chunked_lm_head_loss
 from .hf_families import FAMILIES, UNSUPPORTED_FAMILIES, config_value, family_of, refusal_reason
@@ -68,10 +69,6 @@ MASK_KEY_BY_ATTENTION = {"full_attention": "mask", "sliding_attention": "sliding
 """Carry key holding the mask for each kind of attention layer."""
 
 IGNORE_INDEX = -100
-
-
-class UnsupportedModelError(ValueError):
-    """The model does not have the structure this adapter understands."""
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:

@@ -20,7 +20,8 @@ from typing import Iterable
 import torch
 
 from ..cost.device_overheads import TWO_POOL_SHARE, device_reserved_bytes, two_pool_budget_bytes  # noqa: F401 (TWO_POOL_SHARE re-exported)
-from .completions import Completion, Deferred, PipelineTimeout, worker_error
+from ..errors import PipelineTimeout
+from .completions import Completion, Deferred, worker_error
 from .fake_allocator import FakeCachingAllocator, PoolTally, fake_gpu_capacity_bytes
 from .host_buffers import DEFAULT_CAP_BYTES, HostBufferPool
 from .pinning import PAGE, page_span

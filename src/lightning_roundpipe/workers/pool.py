@@ -23,7 +23,8 @@ import torch
 
 from ..tracing.records import TraceRecord, TraceRecorder
 from .compile_clock import COMPILE_CLOCK
-from .completions import Completion, PipelineTimeout, TaskLabel
+from ..errors import PipelineTimeout
+from .completions import Completion, TaskLabel
 from .device_memory import DeviceMemory
 from .threads import keep_intra_op_threads, set_intra_op_threads
 
