@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 from .plan import Plan, PlanError, Stage, Task
 
-from . import lowering  # the graph's data types and constants; lowering calls these passes
+from . import graph_task  # the graph's data types and constants (lowering calls these passes)
 
 if TYPE_CHECKING:
-    from .lowering import GraphTask, LoweringOptions, Sizes
+    from .graph_task import GraphTask, LoweringOptions, Sizes
 
 WAIT_HISTORIES = ("release", "compute", "outputs")  # the histories of .history.WorkerHistory
 
@@ -85,7 +85,7 @@ class _Transfers:
     def add(self, worker, lane, kind, stage: Stage, mb, nbytes, deps, phase, boundary=-1, layers=None,
             grain="") -> int:
         tid = len(self.tasks)
-        self.tasks.append(lowering.GraphTask(tid, worker, lane, kind, stage.name, mb, int(nbytes), tuple(deps), 0, phase,
+        self.tasks.append(graph_task.GraphTask(tid, worker, lane, kind, stage.name, mb, int(nbytes), tuple(deps), 0, phase,
                                           stage.start, stage.end, boundary, (), layers, grain))
         return tid
 
@@ -109,7 +109,7 @@ class _Transfers:
             last = self.add(worker, "compute", kind, stage, i, 0, weights + inputs, phase, grain=s.grain)
             computed.append(last)
             if kind == "fused":
-                self.add(worker, "download", "loss", stage, i, lowering.LOSS_BYTES, (last,), phase)
+                self.add(worker, "download", "loss", stage, i, graph_task.LOSS_BYTES, (last,), phase)
             if kind == "forward":
                 for b in [stage.end] + saves:
                     self.acts[(b, i)] = self.add(worker, "download", "act_out" if b == stage.end else "act_save",
@@ -183,8 +183,8 @@ def waits(tasks: list["GraphTask"], options: "LoweringOptions") -> list["GraphTa
     an input upload for the compute two back (double buffering); a compute for the downloads of
     the compute two back."""
     by_kind = {"weights": (("release", int(options.prefetch_depth) + 1),),
-               "act_in": (("compute", lowering.INPUT_BUFFERS),), "grad_in": (("compute", lowering.INPUT_BUFFERS),)}
-    out = [dataclasses.replace(t, waits=(("outputs", lowering.INPUT_BUFFERS),) if t.lane == "compute" else by_kind.get(t.kind, ()))
+               "act_in": (("compute", graph_task.INPUT_BUFFERS),), "grad_in": (("compute", graph_task.INPUT_BUFFERS),)}
+    out = [dataclasses.replace(t, waits=(("outputs", graph_task.INPUT_BUFFERS),) if t.lane == "compute" else by_kind.get(t.kind, ()))
            for t in tasks]
     return check_waits(out)
 
@@ -208,11 +208,11 @@ def priorities(tasks: list["GraphTask"], stages: list[StageComputes], options: "
         if t.lane == "compute":
             return 0  # the compute lane runs in submission order
         if t.kind in ("release", "free_kept"):
-            return lowering.RELEASE_PRIORITY
-        klass = int(rank[lowering.PRIORITY_CLASS[t.kind]])
+            return graph_task.RELEASE_PRIORITY
+        klass = int(rank[graph_task.PRIORITY_CLASS[t.kind]])
         if t.lane == "upload":
-            return serial[t.stage] * lowering.UPLOAD_STRIDE + klass
-        return klass * lowering.DOWNLOAD_STRIDE + serial[t.stage]
+            return serial[t.stage] * graph_task.UPLOAD_STRIDE + klass
+        return klass * graph_task.DOWNLOAD_STRIDE + serial[t.stage]
 
     out = [dataclasses.replace(t, priority=int(priority(t))) for t in tasks]
     return check_priorities(out, rank)
@@ -223,11 +223,11 @@ def check_priorities(tasks: list["GraphTask"], rank: dict) -> list["GraphTask"]:
     the next stage's (the running stage's inputs before a prefetch)."""
     uploads: dict[str, list[int]] = {}
     for t in tasks:
-        if t.kind in ("release", "free_kept") and t.priority != lowering.RELEASE_PRIORITY:
-            raise PlanError(f"release task {t.id} has priority {t.priority}; releases go first ({lowering.RELEASE_PRIORITY})")
+        if t.kind in ("release", "free_kept") and t.priority != graph_task.RELEASE_PRIORITY:
+            raise PlanError(f"release task {t.id} has priority {t.priority}; releases go first ({graph_task.RELEASE_PRIORITY})")
         if t.lane == "upload":
             uploads.setdefault(t.stage, []).append(t.priority)
-    if not all(0 <= r < lowering.UPLOAD_STRIDE for r in rank.values()):
+    if not all(0 <= r < graph_task.UPLOAD_STRIDE for r in rank.values()):
         return tasks  # ranks past the stride mix stages on purpose
     ranges = list(uploads.items())
     for (a, pa), (b, pb) in zip(ranges, ranges[1:]):
