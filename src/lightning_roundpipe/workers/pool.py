@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..schedule.graph_task import LANES
 from ..tracing.records import TraceRecord, TraceRecorder
 from .compile_clock import COMPILE_CLOCK
 from ..errors import PipelineTimeout
@@ -28,7 +29,7 @@ from .completions import Completion, TaskLabel
 from .device_memory import DeviceMemory
 from .threads import keep_intra_op_threads, set_intra_op_threads
 
-QUEUES = ("upload", "compute", "download")
+QUEUES = LANES  # a worker's queues are the task graph's lanes
 log = logging.getLogger("lightning_roundpipe")
 
 
