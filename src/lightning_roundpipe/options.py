@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional
 
 from .cost.memory import DEFAULT_UNDO_JOURNAL_BYTES
+from .errors import OptionError
 from .schedule.dispatch_order import SCHEDULES
 from .schedule.lowering import DEFAULT_PRIORITIES
 
@@ -32,10 +33,6 @@ TRANSFER_KINDS = tuple(DEFAULT_PRIORITIES)  # the kinds a transfer priority is g
 PINNED_POLICIES = ("alloc", "register", "off")
 BATCH_STATISTICS = ("refuse", "per_microbatch")
 MOE_EXPERT_PATHS = ("hf", "grouped", "padded_bmm")
-
-
-class OptionError(ValueError):
-    """An option has a value RoundPipe cannot run with; the message names it and says what to use."""
 
 
 EARLY_STOP_NEEDS_COMPILE = ("the early-stopping recompute is a compiled graph: it needs compiled layers "

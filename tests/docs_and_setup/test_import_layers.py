@@ -116,6 +116,12 @@ def package_cycles(arrows) -> list[list[str]]:
     return sorted(groups)
 
 
+def module_pairs_importing_each_other(imports: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Pairs of modules of the package that import each other (a two-file cycle), sorted."""
+    return sorted({tuple(sorted((a, b))) for a, targets in imports.items() for b in targets
+                   if b != a and a in imports.get(b, ())})
+
+
 def documented_layers(design: Path = REPO / "docs" / "design.md") -> dict[str, set[str]]:
     """The "Where things live" table: each package (or top-level module) and what it may import."""
     text = design.read_text()
@@ -156,6 +162,24 @@ def test_no_arrow_points_up_the_model_stack_and_no_packages_import_each_other():
     arrows = package_arrows(SRC)
     assert upward_arrows(arrows) == []
     assert package_cycles(arrows) == []
+
+
+def test_no_two_modules_import_each_other():
+    # Issue 45: a pair that imports each other (even lazily, inside a function) shares a piece that
+    # belongs below both (cost/model_shape.py, cost/layer_costs.py, schedule/graph_task.py).
+    assert module_pairs_importing_each_other(module_imports(SRC)) == []
+
+
+def test_the_pair_count_sees_a_lazy_two_file_cycle(tmp_path):
+    pkg = tmp_path / PACKAGE
+    for rel, body in {"__init__.py": "", "cost/__init__.py": "",
+                      "cost/profile.py": "def f():\n    from .view import V\n",
+                      "cost/view.py": "from .profile import f\nV = 1\n",
+                      "cost/memory.py": "from .view import V\n"}.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(body)
+    assert module_pairs_importing_each_other(module_imports(tmp_path)) == [
+        (f"{PACKAGE}.cost.profile", f"{PACKAGE}.cost.view")]
 
 
 def test_no_module_imports_by_name_at_run_time():
@@ -200,3 +224,5 @@ if __name__ == "__main__":
     for a, b in up:
         print(f"  {a} -> {b}: {', '.join(sorted(found[(a, b)]))}")
     print(f"package cycles: {len(cycles)} {cycles}")
+    pairs = module_pairs_importing_each_other(module_imports(tree))
+    print(f"modules importing each other: {len(pairs)} {pairs}")

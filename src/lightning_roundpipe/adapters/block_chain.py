@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..errors import BlockChainError
+
 _worker_calls = threading.local()  # >0 while a BlockLayer runs a block (on a worker thread)
 
 METADATA_READS = frozenset({
@@ -29,10 +31,6 @@ METADATA_READS = frozenset({
 
 DECLARE_HINT = ("declare the chain instead: give the module that runs the layers a roundpipe_layers() method "
                 "returning them in order (see docs/custom_models.md) and pass RoundPipeStrategy(module='...')")
-
-
-class BlockChainError(ValueError):
-    """The blocks were not used as a chain; the message says what was seen and what to do."""
 
 
 class PendingOutput(torch.Tensor):

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import UnsupportedModelError
 from ..cost.activations import (SDPA_MASK_ELEMENT_BYTES, carry_bytes, decoder_activation_bytes,
                                 dense_mask_bytes_per_token, hidden_grad_bytes)
 from ..cost.hf_shape import shape_from_config
@@ -71,10 +72,6 @@ MASK_KEY_BY_ATTENTION = {"full_attention": "mask", "sliding_attention": "sliding
 """Carry key holding the mask for each kind of attention layer."""
 
 IGNORE_INDEX = -100
-
-
-class UnsupportedModelError(ValueError):
-    """The model does not have the structure this adapter understands."""
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:

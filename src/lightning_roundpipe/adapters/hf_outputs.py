@@ -15,12 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import HiddenStatesNotReturnedError
 from .input_errors import UnsupportedInputError
-
-
-class HiddenStatesNotReturnedError(LookupError):
-    """A hidden state other than the last one was read from a pipelined output (not an ``IndexError``, which
-    would end an iteration over the hidden states silently instead of failing it)."""
 
 
 def forward_uses_cache(base_model: nn.Module, use_cache: bool | None) -> bool:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..errors import LogitsNotComputedError
 from .grouped_experts import install_grouped_experts
 from .hf_causal_lm import CausalLMLayers, UnsupportedModelError, count_loss_tokens, unwrap_peft
 from .hf_moe import aux_loss
@@ -37,10 +38,6 @@ WITHHELD_LOGITS = (
     "RuntimeOptions(logits_with_loss=True)); it costs one full [batch, seq, vocab] logits tensor. Or call the model "
     "again without labels under torch.no_grad() for the logits alone."
 )
-
-
-class LogitsNotComputedError(AttributeError):
-    """``.logits`` was read from a pipelined output that has none; the message says how to get them."""
 
 
 def _withheld_class(output_class: type) -> type:

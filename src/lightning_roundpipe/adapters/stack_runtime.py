@@ -16,12 +16,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..errors import StackSetupError
 from .block_chain import BlockChain, BlockLayer, BlockRelay
 from .stack_search import DECLARED_CHAIN_METHOD, uncompiled
-
-
-class StackSetupError(ValueError):
-    """The stack or declared chain cannot be pipelined as given; the message says what to change."""
 
 
 def stack_runtime_parts(module: nn.Module, kind: str, path: str = "") -> tuple[nn.Module, list[nn.Module], Callable]:

@@ -18,14 +18,11 @@ from typing import Any, Callable
 
 from torch import nn
 
+from ..errors import PipelineTargetError
 from .block_chain import BlockRelay
 from .grouped_experts import GroupedExpertsForward
 from .stack_search import (DECLARED_CHAIN_METHOD, compiled_inner, declares_chain, find_stacks, is_block_container,
                            uncompiled)
-
-
-class PipelineTargetError(ValueError):
-    """No module (or several) could be chosen for pipelining; the message says what to do."""
 
 
 STACK_KINDS = ("block_stack", "declared_chain")

@@ -18,9 +18,7 @@ import warnings
 import torch
 from torch import nn
 
-
-class UnpipelinedCallWarning(UserWarning):
-    """A training call ran the model's own forward on the host, not the pipeline (see the module doc)."""
+from ..errors import UnpipelinedCallWarning
 
 
 CACHE_GIVEN = "cache"

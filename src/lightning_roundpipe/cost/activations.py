@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .transformer import ModelShape
+    from .model_shape import ModelShape
 
 FP32 = 4
 INDEX_BYTES = 8  # int64 position ids and labels

@@ -20,6 +20,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from ..schedule.graph_task import TaskKind
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -142,7 +144,7 @@ class HardwareProfile:
     def launch_seconds(self, kind: str, decoder_layers: int) -> float:
         """Host time to issue the kernels of a compute task of ``kind`` ("forward", "backward",
         "fused") over ``decoder_layers`` decoder layers, one microbatch."""
-        per_layer = self.forward_launches_per_layer if kind == "forward" else self.backward_launches_per_layer
+        per_layer = self.forward_launches_per_layer if kind == TaskKind.FORWARD else self.backward_launches_per_layer
         return decoder_layers * per_layer * self.launch_s
 
     def replace(self, **changes: Any) -> "HardwareProfile":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..schedule.graph_task import TaskKind
 from .view import CostView
 
 LOSS_BYTES = 4  # one fp32 scalar per microbatch (as schedule/lowering.py moves it)
@@ -46,18 +47,18 @@ class ProfileDeviceTimes:
         kind = kind.removeprefix("layer_")
         a, b = self.stages[label.stage]
         v = self.view
-        if kind == "forward":
+        if kind == TaskKind.FORWARD:
             return v.forward_s(a, b)
-        if kind in ("fused", "backward"):
-            seconds = v.fused_s(a, b) if kind == "fused" else v.backward_with_recompute_s(a, b)
+        if kind in (TaskKind.FUSED, TaskKind.BACKWARD):
+            seconds = v.fused_s(a, b) if kind == TaskKind.FUSED else v.backward_with_recompute_s(a, b)
             return seconds + (v.forward_s(a, b - 1) if layer_grain else 0.0)
-        if kind == "weights":
+        if kind == TaskKind.WEIGHTS:
             scaled = sum(self.scaled[a:b])
             share = nbytes / scaled if scaled > 0 and nbytes > 0 else 1.0
             return self.link_s(share * v.uploaded_weights(a, b))  # as they cross the link, not as held
-        if kind == "wgrad":
+        if kind == TaskKind.WGRAD:
             return self.link_s(v.grads(a, b))
-        if kind == "loss":
+        if kind == TaskKind.LOSS:
             return self.link_s(LOSS_BYTES)
         # Activations: what enters a stage (act_in at a; grad_in is the gradient at its end, b), what
         # leaves it (act_out at b; grad_out, the input's gradient, at a); a saved stage-internal input

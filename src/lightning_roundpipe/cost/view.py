@@ -6,7 +6,7 @@ counts or kept graph, ``CostProfile`` derives them.
 
 from __future__ import annotations
 
-from .profile import CostProfile
+from .layer_costs import CostProfile
 
 
 class CostView:

@@ -19,14 +19,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..errors import NodeSyncError, PipelineError
 from ..params.weights import group_by_lowest_layer
 from ..tracing.records import TraceRecord, TraceRecorder
-from ..workers.completions import PipelineError
 from ..workers.threads import WAITING_THREADS, set_intra_op_threads
-
-
-class NodeSyncError(PipelineError):
-    """A gradient all-reduce across nodes failed (a peer died, or the network did)."""
 
 
 @dataclass

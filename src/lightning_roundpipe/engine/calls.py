@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from ..workers.completions import PipelineError
+from ..errors import PipelineError
 
 
 def grad_accumulator(leaf: torch.Tensor):

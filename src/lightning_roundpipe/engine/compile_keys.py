@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from ..errors import RecompileLimitError
 from ..workers.compile_clock import COMPILE_CLOCK
 
 
@@ -54,11 +55,6 @@ def device_of(*trees: Any) -> str:
 def autocast_in_force() -> tuple:
     """``(device type, dtype)`` of each autocast enabled on this thread, for ``CompileKey.autocast``."""
     return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
-
-
-class RecompileLimitError(RuntimeError):
-    """A compiled layer function reached dynamo's recompile limit: the step fails instead of running the
-    layer eagerly behind compiled calls. The message names the function, its graphs and what to change."""
 
 
 def graphs_of(code: types.CodeType) -> int | None:

@@ -20,6 +20,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
+from ..errors import LayerCompileError
 from ..workers.completions import raised_from
 from .compile_keys import CompileKey, KeyedCompiles, RecompileLimitError, autocast_in_force, device_of
 
@@ -81,11 +82,6 @@ class CompiledLayers:
 
 
 COMPILER_MODULES = ("torch._dynamo", "torch._inductor")  # where a compiler's own exceptions live
-
-
-class LayerCompileError(RuntimeError):
-    """``torch.compile`` failed on a worker's layers (``compile_layers``); the message says how to run
-    them eagerly. ``__cause__`` is the compiler's exception."""
 
 
 def is_compile_failure(exc: BaseException | None) -> bool:

@@ -22,16 +22,12 @@ from torch import nn
 from torch.func import functional_call, vjp
 from torch.utils import _pytree as pytree
 
-from ..workers.completions import PipelineError
+from ..errors import EarlyStopUnsupported, PipelineError
 from .compile_keys import CompileKey, KeyedCompiles, device_of
 from .compiled_layers import INDUCTOR_OPTIONS
 
 Autocast = tuple[str, bool, Any]  # (device type, enabled, dtype) of the forward
 log = logging.getLogger("lightning_roundpipe")
-
-
-class EarlyStopUnsupported(PipelineError):
-    """A layer cannot be back-propagated through ``recompute_early_stop``'s compiled vjp exactly."""
 
 
 def _autocast(autocast: Autocast):

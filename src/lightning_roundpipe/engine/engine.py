@@ -23,7 +23,8 @@ from torch.utils import _pytree as pytree
 from ..schedule.dispatch_order import ROUND_ROBIN, Schedule
 from ..schedule.history import WorkerHistory
 from ..schedule.plan import Plan, PlanError
-from ..workers.completions import Completion, PipelineTimeout, WorkerError
+from ..errors import PipelineTimeout, WorkerError
+from ..workers.completions import Completion
 from ..workers.pool import WorkerPool
 from ..workers.threads import HOST_PHASE_THREADS, intra_op_threads
 from ..options import EngineOptions

@@ -16,9 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-
-class ForwardHookError(RuntimeError):
-    """A forward hook on a pipelined layer keeps the layer's output in a training call; nothing was updated."""
+from ..errors import ForwardHookError
 
 
 class GuardedHook:

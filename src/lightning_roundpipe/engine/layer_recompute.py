@@ -16,7 +16,7 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch.utils import _pytree as pytree
 
-from ..workers.completions import PipelineError
+from ..errors import PipelineError
 from .stage_inputs import differentiable_inputs, differentiable_positions
 
 

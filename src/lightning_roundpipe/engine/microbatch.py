@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ..errors import MicrobatchError
+
 
 class HostRows:
     """Per-sample values (a list, one per row of the batch) that are split with the batch but are
@@ -35,10 +37,6 @@ class HostRows:
 
     def __repr__(self) -> str:
         return f"HostRows({self.rows!r})"
-
-
-class MicrobatchError(ValueError):
-    """The batch cannot be split as asked; the message says why and what to change."""
 
 
 def register_batch_types(tree: Any) -> None:

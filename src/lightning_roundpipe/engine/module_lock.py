@@ -12,7 +12,7 @@ import threading
 from typing import Callable
 
 from ..workers.compile_clock import wait_excluding_compiles
-from ..workers.completions import PipelineTimeout
+from ..errors import PipelineTimeout
 
 
 class ModuleLock:

@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..errors import PipelineTimeout, UnseededDraw
 from ..workers.compile_clock import COMPILE_CLOCK
-from ..workers.completions import PipelineTimeout
 
 _MASK = (1 << 63) - 1
 
@@ -53,10 +53,6 @@ def uses_randomness(module: nn.Module) -> bool:
             if "dropout" in name and isinstance(value, float) and value > 0:
                 return True
     return False
-
-
-class UnseededDraw(RuntimeError):
-    """A layer call saw torch's CPU generator change where only a seeded draw may change it."""
 
 
 DEFAULT_GATE_TIMEOUT_S = 300.0  # the pool's default; a call passes its pool's timeout

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..errors import SplitInvarianceError
 from ..options import OptionError
 from ..workers.completions import PipelineTimeout
 from .forward_hooks import ForwardHookError
@@ -37,10 +38,6 @@ FLOOR_MULTIPLE = 200
 check exists for differ by 1e-2 to 1."""
 
 PLAIN_TYPES = (bool, int, float, str, type(None))
-
-
-class SplitInvarianceError(OptionError):
-    """A pipelined layer computes something else on microbatches than on the whole batch; nothing ran."""
 
 
 LAYER_MARK = "split_check_layer"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..params.weights import StageWeights, accumulate_host_grads
-from ..schedule.lowering import GraphTask, TaskGraph
+from ..schedule.lowering import GraphTask, TaskGraph, TaskKind
 from ..schedule.plan import Stage
 from ..workers.compile_clock import COMPILE_CLOCK
 from ..workers.completions import Completion, TaskLabel
@@ -86,10 +86,10 @@ class StepRun:
             fn, nbytes, extra = HANDLERS[t.kind](self.work, t, worker)
             fn = self.readers.reading(fn, t.deps if t.kind not in NOT_READING else ())
             deps = [self.done[d] for d in t.deps] + history.resolve(t, usable=lambda c: not c.failed()) + extra
-            kind = "release" if t.kind == "free_kept" else ("layer_" + t.kind if t.grain == "layer" else str(t.kind))
+            kind = "release" if t.kind == TaskKind.FREE_KEPT else ("layer_" + t.kind if t.grain == "layer" else str(t.kind))
             label = TaskLabel(kind, t.stage, t.microbatch, t.worker, t.lane)
             c = worker.submit(t.lane, fn, deps, label, priority=t.priority, nbytes=nbytes,
-                              always=t.kind in ("release", "free_kept"))
+                              always=t.kind in (TaskKind.RELEASE, TaskKind.FREE_KEPT))
             self.done[t.id] = c
             history.record(t, c)
 
@@ -114,7 +114,7 @@ class StepRun:
             self.host_work = self.work.wgrad_work(tasks)
             return []
         L = self.plan.num_layers
-        homes = sorted((t for t in tasks if t.kind == "act_out" and t.boundary == L), key=lambda t: t.microbatch)
+        homes = sorted((t for t in tasks if t.kind == TaskKind.ACT_OUT and t.boundary == L), key=lambda t: t.microbatch)
         outs = []
         for t in homes:  # each into its rows of the merged output while later microbatches still run
             out = self._wait(self.done[t.id])
@@ -127,7 +127,7 @@ class StepRun:
         """The sum of the fused last stage's per-microbatch losses, in microbatch order."""
         total = torch.zeros((), dtype=torch.float32)
         for t in self.graph.tasks:  # fixed order: microbatch 0..M-1
-            if t.kind == "loss":
+            if t.kind == TaskKind.LOSS:
                 total = total + self._wait(self.done[t.id])[0]
         self.rng.finish_forward()
         return total * self.loss_scale
@@ -179,7 +179,7 @@ class StepRun:
         if not self.input_requires_grad:
             self.pool.finish_step()  # device timings of the step into the trace, read once
             return [None] * self.M
-        firsts = sorted((t for t in self.graph.tasks if t.kind == "grad_out" and t.boundary == 0),
+        firsts = sorted((t for t in self.graph.tasks if t.kind == TaskKind.GRAD_OUT and t.boundary == 0),
                         key=lambda t: t.microbatch)
         trees = [self._wait(self.done[t.id]) for t in firsts]
         self.pool.finish_step()

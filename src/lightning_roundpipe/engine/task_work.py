@@ -55,7 +55,7 @@ class TaskWork:
         self.weights: dict[str, StageWeights] = {}  # stage name -> its weights on its worker
         self.saves: dict[str, set[int]] = {}  # forward stage -> boundaries it sends home besides its output
         for t in graph:
-            if t.kind == "act_save":
+            if t.kind == TaskKind.ACT_SAVE:
                 self.saves.setdefault(t.stage, set()).add(t.boundary)
         self.wgrad_slot = self.gradient_slots(graph)
         self.host_inputs = [HostCarry.of(mb) for mb in microbatches]
@@ -77,7 +77,7 @@ class TaskWork:
         counts: dict[str, int] = {}
         slots = {}
         for t in graph:
-            if t.kind == "wgrad":
+            if t.kind == TaskKind.WGRAD:
                 slots[t.id] = counts.get(t.stage, 0)
                 counts[t.stage] = slots[t.id] + 1
         return {i: (slot, slot == counts[graph.tasks[i].stage] - 1) for i, slot in slots.items()}
@@ -193,7 +193,7 @@ class TaskWork:
         """Where an input upload's carry is on the host: a download of this step, or the caller's data."""
         if t.deps:
             return self.done[t.deps[0]]
-        if t.kind == "act_in":
+        if t.kind == TaskKind.ACT_IN:
             return Completion.done(TaskLabel("input", "", t.microbatch), self.host_inputs[t.microbatch])
         return Completion.done(TaskLabel("grad_output", "", t.microbatch), self.output_grads[t.microbatch])
 
@@ -212,7 +212,7 @@ class TaskWork:
         downloads among ``tasks``."""
         out = []
         for t in tasks:
-            if t.kind == "wgrad":
+            if t.kind == TaskKind.WGRAD:
                 weights, (slot, last) = self.stage_weights(t), self.wgrad_slot[t.id]
                 out.append((weights, self.done[t.id], weights.grad_chunks[slot], last))
         return out
@@ -258,7 +258,8 @@ class TaskWork:
         """A download of the carry ``get_tree`` returns, to host buffers (reusable unless the caller keeps it)."""
         # The caller's outputs and input gradients are theirs to keep; every other carry is only
         # read by uploads of this call, so it may land in a reused host buffer.
-        to_caller = (t.kind == "act_out" and t.boundary == self.plan.num_layers) or (t.kind == "grad_out" and t.boundary == 0)
+        to_caller = ((t.kind == TaskKind.ACT_OUT and t.boundary == self.plan.num_layers)
+                     or (t.kind == TaskKind.GRAD_OUT and t.boundary == 0))
         lent = self.lent_buffers
 
         def fn():
@@ -282,7 +283,7 @@ class TaskWork:
     def download_input_grad(self, t: GraphTask, worker) -> Work:
         """The work of an input-gradient download task."""
         comp = self.done[t.deps[0]]
-        fused = self.graph.tasks[t.deps[0]].kind == "fused"
+        fused = self.graph.tasks[t.deps[0]].kind == TaskKind.FUSED
         return self.download_carry(t, worker, (lambda: comp.value[1]) if fused else (lambda: comp.value))
 
     def download_loss(self, t: GraphTask, worker) -> Work:

@@ -9,9 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-
-class FineTuneInputError(ValueError):
-    """An input of the fine-tuning job that cannot work; the message says what to change."""
+from ..errors import FineTuneInputError
 
 
 def check_model_path(path: str | Path) -> Path:

@@ -15,23 +15,10 @@ import zipfile
 import torch
 import torch.utils._pytree as pytree
 
+from ..errors import CheckpointError, CheckpointSpaceError
 from ..workers.completions import raised_from
 
 FULL_DISK_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be read, saved or resumed from; the message says why and what to do."""
-
-
-class CheckpointSpaceError(CheckpointError, OSError):
-    """The disk has no room for the checkpoint; the previous file of that name is intact."""
-
-    def __init__(self, message: str):
-        OSError.__init__(self, errno.ENOSPC, message)
-
-    def __str__(self) -> str:
-        return self.strerror
 
 
 def unreadable(path, err: BaseException) -> CheckpointError | None:

@@ -18,15 +18,12 @@ import zipfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
+from ..errors import CheckpointIntegrityError
 from .checkpoint_errors import CheckpointError
 
 LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra field length
 LOCAL_SIGNATURE = b"PK\x03\x04"
 PARALLEL_BYTES = 1 << 20  # entries at least this large are checked in threads (zlib releases the GIL)
-
-
-class CheckpointIntegrityError(CheckpointError):
-    """A checkpoint entry's bytes do not match the CRC-32 stored with them: the file changed after it was written."""
 
 
 def _stored_bytes(view: memoryview, info: zipfile.ZipInfo, path: str) -> memoryview:

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from ..workers.completions import PipelineError
+from ..errors import PipelineError
 from .checkpoint_errors import CheckpointError
 
 CHECKPOINT_WEIGHTS = ("full", "trainable")

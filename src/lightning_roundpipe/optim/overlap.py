@@ -21,8 +21,9 @@ from typing import Callable
 
 import torch
 
+from ..errors import LayerStepSkipped, PipelineError, PipelineTimeout, StepFailed
 from ..params.weights import group_by_lowest_layer
-from ..workers.completions import Completion, PipelineError, PipelineTimeout, TaskLabel
+from ..workers.completions import Completion, TaskLabel
 from .host_lane import HostLane
 from .loss_scale import StepUnscale
 from .per_layer_support import declaration_hint, why_not_per_layer
@@ -30,15 +31,6 @@ from ..cost.memory import DEFAULT_UNDO_JOURNAL_BYTES
 from .step_undo import BeforeImages, StepUndo, image_tensors
 
 REST = -1  # the key of the parameters outside the pipeline among ``versions`` (loss-scaled steps)
-
-
-class StepFailed(PipelineError):
-    """An optimizer step failed; every layer it had stepped was put back (weights and optimizer state)."""
-
-
-class LayerStepSkipped(StepFailed):
-    """A layer's update did not run because its step had already failed elsewhere (``join`` reports
-    the failure itself before these)."""
 
 
 class OverlappedOptimizer:

@@ -18,13 +18,9 @@ from typing import Any, Iterable
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from ..errors import UnsupportedWeightError  # noqa: F401  (re-exported: defined in errors.py)
 
 PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
-
-
-class UnsupportedWeightError(TypeError):
-    """A layer tensor the stage upload cannot move as it is (unknown subclass, or a packed tensor that
-    requires grad): refused when the pipeline is built, before any weight is touched."""
 
 
 def _is_params4bit(t: torch.Tensor) -> bool:

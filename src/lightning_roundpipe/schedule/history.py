@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 from typing import Callable, Generic, TypeVar
 
-from .lowering import GraphTask, TaskGraph
+from .lowering import GraphTask, TaskGraph, TaskKind
 
 H = TypeVar("H")
 HISTORIES = ("release", "compute", "outputs")
@@ -41,7 +41,7 @@ class WorkerHistory(Generic[H]):
         if task.lane == "compute":
             self._entries["compute"][w].append(handle)
             self._entries["outputs"][w].append([])
-        elif task.kind == "release":
+        elif task.kind == TaskKind.RELEASE:
             self._entries["release"][w].append(handle)
         elif task.kind in OUTPUT_KINDS and self._entries["outputs"][w]:
             self._entries["outputs"][w][-1].append(handle)

@@ -18,7 +18,7 @@ import copy
 import dataclasses
 
 from .dispatch_order import ROUND_ROBIN
-from .lowering import UPLOAD_STRIDE, LoweringOptions, TaskGraph, lower
+from .lowering import UPLOAD_STRIDE, LoweringOptions, TaskGraph, TaskKind, lower
 from .plan import Plan
 
 
@@ -60,7 +60,7 @@ def _moved(task, turn: int, num_workers: int, shift: int):
     moved = copy.copy(task)
     if turn:
         object.__setattr__(moved, "worker", (task.worker + turn) % num_workers)
-    if shift and task.lane != "compute" and task.kind not in ("release", "free_kept"):
+    if shift and task.lane != "compute" and task.kind not in (TaskKind.RELEASE, TaskKind.FREE_KEPT):
         step = shift * UPLOAD_STRIDE if task.lane == "upload" else shift
         object.__setattr__(moved, "priority", task.priority + step)
     return moved

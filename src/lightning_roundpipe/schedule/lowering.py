@@ -10,126 +10,12 @@ one: docs/design.md, design notes, ``schedule/lowering.py``.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from . import passes
-from .dispatch_order import ROUND_ROBIN, Schedule
+from .graph_task import (DEFAULT_PRIORITIES, DOWNLOAD_STRIDE, INPUT_BUFFERS, LANE_KINDS, LANES, LOSS_BYTES,  # noqa: F401
+                         PRIORITY_CLASS, RELEASE_PRIORITY, UPLOAD_STRIDE, GraphTask, LoweringOptions, Sizes, TaskKind)
 from .plan import Plan, PlanError
-
-
-
-class TaskKind(enum.StrEnum):
-    """What a task does; the engine's handler table (engine/task_work.py) has one entry per kind."""
-
-    WEIGHTS = "weights"
-    ACT_IN = "act_in"
-    GRAD_IN = "grad_in"
-    FORWARD = "forward"
-    FUSED = "fused"
-    BACKWARD = "backward"
-    ACT_OUT = "act_out"
-    ACT_SAVE = "act_save"
-    GRAD_OUT = "grad_out"
-    LOSS = "loss"
-    WGRAD = "wgrad"
-    RELEASE = "release"
-    FREE_KEPT = "free_kept"
-
-
-LANES = ("upload", "compute", "download")
-LANE_KINDS = {
-    "upload": ("weights", "act_in", "grad_in"),
-    "compute": ("forward", "fused", "backward"),
-    "download": ("act_out", "act_save", "grad_out", "loss", "wgrad", "release", "free_kept"),
-}
-# Transfer kinds by the priority class (EngineOptions.priorities) they take.
-PRIORITY_CLASS = {"weights": "weights", "act_in": "activation", "grad_in": "activation", "act_out": "activation",
-                  "act_save": "activation", "grad_out": "activation", "loss": "activation", "wgrad": "gradients"}
-DEFAULT_PRIORITIES = {"activation": 0, "weights": 1, "gradients": 2}
-UPLOAD_STRIDE = 16  # upload priority = stage serial * UPLOAD_STRIDE + class rank
-DOWNLOAD_STRIDE = 1 << 40  # download priority = class rank * DOWNLOAD_STRIDE + stage serial
-RELEASE_PRIORITY = -1
-LOSS_BYTES = 4  # one fp32 scalar per microbatch
-INPUT_BUFFERS = 2  # microbatch inputs a worker may hold ahead of its compute (and outputs behind it)
-
-
-class Sizes(Protocol):
-    """Bytes the graph's transfers move; the lowering decides only how many tasks and in which order."""
-
-    def weight_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
-        """``(first layer, end layer, bytes)`` of each weights upload of the stage (one task each, in order)."""
-
-    def grad_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
-        """``(first layer, end layer, bytes)`` of each weight-gradient download of the stage."""
-
-    def boundary_bytes(self, boundary: int) -> int:
-        """Bytes of one microbatch's activation at a layer boundary (the input of layer ``boundary``)."""
-
-
-@dataclass(frozen=True)
-class LoweringOptions:
-    """What, besides the plan, decides a step's graph.
-
-    training: backward stages are lowered too (False: an evaluation forward).
-    fused: the plan's fused last stage runs fused (the loss is computed inside the pipeline).
-    recompute: False keeps every forward graph until its backward (see the module doc).
-    layer_recompute: backward and fused computes recompute one layer at a time (``grain="layer"``).
-    kept_backward: with ``recompute`` False, the backward stages run on the kept graphs; False:
-        they recompute from the stage inputs on the host, as with recompute (a call's second
-        backward: its first one freed the kept graphs).
-    input_gradient: the input gradient of layer 0 comes home (the caller's input needs grad).
-    first_serial: serial of the first stage, continuing the previous steps' (transfer priorities).
-    schedule: which worker runs each stage, and where the next call starts (``dispatch_order``).
-    """
-
-    microbatches: int = 2
-    training: bool = True
-    fused: bool = False
-    recompute: bool = True
-    layer_recompute: bool = False
-    kept_backward: bool = True
-    input_gradient: bool = False
-    prefetch_depth: int = 1
-    priorities: dict = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
-    first_serial: int = 0
-    schedule: Schedule = ROUND_ROBIN
-
-
-@dataclass(frozen=True)
-class GraphTask:
-    """One task of the step: a transfer or a compute on one lane of one worker."""
-
-    id: int
-    worker: int
-    lane: str
-    kind: TaskKind
-    stage: str  # stage name, e.g. "F0" or "B3"
-    microbatch: int  # -1 for per-stage tasks
-    bytes: int
-    deps: tuple[int, ...]  # ids of earlier tasks in this graph
-    priority: int  # transfer lanes: lower first; 0 on the in-order compute lane
-    phase: str  # "forward" or "backward": the host call that submits it
-    start: int  # the stage's layers
-    end: int
-    boundary: int = -1  # activation transfers: the layer boundary of the carry
-    waits: tuple[tuple[str, int], ...] = ()  # (history, back) entries on this worker's history
-    layers: tuple[int, int] | None = None  # weight uploads and gradient downloads: the layers they cover
-    grain: str = ""  # backward and fused computes that recompute: "stage" or "layer"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", TaskKind(self.kind))
-
-    def to_text(self) -> str:
-        """One line: id, kind, stage, microbatch, worker, lane and dependencies."""
-        mb = f" mb{self.microbatch}" if self.microbatch >= 0 else ""
-        at = f" @{self.boundary}" if self.boundary >= 0 else ""
-        deps = f" <- {','.join(map(str, self.deps))}" if self.deps else ""
-        waits = "".join(f" wait {h}-{back}" for h, back in self.waits)
-        grain = " layer-grain" if self.grain == "layer" else ""
-        return (f"{self.id:>4} w{self.worker} {self.lane:<8} {self.kind:<9} {self.stage}[{self.start}:{self.end}]"
-                f"{mb}{at} {self.bytes}B p{self.priority}{deps}{waits}{grain}")
 
 
 @dataclass(frozen=True)

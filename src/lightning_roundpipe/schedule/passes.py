@@ -16,12 +16,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .graph_task import TaskKind
 from .plan import Plan, PlanError, Stage, Task
 
-from . import lowering  # the graph's data types and constants; lowering calls these passes
+from . import graph_task  # the graph's data types and constants (lowering calls these passes)
 
 if TYPE_CHECKING:
-    from .lowering import GraphTask, LoweringOptions, Sizes
+    from .graph_task import GraphTask, LoweringOptions, Sizes
 
 WAIT_HISTORIES = ("release", "compute", "outputs")  # the histories of .history.WorkerHistory
 
@@ -51,7 +52,7 @@ def computes(plan: Plan, dispatched: list[Task], options: "LoweringOptions", fus
         else:
             kind, phase = "backward", "forward" if fused else "backward"
         grain = ""
-        if kind in ("backward", "fused") and options.training and options.recompute:
+        if kind in (TaskKind.BACKWARD, TaskKind.FUSED) and options.training and options.recompute:
             grain = "layer" if options.layer_recompute else "stage"
         out.append(StageComputes(stage, task.worker, options.first_serial + k, phase, kind, grain))
     return check_computes(out, plan, fused)
@@ -64,9 +65,9 @@ def check_computes(stages: list[StageComputes], plan: Plan, fused: bool) -> list
     if len(set(names)) != len(names):
         raise PlanError(f"a stage is dispatched twice in one call: {names}")
     for s in stages:
-        if (s.kind == "fused") != (fused and s.stage.name == plan.fused_stage):
+        if (s.kind == TaskKind.FUSED) != (fused and s.stage.name == plan.fused_stage):
             raise PlanError(f"stage {s.stage} computes {s.kind!r}; only the plan's fused last stage runs fused")
-        if s.kind == "backward" and s.stage.direction != "B":
+        if s.kind == TaskKind.BACKWARD and s.stage.direction != "B":
             raise PlanError(f"forward stage {s.stage} cannot run a backward compute")
     return stages
 
@@ -85,7 +86,7 @@ class _Transfers:
     def add(self, worker, lane, kind, stage: Stage, mb, nbytes, deps, phase, boundary=-1, layers=None,
             grain="") -> int:
         tid = len(self.tasks)
-        self.tasks.append(lowering.GraphTask(tid, worker, lane, kind, stage.name, mb, int(nbytes), tuple(deps), 0, phase,
+        self.tasks.append(graph_task.GraphTask(tid, worker, lane, kind, stage.name, mb, int(nbytes), tuple(deps), 0, phase,
                                           stage.start, stage.end, boundary, (), layers, grain))
         return tid
 
@@ -98,7 +99,7 @@ class _Transfers:
             self.add(worker, "upload", "weights", stage, -1, nbytes, (), phase, layers=(a, b))
             for a, b, nbytes in self.sizes.weight_chunks(stage.start, stage.end)]
         saves = ([b for b in self.plan.saved_boundaries() if stage.start < b < stage.end]
-                 if stage.direction == "F" and o.training and o.recompute and kind == "forward" else [])
+                 if stage.direction == "F" and o.training and o.recompute and kind == TaskKind.FORWARD else [])
         computed = []
         for i in range(o.microbatches):
             inputs = []
@@ -108,9 +109,9 @@ class _Transfers:
                 inputs.append(self.upload(worker, "grad_in", stage, i, stage.end, self.grads, phase))
             last = self.add(worker, "compute", kind, stage, i, 0, weights + inputs, phase, grain=s.grain)
             computed.append(last)
-            if kind == "fused":
-                self.add(worker, "download", "loss", stage, i, lowering.LOSS_BYTES, (last,), phase)
-            if kind == "forward":
+            if kind == TaskKind.FUSED:
+                self.add(worker, "download", "loss", stage, i, graph_task.LOSS_BYTES, (last,), phase)
+            if kind == TaskKind.FORWARD:
                 for b in [stage.end] + saves:
                     self.acts[(b, i)] = self.add(worker, "download", "act_out" if b == stage.end else "act_save",
                                                  stage, i, self.sizes.boundary_bytes(b), (last,), phase, b)
@@ -118,7 +119,7 @@ class _Transfers:
                 self.grads[(stage.start, i)] = self.add(worker, "download", "grad_out", stage, i,
                                                         self.sizes.boundary_bytes(stage.start), (last,), phase,
                                                         stage.start)
-        if kind == "forward":
+        if kind == TaskKind.FORWARD:
             if keep:
                 self.forward_worker[stage.index] = worker
                 return  # the kept graph holds the weights until this stage's backward
@@ -157,7 +158,7 @@ def check_transfers(tasks: list["GraphTask"], plan: Plan, options: "LoweringOpti
     uploads are its own stage's; each stage's weights come down and go (unless a forward keeps them)."""
     for t in tasks:
         deps = [tasks[d] for d in t.deps]
-        if t.kind in ("act_in", "grad_in"):
+        if t.kind in (TaskKind.ACT_IN, TaskKind.GRAD_IN):
             for d in deps:
                 if d.lane != "download" or d.boundary != t.boundary:
                     raise PlanError(f"task {t.id} ({t.kind} @{t.boundary}) reads task {d.id} ({d.kind} @{d.boundary})")
@@ -165,11 +166,11 @@ def check_transfers(tasks: list["GraphTask"], plan: Plan, options: "LoweringOpti
             for d in deps:
                 if d.stage != t.stage or d.lane != "upload":
                     raise PlanError(f"compute task {t.id} of {t.stage} depends on {d.kind} task {d.id} of {d.stage}")
-        if t.kind in ("wgrad", "loss", "act_out", "act_save", "grad_out") and (
+        if t.kind in (TaskKind.WGRAD, TaskKind.LOSS, TaskKind.ACT_OUT, TaskKind.ACT_SAVE, TaskKind.GRAD_OUT) and (
                 not deps or any(d.lane != "compute" or d.stage != t.stage for d in deps)):
             raise PlanError(f"download task {t.id} ({t.kind}) of {t.stage} must follow its stage's computes")
     computed = {t.stage for t in tasks if t.lane == "compute"}
-    freed = {t.stage for t in tasks if t.kind in ("release", "free_kept")}
+    freed = {t.stage for t in tasks if t.kind in (TaskKind.RELEASE, TaskKind.FREE_KEPT)}
     kept = options.training and not options.recompute
     missing = sorted(s for s in computed - freed if not (kept and s.startswith("F")))
     if missing:
@@ -183,8 +184,8 @@ def waits(tasks: list["GraphTask"], options: "LoweringOptions") -> list["GraphTa
     an input upload for the compute two back (double buffering); a compute for the downloads of
     the compute two back."""
     by_kind = {"weights": (("release", int(options.prefetch_depth) + 1),),
-               "act_in": (("compute", lowering.INPUT_BUFFERS),), "grad_in": (("compute", lowering.INPUT_BUFFERS),)}
-    out = [dataclasses.replace(t, waits=(("outputs", lowering.INPUT_BUFFERS),) if t.lane == "compute" else by_kind.get(t.kind, ()))
+               "act_in": (("compute", graph_task.INPUT_BUFFERS),), "grad_in": (("compute", graph_task.INPUT_BUFFERS),)}
+    out = [dataclasses.replace(t, waits=(("outputs", graph_task.INPUT_BUFFERS),) if t.lane == "compute" else by_kind.get(t.kind, ()))
            for t in tasks]
     return check_waits(out)
 
@@ -207,12 +208,12 @@ def priorities(tasks: list["GraphTask"], stages: list[StageComputes], options: "
     def priority(t: "GraphTask") -> int:
         if t.lane == "compute":
             return 0  # the compute lane runs in submission order
-        if t.kind in ("release", "free_kept"):
-            return lowering.RELEASE_PRIORITY
-        klass = int(rank[lowering.PRIORITY_CLASS[t.kind]])
+        if t.kind in (TaskKind.RELEASE, TaskKind.FREE_KEPT):
+            return graph_task.RELEASE_PRIORITY
+        klass = int(rank[graph_task.PRIORITY_CLASS[t.kind]])
         if t.lane == "upload":
-            return serial[t.stage] * lowering.UPLOAD_STRIDE + klass
-        return klass * lowering.DOWNLOAD_STRIDE + serial[t.stage]
+            return serial[t.stage] * graph_task.UPLOAD_STRIDE + klass
+        return klass * graph_task.DOWNLOAD_STRIDE + serial[t.stage]
 
     out = [dataclasses.replace(t, priority=int(priority(t))) for t in tasks]
     return check_priorities(out, rank)
@@ -223,11 +224,11 @@ def check_priorities(tasks: list["GraphTask"], rank: dict) -> list["GraphTask"]:
     the next stage's (the running stage's inputs before a prefetch)."""
     uploads: dict[str, list[int]] = {}
     for t in tasks:
-        if t.kind in ("release", "free_kept") and t.priority != lowering.RELEASE_PRIORITY:
-            raise PlanError(f"release task {t.id} has priority {t.priority}; releases go first ({lowering.RELEASE_PRIORITY})")
+        if t.kind in (TaskKind.RELEASE, TaskKind.FREE_KEPT) and t.priority != graph_task.RELEASE_PRIORITY:
+            raise PlanError(f"release task {t.id} has priority {t.priority}; releases go first ({graph_task.RELEASE_PRIORITY})")
         if t.lane == "upload":
             uploads.setdefault(t.stage, []).append(t.priority)
-    if not all(0 <= r < lowering.UPLOAD_STRIDE for r in rank.values()):
+    if not all(0 <= r < graph_task.UPLOAD_STRIDE for r in rank.values()):
         return tasks  # ranks past the stride mix stages on purpose
     ranges = list(uploads.items())
     for (a, pa), (b, pb) in zip(ranges, ranges[1:]):

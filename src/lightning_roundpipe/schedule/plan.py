@@ -17,12 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..errors import PlanError
+
 Direction = Literal["F", "B"]
 LayerRange = tuple[int, int]
-
-
-class PlanError(ValueError):
-    """A plan that cannot be run; the message says which stage is wrong and why."""
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,10 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from ..errors import SimulationError
 from ..tracing.records import TraceRecord
 
 HOST = -1
-
-
-class SimulationError(RuntimeError):
-    """The schedule cannot finish (a dependency cycle or an out-of-order queue)."""
 
 
 @dataclass(eq=False)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..cost.profile import CostProfile
 from ..schedule.dispatch_order import schedule_named
 from ..schedule.history import WorkerHistory
-from ..schedule.lowering import DEFAULT_PRIORITIES, GraphTask, LoweringOptions
+from ..schedule.lowering import DEFAULT_PRIORITIES, GraphTask, LoweringOptions, TaskKind
 from ..schedule.plan import Plan, PlanError
 from ..tracing.records import TraceRecord
 from ..cost.view import CostView
@@ -312,10 +312,10 @@ class _RoundPipeBuilder:
         done: dict[int, list[Op]] = {}  # task id -> the ops that finish it
         outputs_of: dict[int, list[GraphTask]] = {}  # compute id -> its activation downloads
         for t in tasks:
-            if t.kind in ("act_out", "act_save", "grad_out"):
+            if t.kind in (TaskKind.ACT_OUT, TaskKind.ACT_SAVE, TaskKind.GRAD_OUT):
                 outputs_of.setdefault(t.deps[0], []).append(t)
-        backward_stages = {t.stage for t in tasks if t.kind in ("fused", "backward")}
-        host_output = {t.microbatch: t.id for t in tasks if t.kind == "act_out" and t.boundary == plan.num_layers}
+        backward_stages = {t.stage for t in tasks if t.kind in (TaskKind.FUSED, TaskKind.BACKWARD)}
+        host_output = {t.microbatch: t.id for t in tasks if t.kind == TaskKind.ACT_OUT and t.boundary == plan.num_layers}
         barriers = cfg.host_barriers
         barrier = cfg.design.call_barrier
         first_of_step = self.calls.calls % self.calls.accumulation == 0
@@ -343,39 +343,39 @@ class _RoundPipeBuilder:
                 self.submitted = submission(self.sim, self.submitted, gate, host_s, t, step)
                 deps.append(self.submitted)
             w, name = t.worker, t.stage
-            if t.kind in ("release", "free_kept"):
+            if t.kind in (TaskKind.RELEASE, TaskKind.FREE_KEPT):
                 done[t.id] = deps
                 if t.stage in backward_stages:
                     backward_done.extend(deps + spread.extra_wgrads)
                 self.history.record(original, deps)
                 continue
             if t.lane == "upload":
-                if t.kind == "grad_in" and not t.deps and t.boundary == plan.num_layers:
+                if t.kind == TaskKind.GRAD_IN and not t.deps and t.boundary == plan.num_layers:
                     deps += done[host_output[t.microbatch]]  # the host computes the loss and its gradient
-                if t.kind == "weights":
+                if t.kind == TaskKind.WEIGHTS:
                     deps += [op for layer in range(*t.layers) for op in self.calls.gate.get(layer, [])]
                 # Weights are held as the worker holds them (fp32 leaves under a mixed precision), not as sent.
-                held = self.view.weights(*t.layers) if t.kind == "weights" else t.bytes
+                held = self.view.weights(*t.layers) if t.kind == TaskKind.WEIGHTS else t.bytes
                 op = Op(w, "upload", t.kind, name, t.microbatch, step, bytes=t.bytes, priority=t.priority,
                         deps=deps + gate, alloc=[(w, held)])
-                if t.kind == "weights":
+                if t.kind == TaskKind.WEIGHTS:
                     spread.copy_weights(op, self.add)
             elif t.lane == "compute":
                 op = self._compute(t, step, spread.compute_deps(t, deps), [tasks[d] for d in t.deps],
                                    outputs_of.get(t.id, []), *spread.first_last(t))
                 spread.computed(t, op)
-            elif t.kind == "wgrad" and spread.spreads(t):
+            elif t.kind == TaskKind.WGRAD and spread.spreads(t):
                 op = spread.wgrads(t, deps, step, self.add, wgrads)
             else:
-                free = [(w, t.bytes)] if t.kind != "loss" else []
+                free = [(w, t.bytes)] if t.kind != TaskKind.LOSS else []
                 op = Op(w, "download", t.kind, name, t.microbatch, step, bytes=t.bytes, priority=t.priority, deps=deps,
                         free=free)
             self.add(op)
             done[t.id] = [op]
             self.history.record(original, [op])
-            if t.kind == "loss":
+            if t.kind == TaskKind.LOSS:
                 losses.append(op)
-            elif t.kind == "wgrad":
+            elif t.kind == TaskKind.WGRAD:
                 wgrads.append((t.layers[0], op))
         if barriers:
             main = self._main_last()
@@ -411,14 +411,14 @@ class _RoundPipeBuilder:
         """Host time to submit ``t``: ``dispatch_s``, plus for a compute task the launches of its
         decoder layers. The issue is charged before the task starts (no overlap of issuing with
         the device running what was issued): an upper bound on the launch cost."""
-        if t.kind in ("release", "free_kept"):
+        if t.kind in (TaskKind.RELEASE, TaskKind.FREE_KEPT):
             return 0.0
         seconds = self.hw.dispatch_s
         span = self.view.costs.decoder_layers
         if t.lane == "compute" and span is not None and self.hw.launch_s > 0:
             n = max(0, min(t.end, span[1]) - max(t.start, span[0]))
             seconds += self.hw.launch_seconds(t.kind, n)
-            extra = self.view.costs.extra_launches_per_decoder_layer[0 if t.kind == "forward" else 1]
+            extra = self.view.costs.extra_launches_per_decoder_layer[0 if t.kind == TaskKind.FORWARD else 1]
             seconds += n * extra * self.hw.launch_s  # an MoE layer's expert dispatch (cost/moe_loop.py)
         return seconds
 
@@ -426,9 +426,9 @@ class _RoundPipeBuilder:
                  outputs: list[GraphTask], first: bool, last: bool) -> Op:
         view, a, b, w = self.view, t.start, t.end, t.worker
         transient = view.stage_graph(t.kind, a, b)
-        if t.kind == "forward":
+        if t.kind == TaskKind.FORWARD:
             seconds = view.forward_s(a, b)
-        elif t.kind == "fused":
+        elif t.kind == TaskKind.FUSED:
             seconds = view.fused_s(a, b)
         else:
             seconds = view.backward_with_recompute_s(a, b)
@@ -437,9 +437,9 @@ class _RoundPipeBuilder:
             seconds -= view.early_stop_s(a, b - 1)  # every layer but the last (priced above, or the loss) stops early
             if not self.cfg.layer_inputs_from_forward:
                 seconds += view.forward_s(a, b - 1)  # the pass without grad that keeps the layer inputs
-        grads_total = view.grads(a, b) if t.kind != "forward" else 0
+        grads_total = view.grads(a, b) if t.kind != TaskKind.FORWARD else 0
         out_total = sum(o.bytes for o in outputs)
-        in_total = sum(i.bytes for i in inputs if i.kind in ("act_in", "grad_in"))
+        in_total = sum(i.bytes for i in inputs if i.kind in (TaskKind.ACT_IN, TaskKind.GRAD_IN))
         alloc = [(w, transient + out_total)] + ([(w, grads_total)] if first and grads_total else [])
         free = [(w, transient + in_total)] + ([(w, view.weights(a, b))] if last else [])
         return Op(w, "compute", t.kind, t.stage, t.microbatch, step, seconds=seconds, deps=deps, alloc=alloc, free=free)

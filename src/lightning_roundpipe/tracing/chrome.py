@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from ..schedule.graph_task import LANES
 from .records import HOST_WORKER, TraceRecord
 
 # Queues in the order a worker's rows are shown (data flows upload -> compute -> download).
-QUEUE_ORDER = ("upload", "compute", "download", "host")
+QUEUE_ORDER = (*LANES, "host")
 
 
 def _task_name(r: TraceRecord) -> str:

@@ -3,7 +3,8 @@ backend's protocol on fake CPU streams ("fake_cuda", for CI), and that protocol 
 hardware profile ("emulated": emulated GPUs, ``emulated.py``)."""
 
 from .cpu import CpuWorkerPool
-from .completions import Completion, PipelineError, PipelineTimeout, TaskLabel, WorkerError
+from ..errors import PipelineError, PipelineTimeout, WorkerError
+from .completions import Completion, TaskLabel
 from .device_memory import WorkerOutOfMemoryError
 from .pool import LaneCounters, Worker, WorkerPool
 

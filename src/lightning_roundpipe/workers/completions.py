@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..errors import PipelineError, PipelineTimeout, WorkerError
 from .compile_clock import COMPILE_CLOCK, wait_excluding_compiles
 
 
@@ -44,27 +45,6 @@ class TaskLabel:
         if self.queue:
             parts.append(f"{self.queue} queue")
         return ", ".join(parts)
-
-
-class PipelineError(RuntimeError):
-    """Base class of the errors the pipeline raises to the caller."""
-
-
-class WorkerError(PipelineError):
-    """A task failed on a worker. ``__cause__`` is the original exception; the message holds its traceback."""
-
-    def __init__(self, label: TaskLabel, original: BaseException, tb_text: str):
-        self.label = label
-        self.original = original
-        self.worker_traceback = tb_text
-        super().__init__(
-            f"{type(original).__name__} in task [{label}]: {original}\n"
-            f"--- original traceback on the worker ---\n{tb_text.rstrip()}"
-        )
-
-
-class PipelineTimeout(PipelineError, TimeoutError):
-    """A wait ran past its timeout. The message names the task waited on and what it was waiting for."""
 
 
 class Deferred:

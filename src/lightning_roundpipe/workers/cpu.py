@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..schedule.graph_task import TaskKind
 from .device_memory import AllocationTally
 from .host_allocator import keep_freed_memory
 from .pool import Lane, Task, WorkerPool, Worker
@@ -114,7 +115,7 @@ class CpuWorkerPool(WorkerPool):
 
     def execute(self, lane: Lane, task: Task) -> None:
         start = self.trace.now()
-        if task.done.label.kind == "release":
+        if task.done.label.kind == TaskKind.RELEASE:
             value = task.fn()
         elif lane.queue == "compute":
             pause = self._jitter() + self.compute_delay_s

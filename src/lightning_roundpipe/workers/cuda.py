@@ -19,8 +19,10 @@ from typing import Iterable
 
 import torch
 
+from ..schedule.graph_task import TaskKind
 from ..cost.device_overheads import TWO_POOL_SHARE, device_reserved_bytes, two_pool_budget_bytes  # noqa: F401 (TWO_POOL_SHARE re-exported)
-from .completions import Completion, Deferred, PipelineTimeout, worker_error
+from ..errors import PipelineTimeout
+from .completions import Completion, Deferred, worker_error
 from .fake_allocator import FakeCachingAllocator, PoolTally, fake_gpu_capacity_bytes
 from .host_buffers import DEFAULT_CAP_BYTES, HostBufferPool
 from .pinning import PAGE, page_span
@@ -94,7 +96,7 @@ class StreamWorkerPool(WorkerPool):
 
     def execute(self, lane: Lane, task: Task) -> None:
         self.holds.collect()
-        if task.done.label.kind == "release":
+        if task.done.label.kind == TaskKind.RELEASE:
             self._release(task)
             return
         drv = self.driver
@@ -112,7 +114,7 @@ class StreamWorkerPool(WorkerPool):
         for dep in task.deps:
             if dep.device_event is not None:
                 drv.wait_event(stream, dep.device_event)
-        timed = self.trace.recording and task.done.label.kind != "release"
+        timed = self.trace.recording and task.done.label.kind != TaskKind.RELEASE
         start = None
         if timed:
             start = drv.new_event(timing=True)

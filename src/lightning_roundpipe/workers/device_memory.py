@@ -17,7 +17,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .completions import PipelineError, TaskLabel, WorkerError
+from ..errors import PipelineError, WorkerError
+from .completions import TaskLabel
 
 CAP_ADVICE = ("fit it by splitting each batch into more microbatches (fewer tokens each), keeping "
               "recompute='always', setting partition.memory_budget_bytes so the partitioner cuts "

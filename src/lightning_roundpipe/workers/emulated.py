@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Callable
 
+from ..schedule.graph_task import TaskKind
 from .completions import TaskLabel
 from .cuda import FakeCudaWorkerPool
 from .host_buffers import DEFAULT_CAP_BYTES
@@ -205,7 +206,7 @@ class EmulatedWorkerPool(FakeCudaWorkerPool):
     def execute(self, lane: Lane, task: Task) -> None:
         """Issue ``task`` as the fake-stream pool does, its work made to last its device time."""
         label = task.done.label
-        if self.device_time is not None and label.kind != "release":
+        if self.device_time is not None and label.kind != TaskKind.RELEASE:
             seconds = self.device_time(label, task.nbytes) * self.time_scale
             task.fn = self._timed(task.fn, seconds, lane.worker.index, label.kind in TRANSFER_KINDS)
         super().execute(lane, task)

@@ -21,13 +21,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..schedule.graph_task import LANES, TaskKind
 from ..tracing.records import TraceRecord, TraceRecorder
 from .compile_clock import COMPILE_CLOCK
-from .completions import Completion, PipelineTimeout, TaskLabel
+from ..errors import PipelineTimeout
+from .completions import Completion, TaskLabel
 from .device_memory import DeviceMemory
 from .threads import keep_intra_op_threads, set_intra_op_threads
 
-QUEUES = ("upload", "compute", "download")
+QUEUES = LANES  # a worker's queues are the task graph's lanes
 log = logging.getLogger("lightning_roundpipe")
 
 
@@ -691,7 +693,7 @@ class WorkerPool:
 
     def record(self, lane: Lane, task: Task, start: float, end: float) -> None:
         """Put the task on the timeline when one is recorded (releases are left out)."""
-        if self.trace.recording and task.done.label.kind != "release":
+        if self.trace.recording and task.done.label.kind != TaskKind.RELEASE:
             lab = task.done.label
             self.trace.add(
                 TraceRecord(lane.worker.index, lane.queue, lab.kind, lab.stage, lab.microbatch, task.nbytes, start, end, task.step)
