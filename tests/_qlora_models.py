@@ -27,9 +27,9 @@ STEPS = 3
 BATCH = 6  # split into 3 microbatches of 2
 
 
-def bnb_qlora_model(arch: str, path, hidden: int = 64, layers: int = 2, compute_dtype=torch.float32):
+def bnb_qlora_model(arch: str, path, hidden: int = 64, layers: int = 2, compute_dtype=torch.float32, dora: bool = False):
     """A tiny ``arch`` causal LM, saved to ``path`` and loaded back in 4-bit NF4 with double quantization,
-    prepared for k-bit training and wrapped with LoRA (r=4) on q, v, up and down."""
+    prepared for k-bit training and wrapped with LoRA (r=4; DoRA with ``dora``) on q, v, up and down."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -47,7 +47,7 @@ def bnb_qlora_model(arch: str, path, hidden: int = 64, layers: int = 2, compute_
     model = prepare_model_for_kbit_training(model)
     torch.manual_seed(1)
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
-                      init_lora_weights="gaussian")  # B != 0: every adapter tensor gets a gradient at once
+                      init_lora_weights="gaussian", use_dora=dora)  # B != 0: every adapter tensor gets a gradient at once
     model = get_peft_model(model, lora)
     model.train()  # from_pretrained returns the model in eval mode
     return model

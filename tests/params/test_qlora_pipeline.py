@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from _models import weight_error
-from _qlora_models import QLoraLM, bnb_qlora_model, fit, nf4_model, trainable
+from _qlora_models import QLoraLM, bnb_qlora_model, fit, floor, nf4_model, trainable
 from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.workers import cuda as cuda_backend
 
@@ -124,6 +124,22 @@ def test_bitsandbytes_qlora_matches_default_strategy_on_cpu_workers(arch, opt, g
 def test_bitsandbytes_qlora_matches_default_strategy_on_fake_cuda(arch, opt, grain, tmp_path_factory, fake_cuda):
     path = tmp_path_factory.getbasetemp() / f"qlora-{arch}"
     check_parity(arch, lambda: bnb_qlora_model(arch, path), opt, grain, fake_cuda)
+
+
+@pytest.mark.slow  # a floor and two fits with the HF stack: ~15-30 s
+@pytest.mark.timeout(180)
+def test_dora_on_a_4bit_base_matches_default_strategy_on_fake_cuda(tmp_path_factory, fake_cuda):
+    """DoRA over bitsandbytes' 4-bit base (peft dequantizes the weight for its norm inside forward): the
+    rebuilt ``Params4bit`` and its uploaded ``quant_state`` serve that path too; the floor is measured here."""
+    path = tmp_path_factory.getbasetemp() / "qlora-llama"
+    make = lambda: bnb_qlora_model("llama", path, dora=True)  # noqa: E731
+    noise = floor(make, "sgd")
+    w0, ref = reference("llama-dora", make, "sgd")
+    got = pipelined(make, "sgd", "stage", fake_cuda)
+    assert got.keys() == ref.keys() and any("magnitude" in k for k in got)
+    err = weight_error(got, ref, w0)
+    print(f"parity llama DoRA sgd stage fake_cuda: {err:.3g} = {err / noise:.2f} floors (floor {noise:.3g})")
+    assert err <= FLOOR_MULTIPLE * noise, (err, noise)
 
 
 ALL_NF4 = [(o, g) for o in ("sgd", "adamw") for g in GRAINS]
