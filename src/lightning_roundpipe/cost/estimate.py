@@ -89,6 +89,7 @@ def estimate_costs(
       their own dtype; ``device_weight_bytes``: as the worker holds them (a trainable cast
       parameter as its fp32 leaf plus autocast's compute-dtype copy);
     * ``grad_bytes``: trainable parameters in their own dtype (the fp32 leaves' gradients);
+      ``download_grad_bytes``: those gradients as downloaded (``autocast_cast.download_dtype``);
     * ``act_bytes_per_token``: ``hidden_bytes_per_token`` for every layer when given, otherwise
       the width of the layer's last Linear/Embedding/Norm times the compute dtype size.
 
@@ -131,7 +132,7 @@ def estimate_costs(
                          params=sum(p.numel() for p in params),
                          trainable_params=sum(p.numel() for p in params if p.requires_grad),
                          active_params=round(sum(p.numel() for p in params) - idle),
-                         device_weight_bytes=on_device.held)
+                         device_weight_bytes=on_device.held, download_grad_bytes=on_device.downloads)
         if context_tokens:
             carried_mask = _price_sequence_memory(cost, layer, context_tokens, dtype_bytes, carried_mask)
         out.append(cost)

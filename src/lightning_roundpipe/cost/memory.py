@@ -14,7 +14,7 @@ graph at a time plus the inputs of its layers after the first (the first is the 
 Host: fp32 master weights, fp32 gradients and two fp32 Adam moments (16 bytes) per trainable
 parameter, the compute-dtype copy of every parameter that uploads read from (frozen LoRA bases
 live only in that copy), the host buffers the weight gradients are downloaded into (in their
-device dtype, fp32 for trainable weights under a mixed precision: ``LayerCost.grad_bytes``), the
+download dtype: fp32, but bf16 for a bf16 upload under bf16-mixed: ``LayerCost.grad_download_bytes``), the
 failed-step undo's journal (before-images of at most ``DEFAULT_UNDO_JOURNAL_BYTES``, 12 bytes per
 trainable parameter below that), and the stage-boundary activations the forward saves for
 recompute (every microbatch, every backward stage start).
@@ -25,8 +25,8 @@ stage's buffers back once they are added to ``.grad`` (lent at once: in steady s
 stage's gradients). A fused call (a Hugging Face model computing its own loss) runs its whole
 backward inside the forward and keeps every gradient download until the call is gone, since a
 second backward through it re-adds them: a step's gradients then arrive while the previous step's
-are still the user's ``.grad`` (Lightning zeroes them after ``training_step``), so both are held,
-4 bytes per trainable parameter each.
+are still the user's ``.grad`` (Lightning zeroes them after ``training_step``), so both are held:
+4 bytes per trainable parameter for ``.grad``, and the downloads' own bytes (2 for a bf16 upload).
 
 With packed (4-bit) base weights the upload copy is the packed bytes (``CostProfile.host_copy_bytes``,
 ``cost/quantization.py``).
@@ -176,7 +176,7 @@ def stage_peak_bytes(plan: Plan, view: CostView, stages: list[Stage], k: int,
             return True
         return nbytes / link_bytes_per_second > _seconds_to_peak(plan, view, stage)
 
-    prev_grads = view.grads(prev.start, prev.end) if _is_backward(plan, prev) else 0
+    prev_grads = view.downloads(prev.start, prev.end) if _is_backward(plan, prev) else 0  # link time
     prefetched = view.weights(nxt.start, nxt.end) if overlaps_next else 0
     going_home = stage_state_bytes(plan, view, prev) if pending(prev_grads) and n > 1 else 0
     weights = stage_state_bytes(plan, view, stage) + max(going_home, prefetched)
@@ -215,7 +215,7 @@ class HostMemory:
     optimizer_state: int  # fp32 masters, gradients and Adam moments of trainable parameters
     compute_copy: int  # compute-dtype copy of every parameter (uploads read it)
     saved_activations: int  # stage inputs kept for recompute, all microbatches
-    gradient_downloads: int = 0  # host buffers the weight gradients land in (their device dtype, fp32 when trained)
+    gradient_downloads: int = 0  # host buffers the weight gradients land in (their download dtype)
     params: int = 0  # distinct parameters, for the per-parameter figures
     undo_images: int = 0  # the undo journal (optimizer_undo): before-images of master + moments, bounded
     saved_inputs_per_microbatch: int = 0  # stage inputs the forward saves for recompute (backward stages but the first)
@@ -269,10 +269,10 @@ def gradient_download_bytes(view: CostView, plan: Plan | None, fused: bool) -> i
     backward stage's gradients when those are more."""
     n = len(view.layers)
     if fused:
-        return view.grads(0, n)
+        return view.downloads(0, n)
     stages = plan.backward_stages() if plan is not None else [Stage("B", 0, l, l + 1) for l in range(n)]
-    largest = max((view.grads(s.start, s.end) for s in stages), default=0)
-    return max(min(DOWNLOAD_POOL_CAP_BYTES, view.grads(0, n)), largest)
+    largest = max((view.downloads(s.start, s.end) for s in stages), default=0)
+    return max(min(DOWNLOAD_POOL_CAP_BYTES, view.downloads(0, n)), largest)
 
 
 def memlock_kib(pinned_bytes: int) -> int:

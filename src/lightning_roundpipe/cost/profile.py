@@ -45,6 +45,15 @@ class LayerCost:
     # under a mixed precision a trainable bf16 upload is an fp32 leaf there, plus autocast's bf16 copy
     # of it (cost/autocast_cast.py). None: ``weight_bytes``.
     device_weight_bytes: int | None = None
+    # Bytes of the layer's gradient download, where fewer than ``grad_bytes``: under bf16-mixed the
+    # gradient of a bf16 upload is rounded to bf16 on the worker and downloaded so (cost/autocast_cast.py's
+    # ``download_dtype``). None: ``grad_bytes``.
+    download_grad_bytes: int | None = None
+
+    @property
+    def grad_download_bytes(self) -> int:
+        """Bytes of the layer's gradient download (``download_grad_bytes`` or ``grad_bytes``)."""
+        return self.grad_bytes if self.download_grad_bytes is None else self.download_grad_bytes
 
     @property
     def held_weight_bytes(self) -> int:
@@ -207,6 +216,7 @@ class StageCostModel:
         self._weights = prefix(c.weight_bytes for c in layers)
         self._held = prefix(c.held_weight_bytes for c in layers)
         self._grads = prefix(c.grad_bytes for c in layers)
+        self._downloads = prefix(c.grad_download_bytes for c in layers)
         from .view import CostView  # the view reads this module's profile types
 
         self.view = CostView(costs)
@@ -233,9 +243,10 @@ class StageCostModel:
         act_out = self._act(end - 1)
         held = self.view.in_bytes(start) + self.view.stage_graph(kind, start, end)
         if kind == "forward":
-            compute, up, down, grads = fwd, act_in, act_out, 0
+            compute, up, down, grads, downloads = fwd, act_in, act_out, 0, 0
         else:
             grads = int(self._grads[end] - self._grads[start])
+            downloads = int(self._downloads[end] - self._downloads[start])
             if kind == "fused":
                 compute, up, down = fwd + bwd, act_in, act_in  # the loss scalar coming back is negligible
             else:
@@ -251,7 +262,7 @@ class StageCostModel:
             microbatch_upload_s=self._transfer_s(up),
             microbatch_download_s=self._transfer_s(down),
             weight_upload_s=self._transfer_s(weights),
-            grad_download_s=self._transfer_s(grads),
+            grad_download_s=self._transfer_s(downloads),
             weight_bytes=int(self._held[end] - self._held[start]),
             grad_bytes=grads,
             activation_bytes=int(held),

@@ -56,7 +56,7 @@ class ProfileDeviceTimes:
             share = nbytes / scaled if scaled > 0 and nbytes > 0 else 1.0
             return self.link_s(share * v.weights(a, b))
         if kind == "wgrad":
-            return self.link_s(v.grads(a, b))
+            return self.link_s(v.downloads(a, b))
         if kind == "loss":
             return self.link_s(LOSS_BYTES)
         # Activations: what enters a stage (act_in at a; grad_in is the gradient at its end, b), what
