@@ -1,6 +1,7 @@
 """bf16-mixed weight pricing: the cost model's per-layer weight and gradient bytes are what a worker
 really holds (cost/autocast_cast.py): Linear weights uploaded in bf16, embedding and norms in
-fp32, trainable bf16 uploads held as fp32 leaves with fp32 gradients, plus autocast's bf16 copy."""
+fp32, trainable bf16 uploads held as fp32 leaves with fp32 gradients, plus autocast's bf16 copy;
+the gradients of bf16 uploads downloaded in bf16 (``autocast_cast.download_dtype``)."""
 
 import gc
 
@@ -28,16 +29,18 @@ def _storage_bytes(tensors) -> int:
 
 def _measured_per_layer(model, monkeypatch):
     """Train one bf16-mixed step of ``model``, one layer per stage, and return per pipelined layer
-    (bytes of the device weights, bytes of their device gradients), read as each stage is released."""
-    seen: dict[int, tuple[int, int]] = {}
+    (bytes of the device weights, of their device gradients, of those gradients as downloaded), read
+    as each stage is released."""
+    seen: dict[int, tuple[int, int, int]] = {}
     release = StageWeights.release
 
     def measuring_release(self):
         layer = self.layer_ids[0]
         held = _storage_bytes(self.device)
-        grads = _storage_bytes(self.device_grads())
-        old = seen.get(layer, (0, 0))
-        seen[layer] = (max(old[0], held), max(old[1], grads))
+        grads = _storage_bytes(self.device[i].grad for i in self.trainable_indices())
+        downloads = _storage_bytes(self.device_grads())
+        old = seen.get(layer, (0, 0, 0))
+        seen[layer] = (max(old[0], held), max(old[1], grads), max(old[2], downloads))
         release(self)
 
     monkeypatch.setattr(StageWeights, "release", measuring_release)
@@ -75,10 +78,11 @@ def test_llama_bf16_weight_and_gradient_bytes_are_what_the_worker_holds(monkeypa
     layers, measured, ledger = _measured_per_layer(model, monkeypatch)
     costs = estimate_costs(layers, 16, None, torch.bfloat16)
     cast = autocast_cast_parameters(layers)
-    for i, (layer, cost, (held, grads)) in enumerate(zip(layers, costs.layers, measured)):
+    for i, (layer, cost, (held, grads, downloads)) in enumerate(zip(layers, costs.layers, measured)):
         copies = _autocast_copy_bytes(layer)
         assert copies == sum(p.numel() * 2 for p in layer.parameters() if id(p) in cast)  # every Linear weight, once
-        assert (cost.device_weight_bytes, cost.grad_bytes) == (held + copies, grads), f"layer {i}"
+        assert (cost.device_weight_bytes, cost.grad_bytes, cost.grad_download_bytes) == (
+            held + copies, grads, downloads), f"layer {i}"
     # The embedding (layer 0) is uploaded and held in fp32; a decoder layer's Linear weights travel in bf16.
     embed = layers[0]
     rotary = sum(b.numel() * b.element_size() for b in embed.buffers())  # the prefix's inv_freq, as stored
@@ -88,10 +92,11 @@ def test_llama_bf16_weight_and_gradient_bytes_are_what_the_worker_holds(monkeypa
     linear = sum(p.numel() for p in decoder.parameters() if id(p) in cast)
     norms = sum(p.numel() for p in decoder.parameters() if id(p) not in cast)
     assert norms > 0 and linear > 0
-    assert (costs.layers[1].weight_bytes, costs.layers[1].device_weight_bytes, costs.layers[1].grad_bytes) == (
-        2 * linear + 4 * norms, 6 * linear + 4 * norms, 4 * (linear + norms))
+    assert (costs.layers[1].weight_bytes, costs.layers[1].device_weight_bytes, costs.layers[1].grad_bytes,
+            costs.layers[1].grad_download_bytes) == (
+        2 * linear + 4 * norms, 6 * linear + 4 * norms, 4 * (linear + norms), 2 * linear + 4 * norms)
     # The workers' ledger counts the fp32 leaves too: its peak covers the largest stage's held leaves.
-    assert max(ledger) >= max(h for h, _ in measured)
+    assert max(ledger) >= max(h for h, _, _ in measured)
 
 
 @pytest.mark.timeout(60)
@@ -104,8 +109,8 @@ def test_frozen_linear_weights_stay_bf16_on_the_worker():
     cast = autocast_cast_parameters(layers)
     linear = sum(p.numel() for p in layers[0].parameters() if id(p) in cast)
     norms = sum(p.numel() for p in layers[0].parameters() if id(p) not in cast)
-    assert (cost.weight_bytes, cost.device_weight_bytes, cost.grad_bytes) == (
-        2 * linear + 4 * norms, 2 * linear + 4 * norms, 4 * norms)
+    assert (cost.weight_bytes, cost.device_weight_bytes, cost.grad_bytes, cost.grad_download_bytes) == (
+        2 * linear + 4 * norms, 2 * linear + 4 * norms, 4 * norms, 4 * norms)
 
 
 @pytest.mark.timeout(60)
@@ -125,5 +130,5 @@ def test_the_simulators_shape_prices_a_decoder_layer_as_the_module_estimate(fami
                        c.head_dim, c.vocab_size, c.num_hidden_layers, qk_norm=family == "qwen3_moe", **moe)
     real = estimate_costs([model.model.layers[0]], 16, None, torch.bfloat16).layers[0]
     sim = shape_layer_costs(shape, load_hardware("rtx4090"), 16, 1, 2).layers[1]
-    assert (sim.weight_bytes, sim.device_weight_bytes, sim.grad_bytes) == (
-        real.weight_bytes, real.device_weight_bytes, real.grad_bytes)
+    assert (sim.weight_bytes, sim.device_weight_bytes, sim.grad_bytes, sim.grad_download_bytes) == (
+        real.weight_bytes, real.device_weight_bytes, real.grad_bytes, real.grad_download_bytes)

@@ -30,11 +30,13 @@ def test_plan_output_shows_pinned_memory_on_its_own_line():
     params = get_model_shape("qwen3-8b").num_params()
     report = plan_training("qwen3-8b", "rtx4090", 1024, find_max_seq_len=False)
     h = report.host
-    # bf16 shadows; the fused call's gradient downloads in fp32 (priced at 2 B, the compute dtype, until
-    # bf16-mixed's trainable weights were found to download fp32 gradients)
-    assert h.compute_copy == 2 * params and h.gradient_downloads == 4 * params
+    # bf16 shadows; the fused call's gradient downloads: bf16 for bf16 uploads (Linear weights), fp32 for the
+    # embedding and norms (4 B/param, all fp32, before the gradients of bf16 uploads were downloaded in bf16;
+    # 2 B, the compute dtype, before bf16-mixed's trainable weights were found to download fp32 gradients)
+    fp32_uploads = 151936 * 4096 + 36 * (2 * 4096 + 2 * 128) + 4096  # embedding, norms, q/k norms, final norm
+    assert h.compute_copy == 2 * params and h.gradient_downloads == 2 * params + 2 * fp32_uploads
     assert h.pinned_upload_bytes_per_param == 2.0
-    assert h.pinned == 6 * params + h.saved_activations
+    assert h.pinned == h.compute_copy + h.gradient_downloads + h.saved_activations
     line = next(l for l in report.to_text().splitlines() if l.startswith("Pinned host memory:"))
     assert line.startswith(f"Pinned host memory: {h.pinned / 2**30:.1f} GiB")
     assert "upload copy 2.0 B/param" in line

@@ -38,15 +38,27 @@ def device_dtype(master: torch.Tensor, upload_dtype: torch.dtype, trainable: boo
     return master.dtype if trainable and master.is_floating_point() else upload_dtype
 
 
+def download_dtype(device: torch.dtype, upload: torch.dtype) -> torch.dtype:
+    """The dtype a worker downloads a gradient in, for a tensor held in ``device`` and uploaded in
+    ``upload``: bf16 for an fp32 leaf uploaded in bf16, else ``device``. The leaf's gradient is the
+    stage's microbatches summed in fp32; rounding that sum to bf16 once is what Lightning's
+    bf16-mixed does per backward call (the gradient of autocast's bf16 cast is bf16; autograd casts
+    it to fp32 and adds it into ``.grad``). fp16 keeps fp32 downloads: a sum rounded to fp16 could
+    overflow or flush where the microbatches' own fp16 gradients did not."""
+    return torch.bfloat16 if upload == torch.bfloat16 and device == torch.float32 else device
+
+
 @dataclass(frozen=True)
 class LayerDeviceBytes:
     """One layer's weight bytes: ``upload`` over the link, ``held`` on the worker while a stage
     computes with them (the leaves, plus autocast's lower-precision copy of each trainable cast
-    parameter, cached for the task), ``grads`` of its trainable parameters on the worker."""
+    parameter, cached for the task), ``grads`` of its trainable parameters on the worker,
+    ``downloads`` of those gradients over the link (``download_dtype``)."""
 
     upload: int
     held: int
     grads: int
+    downloads: int
 
 
 def layer_device_bytes(layers: Sequence[nn.Module], compute_dtype: torch.dtype | None) -> list[LayerDeviceBytes]:
@@ -56,7 +68,7 @@ def layer_device_bytes(layers: Sequence[nn.Module], compute_dtype: torch.dtype |
     cast = autocast_cast_parameters(layers) if compute_dtype is not None else set()
     out = []
     for layer in layers:
-        upload = held = grads = 0
+        upload = held = grads = downloads = 0
         for p in {id(t): t for t in layer.parameters()}.values():
             lower = id(p) in cast and p.is_floating_point()
             up = compute_dtype if lower else p.dtype
@@ -65,8 +77,9 @@ def layer_device_bytes(layers: Sequence[nn.Module], compute_dtype: torch.dtype |
             held += p.numel() * device_dtype(p, up, trainable).itemsize
             if trainable:
                 grads += p.numel() * p.dtype.itemsize
+                downloads += p.numel() * download_dtype(p.dtype, up).itemsize
                 if up != p.dtype:  # autocast casts the fp32 leaf back at use and caches the copy
                     held += p.numel() * up.itemsize
         buffers = sum(b.numel() * b.element_size() for b in {id(t): t for t in layer.buffers()}.values())
-        out.append(LayerDeviceBytes(upload + buffers, held + buffers, grads))
+        out.append(LayerDeviceBytes(upload + buffers, held + buffers, grads, downloads))
     return out

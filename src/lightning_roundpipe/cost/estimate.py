@@ -90,6 +90,7 @@ def estimate_costs(
       their own dtype; ``device_weight_bytes``: as the worker holds them (a trainable cast
       parameter as its fp32 leaf plus autocast's compute-dtype copy);
     * ``grad_bytes``: trainable parameters in their own dtype (the fp32 leaves' gradients);
+      ``download_grad_bytes``: those gradients as downloaded (``autocast_cast.download_dtype``);
     * ``act_bytes_per_token``: ``hidden_bytes_per_token`` for every layer when given, otherwise
       the width of the layer's last Linear/Embedding/Norm times the compute dtype size; a layer with an
       ``activation_bytes_per_token(dtype_bytes)`` method (the Hugging Face adapter's layers) gives its
@@ -135,7 +136,7 @@ def estimate_costs(
                          params=sum(p.numel() for p in params),
                          trainable_params=sum(p.numel() for p in params if p.requires_grad),
                          active_params=round(sum(p.numel() for p in params) - idle),
-                         device_weight_bytes=on_device.held)
+                         device_weight_bytes=on_device.held, download_grad_bytes=on_device.downloads)
         own = getattr(layer, "activation_bytes_per_token", None)
         if hidden_bytes_per_token is None and callable(own):
             for name, value in own(dtype_bytes).items():

@@ -42,6 +42,15 @@ class LayerCost:
     # under a mixed precision a trainable bf16 upload is an fp32 leaf there, plus autocast's bf16 copy
     # of it (cost/autocast_cast.py). None: ``weight_bytes``.
     device_weight_bytes: int | None = None
+    # Bytes of the layer's gradient download, where fewer than ``grad_bytes``: under bf16-mixed the
+    # gradient of a bf16 upload is rounded to bf16 on the worker and downloaded so (cost/autocast_cast.py's
+    # ``download_dtype``). None: ``grad_bytes``.
+    download_grad_bytes: int | None = None
+
+    @property
+    def grad_download_bytes(self) -> int:
+        """Bytes of the layer's gradient download (``download_grad_bytes`` or ``grad_bytes``)."""
+        return self.grad_bytes if self.download_grad_bytes is None else self.download_grad_bytes
 
     @property
     def held_weight_bytes(self) -> int:

@@ -147,7 +147,7 @@ def stage_peak_bytes(plan: Plan, view: CostView, stages: list[Stage], k: int,
             return True
         return nbytes / link_bytes_per_second > _seconds_to_peak(plan, view, stage)
 
-    prev_grads = view.grads(prev.start, prev.end) if _is_backward(plan, prev) else 0
+    prev_grads = view.downloads(prev.start, prev.end) if _is_backward(plan, prev) else 0  # link time
     prefetched = view.weights(nxt.start, nxt.end) if overlaps_next else 0
     going_home = stage_state_bytes(plan, view, prev) if pending(prev_grads) and n > 1 else 0
     weights = stage_state_bytes(plan, view, stage) + max(going_home, prefetched)
@@ -186,7 +186,7 @@ class HostMemory:
     optimizer_state: int  # fp32 masters, gradients and Adam moments of trainable parameters
     compute_copy: int  # compute-dtype copy of every parameter (uploads read it)
     saved_activations: int  # stage inputs kept for recompute, all microbatches
-    gradient_downloads: int = 0  # host buffers the weight gradients land in (their device dtype, fp32 when trained)
+    gradient_downloads: int = 0  # host buffers the weight gradients land in (their download dtype)
     params: int = 0  # distinct parameters, for the per-parameter figures
     undo_images: int = 0  # the undo journal (optimizer_undo): before-images of master + moments, bounded
     saved_inputs_per_microbatch: int = 0  # stage inputs the forward saves for recompute (backward stages but the first)
@@ -240,10 +240,10 @@ def gradient_download_bytes(view: CostView, plan: Plan | None, fused: bool) -> i
     backward stage's gradients when those are more."""
     n = len(view.layers)
     if fused:
-        return view.grads(0, n)
+        return view.downloads(0, n)
     stages = plan.backward_stages() if plan is not None else [Stage("B", 0, l, l + 1) for l in range(n)]
-    largest = max((view.grads(s.start, s.end) for s in stages), default=0)
-    return max(min(DOWNLOAD_POOL_CAP_BYTES, view.grads(0, n)), largest)
+    largest = max((view.downloads(s.start, s.end) for s in stages), default=0)
+    return max(min(DOWNLOAD_POOL_CAP_BYTES, view.downloads(0, n)), largest)
 
 
 def memlock_kib(pinned_bytes: int) -> int:

@@ -112,6 +112,7 @@ class StageCostModel:
         self._weights = prefix(c.weight_bytes for c in layers)
         self._held = prefix(c.held_weight_bytes for c in layers)
         self._grads = prefix(c.grad_bytes for c in layers)
+        self._downloads = prefix(c.grad_download_bytes for c in layers)
         self.view = CostView(costs)
 
     def _transfer_s(self, num_bytes: float) -> float:
@@ -136,9 +137,10 @@ class StageCostModel:
         act_out = self._act(end - 1)
         held = self.view.in_bytes(start) + self.view.stage_graph(kind, start, end)
         if kind == "forward":
-            compute, up, down, grads = fwd, act_in, act_out, 0
+            compute, up, down, grads, downloads = fwd, act_in, act_out, 0, 0
         else:
             grads = int(self._grads[end] - self._grads[start])
+            downloads = int(self._downloads[end] - self._downloads[start])
             if kind == "fused":
                 compute, up, down = fwd + bwd, act_in, act_in  # the loss scalar coming back is negligible
             else:
@@ -154,7 +156,7 @@ class StageCostModel:
             microbatch_upload_s=self._transfer_s(up),
             microbatch_download_s=self._transfer_s(down),
             weight_upload_s=self._transfer_s(weights),
-            grad_download_s=self._transfer_s(grads),
+            grad_download_s=self._transfer_s(downloads),
             weight_bytes=int(self._held[end] - self._held[start]),
             grad_bytes=grads,
             activation_bytes=int(held),

@@ -57,7 +57,7 @@ class ProfileDeviceTimes:
             share = nbytes / scaled if scaled > 0 and nbytes > 0 else 1.0
             return self.link_s(share * v.uploaded_weights(a, b))  # as they cross the link, not as held
         if kind == TaskKind.WGRAD:
-            return self.link_s(v.grads(a, b))
+            return self.link_s(v.downloads(a, b))
         if kind == TaskKind.LOSS:
             return self.link_s(LOSS_BYTES)
         # Activations: what enters a stage (act_in at a; grad_in is the gradient at its end, b), what

@@ -64,17 +64,20 @@ class ParamSplit:
     linear: int
     other: int
 
-    def device_bytes(self, trainable: "ParamSplit", dtype_bytes: int) -> tuple[int, int, int]:
-        """(uploaded, held on the worker, gradient) bytes of these parameters, ``trainable`` of them
-        trainable, computing in ``dtype_bytes``. Under a mixed precision (``dtype_bytes`` < 4) a
-        trainable Linear weight travels in the compute dtype and is held as an fp32 leaf plus
-        autocast's compute-dtype copy; its gradient, like every gradient, is fp32."""
+    def device_bytes(self, trainable: "ParamSplit", dtype_bytes: int) -> tuple[int, int, int, int]:
+        """(uploaded, held on the worker, gradient, gradient download) bytes of these parameters,
+        ``trainable`` of them trainable, computing in ``dtype_bytes``. Under a mixed precision
+        (``dtype_bytes`` < 4, priced as bf16-mixed) a trainable Linear weight travels in the compute
+        dtype and is held as an fp32 leaf plus autocast's compute-dtype copy; every gradient is fp32 on
+        the worker, and a Linear weight's is downloaded in bf16 (``autocast_cast.download_dtype``)."""
         if dtype_bytes >= FP32_BYTES:
             total = self.linear + self.other
-            return total * dtype_bytes, total * dtype_bytes, (trainable.linear + trainable.other) * dtype_bytes
+            grads = (trainable.linear + trainable.other) * dtype_bytes
+            return total * dtype_bytes, total * dtype_bytes, grads, grads
         upload = self.linear * dtype_bytes + self.other * FP32_BYTES
         held = upload + trainable.linear * FP32_BYTES
-        return upload, held, (trainable.linear + trainable.other) * FP32_BYTES
+        downloads = trainable.linear * dtype_bytes + trainable.other * FP32_BYTES
+        return upload, held, (trainable.linear + trainable.other) * FP32_BYTES, downloads
 
 
 def projection_split(shape: ModelShape) -> ParamSplit:
@@ -251,8 +254,8 @@ def shape_layer_costs(
 
     def layer(fwd: LayerWork, bwd: LayerWork, params: "ParamSplit", trainable: "ParamSplit", act: int) -> LayerCost:
         f = seconds(fwd)
-        upload, held, grads = params.device_bytes(trainable, dtype_bytes)
-        return LayerCost(f, f, seconds(bwd), upload, grads, act, device_weight_bytes=held)
+        upload, held, grads, downloads = params.device_bytes(trainable, dtype_bytes)
+        return LayerCost(f, f, seconds(bwd), upload, grads, act, device_weight_bytes=held, download_grad_bytes=downloads)
 
     layers, params, trainable, graph = [], [], [], []
     carry = activations.carry_bytes(shape, dtype_bytes, labels=loss_in_pipeline)

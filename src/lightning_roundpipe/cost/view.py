@@ -62,6 +62,10 @@ class CostView:
         """Gradient bytes of layers ``[a, b)``."""
         return sum(self.layers[i].grad_bytes for i in range(a, b))
 
+    def downloads(self, a: int, b: int) -> int:
+        """Gradient download bytes of layers ``[a, b)`` (``LayerCost.grad_download_bytes``)."""
+        return sum(self.layers[i].grad_download_bytes for i in range(a, b))
+
     def graph(self, a: int, b: int) -> int:
         """Activations autograd keeps for the backward of the whole range (stage-level recompute)."""
         return (self._graph_prefix[b] - self._graph_prefix[a]) * self.tokens

@@ -4,10 +4,11 @@ The module's own parameters (fp32 for full training) are the masters: they never
 host. For a stage, the unique host tensors of its layers (a tied tensor used twice is uploaded
 once) are copied to the worker in chunks, cast to the compute dtype (floating parameters only;
 buffers keep their dtype). Trainable ones become leaf tensors that collect the stage's gradient
-over all microbatches; that gradient is downloaded once and added to the host ``.grad`` in a
-fixed order. Frozen parameters are uploaded but never produce or download gradients. A packed
-(quantized) weight is uploaded as its packed bytes and quantization state and rebuilt on the
-worker (``packed.py``): its bytes are those parts' everywhere here, never a dequantized copy's.
+over all microbatches; that gradient is downloaded once (a bf16 upload's in bf16,
+``download_dtype``) and added to the host ``.grad`` in a fixed order. Frozen parameters are
+uploaded but never produce or download gradients. A packed (quantized) weight is uploaded as its
+packed bytes and quantization state and rebuilt on the worker (``packed.py``): its bytes are
+those parts' everywhere here, never a dequantized copy's.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..cost.autocast_cast import device_dtype
+from ..cost.autocast_cast import device_dtype, download_dtype
 from .grad_hooks import accumulate_with_hooks, has_grad_hooks
 from .packed import PackedWeight, packed_weight
 
@@ -100,6 +101,10 @@ class StageWeights:
         # master's dtype on the device (autocast casts them back at use, to the same values): their
         # gradients then add up over microbatches in fp32, as under Lightning's mixed precision.
         self.grad_dtypes = [device_dtype(t, d, tr) for t, d, tr in zip(self.host, self.dtypes, self.trainable)]
+        # Downloads: such a gradient (the stage's sum over microbatches, in fp32) is rounded to bf16 once
+        # on the device and downloaded in bf16, as each backward call under Lightning's bf16-mixed adds a
+        # bf16 gradient (that of autocast's cast) into the fp32 ``.grad`` (cost/autocast_cast.py).
+        self.download_dtypes = [download_dtype(g, d) for g, d in zip(self.grad_dtypes, self.dtypes)]
         # Forward stages too upload a parameter that requires grad as requiring grad (no graph is built without
         # grad): some kernels choose their algorithm by it (F.linear on a transposed input, as in
         # nn.MultiheadAttention), so the forward stage computes bit for bit what recompute and the model compute.
@@ -127,8 +132,8 @@ class StageWeights:
         current, size = [], 0
         for i in self.trainable_indices():
             current.append(i)
-            size += tensor_bytes(self.host[i], self.grad_dtypes[i])
-            if size >= chunk_bytes:
+            size += tensor_bytes(self.host[i], self.grad_dtypes[i])  # runs as the device holds them: the
+            if size >= chunk_bytes:  # engine's byte table, built without the shadows, cuts the same runs
                 self.grad_chunks.append(current)
                 current, size = [], 0
         if current or not self.grad_chunks:
@@ -177,8 +182,8 @@ class StageWeights:
         return sum(self._bytes(i, self.grad_dtypes[i]) for i in chunk)
 
     def grad_chunk_bytes(self, chunk: list[int]) -> int:
-        """Download bytes of the gradients of ``chunk`` (a list of ``grad_chunks``), in their dtypes."""
-        return sum(tensor_bytes(self.host[i], self.grad_dtypes[i]) for i in chunk)
+        """Download bytes of the gradients of ``chunk`` (one of ``grad_chunks``), in their download dtypes."""
+        return sum(tensor_bytes(self.host[i], self.download_dtypes[i]) for i in chunk)
 
     def store_chunk(self, chunk: list[int], device_tensors: list[torch.Tensor]) -> None:
         """Keep the uploaded device tensors of ``chunk`` (as ``upload_tensors`` listed them: packed
@@ -210,8 +215,13 @@ class StageWeights:
         return [i for i, tr in enumerate(self.trainable) if tr]
 
     def device_grads(self, indices: list[int] | None = None) -> list[torch.Tensor | None]:
-        """The device gradients of the trainable tensors (of ``indices`` only, e.g. one of ``grad_chunks``)."""
-        return [self.device[i].grad for i in (self.trainable_indices() if indices is None else indices)]
+        """The device gradients of the trainable tensors (of ``indices`` only, e.g. one of ``grad_chunks``),
+        as downloaded: in ``download_dtypes`` (a bf16 copy of an fp32 leaf's gradient made here, on the device)."""
+        out = []
+        for i in (self.trainable_indices() if indices is None else indices):
+            g = self.device[i].grad
+            out.append(g if g is None or g.dtype == self.download_dtypes[i] else g.to(self.download_dtypes[i]))
+        return out
 
     def release(self) -> None:
         """Drop the device tensors."""

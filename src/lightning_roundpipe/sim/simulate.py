@@ -263,7 +263,7 @@ class CostSizes:
     def grad_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
         """One gradient download per trainable layer of ``[start, end)``, last layer first."""
         # Last layers first, as backward produces them; frozen layers send nothing.
-        return [(layer, layer + 1, self.view.layers[layer].grad_bytes) for layer in reversed(range(start, end))
+        return [(layer, layer + 1, self.view.layers[layer].grad_download_bytes) for layer in reversed(range(start, end))
                 if self.view.layers[layer].grad_bytes > 0]
 
     def boundary_bytes(self, boundary: int) -> int:
@@ -368,6 +368,8 @@ class _RoundPipeBuilder:
                 op = spread.wgrads(t, deps, step, self.add, wgrads)
             else:
                 free = [(w, t.bytes)] if t.kind != TaskKind.LOSS else []
+                if t.kind == TaskKind.WGRAD:  # the worker's fp32 gradients go, whatever dtype they travel in
+                    free = [(w, self.view.grads(*t.layers))]
                 op = Op(w, "download", t.kind, name, t.microbatch, step, bytes=t.bytes, priority=t.priority, deps=deps,
                         free=free)
             self.add(op)
