@@ -59,7 +59,7 @@ def packed_costs(costs: CostProfile, shape: ModelShape, hardware: HardwareProfil
         raise ValueError("a 4-bit base is frozen: quantization needs LoRA (the base weights do not train)")
     per_param = nf4_bytes_per_param(double_quant)
     packed_bytes = int(round(packed * per_param))
-    unpacked_upload, unpacked_held, _ = projection_split(shape).device_bytes(ParamSplit(0, 0), costs.dtype_bytes)
+    unpacked_upload, unpacked_held, _, _ = projection_split(shape).device_bytes(ParamSplit(0, 0), costs.dtype_bytes)
     dequantized = dequantized_params_per_call(shape, costs.tokens_per_microbatch)
     dequant_s = (dequantized * (per_param + costs.dtype_bytes) / hardware.memory_bytes_per_s
                  if hardware.memory_bytes_per_s else 0.0)
