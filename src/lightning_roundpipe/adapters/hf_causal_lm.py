@@ -34,6 +34,18 @@ from .hf_outputs import slice_positions
 from .mask_facts import FACT_KEYS, ROWS_UNPACKED, ROWS_UNPADDED, builder_arguments
 
 Carry = dict[str, Any]
+
+
+def readable_shape(config):
+    """The cost shape of ``config``, or None where the shape reader cannot read it (an unverified family
+    with per-layer or unusual fields, e.g. Gemma 4): its layers are then priced by their outputs, as
+    for any module, and ``allow_unverified``'s self-check decides whether it runs."""
+    try:
+        return shape_from_config(config)[0]
+    except (TypeError, ValueError, AttributeError, RuntimeError):
+        return None
+
+
 PostfixMode = Literal["auto", "logits", "loss", "loss_and_logits", "loss_and_stats"]
 
 VERIFIED_MODEL_TYPES = frozenset(FAMILIES)
@@ -218,7 +230,9 @@ class CausalLMPrefix(nn.Module):
     def activation_bytes_per_token(self, dtype_bytes: int) -> dict[str, int]:
         """Per token, the carry it makes (hidden state, rotary, position ids and labels; masks are priced by
         ``dense_mask_bytes_per_token``), all of it new tensors, and the hidden state's gradient."""
-        shape, _ = shape_from_config(self.config)
+        shape = readable_shape(self.config)
+        if shape is None:
+            return {}
         carry = carry_bytes(shape, dtype_bytes)
         return dict(act_bytes_per_token=carry, graph_bytes_per_token=carry,
                     act_grad_bytes_per_token=hidden_grad_bytes(shape, dtype_bytes))
@@ -343,9 +357,9 @@ class DecoderStep(nn.Module):
     def activation_bytes_per_token(self, dtype_bytes: int) -> dict[str, int]:
         """Per token, what the layer keeps and passes on (``cost.activations.decoder_activation_bytes`` of the
         model's config; attention scores and masks are priced by the estimate); none without a config."""
-        if self.config is None:
+        shape = None if self.config is None else readable_shape(self.config)
+        if shape is None:
             return {}
-        shape, _ = shape_from_config(self.config)
         if shape.is_moe and not self.routers:  # a dense layer of an MoE model (Qwen3-MoE's mlp_only_layers)
             shape = dataclasses.replace(shape, num_experts=0, experts_per_token=0, expert_intermediate=0)
         return decoder_activation_bytes(shape, dtype_bytes, lora_rank_of(self.decoder_layer))

@@ -20,8 +20,12 @@ QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # per-head q/k RMSNorm of head_dim (o
 
 
 def _first(config: Any, *names: str, default: Any = None) -> Any:
+    """The first of ``names`` the config sets; a per-layer list (Gemma 3n's ``intermediate_size``) gives its
+    largest entry, so the shape prices the widest layer rather than failing."""
     for name in names:
         value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)):
+            value = max(value) if value else None
         if value is not None:
             return value
     return default
