@@ -27,6 +27,7 @@ from ..options import OptionError
 from ..workers.completions import PipelineTimeout
 from .forward_hooks import ForwardHookError
 from .microbatch import HostRows, batch_size_of, split_microbatches
+from .rng import CPU_GENERATOR
 
 MEASURED_FLOOR = 5.7e-7
 """The summation-order floor in fp32: ||split - whole|| / ||whole|| of a plain stack of 8 Linear+GELU
@@ -358,8 +359,10 @@ class SplitInvarianceCheck:
         parts = split_microbatches(whole, 2) if m > 1 else []
         report = CheckReport(rows=rows)
         # fp32 on the host whatever the caller's autocast: split invariance is the layer's arithmetic, and bf16's
-        # own rounding would hide behind (or fake) a difference
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), torch.autocast("cpu", enabled=False):
+        # own rounding would hide behind (or fake) a difference. The check sets torch's CPU generator back and
+        # forth, so it holds it alone: another fit's pipelined layers in this process must not see it move.
+        with CPU_GENERATOR.exclusive("the split-invariance check"), torch.random.fork_rng(devices=[]), \
+                torch.no_grad(), torch.autocast("cpu", enabled=False):
             for i, layer in enumerate(self.layers):
                 whole, parts = self._layer(i, layer, whole, parts, m, names, report)
         return report
