@@ -407,6 +407,7 @@ class StepMetricsSeen(L.Callback):
         self.measured.append(len(trainer.strategy.runtime.engine.measurements))
 
 
+@pytest.mark.slow  # a real compile past a short timeout, about 13 s
 @pytest.mark.timeout(120)
 def test_compiles_longer_than_the_timeout_count_against_no_wait_nor_the_steps_time(monkeypatch):
     """Each graph's compile takes 4 s (a dynamo backend that sleeps, then runs the graph as is) under a 2 s

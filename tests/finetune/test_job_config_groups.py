@@ -119,9 +119,11 @@ def test_ckpt_path_resumes_the_run(tmp_path):
 @pytest.mark.parametrize("args, message", [
     # before: a Traceback ending in FineTuneInputError: model.path '/nowhere/qwen3' does not exist ...
     (("model.path=/nowhere/qwen3",), "error: model.path '/nowhere/qwen3' does not exist. Set model.path to a local"),
-    (("+trainer.max_epoch=3",), "error: trainer.max_epoch is not read by the fine-tuning job"),
+    # each case is a Hydra job in a fresh process (about 6 s): one of each kind runs by default, the rest are slow
+    pytest.param(("+trainer.max_epoch=3",), "error: trainer.max_epoch is not read by the fine-tuning job",
+                 marks=pytest.mark.slow),
     (("trainer.max_stepz=3",), "Could not override 'trainer.max_stepz'."),  # Hydra's own (composition)
-    (("experiment=nope",), "Could not find 'experiment/nope'"),
+    pytest.param(("experiment=nope",), "Could not find 'experiment/nope'", marks=pytest.mark.slow),
 ])
 def test_user_input_errors_print_one_message_without_a_traceback(tmp_path, args, message):
     done = job(tmp_path, *args, f"hydra.run.dir={tmp_path / 'run'}")
@@ -132,6 +134,7 @@ def test_user_input_errors_print_one_message_without_a_traceback(tmp_path, args,
         assert message in (tmp_path / "run" / "finetune.log").read_text()
 
 
+@pytest.mark.slow  # a Hydra job in a fresh process, about 6 s
 @pytest.mark.timeout(120)
 def test_hydra_full_error_shows_the_traceback(tmp_path):
     done = job(tmp_path, "model.path=/nowhere/qwen3", f"hydra.run.dir={tmp_path / 'run'}", full_error=True)

@@ -113,7 +113,8 @@ def cases(fast: list[tuple], every: list[tuple]) -> list:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("arch,opt,grain", cases([("llama", "adamw", "stage")], ALL_BNB))
+# The fake driver's cases (below, with the residency check) run by default; these CPU-backend ones are slow, for CI's time.
+@pytest.mark.parametrize("arch,opt,grain", cases([], ALL_BNB))
 def test_bitsandbytes_qlora_matches_default_strategy_on_cpu_workers(arch, opt, grain, tmp_path_factory):
     path = tmp_path_factory.getbasetemp() / f"qlora-{arch}"
     check_parity(arch, lambda: bnb_qlora_model(arch, path), opt, grain)
@@ -146,7 +147,7 @@ ALL_NF4 = [(o, g) for o in ("sgd", "adamw") for g in GRAINS]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("opt,grain", cases([("sgd", "stage")], ALL_NF4))
+@pytest.mark.parametrize("opt,grain", cases([], ALL_NF4))
 def test_torchao_nf4_matches_default_strategy_on_cpu_workers(opt, grain):
     check_parity("nf4", nf4_model, opt, grain)
 

@@ -55,6 +55,7 @@ def test_on_gpu_optimizer_state_counts_in_the_bound_memory_check():
     assert not oom.fits and oom.tokens_per_s == 0.0
 
 
+@pytest.mark.slow  # a lab figure, about 7 s
 @pytest.mark.timeout(300)
 def test_published_baselines_are_bounded_and_megatron_32b_runs_out_of_memory():
     from benchmarks.validation.published_gpu import BASELINE_TARGET, baseline_rows

@@ -169,6 +169,7 @@ def test_host_limit_tokens_by_hand():
     assert host_limit_tokens(plan, costs, hw, 0.5, 4.0) == pytest.approx(2 * 10.0 / 1.1)
 
 
+@pytest.mark.slow  # 13 setups simulated, about 15 s: a lab figure (the reference workload), kept out of CI's 15 minutes
 @pytest.mark.timeout(300)  # 13 setups simulated; 121 s on the 2-core machine under a load average of 12
 def test_waterfall_switches_one_cause_at_a_time_to_our_default():
     from lightning_roundpipe.cost.transformer import ModelShape

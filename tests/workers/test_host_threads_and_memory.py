@@ -170,6 +170,7 @@ print(*faults)
 """
 
 
+@pytest.mark.slow  # about 13 s of allocation; its sibling test of freed blocks runs by default
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_a_threads_emptied_heap_is_kept_instead_of_faulting_in_new_pages_every_step():
