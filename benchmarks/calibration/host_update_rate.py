@@ -7,7 +7,7 @@ on one decoder layer's fp32 parameters, here a Qwen3-1.7B layer (hidden 2048, in
 16 query and 8 key/value heads of 128: 50.3e6 parameters; ``--quick``: a 256-wide one). Timed,
 best of ``--repeats`` steps after one untimed step, for the for-loop (torch's CPU default),
 ``foreach`` and ``fused`` implementations at each thread count (``--threads``; the optimizer
-lane's count is ``workers/threads.host_optimizer_threads``). Also checks whether ``fused`` and
+lane's count is ``host/threads.host_optimizer_threads``). Also checks whether ``fused`` and
 ``foreach`` give the for-loop's weights bit for bit after 3 steps (``bitwise_equal_to_for_loop``).
 """
 
@@ -19,7 +19,7 @@ import time
 import torch
 
 from benchmarks.harness import cli, write_json
-from lightning_roundpipe.workers.threads import host_optimizer_threads, usable_cores
+from lightning_roundpipe.host.threads import host_optimizer_threads, usable_cores
 
 IMPLEMENTATIONS = {"for_loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
 

@@ -17,7 +17,7 @@ import sys
 
 CHILD = """
 import resource, statistics, sys, time, torch, torch.nn.functional as F
-from lightning_roundpipe.workers.host_allocator import keep_freed_memory
+from lightning_roundpipe.host.host_allocator import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "kept" else False
 torch.set_num_threads(1)
 base = torch.randn(16 * 128, 6144); y = torch.randint(0, 6144, (16 * 128,))

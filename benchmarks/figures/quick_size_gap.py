@@ -43,7 +43,7 @@ from benchmarks.peers.models import (StageModule, build_layers, make_batch, meas
                                      roundpipe_sequential, token_loss)
 from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions  # noqa: E402
 from lightning_roundpipe.options import PartitionConfig  # noqa: E402
-from lightning_roundpipe.workers.host_allocator import keep_freed_memory  # noqa: E402
+from lightning_roundpipe.host.host_allocator import keep_freed_memory  # noqa: E402
 
 WARMUP = 8
 

@@ -309,7 +309,7 @@ class RuntimeOptions:
         (a second shape compiles once more with dynamic dimensions, torch's automatic dynamic
         shapes); the first step pays it (measured on the CPU backend, 2 cores: tens of seconds for
         a tiny decoder layer, forward and backward), which no ``timeout`` counts and the step metrics'
-        ``step_s`` leaves out (``workers/compile_clock.py``). Exact within
+        ``step_s`` leaves out (``host/compile_clock.py``). Exact within
         fp32 rounding of the eager path (summation order only, DESIGN's "exact by default");
         dropout draws the eager layer's numbers and recompute replays them. The causal LM's prefix
         (masks) and postfix (chunked loss) stay eager. None (default): the backend's rule
@@ -343,7 +343,7 @@ class RuntimeOptions:
     cpu_reuse_freed_memory: CPU backend only: keep freed host memory in the process's allocator
         for the next step (glibc's mmap and trim thresholds raised to 1 GiB and its top pad to 64
         MiB, so that threads keep their emptied heaps; for the whole process and its life;
-        ``workers/host_allocator.py``), so that the large tensors every step allocates afresh
+        ``host/host_allocator.py``), so that the large tensors every step allocates afresh
         (merged logits, the loss's log-softmax and gradient) do not page-fault on every first
         touch while the workers wait. Costs up to 1 GiB of freed memory kept. No effect where
         the C library is not glibc. False: glibc's own settings.
@@ -425,7 +425,7 @@ class RuntimeOptions:
     gc_freeze: while the runtime is attached, the objects Python's garbage collector tracks at attach
         (hundreds of thousands from torch, Lightning and transformers) sit in its permanent generation
         (``gc.freeze``, put back by ``gc.unfreeze`` when the last runtime detaches;
-        ``workers/host_gc.py``). Full collections, which hold the interpreter lock and so stop every
+        ``host/host_gc.py``). Full collections, which hold the interpreter lock and so stop every
         lane, then scan only what training creates: 210 ms down to 1.4 ms each in the measured case
         (docs/measurements.md section 11). Cyclic garbage that exists at attach is freed only after
         detach. Left alone if something else froze objects first. False: the collector as it is.

@@ -24,8 +24,8 @@ from torch import nn
 
 from .options import OptionError, RuntimeOptions
 from .workers.matmul_accumulation import Fp16Accumulation
-from .workers.host_gc import OlderObjectsFrozen
-from .workers.host_heap import TRIM_EVERY_STEPS, return_free_heap
+from .host.host_gc import OlderObjectsFrozen
+from .host.host_heap import TRIM_EVERY_STEPS, return_free_heap
 from .engine import PipelineEngine
 from .engine.buffers import expect_buffer_writes
 from .engine.rng import CPU_GENERATOR
@@ -41,7 +41,7 @@ from .adapters.target import STACK_KINDS, ParameterHomes, locate, patch_forward,
 from .setup_progress import ProgressCallback
 from .tracing.records import TraceRecorder
 from .workers import backend_class, make_pool
-from .workers.compile_clock import COMPILE_CLOCK
+from .host.compile_clock import COMPILE_CLOCK
 
 log = logging.getLogger("lightning_roundpipe")
 
@@ -333,7 +333,7 @@ class RoundPipeRuntime:
     def _after_step(self, run) -> None:
         self.host_clock.backward_done(run, self.trace.records(run.step))
         if run.step % TRIM_EVERY_STEPS == 0:
-            return_free_heap()  # the host threads' arenas keep freed pages otherwise (workers/host_heap.py)
+            return_free_heap()  # the host threads' arenas keep freed pages otherwise (host/host_heap.py)
         new_plan = self.planner.after_step(run.measurements)
         if new_plan is not None:
             self.engine.set_plan(new_plan)
@@ -424,7 +424,7 @@ class RoundPipeRuntime:
         bytes held since the last reset: the ledger of uploaded weights, plus every tensor where the
         CPU backend measures them, the allocator's peak on CUDA). ``reset_peaks``: start the peaks
         afresh, so the next call reports the next step's."""
-        from .workers.host_memory import host_rss_bytes
+        from .host.host_memory import host_rss_bytes
 
         metrics = {"host_rss_bytes": host_rss_bytes(), "pinned_bytes": self.pool.pinned_host_bytes(),
                    "device_peak_bytes": self.pool.step_peak_device_bytes()}

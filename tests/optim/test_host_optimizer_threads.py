@@ -1,5 +1,5 @@
 """Every thread of ours sets its intra-op thread count as it starts, from one rule per backend
-(``workers/threads.py``); the host optimizer's thread gets the cores the pipeline leaves, whatever
+(``host/threads.py``); the host optimizer's thread gets the cores the pipeline leaves, whatever
 count another thread set last."""
 
 import threading
@@ -11,7 +11,7 @@ from torch import nn
 from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.optim.host_lane import HostLane
 from lightning_roundpipe.tracing.records import TraceRecorder
-from lightning_roundpipe.workers import threads as thread_rule
+from lightning_roundpipe.host import threads as thread_rule
 from lightning_roundpipe.workers.completions import TaskLabel
 from lightning_roundpipe.workers.cpu import CpuWorkerPool
 

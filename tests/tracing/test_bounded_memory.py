@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from _models import SeqModule, make_data
 from lightning_roundpipe import RoundPipeStrategy
-from lightning_roundpipe.workers.host_memory import host_rss_bytes
+from lightning_roundpipe.host.host_memory import host_rss_bytes
 
 
 class MemoryProbe(L.Callback):

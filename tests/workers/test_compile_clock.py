@@ -1,4 +1,4 @@
-"""The compile clock: seconds spent compiling, which no wait's timeout counts (``workers/compile_clock.py``)."""
+"""The compile clock: seconds spent compiling, which no wait's timeout counts (``host/compile_clock.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from lightning_roundpipe.engine.module_lock import ModuleLock
-from lightning_roundpipe.workers.compile_clock import COMPILE_CLOCK, CompileClock, wait_excluding_compiles
+from lightning_roundpipe.host.compile_clock import COMPILE_CLOCK, CompileClock, wait_excluding_compiles
 from lightning_roundpipe.workers.completions import Completion, PipelineTimeout, TaskLabel
 
 

@@ -9,8 +9,8 @@ from torch import nn
 
 from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.options import OptionError
-from lightning_roundpipe.workers import host_gc
-from lightning_roundpipe.workers.host_gc import OlderObjectsFrozen
+from lightning_roundpipe.host import host_gc
+from lightning_roundpipe.host.host_gc import OlderObjectsFrozen
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,8 +19,8 @@ from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.engine import output_merge
 from lightning_roundpipe.options import OptionError
 from lightning_roundpipe.workers import TaskLabel, backend_class, make_pool
-from lightning_roundpipe.workers.host_allocator import keep_freed_memory
-from lightning_roundpipe.workers.threads import intra_op_threads
+from lightning_roundpipe.host.host_allocator import keep_freed_memory
+from lightning_roundpipe.host.threads import intra_op_threads
 
 
 def _in_fresh_thread(fn):
@@ -119,7 +119,7 @@ def _printed_by(script: str, mode: str) -> list[str]:
 
 _FAULTS = """
 import resource, sys, torch
-from lightning_roundpipe.workers.host_allocator import keep_freed_memory
+from lightning_roundpipe.host.host_allocator import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 def touch():
     t = torch.empty(12 * 2**20)  # 48 MiB: above glibc's largest default mmap threshold (32 MiB)
@@ -151,10 +151,10 @@ libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes, libc.memset.argtypes = [ctypes.c_void_p], [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
 if sys.argv[1] == "keep":
-    from lightning_roundpipe.workers.host_allocator import keep_freed_memory
+    from lightning_roundpipe.host.host_allocator import keep_freed_memory
     assert keep_freed_memory()
 else:  # the thresholds alone, as keep_freed_memory set them before the top pad
-    from lightning_roundpipe.workers.host_allocator import KEEP_BYTES, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    from lightning_roundpipe.host.host_allocator import KEEP_BYTES, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
     assert libc.mallopt(M_MMAP_THRESHOLD, KEEP_BYTES) and libc.mallopt(M_TRIM_THRESHOLD, KEEP_BYTES)
 N = 40 << 20  # two of these do not fit one 64 MiB heap of a thread's arena
 faults = []

@@ -61,7 +61,7 @@ def losses(ctx: Ctx, compile_layers: bool, steps: int, workers: int) -> tuple[li
 def check_compiled_layers(ctx: Ctx) -> tuple[str, str, dict]:
     from lightning_roundpipe.engine.compiled_layers import COMPILED_LAYERS
     from lightning_roundpipe.engine.early_stop import EARLY_STOP
-    from lightning_roundpipe.workers.compile_clock import COMPILE_CLOCK
+    from lightning_roundpipe.host.compile_clock import COMPILE_CLOCK
 
     steps, workers = (2 if ctx.quick else 3), max(2, ctx.gpus)
     eager, eager_s = losses(ctx, False, steps, workers)

@@ -107,7 +107,7 @@ def throughput_run(ctx: Ctx, model, shape: Shape, gpus: int, steps: int) -> dict
     from lightning_roundpipe.cost.memory import roundpipe_gpu_bytes
     from lightning_roundpipe.engine.compiled_layers import COMPILED_LAYERS
     from lightning_roundpipe.tracing.metrics import exposed_transfer_seconds
-    from lightning_roundpipe.workers.host_memory import host_rss_bytes
+    from lightning_roundpipe.host.host_memory import host_rss_bytes
 
     sequences = shape.sequences_per_gpu * gpus
     runtime = ctx.runtime(model, gpus, compute_dtype=torch.bfloat16, trace_steps=1)

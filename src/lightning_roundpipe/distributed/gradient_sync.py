@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..errors import NodeSyncError, PipelineError
 from ..params.weights import group_by_lowest_layer
 from ..tracing.records import TraceRecord, TraceRecorder
-from ..workers.threads import WAITING_THREADS, set_intra_op_threads
+from ..host.threads import WAITING_THREADS, set_intra_op_threads
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import RecompileLimitError
-from ..workers.compile_clock import COMPILE_CLOCK
+from ..host.compile_clock import COMPILE_CLOCK
 
 
 @dataclass(frozen=True)

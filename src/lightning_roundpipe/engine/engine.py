@@ -26,7 +26,7 @@ from ..schedule.plan import Plan, PlanError
 from ..errors import PipelineTimeout, WorkerError
 from ..workers.completions import Completion
 from ..workers.pool import WorkerPool
-from ..workers.threads import HOST_PHASE_THREADS, intra_op_threads
+from ..host.threads import HOST_PHASE_THREADS, intra_op_threads
 from ..options import EngineOptions
 from .microbatch import merge_microbatches, split_microbatches
 from .calls import PipelineCalls

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from ..workers.compile_clock import wait_excluding_compiles
+from ..host.compile_clock import wait_excluding_compiles
 from ..errors import PipelineTimeout
 
 

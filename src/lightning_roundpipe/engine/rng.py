@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import PipelineTimeout, UnseededDraw
-from ..workers.compile_clock import COMPILE_CLOCK
+from ..host.compile_clock import COMPILE_CLOCK
 
 _MASK = (1 << 63) - 1
 

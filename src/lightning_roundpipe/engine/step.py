@@ -17,7 +17,7 @@ import torch
 from ..params.weights import StageWeights, accumulate_host_grads
 from ..schedule.lowering import GraphTask, TaskGraph, TaskKind
 from ..schedule.plan import Stage
-from ..workers.compile_clock import COMPILE_CLOCK
+from ..host.compile_clock import COMPILE_CLOCK
 from ..workers.completions import Completion, TaskLabel
 from .carry import HostCarry
 from .device_values import NOT_READING, DeviceReaders

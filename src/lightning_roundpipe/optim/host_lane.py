@@ -20,7 +20,7 @@ from typing import Callable
 
 from ..tracing.records import TraceRecord, TraceRecorder
 from ..workers.completions import Completion, TaskLabel
-from ..workers.threads import host_optimizer_threads, set_intra_op_threads
+from ..host.threads import host_optimizer_threads, set_intra_op_threads
 
 
 class HostLane:

@@ -25,7 +25,7 @@ MICROBATCHES_PER_WORKER = (1, 2, 4)  # the candidate counts, in workers
 # logits, log-softmax, the logits' gradient) are fresh every step: with glibc's own thresholds
 # each page faulted on first touch and the phase cost 12 ns per element (151.6 ms for 16 x 128 x
 # 6144 logits). With freed memory kept for reuse (the CPU backend's ``cpu_reuse_freed_memory``,
-# ``workers/host_allocator.py``), the copy into the merged logits plus the loss took 60-81 ms on
+# ``host/host_allocator.py``), the copy into the merged logits plus the loss took 60-81 ms on
 # one thread (``python benchmarks/figures/host_allocator_faults.py``, 2026-12-02, load average 9
 # from other jobs), about 5.5 ns per element: the estimate below. The phase measured 33 ms
 # between forward and backward (the caller's two threads; ``python -m benchmarks.peers.out_of_box

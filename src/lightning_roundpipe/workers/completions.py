@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import PipelineError, PipelineTimeout, WorkerError
-from .compile_clock import COMPILE_CLOCK, wait_excluding_compiles
+from ..host.compile_clock import COMPILE_CLOCK, wait_excluding_compiles
 
 
 @dataclass(frozen=True)

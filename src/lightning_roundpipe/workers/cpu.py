@@ -18,7 +18,7 @@ import torch
 
 from ..schedule.graph_task import TaskKind
 from .device_memory import AllocationTally
-from .host_allocator import keep_freed_memory
+from ..host.host_allocator import keep_freed_memory
 from .pool import Lane, Task, WorkerPool, Worker
 
 TALLIED_UPLOADS = ("act_in", "grad_in")  # weights are counted by the engine's uploads and releases
@@ -76,7 +76,7 @@ class CpuWorkerPool(WorkerPool):
         self.threads_per_worker = int(threads_per_worker)
         self._rand = random.Random(seed)
         self._rand_lock = threading.Lock()
-        # The step's large host tensors reused instead of page-faulting afresh (host_allocator.py).
+        # The step's large host tensors reused instead of page-faulting afresh (host/host_allocator.py).
         self.reuses_freed_memory = keep_freed_memory() if reuse_freed_memory else False
         self.measure_memory = False
         self._tallies: dict[int, AllocationTally] = {}  # id(lane) -> the tally its tasks run under

@@ -22,7 +22,7 @@ from .cuda import FakeCudaWorkerPool
 from .host_buffers import DEFAULT_CAP_BYTES
 from .pool import Lane, Task
 from .streams import FakeEvent, FakeStream, FakeStreams
-from .threads import WAITING_THREADS, set_intra_op_threads
+from ..host.threads import WAITING_THREADS, set_intra_op_threads
 
 DeviceTime = Callable[[TaskLabel, int], float]
 TRANSFER_KINDS = frozenset({"weights", "act_in", "grad_in", "act_out", "act_save", "grad_out", "loss", "wgrad"})

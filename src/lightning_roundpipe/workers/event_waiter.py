@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .threads import WAITING_THREADS, set_intra_op_threads
+from ..host.threads import WAITING_THREADS, set_intra_op_threads
 
 log = logging.getLogger("lightning_roundpipe")
 

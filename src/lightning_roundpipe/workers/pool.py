@@ -23,11 +23,11 @@ import torch
 
 from ..schedule.graph_task import LANES, TaskKind
 from ..tracing.records import TraceRecord, TraceRecorder
-from .compile_clock import COMPILE_CLOCK
+from ..host.compile_clock import COMPILE_CLOCK
 from ..errors import PipelineTimeout
 from .completions import Completion, TaskLabel
 from .device_memory import DeviceMemory
-from .threads import keep_intra_op_threads, set_intra_op_threads
+from ..host.threads import keep_intra_op_threads, set_intra_op_threads
 
 QUEUES = LANES  # a worker's queues are the task graph's lanes
 log = logging.getLogger("lightning_roundpipe")
@@ -420,7 +420,7 @@ class WorkerPool:
                  fifo_transfers: bool = False):
         if len(devices) < 1:
             raise ValueError("a worker pool needs at least one worker")
-        # The caller's thread keeps its intra-op count (threads.py): the lanes and stream executors
+        # The caller's thread keeps its intra-op count (host/threads.py): the lanes and stream executors
         # started from here set theirs, and the caller's loss must not run on a lane's one thread.
         self.caller_threads = keep_intra_op_threads()
         self.timeout_s = float(timeout_s)

@@ -23,7 +23,7 @@ import torch
 from .completions import Deferred, TaskLabel
 from .event_waiter import EventWaiters
 from .pinning import FakeCudart, PinRegistry, cuda_pin_registry
-from .threads import set_intra_op_threads
+from ..host.threads import set_intra_op_threads
 
 
 STICKY_ERROR_CLASS = getattr(torch, "AcceleratorError", RuntimeError)  # what torch raises for a CUDA error

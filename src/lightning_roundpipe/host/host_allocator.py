@@ -5,7 +5,7 @@ logits, log-softmax, the logits' gradient) page-fault again while every worker w
 ``keep_freed_memory`` raises glibc's mmap and trim thresholds to ``KEEP_BYTES`` and its top pad
 to ``KEEP_HEAPS_PAD``, for the whole process and its life (option ``cpu_reuse_freed_memory``);
 it does nothing, and says so, on another C library. The measurements and the cost:
-docs/design.md, design notes, ``workers/host_allocator.py``.
+docs/design.md, design notes, ``host/host_allocator.py``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Every step promotes the objects it keeps to Python's oldest generation, so full 
 come every few steps and each traverses the hundreds of thousands of objects torch, Lightning
 and transformers made at set-up, holding the interpreter lock while every lane stops.
 ``gc.freeze()`` at attach takes those objects out of collections; the last runtime to detach
-unfreezes. Measurements and the rules: docs/design.md, design notes, ``workers/host_gc.py``.
+unfreezes. Measurements and the rules: docs/design.md, design notes, ``host/host_gc.py``.
 """
 
 from __future__ import annotations
