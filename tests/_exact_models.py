@@ -59,3 +59,26 @@ def seeded_reference(layers, x: torch.Tensor, base_seed: int, microbatches: int)
         outs.append(h)
     return torch.cat(outs)
 
+
+def snapshot(net, opt):
+    """Copies of ``net``'s parameters, the optimizer's state of each (by parameter name) and its groups'
+    hyper-parameters: what a failed step must leave exactly as it found."""
+    params = {n: p.detach().clone() for n, p in net.named_parameters()}
+    state = {n: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
+             for n, p in net.named_parameters() if p in opt.state}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return params, state, groups
+
+
+def assert_same(before, after):
+    """Two ``snapshot``s are equal bit for bit (names the first tensor that differs)."""
+    (p0, s0, g0), (p1, s1, g1) = before, after
+    assert p0.keys() == p1.keys()
+    for n in p0:
+        assert torch.equal(p0[n], p1[n]), n
+    assert s0.keys() == s1.keys()
+    for n in s0:
+        assert s0[n].keys() == s1[n].keys()
+        for k in s0[n]:
+            assert torch.equal(torch.as_tensor(s0[n][k]), torch.as_tensor(s1[n][k])), (n, k)
+    assert g0 == g1

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from _exact_models import LAYERED, our_threads
+from _exact_models import LAYERED, assert_same, our_threads, snapshot
 from lightning_roundpipe import PipelineError, PipelineTimeout, RoundPipeRuntime, RuntimeOptions
 
 FAIL_STEP = 2  # steps 0 and 1 succeed (so Adam has state), step 2 fails
@@ -105,27 +105,6 @@ def _net(switch, mode, hold_low_backward=False):
         # top layer stepped makes "layers stepped before the failing group" the case these tests describe.
         blocks[1] = nn.Sequential(Hold(switch), *blocks[1])
     return nn.Sequential(*blocks, nn.Linear(8, 2))
-
-
-def snapshot(net, opt):
-    params = {n: p.detach().clone() for n, p in net.named_parameters()}
-    state = {n: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
-             for n, p in net.named_parameters() if p in opt.state}
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return params, state, groups
-
-
-def assert_same(before, after):
-    (p0, s0, g0), (p1, s1, g1) = before, after
-    assert p0.keys() == p1.keys()
-    for n in p0:
-        assert torch.equal(p0[n], p1[n]), n
-    assert s0.keys() == s1.keys()
-    for n in s0:
-        assert s0[n].keys() == s1[n].keys()
-        for k in s0[n]:
-            assert torch.equal(torch.as_tensor(s0[n][k]), torch.as_tensor(s1[n][k])), (n, k)
-    assert g0 == g1
 
 
 def _train(mode, *, fail_group=0, early=True, timeout=30.0, steps=FAIL_STEP + 1, delay=0.0, undo=True, then=None):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from _exact_models import LAYERED
+from _exact_models import LAYERED, assert_same, snapshot
 from lightning_roundpipe import PipelineError, RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.optim.step_undo import BeforeImages, image_tensors
 
@@ -60,20 +60,6 @@ def _net(switch):
     return nn.Sequential(*blocks)
 
 
-def _snapshot(net, opt):
-    params = {n: p.detach().clone() for n, p in net.named_parameters()}
-    state = {n: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
-             for n, p in net.named_parameters() if p in opt.state}
-    return params, state, [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-
-
-def _same(a, b) -> bool:
-    (p0, s0, g0), (p1, s1, g1) = a, b
-    return (p0.keys() == p1.keys() and all(torch.equal(p0[n], p1[n]) for n in p0) and s0.keys() == s1.keys()
-            and all(s0[n].keys() == s1[n].keys() and all(torch.equal(torch.as_tensor(s0[n][k]), torch.as_tensor(s1[n][k]))
-                                                         for k in s0[n]) for n in s0) and g0 == g1)
-
-
 def _layer_image_bytes(net, opt, layer: int) -> int:
     return BeforeImages.size_of(image_tensors(opt.state, list(net[layer].parameters())))
 
@@ -110,7 +96,7 @@ def _train(journal_layers, *, where=None, fail_group=None, steps=FAIL_STEP + 1, 
 
             runtime.join()
             if step == FAIL_STEP and where is not None:
-                out["before"] = _snapshot(net, opt)
+                out["before"] = snapshot(net, opt)
                 switch["armed"] = True
             if step == 1:
                 assert _layer_image_bytes(net, opt, 0) == per_layer
@@ -126,7 +112,7 @@ def _train(journal_layers, *, where=None, fail_group=None, steps=FAIL_STEP + 1, 
                 out["journaled"].append(sorted(ov._journaled))  # noqa: SLF001 - the test reads which units
                 out["used"].append(ov.journal_used_bytes)
                 out["held"].append(ov.before_images.nbytes())
-        out["after"] = _snapshot(net, opt)
+        out["after"] = snapshot(net, opt)
         out["unrestored"] = list(ov.unrestored)
         if out["unrestored"]:
             with pytest.raises(PipelineError, match="mark_restored"):
@@ -145,7 +131,8 @@ def _note(exc) -> str:
 @pytest.mark.timeout(60)
 def test_a_bounded_journal_trains_bit_for_bit_as_an_unbounded_one():
     runs = {n: _train(n, steps=3)["after"] for n in (None, 2, 0)}
-    assert _same(runs[None], runs[2]) and _same(runs[None], runs[0])
+    assert_same(runs[None], runs[2])
+    assert_same(runs[None], runs[0])
 
 
 @pytest.mark.timeout(60)
@@ -158,7 +145,7 @@ def test_journal_full_failure_in_backward_after_layers_waited_leaves_state_as_be
     assert out["journaled"][1:] == [[4, 5], [4, 5]]
     assert out["early"][1] == 2 and out["early"][2] <= 2
     assert max(out["held"]) <= 2 * PER_LAYER and out["used"][2] == out["held"][2]
-    assert _same(out["before"], out["after"])
+    assert_same(out["before"], out["after"])
     assert not out["unrestored"]
 
 
@@ -168,7 +155,7 @@ def test_journal_empty_failure_in_backward_leaves_state_as_before_and_no_layer_s
     assert "injected backward failure" in _note(out["error"])
     assert out["journaled"] == [[]] * len(out["journaled"]) and out["early"] == [0] * len(out["early"])
     assert out["held"] == [0] * len(out["held"])
-    assert _same(out["before"], out["after"])
+    assert_same(out["before"], out["after"])
 
 
 @pytest.mark.timeout(60)
@@ -176,7 +163,8 @@ def test_journal_full_optimizer_failure_in_a_journaled_layer_puts_back_everythin
     # Layers 2-5 raise; 4 and 5 are journaled and step first (during backward): nothing past the journal ran.
     out = _train(2, where="optimizer", fail_group=1)
     assert "injected optimizer failure" in _note(out["error"])
-    assert _same(out["before"], out["after"]) and not out["unrestored"]
+    assert_same(out["before"], out["after"])
+    assert not out["unrestored"]
 
 
 @pytest.mark.timeout(60)
