@@ -45,7 +45,7 @@ from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.cost.view import CostView
 from lightning_roundpipe.planning.balanced import balanced_plan
 from lightning_roundpipe.schedule.lowering import LoweringOptions, lower
-from lightning_roundpipe.sim.simulate import CostSizes
+from lightning_roundpipe.cost.graph_timing import CostSizes
 from lightning_roundpipe.workers.completions import TaskLabel
 from lightning_roundpipe.workers.cpu import CpuWorkerPool
 

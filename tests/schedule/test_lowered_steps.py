@@ -8,7 +8,7 @@ from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.schedule.lowering import LoweringOptions, lower
 from lightning_roundpipe.schedule.plan import Plan
 from lightning_roundpipe.schedule.lowered_steps import LoweredSteps
-from lightning_roundpipe.sim.simulate import CostSizes
+from lightning_roundpipe.cost.graph_timing import CostSizes
 
 
 def _costs(n):

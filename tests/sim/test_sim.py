@@ -16,7 +16,7 @@ from lightning_roundpipe.cost.memory import roundpipe_gpu_bytes
 from lightning_roundpipe.cost.transformer import get_model_shape, preset_costs, transformer_layer_costs
 from lightning_roundpipe.planning.balanced import balanced_plan
 from lightning_roundpipe.sim import SimConfig, simulate_roundpipe
-from lightning_roundpipe.sim.event_queue import EventSimulator, LinkSpec, Op, SimulationError
+from lightning_roundpipe.cost.graph_timing import LaneTimer, LaneWork, LinkSpec, SimulationError
 from lightning_roundpipe.cost.hardware import parse_quantity
 from lightning_roundpipe.tracing.timeline import bubble_fraction, to_chrome_trace
 
@@ -117,10 +117,10 @@ def get_model_shape_of(h, i, heads, kv, hd):
 
 
 def test_urgent_transfer_overtakes_a_prefetch_at_a_chunk_boundary():
-    sim = EventSimulator(LinkSpec(bytes_per_s=1.0, chunk_bytes=10))
-    prefetch = sim.add(Op(0, "upload", "weights", "F1", bytes=100, priority=1))
-    compute = sim.add(Op(0, "compute", "forward", "F0", 0, seconds=5.0))
-    urgent = sim.add(Op(0, "upload", "act_in", "F0", 1, bytes=10, priority=0, deps=[compute]))
+    sim = LaneTimer(LinkSpec(bytes_per_s=1.0, chunk_bytes=10))
+    prefetch = sim.add(LaneWork(0, "upload", "weights", "F1", bytes=100, priority=1))
+    compute = sim.add(LaneWork(0, "compute", "forward", "F0", 0, seconds=5.0))
+    urgent = sim.add(LaneWork(0, "upload", "act_in", "F0", 1, bytes=10, priority=0, deps=[compute]))
     sim.run()
     assert (urgent.start, urgent.end) == (10.0, 20.0)  # waits for the chunk in flight, then goes first
     assert prefetch.end == 110.0
@@ -130,26 +130,26 @@ def test_urgent_transfer_overtakes_a_prefetch_at_a_chunk_boundary():
 
 @pytest.mark.parametrize("duplex,last_end", [(True, 10.0), (False, 20.0)])
 def test_half_duplex_link_serialises_uploads_and_downloads(duplex, last_end):
-    sim = EventSimulator(LinkSpec(bytes_per_s=1.0, duplex=duplex))
-    up = sim.add(Op(0, "upload", "weights", bytes=10))
-    down = sim.add(Op(0, "download", "wgrad", bytes=10))
+    sim = LaneTimer(LinkSpec(bytes_per_s=1.0, duplex=duplex))
+    up = sim.add(LaneWork(0, "upload", "weights", bytes=10))
+    down = sim.add(LaneWork(0, "download", "wgrad", bytes=10))
     sim.run()
     assert max(up.end, down.end) == last_end
 
 
 def test_latency_counts_once_per_transfer_and_memory_peaks_are_tracked():
-    sim = EventSimulator(LinkSpec(bytes_per_s=10.0, latency_s=0.5, chunk_bytes=10))
-    up = sim.add(Op(0, "upload", "weights", bytes=30, alloc=[(0, 30)]))
-    work = sim.add(Op(0, "compute", "forward", seconds=1.0, deps=[up], alloc=[(0, 5)], free=[(0, 35)]))
+    sim = LaneTimer(LinkSpec(bytes_per_s=10.0, latency_s=0.5, chunk_bytes=10))
+    up = sim.add(LaneWork(0, "upload", "weights", bytes=30, alloc=[(0, 30)]))
+    work = sim.add(LaneWork(0, "compute", "forward", seconds=1.0, deps=[up], alloc=[(0, 5)], free=[(0, 35)]))
     sim.run()
     assert up.end == pytest.approx(3.5) and work.end == pytest.approx(4.5)
     assert sim.peak_bytes[0] == 35
 
 
 def test_a_dependency_cycle_is_reported_not_hung():
-    sim = EventSimulator(LinkSpec(bytes_per_s=1.0))
-    a = sim.add(Op(0, "compute", "forward", "F0", 0, seconds=1.0))
-    b = sim.add(Op(1, "compute", "forward", "F1", 0, seconds=1.0, deps=[a]))
+    sim = LaneTimer(LinkSpec(bytes_per_s=1.0))
+    a = sim.add(LaneWork(0, "compute", "forward", "F0", 0, seconds=1.0))
+    b = sim.add(LaneWork(1, "compute", "forward", "F1", 0, seconds=1.0, deps=[a]))
     a.deps.append(b)
     with pytest.raises(SimulationError, match="2 of 2 operations never ran.*forward F0 mb0"):
         sim.run()

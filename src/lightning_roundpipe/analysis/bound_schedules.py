@@ -16,13 +16,20 @@ from dataclasses import dataclass
 from ..cost.profile import CostProfile
 from ..planning.cuts import balanced_ranges
 from ..cost.view import CostView
-from ..sim.event_queue import EventSimulator, Op
+from ..cost.graph_timing import LaneTimer, LaneWork, compute_seconds
 from ..cost.hardware import HardwareProfile
-from ..sim.simulate import PRIO_ACTIVATIONS, PRIO_GRADS, PRIO_WEIGHTS, SimConfig, SimResult, add_optimizer, link_of, summarize
+from ..schedule.graph_task import COMPUTE, DEFAULT_PRIORITIES, DOWNLOAD, UPLOAD, TaskKind
+from ..sim.simulate import SimConfig, SimResult, add_optimizer, link_of, summarize
 
 BOUND_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 STREAMED_SCHEDULES = ("mobius",)
 Action = tuple[str, int, int]  # ("F" or "B", virtual stage, microbatch)
+# Transfer priorities (lower goes first): what a stage waits for, then weight prefetch, then
+# gradients going home, as RoundPipe's defaults (its steps take theirs from the lowering).
+PRIO_ACTIVATIONS = DEFAULT_PRIORITIES["activation"]
+PRIO_WEIGHTS = DEFAULT_PRIORITIES["weights"]
+PRIO_GRADS = DEFAULT_PRIORITIES["gradients"]
+COMPUTE_KIND = {"F": TaskKind.FORWARD, "B": TaskKind.BACKWARD}
 
 
 def bound_order(schedule: str, gpu: int, num_gpus: int, microbatches: int, chunks: int = 2) -> list[Action]:
@@ -131,15 +138,15 @@ def stage_streamed(schedule: str) -> bool:
 
 
 class _BoundBuilder:
-    def __init__(self, sim: EventSimulator, schedule: str, view: CostView, hardware: HardwareProfile,
+    def __init__(self, sim: LaneTimer, schedule: str, view: CostView, hardware: HardwareProfile,
                  layout: BoundLayout, microbatches: int, num_gpus: int, chunks: int, config: SimConfig) -> None:
         self.sim, self.schedule, self.view, self.hw, self.layout = sim, schedule, view, hardware, layout
         self.m, self.P, self.chunks, self.cfg = microbatches, num_gpus, chunks, config
         self.V = len(layout.ranges)
-        self.optim_prev: dict[int, list[Op]] = {}
-        self.stream_computes: list[list[Op]] = [[] for _ in range(num_gpus)]  # per-layer compute sequence
+        self.optim_prev: dict[int, list[LaneWork]] = {}
+        self.stream_computes: list[list[LaneWork]] = [[] for _ in range(num_gpus)]  # per-layer compute sequence
         self.allocated_state: set[int] = set()  # layers whose resident weights/grads are already counted
-        self.stage_passes: list[list[Op]] = [[] for _ in range(num_gpus)]  # mobius: last compute of each stage pass
+        self.stage_passes: list[list[LaneWork]] = [[] for _ in range(num_gpus)]  # mobius: last compute of each stage pass
 
     def gpu_of(self, stage: int) -> int:
         return stage % self.P
@@ -147,10 +154,10 @@ class _BoundBuilder:
     def step(self, step: int) -> None:
         view, m, P, V = self.view, self.m, self.P, self.V
         sim = self.sim
-        first: dict[tuple[str, int, int], Op] = {}  # first compute op of each action
-        last: dict[tuple[str, int, int], Op] = {}
-        wgrads: list[tuple[int, Op]] = []
-        weight_ops: dict[int, list[Op]] = {}  # resident: stage -> this step's uploads
+        first: dict[tuple[str, int, int], LaneWork] = {}  # first compute op of each action
+        last: dict[tuple[str, int, int], LaneWork] = {}
+        wgrads: list[tuple[int, LaneWork]] = []
+        weight_ops: dict[int, list[LaneWork]] = {}  # resident: stage -> this step's uploads
 
         # Resident weights: one upload per layer per step, after the host updated it.
         for s, (a, b) in enumerate(self.layout.ranges):
@@ -163,7 +170,7 @@ class _BoundBuilder:
                 alloc = [] if layer in self.allocated_state else [(p, nbytes + view.layers[layer].grad_bytes)]
                 self.allocated_state.add(layer)
                 deps = list(self.optim_prev.get(layer, []))
-                ops.append(sim.add(Op(p, "upload", "weights", f"S{s}", -1, step, bytes=nbytes, priority=PRIO_WEIGHTS,
+                ops.append(sim.add(LaneWork(p, UPLOAD, TaskKind.WEIGHTS, f"S{s}", -1, step, bytes=nbytes, priority=PRIO_WEIGHTS,
                                       deps=deps, alloc=alloc)))
             weight_ops[s] = ops
 
@@ -176,13 +183,14 @@ class _BoundBuilder:
                     op = self._stage_pass(p, direction, s, i, step, a, b, wgrads)
                     first[(direction, s, i)] = last[(direction, s, i)] = op
                 elif self.layout.resident[p]:
+                    seconds = compute_seconds(view, COMPUTE_KIND[direction], a, b)
                     if direction == "F":
-                        op = Op(p, "compute", "forward", name, i, step, seconds=view.forward_s(a, b),
+                        op = LaneWork(p, COMPUTE, TaskKind.FORWARD, name, i, step, seconds=seconds,
                                 deps=list(weight_ops[s]),
                                 alloc=[(p, sum(view.in_bytes(l) for l in range(a, b)) + view.max_layer_graph(a, b))],
                                 free=[(p, view.max_layer_graph(a, b))])
                     else:
-                        op = Op(p, "compute", "backward", name, i, step, seconds=view.backward_with_recompute_s(a, b),
+                        op = LaneWork(p, COMPUTE, TaskKind.BACKWARD, name, i, step, seconds=seconds,
                                 alloc=[(p, view.max_layer_graph(a, b))],
                                 free=[(p, view.max_layer_graph(a, b) + sum(view.in_bytes(l) for l in range(a, b)))])
                     sim.add(op)
@@ -193,11 +201,12 @@ class _BoundBuilder:
 
         # Activations and gradients between stages, through the host.
         def hop(src, dst, kind, from_stage, to_stage, i, nbytes, producer):
-            """``producer``'s output of microbatch i downloaded from GPU ``src`` and uploaded to ``dst``."""
-            down = sim.add(Op(src, "download", f"{kind}_out", from_stage, i, step, bytes=nbytes,
+            """``producer``'s output of microbatch i downloaded from GPU ``src`` and uploaded to ``dst``
+            (``kind``: the download's and the upload's task kinds)."""
+            down = sim.add(LaneWork(src, DOWNLOAD, kind[0], from_stage, i, step, bytes=nbytes,
                               priority=PRIO_ACTIVATIONS, deps=[producer], free=[(src, nbytes)]))
             producer.alloc.append((src, nbytes))
-            return sim.add(Op(dst, "upload", f"{kind}_in", to_stage, i, step, bytes=nbytes,
+            return sim.add(LaneWork(dst, UPLOAD, kind[1], to_stage, i, step, bytes=nbytes,
                               priority=PRIO_ACTIVATIONS, deps=[down], alloc=[(dst, nbytes)]))
 
         for s in range(V):
@@ -208,7 +217,7 @@ class _BoundBuilder:
                 b_first, b_last = first[("B", s, i)], last[("B", s, i)]
                 b_first.deps.append(f_last)
                 if s == 0:
-                    ids = sim.add(Op(p, "upload", "act_in", f"F{s}", i, step, bytes=view.in_bytes(0),
+                    ids = sim.add(LaneWork(p, UPLOAD, TaskKind.ACT_IN, f"F{s}", i, step, bytes=view.in_bytes(0),
                                      priority=PRIO_ACTIVATIONS, alloc=[(p, view.in_bytes(0))]))
                     f_first.deps.append(ids)
                     f_last.free.append((p, view.in_bytes(0)))
@@ -220,26 +229,33 @@ class _BoundBuilder:
                         nxt_f.deps.append(f_last)
                         b_first.deps.append(nxt_b_last)
                         continue
-                    nxt_f.deps.append(hop(p, q, "act", f"F{s}", f"F{s + 1}", i, nbytes, f_last))
+                    nxt_f.deps.append(hop(p, q, (TaskKind.ACT_OUT, TaskKind.ACT_IN), f"F{s}", f"F{s + 1}", i, nbytes, f_last))
                     last[("F", s + 1, i)].free.append((q, nbytes))
-                    b_first.deps.append(hop(q, p, "grad", f"B{s + 1}", f"B{s}", i, nbytes, nxt_b_last))
+                    b_first.deps.append(hop(q, p, (TaskKind.GRAD_OUT, TaskKind.GRAD_IN), f"B{s + 1}", f"B{s}", i, nbytes, nxt_b_last))
                     b_last.free.append((p, nbytes))
             # Resident: accumulated gradients go home once, after the stage's last backward.
             if self.layout.resident[p]:
                 done = [last[("B", s, i)] for i in range(m)]
-                for layer in reversed(range(a, b)):
-                    nbytes = view.layers[layer].grad_bytes
-                    if nbytes > 0:
-                        wgrads.append((layer, sim.add(Op(p, "download", "wgrad", f"B{s}", -1, step, bytes=nbytes,
-                                                         priority=PRIO_GRADS, deps=list(done)))))
+                self._wgrads(p, f"B{s}", -1, step, reversed(range(a, b)), done, wgrads, frees=False)
 
-        by_layer: dict[int, list[Op]] = {}
+        by_layer: dict[int, list[LaneWork]] = {}
         for layer, op in wgrads:
             by_layer.setdefault(layer, []).append(op)
         self.optim_prev = add_optimizer(sim, by_layer, view, self.hw, self.cfg, step)
 
+    def _wgrads(self, p: int, stage: str, microbatch: int, step: int, layers, deps: list[LaneWork],
+                wgrads: list[tuple[int, LaneWork]], frees: bool = True) -> None:
+        """Downloads of the weight gradients of ``layers`` (in that order; frozen layers send nothing)
+        after ``deps``; ``frees``: they leave the GPU (False: resident gradients)."""
+        for layer in layers:
+            nbytes = self.view.layers[layer].grad_bytes
+            if nbytes > 0:
+                wgrads.append((layer, self.sim.add(LaneWork(p, DOWNLOAD, TaskKind.WGRAD, stage, microbatch, step,
+                                                            bytes=nbytes, priority=PRIO_GRADS, deps=list(deps),
+                                                            free=[(p, nbytes)] if frees else []))))
+
     def _stage_pass(self, p: int, direction: str, s: int, i: int, step: int, a: int, b: int,
-                    wgrads: list[tuple[int, Op]]) -> Op:
+                    wgrads: list[tuple[int, LaneWork]]) -> LaneWork:
         """Microbatch ``i`` of a stage whose weights are streamed once per direction (mobius)."""
         view, sim = self.view, self.sim
         weights, grads = view.weights(a, b), view.grads(a, b)
@@ -250,34 +266,29 @@ class _BoundBuilder:
             passes = self.stage_passes[p]
             slot = [passes[-2]] if len(passes) >= 2 else []
             updated = [op for layer in range(a, b) for op in self.optim_prev.get(layer, [])]
-            up = sim.add(Op(p, "upload", "weights", f"{direction}{s}", -1, step, bytes=weights, priority=PRIO_WEIGHTS,
+            up = sim.add(LaneWork(p, UPLOAD, TaskKind.WEIGHTS, f"{direction}{s}", -1, step, bytes=weights, priority=PRIO_WEIGHTS,
                             deps=slot + (updated if direction == "F" else []), alloc=[(p, weights)]))
             deps.append(up)
             if direction == "B":
                 alloc.append((p, grads))
         if direction == "F":
             alloc.append((p, checkpoint))
-            seconds = view.forward_s(a, b)
         else:
             free.append((p, checkpoint))
-            seconds = view.backward_with_recompute_s(a, b)
+        seconds = compute_seconds(view, COMPUTE_KIND[direction], a, b)
         last = i == self.m - 1
         if last:
             free.append((p, weights))
-        op = sim.add(Op(p, "compute", "forward" if direction == "F" else "backward", f"{direction}{s}", i, step,
+        op = sim.add(LaneWork(p, COMPUTE, COMPUTE_KIND[direction], f"{direction}{s}", i, step,
                         seconds=seconds, deps=deps, alloc=alloc, free=free))
         if last:
             self.stage_passes[p].append(op)
             if direction == "B":
-                for layer in reversed(range(a, b)):
-                    nbytes = view.layers[layer].grad_bytes
-                    if nbytes > 0:
-                        wgrads.append((layer, sim.add(Op(p, "download", "wgrad", f"B{s}", -1, step, bytes=nbytes,
-                                                         priority=PRIO_GRADS, deps=[op], free=[(p, nbytes)]))))
+                self._wgrads(p, f"B{s}", -1, step, reversed(range(a, b)), [op], wgrads)
         return op
 
     def _streamed(self, p: int, direction: str, s: int, i: int, step: int, a: int, b: int,
-                  wgrads: list[tuple[int, Op]]) -> list[Op]:
+                  wgrads: list[tuple[int, LaneWork]]) -> list[LaneWork]:
         """One forward or backward of a microbatch with weights streamed layer by layer."""
         view, sim, seq = self.view, self.sim, self.stream_computes[p]
         name = f"{direction}{s}"
@@ -287,22 +298,22 @@ class _BoundBuilder:
             cost = view.layers[layer]
             slot = [seq[-2]] if len(seq) >= 2 else []  # two layers' weights resident
             deps = slot + self.optim_prev.get(layer, [])
-            up = sim.add(Op(p, "upload", "weights", name, i, step, bytes=cost.weight_bytes, priority=PRIO_WEIGHTS,
+            up = sim.add(LaneWork(p, UPLOAD, TaskKind.WEIGHTS, name, i, step, bytes=cost.weight_bytes, priority=PRIO_WEIGHTS,
                             deps=deps, alloc=[(p, cost.weight_bytes)]))
             graph = view.graph_per_token[layer] * view.tokens
+            seconds = compute_seconds(view, COMPUTE_KIND[direction], layer, layer + 1)
             if direction == "F":
-                op = Op(p, "compute", "forward", name, i, step, seconds=cost.forward_s, deps=[up] + ops[-1:],
-                        alloc=[(p, view.in_bytes(layer) + graph)], free=[(p, graph + cost.weight_bytes)])
+                op = LaneWork(p, COMPUTE, TaskKind.FORWARD, name, i, step, seconds=seconds, deps=[up] + ops[-1:],
+                              alloc=[(p, view.in_bytes(layer) + graph)], free=[(p, graph + cost.weight_bytes)])
             else:
-                op = Op(p, "compute", "backward", name, i, step, seconds=cost.recompute_s + cost.backward_s,
-                        deps=[up] + ops[-1:], alloc=[(p, graph + cost.grad_bytes)],
-                        free=[(p, graph + cost.weight_bytes + view.in_bytes(layer))])
+                op = LaneWork(p, COMPUTE, TaskKind.BACKWARD, name, i, step, seconds=seconds, deps=[up] + ops[-1:],
+                              alloc=[(p, graph + cost.grad_bytes)],
+                              free=[(p, graph + cost.weight_bytes + view.in_bytes(layer))])
             sim.add(op)
             seq.append(op)
             ops.append(op)
-            if direction == "B" and cost.grad_bytes > 0:
-                wgrads.append((layer, sim.add(Op(p, "download", "wgrad", name, i, step, bytes=cost.grad_bytes,
-                                                 priority=PRIO_GRADS, deps=[op], free=[(p, cost.grad_bytes)]))))
+            if direction == "B":
+                self._wgrads(p, name, i, step, [layer], [op], wgrads)
         return ops
 
 
@@ -335,7 +346,7 @@ def simulate_bound(
     if not layout.fits:
         return SimResult(schedule, math.inf, 0.0, list(layout.need_bytes), [], P, microbatches,
                          microbatches * view.tokens, fits=False, notes=notes)
-    sim = EventSimulator(link_of(hardware, cfg))
+    sim = LaneTimer(link_of(hardware, cfg))
     builder = _BoundBuilder(sim, schedule, view, hardware, layout, microbatches, P, chunks_per_gpu, cfg)
     for step in range(cfg.steps):
         builder.step(step)

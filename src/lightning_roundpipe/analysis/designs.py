@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from ..schedule.lowering import GraphTask
 from ..schedule.plan import Plan
-from ..sim.event_queue import Op
+from ..cost.graph_timing import LaneWork
+from ..schedule.graph_task import COMPUTE, DOWNLOAD, UPLOAD
 from ..sim.simulate import EngineDesign, FusedOnOneWorker
 
 
@@ -49,9 +50,9 @@ class FusedSpread(FusedOnOneWorker):
         self.k, self.m = min(k, num_workers), microbatches
         home = next((t.worker for t in tasks if t.stage == self.stage), 0)
         self.workers = [(home - j) % num_workers for j in range(self.k)]
-        self.copies: dict[int, list[Op]] = {}  # id of a weights op on the home worker -> its copies
-        self.last: dict[int, Op] = {}  # worker -> its last fused compute
-        self.extra_wgrads: list[Op] = []
+        self.copies: dict[int, list[LaneWork]] = {}  # id of a weights op on the home worker -> its copies
+        self.last: dict[int, LaneWork] = {}  # worker -> its last fused compute
+        self.extra_wgrads: list[LaneWork] = []
 
     def spreads(self, t: GraphTask) -> bool:
         return self.stage is not None and t.stage == self.stage
@@ -61,17 +62,17 @@ class FusedSpread(FusedOnOneWorker):
             return dataclasses.replace(t, worker=self.workers[t.microbatch % self.k])
         return t
 
-    def copy_weights(self, op: Op, add) -> None:
+    def copy_weights(self, op: LaneWork, add) -> None:
         if not self.spreads_op(op):
             return
-        self.copies[id(op)] = [add(Op(w, "upload", op.kind, op.stage, -1, op.step, bytes=op.bytes, priority=op.priority,
+        self.copies[id(op)] = [add(LaneWork(w, UPLOAD, op.kind, op.stage, -1, op.step, bytes=op.bytes, priority=op.priority,
                                       deps=list(op.deps), alloc=[(w, op.bytes)])) for w in self.workers[1:]]
 
-    def spreads_op(self, op: Op) -> bool:
+    def spreads_op(self, op: LaneWork) -> bool:
         """Whether simulator op ``op`` belongs to the spread stage."""
         return self.stage is not None and op.stage == self.stage
 
-    def compute_deps(self, t: GraphTask, deps: list[Op]) -> list[Op]:
+    def compute_deps(self, t: GraphTask, deps: list[LaneWork]) -> list[LaneWork]:
         if not self.spreads(t) or t.worker == self.workers[0]:
             return deps
         j = self.workers.index(t.worker) - 1
@@ -83,20 +84,20 @@ class FusedSpread(FusedOnOneWorker):
             return t.microbatch == 0, t.microbatch == self.m - 1
         return t.microbatch < self.k, t.microbatch + self.k >= self.m
 
-    def computed(self, t: GraphTask, op: Op) -> None:
+    def computed(self, t: GraphTask, op: LaneWork) -> None:
         if self.spreads(t):
             self.last[t.worker] = op
 
-    def wgrads(self, t: GraphTask, deps: list[Op], step: int, add, out: list[tuple[int, Op]]) -> Op:
+    def wgrads(self, t: GraphTask, deps: list[LaneWork], step: int, add, out: list[tuple[int, LaneWork]]) -> LaneWork:
         """The home worker's gradient download (returned) and one per extra worker (added to ``out``)."""
         # Each worker's download waits for its own last compute (its lane runs them in order),
         # not for the stage's computes on the other workers, which the graph's task depends on.
-        others = [d for d in deps if not (d.queue == "compute" and d.stage == self.stage)]
-        home = Op(t.worker, "download", t.kind, t.stage, -1, step, bytes=t.bytes, priority=t.priority,
+        others = [d for d in deps if not (d.queue == COMPUTE and d.stage == self.stage)]
+        home = LaneWork(t.worker, DOWNLOAD, t.kind, t.stage, -1, step, bytes=t.bytes, priority=t.priority,
                   deps=others + [self.last[self.workers[0]]], free=[(t.worker, t.bytes)])
         for w in self.workers[1:]:
             if w in self.last:
-                extra = add(Op(w, "download", t.kind, t.stage, -1, step, bytes=t.bytes, priority=t.priority,
+                extra = add(LaneWork(w, DOWNLOAD, t.kind, t.stage, -1, step, bytes=t.bytes, priority=t.priority,
                                deps=others + [self.last[w]], free=[(w, t.bytes)]))
                 self.extra_wgrads.append(extra)
                 out.append((t.layers[0], extra))

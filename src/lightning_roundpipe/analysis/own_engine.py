@@ -441,7 +441,7 @@ def tasks_per_compute(plan: Plan, costs, num_workers: int, microbatches: int) ->
     """Tasks the engine submits per compute task for one call of ``plan`` (from the lowering)."""
     from ..cost.view import CostView
     from ..schedule.lowering import LoweringOptions, lower
-    from ..sim.simulate import CostSizes
+    from ..cost.graph_timing import CostSizes
 
     graph = lower(plan, num_workers, 0, CostSizes(CostView(costs)),
                   LoweringOptions(microbatches=microbatches, fused=plan.fused_last))

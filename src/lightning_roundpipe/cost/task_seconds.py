@@ -1,20 +1,21 @@
-"""Device seconds of the engine's tasks on a hardware profile, priced as the simulator prices them.
+"""Device seconds of the engine's tasks on a hardware profile, by the one timing model's rules.
 
 The emulated-GPU backend (``workers/emulated.py``) asks how long each task it runs lasts on the
 device; ``ProfileDeviceTimes`` answers from the calibrated cost model of a real model shape on a
-hardware profile, with the formulas of ``sim/simulate.py``: compute seconds from the cost view,
-transfers as the profile's latency plus the real shape's bytes over its host link. A task is named
-by its label (``kind``, ``stage``: ``workers.completions.TaskLabel``) and the bytes it moves.
+hardware profile with ``cost/graph_timing.py``'s prices: ``compute_seconds`` for a compute,
+``link_seconds`` of the real shape's bytes for a transfer. A task is named by its label
+(``kind``, ``stage``: ``workers.completions.TaskLabel``) and the bytes it moves.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from ..schedule.graph_task import TaskKind
+from ..schedule.graph_task import LOSS_BYTES, TaskKind
+from .graph_timing import compute_seconds, link_seconds
 from .view import CostView
 
-LOSS_BYTES = 4  # one fp32 scalar per microbatch (as schedule/lowering.py moves it)
+LAYER_GRAIN = "layer_"  # a label's kind prefix for a compute that recomputes one layer at a time
 
 
 class ProfileDeviceTimes:
@@ -38,20 +39,16 @@ class ProfileDeviceTimes:
 
     def link_s(self, nbytes: float) -> float:
         """One copy of ``nbytes`` over the profile's host link."""
-        return self.hw.latency_s + nbytes / self.hw.host_device_bytes_per_s
+        return link_seconds(nbytes, self.hw.host_device_bytes_per_s, self.hw.latency_s)
 
     def __call__(self, label, nbytes: int) -> float:
         """Device seconds of the task ``label`` names, moving ``nbytes`` of the scaled model."""
-        kind = label.kind
-        layer_grain = kind.startswith("layer_")
-        kind = kind.removeprefix("layer_")
+        grain = "layer" if label.kind.startswith(LAYER_GRAIN) else ""
+        kind = TaskKind(label.kind.removeprefix(LAYER_GRAIN))
         a, b = self.stages[label.stage]
         v = self.view
-        if kind == TaskKind.FORWARD:
-            return v.forward_s(a, b)
-        if kind in (TaskKind.FUSED, TaskKind.BACKWARD):
-            seconds = v.fused_s(a, b) if kind == TaskKind.FUSED else v.backward_with_recompute_s(a, b)
-            return seconds + (v.forward_s(a, b - 1) if layer_grain else 0.0)
+        if kind in (TaskKind.FORWARD, TaskKind.FUSED, TaskKind.BACKWARD):
+            return compute_seconds(v, kind, a, b, grain)
         if kind == TaskKind.WEIGHTS:
             scaled = sum(self.scaled[a:b])
             share = nbytes / scaled if scaled > 0 and nbytes > 0 else 1.0
@@ -63,5 +60,6 @@ class ProfileDeviceTimes:
         # Activations: what enters a stage (act_in at a; grad_in is the gradient at its end, b), what
         # leaves it (act_out at b; grad_out, the input's gradient, at a); a saved stage-internal input
         # is a decoder boundary's activation, which every decoder boundary has the size of.
-        boundary = {"act_in": a, "grad_in": b, "act_out": b, "grad_out": a, "act_save": min(a + 1, b)}[kind]
+        boundary = {TaskKind.ACT_IN: a, TaskKind.GRAD_IN: b, TaskKind.ACT_OUT: b, TaskKind.GRAD_OUT: a,
+                    TaskKind.ACT_SAVE: min(a + 1, b)}[kind]
         return self.link_s(v.in_bytes(boundary))

@@ -1,10 +1,11 @@
-"""The partitioner's timing model: a fast list-scheduling estimate of one step of a plan.
+"""The partitioner's fast path of the one timing model (``cost/graph_timing.py``): one step of a plan.
 
 It prices the tasks of ``lower`` stage by stage rather than task by task, so the search can price
-thousands of plans; ``tests/schedule/test_lowering.py`` bounds its error against the simulator,
-which times the lowered graph itself. It charges per-stage and per-microbatch overheads, weight
-prefetch behind input uploads, the barrier before backward without a fused last stage, and the
-host's own work (``HostWork``). The rules: docs/design.md, design notes, ``planning/predictor.py``.
+thousands of plans. With free transfers it equals the timing model's result on the lowered graph
+(``tests/cost/test_graph_timing.py``, on random plans); with a link it is an estimate, whose
+error ``tests/schedule/test_lowering.py`` bounds. It charges per-stage and per-microbatch
+overheads, weight prefetch behind input uploads, the barrier before backward without a fused
+last stage, and the host's own work (``HostWork``). The rules: docs/design.md, design notes.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One task of a lowered step's graph, and what it is made of: its kinds, the lanes, priorities, options.
 
 The data ``lowering`` (which builds the graph) and ``passes`` (its four passes) share, kept below both so
-that neither imports the other. ``LANES`` is the package's one lane tuple; ``TaskKind`` names every kind.
+that neither imports the other. ``LANES`` and its rules are the package's one lane definition; ``TaskKind`` names every kind.
 """
 
 from __future__ import annotations
@@ -31,11 +31,24 @@ class TaskKind(enum.StrEnum):
     FREE_KEPT = "free_kept"
 
 
-LANES = ("upload", "compute", "download")
+# The lanes, defined once for the engine (workers/pool.py), the timing model (cost/graph_timing.py),
+# the emulated streams and the trace. Their rules: a worker's compute lane runs its tasks in
+# submission order (a fixed gradient accumulation order); its two transfer lanes, the host link's
+# two directions, run the ready task of lowest priority first (ties in submission order), in
+# chunks, so an urgent one overtakes at a chunk boundary; the host lane (the optimizer's thread)
+# runs the ready work of lowest rank first, ties in the order it became ready.
+LANES = ("upload", "compute", "download")  # a worker's lanes, in the order a timeline draws them
+UPLOAD, COMPUTE, DOWNLOAD = LANES
+IN_ORDER_LANES = (COMPUTE,)
+TRANSFER_LANES = (UPLOAD, DOWNLOAD)
+HOST_LANE = "host"
+MAIN_LANE = "main"  # the host's main thread (dispatch, loss, accumulation) where the simulator prices it
+TRACE_LANES = (*LANES, HOST_LANE)
 LANE_KINDS = {
-    "upload": ("weights", "act_in", "grad_in"),
-    "compute": ("forward", "fused", "backward"),
-    "download": ("act_out", "act_save", "grad_out", "loss", "wgrad", "release", "free_kept"),
+    UPLOAD: (TaskKind.WEIGHTS, TaskKind.ACT_IN, TaskKind.GRAD_IN),
+    COMPUTE: (TaskKind.FORWARD, TaskKind.FUSED, TaskKind.BACKWARD),
+    DOWNLOAD: (TaskKind.ACT_OUT, TaskKind.ACT_SAVE, TaskKind.GRAD_OUT, TaskKind.LOSS, TaskKind.WGRAD,
+               TaskKind.RELEASE, TaskKind.FREE_KEPT),
 }
 # Transfer kinds by the priority class (EngineOptions.priorities) they take.
 PRIORITY_CLASS = {"weights": "weights", "act_in": "activation", "grad_in": "activation", "act_out": "activation",

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .event_queue import HOST, EventSimulator, Op
+from ..cost.graph_timing import HOST, LaneTimer, LaneWork
+from ..schedule.graph_task import MAIN_LANE
 
-DISPATCH_QUEUE = "main"  # the host thread that drives the step; submissions run on it in order
-
-Updates = dict[int, list[Op]]  # layer -> the optimizer ops its next upload waits for
+Updates = dict[int, list[LaneWork]]  # layer -> the optimizer ops its next upload waits for
 
 
 class CallAccumulator:
@@ -29,17 +28,17 @@ class CallAccumulator:
     next upload of that layer must wait for.
     """
 
-    def __init__(self, optimizer: Callable[[dict[int, list[Op]], int], Updates], accumulation: int = 1,
+    def __init__(self, optimizer: Callable[[dict[int, list[LaneWork]], int], Updates], accumulation: int = 1,
                  stale: bool = False) -> None:
         if accumulation < 1:
             raise ValueError(f"accumulation must be at least 1, got {accumulation}")
         self.optimizer, self.accumulation, self.stale = optimizer, accumulation, stale
         self.gate: Updates = {}  # what the current call's weight uploads wait for
         self.pending: Updates = {}  # stale: the last update, which the step after next waits for
-        self.wgrads: dict[int, list[Op]] = {}
+        self.wgrads: dict[int, list[LaneWork]] = {}
         self.calls = 0
 
-    def add_call(self, wgrads: list[tuple[int, Op]], call: int) -> None:
+    def add_call(self, wgrads: list[tuple[int, LaneWork]], call: int) -> None:
         """Record one call's gradient downloads (``(layer, op)``); at a step's last call, update."""
         for layer, op in wgrads:
             self.wgrads.setdefault(layer, []).append(op)
@@ -54,7 +53,7 @@ class CallAccumulator:
             self.gate = updates
 
 
-def submission(sim: EventSimulator, previous: Op | None, gate: list[Op], seconds: float, task, step: int) -> Op:
+def submission(sim: LaneTimer, previous: LaneWork | None, gate: list[LaneWork], seconds: float, task, step: int) -> LaneWork:
     """The host submitting ``task``: after the previous submission and the host barrier ``gate``."""
     deps = ([previous] if previous is not None else []) + list(gate)
-    return sim.add(Op(HOST, DISPATCH_QUEUE, "submit", task.stage, task.microbatch, step, seconds=seconds, deps=deps))
+    return sim.add(LaneWork(HOST, MAIN_LANE, "submit", task.stage, task.microbatch, step, seconds=seconds, deps=deps))

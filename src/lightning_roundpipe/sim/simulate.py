@@ -17,23 +17,17 @@ from dataclasses import dataclass, field
 from ..cost.profile import CostProfile
 from ..schedule.dispatch_order import schedule_named
 from ..schedule.history import WorkerHistory
-from ..schedule.lowering import DEFAULT_PRIORITIES, GraphTask, LoweringOptions, TaskKind
+from ..schedule.graph_task import COMPUTE, MAIN_LANE, UPLOAD
+from ..schedule.lowering import GraphTask, LoweringOptions, TaskKind
 from ..schedule.plan import Plan, PlanError
 from ..tracing.records import TraceRecord
 from ..cost.view import CostView
-from ..cost.memory import UNDO_BYTES_PER_TRAINABLE, layer_grain_graph
+from ..cost.memory import UNDO_BYTES_PER_TRAINABLE
 from .accumulation import CallAccumulator, submission
 from ..schedule.lowered_steps import LoweredSteps
-from .event_queue import HOST, EventSimulator, LinkSpec, Op
+from ..cost.graph_timing import HOST, HOST_LANE, CostSizes, LaneTimer, LaneWork, LinkSpec, task_work
 from ..cost.hardware import HardwareProfile
 from ..cost.host_update import UNDO_BYTES_PER_PARAM, unscale_seconds, update_seconds
-
-# Transfer priorities by kind for the bound schedules (lower goes first): what a stage waits for,
-# then weight prefetch, then gradients going home. RoundPipe steps take theirs from the lowering.
-PRIO_ACTIVATIONS = DEFAULT_PRIORITIES["activation"]
-PRIO_WEIGHTS = DEFAULT_PRIORITIES["weights"]
-PRIO_GRADS = DEFAULT_PRIORITIES["gradients"]
-MAIN_QUEUE = "main"  # the host thread that drives the step (loss, dispatch); the optimizer has its own queue
 
 
 class FusedOnOneWorker:
@@ -48,7 +42,7 @@ class FusedOnOneWorker:
 
     def __init__(self, microbatches: int) -> None:
         self.m = microbatches
-        self.extra_wgrads: list[Op] = []
+        self.extra_wgrads: list[LaneWork] = []
 
     def spreads(self, t: GraphTask) -> bool:
         """Whether ``t`` belongs to a fused stage this placement spreads over several workers."""
@@ -58,11 +52,11 @@ class FusedOnOneWorker:
         """``t`` as it runs: on the worker this placement gives it."""
         return t
 
-    def copy_weights(self, op: Op, add) -> None:
+    def copy_weights(self, op: LaneWork, add) -> None:
         """Add the copies of a weight upload ``op`` that the extra workers need (with ``add``)."""
         return None
 
-    def compute_deps(self, t: GraphTask, deps: list[Op]) -> list[Op]:
+    def compute_deps(self, t: GraphTask, deps: list[LaneWork]) -> list[LaneWork]:
         """The ops compute ``t`` waits for (pointing at its worker's copy of the weights)."""
         return deps
 
@@ -70,11 +64,11 @@ class FusedOnOneWorker:
         """Whether ``t`` is the first / last microbatch its worker runs of its stage."""
         return t.microbatch == 0, t.microbatch == self.m - 1
 
-    def computed(self, t: GraphTask, op: Op) -> None:
+    def computed(self, t: GraphTask, op: LaneWork) -> None:
         """Note that ``op`` computes ``t`` (a worker's last compute gates its gradient download)."""
         return None
 
-    def wgrads(self, t: GraphTask, deps: list[Op], step: int, add, out: list) -> Op:
+    def wgrads(self, t: GraphTask, deps: list[LaneWork], step: int, add, out: list) -> LaneWork:
         """The gradient download of a spread stage (never asked of the engine's placement)."""
         raise AssertionError("the engine's fused stage spreads nothing")
 
@@ -234,14 +228,14 @@ def link_of(hardware: HardwareProfile, config: SimConfig) -> LinkSpec:
     return LinkSpec(hardware.host_device_bytes_per_s, hardware.latency_s, hardware.duplex, config.chunk_bytes)
 
 
-def summarize(sim: EventSimulator, schedule: str, num_workers: int, microbatches: int, tokens_per_microbatch: int,
+def summarize(sim: LaneTimer, schedule: str, num_workers: int, microbatches: int, tokens_per_microbatch: int,
               steps: int, **notes) -> SimResult:
     """Step time, bubble and peaks of a finished simulation of ``steps`` identical steps."""
     ends = [0.0] * steps
     busy = [0.0] * steps
     for op in sim.ops:
         ends[op.step] = max(ends[op.step], op.end)
-        if op.queue == "compute":
+        if op.queue == COMPUTE:
             busy[op.step] += op.end - op.start
     step_s = (ends[-1] - ends[0]) / (steps - 1) if steps > 1 else ends[0]
     bubble = 1.0 - busy[-1] / (num_workers * step_s) if step_s > 0 else 0.0
@@ -250,29 +244,8 @@ def summarize(sim: EventSimulator, schedule: str, num_workers: int, microbatches
                      microbatches * tokens_per_microbatch, notes=dict(notes))
 
 
-class CostSizes:
-    """The simulator's ``Sizes``: per-layer transfers of a cost view."""
-
-    def __init__(self, view: CostView) -> None:
-        self.view = view
-
-    def weight_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
-        """One upload chunk per layer of ``[start, end)``, with its weight bytes."""
-        return [(layer, layer + 1, self.view.layers[layer].weight_bytes) for layer in range(start, end)]
-
-    def grad_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
-        """One gradient download per trainable layer of ``[start, end)``, last layer first."""
-        # Last layers first, as backward produces them; frozen layers send nothing.
-        return [(layer, layer + 1, self.view.layers[layer].grad_download_bytes) for layer in reversed(range(start, end))
-                if self.view.layers[layer].grad_bytes > 0]
-
-    def boundary_bytes(self, boundary: int) -> int:
-        """Bytes of the activation entering layer ``boundary``."""
-        return self.view.in_bytes(boundary)
-
-
 class _RoundPipeBuilder:
-    """Times the lowered graph of RoundPipe steps on an ``EventSimulator``.
+    """Times the lowered graph of RoundPipe steps on an ``LaneTimer``.
 
     Each graph task becomes one operation (a release takes no time: it is done when what it
     waits for is); the history waits resolve on a ``WorkerHistory`` of operations, as the
@@ -281,26 +254,26 @@ class _RoundPipeBuilder:
     layer's next upload, and the host barriers of ``SimConfig``.
     """
 
-    def __init__(self, sim: EventSimulator, plan: Plan, view: CostView, hardware: HardwareProfile,
+    def __init__(self, sim: LaneTimer, plan: Plan, view: CostView, hardware: HardwareProfile,
                  microbatches: int, num_workers: int, config: SimConfig) -> None:
         overrides = {name: getattr(config, name) for name in ("dispatch_s", "launch_s") if getattr(config, name) is not None}
         self.sim, self.plan, self.view, self.hw = sim, plan, view, hardware.replace(**overrides)
         self.m, self.nw, self.cfg = microbatches, num_workers, config
         self.sizes = CostSizes(view)
-        self.history: WorkerHistory[list[Op]] = WorkerHistory(num_workers)
+        self.history: WorkerHistory[list[LaneWork]] = WorkerHistory(num_workers)
         # Host barriers: the op after which the last step's backward returned.
-        self.step_done: Op | None = None
-        last_updates: dict[int, Op] = {}  # per layer, its latest update (the undo copy waits for it)
+        self.step_done: LaneWork | None = None
+        last_updates: dict[int, LaneWork] = {}  # per layer, its latest update (the undo copy waits for it)
         self.calls = CallAccumulator(lambda wgrads, step: add_optimizer(sim, wgrads, view, hardware, config, step,
                                                                         last_updates),
                                      config.accumulation, config.stale_optimizer)
-        self.submitted: Op | None = None  # the host's last task submission (dispatch cost)
+        self.submitted: LaneWork | None = None  # the host's last task submission (dispatch cost)
         # Each step's graph: lowered once per start worker (``schedule/lowered_steps.py``).
         self.lowered = LoweredSteps(plan, num_workers, self.sizes, LoweringOptions(
             microbatches=microbatches, training=True, fused=plan.fused_last, recompute=True,
             layer_recompute=config.layer_recompute, schedule=schedule_named(config.schedule)))
 
-    def add(self, op: Op) -> Op:
+    def add(self, op: LaneWork) -> LaneWork:
         return self.sim.add(op)
 
     def step(self, step: int) -> None:
@@ -309,7 +282,7 @@ class _RoundPipeBuilder:
         graph = self.lowered.graph(first, self.history.next_serial)
         self.history.advance(graph)
         tasks = graph.tasks
-        done: dict[int, list[Op]] = {}  # task id -> the ops that finish it
+        done: dict[int, list[LaneWork]] = {}  # task id -> the ops that finish it
         outputs_of: dict[int, list[GraphTask]] = {}  # compute id -> its activation downloads
         for t in tasks:
             if t.kind in (TaskKind.ACT_OUT, TaskKind.ACT_SAVE, TaskKind.GRAD_OUT):
@@ -321,9 +294,9 @@ class _RoundPipeBuilder:
         first_of_step = self.calls.calls % self.calls.accumulation == 0
         waits = barrier is True or (barrier == "step" and first_of_step)
         gate = [self.step_done] if barriers and waits and self.step_done is not None else []
-        wgrads: list[tuple[int, Op]] = []
-        losses: list[Op] = []
-        backward_done: list[Op] = []
+        wgrads: list[tuple[int, LaneWork]] = []
+        losses: list[LaneWork] = []
+        backward_done: list[LaneWork] = []
         in_backward = False
         spread = cfg.design.fused_placement(plan, tasks, self.nw, m)
         for original in tasks:
@@ -334,7 +307,7 @@ class _RoundPipeBuilder:
                     # The host has the loss once every microbatch's output is home; loss.backward()
                     # then submits the backward phase.
                     outs = [op for i in sorted(host_output) for op in done[host_output[i]]]
-                    gate = [self.add(Op(HOST, MAIN_QUEUE, "loss", "", -1, step, seconds=cfg.host_loss_s,
+                    gate = [self.add(LaneWork(HOST, MAIN_LANE, "loss", "", -1, step, seconds=cfg.host_loss_s,
                                         deps=outs + self._main_last()))]
             deps = [op for d in t.deps for op in done[d]]
             deps += [op for ops in self.history.resolve(original) for op in ops]
@@ -349,29 +322,24 @@ class _RoundPipeBuilder:
                     backward_done.extend(deps + spread.extra_wgrads)
                 self.history.record(original, deps)
                 continue
-            if t.lane == "upload":
+            if t.lane == UPLOAD:
                 if t.kind == TaskKind.GRAD_IN and not t.deps and t.boundary == plan.num_layers:
                     deps += done[host_output[t.microbatch]]  # the host computes the loss and its gradient
                 if t.kind == TaskKind.WEIGHTS:
                     deps += [op for layer in range(*t.layers) for op in self.calls.gate.get(layer, [])]
-                # Weights are held as the worker holds them (fp32 leaves under a mixed precision), not as sent.
-                held = self.view.weights(*t.layers) if t.kind == TaskKind.WEIGHTS else t.bytes
-                op = Op(w, "upload", t.kind, name, t.microbatch, step, bytes=t.bytes, priority=t.priority,
-                        deps=deps + gate, alloc=[(w, held)])
+                op = task_work(t, view, step, deps + gate)
                 if t.kind == TaskKind.WEIGHTS:
                     spread.copy_weights(op, self.add)
-            elif t.lane == "compute":
-                op = self._compute(t, step, spread.compute_deps(t, deps), [tasks[d] for d in t.deps],
-                                   outputs_of.get(t.id, []), *spread.first_last(t))
+            elif t.lane == COMPUTE:
+                first_of, last_of = spread.first_last(t)
+                op = task_work(t, view, step, spread.compute_deps(t, deps), inputs=[tasks[d] for d in t.deps],
+                               outputs=outputs_of.get(t.id, []), first=first_of, last=last_of,
+                               inputs_kept=cfg.layer_inputs_from_forward)
                 spread.computed(t, op)
             elif t.kind == TaskKind.WGRAD and spread.spreads(t):
                 op = spread.wgrads(t, deps, step, self.add, wgrads)
             else:
-                free = [(w, t.bytes)] if t.kind != TaskKind.LOSS else []
-                if t.kind == TaskKind.WGRAD:  # the worker's fp32 gradients go, whatever dtype they travel in
-                    free = [(w, self.view.grads(*t.layers))]
-                op = Op(w, "download", t.kind, name, t.microbatch, step, bytes=t.bytes, priority=t.priority, deps=deps,
-                        free=free)
+                op = task_work(t, view, step, deps)
             self.add(op)
             done[t.id] = [op]
             self.history.record(original, [op])
@@ -383,7 +351,7 @@ class _RoundPipeBuilder:
             main = self._main_last()
             if plan.fused_last and (cfg.host_loss_s > 0 or cfg.host_accumulate_bytes_per_s):
                 # fused: the host sums the loss scalars, in microbatch order, before backward() runs
-                main = [self.add(Op(HOST, MAIN_QUEUE, "loss", "", -1, step, seconds=cfg.host_loss_s,
+                main = [self.add(LaneWork(HOST, MAIN_LANE, "loss", "", -1, step, seconds=cfg.host_loss_s,
                                     deps=losses + main))]
             if cfg.host_accumulate_bytes_per_s:
                 wgrads = self._accumulate(wgrads, main, step)
@@ -391,19 +359,19 @@ class _RoundPipeBuilder:
             # backward() returns once the host has the loss and every stage's weight gradients are
             # home (and, when priced, added into .grad); the next step's forward is submitted after
             # that (the optimizer's per-layer updates still overlap it).
-            self.step_done = self.add(Op(HOST, MAIN_QUEUE, "step", "", -1, step, deps=backward_done + losses + main))
+            self.step_done = self.add(LaneWork(HOST, MAIN_LANE, "step", "", -1, step, deps=backward_done + losses + main))
         self.calls.add_call(wgrads, step)
 
-    def _main_last(self) -> list[Op]:
+    def _main_last(self) -> list[LaneWork]:
         """The host main thread's last operation so far (its work runs one after another)."""
         return [self.submitted] if self.submitted is not None else []
 
-    def _accumulate(self, wgrads: list[tuple[int, Op]], after: list[Op], step: int) -> list[tuple[int, Op]]:
+    def _accumulate(self, wgrads: list[tuple[int, LaneWork]], after: list[LaneWork], step: int) -> list[tuple[int, LaneWork]]:
         """The main thread adding each downloaded gradient into ``.grad``, in dispatch order, after
         ``after``; returns (layer, accumulation) pairs, what each layer's optimizer update waits for."""
         rate, out = self.cfg.host_accumulate_bytes_per_s, []
         for layer, download in wgrads:
-            acc = self.add(Op(HOST, MAIN_QUEUE, "accumulate", f"L{layer}", -1, step, seconds=download.bytes / rate,
+            acc = self.add(LaneWork(HOST, MAIN_LANE, "accumulate", f"L{layer}", -1, step, seconds=download.bytes / rate,
                               deps=[download] + after))
             out.append((layer, acc))
             after = [acc]
@@ -417,34 +385,12 @@ class _RoundPipeBuilder:
             return 0.0
         seconds = self.hw.dispatch_s
         span = self.view.costs.decoder_layers
-        if t.lane == "compute" and span is not None and self.hw.launch_s > 0:
+        if t.lane == COMPUTE and span is not None and self.hw.launch_s > 0:
             n = max(0, min(t.end, span[1]) - max(t.start, span[0]))
             seconds += self.hw.launch_seconds(t.kind, n)
             extra = self.view.costs.extra_launches_per_decoder_layer[0 if t.kind == TaskKind.FORWARD else 1]
             seconds += n * extra * self.hw.launch_s  # an MoE layer's expert dispatch (cost/moe_loop.py)
         return seconds
-
-    def _compute(self, t: GraphTask, step: int, deps: list[Op], inputs: list[GraphTask],
-                 outputs: list[GraphTask], first: bool, last: bool) -> Op:
-        view, a, b, w = self.view, t.start, t.end, t.worker
-        transient = view.stage_graph(t.kind, a, b)
-        if t.kind == TaskKind.FORWARD:
-            seconds = view.forward_s(a, b)
-        elif t.kind == TaskKind.FUSED:
-            seconds = view.fused_s(a, b)
-        else:
-            seconds = view.backward_with_recompute_s(a, b)
-        if t.grain == "layer":
-            transient = layer_grain_graph(view, a, b)
-            seconds -= view.early_stop_s(a, b - 1)  # every layer but the last (priced above, or the loss) stops early
-            if not self.cfg.layer_inputs_from_forward:
-                seconds += view.forward_s(a, b - 1)  # the pass without grad that keeps the layer inputs
-        grads_total = view.grads(a, b) if t.kind != TaskKind.FORWARD else 0
-        out_total = sum(o.bytes for o in outputs)
-        in_total = sum(i.bytes for i in inputs if i.kind in (TaskKind.ACT_IN, TaskKind.GRAD_IN))
-        alloc = [(w, transient + out_total)] + ([(w, grads_total)] if first and grads_total else [])
-        free = [(w, transient + in_total)] + ([(w, view.weights(a, b))] if last else [])
-        return Op(w, "compute", t.kind, t.stage, t.microbatch, step, seconds=seconds, deps=deps, alloc=alloc, free=free)
 
 
 UNDO_PRIORITY = 1 << 30  # after every ready update, whatever order the updates run in
@@ -459,8 +405,8 @@ def undo_seconds(trainable_params: int, hardware: HardwareProfile) -> float:
     return trainable_params * UNDO_BYTES_PER_PARAM / rate
 
 
-def add_optimizer(sim: EventSimulator, wgrads: dict[int, list[Op]], view: CostView, hardware: HardwareProfile,
-                  config: SimConfig, step: int, previous: dict[int, Op] | None = None) -> dict[int, list[Op]]:
+def add_optimizer(sim: LaneTimer, wgrads: dict[int, list[LaneWork]], view: CostView, hardware: HardwareProfile,
+                  config: SimConfig, step: int, previous: dict[int, LaneWork] | None = None) -> dict[int, list[LaneWork]]:
     """Host optimizer updates of one step, in the order the gradients were added.
 
     ``previous``: per layer, its last update so far (read for the undo copy, then set to this
@@ -469,7 +415,7 @@ def add_optimizer(sim: EventSimulator, wgrads: dict[int, list[Op]], view: CostVi
     everything = [op for ops in wgrads.values() for op in ops]
     wait_for_all = config.clip_grad_norm or config.optimizer_barrier
     previous = {} if previous is None else previous
-    updates: dict[int, Op] = {}
+    updates: dict[int, LaneWork] = {}
     journal = config.undo_journal_bytes
     for layer, ops in wgrads.items():
         image = view.trainable[layer] * UNDO_BYTES_PER_TRAINABLE
@@ -477,27 +423,20 @@ def add_optimizer(sim: EventSimulator, wgrads: dict[int, list[Op]], view: CostVi
         if config.optimizer_undo and journal is not None and not past_journal:
             journal -= image
         deps = list(everything if wait_for_all or past_journal else ops)
+        n = view.trainable[layer]
+        seconds = update_seconds(n, hardware) + (unscale_seconds(n, hardware) if config.host_unscale else 0.0)
         if past_journal:
-            seconds = update_seconds(view.trainable[layer], hardware)
-            if config.host_unscale:
-                seconds += unscale_seconds(view.trainable[layer], hardware)
-            updates[layer] = previous[layer] = sim.add(Op(HOST, "host", "optim", f"L{layer}", -1, step,
-                                                          seconds=seconds, priority=PAST_JOURNAL_PRIORITY + layer,
-                                                          deps=deps))
-            continue
-        if config.optimizer_undo and view.trainable[layer]:
-            last = previous.get(layer)
-            deps.append(sim.add(Op(HOST, "host", "undo", f"L{layer}", -1, step,
-                                   seconds=undo_seconds(view.trainable[layer], hardware),
-                                   priority=UNDO_PRIORITY,  # idle work: ready updates go first
-                                   deps=[last] if last is not None else [])))
-        seconds = update_seconds(view.trainable[layer], hardware)
-        if config.host_unscale:
-            seconds += unscale_seconds(view.trainable[layer], hardware)
-        # "arrival": equal priorities, so ready updates run in the order they became ready
-        priority = layer if config.optimizer_order == "layer" else 0
-        updates[layer] = previous[layer] = sim.add(Op(HOST, "host", "optim", f"L{layer}", -1, step, seconds=seconds,
-                                                      priority=priority, deps=deps))
+            priority = PAST_JOURNAL_PRIORITY + layer
+        else:
+            if config.optimizer_undo and n:
+                last = previous.get(layer)
+                deps.append(sim.add(LaneWork(HOST, HOST_LANE, "undo", f"L{layer}", -1, step,
+                                             seconds=undo_seconds(n, hardware), priority=UNDO_PRIORITY,  # idle work
+                                             deps=[last] if last is not None else [])))
+            # "arrival": equal priorities, so ready updates run in the order they became ready
+            priority = layer if config.optimizer_order == "layer" else 0
+        updates[layer] = previous[layer] = sim.add(LaneWork(HOST, HOST_LANE, "optim", f"L{layer}", -1, step,
+                                                            seconds=seconds, priority=priority, deps=deps))
     if config.optimizer_barrier:
         every_update = list(updates.values())
         return {layer: every_update for layer in range(len(view))}
@@ -530,7 +469,7 @@ def simulate_roundpipe(
     nw = hardware.num_gpus if num_workers is None else int(num_workers)
     cfg = config or SimConfig()
     view = CostView(costs)
-    sim = EventSimulator(link_of(hardware, cfg))
+    sim = LaneTimer(link_of(hardware, cfg))
     builder = _RoundPipeBuilder(sim, plan, view, hardware, microbatches, nw, cfg)
     for step in range(cfg.steps):
         builder.step(step)

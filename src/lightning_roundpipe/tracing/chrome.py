@@ -6,11 +6,9 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from ..schedule.graph_task import LANES
+from ..schedule.graph_task import TRACE_LANES
 from .records import HOST_WORKER, TraceRecord
 
-# Queues in the order a worker's rows are shown (data flows upload -> compute -> download).
-QUEUE_ORDER = (*LANES, "host")
 
 
 def _task_name(r: TraceRecord) -> str:
@@ -24,13 +22,13 @@ def _task_name(r: TraceRecord) -> str:
 
 def queue_rank(queue: str) -> int:
     """Where a queue's row goes among a worker's rows (unknown queues last)."""
-    return QUEUE_ORDER.index(queue) if queue in QUEUE_ORDER else len(QUEUE_ORDER)
+    return TRACE_LANES.index(queue) if queue in TRACE_LANES else len(TRACE_LANES)
 
 
 def _queue_tids(records: Sequence[TraceRecord]) -> dict[str, int]:
     """Integer thread id per queue (Perfetto wants integers); known queues keep fixed ids."""
-    tids = {q: i for i, q in enumerate(QUEUE_ORDER)}
-    for q in sorted({r.queue for r in records} - set(QUEUE_ORDER)):
+    tids = {q: i for i, q in enumerate(TRACE_LANES)}
+    for q in sorted({r.queue for r in records} - set(TRACE_LANES)):
         tids[q] = len(tids)
     return tids
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable, Mapping, Sequence
 
+from ..schedule.graph_task import TRANSFER_LANES
 from .records import HOST_WORKER, TraceRecord
-
-TRANSFER_QUEUES = ("upload", "download")
 
 Interval = tuple[float, float]
 
@@ -89,7 +88,7 @@ def exposed_transfer_seconds(records: Sequence[TraceRecord]) -> float:
     compute task intervals; the remaining lengths are summed over workers. Transfers that run
     under that worker's own compute are hidden and do not count; host tasks are ignored.
     """
-    transfers = _by_worker(records, TRANSFER_QUEUES)
+    transfers = _by_worker(records, TRANSFER_LANES)
     computes = _by_worker(records, ("compute",))
     exposed = 0.0
     for worker, spans in transfers.items():

@@ -14,12 +14,12 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
-from .chrome import QUEUE_ORDER, from_chrome_trace, load_chrome_trace, to_chrome_trace
+from .chrome import from_chrome_trace, load_chrome_trace, to_chrome_trace
 from .gantt import KIND_COLOURS, KIND_HATCHES, save_gantt_png
-from .metrics import (TRANSFER_QUEUES, bubble_fraction, exposed_transfer_seconds, hidden_share, step_metrics,
+from .metrics import (bubble_fraction, exposed_transfer_seconds, hidden_share, step_metrics,
                       summarize_by_step)
 
-__all__ = ["KIND_COLOURS", "KIND_HATCHES", "QUEUE_ORDER", "TRANSFER_QUEUES", "bubble_fraction",
+__all__ = ["KIND_COLOURS", "KIND_HATCHES", "bubble_fraction",
            "exposed_transfer_seconds", "from_chrome_trace", "hidden_share", "load_chrome_trace", "main",
            "save_gantt_png", "step_metrics", "summarize_by_step", "to_chrome_trace"]
 

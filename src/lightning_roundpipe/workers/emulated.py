@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable
 
-from ..schedule.graph_task import TaskKind
+from ..schedule.graph_task import TRANSFER_LANES, TaskKind
 from .completions import TaskLabel
 from .cuda import FakeCudaWorkerPool
 from .host_buffers import DEFAULT_CAP_BYTES
@@ -25,7 +25,6 @@ from .streams import FakeEvent, FakeStream, FakeStreams
 from ..host.threads import WAITING_THREADS, set_intra_op_threads
 
 DeviceTime = Callable[[TaskLabel, int], float]
-TRANSFER_KINDS = frozenset({"weights", "act_in", "grad_in", "act_out", "act_save", "grad_out", "loss", "wgrad"})
 
 
 class EmulatedEvent(FakeEvent):
@@ -208,7 +207,7 @@ class EmulatedWorkerPool(FakeCudaWorkerPool):
         label = task.done.label
         if self.device_time is not None and label.kind != TaskKind.RELEASE:
             seconds = self.device_time(label, task.nbytes) * self.time_scale
-            task.fn = self._timed(task.fn, seconds, lane.worker.index, label.kind in TRANSFER_KINDS)
+            task.fn = self._timed(task.fn, seconds, lane.worker.index, lane.queue in TRANSFER_LANES)
         super().execute(lane, task)
 
     def _timed(self, fn, seconds: float, worker: int, transfer: bool):

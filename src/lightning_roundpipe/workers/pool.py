@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..schedule.graph_task import LANES, TaskKind
+from ..schedule.graph_task import IN_ORDER_LANES, LANES, TaskKind
 from ..tracing.records import TraceRecord, TraceRecorder
 from ..host.compile_clock import COMPILE_CLOCK
 from ..errors import PipelineTimeout
@@ -29,7 +29,6 @@ from .completions import Completion, TaskLabel
 from .device_memory import DeviceMemory
 from ..host.threads import keep_intra_op_threads, set_intra_op_threads
 
-QUEUES = LANES  # a worker's queues are the task graph's lanes
 log = logging.getLogger("lightning_roundpipe")
 
 
@@ -126,7 +125,7 @@ class Lane:
         self.queue = queue
         # The compute lane always runs in submission order (fixed gradient accumulation order);
         # transfer lanes do too when the pool is asked for plain FIFO queues (no priorities).
-        self.strict_order = queue == "compute" or pool.fifo_transfers
+        self.strict_order = queue in IN_ORDER_LANES or pool.fifo_transfers
         self._order: list[Task] = []  # strict lanes: every pending task, in submission order
         self._ready: list[tuple[int, int, Task]] = []  # priority lanes: heap of ready tasks
         self._waiting: dict[int, Task] = {}  # priority lanes: seq -> task not ready yet, oldest first
@@ -341,7 +340,7 @@ class Worker:
         self.pool = pool
         self.index = index
         self.device = device
-        self.lanes = {q: Lane(pool, self, q) for q in QUEUES}
+        self.lanes = {q: Lane(pool, self, q) for q in LANES}
         self.memory = DeviceMemory(index)  # what this worker holds on its device (device_memory.py)
 
     @property
@@ -590,7 +589,7 @@ class WorkerPool:
 
     def _lane_of(self, c: Completion) -> Lane | None:
         lab = c.label
-        if 0 <= lab.worker < len(self.workers) and lab.queue in QUEUES:
+        if 0 <= lab.worker < len(self.workers) and lab.queue in LANES:
             return self.workers[lab.worker].lanes[lab.queue]
         return None
 
