@@ -14,7 +14,8 @@ from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.cost.transformer import ModelShape, elementwise_bytes_per_token, get_model_shape, shape_layer_costs
 from lightning_roundpipe.cost.view import CostView
 from lightning_roundpipe.sim import SimConfig
-from lightning_roundpipe.cost.graph_timing import HOST, LaneTimer, LaneWork, LinkSpec
+from lightning_roundpipe.cost.graph_timing import LaneTimer, LaneWork, LinkSpec
+from lightning_roundpipe.tracing.records import HOST_WORKER
 from lightning_roundpipe.sim.simulate import add_optimizer
 
 pytestmark = pytest.mark.timeout(30)
@@ -91,7 +92,7 @@ def _updates(order: str) -> dict[str, tuple[float, float]]:
     view = CostView(CostProfile(layer, tokens_per_microbatch=1))
     hw = slow_gpu(cpu_optimizer_params_per_s=100.0)
     sim = LaneTimer(LinkSpec(1e12))
-    home = sim.add(LaneWork(HOST, "main", "grads home", "", -1, 0, seconds=1.0))
+    home = sim.add(LaneWork(HOST_WORKER, "main", "grads home", "", -1, 0, seconds=1.0))
     grads = {n: [home] for n in (2, 1)}
     add_optimizer(sim, grads, view, hw, SimConfig(optimizer_order=order), 0)
     sim.run()

@@ -183,17 +183,13 @@ class _BoundBuilder:
                     op = self._stage_pass(p, direction, s, i, step, a, b, wgrads)
                     first[(direction, s, i)] = last[(direction, s, i)] = op
                 elif self.layout.resident[p]:
-                    seconds = compute_seconds(view, COMPUTE_KIND[direction], a, b)
-                    if direction == "F":
-                        op = LaneWork(p, COMPUTE, TaskKind.FORWARD, name, i, step, seconds=seconds,
-                                deps=list(weight_ops[s]),
-                                alloc=[(p, sum(view.in_bytes(l) for l in range(a, b)) + view.max_layer_graph(a, b))],
-                                free=[(p, view.max_layer_graph(a, b))])
-                    else:
-                        op = LaneWork(p, COMPUTE, TaskKind.BACKWARD, name, i, step, seconds=seconds,
-                                alloc=[(p, view.max_layer_graph(a, b))],
-                                free=[(p, view.max_layer_graph(a, b) + sum(view.in_bytes(l) for l in range(a, b)))])
-                    sim.add(op)
+                    graph, checkpoint = view.max_layer_graph(a, b), sum(view.in_bytes(l) for l in range(a, b))
+                    forward = direction == "F"  # forward keeps the checkpoint, backward frees it
+                    op = sim.add(LaneWork(p, COMPUTE, COMPUTE_KIND[direction], name, i, step,
+                                          seconds=compute_seconds(view, COMPUTE_KIND[direction], a, b),
+                                          deps=list(weight_ops[s]) if forward else [],
+                                          alloc=[(p, checkpoint + graph if forward else graph)],
+                                          free=[(p, graph if forward else graph + checkpoint)]))
                     first[(direction, s, i)] = last[(direction, s, i)] = op
                 else:
                     ops = self._streamed(p, direction, s, i, step, a, b, wgrads)
@@ -275,12 +271,12 @@ class _BoundBuilder:
             alloc.append((p, checkpoint))
         else:
             free.append((p, checkpoint))
-        seconds = compute_seconds(view, COMPUTE_KIND[direction], a, b)
         last = i == self.m - 1
         if last:
             free.append((p, weights))
         op = sim.add(LaneWork(p, COMPUTE, COMPUTE_KIND[direction], f"{direction}{s}", i, step,
-                        seconds=seconds, deps=deps, alloc=alloc, free=free))
+                              seconds=compute_seconds(view, COMPUTE_KIND[direction], a, b), deps=deps, alloc=alloc,
+                              free=free))
         if last:
             self.stage_passes[p].append(op)
             if direction == "B":

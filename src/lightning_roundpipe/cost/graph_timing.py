@@ -22,8 +22,6 @@ from ..tracing.records import TraceRecord
 from .memory import layer_grain_graph
 from .view import CostView
 
-HOST = -1  # the worker index of host work (the host lane and the host's main thread)
-
 
 def link_seconds(nbytes: float, bytes_per_s: float, latency_s: float = 0.0) -> float:
     """One copy of ``nbytes`` over a host link of ``bytes_per_s`` (infinite: free) after ``latency_s``."""

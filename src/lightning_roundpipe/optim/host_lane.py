@@ -18,7 +18,8 @@ import itertools
 import threading
 from typing import Callable
 
-from ..tracing.records import TraceRecord, TraceRecorder
+from ..schedule.graph_task import HOST_LANE
+from ..tracing.records import HOST_WORKER, TraceRecord, TraceRecorder
 from ..workers.completions import Completion, TaskLabel
 from ..host.threads import host_optimizer_threads, set_intra_op_threads
 
@@ -81,7 +82,8 @@ class HostLane:
                 continue
             if traced and self.trace.enabled:
                 lab = done.label
-                self.trace.add(TraceRecord(-1, "host", lab.kind, lab.stage, -1, 0, start, self.trace.now(), self.trace.step))
+                self.trace.add(TraceRecord(HOST_WORKER, HOST_LANE, lab.kind, lab.stage, -1, 0, start, self.trace.now(),
+                                           self.trace.step))
             done.set(value)
 
     def close(self, timeout: float = 10.0) -> None:

@@ -15,6 +15,7 @@ from typing import Sequence
 
 from ..cost.profile import CostProfile, StageCost, StageCostModel
 from ..schedule.dispatch_order import ROUND_ROBIN, Schedule
+from ..schedule.graph_task import TaskKind
 from ..schedule.plan import Plan, PlanError, Stage
 
 DEFAULT_STAGE_OVERHEAD_S = 1e-3  # per dispatched stage: event waits, kernel-launch gaps, Python dispatch
@@ -62,9 +63,9 @@ def dispatched_stage_costs(plan: Plan, model: StageCostModel,
     for task in schedule.dispatch(plan, 1):
         stage = task.stage
         if stage.direction == "B":
-            kind = "backward"
+            kind = TaskKind.BACKWARD
         else:
-            kind = "fused" if plan.fused_last and stage.index == last else "forward"
+            kind = TaskKind.FUSED if plan.fused_last and stage.index == last else TaskKind.FORWARD
         out.append((stage, model.stage(kind, stage.start, stage.end)))
     return out
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..cost.graph_timing import HOST, LaneTimer, LaneWork
+from ..cost.graph_timing import LaneTimer, LaneWork
 from ..schedule.graph_task import MAIN_LANE
+from ..tracing.records import HOST_WORKER
 
 Updates = dict[int, list[LaneWork]]  # layer -> the optimizer ops its next upload waits for
 
@@ -56,4 +57,4 @@ class CallAccumulator:
 def submission(sim: LaneTimer, previous: LaneWork | None, gate: list[LaneWork], seconds: float, task, step: int) -> LaneWork:
     """The host submitting ``task``: after the previous submission and the host barrier ``gate``."""
     deps = ([previous] if previous is not None else []) + list(gate)
-    return sim.add(LaneWork(HOST, MAIN_LANE, "submit", task.stage, task.microbatch, step, seconds=seconds, deps=deps))
+    return sim.add(LaneWork(HOST_WORKER, MAIN_LANE, "submit", task.stage, task.microbatch, step, seconds=seconds, deps=deps))

@@ -20,12 +20,12 @@ from ..schedule.history import WorkerHistory
 from ..schedule.graph_task import COMPUTE, MAIN_LANE, UPLOAD
 from ..schedule.lowering import GraphTask, LoweringOptions, TaskKind
 from ..schedule.plan import Plan, PlanError
-from ..tracing.records import TraceRecord
+from ..tracing.records import HOST_WORKER, TraceRecord
 from ..cost.view import CostView
 from ..cost.memory import UNDO_BYTES_PER_TRAINABLE
 from .accumulation import CallAccumulator, submission
 from ..schedule.lowered_steps import LoweredSteps
-from ..cost.graph_timing import HOST, HOST_LANE, CostSizes, LaneTimer, LaneWork, LinkSpec, task_work
+from ..cost.graph_timing import HOST_LANE, CostSizes, LaneTimer, LaneWork, LinkSpec, task_work
 from ..cost.hardware import HardwareProfile
 from ..cost.host_update import UNDO_BYTES_PER_PARAM, unscale_seconds, update_seconds
 
@@ -307,7 +307,7 @@ class _RoundPipeBuilder:
                     # The host has the loss once every microbatch's output is home; loss.backward()
                     # then submits the backward phase.
                     outs = [op for i in sorted(host_output) for op in done[host_output[i]]]
-                    gate = [self.add(LaneWork(HOST, MAIN_LANE, "loss", "", -1, step, seconds=cfg.host_loss_s,
+                    gate = [self.add(LaneWork(HOST_WORKER, MAIN_LANE, "loss", "", -1, step, seconds=cfg.host_loss_s,
                                         deps=outs + self._main_last()))]
             deps = [op for d in t.deps for op in done[d]]
             deps += [op for ops in self.history.resolve(original) for op in ops]
@@ -351,7 +351,7 @@ class _RoundPipeBuilder:
             main = self._main_last()
             if plan.fused_last and (cfg.host_loss_s > 0 or cfg.host_accumulate_bytes_per_s):
                 # fused: the host sums the loss scalars, in microbatch order, before backward() runs
-                main = [self.add(LaneWork(HOST, MAIN_LANE, "loss", "", -1, step, seconds=cfg.host_loss_s,
+                main = [self.add(LaneWork(HOST_WORKER, MAIN_LANE, "loss", "", -1, step, seconds=cfg.host_loss_s,
                                     deps=losses + main))]
             if cfg.host_accumulate_bytes_per_s:
                 wgrads = self._accumulate(wgrads, main, step)
@@ -359,7 +359,7 @@ class _RoundPipeBuilder:
             # backward() returns once the host has the loss and every stage's weight gradients are
             # home (and, when priced, added into .grad); the next step's forward is submitted after
             # that (the optimizer's per-layer updates still overlap it).
-            self.step_done = self.add(LaneWork(HOST, MAIN_LANE, "step", "", -1, step, deps=backward_done + losses + main))
+            self.step_done = self.add(LaneWork(HOST_WORKER, MAIN_LANE, "step", "", -1, step, deps=backward_done + losses + main))
         self.calls.add_call(wgrads, step)
 
     def _main_last(self) -> list[LaneWork]:
@@ -371,7 +371,7 @@ class _RoundPipeBuilder:
         ``after``; returns (layer, accumulation) pairs, what each layer's optimizer update waits for."""
         rate, out = self.cfg.host_accumulate_bytes_per_s, []
         for layer, download in wgrads:
-            acc = self.add(LaneWork(HOST, MAIN_LANE, "accumulate", f"L{layer}", -1, step, seconds=download.bytes / rate,
+            acc = self.add(LaneWork(HOST_WORKER, MAIN_LANE, "accumulate", f"L{layer}", -1, step, seconds=download.bytes / rate,
                               deps=[download] + after))
             out.append((layer, acc))
             after = [acc]
@@ -430,12 +430,12 @@ def add_optimizer(sim: LaneTimer, wgrads: dict[int, list[LaneWork]], view: CostV
         else:
             if config.optimizer_undo and n:
                 last = previous.get(layer)
-                deps.append(sim.add(LaneWork(HOST, HOST_LANE, "undo", f"L{layer}", -1, step,
+                deps.append(sim.add(LaneWork(HOST_WORKER, HOST_LANE, "undo", f"L{layer}", -1, step,
                                              seconds=undo_seconds(n, hardware), priority=UNDO_PRIORITY,  # idle work
                                              deps=[last] if last is not None else [])))
             # "arrival": equal priorities, so ready updates run in the order they became ready
             priority = layer if config.optimizer_order == "layer" else 0
-        updates[layer] = previous[layer] = sim.add(LaneWork(HOST, HOST_LANE, "optim", f"L{layer}", -1, step,
+        updates[layer] = previous[layer] = sim.add(LaneWork(HOST_WORKER, HOST_LANE, "optim", f"L{layer}", -1, step,
                                                             seconds=seconds, priority=priority, deps=deps))
     if config.optimizer_barrier:
         every_update = list(updates.values())

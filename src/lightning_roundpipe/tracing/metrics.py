@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable, Mapping, Sequence
 
-from ..schedule.graph_task import TRANSFER_LANES
+from ..schedule.graph_task import HOST_LANE, TRANSFER_LANES
 from .records import HOST_WORKER, TraceRecord
 
 Interval = tuple[float, float]
@@ -106,7 +106,7 @@ def hidden_share(records: Sequence[TraceRecord], kind: str = "optim") -> float:
     host work (by default the optimizer step) is fully hidden behind GPU compute, 0.0 means it
     is fully exposed. Returns 0.0 when there are no such tasks or they take no time.
     """
-    host = [(r.start, r.end) for r in records if r.queue == "host" and r.kind == kind]
+    host = [(r.start, r.end) for r in records if r.queue == HOST_LANE and r.kind == kind]
     total = sum(max(0.0, end - start) for start, end in host)
     if total <= 0:
         return 0.0
