@@ -51,8 +51,9 @@ LANE_KINDS = {
                TaskKind.RELEASE, TaskKind.FREE_KEPT),
 }
 # Transfer kinds by the priority class (EngineOptions.priorities) they take.
-PRIORITY_CLASS = {"weights": "weights", "act_in": "activation", "grad_in": "activation", "act_out": "activation",
-                  "act_save": "activation", "grad_out": "activation", "loss": "activation", "wgrad": "gradients"}
+PRIORITY_CLASS = {TaskKind.WEIGHTS: "weights", TaskKind.ACT_IN: "activation", TaskKind.GRAD_IN: "activation",
+                  TaskKind.ACT_OUT: "activation", TaskKind.ACT_SAVE: "activation", TaskKind.GRAD_OUT: "activation",
+                  TaskKind.LOSS: "activation", TaskKind.WGRAD: "gradients"}
 DEFAULT_PRIORITIES = {"activation": 0, "weights": 1, "gradients": 2}
 UPLOAD_STRIDE = 16  # upload priority = stage serial * UPLOAD_STRIDE + class rank
 DOWNLOAD_STRIDE = 1 << 40  # download priority = class rank * DOWNLOAD_STRIDE + stage serial

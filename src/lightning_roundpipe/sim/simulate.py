@@ -315,7 +315,6 @@ class _RoundPipeBuilder:
             if host_s > 0:
                 self.submitted = submission(self.sim, self.submitted, gate, host_s, t, step)
                 deps.append(self.submitted)
-            w, name = t.worker, t.stage
             if t.kind in (TaskKind.RELEASE, TaskKind.FREE_KEPT):
                 done[t.id] = deps
                 if t.stage in backward_stages:
