@@ -141,6 +141,7 @@ def task_work(t: GraphTask, view: CostView, step: int, deps: list[LaneWork], *, 
     seconds = compute_seconds(view, t.kind, a, b, t.grain, inputs_kept)
     return LaneWork(w, t.lane, t.kind, t.stage, t.microbatch, step, seconds=seconds, deps=deps, alloc=alloc, free=free)
 
+
 class _InOrderServer:
     def __init__(self) -> None:
         self.ops: list[LaneWork] = []
@@ -172,23 +173,18 @@ class LaneTimer:
         self.ops.append(op)
         return op
 
-    # ------------------------------------------------------------------ helpers
     def _server_key(self, op: LaneWork) -> tuple[int, str]:
         if op.is_transfer and not self.link.duplex:
             return (op.worker, "link")
         return (op.worker, op.queue)
 
-    def _chunk_seconds(self, op: LaneWork, nbytes: int, first: bool) -> float:
-        return link_seconds(nbytes, self.link.bytes_per_s, self.link.latency_s if first else 0.0)
-
-    # ------------------------------------------------------------------ run
     def run(self) -> None:
         """Run every op once; fills ``start``/``end``, ``records`` and ``peak_bytes``."""
         _Run(self).execute()
 
 
 class _Run:
-    """One run of an ``LaneTimer``'s ops: the event loop and its bookkeeping."""
+    """One run of a ``LaneTimer``'s work: the event loop and its bookkeeping."""
 
     def __init__(self, sim: LaneTimer) -> None:
         self.sim, self.link, self.order = sim, sim.link, sim._order
@@ -283,7 +279,8 @@ class _Run:
         if op.is_transfer:
             left = self.remaining[id(op)]
             nbytes = min(left, self.link.chunk_bytes) if left > 0 else 0
-            self.push(self.now + self.sim._chunk_seconds(op, nbytes, first), 1, op, nbytes)
+            seconds = link_seconds(nbytes, self.link.bytes_per_s, self.link.latency_s if first else 0.0)
+            self.push(self.now + seconds, 1, op, nbytes)
         else:
             self.push(self.now + op.seconds, 0, op, 0)
 
