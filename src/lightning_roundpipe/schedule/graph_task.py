@@ -1,7 +1,8 @@
 """One task of a lowered step's graph, and what it is made of: its kinds, the lanes, priorities, options.
 
 The data ``lowering`` (which builds the graph) and ``passes`` (its four passes) share, kept below both so
-that neither imports the other. ``LANES`` and its rules are the package's one lane definition; ``TaskKind`` names every kind.
+that neither imports the other. ``LANES`` and its rules are the package's one lane definition;
+``TaskKind`` names every kind.
 """
 
 from __future__ import annotations
