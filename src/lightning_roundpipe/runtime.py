@@ -27,10 +27,10 @@ from .workers.matmul_accumulation import Fp16Accumulation
 from .host.host_gc import OlderObjectsFrozen
 from .host.host_heap import TRIM_EVERY_STEPS, return_free_heap
 from .engine import PipelineEngine
-from .engine.buffers import expect_buffer_writes
+from .engine.layer_call import expect_buffer_writes
 from .engine.rng import CPU_GENERATOR
 from .engine.microbatch import MicrobatchError, batch_size_of, register_batch_types
-from .engine.forward_hooks import HookGuard
+from .engine.layer_call import HookGuard
 from .engine.split_invariance import SplitInvarianceCheck
 from .params.packed import cpu_inference_4bit_modules, upload_parts
 from .schedule.dispatch_order import schedule_named

@@ -22,10 +22,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..errors import SplitInvarianceError
+from ..errors import ForwardHookError, SplitInvarianceError
 from ..options import OptionError
 from ..workers.completions import PipelineTimeout
-from .forward_hooks import ForwardHookError
 from .microbatch import HostRows, batch_size_of, split_microbatches
 from .rng import CPU_GENERATOR
 
