@@ -1,4 +1,4 @@
-"""The eager layer call with a worker's tensors (``engine/tensor_swap.py``) computes what
+"""The eager layer call with a worker's tensors (``engine/layer_call.py``) computes what
 ``torch.func.functional_call`` computes, and leaves the module as it was."""
 
 from __future__ import annotations

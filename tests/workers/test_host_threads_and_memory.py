@@ -20,7 +20,7 @@ from lightning_roundpipe.engine import output_merge
 from lightning_roundpipe.options import OptionError
 from lightning_roundpipe.workers import TaskLabel, backend_class, make_pool
 from lightning_roundpipe.host.host_allocator import keep_freed_memory
-from lightning_roundpipe.host.threads import intra_op_threads
+from lightning_roundpipe.engine.engine import intra_op_threads
 
 
 def _in_fresh_thread(fn):

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from ..schedule.plan import Plan, PlanError
 from ..errors import PipelineError, PipelineTimeout, WorkerError
 from ..workers.completions import Completion
 from ..workers.pool import WorkerPool
-from ..host.threads import HOST_PHASE_THREADS, intra_op_threads
+from ..host.threads import HOST_PHASE_THREADS
 from ..options import EngineOptions
 from .microbatch import HostCarry, merge_microbatches, split_microbatches
 from .layer_call import ModuleLock
@@ -227,7 +227,7 @@ class PipelineEngine:
             for t in trees:
                 total = total + t["loss_sum"].float()
             return total * run.loss_scale
-        return run.outputs.merged(trees)  # filled while the forward ran (output_merge.py)
+        return run.outputs.merged(trees)  # filled while the forward ran (OutputAssembly)
 
     def _guarded(self, fn, *args):
         """Run a host-side phase; on failure let every queued task finish or fail before re-raising.
@@ -304,6 +304,22 @@ def _shared_module_locks(layers: Sequence[nn.Module]) -> list:
         for i in members:
             locks[i] = lock
     return locks
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """The calling thread runs with ``n`` intra-op threads inside the block and with its own
+    count again after it (also when the block raises): the host's pipelined phases run on
+    ``HOST_PHASE_THREADS`` while the workers compute (``host/threads.py``)."""
+    before = torch.get_num_threads()
+    if before == n:
+        yield
+        return
+    torch.set_num_threads(max(1, int(n)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class _PipelineFunction(torch.autograd.Function):

@@ -276,13 +276,9 @@ class SplitInvarianceCheck:
         self.root = root
         self.skip = set(skip)
         self.hint = hint  # layer module -> an extra sentence for a refusal (e.g. a family's dynamic RoPE), or None
-        self.checked: set = set()
+        self.checked: set = set()  # the layers' training flags (a tuple) of each mode checked
         self.last: CheckReport | None = None
         self.running: tuple[int, str] | None = None  # the layer call under way (index, which call), for a timeout
-
-    def wanted(self) -> bool:
-        """Whether the layers' current training flags were not checked yet."""
-        return tuple(layer.training for layer in self.layers) not in self.checked
 
     def run(self, inputs: Any, microbatches: int, timeout_s: float | None = None) -> CheckReport | None:
         """Check ``inputs`` cut into ``microbatches``; raise ``SplitInvarianceError`` naming the first layer that

@@ -9,7 +9,7 @@ compute lane runs in submission order, so a stage's gradient accumulates over mi
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -25,9 +25,6 @@ from .layer_recompute import LayerCalls, backward_by_layer, layer_inputs
 from .microbatch import HostCarry
 from .rng import CallRng
 
-if TYPE_CHECKING:  # step.py imports this module
-    from .step import StepContext
-
 Work = tuple[Callable[[], Any], int, list]  # (fn, bytes, extra dependencies)
 
 
@@ -35,11 +32,12 @@ class TaskWork:
     """The tensors of one call: stage weights on their workers, kept graphs, host carries; and the
     handler of each task kind (``HANDLERS``).
 
-    ``keep_graph``: forward stages keep their graphs for the backward (no recompute), as the call
-    started; a backward compute without an activation upload runs on a kept graph.
+    ``ctx``: the call's ``StepContext`` (``step.py``, which imports this module). ``keep_graph``:
+    forward stages keep their graphs for the backward (no recompute), as the call started; a
+    backward compute without an activation upload runs on a kept graph.
     """
 
-    def __init__(self, ctx: StepContext, graph: TaskGraph, done: dict[int, Completion], microbatches: list[Any], *,
+    def __init__(self, ctx, graph: TaskGraph, done: dict[int, Completion], microbatches: list[Any], *,
                  training: bool, fused: bool, loss_scale: float | None, input_requires_grad: bool, autocast: dict,
                  rng: CallRng, lent_buffers: list) -> None:
         self.ctx, self.pool, self.plan, self.opts = ctx, ctx.pool, ctx.plan, ctx.options

@@ -5,7 +5,8 @@ step already runs a reasonable plan. Measured stage times feed per-layer moving 
 ``auto`` policy re-plans when they move by more than the threshold, so the default ``compute``
 plan depends only on shapes, options and the first batch (bit-identical weights for the same seed
 and data). Microbatches, recompute and the host's work are chosen and priced here too
-(``defaults``, ``PlanKeeper.observe_host``).
+(``defaults``, ``PlanKeeper.observe_host``). A steady step only appends its measurements to
+``unread``; they are folded in, in order, when the keeper next plans or reports (``read``).
 """
 
 from __future__ import annotations
@@ -131,6 +132,12 @@ class PlanKeeper:
         self.choice_note: str | None = None  # how the first batch changed the microbatch count, if it did
         self.host_source = "estimate"
         self.host_measured: set[str] = set()  # the HostWork fields measured at least once
+        # Steps ended but not folded in yet: the runtime appends each step's measurements (``unread``) and
+        # host times (``unread_host``, ``observe_host``'s arguments), and calls ``after_steps`` once
+        # ``steps_seen + len(unread)`` reaches ``next_read``: the next re-plan check (the first step always).
+        self.unread: list = []
+        self.unread_host: list[tuple[float | None, float | None]] = []
+        self.next_read = 1
 
     def use(self, costs, microbatches: int) -> None:
         """Plan for ``microbatches`` under ``costs`` (the estimate) and start the re-planner and host estimate
@@ -234,6 +241,7 @@ class PlanKeeper:
 
     def report(self) -> PlanReport:
         """The plan table's data: the plan with its costs, microbatches, recompute and host memory."""
+        self.read()
         return build_report(self.plan, self.moving.profile(), self.num_workers, self.microbatches,
                             recompute=self.recompute, host=self.host, host_source=self.host_source,
                             microbatch_overhead_s=self.microbatch_overhead_s)
@@ -243,12 +251,26 @@ class PlanKeeper:
         for stage, kind, seconds in measurements:
             self.moving.observe_stage((stage.start, stage.end), kind, seconds)
 
-    def after_step(self, measurements) -> Plan | None:
-        """Record one training step; return a new plan when the auto policy decided to re-plan."""
-        self.observe(measurements)
-        self.steps_seen += 1
-        if self.replanner is None:
+    def read(self) -> None:
+        """Fold the steps not read yet into the moving estimates, in the order they ended (the same
+        estimates as observing each step as it ended)."""
+        host, self.unread_host = self.unread_host, []
+        for between_s, outside_s in host:
+            self.observe_host(between_s, outside_s)
+        steps, self.unread = self.unread, []
+        for measurements in steps:
+            self.observe(measurements)
+            self.steps_seen += 1
+
+    def after_steps(self) -> Plan | None:
+        """Read the steps ended since the last read (``unread``); return a new plan when the auto policy
+        decided to re-plan. The runtime calls it when ``next_read`` is reached: a re-plan check."""
+        self.read()
+        if self.replanner is None:  # nothing to check: read every CHECK_EVERY steps (memory stays flat) and when reported
+            self.next_read = (self.steps_seen // CHECK_EVERY + 1) * CHECK_EVERY
             return None
+        self.next_read = next((n for n in CHECK_STEPS if n > self.steps_seen),
+                              (self.steps_seen // CHECK_EVERY + 1) * CHECK_EVERY)
         if self.steps_seen not in CHECK_STEPS and self.steps_seen % CHECK_EVERY:
             return None
         new = self.replanner.maybe_replan(self.moving.profile())
