@@ -144,9 +144,9 @@ class TensorSwap:
 
 
 # ---------------------------------------------------------------------------- module locks
-# ``functional_call`` swaps a module's tensors for the call's duration, so one module object never
-# runs on two workers at once (``engine.py`` gives layers sharing one a common lock). The wait is bounded by the pool's
-# timeout (compile seconds excluded); its error names the layer waiting and the call holding it.
+# A call swaps a module's tensors for its duration, so one module object never runs on two workers
+# at once (``engine.py`` gives the layers sharing one a common lock). The wait is bounded by the
+# pool's timeout (compile seconds excluded); its error names the layer waiting and the call holding it.
 
 
 class ModuleLock:
