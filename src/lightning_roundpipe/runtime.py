@@ -27,10 +27,10 @@ from .workers.matmul_accumulation import Fp16Accumulation
 from .host.host_gc import OlderObjectsFrozen
 from .host.host_heap import TRIM_EVERY_STEPS, return_free_heap
 from .engine import PipelineEngine
-from .engine.buffers import expect_buffer_writes
+from .engine.layer_call import expect_buffer_writes
 from .engine.rng import CPU_GENERATOR
 from .engine.microbatch import MicrobatchError, batch_size_of, register_batch_types
-from .engine.forward_hooks import HookGuard
+from .engine.layer_call import HookGuard
 from .engine.split_invariance import SplitInvarianceCheck
 from .params.packed import cpu_inference_4bit_modules, upload_parts
 from .schedule.dispatch_order import schedule_named
@@ -277,8 +277,8 @@ class RoundPipeRuntime:
     def _choose_microbatches(self, inputs) -> None:
         """An open microbatch count is chosen again for the first batch seen (its size was unknown at set-up),
         attention priced for its sequence length, and a memory budget checked against its microbatches."""
-        if not self.planner.wants_first_batch:
-            return
+        if self.plan_settled or not self.planner.wants_first_batch:
+            return  # settled: the first batch's choices are made (they are never wanted again)
         leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim()]
         if not leaves:
             return
@@ -311,6 +311,8 @@ class RoundPipeRuntime:
 
     def _check_batch_statistics(self, inputs) -> None:
         """Refuse, before anything runs, a call whose BatchNorm would see per-microbatch statistics."""
+        if not self.batch_statistics.found:
+            return  # no batch-dependent layer among the pipelined ones (found once, at set-up)
         try:
             size = batch_size_of(inputs)
         except MicrobatchError:
@@ -320,9 +322,9 @@ class RoundPipeRuntime:
     def _check_split_invariance(self, inputs) -> None:
         """Before the first call in each training mode: every layer whole against per microbatch, on the host
         (``engine/split_invariance.py``); a layer found split-invariant with its buffer writes (LongRoPE's
-        ``inv_freq``) is exact, so ``engine/buffers.py`` need not warn about it."""
-        if self.split_check is None or not self.split_check.wanted():
-            return
+        ``inv_freq``) is exact, so ``engine/layer_call.py`` need not warn about it."""
+        if self.split_check is None or tuple(layer.training for layer in self.layers) in self.split_check.checked:
+            return  # this training mode was checked already
         self.join()  # the check reads the host weights
         report = self.split_check.run(inputs, self.engine.options.microbatches, timeout_s=self.options.timeout)
         if report is not None:
@@ -334,9 +336,12 @@ class RoundPipeRuntime:
         self.host_clock.backward_done(run, self.trace.records(run.step))
         if run.step % TRIM_EVERY_STEPS == 0:
             return_free_heap()  # the host threads' arenas keep freed pages otherwise (host/host_heap.py)
-        new_plan = self.planner.after_step(run.measurements)
-        if new_plan is not None:
-            self.engine.set_plan(new_plan)
+        planner = self.planner
+        planner.unread.append(run.measurements)  # read by the planner at its next check (``PlanKeeper.read``)
+        if planner.steps_seen + len(planner.unread) >= planner.next_read:
+            new_plan = planner.after_steps()
+            if new_plan is not None:
+                self.engine.set_plan(new_plan)
         if self.trace.enabled:
             from .tracing.timeline import step_metrics
 
@@ -577,7 +582,7 @@ class HostClock:
         if "gradient" in entry:
             home = [r.end for r in records if r.queue == "download" and r.stage.startswith("F")]
             between = max(0.0, entry["gradient"] - (max(home) if home else entry["returned"]))
-        self.planner.observe_host(between, entry["outside"])
+        self.planner.unread_host.append((between, entry["outside"]))  # ``PlanKeeper.observe_host``, at its next read
 
 
 def check_writable_dir(directory, option: str) -> str:

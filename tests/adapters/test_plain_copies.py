@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from _family_configs import family_batch, tiny_model
 from _models import SeqModule, fit, weight_error, weights
 from lightning_roundpipe import RoundPipeRuntime, RoundPipeStrategy, RuntimeOptions
-from lightning_roundpipe.engine.forward_hooks import ForwardHookError
+from lightning_roundpipe.errors import ForwardHookError
 
 
 @pytest.mark.timeout(90)

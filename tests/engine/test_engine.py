@@ -337,7 +337,7 @@ def test_cpu_backend_shares_read_only_weights_and_copies_inputs():
 @pytest.mark.timeout(60)
 def test_buffers_written_in_forward_reach_the_host_once_per_microbatch():
     """Buffers a forward writes (BatchNorm statistics) come home after each forward microbatch, in
-    microbatch order (GPipe); recompute does not update them again (see engine/buffers.py)."""
+    microbatch order (GPipe); recompute does not update them again (see engine/layer_call.py)."""
     from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
 
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ from torch import nn
 from _exact_models import WEIGHT_TOL, our_threads
 from _models import SeqModule, fit, weight_error, weights
 from lightning_roundpipe import PipelineTimeout, RoundPipeStrategy
-from lightning_roundpipe.engine.module_lock import ModuleLock
+from lightning_roundpipe.engine.layer_call import ModuleLock
 from lightning_roundpipe.engine.rng import CpuGeneratorGate
 
 SECOND_FIT_TIMEOUT_S = 10.0

@@ -9,8 +9,8 @@ from torch import nn
 
 from lightning_roundpipe import CpuWorkerPool, EngineOptions, PipelineEngine, simple_plan
 from lightning_roundpipe.engine import merge_microbatches
-from lightning_roundpipe.engine.carry import HostCarry
-from lightning_roundpipe.engine.output_merge import OutputAssembly
+from lightning_roundpipe.engine.microbatch import HostCarry
+from lightning_roundpipe.engine.microbatch import OutputAssembly
 
 from _models import mlp
 

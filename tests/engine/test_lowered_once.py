@@ -1,4 +1,4 @@
-"""The engine lowers a kind of call once (``StepContext.lower`` through ``schedule/lowered_steps.py``).
+"""The engine lowers a kind of call once (``StepContext.lower`` through ``schedule/history.py``).
 
 Each call's graph must be exactly what ``lower`` gives for that call's start worker and first
 serial, and a change that decides the graph (a layer frozen between steps, another microbatch
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_roundpipe import EngineOptions, PipelineEngine, Plan
-from lightning_roundpipe.engine.step_context import TableSizes
+from lightning_roundpipe.engine.step import TableSizes
 from lightning_roundpipe.schedule.lowering import LoweringOptions, lower
 from lightning_roundpipe.workers import make_pool
 

@@ -1,4 +1,4 @@
-"""The eager layer call with a worker's tensors (``engine/tensor_swap.py``) computes what
+"""The eager layer call with a worker's tensors (``engine/layer_call.py``) computes what
 ``torch.func.functional_call`` computes, and leaves the module as it was."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.utils import parametrize
 
-from lightning_roundpipe.engine.tensor_swap import TensorSwap, tensor_slots
+from lightning_roundpipe.engine.layer_call import TensorSwap, tensor_slots
 from lightning_roundpipe.params.weights import LayerTable
 
 pytestmark = pytest.mark.timeout(60)
@@ -122,7 +122,7 @@ def test_a_name_the_module_does_not_hold_falls_back_to_functional_call(monkeypat
     layer.extra = nn.Linear(6, 6)  # a submodule added afterwards: its names are not among the slots
     tensors = _worker_tensors(layer, False)
     calls = []
-    import lightning_roundpipe.engine.tensor_swap as module
+    import lightning_roundpipe.engine.layer_call as module
 
     monkeypatch.setattr(module, "functional_call", lambda *a: calls.append(a) or functional_call(*a))
     out = swap.call(layer, tensors, {"x": torch.randn(4, 6)})

@@ -11,6 +11,7 @@ from torch import nn
 from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.optim.host_lane import HostLane
 from lightning_roundpipe.tracing.records import TraceRecorder
+from lightning_roundpipe.engine.engine import intra_op_threads
 from lightning_roundpipe.host import threads as thread_rule
 from lightning_roundpipe.workers.completions import TaskLabel
 from lightning_roundpipe.workers.cpu import CpuWorkerPool
@@ -39,7 +40,7 @@ def test_the_optimizer_thread_sets_its_count_even_when_it_starts_inside_a_pipeli
     """Before the rule, the lane's first parallel call took the count set last by any thread: 1
     while the host thread was in a pipelined phase (``intra_op_threads(HOST_PHASE_THREADS)``)."""
     pool = CpuWorkerPool(2)
-    with thread_rule.intra_op_threads(thread_rule.HOST_PHASE_THREADS):
+    with intra_op_threads(thread_rule.HOST_PHASE_THREADS):
         lane = HostLane(TraceRecorder(), pool, name="roundpipe-optim-threads-test")
         try:
             got = lane.submit(torch.get_num_threads, TaskLabel("optim", "L0"), layer=0).wait(10)

@@ -1,4 +1,4 @@
-"""The step graphs of the engine and the simulator, lowered once per start worker and re-numbered (schedule/lowered_steps.py),
+"""The step graphs of the engine and the simulator, lowered once per start worker and re-numbered (schedule/history.py),
 equal what the lowering returns for every later step, and the simulations that use them are unchanged."""
 
 import pytest
@@ -7,7 +7,7 @@ from lightning_roundpipe.cost.view import CostView
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.schedule.lowering import LoweringOptions, lower
 from lightning_roundpipe.schedule.plan import Plan
-from lightning_roundpipe.schedule.lowered_steps import LoweredSteps
+from lightning_roundpipe.schedule.history import LoweredSteps
 from lightning_roundpipe.cost.graph_timing import CostSizes
 
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from lightning_roundpipe.engine.module_lock import ModuleLock
+from lightning_roundpipe.engine.layer_call import ModuleLock
 from lightning_roundpipe.host.compile_clock import COMPILE_CLOCK, CompileClock, wait_excluding_compiles
 from lightning_roundpipe.workers.completions import Completion, PipelineTimeout, TaskLabel
 

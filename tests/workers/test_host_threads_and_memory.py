@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
-from lightning_roundpipe.engine import output_merge
+from lightning_roundpipe.engine import microbatch
 from lightning_roundpipe.options import OptionError
 from lightning_roundpipe.workers import TaskLabel, backend_class, make_pool
 from lightning_roundpipe.host.host_allocator import keep_freed_memory
-from lightning_roundpipe.host.threads import intra_op_threads
+from lightning_roundpipe.engine.engine import intra_op_threads
 
 
 def _in_fresh_thread(fn):
@@ -64,8 +64,8 @@ def test_the_callers_thread_keeps_its_intra_op_count_when_the_lanes_start():
 @pytest.mark.timeout(60)
 def test_a_calls_host_phases_run_on_one_thread_and_the_callers_loss_on_its_own(monkeypatch):
     seen = []
-    add = output_merge.OutputAssembly.add
-    monkeypatch.setattr(output_merge.OutputAssembly, "add",
+    add = microbatch.OutputAssembly.add
+    monkeypatch.setattr(microbatch.OutputAssembly, "add",
                         lambda self, m, carry: (seen.append(torch.get_num_threads()), add(self, m, carry))[1])
     before = torch.get_num_threads()
 

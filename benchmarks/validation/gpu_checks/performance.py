@@ -106,7 +106,7 @@ def throughput_run(ctx: Ctx, model, shape: Shape, gpus: int, steps: int) -> dict
     """Warm-up, then ``steps`` timed steps of ``model`` on ``gpus`` GPUs: speed, transfers, memory."""
     from lightning_roundpipe.cost.memory import roundpipe_gpu_bytes
     from lightning_roundpipe.engine.compiled_layers import COMPILED_LAYERS
-    from lightning_roundpipe.tracing.metrics import exposed_transfer_seconds
+    from lightning_roundpipe.tracing.records import exposed_transfer_seconds
     from lightning_roundpipe.host.host_memory import host_rss_bytes
 
     sequences = shape.sequences_per_gpu * gpus

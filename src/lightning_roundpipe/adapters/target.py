@@ -260,7 +260,7 @@ class ParameterHomes:
     """Where every parameter under a module lives at attach, so that ``restore`` can put back one that a
     layer's forward moved: peft's LoRA on expert tensors (``target_parameters``) registers a parametrization
     on the tensor a worker swapped in and removes it again, which re-registers that plain tensor as a
-    buffer, and the swap then puts the module's own parameter back into ``_buffers`` (``engine/tensor_swap``)."""
+    buffer, and the swap then puts the module's own parameter back into ``_buffers`` (``engine/layer_call.py``)."""
 
     def __init__(self, root: nn.Module):
         self.homes = [(m, list(m._parameters.items())) for m in root.modules() if m._parameters]

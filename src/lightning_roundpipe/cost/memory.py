@@ -68,7 +68,7 @@ def stage_activation_bytes(plan: Plan, view: CostView, stage: Stage, recompute: 
     else:
         inputs = view.in_bytes(a) + (view.out_grad_bytes(b - 1) if stage.direction == "B" else 0)
         outputs = view.out_grad_bytes(a - 1) if a > 0 else 0
-        # The layers get a copy of each input they differentiate (engine/stage_inputs.py: they may
+        # The layers get a copy of each input they differentiate (engine/layer_call.py: they may
         # write it in place; the leaf keeps the gradient), and the first layer keeps that copy.
         graph += outputs
     return graph, inputs, outputs

@@ -5,7 +5,8 @@ grad, the output is attached to a custom autograd Function, so ``loss.backward()
 pipelined backward and leaves the weight gradients in the host parameters' ``.grad``. Inside
 ``returning_early()`` a backward may return before its weight-gradient tail, which the next
 engine entry or ``finish_backward()`` finishes ("Backward that returns early" in
-docs/design.md). Knows nothing of Lightning.
+docs/design.md). ``PipelineCalls`` tracks which calls still owe the weights a gradient.
+Knows nothing of Lightning.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import collections
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable, Sequence
+import weakref
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -23,20 +25,16 @@ from torch.utils import _pytree as pytree
 from ..schedule.dispatch_order import ROUND_ROBIN, Schedule
 from ..schedule.history import WorkerHistory
 from ..schedule.plan import Plan, PlanError
-from ..errors import PipelineTimeout, WorkerError
+from ..errors import PipelineError, PipelineTimeout, WorkerError
 from ..workers.completions import Completion
 from ..workers.pool import WorkerPool
-from ..host.threads import HOST_PHASE_THREADS, intra_op_threads
+from ..host.threads import HOST_PHASE_THREADS
 from ..options import EngineOptions
-from .microbatch import merge_microbatches, split_microbatches
-from .calls import PipelineCalls
-from .module_lock import ModuleLock
+from .microbatch import HostCarry, merge_microbatches, split_microbatches
+from .layer_call import ModuleLock
 from .rng import abandon_generators
-from .carry import HostCarry
-from .step import StepRun
-from .step_context import StepContext
-from ..params.grad_hooks import has_grad_hooks
-from ..params.weights import HostGradBuffers, LayerTable
+from .step import StepContext, StepRun
+from ..params.weights import HostGradBuffers, LayerTable, has_grad_hooks
 
 
 log = logging.getLogger("lightning_roundpipe")
@@ -229,7 +227,7 @@ class PipelineEngine:
             for t in trees:
                 total = total + t["loss_sum"].float()
             return total * run.loss_scale
-        return run.outputs.merged(trees)  # filled while the forward ran (output_merge.py)
+        return run.outputs.merged(trees)  # filled while the forward ran (OutputAssembly)
 
     def _guarded(self, fn, *args):
         """Run a host-side phase; on failure let every queued task finish or fail before re-raising.
@@ -306,6 +304,22 @@ def _shared_module_locks(layers: Sequence[nn.Module]) -> list:
         for i in members:
             locks[i] = lock
     return locks
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """The calling thread runs with ``n`` intra-op threads inside the block and with its own
+    count again after it (also when the block raises): the host's pipelined phases run on
+    ``HOST_PHASE_THREADS`` while the workers compute (``host/threads.py``)."""
+    before = torch.get_num_threads()
+    if before == n:
+        yield
+        return
+    torch.set_num_threads(max(1, int(n)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class _PipelineFunction(torch.autograd.Function):
@@ -386,3 +400,62 @@ def _split_output_grads(run: StepRun, grads) -> list[HostCarry]:
             offsets[j] += n
         out.append(HostCarry(g_leaves, spec))
     return out
+
+
+# ---------------------------------------------------------------------------- calls owing weight gradients
+# A step may call the pipelined module more than once and run backward more than once
+# (``torch.autograd.grad`` before ``loss.backward()``); the overlapped optimizer may step a layer early
+# only once every contribution to its gradient has arrived: which training calls are pending, whether
+# a backward adds weight gradients (it runs the engine's anchor leaf's accumulator) and which
+# pipelined parameters it also reaches outside the pipeline. The rules: docs/design.md, design notes.
+
+
+def grad_accumulator(leaf: torch.Tensor):
+    """The AccumulateGrad node of a leaf that requires grad (created if no graph holds one yet)."""
+    with torch.enable_grad():
+        return leaf.view_as(leaf).grad_fn.next_functions[0][0]
+
+
+class PipelineCalls:
+    """The training calls of an engine whose weight backward has not run yet."""
+
+    def __init__(self, anchor: torch.Tensor, parameters):
+        self._anchor_node = grad_accumulator(anchor)  # kept: autograd holds its nodes only weakly
+        self._parameters = parameters  # callable: the pipelined host parameters
+        self._pending: weakref.WeakSet = weakref.WeakSet()
+        self.current = None  # the call whose weight backward is running
+        self.reached_outside: set[int] = set()  # ids of parameters this backward reaches outside the pipeline
+
+    def started(self, run) -> None:
+        """Record a pipelined call whose backward is still to come."""
+        self._pending.add(run)
+
+    def finished(self, run) -> None:
+        """``run`` added its weight gradients (an owed backward tail finished, or failed)."""
+        self._pending.discard(run)
+
+    def others_pending(self) -> bool:
+        """True while a call other than the one in backward has not added its weight gradients."""
+        return any(r is not self.current for r in list(self._pending))
+
+    @contextlib.contextmanager
+    def backward(self, run):
+        """Around one backward of ``run``: yields whether this backward adds weight gradients."""
+        if torch.is_grad_enabled():
+            raise PipelineError(
+                "backward through the pipelined module with create_graph=True (double backward, e.g. a gradient "
+                "penalty differentiated again) is not supported: the pipeline's backward is not differentiable. "
+                "Compute the penalty outside the pipelined module, or train with the default strategy")
+        wants_weights = bool(torch._C._will_engine_execute_node(self._anchor_node))
+        if not wants_weights:
+            yield False
+            return
+        self.reached_outside = {id(p) for p in self._parameters() if p.requires_grad
+                                and torch._C._will_engine_execute_node(grad_accumulator(p))}
+        self.current = run
+        try:
+            yield True
+        finally:
+            self._pending.discard(run)
+            self.current = None
+            self.reached_outside = set()

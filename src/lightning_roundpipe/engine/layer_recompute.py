@@ -17,7 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import PipelineError
-from .stage_inputs import differentiable_inputs, differentiable_positions
+from .layer_call import differentiable_inputs, differentiable_positions
 
 
 @dataclass

@@ -1,19 +1,18 @@
-"""Split a batch pytree into microbatches along dim 0, and merge per-microbatch outputs back.
+"""Microbatches on the host: a batch pytree split along dim 0, the carries between stages, the output merged.
 
-Dataclass batches are split like dicts: ``register_batch_types`` registers each dataclass
-type found in a batch as a pytree node (its fields are the children), once per type.
-
-Tensor leaves with a batch dimension are split with ``torch.tensor_split`` (sizes differ by at
-most one when the batch does not divide). ``HostRows`` leaves (per-sample facts that stay on the
-host) are split the same way. 0-dim tensors and other non-tensor leaves are handed to
-every microbatch unchanged. Leaves whose dim 0 disagree are an error: we cannot tell which of
-them is the batch.
+Dataclass batches are split like dicts (``register_batch_types`` makes each dataclass type a pytree
+node, once per type). Tensor leaves with a batch dimension are split with ``torch.tensor_split``
+(sizes differ by at most one); ``HostRows`` leaves (per-sample facts kept on the host) likewise;
+0-dim tensors and other leaves go to every microbatch unchanged. Leaves whose dim 0 disagree are an
+error. The caller's output is assembled while the pipeline runs (``OutputAssembly``): no copy of
+the whole output is left after the last microbatch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -140,3 +139,85 @@ def merge_microbatches(outputs: list[Any], merged_leaves: dict[int, torch.Tensor
         else:
             merged.append(leaf)
     return pytree.tree_unflatten(merged, spec)
+
+
+@dataclass
+class HostCarry:
+    """A microbatch's carry on the host (activations or gradients between stages): its flattened leaves
+    (tensors or plain values) and tree spec."""
+
+    leaves: list
+    spec: Any
+
+    @staticmethod
+    def of(tree: Any) -> "HostCarry":
+        """A carry of ``tree``'s leaves and structure."""
+        leaves, spec = pytree.tree_flatten(tree)
+        return HostCarry(leaves, spec)
+
+    def tree(self) -> Any:
+        """The carry as the original tree."""
+        return pytree.tree_unflatten(self.leaves, self.spec)
+
+    def nbytes(self) -> int:
+        """Bytes of the carry's tensors."""
+        return sum(x.numel() * x.element_size() for x in self.leaves if isinstance(x, torch.Tensor))
+
+
+# Stacking the microbatch outputs after the last one arrived copies the whole output (a language
+# model's logits) while every worker idles; instead each microbatch's output is copied into its rows
+# of one batch-sized tensor as soon as it is on the host. A leaf that does not fit that shape is
+# stacked with ``torch.cat``: the merged output is the same, bit for bit.
+
+
+class OutputAssembly:
+    """Rows of the merged output, filled microbatch by microbatch (``add``), read with ``merged``.
+
+    ``sizes``: the batch size of every microbatch, in order.
+    """
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = list(sizes)
+        self.offsets = [sum(self.sizes[:m]) for m in range(len(self.sizes))]
+        self.buffers: dict[int, torch.Tensor | None] = {}  # leaf index -> batch-sized tensor (None: stacked)
+        self.placed = 0  # microbatches added
+
+    def _fits(self, leaf, m: int, first: torch.Tensor | None) -> bool:
+        if not (isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and leaf.dim() > 0
+                and leaf.shape[0] == self.sizes[m] and leaf.is_contiguous() and not leaf.requires_grad):
+            return False
+        return first is None or (leaf.shape[1:] == first.shape[1:] and leaf.dtype == first.dtype
+                                 and leaf.device == first.device)
+
+    def add(self, m: int, carry: HostCarry) -> None:
+        """Copy microbatch ``m``'s output leaves into their rows (in place: ``carry`` then holds views
+        of those rows, so the microbatch's own tensors are freed). Microbatches come in order."""
+        if len(self.sizes) < 2:
+            return  # one microbatch: its output is the merged one, nothing to copy
+        for i, leaf in enumerate(carry.leaves):
+            if m == 0:
+                if not self._fits(leaf, 0, None):
+                    self.buffers[i] = None
+                    continue
+                self.buffers[i] = torch.empty((sum(self.sizes), *leaf.shape[1:]), dtype=leaf.dtype, device=leaf.device)
+            buffer = self.buffers.get(i)
+            if buffer is None:
+                continue
+            if not self._fits(leaf, m, buffer):
+                self.buffers[i] = None  # stacked after all: the rows copied so far are views the cat reads
+                continue
+            rows = buffer.narrow(0, self.offsets[m], self.sizes[m])
+            rows.copy_(leaf)
+            carry.leaves[i] = rows
+        self.placed = m + 1
+
+    def merged(self, trees: list[Any]) -> Any:
+        """The merged output of ``trees`` (the microbatch outputs, in order): the filled tensors
+        where every microbatch was placed, ``torch.cat`` for the other leaves."""
+        done = self.placed == len(self.sizes)
+        # An alias of each filled tensor, not the tensor the rows are views of: autograd makes the
+        # returned tensor hold the call (its grad_fn), and the call holds the rows; a row whose
+        # base were that tensor would close a cycle through C++ that Python's collector cannot
+        # break, and every call's memory would stay.
+        filled = {i: b.detach() for i, b in self.buffers.items() if b is not None} if done else {}
+        return merge_microbatches(trees, filled)

@@ -22,10 +22,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..errors import SplitInvarianceError
+from ..errors import ForwardHookError, SplitInvarianceError
 from ..options import OptionError
 from ..workers.completions import PipelineTimeout
-from .forward_hooks import ForwardHookError
 from .microbatch import HostRows, batch_size_of, split_microbatches
 from .rng import CPU_GENERATOR
 
@@ -277,13 +276,9 @@ class SplitInvarianceCheck:
         self.root = root
         self.skip = set(skip)
         self.hint = hint  # layer module -> an extra sentence for a refusal (e.g. a family's dynamic RoPE), or None
-        self.checked: set = set()
+        self.checked: set = set()  # the layers' training flags (a tuple) of each mode checked
         self.last: CheckReport | None = None
         self.running: tuple[int, str] | None = None  # the layer call under way (index, which call), for a timeout
-
-    def wanted(self) -> bool:
-        """Whether the layers' current training flags were not checked yet."""
-        return tuple(layer.training for layer in self.layers) not in self.checked
 
     def run(self, inputs: Any, microbatches: int, timeout_s: float | None = None) -> CheckReport | None:
         """Check ``inputs`` cut into ``microbatches``; raise ``SplitInvarianceError`` naming the first layer that

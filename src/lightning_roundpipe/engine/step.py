@@ -1,35 +1,229 @@
-"""One pipelined call over a pool: the lowered task graph submitted, its phases and the host's share.
+"""One pipelined call over a pool: its context, its lowered task graph submitted, its phases, its measurements.
 
-The rules (which tasks, on which worker and lane, waiting for what, at which priority) are
-in ``lightning_roundpipe.schedule.lowering.lower``; what each task kind does with tensors
-is in ``task_work``; which device values are still to be read, in ``device_values``.
-A call reads only its ``StepContext`` (never the engine), and the host
-adds stage gradients in dispatch order.
+The rules (which tasks, on which worker and lane, waiting for what, at which priority) are in
+``schedule/lowering.py``; what each task kind does with tensors is in ``task_work.py``. A call
+reads only its ``StepContext`` (built once per plan by the engine, never the engine itself),
+drops each device value once its last reader ran (``DeviceReaders``), and the host adds stage
+gradients in dispatch order.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
-from ..params.weights import StageWeights, accumulate_host_grads
-from ..schedule.lowering import GraphTask, TaskGraph, TaskKind
-from ..schedule.plan import Stage
 from ..host.compile_clock import COMPILE_CLOCK
+from ..options import EngineOptions
+from ..params.weights import HostGradBuffers, StageWeights, accumulate_host_grads
+from ..schedule.dispatch_order import Schedule
+from ..schedule.history import LoweredSteps, WorkerHistory
+from ..schedule.lowering import GraphTask, LoweringOptions, TaskGraph, TaskKind
+from ..schedule.plan import Plan, Stage
 from ..workers.completions import Completion, TaskLabel
-from .carry import HostCarry
-from .device_values import NOT_READING, DeviceReaders
-from .measurements import call_measurements
-from .microbatch import batch_size_of
-from .output_merge import OutputAssembly
+from ..workers.pool import WorkerPool
+from .microbatch import HostCarry, OutputAssembly, batch_size_of
 from .rng import CallRng
-from .step_context import StepContext, TableSizes
 from .task_work import HANDLERS, TaskWork
 
-__all__ = ["HostCarry", "StepRun", "TableSizes"]
+__all__ = ["HostCarry", "StepContext", "StepRun", "TableSizes"]
 
+
+class TableSizes:
+    """The engine's ``Sizes``: weight chunks from the layer tables.
+
+    Activation bytes are only known when a task runs (the carries' shapes), so they are 0 here.
+    """
+
+    def __init__(self, tables, compute_dtype, chunk_bytes: int) -> None:
+        self.tables, self.compute_dtype, self.chunk_bytes = tables, compute_dtype, chunk_bytes
+        self._cache: dict[tuple[int, int], StageWeights] = {}
+
+    def _weights(self, start: int, end: int) -> StageWeights:
+        if (start, end) not in self._cache:
+            self._cache[(start, end)] = StageWeights(self.tables, range(start, end), self.compute_dtype,
+                                                     self.chunk_bytes, need_grads=True)
+        return self._cache[(start, end)]
+
+    def weight_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """``(start, end, bytes)`` of each upload chunk of the weights of layers ``[start, end)``."""
+        w = self._weights(start, end)  # chunks are runs of tensors; each waits for the whole stage's versions
+        return [(start, end, w.chunk_bytes(chunk)) for chunk in w.chunks]
+
+    def grad_chunks(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """``(start, end, bytes)`` of each gradient download of layers ``[start, end)``: runs of about
+        ``chunk_bytes`` (``StageWeights.grad_chunks``); one, empty, when nothing is trainable."""
+        w = self._weights(start, end)
+        return [(start, end, w.grad_chunk_bytes(chunk)) for chunk in w.grad_chunks]
+
+    def boundary_bytes(self, boundary: int) -> int:
+        """Bytes of the activation at a stage boundary: not known before the step runs (0)."""
+        return 0
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """The engine's share of a call: its layers, pool, plan and options, the dispatch state across
+    calls, and the hooks a call reports to (new weight versions to wait for, gradients on the host)."""
+
+    layers: tuple
+    layer_locks: tuple  # per layer: the lock of its module object (engine._shared_module_locks)
+    tables: tuple  # per layer: its LayerTable
+    pool: WorkerPool
+    plan: Plan
+    options: EngineOptions
+    schedule: Schedule
+    history: WorkerHistory  # the schedule's cursor and each worker's recent tasks, across calls
+    grad_buffers: HostGradBuffers
+    weight_gates: Callable[[range], list[Completion]]  # completions an upload of these layers waits for
+    grads_accumulated: Callable[[range], None]  # the host .grad of these layers holds this call's gradients
+    shadows: Any = None  # a ShadowStore: uploads read compute-dtype copies of the masters
+    # Graphs lowered once per kind of call (``schedule/history.py``), keyed by what decides them.
+    lowered: dict = field(default_factory=dict, compare=False, repr=False)
+    stages: dict = field(default_factory=dict, compare=False, repr=False)  # stage name -> Stage, once per plan
+    weight_tables: dict = field(default_factory=dict, compare=False, repr=False)  # ``stage_weights``'s, by key
+
+    def __post_init__(self) -> None:
+        self.stages.update({s.name: s for s in self.plan.forward_stages() + self.plan.backward_stages()})
+
+    def stage_weights(self, stage: Stage, need_grads: bool) -> StageWeights:
+        """``stage``'s weights with nothing uploaded yet. Their tables (layout, dtypes, chunks) are made
+        once per stage, need of gradients and trainable flags of its tensors, not for every call."""
+        o = self.options
+        trainable = tuple(t.requires_grad for table in self.tables[stage.start:stage.end] for t in table.tensors)
+        key = (stage.start, stage.end, need_grads, trainable)
+        made = self.weight_tables.get(key)
+        if made is None:
+            made = StageWeights(self.tables, range(stage.start, stage.end), o.compute_dtype, o.chunk_bytes,
+                                need_grads, self.shadows)
+            self.weight_tables[key] = made
+        return made.fresh()
+
+    def lower(self, microbatches: int, *, training: bool, fused: bool, input_gradient: bool,
+              kept_backward: bool = True) -> TaskGraph:
+        """The next call's task graph, dispatched from where the previous one left off.
+
+        The plan and the options are the context's own; what else decides the graph is this
+        call's kind and which tensors are trainable now (a stage with nothing trainable downloads
+        no gradient bytes). A graph of the same key was lowered once; later calls get it turned
+        to their first worker and re-numbered (``LoweredSteps``), as ``lower`` itself would give."""
+        o = self.options
+        priorities = dict(o.priorities)
+        trainable = tuple(t.requires_grad for table in self.tables for t in table.tensors)
+        key = (microbatches, training, fused, input_gradient, kept_backward, o.recompute, o.layer_recompute,
+               int(o.prefetch_depth), tuple(sorted(priorities.items())), self.schedule, o.compute_dtype,
+               o.chunk_bytes, trainable)
+        steps = self.lowered.get(key)
+        if steps is None:  # the first call of its kind
+            options = LoweringOptions(microbatches=microbatches, training=training, fused=fused, recompute=o.recompute,
+                                      layer_recompute=o.layer_recompute, kept_backward=kept_backward,
+                                      input_gradient=input_gradient, prefetch_depth=int(o.prefetch_depth),
+                                      priorities=priorities, schedule=self.schedule)
+            steps = LoweredSteps(self.plan, len(self.pool), TableSizes(self.tables, o.compute_dtype, o.chunk_bytes),
+                                 options)
+            self.lowered[key] = steps
+        graph = steps.graph(self.history.next_worker, self.history.next_serial + 1)
+        self.history.advance(graph)
+        return graph
+
+
+# ---------------------------------------------------------------------------- device values
+# An upload's or a compute's value lives on a worker's device; a worker holds a microbatch's tensors
+# only until every task that depends on them has run.
+
+# Kinds that depend on computes without reading their values: a weight-gradient download reads
+# the gradients the stage's computes accumulated on the device, and depends on every microbatch's
+# compute only so that any one's failure fails it. Counted as readers, they would keep every
+# microbatch's output on the device until the stage ends.
+NOT_READING = ("wgrad",)
+
+
+def device_readers(graph: TaskGraph) -> dict[int, int]:
+    """Per upload or compute task of ``graph`` (its value is on the device), how many tasks read it."""
+    out: dict[int, int] = {}
+    for t in graph.tasks:
+        if t.kind in NOT_READING:
+            continue
+        for d in t.deps:
+            if graph.tasks[d].lane in ("upload", "compute"):
+                out[d] = out.get(d, 0) + 1
+    return out
+
+
+class DeviceReaders:
+    """Reference counts of a call's device values, over the call's task completions ``done``."""
+
+    def __init__(self, graph: TaskGraph, done: dict[int, Completion]) -> None:
+        self.done = done
+        self._readers = device_readers(graph)
+        self._lock = threading.Lock()
+
+    def __contains__(self, task_id: int) -> bool:
+        return task_id in self._readers
+
+    def add_backward(self, graph: TaskGraph) -> None:
+        """A second backward of the call: its backward tasks read the forward's values afresh."""
+        with self._lock:
+            self._readers.update({d: n for d, n in device_readers(graph).items() if graph.tasks[d].phase == "backward"})
+
+    def reading(self, fn: Callable, deps) -> Callable:
+        """``fn``, then drop the values of those of ``deps`` on a device that no other dependant will read."""
+        device_deps = [d for d in deps if d in self._readers]
+        if not device_deps:
+            return fn
+
+        def run():
+            try:
+                return fn()
+            finally:
+                with self._lock:
+                    for d in device_deps:
+                        self._readers[d] -= 1
+                        if self._readers[d] == 0:
+                            self.done[d].drop_value()
+
+        return run
+
+    def drop_all(self) -> None:
+        """After a failed call: forget every device value (their readers will not run)."""
+        with self._lock:
+            for d in self._readers:
+                if d in self.done:
+                    self.done[d].drop_value()
+
+
+def call_measurements(pool: WorkerPool, step: int, stages: dict[str, Stage], kept_graph: bool
+                      ) -> list[tuple[Stage, str, float]]:
+    """(stage, kind, seconds) of every compute task of call ``step``.
+
+    Kinds are "forward", "fused", and "backward" (with recompute, i.e. not ``kept_graph``:
+    "recompute_backward", the recompute and the backward proper in one task; with layer-grain
+    recompute, backward and fused tasks are "layer_recompute_backward": a forward without grad,
+    the recompute and the backward). Read once every compute has finished (after backward, or
+    after an evaluation forward); the records are dropped then unless the timeline keeps them.
+    """
+    pool.finish_step()  # device backends add their task records here
+    trace = pool.trace
+    records = [r for r in trace.records(step) if r.queue == "compute"] if trace.recording else []
+    if not trace.enabled:
+        trace.discard_step(step)
+    out = []
+    for r in records:
+        stage = stages.get(r.stage)
+        if stage is None:
+            continue
+        if r.kind in ("layer_backward", "layer_fused"):
+            kind = "layer_recompute_backward"
+        else:
+            kind = "recompute_backward" if r.kind == "backward" and not kept_graph else r.kind
+        out.append((stage, kind, r.duration))
+    return out
+
+
+# ---------------------------------------------------------------------------- the call
 
 class StepRun:
     """One forward (+ backward) call: submits the lowered task graph, holds host activations and gradients."""
@@ -106,7 +300,7 @@ class StepRun:
         loss's gradient, so they run for a gradient of 1 while the host goes on).
         ``after_submit``: called once the phase is submitted, before anything is waited for (the
         engine finishes the previous call's backward tail there, while this forward runs)."""
-        tasks = self.graph.phase("forward")
+        tasks = [t for t in self.graph.tasks if t.phase == "forward"]
         self._submit(tasks)
         if after_submit is not None:
             after_submit()
@@ -154,7 +348,7 @@ class StepRun:
         self.work.output_grads = list(output_grads)
         if self.backwards:  # a second backward of this call (retain_graph=True)
             self._relower_backward()  # the first one freed the kept graphs: recompute from the stage inputs
-        tasks = self.graph.phase("backward")
+        tasks = [t for t in self.graph.tasks if t.phase == "backward"]
         self._submit(tasks)
         self.backwards += 1
         self.host_work = self.work.wgrad_work(tasks)

@@ -18,15 +18,12 @@ from ..params.weights import StageWeights
 from ..schedule.lowering import GraphTask, TaskGraph, TaskKind
 from ..schedule.plan import Stage
 from ..workers.completions import Completion, TaskLabel
-from .buffers import buffer_writes
-from .carry import HostCarry
 from .compiled_layers import COMPILED_LAYERS, naming_compile_failures
 from .early_stop import EARLY_STOP, accumulate
+from .layer_call import TensorSwap, buffer_writes, differentiable_inputs, differentiable_positions, inputs_at, kept_copy
 from .layer_recompute import LayerCalls, backward_by_layer, layer_inputs
+from .microbatch import HostCarry
 from .rng import CallRng
-from .stage_inputs import differentiable_inputs, differentiable_positions, inputs_at, kept_copy
-from .step_context import StepContext
-from .tensor_swap import TensorSwap
 
 Work = tuple[Callable[[], Any], int, list]  # (fn, bytes, extra dependencies)
 
@@ -35,11 +32,12 @@ class TaskWork:
     """The tensors of one call: stage weights on their workers, kept graphs, host carries; and the
     handler of each task kind (``HANDLERS``).
 
-    ``keep_graph``: forward stages keep their graphs for the backward (no recompute), as the call
-    started; a backward compute without an activation upload runs on a kept graph.
+    ``ctx``: the call's ``StepContext`` (``step.py``, which imports this module). ``keep_graph``:
+    forward stages keep their graphs for the backward (no recompute), as the call started; a
+    backward compute without an activation upload runs on a kept graph.
     """
 
-    def __init__(self, ctx: StepContext, graph: TaskGraph, done: dict[int, Completion], microbatches: list[Any], *,
+    def __init__(self, ctx, graph: TaskGraph, done: dict[int, Completion], microbatches: list[Any], *,
                  training: bool, fused: bool, loss_scale: float | None, input_requires_grad: bool, autocast: dict,
                  rng: CallRng, lent_buffers: list) -> None:
         self.ctx, self.pool, self.plan, self.opts = ctx, ctx.pool, ctx.plan, ctx.options
@@ -51,10 +49,10 @@ class TaskWork:
         self.fused, self.loss_scale, self.input_requires_grad = fused, loss_scale, input_requires_grad
         self.autocast, self.rng, self.lent_buffers = autocast, rng, lent_buffers
         self.call_layer = COMPILED_LAYERS.call if self.opts.compile_layers else TensorSwap().call
-        self.stages = {s.name: s for s in self.plan.forward_stages() + self.plan.backward_stages()}
+        self.stages = ctx.stages
         self.weights: dict[str, StageWeights] = {}  # stage name -> its weights on its worker
         self.saves: dict[str, set[int]] = {}  # forward stage -> boundaries it sends home besides its output
-        for t in graph:
+        for t in graph.tasks:
             if t.kind == TaskKind.ACT_SAVE:
                 self.saves.setdefault(t.stage, set()).add(t.boundary)
         self.wgrad_slot = self.gradient_slots(graph)
@@ -76,7 +74,7 @@ class TaskWork:
         """Per weight-gradient download: which of its stage's ``grad_chunks`` it moves, and whether it is the last."""
         counts: dict[str, int] = {}
         slots = {}
-        for t in graph:
+        for t in graph.tasks:
             if t.kind == TaskKind.WGRAD:
                 slots[t.id] = counts.get(t.stage, 0)
                 counts[t.stage] = slots[t.id] + 1
@@ -223,8 +221,7 @@ class TaskWork:
         ctx, stage = self.ctx, self.stages[t.stage]
         if t.stage not in self.weights:
             need_grads = stage.direction == "B" or self.keep_graph or (self.fused and self.is_fused(stage))
-            self.weights[t.stage] = StageWeights(ctx.tables, stage.layers, self.opts.compute_dtype,
-                                                 self.opts.chunk_bytes, need_grads, ctx.shadows)
+            self.weights[t.stage] = ctx.stage_weights(stage, need_grads)
             self._chunk = iter(self.weights[t.stage].chunks)
         weights, chunk = self.weights[t.stage], next(self._chunk)
 

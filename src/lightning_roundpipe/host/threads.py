@@ -7,20 +7,18 @@ from one rule per backend, read from the pool: a lane gets ``pool.lane_threads``
 (CPU backend: ``threads_per_worker`` on a compute lane, 1 on a transfer lane; stream backends: 1,
 its lanes only launch), a thread that only waits gets ``WAITING_THREADS`` (1), and the host
 optimizer's thread gets the usable cores the compute lanes do not need (``host_optimizer_threads``).
-``keep_intra_op_threads`` fixes the caller's count before any lane starts; ``intra_op_threads``
-lowers it for the host's own pipelined phases and gives it back after them.
+``keep_intra_op_threads`` fixes the caller's count before any lane starts; the engine lowers it to
+``HOST_PHASE_THREADS`` for the host's own pipelined phases (``engine.intra_op_threads``).
 """
 
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
 # Intra-op threads of the host (caller's) thread during a call's pipelined phases (submitting,
-# merging outputs, accumulating gradients): the workers use the cores then (``intra_op_threads``).
+# merging outputs, accumulating gradients): the workers use the cores then (``engine.intra_op_threads``).
 HOST_PHASE_THREADS = 1
 # Threads that only wait (CUDA event waiters, the emulated stream clock, the all-reduce watcher):
 # one thread, set anyway so that nothing they run inherits a count decided by timing.
@@ -66,18 +64,3 @@ def keep_intra_op_threads() -> int:
     """Fix the calling thread's intra-op count as it is now (reading it initialises it), so that
     threads started later and setting their own do not change it; returns it."""
     return torch.get_num_threads()
-
-
-@contextmanager
-def intra_op_threads(n: int) -> Iterator[None]:
-    """The calling thread runs with ``n`` intra-op threads inside the block and with its own
-    count again after it (also when the block raises)."""
-    before = torch.get_num_threads()
-    if before == n:
-        yield
-        return
-    torch.set_num_threads(max(1, int(n)))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

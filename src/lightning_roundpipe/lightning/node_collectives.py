@@ -1,7 +1,8 @@
 """What a strategy with one process per node does across nodes (RoundPipe drives all of a node's
-workers from one process): the gradient all-reduce around backward (the runtime's, skipped on
-accumulation-only steps), reductions, barriers and broadcasts over the gloo group, and a sampler
-with one replica per node. Without a process group they are the identity, as on one device."""
+workers from one process): which backward only accumulates (the runtime's gradient all-reduce,
+started by the strategy's ``pre_backward``, is skipped then), reductions, barriers and broadcasts
+over the gloo group, and a sampler with one replica per node. Without a process group they are the
+identity, as on one device."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from lightning.fabric.utilities.types import ReduceOp
 
 class NodeCollectives:
     """Mixin for a ``ParallelStrategy`` whose ranks are nodes, not devices, and whose ``runtime``
-    (a ``RoundPipeRuntime`` or None) syncs gradients."""
+    (a ``RoundPipeRuntime`` or None) syncs gradients (``pre_backward``/``post_backward`` in the strategy)."""
 
     _accumulating = False  # inside Lightning's block_backward_sync (an accumulation-only step)
     last_bytes_reduced = 0  # gradient bytes all-reduced in the last backward
@@ -27,16 +28,6 @@ class NodeCollectives:
             yield
         finally:
             self._accumulating = False
-
-    def pre_backward(self, closure_loss) -> None:
-        """Tell the runtime a backward starts (and whether this step only accumulates)."""
-        if self.runtime is not None:
-            self.runtime.begin_backward(self._accumulating)
-
-    def post_backward(self, closure_loss) -> None:
-        """Tell the runtime the backward ended; keeps the bytes it reduced across nodes."""
-        if self.runtime is not None:
-            self.last_bytes_reduced = self.runtime.end_backward()
 
     def _dist(self) -> bool:
         return self.world_size > 1 and torch.distributed.is_initialized()

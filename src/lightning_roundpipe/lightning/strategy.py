@@ -295,6 +295,18 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
+    def pre_backward(self, closure_loss) -> None:
+        """Tell the runtime a backward starts (and whether this step only accumulates: no all-reduce)."""
+        if self.runtime is not None:
+            self.runtime.begin_backward(self._accumulating)
+
+    @override
+    def post_backward(self, closure_loss) -> None:
+        """Tell the runtime the backward ended; keeps the gradient bytes it reduced across nodes."""
+        if self.runtime is not None:
+            self.last_bytes_reduced = self.runtime.end_backward()
+
+    @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         runtime = self.runtime
 

@@ -8,11 +8,13 @@ over all microbatches; that gradient is downloaded once (a bf16 upload's in bf16
 ``download_dtype``) and added to the host ``.grad`` in a fixed order. Frozen parameters are
 uploaded but never produce or download gradients. A packed (quantized) weight is uploaded as its
 packed bytes and quantization state and rebuilt on the worker (``packed.py``): its bytes are
-those parts' everywhere here, never a dequantized copy's.
+those parts' everywhere here, never a dequantized copy's. Tensor hooks on a host parameter run
+when its gradient is added, as autograd runs them for a plain module (``accumulate_host_grads``).
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Sequence
 
@@ -20,7 +22,6 @@ import torch
 from torch import nn
 
 from ..cost.autocast_cast import device_dtype, download_dtype
-from .grad_hooks import accumulate_with_hooks, has_grad_hooks
 from .packed import PackedWeight, packed_weight
 
 
@@ -140,6 +141,13 @@ class StageWeights:
             self.grad_chunks.append(current)
         self.device: list[torch.Tensor | None] = [None] * len(self.host)
         self._params: dict[int, dict[str, torch.Tensor]] | None = None
+
+    def fresh(self) -> "StageWeights":
+        """These weights with nothing uploaded: the same tables (layout, dtypes, chunks), own device slots."""
+        new = copy.copy(self)
+        new.device = [None] * len(self.host)
+        new._params = None
+        return new
 
     def _name(self, i: int) -> str:
         return next((f"layer {l}: {name}" for l, entries in self.layout.items() for name, j in entries if j == i),
@@ -263,13 +271,34 @@ class HostGradBuffers:
         return self._buffers[key]
 
 
+# The pipeline computes weight gradients on copies of the host parameters, so hooks registered on a
+# host parameter would never fire. For a parameter holding one, the downloaded gradient (all
+# microbatches of a call, summed) is handed to autograd as the leaf's gradient,
+# ``torch.autograd.backward([p], [g])``, which runs its hooks as a single-device backward does, once
+# per pipelined call's backward. Where that is not exact (tied parameters across stages):
+# docs/design.md, design notes, ``params/weights.py``: tensor hooks.
+
+
+def has_grad_hooks(p: torch.Tensor) -> bool:
+    """True when ``p`` has a gradient hook or a post-accumulate-grad hook registered."""
+    return bool(getattr(p, "_backward_hooks", None)) or bool(getattr(p, "_post_accumulate_grad_hooks", None))
+
+
+def accumulate_with_hooks(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add ``grad`` into ``p.grad`` through autograd, so that ``p``'s hooks run on it.
+
+    ``grad`` must be the caller's own tensor (a hook may keep it, and autograd may adopt it as
+    ``p.grad``)."""
+    torch.autograd.backward([p], [grad])
+
+
 def accumulate_host_grads(weights: StageWeights, host_grads: list[torch.Tensor | None], scale: float | None = None,
                           buffers: HostGradBuffers | None = None, indices: list[int] | None = None) -> None:
     """Add a stage's downloaded gradients into the masters' ``.grad`` (fp32), optionally times ``scale``.
 
     With ``buffers``, a missing ``.grad`` is filled from a persistent buffer instead of a new
     tensor; the arithmetic (a cast, then the scale, then the sum) is the same either way. A
-    parameter with tensor hooks gets its gradient through autograd, which runs them (``grad_hooks.py``).
+    parameter with tensor hooks gets its gradient through autograd, which runs them (``has_grad_hooks``).
     ``indices``: the tensors ``host_grads`` are of (one of ``weights.grad_chunks``; default: every trainable one).
     """
     for i, g in zip(weights.trainable_indices() if indices is None else indices, host_grads):

@@ -89,7 +89,7 @@ def choose_microbatches(costs: CostProfile, num_workers: int, step_tokens: int,
 def estimate_host_work(costs: CostProfile, microbatches: int, fused_last: bool) -> HostWork:
     """The host's work in the forward/backward barrier before it is measured: copying the last
     microbatch's output into its rows of the merged output (a copy: read and write; the host
-    copies the earlier ones while the workers still compute, ``engine/output_merge.py``) and the
+    copies the earlier ones while the workers still compute, ``engine/microbatch.py``) and the
     caller's cross-entropy forward and backward on the whole output (``HOST_LOSS_SECONDS_PER_ELEMENT``,
     one thread's rate: what a busy host gives; the caller's threads are measured after the first
     step). A fused last stage computes the loss on the workers: nothing."""

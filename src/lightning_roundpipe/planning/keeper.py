@@ -5,7 +5,8 @@ step already runs a reasonable plan. Measured stage times feed per-layer moving 
 ``auto`` policy re-plans when they move by more than the threshold, so the default ``compute``
 plan depends only on shapes, options and the first batch (bit-identical weights for the same seed
 and data). Microbatches, recompute and the host's work are chosen and priced here too
-(``defaults``, ``PlanKeeper.observe_host``).
+(``defaults``, ``PlanKeeper.observe_host``). A steady step only appends its measurements to
+``unread``; they are folded in, in order, when the keeper next plans or reports (``read``).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class PlanKeeper:
         costs = estimate(progress)
         # With attention blocks, the first batch's sequence length prices them (``first_batch``).
         self.context_pending = any(attention_blocks(layer) for layer in layers)
-        self.moving = MovingCostProfile(costs)
+        self._moving = MovingCostProfile(costs)
         n = len(layers)
         p = partition_cfg
 
@@ -129,8 +130,14 @@ class PlanKeeper:
             self.budget_checked_tokens = 1
         self.steps_seen = 0
         self.choice_note: str | None = None  # how the first batch changed the microbatch count, if it did
-        self.host_source = "estimate"
+        self._host_source = "estimate"
         self.host_measured: set[str] = set()  # the HostWork fields measured at least once
+        # Steps ended but not folded in yet: the runtime appends each step's measurements (``unread``) and
+        # host times (``unread_host``, ``observe_host``'s arguments), and calls ``after_steps`` once
+        # ``steps_seen + len(unread)`` reaches ``next_read``: the next re-plan check (the first step always).
+        self.unread: list = []
+        self.unread_host: list[tuple[float | None, float | None]] = []
+        self.next_read = 1
 
     def use(self, costs, microbatches: int) -> None:
         """Plan for ``microbatches`` under ``costs`` (the estimate) and start the re-planner and host estimate
@@ -141,7 +148,7 @@ class PlanKeeper:
         self.replanner = Replanner(self.plan, costs, self.num_workers, microbatches, threshold=p.replan_threshold,
                                    policy=p.policy, microbatch_overhead_s=self.microbatch_overhead_s) \
             if p.policy == "auto" else None
-        self.host = estimate_host_work(costs, microbatches, self.fused_last)
+        self._host = estimate_host_work(costs, microbatches, self.fused_last)
 
     @property
     def wants_first_batch(self) -> bool:
@@ -161,10 +168,10 @@ class PlanKeeper:
             self.context_tokens = max(1, tokens // max(1, batch_size))
             # estimated again even for the assumed length: the batch may have changed what layers price (masks)
             fresh = self.estimate()
-            if fresh.layers != self.moving.profile().layers:
-                self.moving = MovingCostProfile(fresh)
+            if fresh.layers != self._moving.profile().layers:
+                self._moving = MovingCostProfile(fresh)
                 repriced = True
-        costs = self.moving.profile()  # still the estimate: nothing has been measured yet
+        costs = self._moving.profile()  # still the estimate: nothing has been measured yet
         m = (choose_microbatches(costs, self.num_workers, tokens, self.predicted_step, most=batch_size)
              if self.open_microbatches else self.microbatches)
         if self.memory_check_pending:  # a PlanError here names the budget's option; the next batch checks again
@@ -222,36 +229,69 @@ class PlanKeeper:
         parts = {"between_s": between_s, "outside_s": outside_s}
         values = {}
         for name, new in parts.items():
-            old = getattr(self.host, name)
+            old = getattr(self._host, name)
             if new is None:
                 values[name] = old
             else:
                 values[name] = new if name not in self.host_measured else (1 - HOST_SMOOTHING) * old + HOST_SMOOTHING * new
                 self.host_measured.add(name)
-        self.host = HostWork(**values)
+        self._host = HostWork(**values)
         if self.host_measured:
-            self.host_source = "measured"
+            self._host_source = "measured"
 
     def report(self) -> PlanReport:
         """The plan table's data: the plan with its costs, microbatches, recompute and host memory."""
-        return build_report(self.plan, self.moving.profile(), self.num_workers, self.microbatches,
-                            recompute=self.recompute, host=self.host, host_source=self.host_source,
+        self.read()
+        return build_report(self.plan, self._moving.profile(), self.num_workers, self.microbatches,
+                            recompute=self.recompute, host=self._host, host_source=self._host_source,
                             microbatch_overhead_s=self.microbatch_overhead_s)
 
     def observe(self, measurements) -> None:
         """Fold one step's measured ``(stage, kind, seconds)`` into the moving cost estimate."""
         for stage, kind, seconds in measurements:
-            self.moving.observe_stage((stage.start, stage.end), kind, seconds)
+            self._moving.observe_stage((stage.start, stage.end), kind, seconds)
 
-    def after_step(self, measurements) -> Plan | None:
-        """Record one training step; return a new plan when the auto policy decided to re-plan."""
-        self.observe(measurements)
-        self.steps_seen += 1
-        if self.replanner is None:
+    @property
+    def moving(self) -> MovingCostProfile:
+        """The per-layer moving estimate of measured times, with every step ended read in (``read``)."""
+        self.read()
+        return self._moving
+
+    @property
+    def host(self) -> HostWork:
+        """The host's work per step: the estimate, then the measured steps' blend (``observe_host``)."""
+        self.read()
+        return self._host
+
+    @property
+    def host_source(self) -> str:
+        """Where ``host`` comes from: "estimate", or "measured" once a step's host work was measured."""
+        self.read()
+        return self._host_source
+
+    def read(self) -> None:
+        """Fold the steps not read yet into the moving estimates, in the order they ended (the same
+        estimates as observing each step as it ended)."""
+        host, self.unread_host = self.unread_host, []
+        for between_s, outside_s in host:
+            self.observe_host(between_s, outside_s)
+        steps, self.unread = self.unread, []
+        for measurements in steps:
+            self.observe(measurements)
+            self.steps_seen += 1
+
+    def after_steps(self) -> Plan | None:
+        """Read the steps ended since the last read (``unread``); return a new plan when the auto policy
+        decided to re-plan. The runtime calls it when ``next_read`` is reached: a re-plan check."""
+        self.read()
+        if self.replanner is None:  # nothing to check: read every CHECK_EVERY steps (memory stays flat) and when reported
+            self.next_read = (self.steps_seen // CHECK_EVERY + 1) * CHECK_EVERY
             return None
+        self.next_read = next((n for n in CHECK_STEPS if n > self.steps_seen),
+                              (self.steps_seen // CHECK_EVERY + 1) * CHECK_EVERY)
         if self.steps_seen not in CHECK_STEPS and self.steps_seen % CHECK_EVERY:
             return None
-        new = self.replanner.maybe_replan(self.moving.profile())
+        new = self.replanner.maybe_replan(self._moving.profile())
         if new is not None:
             self.plan = new
         return new

@@ -24,7 +24,7 @@ from ..tracing.records import HOST_WORKER, TraceRecord
 from ..cost.view import CostView
 from ..cost.memory import UNDO_BYTES_PER_TRAINABLE
 from .accumulation import CallAccumulator, submission
-from ..schedule.lowered_steps import LoweredSteps
+from ..schedule.history import LoweredSteps
 from ..cost.graph_timing import HOST_LANE, CostSizes, LaneTimer, LaneWork, LinkSpec, task_work
 from ..cost.hardware import HardwareProfile
 from ..cost.host_update import UNDO_BYTES_PER_PARAM, unscale_seconds, update_seconds
@@ -268,7 +268,7 @@ class _RoundPipeBuilder:
                                                                         last_updates),
                                      config.accumulation, config.stale_optimizer)
         self.submitted: LaneWork | None = None  # the host's last task submission (dispatch cost)
-        # Each step's graph: lowered once per start worker (``schedule/lowered_steps.py``).
+        # Each step's graph: lowered once per start worker (``schedule/history.py``).
         self.lowered = LoweredSteps(plan, num_workers, self.sizes, LoweringOptions(
             microbatches=microbatches, training=True, fused=plan.fused_last, recompute=True,
             layer_recompute=config.layer_recompute, schedule=schedule_named(config.schedule)))

@@ -1,6 +1,6 @@
 """Timelines of trace records: the command line, and the public functions in one import.
 
-The engine records one ``TraceRecord`` per task; ``metrics`` measures how
+The engine records one ``TraceRecord`` per task; ``records`` measures how
 well a step overlaps its work, ``chrome`` writes and reads Chrome / Perfetto traces and
 ``gantt`` draws a PNG. Everything is a pure function of the records.
 
@@ -16,7 +16,7 @@ from typing import Sequence
 
 from .chrome import from_chrome_trace, load_chrome_trace, to_chrome_trace
 from .gantt import KIND_COLOURS, KIND_HATCHES, save_gantt_png
-from .metrics import (bubble_fraction, exposed_transfer_seconds, hidden_share, step_metrics,
+from .records import (bubble_fraction, exposed_transfer_seconds, hidden_share, step_metrics,
                       summarize_by_step)
 
 __all__ = ["KIND_COLOURS", "KIND_HATCHES", "bubble_fraction",
