@@ -19,7 +19,8 @@ import torch
 from ..schedule.graph_task import TaskKind
 from .device_memory import AllocationTally
 from ..host.host_allocator import keep_freed_memory
-from .pool import Lane, Task, WorkerPool, Worker
+from .completions import Lane, Task
+from .pool import WorkerPool, Worker
 
 TALLIED_UPLOADS = ("act_in", "grad_in")  # weights are counted by the engine's uploads and releases
 

@@ -20,7 +20,7 @@ from ..schedule.graph_task import TaskKind
 from .completions import TaskLabel
 from .cuda import FakeCudaWorkerPool
 from .host_buffers import DEFAULT_CAP_BYTES
-from .pool import Lane, Task
+from .completions import Lane, Task
 from .streams import FakeEvent, FakeStream, FakeStreams
 from ..host.threads import WAITING_THREADS, set_intra_op_threads
 
