@@ -3,7 +3,7 @@
 A ``Completion`` is set when its task's work is *issued*: on the CPU backend that means done; on
 the stream backends it means enqueued on a stream, with a device event recorded after it, so
 another lane orders itself after it without blocking the host (``Completion.wait`` waits for the
-data). A ``Lane`` is one of a worker's queues, a host thread running a ``Task`` once every
+data). A ``Lane`` is one of a worker's queues, a host thread running a ``WorkOrder`` once every
 completion it depends on is set: the compute lane in submission order, transfer lanes highest
 priority first. Lanes wait on notifications, never polls; every wait has a timeout (compile seconds
 do not count) whose error names the task. Details: docs/design.md, design notes, ``workers/pool.py``.
@@ -29,7 +29,7 @@ from .task_errors import forget_frames, is_out_of_memory, worker_error
 @dataclass(frozen=True)
 class TaskLabel:
     """What a task is: its kind, stage, microbatch and worker, as errors and traces name it."""
-    kind: str  # "weights", "act_in", "forward", "backward", "fused", "act_out", "grad_in", "grad_out", "wgrad", "release"
+    kind: str  # a TaskKind (schedule/graph_task.py); host-side labels name theirs ("optim", "undo", "input", ...)
     stage: str = ""  # "F0", "B2", ... or "" for tasks not tied to a stage
     microbatch: int = -1
     worker: int = -1
@@ -201,8 +201,11 @@ class Completion:
         return self.value
 
 
-class Task:
-    """One queued unit of work of a lane: what to run, what it waits for, where its result goes.
+class WorkOrder:
+    """What a worker runs: one queued unit of work of a lane, what it waits for, where its result goes.
+
+    (The plan's ``DispatchedStage`` is a stage given to a worker; the lowering's ``GraphTask`` is
+    one node of the step's task graph; a ``WorkOrder`` is the closure a lane runs for it.)
 
     ``unready`` counts the dependencies not yet ready for the lane (each tells the lane when it
     is, see ``Lane``); ``error`` is a failed dependency's error the task will fail with."""
@@ -251,11 +254,11 @@ class Lane:
         # The compute lane always runs in submission order (fixed gradient accumulation order);
         # transfer lanes do too when the pool is asked for plain FIFO queues (no priorities).
         self.strict_order = queue == "compute" or pool.fifo_transfers
-        self._order: list[Task] = []  # strict lanes: every pending task, in submission order
-        self._ready: list[tuple[int, int, Task]] = []  # priority lanes: heap of ready tasks
-        self._waiting: dict[int, Task] = {}  # priority lanes: seq -> task not ready yet, oldest first
+        self._order: list[WorkOrder] = []  # strict lanes: every pending task, in submission order
+        self._ready: list[tuple[int, int, WorkOrder]] = []  # priority lanes: heap of ready tasks
+        self._waiting: dict[int, WorkOrder] = {}  # priority lanes: seq -> task not ready yet, oldest first
         self.busy = False
-        self.running: Task | None = None  # the task this lane's thread is executing now
+        self.running: WorkOrder | None = None  # the task this lane's thread is executing now
         # Woken only by what concerns this lane: a task it can now run, shutdown. Shares the pool's lock.
         self.cond = threading.Condition(pool.lock)
         self.stream: Any = None  # the stream backends give each lane its stream while they construct the pool
@@ -279,7 +282,7 @@ class Lane:
         """Whether ``thread`` is this lane's thread."""
         return thread is self._thread
 
-    def submit(self, task: Task) -> None:
+    def submit(self, task: WorkOrder) -> None:
         """Queue a task; the lane runs it once its dependencies are ready (a strict lane in submission order)."""
         with self.pool.lock:
             t0 = time.perf_counter()
@@ -293,7 +296,7 @@ class Lane:
             self.pool.tally.bookkeeping_s += time.perf_counter() - t0
 
     # ---------------------------------------------------------------- readiness (pool lock held)
-    def _track(self, task: Task, d: Completion) -> None:
+    def _track(self, task: WorkOrder, d: Completion) -> None:
         """Count ``d`` against ``task`` until it is ready for this lane, and have it tell the task then."""
         if task.error is not None:
             return
@@ -309,7 +312,7 @@ class Lane:
             if self.pool.notify_when_device_done(d, lambda: self._device_done(task)):
                 task.unready += 1
 
-    def dependency_set(self, task: Task, d: Completion) -> None:
+    def dependency_set(self, task: WorkOrder, d: Completion) -> None:
         """``d``, one of ``task``'s dependencies, was set or failed (``WorkerPool.on_completion``)."""
         if task.state is GONE:
             return
@@ -318,7 +321,7 @@ class Lane:
         self._track(task, d)  # counts it again while its device work runs
         self._check_ready(task)
 
-    def _device_done(self, task: Task) -> None:
+    def _device_done(self, task: WorkOrder) -> None:
         with self.pool.lock:
             t0 = time.perf_counter()
             tally = self.pool.tally
@@ -329,7 +332,7 @@ class Lane:
                 self._check_ready(task)
             tally.bookkeeping_s += time.perf_counter() - t0
 
-    def _check_ready(self, task: Task) -> None:
+    def _check_ready(self, task: WorkOrder) -> None:
         if task.state is not WAITING or (task.unready > 0 and task.error is None):
             return
         task.state = READY
@@ -341,7 +344,7 @@ class Lane:
             heapq.heappush(self._ready, (task.priority, task.seq, task))
             self.cond.notify()
 
-    def take_all(self) -> list[Task]:
+    def take_all(self) -> list[WorkOrder]:
         """Remove every queued (not running) task, in submission order (``cancel_pending``)."""
         tasks = sorted(self._order + [t for _, _, t in self._ready] + list(self._waiting.values()), key=_seq_of)
         self._order, self._ready, self._waiting = [], [], {}
@@ -349,7 +352,7 @@ class Lane:
             t.state = GONE
         return tasks
 
-    def _queued(self) -> list[Task]:
+    def _queued(self) -> list[WorkOrder]:
         if self.strict_order:
             return list(self._order)
         return [t for _, _, t in sorted(self._ready, key=lambda e: e[:2])] + list(self._waiting.values())
@@ -369,7 +372,7 @@ class Lane:
             lines.append(f"[{task.done.label}] waits for: {', '.join(waiting) or 'its turn'}")
         return lines
 
-    def first_waiting(self) -> Task | None:
+    def first_waiting(self) -> WorkOrder | None:
         """The next task the lane would run, if any."""
         queued = self._queued()
         return queued[0] if queued else None
@@ -414,7 +417,7 @@ class Lane:
         ), 0.0
 
     @staticmethod
-    def _taken(task: Task) -> Task:
+    def _taken(task: WorkOrder) -> WorkOrder:
         task.state = GONE
         return task
 
@@ -454,5 +457,5 @@ class Lane:
                     cv.notify_all()  # drain() waits for idle lanes
 
 
-def _seq_of(task: Task) -> int:
+def _seq_of(task: WorkOrder) -> int:
     return task.seq

@@ -22,7 +22,7 @@ from ..schedule.graph_task import LANES, TaskKind
 from ..tracing.records import TraceRecord, TraceRecorder
 from ..host.compile_clock import COMPILE_CLOCK
 from ..errors import PipelineTimeout
-from .completions import Completion, Lane, Task, TaskLabel
+from .completions import Completion, Lane, TaskLabel, WorkOrder
 from .device_memory import WorkerOutOfMemoryError
 from .lane_reports import LaneCounters, LaneTally, describe_lanes
 from ..host.threads import keep_intra_op_threads, set_intra_op_threads
@@ -59,7 +59,7 @@ class Worker:
         """Queue ``fn`` on one of this worker's lanes, to run once every completion in ``deps`` is set."""
         deps = [d for d in deps if d is not None]
         done = Completion(label, self.pool, tuple(deps))
-        self.lanes[queue].submit(Task(fn, deps, done, priority, next(self.pool._seq), nbytes, always,
+        self.lanes[queue].submit(WorkOrder(fn, deps, done, priority, next(self.pool._seq), nbytes, always,
                                       self.pool.trace.step))
         return done
 
@@ -276,7 +276,7 @@ class WorkerPool:
         for task in releases:  # outside the lock: a backend may wait for the device here
             self.run_cancelled_release(task)
 
-    def run_cancelled_release(self, task: Task) -> None:
+    def run_cancelled_release(self, task: WorkOrder) -> None:
         """Run a release ``cancel_pending`` took from its lane (no device here: now)."""
         try:
             task.done.set(task.fn())
@@ -393,7 +393,7 @@ class WorkerPool:
         """Turn the device timings of the tasks issued so far into trace records (stream backends
         read their timing events once per step, here; the CPU backend records as it runs)."""
 
-    def execute(self, lane: Lane, task: Task) -> None:
+    def execute(self, lane: Lane, task: WorkOrder) -> None:
         """Run ``task`` on ``lane``'s thread and set its completion: each backend's own."""
         raise NotImplementedError  # each backend defines how a task runs
 
@@ -415,7 +415,7 @@ class WorkerPool:
         """Wait up to ``timeout`` until the devices finished everything issued (nothing on the CPU)."""
         pass
 
-    def record(self, lane: Lane, task: Task, start: float, end: float) -> None:
+    def record(self, lane: Lane, task: WorkOrder, start: float, end: float) -> None:
         """Put the task on the timeline when one is recorded (releases are left out)."""
         if self.trace.recording and task.done.label.kind != TaskKind.RELEASE:
             lab = task.done.label

@@ -20,7 +20,7 @@ import torch
 
 from ..schedule.graph_task import TaskKind
 from ..errors import PipelineTimeout
-from .completions import Completion, Deferred, Lane, Task
+from .completions import Completion, Deferred, Lane, WorkOrder
 from .host_buffers import DEFAULT_CAP_BYTES, HostBufferPool
 from .pinning import PAGE, page_span
 from .pool import Worker, WorkerPool
@@ -57,7 +57,7 @@ class StreamWorkerPool(WorkerPool):
         self.host_buffers = HostBufferPool(self._new_host_buffer, self._drop_host_buffer, host_buffer_cap_bytes)
         self._buffer_pins: dict[int, torch.Tensor] = {}
         self.holds = StreamHolds()
-        self._deferred_releases: dict[int, Task] = {}  # cancelled releases waiting for their device work
+        self._deferred_releases: dict[int, WorkOrder] = {}  # cancelled releases waiting for their device work
         self.download_pinned_bytes = 0
         for w in self.workers:
             for lane in w.lanes.values():
@@ -90,7 +90,7 @@ class StreamWorkerPool(WorkerPool):
         except Exception:
             return False
 
-    def execute(self, lane: Lane, task: Task) -> None:
+    def execute(self, lane: Lane, task: WorkOrder) -> None:
         self.holds.collect()
         if task.done.label.kind == TaskKind.RELEASE:
             self._release(task)
@@ -134,7 +134,7 @@ class StreamWorkerPool(WorkerPool):
                 self._timings.append((lane, task.done.label, task.nbytes, task.step, start, end))
         task.done.set(value)
 
-    def _release(self, task: Task) -> None:
+    def _release(self, task: WorkOrder) -> None:
         """A release only drops the stage's device tensors: run it on the host once the device work
         that read them (its dependencies: the stage's last compute, its gradient downloads) has
         finished, so the memory is free for reuse at once (no ``record_stream``). ``ready_for`` only
@@ -147,7 +147,7 @@ class StreamWorkerPool(WorkerPool):
                                       f"work of [{dep.label}] before freeing its memory")
         task.done.set(task.fn())
 
-    def run_cancelled_release(self, task: Task) -> None:
+    def run_cancelled_release(self, task: WorkOrder) -> None:
         """A release ``cancel_pending`` took: run it once the device work of its dependencies (the
         stage's computes and downloads, which read what it frees) has finished, told by the driver,
         never waiting here. Until then the memory stays held (a device error counts as finished:
