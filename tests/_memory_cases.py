@@ -20,7 +20,7 @@ from lightning_roundpipe.cost.hardware import load_hardware
 from lightning_roundpipe.cost.memory import roundpipe_gpu_bytes
 from lightning_roundpipe.cost.transformer import ModelShape, shape_layer_costs
 
-LOSS_CHUNK_TOKENS = 1024  # CausalLMPostfix's chunk of the loss (hf_causal_lm.py)
+LOSS_CHUNK_TOKENS = 1024  # CausalLMPostfix's chunk of the loss (hf_layers.py)
 ERROR_BOUND = 0.10  # the bound on |predicted - measured| / measured
 
 

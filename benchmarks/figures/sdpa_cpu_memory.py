@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from lightning_roundpipe.workers.device_memory import AllocationTally, DeviceMemory
+from lightning_roundpipe.workers.device_memory import AllocationTally
+from lightning_roundpipe.workers.pool import DeviceMemory
 
 MiB = 2**20
 

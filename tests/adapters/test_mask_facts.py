@@ -16,7 +16,8 @@ import torch
 
 from _family_configs import family_batch, tiny_model
 from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
-from lightning_roundpipe.adapters.hf_causal_lm import MASK_KEY_BY_ATTENTION, CausalLMLayers, CausalLMPrefix
+from lightning_roundpipe.adapters.hf_causal_lm import CausalLMLayers
+from lightning_roundpipe.adapters.hf_layers import MASK_KEY_BY_ATTENTION, CausalLMPrefix
 from lightning_roundpipe.adapters.mask_facts import FACT_KEYS, host_facts
 from lightning_roundpipe.engine.microbatch import HostRows, split_microbatches
 

@@ -15,7 +15,8 @@ from lightning_roundpipe.options import PartitionConfig, RuntimeOptions
 from lightning_roundpipe.cost.autocast_cast import autocast_cast_parameters
 from lightning_roundpipe.params.weights import StageWeights
 from lightning_roundpipe.runtime import RoundPipeRuntime
-from lightning_roundpipe.workers.device_memory import AllocationTally, DeviceMemory
+from lightning_roundpipe.workers.device_memory import AllocationTally
+from lightning_roundpipe.workers.pool import DeviceMemory
 
 
 LAYER_STAGES = [[i, i + 1] for i in range(5)]  # one pipelined layer per stage: embedding, 3 decoder layers, head

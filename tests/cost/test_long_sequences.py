@@ -141,7 +141,7 @@ def test_plan_training_chooses_layer_grain_for_a_host_bound_long_sequence():
 
 # ------------------------------------------------------------------ the chunked loss at long sequences
 def test_the_planner_costs_the_engines_loss_chunk():
-    from lightning_roundpipe.adapters.hf_causal_lm import CausalLMPostfix
+    from lightning_roundpipe.adapters.hf_layers import CausalLMPostfix
     import inspect
 
     assert inspect.signature(CausalLMPostfix).parameters["loss_chunk_size"].default == DEFAULT_LOSS_CHUNK_TOKENS

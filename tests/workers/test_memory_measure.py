@@ -7,7 +7,8 @@ from torch import nn
 
 from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.workers import TaskLabel
-from lightning_roundpipe.workers.device_memory import AllocationTally, DeviceMemory
+from lightning_roundpipe.workers.device_memory import AllocationTally
+from lightning_roundpipe.workers.pool import DeviceMemory
 
 
 def test_tally_counts_new_storages_once_and_frees_them_when_they_die():

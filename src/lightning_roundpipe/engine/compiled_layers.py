@@ -21,7 +21,7 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from ..errors import LayerCompileError
-from ..workers.completions import raised_from
+from ..workers.task_errors import raised_from
 from .compile_keys import CompileKey, KeyedCompiles, RecompileLimitError, autocast_in_force, device_of
 
 # Inductor options: random ops run eagerly on the layer's generator (the RNG replay stays exact).

@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import CheckpointError, CheckpointSpaceError
-from ..workers.completions import raised_from
+from ..workers.task_errors import raised_from
 
 FULL_DISK_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from .plan import Plan, PlanError, Task, dispatch
+from .plan import DispatchedStage, Plan, PlanError, dispatch
 
 
 class Schedule(Protocol):
@@ -20,7 +20,7 @@ class Schedule(Protocol):
 
     name: str
 
-    def dispatch(self, plan: Plan, num_workers: int, cursor: int = 0, fused: bool | None = None) -> list[Task]:
+    def dispatch(self, plan: Plan, num_workers: int, cursor: int = 0, fused: bool | None = None) -> list[DispatchedStage]:
         """One call's dispatched stages, in order, each with its worker (``fused`` as in ``dispatch``)."""
 
     def cursor_after(self, cursor: int, dispatched: int, num_workers: int) -> int:
@@ -33,7 +33,7 @@ class RoundRobin:
 
     name: str = "round_robin"
 
-    def dispatch(self, plan: Plan, num_workers: int, cursor: int = 0, fused: bool | None = None) -> list[Task]:
+    def dispatch(self, plan: Plan, num_workers: int, cursor: int = 0, fused: bool | None = None) -> list[DispatchedStage]:
         """The plan's tasks, each stage to the worker after the previous stage's, from ``cursor``."""
         return dispatch(plan, num_workers, cursor, fused)
 
@@ -50,7 +50,7 @@ class Sticky(RoundRobin):
 
     name: str = "sticky"
 
-    def dispatch(self, plan: Plan, num_workers: int, cursor: int = 0, fused: bool | None = None) -> list[Task]:
+    def dispatch(self, plan: Plan, num_workers: int, cursor: int = 0, fused: bool | None = None) -> list[DispatchedStage]:
         """The plan's tasks dispatched round-robin from worker 0 (``cursor`` ignored)."""
         return dispatch(plan, num_workers, 0, fused)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .graph_task import TaskKind
-from .plan import Plan, PlanError, Stage, Task
+from .plan import DispatchedStage, Plan, PlanError, Stage
 
 from . import graph_task  # the graph's data types and constants (lowering calls these passes)
 
@@ -40,7 +40,7 @@ class StageComputes:
 
 
 # --------------------------------------------------------------------- 1. computes
-def computes(plan: Plan, dispatched: list[Task], options: "LoweringOptions", fused: bool) -> list[StageComputes]:
+def computes(plan: Plan, dispatched: list[DispatchedStage], options: "LoweringOptions", fused: bool) -> list[StageComputes]:
     """Each dispatched stage's compute kind, grain and phase (a fused run submits everything in forward)."""
     n_forward = len(plan.forward)
     out = []

@@ -47,7 +47,7 @@ class Stage:
 
 
 @dataclass(frozen=True)
-class Task:
+class DispatchedStage:
     """A stage dispatched to a worker; ``order`` is its place in the step's dispatch sequence."""
 
     order: int
@@ -200,7 +200,7 @@ class Plan:
         return "\n".join(lines)
 
 
-def dispatch(plan: Plan, num_workers: int, first_worker: int = 0, fused: bool | None = None) -> list[Task]:
+def dispatch(plan: Plan, num_workers: int, first_worker: int = 0, fused: bool | None = None) -> list[DispatchedStage]:
     """Round-robin dispatch: forward stages in order, then backward stages in reverse, each to the next worker.
 
     ``fused`` (default: the plan's ``fused_last``) says whether the last stage runs fused; a plan
@@ -212,4 +212,4 @@ def dispatch(plan: Plan, num_workers: int, first_worker: int = 0, fused: bool | 
     fused = plan.fused_last if fused is None else fused and plan.fused_last
     backward = plan.dispatched_backward_stages() if fused else list(reversed(plan.backward_stages()))
     stages = plan.forward_stages() + backward
-    return [Task(k, s, (first_worker + k) % num_workers) for k, s in enumerate(stages)]
+    return [DispatchedStage(k, s, (first_worker + k) % num_workers) for k, s in enumerate(stages)]

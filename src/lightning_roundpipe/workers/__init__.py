@@ -6,7 +6,8 @@ from .cpu import CpuWorkerPool
 from ..errors import PipelineError, PipelineTimeout, WorkerError
 from .completions import Completion, TaskLabel
 from .device_memory import WorkerOutOfMemoryError
-from .pool import LaneCounters, Worker, WorkerPool
+from .lane_reports import LaneCounters
+from .pool import Worker, WorkerPool
 
 __all__ = [
     "Completion",

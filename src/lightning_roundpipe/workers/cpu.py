@@ -19,9 +19,10 @@ import torch
 from ..schedule.graph_task import TaskKind
 from .device_memory import AllocationTally
 from ..host.host_allocator import keep_freed_memory
-from .pool import Lane, Task, WorkerPool, Worker
+from .completions import Lane, WorkOrder
+from .pool import WorkerPool, Worker
 
-TALLIED_UPLOADS = ("act_in", "grad_in")  # weights are counted by the engine's uploads and releases
+TALLIED_UPLOADS = (TaskKind.ACT_IN, TaskKind.GRAD_IN)  # weights are counted by the engine's uploads and releases
 
 # What one more microbatch of a stage costs on the CPU backend besides its compute (the host
 # submitting its tasks, lane and worker hand-overs): ``python -m benchmarks.peers.out_of_box --overhead``
@@ -105,7 +106,7 @@ class CpuWorkerPool(WorkerPool):
         with self._rand_lock:
             return self._rand.uniform(0.0, self.jitter_s)
 
-    def _run(self, lane: Lane, task: Task):
+    def _run(self, lane: Lane, task: WorkOrder):
         tally = self._tallies.get(id(lane))
         if tally is None or (lane.queue == "upload" and task.done.label.kind not in TALLIED_UPLOADS):
             return task.fn()
@@ -113,7 +114,7 @@ class CpuWorkerPool(WorkerPool):
         with tally:
             return task.fn()
 
-    def execute(self, lane: Lane, task: Task) -> None:
+    def execute(self, lane: Lane, task: WorkOrder) -> None:
         start = self.trace.now()
         if task.done.label.kind == TaskKind.RELEASE:
             value = task.fn()

@@ -1,17 +1,12 @@
-"""What each worker holds "on its device", measured, and the cap that makes the CPU backend a small GPU.
+"""Measuring what a worker's tasks allocate, and the cap that makes the CPU backend a small GPU.
 
-A ``DeviceMemory`` ledger per worker counts ``weight_bytes`` (stage weights uploaded and not yet
-released, every backend) and, on the CPU backend with measuring on, ``tensor_bytes``: every
-storage the worker's tasks create, tallied by a ``TorchDispatchMode`` (``AllocationTally``) and
-taken off when the storage dies. ``peak_bytes`` is their largest sum; over ``cap_bytes`` a task
-fails with ``WorkerOutOfMemoryError``. What the tally sees and misses: docs/design.md, design
-notes, ``workers/device_memory.py``.
+``AllocationTally``, a ``TorchDispatchMode``, charges every storage a task creates to its worker's
+``DeviceMemory`` ledger (``pool.py``) until the storage dies; over ``cap_bytes`` a task fails with
+``WorkerOutOfMemoryError``. What the tally sees and misses: docs/design.md, design notes,
+``workers/device_memory.py``.
 """
 
 from __future__ import annotations
-
-import threading
-import weakref
 
 import torch
 from torch.utils import _pytree as pytree
@@ -19,6 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import PipelineError, WorkerError
 from .completions import TaskLabel
+
+# ``DeviceMemory`` (pool.py) is named only in annotations: pool.py imports this module.
 
 CAP_ADVICE = ("fit it by splitting each batch into more microbatches (fewer tokens each), keeping "
               "recompute='always', setting partition.memory_budget_bytes so the partitioner cuts "
@@ -48,79 +45,6 @@ class WorkerOutOfMemoryError(WorkerError, MemoryError):
             f"it asked for {requested} bytes ({_mb(requested)}) while holding {held} bytes ({_mb(held)}; "
             f"weights {_mb(weights)}), over its cap of {cap} bytes ({_mb(cap)}); {CAP_ADVICE}"
         )
-
-
-class DeviceMemory:
-    """One worker's ledger of device bytes: weights, tallied tensors, the peak, an optional cap."""
-
-    def __init__(self, worker: int, cap_bytes: int | None = None) -> None:
-        self.worker = worker
-        self.cap_bytes = cap_bytes
-        self._lock = threading.Lock()
-        self.weight_bytes = 0
-        self.tensor_bytes = 0
-        self.peak_bytes = 0
-        self.peak_weight_bytes = 0
-        self.peak_task: TaskLabel | None = None  # the task that allocated the peak byte
-        self._storages: dict[int, int] = {}  # id of a live storage -> its bytes
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes the worker holds now: weights and tensors."""
-        return self.weight_bytes + self.tensor_bytes
-
-    def _over_cap(self, asked: int, before: int) -> bool:
-        return self.cap_bytes is not None and asked > 0 and before + asked > self.cap_bytes
-
-    def _error(self, label: TaskLabel | None, asked: int, before: int, weights_before: int):
-        label = label or TaskLabel("unknown", worker=self.worker)
-        return WorkerOutOfMemoryError(label, asked, before, weights_before, self.cap_bytes)
-
-    def track_weights(self, delta: int, label: TaskLabel | None = None) -> None:
-        """Weights uploaded (``delta > 0``) or released. Over the cap this raises, with the bytes
-        counted (the stage's release takes them off again) but not taken as a peak."""
-        with self._lock:
-            before, weights_before = self.held_bytes, self.weight_bytes
-            self.weight_bytes += delta
-            over = self._over_cap(delta, before)
-            if not over:
-                self.peak_weight_bytes = max(self.peak_weight_bytes, self.weight_bytes)
-                self._new_peak(label)
-        if over:
-            raise self._error(label, delta, before, weights_before)
-
-    def hold(self, storage: torch.UntypedStorage, label: TaskLabel | None = None) -> None:
-        """Count a storage a task created until it dies. One that would take the worker over the
-        cap raises instead and is never counted: as on a GPU, the allocation did not happen (the
-        tally drops the tensor as the error leaves the operator)."""
-        nbytes = storage.nbytes()
-        key = id(storage)
-        if nbytes == 0:
-            return
-        with self._lock:
-            if key in self._storages:
-                return
-            before, weights = self.held_bytes, self.weight_bytes
-            if self._over_cap(nbytes, before):
-                raise self._error(label, nbytes, before, weights)
-            self._storages[key] = nbytes
-            self.tensor_bytes += nbytes
-            self._new_peak(label)
-        weakref.finalize(storage, self._free, key)
-
-    def _new_peak(self, label: TaskLabel | None) -> None:
-        if self.held_bytes > self.peak_bytes:
-            self.peak_bytes, self.peak_task = self.held_bytes, label
-
-    def _free(self, key: int) -> None:
-        with self._lock:
-            self.tensor_bytes -= self._storages.pop(key, 0)
-
-    def reset_peak(self) -> None:
-        """Start measuring the peaks again from what is held now."""
-        with self._lock:
-            self.peak_bytes, self.peak_task = self.held_bytes, None
-            self.peak_weight_bytes = self.weight_bytes
 
 
 class AllocationTally(TorchDispatchMode):

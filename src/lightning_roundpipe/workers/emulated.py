@@ -20,7 +20,7 @@ from ..schedule.graph_task import TRANSFER_LANES, TaskKind
 from .completions import TaskLabel
 from .cuda import FakeCudaWorkerPool
 from .host_buffers import DEFAULT_CAP_BYTES
-from .pool import Lane, Task
+from .completions import Lane, WorkOrder
 from .streams import FakeEvent, FakeStream, FakeStreams
 from ..host.threads import WAITING_THREADS, set_intra_op_threads
 
@@ -202,7 +202,7 @@ class EmulatedWorkerPool(FakeCudaWorkerPool):
         self.device_time = device_time
         return self
 
-    def execute(self, lane: Lane, task: Task) -> None:
+    def execute(self, lane: Lane, task: WorkOrder) -> None:
         """Issue ``task`` as the fake-stream pool does, its work made to last its device time."""
         label = task.done.label
         if self.device_time is not None and label.kind != TaskKind.RELEASE:
