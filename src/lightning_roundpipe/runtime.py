@@ -34,7 +34,7 @@ from .params.packed import cpu_inference_4bit_modules, upload_parts
 from .params.weights import unique_parameters
 from .schedule.dispatch_order import schedule_named
 from .schedule.plan import PlanError
-from .planning.keeper import PlanKeeper
+from .planning.keeper import HostClock, PlanKeeper
 from .adapters.batch_statistics import BatchStatistics
 from .adapters.target import STACK_KINDS, ParameterHomes, locate, patch_forward, unpatch
 from .setup_progress import ProgressCallback
@@ -43,9 +43,8 @@ from .workers import backend_class, make_pool
 from .host.compile_clock import COMPILE_CLOCK
 from .optim.overlap import OverlappedOptimizer
 from .optim.partly_updated import mark_restored, record_partly_updated, refuse_if_partly_updated
-from .optim.step_routing import StepRouting
+from .optim.user_optimizer import StepRouting
 from .optim.undo_fit import say_if_undo_does_not_fit
-from .planning.host_clock import HostClock
 from .teardown import run_all
 from .tracing.export import check_writable_dir, export_timeline
 

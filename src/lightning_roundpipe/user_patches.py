@@ -45,7 +45,7 @@ USER_PATCHES: tuple[UserPatch, ...] = (
         "moe_experts='grouped_mm'/'padded_bmm' runs the experts as one grouped matmul instead of a loop"),
     UserPatch(
         "optimizer.step and optimizer.zero_grad (instance attributes)",
-        ("optim/step_routing.py:StepRouting.install", "optim/step_routing.py:StepRouting.close"),
+        ("optim/user_optimizer.py:StepRouting.install", "optim/user_optimizer.py:StepRouting.close"),
         "StepRouting.close at detach: the optimizer's own methods, or the LR scheduler's step wrapper, come back",
         "Lightning's loop and the user call optimizer.step(); under an overlapped optimizer that call finishes an "
         "owed backward tail and steps layer by layer on the host lane"),

@@ -143,7 +143,7 @@ def test_every_listed_site_makes_such_a_write_or_undoes_one():
     # Sites whose change the scan cannot see: made through user_patches' functions, into a hooks dict,
     # or on process-wide settings.
     through_listing = {"StepRouting.install", "StepRouting.close", "join_before_reads", "restore", "gate_data_draws",
-                       "ungate", "patch_forward", "unpatch", "BlockRelay.install", "BlockRelay.remove",
+                       "ungate", "patch_forward", "unpatch", "PlainCopy.__call__", "BlockRelay.install", "BlockRelay.remove",
                        "install_grouped_experts", "GroupedExpertsForward.remove", "HookGuard.wrap_new",
                        "HookGuard.unwrap", "Fp16Accumulation.__init__", "Fp16Accumulation.release",
                        "_StrictLimit.__call__", "RoundPipeStrategy.set_world_ranks"}

@@ -323,14 +323,13 @@ class PlainCopy:
         new.__setstate__(copy.deepcopy(dict(vars(module)), memo))
         for m in new.modules():
             for key in [k for k, v in vars(m).items() if v is _STRIPPED]:
-                delattr(m, key)
+                remove_instance_attribute(m, key)
             entry = relays.get(id(vars(m).get("forward")))
             if entry is not None:
                 replaced = getattr(entry[1], "replaced", None)
-                if replaced is None:
-                    del m.forward
-                else:
-                    m.forward = copy.deepcopy(replaced, memo)
+                remove_instance_attribute(m, "forward")
+                if replaced is not None:
+                    set_instance_attribute(m, "forward", copy.deepcopy(replaced, memo))
         return new
 
 

@@ -23,9 +23,10 @@ from ..errors import LayerStepSkipped, PipelineError, PipelineTimeout, StepFaile
 from ..workers.completions import Completion, TaskLabel
 from .host_lane import HostLane
 from .loss_scale import StepUnscale
-from .per_layer_support import LayerUnits, LayerUpdate, LayerView, declaration_hint, layout_of, why_not_per_layer
+from .per_layer_support import declaration_hint, why_not_per_layer
 from ..cost.memory import DEFAULT_UNDO_JOURNAL_BYTES
 from .step_undo import BeforeImages, KnownGood, StepUndo, capture_ahead, layers_named, note_put_back, plan_journal
+from .user_optimizer import LayerUnits, LayerUpdate, LayerView, layout_of
 
 REST = -1  # the key of the parameters outside the pipeline among ``versions`` (loss-scaled steps)
 
