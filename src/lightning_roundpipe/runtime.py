@@ -1,5 +1,4 @@
 """Puts the parts together for one pipelined module: layers, pool, plan, engine, patched forward.
-
 Free of Lightning, so the same set-up serves the strategy and plain PyTorch users:
 
     runtime = RoundPipeRuntime.attach(model.net, backend="cpu", num_workers=2)
@@ -14,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -27,29 +24,31 @@ from .workers.matmul_accumulation import Fp16Accumulation
 from .host.host_gc import OlderObjectsFrozen
 from .host.host_heap import TRIM_EVERY_STEPS, return_free_heap
 from .engine import PipelineEngine
-from .engine.layer_call import expect_buffer_writes
 from .engine.rng import CPU_GENERATOR
-from .engine.microbatch import MicrobatchError, batch_size_of, register_batch_types
-from .engine.layer_call import HookGuard
+from .engine.microbatch import register_batch_types
+from .engine.layer_call import HookGuard, expect_buffer_writes
 from .engine.split_invariance import SplitInvarianceCheck
 from .params.packed import cpu_inference_4bit_modules, upload_parts
+from .params.weights import unique_parameters
 from .schedule.dispatch_order import schedule_named
 from .schedule.plan import PlanError
 from .planning.keeper import PlanKeeper
 from .adapters.batch_statistics import BatchStatistics
 from .adapters.target import STACK_KINDS, ParameterHomes, locate, patch_forward, unpatch
 from .setup_progress import ProgressCallback
-from .tracing.records import TraceRecorder
+from .tracing.records import HostClock, TraceRecorder
 from .workers import backend_class, make_pool
 from .host.compile_clock import COMPILE_CLOCK
+from .optim.overlap import OverlappedOptimizer
+from .optim.partly_updated import mark_restored, record_partly_updated, refuse_if_partly_updated
+from .optim.user_optimizer import StepRouting
+from .optim.undo_fit import say_if_undo_does_not_fit
+from .teardown import run_all
+from .tracing.export import check_writable_dir, export_timeline
 
 log = logging.getLogger("lightning_roundpipe")
 
-__all__ = ["RoundPipeRuntime", "RuntimeOptions", "run_all"]
-
-# Modules a failed step left partly updated (optimizer_undo=False), until their weights are
-# restored: the refusal outlives the runtime, so a new attach cannot train on from that state.
-_partly_updated: "weakref.WeakKeyDictionary[nn.Module, list[str]]" = weakref.WeakKeyDictionary()
+__all__ = ["RoundPipeRuntime", "RuntimeOptions", "check_writable_dir", "run_all"]
 
 
 class RoundPipeRuntime:
@@ -92,11 +91,10 @@ class RoundPipeRuntime:
         self.last_metrics: dict = {}
         self.last_tokens: int | None = None
         self._compile_mark = 0.0  # COMPILE_CLOCK's reading when the last call began
-        # Called once, when the plan that will run is known: at set-up, or after the first call chose
-        # its microbatch count (``planner.wants_first_batch``); the strategy prints the plan table here.
-        self.plan_settled_hooks: list[Callable[[], None]] = []
+        self._on_plan_settled: Callable[[], None] | None = None  # ``when_plan_settled``'s hook (the plan table)
         self.plan_settled = False
         self.overlapped: list = []  # OverlappedOptimizer per optimizer handed to overlap_optimizer
+        self.routings: list = []  # StepRouting per optimizer handed to overlap_optimizer (its step and zero_grad)
         self.undo_fit_warning: str | None = None  # what the last overlap_optimizer said about the undo journal not fitting the host
         self.shadows = None
         self.grad_sync = None
@@ -127,8 +125,8 @@ class RoundPipeRuntime:
         engine_opts = options.engine_options(
             num_workers, self.planner.microbatches, self.planner.recompute,
             compile_layers=options.compiles_layers(pool_class.default_compile_layers(device_indices)))
-        self.host_clock = HostClock(self.planner, self.trace.now)
-        masters = _unique_parameters(layers)
+        self.host_clock = HostClock(self.planner.unread_host, self.trace.now)
+        masters = unique_parameters(layers)
         if options.compute_dtype is not None or options.staleness:
             from .params.shadows import ShadowStore  # uploads read compute-dtype / previous-version copies
 
@@ -138,7 +136,7 @@ class RoundPipeRuntime:
         self.gc_frozen = OlderObjectsFrozen() if options.gc_freeze else None
         try:
             self.engine = PipelineEngine(layers, self.pool, self.planner.plan, engine_opts, shadows=self.shadows,
-                                         weight_gates=[self._weight_gates], schedule=schedule_named(options.schedule))
+                                         schedule=schedule_named(options.schedule))
             if pool_class.pins_uploads:  # pin exactly what the uploads read, once; the pool unpins at shutdown
                 read = self.shadows.upload_tensors(masters) if self.shadows is not None else masters
                 self.pool.pin_uploads(options.pinned, upload_parts(read))  # packed weights: their parts
@@ -146,45 +144,45 @@ class RoundPipeRuntime:
                 from .distributed.gradient_sync import GradientSync
 
                 self.grad_sync = GradientSync(self.engine.tables, self.trace, options.timeout)
-                self.engine.grad_hooks.append(self.grad_sync.on_layer_grads)
             inside = {id(p) for p in masters}
             self.params_outside = [p for p in (root_module or module).parameters() if p.requires_grad and id(p) not in inside]
-            self.engine.step_end_hooks.append(self._after_step)
+            self.engine.listen(self)  # the way back: on_grads_ready, upload_waits_for, on_backward_done below
             patch_forward(module, forward(self), before_copy=self.join)
         except BaseException:
             run_all([self.grad_sync.close if self.grad_sync is not None else (lambda: None), self.pool.shutdown,
                      self._release_fp16_accumulation, self._release_gc_freeze])
             raise
 
-    def _weight_gates(self, layer_ids) -> list:
-        return [c for ov in self.overlapped for c in ov.weight_gates(layer_ids)]
+    # ------------------------------------------------------------------ the way back (engine.EngineListener)
+    def upload_waits_for(self, layer_ids: range) -> list:
+        """An upload of these layers waits for their pending optimizer steps (every overlapped optimizer's)."""
+        return [c for ov in self.overlapped for c in ov.upload_waits_for(layer_ids)]
+
+    def on_grads_ready(self, layer_ids: range) -> None:
+        """These layers' ``.grad`` holds the call's gradients: start their all-reduce, then their early steps."""
+        if self.grad_sync is not None:
+            self.grad_sync.on_grads_ready(layer_ids)
+        for ov in self.overlapped:
+            ov.on_grads_ready(layer_ids)
 
     def overlap_optimizer(self, optimizer: torch.optim.Optimizer, *, staleness: int | None = None,
                           delay_per_layer_s: float | None = None, early_steps: bool = True,
                           undo: bool | None = None, loss_scaler=None):
-        """Step ``optimizer`` layer by layer on a host thread, hidden behind the pipeline.
+        """Step ``optimizer`` layer by layer on a host thread, hidden behind the pipeline; returns the
+        ``OverlappedOptimizer``, to which ``optimizer.step`` / ``zero_grad`` are routed (``StepRouting``).
 
-        Patches ``optimizer.step`` and ``optimizer.zero_grad`` in place and returns the
-        ``OverlappedOptimizer`` driving them. ``optimizer.step()`` then
-        submits every layer's update (in layer order) and returns at once; the next forward
-        uploads a layer only once its update is done, so results equal the synchronous step bit
-        for bit (``staleness=0``). ``staleness=1`` (set in ``RuntimeOptions``, since the
-        pipeline then reads host shadows made at construction) is RoundPipe's one-step-delayed
-        update. ``early_steps``: a layer may step during backward, as soon as its gradients are
-        complete (only when nothing between backward and the step changes gradients). Call
-        ``join`` before reading weights or optimizer state directly; ``detach`` joins and
-        restores the optimizer. ``delay_per_layer_s`` (default ``options.testing.optimizer_delay_s``)
-        slows every layer step (tests and benchmarks). ``undo`` (default ``options.optimizer_undo``):
-        a failed step puts back every layer it stepped (from a journal of before-images bounded by
-        ``options.optimizer_undo_journal_bytes``); False refuses to go on instead (see
-        ``OverlappedOptimizer``), also after ``detach``, until
-        ``mark_restored``. ``loss_scaler``: the enabled ``torch.amp.GradScaler`` of an fp16 run;
-        each layer then unscales and checks its gradients before it steps, early steps included,
-        and a step with an overflow anywhere is skipped whole (``OverlappedOptimizer``); call the
-        scaler's ``update()`` after each ``step``.
-        """
-        from .optim.overlap import OverlappedOptimizer
-
+        ``optimizer.step()`` submits every layer's update (in layer order) and returns at once; the
+        next forward uploads a layer only once its update is done, so results equal the synchronous
+        step bit for bit (``staleness=0``; ``staleness=1``, set in ``RuntimeOptions``, is RoundPipe's
+        one-step-delayed update). ``early_steps``: a layer may step during backward once its gradients
+        are complete (only when nothing between backward and the step changes gradients). Call ``join``
+        before reading weights or optimizer state directly; ``detach`` joins and restores the optimizer.
+        ``delay_per_layer_s`` (default ``options.testing.optimizer_delay_s``) slows every layer step.
+        ``undo`` (default ``options.optimizer_undo``): a failed step puts back every layer it stepped
+        (a journal bounded by ``options.optimizer_undo_journal_bytes``); False refuses to go on instead,
+        also after ``detach``, until ``mark_restored``. ``loss_scaler``: an fp16 run's enabled
+        ``GradScaler``; each layer unscales and checks its gradients before it steps, and a step with an
+        overflow anywhere is skipped whole; call the scaler's ``update()`` after each ``step``."""
         staleness = self.options.staleness if staleness is None else staleness
         if staleness != self.options.staleness:
             raise OptionError(f"overlap_optimizer(staleness={staleness}): the pipeline reads weights as "
@@ -198,24 +196,13 @@ class RoundPipeRuntime:
                                  early_steps=early_steps, before_layer_step=sync, timeout_s=self.options.timeout,
                                  calls=self.engine.calls, shadows=self.shadows, undo=undo, loss_scaler=loss_scaler,
                                  journal_bytes=self.options.optimizer_undo_journal_bytes)
-        if undo:
-            self._say_if_undo_does_not_fit(optimizer)
-        self.engine.grad_hooks.append(ov.on_layer_grads)
+        if undo:  # at set-up, not at the first step (optim/undo_fit.py)
+            self.undo_fit_warning = say_if_undo_does_not_fit(optimizer, self.options.optimizer_undo_journal_bytes)
+        routing = StepRouting(optimizer, ov, self.engine.finish_backward)
+        routing.install()  # optimizer.step / zero_grad now reach ov (the one wrapper of the user's optimizer)
         self.overlapped.append(ov)
-        _finish_backward_before_grad_reads(optimizer, self.engine.finish_backward)
+        self.routings.append(routing)
         return ov
-
-    def _say_if_undo_does_not_fit(self, optimizer: torch.optim.Optimizer) -> None:
-        """At set-up, not at the first step: warn when the undo journal and the state the first steps
-        allocate exceed the host's available memory (``optim/undo_fit.py``), naming the option."""
-        from .optim.undo_fit import available_host_bytes, undo_fit_message
-
-        available = available_host_bytes()
-        message = None if available is None else undo_fit_message(
-            optimizer, self.options.optimizer_undo_journal_bytes, available)
-        self.undo_fit_warning = message
-        if message is not None:
-            log.warning("RoundPipe: %s", message)
 
     def join(self) -> None:
         """Finish an owed backward tail (``returning_early``), then wait for every submitted layer
@@ -246,7 +233,8 @@ class RoundPipeRuntime:
         register_batch_types(inputs)
         self._choose_microbatches(inputs)
         self._settle_plan()
-        self._check_batch_statistics(inputs)
+        if self.batch_statistics.found:  # a batch-dependent layer among the pipelined ones (found at set-up)
+            self.batch_statistics.check_call(inputs, self.engine.options.microbatches)
         self.hook_guard.wrap_new(torch.is_grad_enabled())  # in training, a hook keeping outputs is refused
         if torch.is_grad_enabled():
             self._refuse_grad_dependent_4bit_kernels()
@@ -297,27 +285,21 @@ class RoundPipeRuntime:
         if self.plan_settled or self.planner.wants_first_batch:
             return
         self.plan_settled = True
-        for hook in self.plan_settled_hooks:
+        hook, self._on_plan_settled = self._on_plan_settled, None
+        if hook is not None:
             hook()
 
     def when_plan_settled(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` once the plan that will run is known: now if it is, else in the first call,
-        after its batch chose the microbatch count left open (before anything of that call runs)."""
+        after its batch chose the microbatch count left open (before anything of that call runs). One
+        hook at a time: the strategy's plan announcement."""
         if self.plan_settled or not self.planner.wants_first_batch:
             self.plan_settled = True
             hook()
+        elif self._on_plan_settled is not None:
+            raise RuntimeError("when_plan_settled: a hook is already waiting for the plan to settle")
         else:
-            self.plan_settled_hooks.append(hook)
-
-    def _check_batch_statistics(self, inputs) -> None:
-        """Refuse, before anything runs, a call whose BatchNorm would see per-microbatch statistics."""
-        if not self.batch_statistics.found:
-            return  # no batch-dependent layer among the pipelined ones (found once, at set-up)
-        try:
-            size = batch_size_of(inputs)
-        except MicrobatchError:
-            return  # the engine's split says what is wrong with the batch
-        self.batch_statistics.check(min(size, self.engine.options.microbatches))
+            self._on_plan_settled = hook
 
     def _check_split_invariance(self, inputs) -> None:
         """Before the first call in each training mode: every layer whole against per microbatch, on the host
@@ -332,7 +314,8 @@ class RoundPipeRuntime:
                 expect_buffer_writes(self.layers[layer])
             log.info("split-invariance check: %d rows, %.3f s on the host", report.rows, report.seconds)
 
-    def _after_step(self, run) -> None:
+    def on_backward_done(self, run) -> None:
+        """A training call's backward is done: host timing and a re-plan for the keeper, the step's metrics."""
         self.host_clock.backward_done(run, self.trace.records(run.step))
         if run.step % TRIM_EVERY_STEPS == 0:
             return_free_heap()  # the host threads' arenas keep freed pages otherwise (host/host_heap.py)
@@ -357,20 +340,7 @@ class RoundPipeRuntime:
 
     def export_timeline(self, directory) -> list[str]:
         """Write the kept steps as a Chrome/Perfetto trace and, with matplotlib, a PNG Gantt chart."""
-        from .tracing.timeline import save_gantt_png, to_chrome_trace
-
-        records = [r for r in self.trace.records() if r.step in self.kept_steps]
-        if not records:
-            return []
-        os.makedirs(directory, exist_ok=True)
-        written = [os.path.join(directory, "roundpipe_trace.json")]
-        to_chrome_trace(records, written[0])
-        try:
-            save_gantt_png(records, os.path.join(directory, "roundpipe_timeline.png"), title="RoundPipe timeline")
-            written.append(os.path.join(directory, "roundpipe_timeline.png"))
-        except ImportError as err:
-            log.warning("timeline PNG not written: %s", err)
-        return written
+        return export_timeline([r for r in self.trace.records() if r.step in self.kept_steps], directory)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -490,7 +460,7 @@ class RoundPipeRuntime:
 
         Every step runs even when an earlier one raises (a failed layer step re-raises on join);
         the first error is raised at the end."""
-        steps = [self.engine.finish_backward] + [ov.close for ov in self.overlapped]
+        steps = [self.engine.finish_backward] + [routing.close for routing in self.routings]
         if self.grad_sync is not None:
             steps.append(self.grad_sync.close)
         steps += [lambda: unpatch(self.module), self.engine.close, self.parameter_homes.restore, self.hook_guard.unwrap,
@@ -501,8 +471,8 @@ class RoundPipeRuntime:
         finally:
             updated = [name for ov in self.overlapped for name in ov.unrestored]
             if updated:
-                _partly_updated[self.root] = updated
-            self.overlapped, self.grad_sync, self.shadows = [], None, None
+                record_partly_updated(self.root, updated)
+            self.overlapped, self.routings, self.grad_sync, self.shadows = [], [], None, None
 
     def _release_fp16_accumulation(self) -> None:
         if self.fp16_accumulation is not None:
@@ -512,90 +482,8 @@ class RoundPipeRuntime:
         if self.gc_frozen is not None:
             self.gc_frozen.release()
 
-    # ------------------------------------------------------------------ partly updated modules (undo=False)
-    @staticmethod
-    def refuse_if_partly_updated(module: nn.Module, action: str) -> None:
-        """Raise if a failed step with ``optimizer_undo=False`` left ``module`` partly updated."""
-        updated = _partly_updated.get(module)
-        if updated:
-            from .optim.overlap import StepFailed
-
-            raise StepFailed(
-                f"cannot {action}: {type(module).__name__} is partly updated: a failed optimizer step reached "
-                f"{', '.join(updated)} and not the other layers, and no copy was kept to put them back "
-                "(optimizer_undo=False, or past the undo journal's bound): load its weights from a checkpoint (Trainer.fit(..., ckpt_path=...)), or load them yourself "
-                "and call RoundPipeRuntime.mark_restored(module)")
-
-    @staticmethod
-    def mark_restored(module: nn.Module) -> None:
-        """``module``'s weights were restored (from a checkpoint) after a failed step with
-        ``optimizer_undo=False``."""
-        _partly_updated.pop(module, None)
-
-
-class HostClock:
-    """Measures the host's own work around pipelined training calls for the plan keeper
-    (``observe_host``), on the trace recorder's clock:
-
-    * between forward and backward: from the last forward output on the host (the last forward
-      download in the trace; the call's return when no task was recorded) to the moment the
-      output's gradient reaches the pipeline (a gradient hook on the outputs): merging the
-      microbatch outputs, the caller's loss on them and its backward;
-    * between steps: from the end of one training call's backward to the next training call
-      (the training loop, the optimizer's submission, the next batch); an evaluation call in
-      between voids that interval.
-    """
-
-    def __init__(self, planner: PlanKeeper, clock: Callable[[], float]) -> None:
-        self.planner = planner
-        self.clock = clock
-        self.last_end: float | None = None
-        self.pending: dict[int, dict] = {}  # engine step -> times of that call
-
-    def interrupted(self) -> None:
-        """An evaluation call ran: the time since the last backward is not the training loop's."""
-        self.last_end = None
-
-    def forward_returned(self, run, called: float, out) -> None:
-        """Note when a pipelined call returned and how long the host spent outside the pipeline before it."""
-        now = self.clock()
-        entry = {"called": called, "returned": now, "outside": None if self.last_end is None else called - self.last_end}
-        self.pending = {run.step: entry}  # an older call never reached backward: forget it
-        if run.fused:
-            return
-        for leaf in pytree.tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                leaf.register_hook(lambda grad, entry=entry: self.gradient_arrived(entry))
-
-    def gradient_arrived(self, entry: dict) -> None:
-        """An output's gradient reached the pipeline (the last output's time is kept); the gradient is
-        unchanged."""
-        entry["gradient"] = self.clock()
-
-    def backward_done(self, run, records) -> None:
-        """Close the step's host timing when its backward is done and hand it to the planner."""
-        entry = self.pending.pop(run.step, None)
-        self.last_end = self.clock()
-        if entry is None:
-            return
-        between = None
-        if "gradient" in entry:
-            home = [r.end for r in records if r.queue == "download" and r.stage.startswith("F")]
-            between = max(0.0, entry["gradient"] - (max(home) if home else entry["returned"]))
-        self.planner.unread_host.append((between, entry["outside"]))  # ``PlanKeeper.observe_host``, at its next read
-
-
-def check_writable_dir(directory, option: str) -> str:
-    """Create ``directory`` if needed and prove it writable now, before any training starts."""
-    import tempfile
-
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as err:
-        raise OptionError(f"{option}={os.fspath(directory)!r}: cannot write there ({err}); pass a writable folder") from err
-    return os.fspath(directory)
+    refuse_if_partly_updated = staticmethod(refuse_if_partly_updated)  # undo=False: optim/partly_updated.py
+    mark_restored = staticmethod(mark_restored)
 
 
 def holding_cpu_generator(what: str):
@@ -603,57 +491,6 @@ def holding_cpu_generator(what: str):
     For draws made outside pipelined calls while another runtime's layers may run (``what`` names
     the holder in timeout messages)."""
     return CPU_GENERATOR.exclusive(what)
-
-
-def run_all(steps) -> None:
-    """Call every step in order; if any raised, raise the first error once all have run."""
-    first: BaseException | None = None
-    for step in steps:
-        try:
-            step()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the remaining steps
-            if first is None:
-                first = exc
-            else:
-                log.warning("also failed during teardown: %r", exc)
-    if first is not None:
-        raise first
-
-
-def _finish_backward_before_grad_reads(optimizer: torch.optim.Optimizer, finish: Callable[[], None]) -> None:
-    """The overlapped optimizer's ``step`` and ``zero_grad`` (patched on the instance) first finish an
-    owed backward tail: ``step`` after its closure (whose forward finishes it anyway, overlapped) and
-    before any layer is stepped, ``zero_grad`` before it clears. ``OverlappedOptimizer.close`` drops
-    these wrappers with its own patches."""
-    step, zero_grad = optimizer.step, optimizer.zero_grad
-
-    def step_after_tail(closure=None):
-        if closure is None:
-            finish()
-            return step()
-
-        def closure_then_tail():
-            loss = closure()
-            finish()
-            return loss
-
-        return step(closure_then_tail)
-
-    def zero_grad_after_tail(set_to_none: bool = True):
-        finish()
-        return zero_grad(set_to_none)
-
-    step_after_tail._wrapped_by_lr_sched = True  # as OverlappedOptimizer marks its step (see there)
-    optimizer.step = step_after_tail
-    optimizer.zero_grad = zero_grad_after_tail
-
-
-def _unique_parameters(layers) -> list:
-    seen: dict[int, torch.Tensor] = {}
-    for layer in layers:
-        for p in layer.parameters():
-            seen.setdefault(id(p), p)
-    return list(seen.values())
 
 
 def _sequential_forward(runtime: RoundPipeRuntime) -> Callable:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..engine.microbatch import MicrobatchError, batch_size_of
 from ..options import OptionError
 
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
@@ -40,6 +41,14 @@ class BatchStatistics:
     def layers_accepted(self) -> set[int]:
         """Layers whose per-microbatch statistics the user accepted (no warning needed)."""
         return {i for i, _, _ in self.found} if self.setting == "per_microbatch" else set()
+
+    def check_call(self, inputs, microbatches: int) -> None:
+        """Refuse, before anything runs, a call of ``inputs`` whose BatchNorm would see per-microbatch statistics."""
+        try:
+            size = batch_size_of(inputs)
+        except MicrobatchError:
+            return  # the engine's split says what is wrong with the batch
+        self.check(min(size, microbatches))
 
     def check(self, microbatches: int) -> None:
         """Refuse a call of ``microbatches`` microbatches that a batch-dependent layer would compute inexactly."""

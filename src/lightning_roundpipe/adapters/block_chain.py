@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import BlockChainError
+from ..user_patches import remove_instance_attribute, set_instance_attribute
 
 _worker_calls = threading.local()  # >0 while a BlockLayer runs a block (on a worker thread)
 
@@ -189,15 +190,12 @@ class BlockRelay:
 
     def install(self) -> None:
         """Route the block's calls through this relay (an instance-level ``forward``)."""
-        self.block.forward = self
+        set_instance_attribute(self.block, "forward", self)
 
     def remove(self) -> None:
         """Give the block back its own ``forward`` (or the one it had before), if this relay is still installed."""
-        if vars(self.block).get("forward") is self:
-            if self.replaced is not None:
-                self.block.forward = self.replaced
-            else:
-                del self.block.forward
+        if remove_instance_attribute(self.block, "forward", installed=self) and self.replaced is not None:
+            set_instance_attribute(self.block, "forward", self.replaced)
 
 
 def _same(a, b) -> bool:

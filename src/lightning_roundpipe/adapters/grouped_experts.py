@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..user_patches import remove_instance_attribute, set_instance_attribute
+
 
 class GroupedMatmul(torch.autograd.Function):
     """``rows[ends[g-1]:ends[g]] @ weight[g]`` for every group g, forward and backward grouped too."""
@@ -193,8 +195,7 @@ class GroupedExpertsForward:
 
     def remove(self) -> None:
         """Give the experts module back its own forward, if this one is still installed."""
-        if vars(self.experts).get("forward") is self:
-            del self.experts.forward
+        remove_instance_attribute(self.experts, "forward", installed=self)
 
 
 def install_grouped_experts(model: nn.Module, kernel: str = "grouped_mm") -> tuple[list[GroupedExpertsForward], list[str]]:
@@ -216,6 +217,6 @@ def install_grouped_experts(model: nn.Module, kernel: str = "grouped_mm") -> tup
             kept.append(name)
             continue
         forward = GroupedExpertsForward(module, gate, kernel)
-        module.forward = forward  # instance attribute: shadows HF's dispatching forward, nothing else changes
+        set_instance_attribute(module, "forward", forward)  # shadows HF's dispatching forward, nothing else changes
         installed.append(forward)
     return installed, kept

@@ -19,6 +19,7 @@ from typing import Any, Callable
 from torch import nn
 
 from ..errors import PipelineTargetError
+from ..user_patches import remove_instance_attribute, set_instance_attribute
 from .block_chain import BlockRelay
 from .grouped_experts import GroupedExpertsForward
 from .stack_search import (DECLARED_CHAIN_METHOD, compiled_inner, declares_chain, find_stacks, is_block_container,
@@ -322,14 +323,13 @@ class PlainCopy:
         new.__setstate__(copy.deepcopy(dict(vars(module)), memo))
         for m in new.modules():
             for key in [k for k, v in vars(m).items() if v is _STRIPPED]:
-                delattr(m, key)
+                remove_instance_attribute(m, key)
             entry = relays.get(id(vars(m).get("forward")))
             if entry is not None:
                 replaced = getattr(entry[1], "replaced", None)
-                if replaced is None:
-                    del m.forward
-                else:
-                    m.forward = copy.deepcopy(replaced, memo)
+                remove_instance_attribute(m, "forward")
+                if replaced is not None:
+                    set_instance_attribute(m, "forward", copy.deepcopy(replaced, memo))
         return new
 
 
@@ -338,15 +338,15 @@ def patch_forward(module: nn.Module, forward: Callable, before_copy: Callable[[]
     ``copy.deepcopy`` of the module then gives a plain, unpipelined copy (``PlainCopy``, ``before_copy`` first)."""
     if "forward" in vars(module):
         raise PipelineTargetError(f"{type(module).__name__} already has an instance-level forward; is it pipelined twice?")
-    module.forward = forward  # instance attribute: shadows the class's forward, leaves everything else alone
-    module.__deepcopy__ = PlainCopy(module, before_copy)
+    set_instance_attribute(module, "forward", forward)  # shadows the class's forward, leaves everything else alone
+    set_instance_attribute(module, "__deepcopy__", PlainCopy(module, before_copy))
 
 
 def unpatch(module: nn.Module) -> None:
     """Undo ``patch_forward`` and remove every relay installed below ``module``."""
-    vars(module).pop("forward", None)
+    remove_instance_attribute(module, "forward")
     if isinstance(vars(module).get("__deepcopy__"), PlainCopy):
-        del vars(module)["__deepcopy__"]
+        remove_instance_attribute(module, "__deepcopy__")
     for m in module.modules():  # the relays a block stack's blocks got (see block_chain), grouped experts
         relay = vars(m).get("forward")
         if isinstance(relay, (BlockRelay, GroupedExpertsForward)):

@@ -56,8 +56,8 @@ class GradientSync:
         self._watcher = threading.Thread(target=self._watch_loop, name="roundpipe-allreduce", daemon=True)
         self._watcher.start()
 
-    # ------------------------------------------------------------------ engine hook
-    def on_layer_grads(self, layer_ids) -> None:
+    # ------------------------------------------------------------------ the engine's report (via the runtime)
+    def on_grads_ready(self, layer_ids) -> None:
         """Start the reduction of the units whose layers' gradients are all complete (nothing while
         accumulating)."""
         if self.blocked:

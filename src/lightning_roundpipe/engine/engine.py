@@ -35,6 +35,7 @@ from .layer_call import ModuleLock
 from .rng import abandon_generators
 from .step import StepContext, StepRun
 from ..params.weights import HostGradBuffers, LayerTable, has_grad_hooks
+from .listener import NO_LISTENER, EngineListener
 
 
 log = logging.getLogger("lightning_roundpipe")
@@ -45,8 +46,7 @@ class PipelineEngine:
     """Runs ``layers`` as a RoundPipe pipeline over ``pool`` according to ``plan``."""
 
     def __init__(self, layers: Sequence[nn.Module], pool: WorkerPool, plan: Plan, options: EngineOptions | None = None,
-                 *, shadows=None, weight_gates: Sequence[Callable[[range], list[Completion]]] = (),
-                 schedule: Schedule = ROUND_ROBIN):
+                 *, shadows=None, schedule: Schedule = ROUND_ROBIN):
         self.layers = list(layers)
         self.options = (options or EngineOptions()).validate()
         self.tables = [LayerTable(layer) for layer in self.layers]
@@ -57,14 +57,12 @@ class PipelineEngine:
             pool.trace.keep_task_times()
         self.schedule = schedule  # the dispatch order; its cursor lives in the history
         self.history: WorkerHistory[Completion] = WorkerHistory(len(pool))  # cursor and slots, across steps
-        self._weight_gates = list(weight_gates)
+        self.listener: EngineListener = NO_LISTENER  # told of the way back (``listen``)
         self._anchor = torch.zeros((), requires_grad=True)
         self.calls = PipelineCalls(self._anchor, self.master_parameters)  # calls still owing weight gradients
         self.step_count = 0
         self.last_run: StepRun | None = None
         self._finished: StepRun | None = None  # the last call whose computes have all run
-        self.grad_hooks: list = []  # called with a layer range once its gradients are on the host
-        self.step_end_hooks: list = []  # called with the StepRun after each training backward
         self.shadows = shadows  # a ShadowStore: uploads read compute-dtype copies of the masters
         self.grad_buffers = HostGradBuffers()  # .grad tensors reused across steps (no fresh pages per step)
         self.owed_tail: StepRun | None = None  # a call whose backward returned before its tail was done
@@ -114,14 +112,18 @@ class PipelineEngine:
         """(stage, kind, seconds) of the last finished call, for the cost profile (``StepRun.measurements``)."""
         return [] if self._finished is None else self._finished.measurements
 
+    def listen(self, listener: EngineListener) -> None:
+        """Report the way back (uploads' waits, gradients on the host, backward done) to ``listener``,
+        the one object above the engine (the runtime); it replaces the previous one."""
+        self.listener = listener
+
     def weight_gates(self, layer_ids) -> list[Completion]:
-        """Completions an upload of these layers must wait for (new weight versions); none by default."""
-        return [c for gate in self._weight_gates for c in gate(layer_ids)]
+        """Completions an upload of these layers must wait for (new weight versions): the listener's."""
+        return self.listener.upload_waits_for(layer_ids)
 
     def notify_grads_accumulated(self, layer_ids) -> None:
-        """The host ``.grad`` of these layers holds this call's gradients: tell the grad hooks."""
-        for hook in self.grad_hooks:
-            hook(layer_ids)
+        """The host ``.grad`` of these layers holds this call's gradients: tell the listener."""
+        self.listener.on_grads_ready(layer_ids)
 
     def autocast_state(self) -> dict:
         """Per device type of the workers: (enabled, dtype) of the caller's autocast."""
@@ -197,7 +199,7 @@ class PipelineEngine:
 
     def finish_backward(self) -> None:
         """Finish the backward tail still owed, if any: its weight gradients into ``.grad`` (in
-        dispatch order, as a backward that waits adds them) and its step-end hooks. A failure of
+        dispatch order, as a backward that waits adds them) and the listener's backward-done report. A failure of
         the tail raises here, the error a waiting backward would have raised. Every engine entry
         calls this (a training forward right after submitting its own tasks)."""
         run = self.owed_tail
@@ -212,8 +214,7 @@ class PipelineEngine:
 
     def _backward_done(self, run: StepRun) -> None:
         self._call_finished(run)
-        for hook in self.step_end_hooks:
-            hook(run)
+        self.listener.on_backward_done(run)
 
     def _call_finished(self, run: StepRun) -> None:
         """Every compute of ``run`` has run: its measurements are the engine's latest."""

@@ -18,6 +18,7 @@ import threading
 from torch.utils.data import DataLoader
 
 from ..runtime import holding_cpu_generator
+from ..user_patches import set_class
 
 _lock = threading.Lock()
 _live = 0
@@ -93,7 +94,7 @@ def gate_data_draws(dataloader):
     fetch batches holding torch's CPU generator alone while another RoundPipe fit is live. It stays
     an instance of its own class (a subclass of it with the same name) until ``ungate``."""
     if isinstance(dataloader, DataLoader) and not getattr(dataloader, "_roundpipe_gated", False):
-        dataloader.__class__ = _gated_class(type(dataloader))
+        set_class(dataloader, _gated_class(type(dataloader)))
     return dataloader
 
 
@@ -101,4 +102,4 @@ def ungate(dataloader) -> None:
     """Give a DataLoader ``gate_data_draws`` changed its own class back (the fit that served it is over)."""
     cls = type(dataloader)
     if cls in _gated_classes.values():
-        dataloader.__class__ = cls.__mro__[1]
+        set_class(dataloader, cls.__mro__[1])

@@ -19,6 +19,8 @@ from typing import Callable
 
 from torch import nn
 
+from ..user_patches import remove_instance_attribute, set_instance_attribute
+
 READS = ("parameters", "named_parameters", "state_dict")
 
 
@@ -40,10 +42,10 @@ class JoinedRead:
 def join_before_reads(module: nn.Module, join: Callable[[], None]) -> None:
     """Make the module's weight reads (``parameters()``, ``state_dict()``, ...) call ``join`` first."""
     for name in READS:
-        object.__setattr__(module, name, JoinedRead(module, name, join))
+        set_instance_attribute(module, name, JoinedRead(module, name, join))
 
 
 def restore(module: nn.Module) -> None:
     """Undo ``join_before_reads``."""
     for name in READS:
-        vars(module).pop(name, None)
+        remove_instance_attribute(module, name)

@@ -1,7 +1,7 @@
 """The user's optimizer, stepped layer by layer on a host thread, hidden behind the pipeline.
 
 Exact by default: each layer steps on its complete gradient of the step, and the next forward's
-upload of a layer waits only for that layer's new version (``weight_gates``), so results equal
+upload of a layer waits only for that layer's new version (``upload_waits_for``), so results equal
 the synchronous ``optimizer.step()`` bit for bit. Layers step during the last backward only
 when nothing between backward and the step can change gradients; under a loss scaler each layer
 unscales and checks its own gradients, and an overflow puts every stepped layer back. A failed
@@ -12,9 +12,7 @@ is known good. When a layer may step early, loss scaling and
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import copy
 import threading
 import time
 from typing import Callable
@@ -22,13 +20,13 @@ from typing import Callable
 import torch
 
 from ..errors import LayerStepSkipped, PipelineError, PipelineTimeout, StepFailed
-from ..params.weights import group_by_lowest_layer
 from ..workers.completions import Completion, TaskLabel
 from .host_lane import HostLane
 from .loss_scale import StepUnscale
 from .per_layer_support import declaration_hint, why_not_per_layer
 from ..cost.memory import DEFAULT_UNDO_JOURNAL_BYTES
-from .step_undo import BeforeImages, StepUndo, image_tensors
+from .step_undo import BeforeImages, KnownGood, StepUndo, capture_ahead, layers_named, note_put_back, plan_journal
+from .user_optimizer import LayerUnits, LayerUpdate, LayerView, layout_of
 
 REST = -1  # the key of the parameters outside the pipeline among ``versions`` (loss-scaled steps)
 
@@ -104,9 +102,7 @@ class OverlappedOptimizer:
         self.images_taken_at_step = 0  # layer steps of committed steps whose before-image was not taken ahead
         self.unrestored: list[str] = []  # undo=False: layers a failed step updated, until mark_restored()
         self.replans = 0  # times the optimizer's parameters changed and the per-layer plan was remade
-        self._view = copy.copy(optimizer)
-        vars(self._view).pop("step", None)
-        vars(self._view).pop("zero_grad", None)
+        self._view = LayerView(optimizer)  # steps one unit's parameters with the optimizer's own class
         self._tables = layer_tables
         self._layout: tuple = ()
         self._plan_units()
@@ -118,44 +114,14 @@ class OverlappedOptimizer:
         self._submitted_ids: set[int] = set()  # parameters (by id) whose update this step is submitted
         self._superseded: list[Completion] = []  # a unit's earlier submissions of this step (re-planned mid-step)
         self._lock = threading.Lock()
-        # Ghosts: tensors sharing each parameter's storage, with their own .grad. A layer step runs
-        # on ghosts holding the gradients snapshotted at submission, so the host thread may zero or
-        # accumulate the real .grad meanwhile; optimizer state stays keyed by the real parameter.
-        self._ghosts: dict[int, torch.Tensor] = {}
-        self._saved_attrs = {k: vars(optimizer)[k] for k in ("step", "zero_grad") if k in vars(optimizer)}
-
-        def step(closure=None):
-            return self.step(closure)
-
-        # An LR scheduler checks this marker to know that ``step`` still sets ``_opt_called``
-        # (the counter it installed); ours sets it itself, so the scheduler's order check holds.
-        step._wrapped_by_lr_sched = True
-        optimizer.step = step
-        optimizer.zero_grad = self.zero_grad
         self._closed = False
 
     # ------------------------------------------------------------------ the per-layer plan
-    def _layout_now(self) -> tuple:
-        """Which parameters each group holds now (by identity): what the per-layer plan depends on."""
-        return tuple(tuple(id(p) for p in g["params"]) for g in self.optimizer.param_groups)
-
     def _plan_units(self) -> None:
-        """Units: the optimizer's parameters grouped by the (lowest) pipeline layer that holds them;
-        ``rest``: its parameters outside the pipelined module."""
-        where: dict[int, tuple[int, torch.Tensor]] = {}
-        for gi, group in enumerate(self.optimizer.param_groups):
-            for p in group["params"]:
-                where[id(p)] = (gi, p)
-        params_of, self.unit_layers = group_by_lowest_layer(self._tables, set(where))
-        self.unit_params: dict[int, list[tuple[int, torch.Tensor]]] = {
-            unit: [where[id(p)] for p in ps] for unit, ps in params_of.items()}
-        self.layer_units: dict[int, set[int]] = {}
-        for unit, layers in self.unit_layers.items():
-            for l in layers:
-                self.layer_units.setdefault(l, set()).add(unit)
-        inside = {id(p) for ps in params_of.values() for p in ps}
-        self.rest = [where[pid] for pid in where if pid not in inside]  # not in the pipelined module
-        self._layout = self._layout_now()
+        """Group the optimizer's parameters into units (``LayerUnits``), kept in the attributes the steps read."""
+        units = LayerUnits.of(self.optimizer, self._tables)
+        self.unit_params, self.unit_layers, self.layer_units = units.params, units.layers, units.of_layer
+        self.rest, self._layout = units.rest, units.layout
 
     def replan_if_changed(self) -> bool:
         """Re-plan the per-layer steps when the optimizer's parameters changed since the last plan
@@ -163,14 +129,14 @@ class OverlappedOptimizer:
         so parameters that joined are stepped and those that left are not. Hyper-parameters need
         no re-plan (each step snapshots them), nor does freezing (a parameter without ``.grad`` is
         skipped by the optimizer itself). Cheap: one pass over the parameters' identities."""
-        if self._layout_now() == self._layout:
+        if layout_of(self.optimizer) == self._layout:
             return False
         self._plan_units()
         self.replans += 1
         return True
 
-    # ------------------------------------------------------------------ engine hooks
-    def weight_gates(self, layer_ids) -> list[Completion]:
+    # ------------------------------------------------------------------ the engine's reports (via the runtime)
+    def upload_waits_for(self, layer_ids) -> list[Completion]:
         """The completions an upload of ``layer_ids`` waits for: their layers' pending steps (none with
         staleness)."""
         if self.staleness:
@@ -183,8 +149,8 @@ class OverlappedOptimizer:
                     gates.append(c)
         return gates
 
-    def on_layer_grads(self, layer_ids) -> None:
-        """Called by the engine (host thread) once a backward stage's gradients are in ``.grad``."""
+    def on_grads_ready(self, layer_ids) -> None:
+        """On the host thread, once a backward stage's gradients are in ``.grad``: step complete layers early."""
         current = self.calls.current if self.calls is not None else None
         if current is not self._done_call:
             # Each call's backward covers every layer: a layer is complete once the backward that
@@ -252,7 +218,7 @@ class OverlappedOptimizer:
             later = self._submit_journaled(hp)  # what the units hold that did not step early
             if self.rest:  # parameters outside the pipeline: the caller's next code uses them, step them now
                 self._undo.save([p for _, p in self.rest], "parameters outside the pipeline")
-                self._run_view(self.rest, hp, self._grads_of(self.rest))
+                self._view.step(self.rest, hp, self._grads_of(self.rest))
             self._submit_known_good(later, hp)  # past the journal: once the step is known good
         except BaseException as exc:
             self._abandon(exc)
@@ -337,14 +303,7 @@ class OverlappedOptimizer:
         self.versions = {}
         self._superseded = []
         self._commit = None
-        try:
-            restore.wait(self.timeout_s, waiter="restoring the failed step")
-        except PipelineError as err:
-            exc.add_note(f"the layers this step updated ({', '.join(undo.stepped) or 'none'}) could not be put back: "
-                         f"{err}; restore the weights and optimizer state from a checkpoint before training on")
-            return
-        if undo.stepped:
-            exc.add_note(_failure_note(undo))
+        note_put_back(exc, undo, restore, self.timeout_s)
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear the gradients, as ``torch.optim.Optimizer.zero_grad``."""
@@ -378,51 +337,17 @@ class OverlappedOptimizer:
         return [p.grad for _, p in params]
 
     def _capture_ahead(self, undo: StepUndo) -> None:
-        """Take the step's before-images on the lane while it has nothing else to do (the forward
-        and early backward, once the previous step's updates are in), in the order the layers
-        will step, so that a layer whose gradient is complete steps without copying first.
-
-        The lane is the only writer of these weights until they step, so an image taken ahead
-        equals one taken just before the step. Idle work: before each layer it yields to any
-        waiting layer step by going to the back of the queue, and a layer that steps first takes
-        its own image (``StepUndo.save``). A copy that fails here is taken again, and fails
-        where it is reported, when its layer steps."""
-        plan = self.unit_params  # this step's plan: a re-plan after the closure must not change what runs here
-        units = sorted(u for u in plan if u in self._journaled)
-        if self.early_steps and not self.staleness:
-            units.reverse()  # the last backward completes the last layers first
-        pending = collections.deque(units)
-        label = TaskLabel("undo", "capture ahead")
-
-        def run():
-            while pending and not undo.finished and undo.failure is None:
-                if self.lane.has_waiting():
-                    self.lane.submit(run, label, traced=False)
-                    return
-                undo.capture([p for _, p in plan[pending.popleft()]])
-
-        self.lane.submit(run, label, traced=False)
+        """Take the step's before-images on the lane while it is idle (``step_undo.capture_ahead``)."""
+        capture_ahead(self.lane, undo, self.unit_params, self._journaled,
+                      top_first=self.early_steps and not self.staleness)
 
     def _plan_journal(self) -> None:
-        """Choose this step's journaled units: in the order they will step (from the top when layers
-        step during backward), each whose before-image still fits in ``journal_bytes``; the buffers
-        of units left out are dropped, so the journal never holds more."""
+        """Choose this step's journaled units (``step_undo.plan_journal``; none without undo)."""
         self._journaled, self.journal_used_bytes = set(), 0
-        if not self.keep_undo:
-            return
-        units = sorted(self.unit_params)
-        if self.early_steps and not self.staleness:
-            units.reverse()
-        state, keep = self.optimizer.state, []
-        for unit in units:
-            params = [p for _, p in self.unit_params[unit]]
-            size = BeforeImages.size_of(image_tensors(state, params))
-            if self.journal_bytes is None or self.journal_used_bytes + size <= self.journal_bytes:
-                self._journaled.add(unit)
-                self.journal_used_bytes += size
-                keep.append(tuple(id(p) for p in params))
-        keep.append(tuple(id(p) for _, p in self.rest))
-        self.before_images.keep_only(keep)
+        if self.keep_undo:
+            self._journaled, self.journal_used_bytes = plan_journal(
+                self.unit_params, self.rest, self.optimizer.state, self.journal_bytes, self.before_images,
+                top_first=self.early_steps and not self.staleness)
 
     def _pending(self, unit: int):
         """The unit's parameters not submitted yet this step (all of them, unless the plan changed
@@ -456,9 +381,9 @@ class OverlappedOptimizer:
         return later
 
     def _submit_known_good(self, units: list[int], hp: list[dict]) -> None:
-        """Submit the updates past the journal, without before-images, behind one ``_KnownGood``: the
+        """Submit the updates past the journal, without before-images, behind one ``KnownGood``: the
         first of them to run first reduces and checks the gradients of all of them."""
-        gate = _KnownGood(self.before_layer_step, self._unscale)
+        gate = KnownGood(self.before_layer_step, self._unscale)
         batch = []
         for unit in units:
             pending = self._pending(unit)
@@ -470,45 +395,17 @@ class OverlappedOptimizer:
             self._submit_params(unit, params, name, hp, stage, layer=layer, gate=gate, grads=grads)
 
     def _submit_params(self, key: int, params, name: str, hp: list[dict], stage: str, layer: int | None = None,
-                       gate: "_KnownGood | None" = None, grads: list | None = None) -> None:
+                       gate: "KnownGood | None" = None, grads: list | None = None) -> None:
         """Submit one update; with ``gate`` it runs without a before-image once the gate is open."""
-        grads = self._grads_of(params) if grads is None else grads
-        undo, unscale = self._undo, self._unscale
-        journaled = gate is None
-
-        def run():
-            if undo.failure is not None:
-                raise LayerStepSkipped(f"the optimizer step of {name} was skipped: the step failed "
-                                       f"({type(undo.failure).__name__}: {undo.failure})")
-            try:
-                if self.delay_per_layer_s:
-                    time.sleep(self.delay_per_layer_s)
-                if gate is not None:
-                    gate.open()  # every later update's gradients reduced and checked before any of them steps
-                else:
-                    if self.before_layer_step is not None:
-                        self.before_layer_step([p for _, p in params])
-                    if unscale is not None:
-                        unscale.unscale(grads)
-                if unscale is not None and (self._skip or unscale.overflowed()):
-                    return  # the step is skipped whole: this layer does not step, and those that did go back
-                undo.save([p for _, p in params], name, journaled=journaled)
-                self._run_view(params, hp, grads)
-                if self.after_layer_step is not None and not self.staleness:
-                    self.after_layer_step([p for _, p in params])
-                if undo.failure is not None:  # the caller gave up on this step meanwhile (a timeout)
-                    self._restore(undo)
-            except BaseException as exc:
-                undo.failure = exc
-                self._restore(undo)
-                exc.add_note(f"the optimizer step failed in {name}; " + _failure_note(undo, name))
-                raise
-
-        self._submitted_undo = undo
+        update = LayerUpdate(name, params, hp, self._grads_of(params) if grads is None else grads, self._undo,
+                             self._unscale, gate, self._view, before=self.before_layer_step,
+                             after=None if self.staleness else self.after_layer_step, restore=self._restore,
+                             skipped=lambda: self._skip, delay_s=self.delay_per_layer_s)
+        self._submitted_undo = self._undo
         if key in self.versions:  # the same lowest layer runs later on the lane: gates wait for the new one
             self._superseded.append(self.versions[key])
-        self.versions[key] = self.lane.submit(run, TaskLabel("optim", stage, queue="optimizer"), layer=layer,
-                                              after_layers=not journaled)
+        self.versions[key] = self.lane.submit(update, TaskLabel("optim", stage, queue="optimizer"), layer=layer,
+                                              after_layers=gate is not None)
 
     def _restore(self, undo: StepUndo) -> None:
         """On the lane (nothing else writes the weights now): put back every layer the step changed."""
@@ -522,34 +419,6 @@ class OverlappedOptimizer:
             self.unrestored = list(undo.unjournaled)
         if self.after_layer_step is not None and restored:
             self.after_layer_step(restored)  # compute-dtype shadows follow the masters back
-
-    def _ghost(self, p: torch.Tensor) -> torch.Tensor:
-        g = self._ghosts.get(id(p))
-        if g is None:
-            g = p.detach()  # same storage: the update lands in the parameter
-            self._ghosts[id(p)] = g
-        return g
-
-    def _run_view(self, params, hp, grads) -> None:
-        groups: dict[int, list] = {}
-        state = self.optimizer.state
-        view_state: dict = collections.defaultdict(dict)
-        for (gi, p), grad in zip(params, grads):
-            ghost = self._ghost(p)
-            ghost.grad = grad
-            if p in state:
-                view_state[ghost] = state[p]
-            groups.setdefault(gi, []).append((p, ghost))
-        view = copy.copy(self._view)  # per call: the host thread steps the parameters outside the pipeline meanwhile
-        view.param_groups = [dict(hp[gi], params=[g for _, g in pairs]) for gi, pairs in groups.items()]
-        view.state = view_state
-        with torch.no_grad():
-            type(self.optimizer).step(view)
-        for pairs in groups.values():
-            for p, ghost in pairs:
-                if ghost in view_state and p not in state:
-                    state[p] = view_state[ghost]  # first step: adopt the state the optimizer created
-                ghost.grad = None
 
     def join(self, timeout: float | None = None) -> None:
         """Wait until every submitted layer step has finished, within ``timeout`` seconds in all
@@ -572,7 +441,7 @@ class OverlappedOptimizer:
                     self._commit = None
                     raise PipelineTimeout(
                         f"the optimizer join timed out after {limit:g}s waiting for the optimizer step of "
-                        f"{_layers_of(c.label)} [{c.label}] (still running on the optimizer lane)") from None
+                        f"{layers_named(c.label)} [{c.label}] (still running on the optimizer lane)") from None
                 if first_error is None or (isinstance(first_error, LayerStepSkipped)
                                            and not isinstance(err, LayerStepSkipped)):
                     first_error = err  # the failure itself, not a layer it made skip (whatever ran first)
@@ -595,7 +464,7 @@ class OverlappedOptimizer:
         self.unrestored = []
 
     def close(self) -> None:
-        """Join, stop the host thread and restore the optimizer's own methods (idempotent)."""
+        """Join and stop the host thread (idempotent; ``StepRouting.close`` gives the optimizer its methods back)."""
         if self._closed:
             return
         self._closed = True
@@ -607,9 +476,6 @@ class OverlappedOptimizer:
                     raise
         finally:
             self.lane.close(self.timeout_s)
-            for key in ("step", "zero_grad"):
-                vars(self.optimizer).pop(key, None)
-            vars(self.optimizer).update(self._saved_attrs)
 
     # ------------------------------------------------------------------ checkpoint (staleness=1)
     def state_dict(self) -> dict:
@@ -620,9 +486,7 @@ class OverlappedOptimizer:
         if not self.staleness or self.shadows is None:
             return {"staleness": self.staleness}
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        return {"staleness": self.staleness,
-                "previous_weights": {i: self.shadows.get(p).clone() for i, p in enumerate(params)
-                                     if self.shadows.get(p) is not p}}
+        return {"staleness": self.staleness, "previous_weights": self.shadows.copies_of(params)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` saved (after the model's weights are loaded)."""
@@ -630,63 +494,6 @@ class OverlappedOptimizer:
         if int(state.get("staleness", 0)) != self.staleness:
             raise ValueError(f"the checkpoint was saved with staleness={state.get('staleness', 0)}, "
                              f"this run has staleness={self.staleness}: resume with the same staleness")
-        saved = state.get("previous_weights")
-        if not saved:
-            return
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        with torch.no_grad():
-            for i, value in saved.items():
-                self.shadows.get(params[int(i)]).copy_(value)
-
-
-def _failure_note(undo: StepUndo, failing: str | None = None) -> str:
-    """What a failed step had updated and what was put back (``failing``: the update that raised,
-    not counted among those done, unless it stepped without a before-image)."""
-    stepped = [n for n in undo.stepped if n != failing]
-    if not undo.keep:
-        return (f"the step had updated {', '.join(stepped) or 'nothing'} (undo=False: not put back; restore from a "
-                "checkpoint and call mark_restored() before training or saving)")
-    if undo.unjournaled:
-        back = [n for n in stepped if n not in undo.unjournaled]
-        return (f"the step had updated {', '.join(stepped) or 'nothing'}: {', '.join(back) or 'none'} are back as "
-                f"before the step, but {', '.join(undo.unjournaled)} stepped without a before-image (past the undo "
-                "journal, optimizer_undo_journal_bytes) and are not: restore from a checkpoint and call "
-                "mark_restored() before training or saving")
-    return (f"the step had updated {', '.join(stepped) or 'nothing'}: they are back as before the step "
-            "(weights and optimizer state)")
-
-
-class _KnownGood:
-    """The point after which updates past the undo journal may run without a before-image: opened
-    (on the lane, by the first of them, after every journaled update, ``HostLane``'s ``after_layers``)
-    it reduces (``before_layer_step``) and unscales every one of their gradients first, so neither a
-    reduction nor a loss-scale overflow can fail the step once the first of them has stepped."""
-
-    def __init__(self, before_layer_step, unscale: StepUnscale | None):
-        self._before_layer_step = before_layer_step
-        self._unscale = unscale
-        self._entries: list[tuple[list, list]] = []
-        self._opened = False
-
-    def add(self, params: list, grads: list) -> None:
-        """One update this gate holds back: its parameters and the gradients it steps with."""
-        self._entries.append((params, grads))
-
-    def open(self) -> None:
-        """Reduce and check every held update's gradients (once; an error fails the step here)."""
-        if self._opened:
-            return
-        self._opened = True
-        for params, grads in self._entries:
-            if self._before_layer_step is not None:
-                self._before_layer_step(params)
-            if self._unscale is not None:
-                self._unscale.unscale(grads)
-
-
-def _layers_of(label: TaskLabel) -> str:
-    stage = label.stage
-    if stage.startswith("L") and "-" in stage:
-        lo, hi = stage[1:].split("-")
-        return f"layer {lo}" if lo == hi else f"layers {lo}-{hi}"
-    return stage or label.kind
+        if state.get("previous_weights"):
+            self.shadows.load_copies([p for g in self.optimizer.param_groups for p in g["params"]],
+                                     state["previous_weights"])

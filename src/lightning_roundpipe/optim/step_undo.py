@@ -11,10 +11,14 @@ for a checkpoint. Why it is arranged so: docs/design.md, design notes, ``optim/s
 
 from __future__ import annotations
 
+import collections
 import copy
 import threading
 
 import torch
+
+from ..errors import PipelineError
+from ..workers.completions import TaskLabel
 
 def image_tensors(state: dict, params) -> list[torch.Tensor]:
     """What a before-image of ``params`` copies: each parameter and its optimizer state's tensors."""
@@ -194,3 +198,118 @@ class StepUndo:
         """The step succeeded: the before-images are no longer needed (their buffers serve the next step)."""
         self.saved = {}
         self.finished = True
+
+
+def plan_journal(unit_params: dict, rest: list, state: dict, journal_bytes: int | None, images: BeforeImages,
+                 top_first: bool) -> tuple[set, int]:
+    """This step's journaled units and their before-image bytes: in the order they will step (from
+    the top when layers step during backward), each whose image still fits in ``journal_bytes``
+    (None: every one). The buffers of units left out are dropped, so the journal never holds more."""
+    units = sorted(unit_params)
+    if top_first:
+        units.reverse()
+    journaled, used, keep = set(), 0, []
+    for unit in units:
+        params = [p for _, p in unit_params[unit]]
+        size = BeforeImages.size_of(image_tensors(state, params))
+        if journal_bytes is None or used + size <= journal_bytes:
+            journaled.add(unit)
+            used += size
+            keep.append(tuple(id(p) for p in params))
+    keep.append(tuple(id(p) for _, p in rest))
+    images.keep_only(keep)
+    return journaled, used
+
+
+def capture_ahead(lane, undo: StepUndo, plan: dict, journaled: set, top_first: bool) -> None:
+    """Take the before-images of the ``journaled`` units of ``plan`` on ``lane`` (a ``HostLane``) while it
+    has nothing else to do (the forward and early backward, once the previous step's updates are in),
+    in the order the layers will step, so that a layer whose gradient is complete steps without
+    copying first.
+
+    The lane is the only writer of these weights until they step, so an image taken ahead
+    equals one taken just before the step. Idle work: before each layer it yields to any
+    waiting layer step by going to the back of the queue, and a layer that steps first takes
+    its own image (``StepUndo.save``). A copy that fails here is taken again, and fails
+    where it is reported, when its layer steps."""
+    units = sorted(u for u in plan if u in journaled)  # this step's plan: a re-plan after the closure changes nothing
+    if top_first:
+        units.reverse()  # the last backward completes the last layers first
+    pending = collections.deque(units)
+    label = TaskLabel("undo", "capture ahead")
+
+    def run():
+        while pending and not undo.finished and undo.failure is None:
+            if lane.has_waiting():
+                lane.submit(run, label, traced=False)
+                return
+            undo.capture([p for _, p in plan[pending.popleft()]])
+
+    lane.submit(run, label, traced=False)
+
+
+def failure_note(undo: StepUndo, failing: str | None = None) -> str:
+    """What a failed step had updated and what was put back (``failing``: the update that raised,
+    not counted among those done, unless it stepped without a before-image)."""
+    stepped = [n for n in undo.stepped if n != failing]
+    if not undo.keep:
+        return (f"the step had updated {', '.join(stepped) or 'nothing'} (undo=False: not put back; restore from a "
+                "checkpoint and call mark_restored() before training or saving)")
+    if undo.unjournaled:
+        back = [n for n in stepped if n not in undo.unjournaled]
+        return (f"the step had updated {', '.join(stepped) or 'nothing'}: {', '.join(back) or 'none'} are back as "
+                f"before the step, but {', '.join(undo.unjournaled)} stepped without a before-image (past the undo "
+                "journal, optimizer_undo_journal_bytes) and are not: restore from a checkpoint and call "
+                "mark_restored() before training or saving")
+    return (f"the step had updated {', '.join(stepped) or 'nothing'}: they are back as before the step "
+            "(weights and optimizer state)")
+
+
+class KnownGood:
+    """The point after which updates past the undo journal may run without a before-image: opened
+    (on the lane, by the first of them, after every journaled update, ``HostLane``'s ``after_layers``)
+    it reduces (``before_layer_step``) and unscales every one of their gradients first, so neither a
+    reduction nor a loss-scale overflow can fail the step once the first of them has stepped."""
+
+    def __init__(self, before_layer_step, unscale: StepUnscale | None):
+        self._before_layer_step = before_layer_step
+        self._unscale = unscale
+        self._entries: list[tuple[list, list]] = []
+        self._opened = False
+
+    def add(self, params: list, grads: list) -> None:
+        """One update this gate holds back: its parameters and the gradients it steps with."""
+        self._entries.append((params, grads))
+
+    def open(self) -> None:
+        """Reduce and check every held update's gradients (once; an error fails the step here)."""
+        if self._opened:
+            return
+        self._opened = True
+        for params, grads in self._entries:
+            if self._before_layer_step is not None:
+                self._before_layer_step(params)
+            if self._unscale is not None:
+                self._unscale.unscale(grads)
+
+
+def note_put_back(exc: BaseException, undo: StepUndo, restored, timeout_s: float) -> None:
+    """After a failed step: wait for ``restored`` (the lane's putting back of ``undo``'s units) and add
+    to ``exc`` what the step had updated and whether it is back."""
+    try:
+        restored.wait(timeout_s, waiter="restoring the failed step")
+    except PipelineError as err:
+        exc.add_note(f"the layers this step updated ({', '.join(undo.stepped) or 'none'}) could not be put back: "
+                     f"{err}; restore the weights and optimizer state from a checkpoint before training on")
+        return
+    if undo.stepped:
+        exc.add_note(failure_note(undo))
+
+
+def layers_named(label: TaskLabel) -> str:
+    """The layers an optimizer task's label names ("layer 3", "layers 2-4"), for messages."""
+    stage = label.stage
+    if stage.startswith("L") and "-" in stage:
+        lo, hi = stage[1:].split("-")
+        return f"layer {lo}" if lo == hi else f"layers {lo}-{hi}"
+    return stage or label.kind

@@ -8,8 +8,11 @@ memory when the overlapped optimizer is made, and names the figure and the optio
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+log = logging.getLogger("lightning_roundpipe")
 GiB = 2**30
 
 
@@ -57,3 +60,13 @@ def undo_fit_message(optimizer: torch.optim.Optimizer, journal_bytes: int | None
             "training will run out of host memory in its first steps; the journal can shrink "
             "(optimizer_undo_journal_bytes=0 keeps the undo exact with no copy) but the state itself does not fit: "
             "train fewer parameters (LoRA) or use a bigger host (python -m lightning_roundpipe.sim plan prices it)")
+
+
+def say_if_undo_does_not_fit(optimizer: torch.optim.Optimizer, journal_bytes: int | None) -> str | None:
+    """Warn (and return the warning) when the undo journal and the state the first steps allocate
+    exceed the host's available memory; None when they fit or the memory cannot be read."""
+    available = available_host_bytes()
+    message = None if available is None else undo_fit_message(optimizer, journal_bytes, available)
+    if message is not None:
+        log.warning("RoundPipe: %s", message)
+    return message

@@ -85,6 +85,17 @@ class ShadowStore:
         """The shadow copy of ``tensor`` uploads read, or ``tensor`` itself when it has none."""
         return self.shadows.get(id(tensor), tensor)
 
+    def copies_of(self, params: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Copies of the shadows of ``params``, keyed by position in ``params`` (those without a shadow left
+        out): with ``staleness=1`` the weights the next step's gradient is taken at, for a checkpoint."""
+        return {i: self.get(p).clone() for i, p in enumerate(params) if self.get(p) is not p}
+
+    def load_copies(self, params: list[torch.Tensor], saved: dict) -> None:
+        """Put back what ``copies_of(params)`` returned (keys may be strings, as a checkpoint gives them)."""
+        with torch.no_grad():
+            for i, value in saved.items():
+                self.get(params[int(i)]).copy_(value)
+
     def buffers(self) -> list[torch.Tensor]:
         """The flat buffers holding every shadow: what the uploads read."""
         return list(self._flat.values())

@@ -348,3 +348,12 @@ def group_by_lowest_layer(tables: Sequence[LayerTable], selected: set[int]) -> t
         unit_params.setdefault(unit, []).append(owner[pid])
         unit_layers.setdefault(unit, set()).update(layers)
     return unit_params, unit_layers
+
+
+def unique_parameters(layers) -> list:
+    """The parameters of ``layers``, each once (a tied one where it first appears), in layer order."""
+    seen: dict[int, torch.Tensor] = {}
+    for layer in layers:
+        for p in layer.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())

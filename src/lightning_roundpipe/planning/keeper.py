@@ -5,8 +5,9 @@ step already runs a reasonable plan. Measured stage times feed per-layer moving 
 ``auto`` policy re-plans when they move by more than the threshold, so the default ``compute``
 plan depends only on shapes, options and the first batch (bit-identical weights for the same seed
 and data). Microbatches, recompute and the host's work are chosen and priced here too
-(``defaults``, ``PlanKeeper.observe_host``). A steady step only appends its measurements to
-``unread``; they are folded in, in order, when the keeper next plans or reports (``read``).
+(``defaults``, ``PlanKeeper.observe_host``; ``tracing/records.HostClock`` times the host's work). A steady
+step only appends its measurements to ``unread``; they are folded in, in order, when the keeper next
+plans or reports (``read``).
 """
 
 from __future__ import annotations
@@ -272,7 +273,8 @@ class PlanKeeper:
     def read(self) -> None:
         """Fold the steps not read yet into the moving estimates, in the order they ended (the same
         estimates as observing each step as it ended)."""
-        host, self.unread_host = self.unread_host, []
+        host = list(self.unread_host)
+        self.unread_host.clear()  # the same list stays HostClock's sink (tracing/records.py)
         for between_s, outside_s in host:
             self.observe_host(between_s, outside_s)
         steps, self.unread = self.unread, []
@@ -295,3 +297,4 @@ class PlanKeeper:
         if new is not None:
             self.plan = new
         return new
+

@@ -13,9 +13,12 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
-from ..schedule.graph_task import HOST_LANE, TRANSFER_LANES
+import torch
+import torch.utils._pytree as pytree
+
+from ..schedule.graph_task import DOWNLOAD, HOST_LANE, TRANSFER_LANES
 
 
 HOST_WORKER = -1  # TraceRecord.worker of tasks that run on the host
@@ -263,3 +266,55 @@ def summarize_by_step(
         step_tokens = tokens.get(step) if isinstance(tokens, Mapping) else tokens
         out[step] = step_metrics(grouped[step], step_tokens)
     return out
+
+
+class HostClock:
+    """Measures the host's own work around pipelined training calls, on the trace recorder's clock,
+    into ``sink`` (the plan keeper's ``unread_host``, read by its ``observe_host``):
+
+    * between forward and backward: from the last forward output on the host (the last forward
+      download in the trace; the call's return when no task was recorded) to the moment the
+      output's gradient reaches the pipeline (a gradient hook on the outputs): merging the
+      microbatch outputs, the caller's loss on them and its backward;
+    * between steps: from the end of one training call's backward to the next training call
+      (the training loop, the optimizer's submission, the next batch); an evaluation call in
+      between voids that interval.
+    """
+
+    def __init__(self, sink: list, clock: Callable[[], float]) -> None:
+        self.sink = sink
+        self.clock = clock
+        self.last_end: float | None = None
+        self.pending: dict[int, dict] = {}  # engine step -> times of that call
+
+    def interrupted(self) -> None:
+        """An evaluation call ran: the time since the last backward is not the training loop's."""
+        self.last_end = None
+
+    def forward_returned(self, run, called: float, out) -> None:
+        """Note when a pipelined call returned and how long the host spent outside the pipeline before it."""
+        now = self.clock()
+        entry = {"called": called, "returned": now, "outside": None if self.last_end is None else called - self.last_end}
+        self.pending = {run.step: entry}  # an older call never reached backward: forget it
+        if run.fused:
+            return
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(lambda grad, entry=entry: self.gradient_arrived(entry))
+
+    def gradient_arrived(self, entry: dict) -> None:
+        """An output's gradient reached the pipeline (the last output's time is kept); the gradient is
+        unchanged."""
+        entry["gradient"] = self.clock()
+
+    def backward_done(self, run, records) -> None:
+        """Close the step's host timing when its backward is done and hand it to the sink."""
+        entry = self.pending.pop(run.step, None)
+        self.last_end = self.clock()
+        if entry is None:
+            return
+        between = None
+        if "gradient" in entry:
+            home = [r.end for r in records if r.queue == DOWNLOAD and r.stage.startswith("F")]
+            between = max(0.0, entry["gradient"] - (max(home) if home else entry["returned"]))
+        self.sink.append((between, entry["outside"]))  # ``PlanKeeper.observe_host``, at its next read
