@@ -1,6 +1,5 @@
 """Timelines recorded by the engine: bubble fraction, priority overtaking, export from a fit."""
 
-import gc
 import json
 
 import torch
@@ -8,7 +7,6 @@ from torch import nn
 
 from _models import SeqModule, fit
 from lightning_roundpipe import CpuWorkerPool, EngineOptions, PipelineEngine, Plan, RoundPipeStrategy
-from lightning_roundpipe.tracing.timeline import bubble_fraction
 
 
 def tiny_layers(n, width=8):
@@ -16,23 +14,31 @@ def tiny_layers(n, width=8):
     return [nn.Linear(width, width) for _ in range(n)]
 
 
-def test_balanced_plan_has_small_bubble_with_fixed_delays():
+def test_balanced_plan_runs_its_lowered_schedule_on_each_worker():
+    """The engine runs, on each worker's compute lane, exactly the computes its lowered graph gives that
+    worker, in the graph's order. How small that schedule's bubble is belongs to the timing model
+    (tests/sim/test_sim.py::test_two_workers_balanced_stages_have_the_expected_bubble, exact); a wall-clock
+    bubble bound here failed under load (0.11 against 0.10 at load average 10 on 2 cores), so this test
+    asserts the order, which no load can change."""
     layers = tiny_layers(8)
     plan = Plan(8, [(0, 2), (2, 4), (4, 6), (6, 8)], [(0, 2), (2, 4), (4, 6), (6, 8)])
-    pool = CpuWorkerPool(2, compute_delay_s=0.04)  # long enough that host overheads stay small next to it
+    pool = CpuWorkerPool(2)
     eng = PipelineEngine(layers, pool, plan, EngineOptions(microbatches=8))
     pool.trace.enabled = True
-    # A full collection of the suite's process (millions of objects late in a run) stops every thread
-    # for a long time; one started during the call would be a bubble of the interpreter, not the schedule's.
-    gc.collect()
     try:
         eng(torch.randn(16, 8)).sum().backward()
         records = pool.trace.records(step=eng.step_count)
+        graph = eng.last_run.graph
     finally:
         eng.close()
     computes = [r for r in records if r.queue == "compute"]
     assert len(computes) == 2 * 4 * 8  # forward and backward tasks: 4 stages x 8 microbatches each
-    assert bubble_fraction(records) < 0.10
+    for worker in (0, 1):
+        ran = [(r.stage, r.microbatch) for r in sorted(computes, key=lambda r: r.start) if r.worker == worker]
+        lowered = [(t.stage, t.microbatch) for t in sorted(graph.tasks, key=lambda t: t.id)
+                   if t.lane == "compute" and t.worker == worker]
+        assert ran == lowered
+        assert len(ran) == 32  # round robin over 2 workers: half of the stages' computes each
 
 
 def prefetch_timeline(fifo: bool):
