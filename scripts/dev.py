@@ -72,9 +72,16 @@ def has_nvidia_gpu() -> bool:
     return listing.returncode == 0 and any(line.startswith("GPU ") for line in listing.stdout.splitlines())
 
 
+# pip byte-compiles every file it installs; Python compiles a module on its first import anyway (and
+# keeps the .pyc), so without it only what runs is compiled. Measured 2026-12-06 on 2 cores, CPU seconds:
+# torch's install 8.7 instead of 31.8, the project's with its dev extra 50.9 instead of 94.6; the first
+# imports then compile what they use (torch 2.9 more, the whole stack 16.7 more): about 47 s less in all.
+PIP_INSTALL = ("install", "-q", "--no-compile")
+
+
 def torch_install_args(index_url: str | None) -> list[str]:
     """pip arguments that install the pinned torch (from ``index_url`` when given)."""
-    args = ["install", "-q", TORCH_SPEC]
+    args = [*PIP_INSTALL, TORCH_SPEC]
     if index_url:
         args += ["--index-url", index_url]
     return args
@@ -111,7 +118,7 @@ def setup_steps(root: Path, venv: Path, index_url: str | None, fresh: bool) -> l
         steps.append(Step(f"installing {TORCH_SPEC} (first, so pip takes this machine's build)",
                           (python, "-m", "pip", *torch_install_args(index_url))))
         steps.append(Step(f"installing the project (editable) with its {EXTRAS} extra",
-                          (python, "-m", "pip", "install", "-q", "-e", f".[{EXTRAS}]")))
+                          (python, "-m", "pip", *PIP_INSTALL, "-e", f".[{EXTRAS}]")))
     return steps
 
 

@@ -6,13 +6,14 @@ makes figure NAME and writes what it printed into every such block:
 
     python scripts/doc_figures.py            # rewrite the blocks in README.md and docs/*.md
     python scripts/doc_figures.py --check    # rewrite nothing; exit 1 naming each stale block
-    python scripts/doc_figures.py --timeline # also redraw docs/img/timeline.png from the default job
+    python scripts/doc_figures.py --timeline # also rerun the default job's trace and redraw docs/img/timeline.png
     python scripts/doc_figures.py --measured # also rerun the default job for its summary (measured)
 
 The blocks hold simulator output only (seconds, no training, no GPU), so
 ``tests/docs_and_setup/test_doc_figures.py`` runs ``--check`` on every change. ``--timeline``
-trains (the default job with ``trace=true``, about a minute on 2 cores) and the picture is
-measured, so no test compares it byte for byte. The same holds for the measured blocks
+trains (the default job with ``trace=true``, about a minute on 2 cores), keeps the trace beside
+the picture (``docs/img/timeline_trace.json``) and draws the picture from it, recording in the PNG a
+digest of what it drew: a test redraws the committed trace and compares digests, not pixels. The measured blocks
 (``MEASURED``: the default job's printed summary, its time included): ``--measured`` rewrites
 them, ``--check`` leaves their numbers alone, and a test checks that they have the lines the job
 prints.
@@ -38,6 +39,8 @@ from typing import Callable
 REPO = Path(__file__).resolve().parents[1]
 PAGES = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
 TIMELINE_PNG = REPO / "docs" / "img" / "timeline.png"
+TIMELINE_TRACE = REPO / "docs" / "img" / "timeline_trace.json"  # the records the picture draws
+TIMELINE_TITLE = "RoundPipe timeline"  # the title the strategy gives its own picture
 COLUMNS = "200"  # a fixed width, so that rich output wraps the same on every machine
 COMMAND_TIMEOUT_S = 600
 BLOCK = re.compile(r"^<!-- figures:(?P<name>[\w.-]+) -->\n(?P<body>.*?)^<!-- /figures -->$", re.M | re.S)
@@ -117,15 +120,47 @@ def stale_blocks(pages=PAGES, figures=FIGURES, measured=MEASURED) -> tuple[list[
     return stale, {page: rewrite(text, made) for page, text in texts.items()}
 
 
-def redraw_timeline(png: Path = TIMELINE_PNG) -> None:
-    """Run the default job with the timeline on (it draws the picture) and copy its PNG to ``png``."""
+def redraw_timeline(png: Path = TIMELINE_PNG, trace: Path = TIMELINE_TRACE) -> None:
+    """Run the default job with the timeline on, keep its trace at ``trace`` and draw ``png`` from it."""
     with tempfile.TemporaryDirectory() as run_dir:
         command_output(["examples/finetune.py", "trace=true", f"hydra.run.dir={run_dir}"])
-        drawn = next(Path(run_dir).rglob("roundpipe_timeline.png"), None)
-        if drawn is None:
-            raise RuntimeError(f"the default job with trace=true drew no roundpipe_timeline.png under {run_dir}")
-        shutil.copyfile(drawn, png)
-    print(f"wrote {png.relative_to(REPO)}")
+        written = next(Path(run_dir).rglob("roundpipe_trace.json"), None)
+        if written is None:
+            raise RuntimeError(f"the default job with trace=true wrote no roundpipe_trace.json under {run_dir}")
+        shutil.copyfile(written, trace)
+    draw_timeline(trace, png)
+    print(f"wrote {trace.relative_to(REPO)} and {png.relative_to(REPO)}")
+
+
+def drawing_digest(figure) -> str:
+    """A digest of what a timeline figure draws: every bar (place, size, colour, hatch) and every text,
+    so two drawings compare equal whatever matplotlib's pixels (versions antialias differently)."""
+    import hashlib
+
+    from matplotlib.colors import to_hex
+
+    ax = figure.axes[0]
+    bars = [(round(p.get_x(), 6), round(p.get_y(), 6), round(p.get_width(), 6), round(p.get_height(), 6),
+             to_hex(p.get_facecolor()), p.get_hatch()) for p in ax.patches]
+    texts = [t.get_text() for t in (*ax.texts, *ax.get_yticklabels(), *ax.get_legend().get_texts())]
+    return hashlib.sha256(repr((bars, texts, ax.get_xlim(), ax.get_title())).encode()).hexdigest()
+
+
+def timeline_figure(trace: Path = TIMELINE_TRACE):
+    """The strategy's own picture of ``trace`` (a matplotlib figure, not yet drawn) and its digest."""
+    from lightning_roundpipe.tracing.gantt import gantt_figure
+    from lightning_roundpipe.tracing.timeline import load_chrome_trace
+
+    figure = gantt_figure(load_chrome_trace(str(trace)), TIMELINE_TITLE)
+    return figure, drawing_digest(figure)
+
+
+def draw_timeline(trace: Path = TIMELINE_TRACE, png: Path = TIMELINE_PNG) -> None:
+    """Draw ``trace`` as ``png``, with the drawing's digest in the PNG's ``Drawing`` text."""
+    from lightning_roundpipe.tracing.gantt import DPI
+
+    figure, digest = timeline_figure(trace)
+    figure.savefig(str(png), format="png", dpi=DPI, metadata={"Drawing": digest, "Software": None})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeline", action="store_true", help="also redraw docs/img/timeline.png (trains)")
     parser.add_argument("--measured", action="store_true", help="also rerun the measured figures (trains)")
     args = parser.parse_args(argv)
+    read = {page: page.read_text() for page in PAGES}
     stale, pages = stale_blocks()
     if args.measured and not args.check:
         made = {name: figure() for name, figure in MEASURED.items()}
@@ -143,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stale figure block {where}: run python scripts/doc_figures.py", file=sys.stderr)
         return 1 if stale else 0
     for page, text in pages.items():
-        if page.read_text() != text:
+        now = page.read_text()
+        if now != text and now != read[page]:  # edited while the figures ran: keep the edit, say so
+            print(f"{page.relative_to(REPO)} changed while the figures ran: not rewritten, run again", file=sys.stderr)
+        elif now != text:
             page.write_text(text)
             print(f"rewrote {page.relative_to(REPO)}")
     if args.timeline:

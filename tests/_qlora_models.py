@@ -169,14 +169,15 @@ def step_upload_bytes(model) -> int:
     return moved[0]
 
 
-def upload_figures(path, hidden: int = 256) -> None:
-    """Print the weight bytes per step of QLoRA and of bf16 LoRA (bf16 base, bf16 adapters) of one model."""
+def upload_bytes(path, hidden: int = 256) -> dict[str, int]:
+    """The weight bytes one training step uploads, QLoRA against bf16 LoRA (bf16 base, bf16 adapters) of one
+    model, and the decoder layers' base linear weights alone, as uploaded (4-bit: every part)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from lightning_roundpipe.params.packed import upload_parts
 
-    def linear_bytes(model) -> int:  # the decoder layers' base linear weights as uploaded (4-bit: all parts)
+    def linear_bytes(model) -> int:
         weights = [p for n, p in model.named_parameters() if ".layers." in n and "lora_" not in n and p.dim() == 2]
         return sum(x.numel() * x.element_size() for x in upload_parts(weights))
 
@@ -186,10 +187,16 @@ def upload_figures(path, hidden: int = 256) -> None:
     lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                            target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]))
     bf16 = step_upload_bytes(lora.train())
+    return {"qlora": qlora, "bf16": bf16, "qlora_linear": linear_bytes(qlora_model), "bf16_linear": linear_bytes(lora)}
+
+
+def upload_figures(path, hidden: int = 256) -> None:
+    """Print ``upload_bytes`` (docs/qlora.md quotes it; scripts/guide_figures.py checks the page)."""
+    up = upload_bytes(path, hidden)
+    qlora, bf16, q, b = up["qlora"], up["bf16"], up["qlora_linear"], up["bf16_linear"]
     print(f"tiny llama (hidden {hidden}, 2 layers), weight upload bytes per step: QLoRA {qlora:,}, "
           f"bf16 LoRA {bf16:,} ({bf16 / qlora:.2f}x; QLoRA keeps the embedding, head, norms and adapters in fp32, "
           f"as prepare_model_for_kbit_training makes them)")
-    q, b = linear_bytes(qlora_model), linear_bytes(lora)
     print(f"the decoder layers' base linear weights, one upload: QLoRA {q:,} (4-bit bytes and quantization state), "
           f"bf16 {b:,} ({b / q:.2f}x)")
 

@@ -114,6 +114,7 @@ def test_cli_paper_prints_a_markdown_table(capsys):
     assert cells[-1] == "1.48-2.16x" and sum(c.endswith("x") for c in cells) >= 3
 
 
+@pytest.mark.slow  # a fresh interpreter (about 6 s); test_doc_figures runs `python -m lightning_roundpipe.sim plan` by default
 def test_module_entry_point_runs():
     proc = subprocess.run([sys.executable, "-m", "lightning_roundpipe.sim", "plan", "--model", "qwen3-0.6b",
                            "--hardware", "cpu2", "--seq-len", "256", "--microbatches", "2", "--no-max-seq"],
