@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..schedule.dispatch_order import ROUND_ROBIN, Schedule
+from ..schedule.dispatch_order import schedule_named
 from ..schedule.history import WorkerHistory
 from ..schedule.plan import Plan, PlanError
 from ..errors import PipelineTimeout, WorkerError
@@ -47,8 +47,7 @@ class PipelineEngine:
     """Runs ``layers`` as a RoundPipe pipeline over ``pool`` according to ``plan``."""
 
     def __init__(self, layers: Sequence[nn.Module], pool: WorkerPool, plan: Plan, options: EngineOptions | None = None,
-                 *, shadows=None, weight_gates: Sequence[Callable[[range], list[Completion]]] = (),
-                 schedule: Schedule = ROUND_ROBIN):
+                 *, shadows=None, weight_gates: Sequence[Callable[[range], list[Completion]]] = ()):
         self.layers = list(layers)
         self.options = (options or EngineOptions()).validate()
         self.tables = [LayerTable(layer) for layer in self.layers]
@@ -57,7 +56,7 @@ class PipelineEngine:
         self.pool = pool.start()
         if self.options.measure_tasks:
             pool.trace.keep_task_times()
-        self.schedule = schedule  # the dispatch order; its cursor lives in the history
+        self.schedule = schedule_named(self.options.schedule)  # the dispatch order; its cursor lives in the history
         self.history: WorkerHistory[Completion] = WorkerHistory(len(pool))  # cursor and slots, across steps
         self._weight_gates = list(weight_gates)
         self._anchor = torch.zeros((), requires_grad=True)

@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass, field
 
 from ..cost.profile import CostProfile
-from ..schedule.dispatch_order import schedule_named
 from ..schedule.history import WorkerHistory
+from ..schedule.step_options import EngineOptions
 from ..schedule.lowering import DEFAULT_PRIORITIES, GraphTask, LoweringOptions, TaskKind
 from ..schedule.plan import Plan, PlanError
 from ..tracing.records import TraceRecord
@@ -297,8 +297,8 @@ class _RoundPipeBuilder:
         self.submitted: Op | None = None  # the host's last task submission (dispatch cost)
         # Each step's graph: lowered once per start worker (``schedule/lowered_steps.py``).
         self.lowered = LoweredSteps(plan, num_workers, self.sizes, LoweringOptions(
-            microbatches=microbatches, training=True, fused=plan.fused_last, recompute=True,
-            layer_recompute=config.layer_recompute, schedule=schedule_named(config.schedule)))
+            EngineOptions(microbatches=microbatches, recompute=True, layer_recompute=config.layer_recompute,
+                          schedule=config.schedule), training=True, fused=plan.fused_last))
 
     def add(self, op: Op) -> Op:
         return self.sim.add(op)
