@@ -1,4 +1,4 @@
-"""Options are defined once (options.py), validated at construction, and named as the caller spelled them."""
+"""Options are defined once (the options package), validated at construction, and named as the caller spelled them."""
 
 import dataclasses
 import inspect
