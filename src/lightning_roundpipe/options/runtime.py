@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 from ..cost.memory import DEFAULT_UNDO_JOURNAL_BYTES
-from ..errors import OptionError  # noqa: F401  (the error every check raises)
 from ..schedule.dispatch_order import SCHEDULES
 from ..option_checks import choice, fail, flag, nested_group, seconds, whole_number
 from ..optim.overlap_config import OverlapConfig
