@@ -1,21 +1,18 @@
-"""Griffe extension for the API pages: show the signature a function has at run time when the
-code gives it one (``__signature__``), instead of the one its source spells.
+"""Griffe extension for the API pages: show the signature a function has at run time where a
+decorator writes it out, instead of the one its source spells.
 
-``RoundPipeStrategy.__init__`` takes ``**option_values`` in its source and gets, at import, one
-typed keyword per option (``options.option_keywords_signature``): that is what ``help()``,
-LightningCLI and Hydra see. mkdocstrings reads the source without importing it, so without this
-extension the API page would show only ``**option_values``. For each function griffe finds in a
-module whose source assigns a ``__signature__``, the extension imports the module and, if the
-object's ``inspect.signature`` differs from the source's, replaces the parameters with it.
-``mkdocs.yml`` names this file under the python handler's ``extensions``.
+``RoundPipeStrategy.__init__`` takes ``**option_values`` in its source; ``@with_option_keywords``
+(``options/keywords.py``) makes it a function with one typed keyword per option: that is what
+``help()``, LightningCLI and Hydra see. mkdocstrings reads the source without importing it, so
+without this extension the API page would show only ``**option_values``. For each function griffe
+finds decorated with ``with_option_keywords``, the extension imports it and replaces the parameters
+with its ``inspect.signature``. ``mkdocs.yml`` names this file under the python handler's ``extensions``.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
-from pathlib import Path
 
 import griffe
 
@@ -64,20 +61,16 @@ def runtime_parameters(signature: inspect.Signature) -> griffe.Parameters:
     ))
 
 
-@functools.lru_cache(maxsize=None)
-def sets_signatures(path: Path) -> bool:
-    """Whether the module at ``path`` assigns a ``__signature__`` (read once per module, not per function)."""
-    return "__signature__ =" in path.read_text(encoding="utf-8")
+DECORATOR = "with_option_keywords"
 
 
 class RuntimeSignatures(griffe.Extension):
-    """Replace a function's parameters by its ``__signature__`` where its module sets one."""
+    """Replace a function's parameters by its run-time signature where ``with_option_keywords`` wrote it."""
 
     def on_function(self, *, func: griffe.Function, **kwargs) -> None:
-        module = func.module
-        if not module.filepath or not sets_signatures(Path(module.filepath)):
+        if not any(DECORATOR in str(d.value) for d in func.decorators):
             return
         live = runtime_object(func.path)
-        if live is None or getattr(live, "__signature__", None) is None:
+        if live is None:
             return
         func.parameters = runtime_parameters(inspect.signature(live))

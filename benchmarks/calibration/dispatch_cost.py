@@ -44,6 +44,7 @@ from torch import nn
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.cost.view import CostView
 from lightning_roundpipe.planning.balanced import balanced_plan
+from lightning_roundpipe.options import EngineOptions
 from lightning_roundpipe.schedule.lowering import LoweringOptions, lower
 from lightning_roundpipe.cost.graph_timing import CostSizes
 from lightning_roundpipe.workers.completions import TaskLabel
@@ -141,7 +142,8 @@ def tasks_per_compute(num_layers: int = 28, workers: int = 8, microbatches: int 
     """Tasks a RoundPipe step submits per compute task (a 3-stages-per-worker plan, from the lowering)."""
     costs = CostProfile([LayerCost(1.0, 1.0, 2.0, 100, 100, 10) for _ in range(num_layers)], tokens_per_microbatch=1)
     plan = balanced_plan(costs, 3 * workers, fused_last=True)
-    graph = lower(plan, workers, 0, CostSizes(CostView(costs)), LoweringOptions(microbatches=microbatches, fused=True))
+    graph = lower(plan, workers, 0, CostSizes(CostView(costs)),
+                  LoweringOptions(EngineOptions(microbatches=microbatches), fused=True))
     computes = sum(1 for t in graph if t.lane == "compute")
     return len(graph) / computes
 

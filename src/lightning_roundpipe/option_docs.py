@@ -1,6 +1,6 @@
 """What each option means, read from the option dataclasses' docstrings (their only description).
 
-The dataclasses of ``options.py`` describe their fields in their docstrings, one entry per field
+The dataclasses of the ``options`` package describe their fields in their docstrings, one entry per field
 (``name: what it does``, continued on lines indented deeper; fields that share a text are named
 together, ``a / b:`` or ``a, b:``). This module reads those entries back, so that the options
 table of the docs (``docs/options.md``, written by ``scripts/options_table.py``) and the
@@ -35,7 +35,7 @@ def field_descriptions(cls) -> dict[str, str]:
     description joined into one line; a field the docstrings do not name is left out."""
     found: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
-        if klass.__module__ != option_classes.__name__:
+        if not (klass.__module__ + ".").startswith(option_classes.__name__ + "."):
             continue
         found.update(_entries(inspect.cleandoc(klass.__doc__ or "")))
     known = {f.name for f in dataclasses.fields(cls)}
@@ -63,7 +63,7 @@ def type_name(annotation) -> str:
     """``Optional[int]`` for ``typing.Optional[int]``, ``float`` for ``float``: short and readable."""
     if isinstance(annotation, type):
         return annotation.__name__
-    return re.sub(r"\b(?:typing|lightning_roundpipe\.options)\.", "", str(annotation))
+    return re.sub(r"\b(?:typing|lightning_roundpipe\.options(?:\.\w+)?)\.", "", str(annotation))
 
 
 def option_rows(cls) -> list[tuple[str, str, str, str]]:

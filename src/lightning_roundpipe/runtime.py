@@ -30,7 +30,6 @@ from .engine.layer_call import HookGuard, expect_buffer_writes
 from .engine.split_invariance import SplitInvarianceCheck
 from .params.packed import cpu_inference_4bit_modules, upload_parts
 from .params.weights import unique_parameters
-from .schedule.dispatch_order import schedule_named
 from .schedule.plan import PlanError
 from .planning.keeper import PlanKeeper
 from .adapters.batch_statistics import BatchStatistics
@@ -67,7 +66,7 @@ class RoundPipeRuntime:
         self.module = module
         self.root = root_module or module
         self.layers = layers
-        self.options = options.validate(options_owner)
+        self.options = options  # validated when constructed (frozen)
         self.refuse_if_partly_updated(self.root, "train")
         self.parameter_homes = ParameterHomes(self.root)  # put back at detach (peft target_parameters)
         self.batch_statistics = BatchStatistics(layers, self.options.batch_statistics,
@@ -110,18 +109,8 @@ class RoundPipeRuntime:
         t = options.transfer
         pool_opts: dict[str, Any] = dict(timeout_s=options.timeout, trace=self.trace, fifo_transfers=t.queue == "fifo",
                                          **pool_class.options_from(options))
-        self.planner = PlanKeeper(
-            layers, num_workers, options.microbatches, options.partition, recompute=options.recompute,
-            fused_last=fused_last, compute_dtype=options.compute_dtype,
-            link_bytes_per_second=t.bandwidth_bytes_per_s or pool_class.assumed_link_bytes_per_s,
-            flops_per_second=pool_class.assumed_flops_per_s,
-            memory_budget_bytes=(options.partition.memory_budget_bytes
-                                 or pool_class.memory_budget_bytes(device_indices, options)),
-            backend=pool_class.planner_device, progress=progress,
-            microbatch_overhead_s=pool_class.microbatch_overhead_s,
-            budget_option=("partition.memory_budget_bytes" if options.partition.memory_budget_bytes is not None
-                           else pool_class.budget_option),
-        )
+        self.planner = PlanKeeper(layers, num_workers, options.keeper_config(pool_class, device_indices),
+                                  fused_last=fused_last, progress=progress)
         engine_opts = options.engine_options(
             num_workers, self.planner.microbatches, self.planner.recompute,
             compile_layers=options.compiles_layers(pool_class.default_compile_layers(device_indices)))
@@ -135,8 +124,7 @@ class RoundPipeRuntime:
         self.fp16_accumulation = Fp16Accumulation() if options.fp16_accumulation else None
         self.gc_frozen = OlderObjectsFrozen() if options.gc_freeze else None
         try:
-            self.engine = PipelineEngine(layers, self.pool, self.planner.plan, engine_opts, shadows=self.shadows,
-                                         schedule=schedule_named(options.schedule))
+            self.engine = PipelineEngine(layers, self.pool, self.planner.plan, engine_opts, shadows=self.shadows)
             if pool_class.pins_uploads:  # pin exactly what the uploads read, once; the pool unpins at shutdown
                 read = self.shadows.upload_tensors(masters) if self.shadows is not None else masters
                 self.pool.pin_uploads(options.pinned, upload_parts(read))  # packed weights: their parts
@@ -187,17 +175,12 @@ class RoundPipeRuntime:
         if staleness != self.options.staleness:
             raise OptionError(f"overlap_optimizer(staleness={staleness}): the pipeline reads weights as "
                               f"RuntimeOptions(staleness={self.options.staleness}) set them up; pass the staleness there")
-        delay = self.options.testing.optimizer_delay_s if delay_per_layer_s is None else delay_per_layer_s
-        undo = self.options.optimizer_undo if undo is None else undo
-        refresh = self.shadows.refresh if self.shadows is not None else None
+        config = self.options.overlap_config(early_steps, undo, delay_per_layer_s)
         sync = self.grad_sync.finalize_params if self.grad_sync is not None else None
-        ov = OverlappedOptimizer(optimizer, self.engine.tables, self.trace, notifier=self.pool, staleness=staleness,
-                                 delay_per_layer_s=delay, after_layer_step=refresh, refresh_shadows=refresh,
-                                 early_steps=early_steps, before_layer_step=sync, timeout_s=self.options.timeout,
-                                 calls=self.engine.calls, shadows=self.shadows, undo=undo, loss_scaler=loss_scaler,
-                                 journal_bytes=self.options.optimizer_undo_journal_bytes)
-        if undo:  # at set-up, not at the first step (optim/undo_fit.py)
-            self.undo_fit_warning = say_if_undo_does_not_fit(optimizer, self.options.optimizer_undo_journal_bytes)
+        ov = OverlappedOptimizer(optimizer, config, self.engine, self.trace, before_layer_step=sync,
+                                 loss_scaler=loss_scaler)
+        if config.undo:  # at set-up, not at the first step (optim/undo_fit.py)
+            self.undo_fit_warning = say_if_undo_does_not_fit(optimizer, config.journal_bytes)
         routing = StepRouting(optimizer, ov, self.engine.finish_backward)
         routing.install()  # optimizer.step / zero_grad now reach ov (the one wrapper of the user's optimizer)
         self.overlapped.append(ov)

@@ -100,11 +100,6 @@ USER_PATCHES: tuple[UserPatch, ...] = (
         "their handles' remove(): RouterTap on exit, DirectDecoderCalls.remove at teardown",
         "router logits for the aux loss; a warning when the decoder is called directly, unpipelined"),
     UserPatch(
-        "RoundPipeStrategy.__init__.__signature__ and __doc__ (RoundPipe's own class)",
-        ("lightning/strategy.py:<module>",),
-        "not undone (set once at import)",
-        "the strategy takes its options as keywords; the signature lists them for Hydra and help()"),
-    UserPatch(
         "process-wide settings: fp16 matmul accumulation, dynamo's recompile-limit flag, Lightning's rank",
         ("workers/matmul_accumulation.py:Fp16Accumulation.__init__",
          "workers/matmul_accumulation.py:Fp16Accumulation.release",

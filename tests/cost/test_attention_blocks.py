@@ -10,6 +10,7 @@ from torch import nn
 from lightning_roundpipe.cost.attention_blocks import attention_blocks, attention_flops_per_token
 from lightning_roundpipe.cost.estimate import estimate_costs
 from lightning_roundpipe.options import PartitionConfig
+from lightning_roundpipe.planning.keeper_config import KeeperConfig
 from lightning_roundpipe.planning.keeper import ASSUMED_TOKENS_PER_MICROBATCH, PlanKeeper
 
 pytestmark = pytest.mark.timeout(120)
@@ -81,8 +82,9 @@ def test_estimate_adds_attention_for_the_context_given():
 
 
 def keeper(layers, microbatches=2):
-    return PlanKeeper(layers, 2, microbatches, PartitionConfig(), recompute="always", fused_last=False,
-                      compute_dtype=None, link_bytes_per_second=None, flops_per_second=1e9, memory_budget_bytes=None)
+    return PlanKeeper(layers, 2, KeeperConfig(PartitionConfig(), microbatches=microbatches, recompute="always",
+                                                 flops_per_second=1e9),
+                      fused_last=False)
 
 
 def test_the_keeper_prices_attention_for_the_first_batchs_sequences():

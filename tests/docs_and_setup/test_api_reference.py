@@ -44,7 +44,7 @@ def test_every_public_object_has_a_docstring():
     assert len(objects) > 900  # the walk found the package
     assert missing == []
     documented = dict(objects)
-    for name in ("lightning_roundpipe.options.TestingOptions", "lightning_roundpipe.option_docs",
+    for name in ("lightning_roundpipe.options.groups.TestingOptions", "lightning_roundpipe.option_docs",
                  "lightning_roundpipe.option_docs.field_descriptions"):
         assert documented[name] is True
 

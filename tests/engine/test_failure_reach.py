@@ -87,6 +87,14 @@ OPTIONS = [dict(training=False), dict(), dict(fused=True), dict(input_gradient=T
            dict(fused=True, input_gradient=True), dict(layer_recompute=True, fused=True),
            dict(recompute=False), dict(recompute=False, kept_backward=False), dict(recompute=False, fused=True),
            dict(prefetch_depth=2)]
+ENGINE_FIELDS = {"recompute", "layer_recompute", "prefetch_depth"}  # the rest are the call's kind
+
+
+def lowering_options(microbatches: int, options: dict) -> LoweringOptions:
+    """``options`` split between the engine's options and the call's kind."""
+    engine = {k: v for k, v in options.items() if k in ENGINE_FIELDS}
+    call = {k: v for k, v in options.items() if k not in ENGINE_FIELDS}
+    return LoweringOptions(EngineOptions(microbatches=microbatches, **engine), **call)
 
 
 @pytest.mark.timeout(120)  # pure lowering, no threads: 8-25 s alone, 30 s was hit at load average 10
@@ -96,7 +104,7 @@ def test_every_task_failure_reaches_a_host_wait_in_every_lowered_graph():
         for m, workers, options in itertools.product((1, 2, 3, 4, 5), (1, 2, 3), OPTIONS):
             if "recompute" in options and not plan.same_cuts():
                 continue
-            graph = lower(plan, workers, m % workers, FlatSizes(chunks=1 + m % 2), LoweringOptions(microbatches=m, **options))
+            graph = lower(plan, workers, m % workers, FlatSizes(chunks=1 + m % 2), lowering_options(m, options))
             lost = lost_failures(graph)
             assert not lost, f"{plan.to_text()}, {m} microbatches, {workers} workers, {options}:\n" + "\n".join(lost)
             graphs += 1
@@ -106,7 +114,7 @@ def test_every_task_failure_reaches_a_host_wait_in_every_lowered_graph():
 def test_a_failure_on_a_non_last_microbatch_reached_no_host_wait_when_gradients_waited_on_the_last_only():
     """What the property catches: the rule the lowering had (gradients after the last compute) loses
     microbatch 0 of stage B0 (layer 0 sends no input gradient home, so its computes feed nothing else)."""
-    graph = lower(Plan.from_text("F 0:2 | B 0:1 1:2"), 2, 0, FlatSizes(), LoweringOptions(microbatches=2))
+    graph = lower(Plan.from_text("F 0:2 | B 0:1 1:2"), 2, 0, FlatSizes(), LoweringOptions(EngineOptions(microbatches=2)))
     computes = {t.stage: [c.id for c in graph if c.stage == t.stage and c.lane == "compute"]
                 for t in graph if t.kind == "wgrad"}
     assert [t.deps for t in graph if t.kind == "wgrad"] == [tuple(computes["B1"]), tuple(computes["B0"])]

@@ -13,8 +13,7 @@ from _exact_models import GRAD_TOL, WEIGHT_TOL, SeqModule, parity, seeded_refere
 from _noise_floor import ADAMW_WEIGHT_TOL
 from lightning_roundpipe import PipelineError, RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.options import EngineOptions, OptionError
-from lightning_roundpipe.schedule.lowering import LoweringOptions, lower
-from lightning_roundpipe.schedule.plan import Plan, PlanError
+from lightning_roundpipe.schedule.lowering import LoweringOptions
 
 # Two stages each way, so backward stages (and the fused last stage) hold several layers.
 TWO_STAGES = {"policy": "uniform", "forward_stages": 2, "backward_stages": 2}
@@ -392,9 +391,9 @@ def test_option_reaches_the_engine_and_is_checked():
         RuntimeOptions(recompute="layers").validate()
     with pytest.raises(OptionError, match=r"EngineOptions\(layer_recompute=True\): layer-grain recompute .* needs recompute=True"):
         EngineOptions(recompute=False, layer_recompute=True).validate()
-    plan = Plan(4, ((0, 2), (2, 4)), ((0, 2), (2, 4)))
-    with pytest.raises(PlanError, match="layer-grain recompute needs recompute=True"):
-        lower(plan, 2, 0, _NoBytes(), LoweringOptions(recompute=False, layer_recompute=True))
+    # The lowering reads the engine's options, so it never sees the combination.
+    with pytest.raises(OptionError, match=r"EngineOptions\(layer_recompute=True\): layer-grain recompute"):
+        LoweringOptions(EngineOptions(recompute=False, layer_recompute=True))
 
 
 def test_hydra_strategy_entry_documents_the_choice():
@@ -404,17 +403,6 @@ def test_hydra_strategy_entry_documents_the_choice():
     line = next(l for l in text.splitlines() if l.startswith("recompute:"))
     assert line.split("#")[0].split(":")[1].strip() == "auto"
     assert "layer = one layer's graph at a time" in text
-
-
-class _NoBytes:
-    def weight_chunks(self, a, b):
-        return [(a, b, 0)]
-
-    def grad_chunks(self, a, b):
-        return [(a, b, 0)]
-
-    def boundary_bytes(self, boundary):
-        return 0
 
 
 # ------------------------------------------------------------------ CUDA (skips without a GPU)

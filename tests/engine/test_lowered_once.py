@@ -21,10 +21,10 @@ PLAN = Plan(4, [(0, 2), (2, 4)], [(0, 1), (1, 2), (2, 4)])
 def _fresh(ctx, microbatches, first_worker, first_serial):
     o = ctx.options
     return lower(ctx.plan, len(ctx.pool), first_worker, TableSizes(ctx.tables, o.compute_dtype, o.chunk_bytes),
-                 LoweringOptions(microbatches=microbatches, training=True, fused=False, recompute=o.recompute,
-                                 layer_recompute=o.layer_recompute, input_gradient=False,
-                                 prefetch_depth=int(o.prefetch_depth), priorities=dict(o.priorities),
-                                 first_serial=first_serial, schedule=ctx.schedule))
+                 LoweringOptions(EngineOptions(microbatches=microbatches, recompute=o.recompute,
+                                               layer_recompute=o.layer_recompute, prefetch_depth=int(o.prefetch_depth),
+                                               priorities=dict(o.priorities), schedule=o.schedule),
+                                 training=True, fused=False, input_gradient=False, first_serial=first_serial))
 
 
 @pytest.mark.timeout(60)

@@ -44,6 +44,8 @@ OURS = {
     "estimate_costs": "setattr on the LayerCost the estimate just built",
     "_moved": "object.__setattr__ on the copy of a frozen lowered task it just made",
     "LayerView.__init__": "vars() of its own shallow copy of the optimizer (the view that steps one unit)",
+    "with_option_keywords.wrap": "the names and docstring of the __init__ it has just generated from the options",
+    "_describe_options": "the docstring of RoundPipeStrategy's own generated __init__ (the options' Args section)",
 }
 
 

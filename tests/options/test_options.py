@@ -1,4 +1,4 @@
-"""Options are defined once (options.py), validated at construction, and named as the caller spelled them."""
+"""Options are defined once (the options package), validated at construction, and named as the caller spelled them."""
 
 import dataclasses
 import inspect
@@ -103,7 +103,7 @@ def test_engine_options_stay_importable_from_the_engine_with_their_fields():
     assert engine_pkg.EngineOptions is EngineOptions
     assert [f.name for f in dataclasses.fields(EngineOptions)] == [
         "microbatches", "recompute", "layer_recompute", "compute_dtype", "compile_layers", "recompute_early_stop",
-        "early_stop_required", "priorities", "chunk_bytes", "prefetch_depth", "measure_tasks"]
+        "early_stop_required", "priorities", "chunk_bytes", "prefetch_depth", "measure_tasks", "schedule"]
     with pytest.raises(OptionError, match=r"EngineOptions\(prefetch_depth=-1\)"):
         EngineOptions(prefetch_depth=-1).validate()
 

@@ -6,7 +6,7 @@ import torch
 
 from _models import SeqModule, fit, weights
 from lightning_roundpipe import RoundPipeStrategy, RuntimeOptions
-from lightning_roundpipe import options as options_module
+from lightning_roundpipe.options import overlap_rule as options_module  # where the default rule reads the cores
 from lightning_roundpipe.options import OptionError, overlap_optimizer_default
 
 

@@ -19,6 +19,7 @@ from lightning_roundpipe.planning.defaults import (HOST_COPY_BYTES_PER_SECOND, H
                                                    choose_microbatches, choose_recompute, estimate_host_work,
                                                    host_memory_budget, no_recompute_peak_bytes, rescaled)
 from lightning_roundpipe.planning.keeper import PlanKeeper
+from lightning_roundpipe.planning.keeper_config import KeeperConfig
 from lightning_roundpipe.planning.partition import partition, predict
 from lightning_roundpipe.planning.predictor import HostWork
 from lightning_roundpipe.planning.report import build_report
@@ -74,8 +75,7 @@ def sequential_lm(vocab=384, hidden=16, blocks=4) -> nn.Sequential:
 
 def test_default_keeper_weighs_the_embedding_as_a_gather_and_the_head_as_a_matmul():
     net = sequential_lm(3072, 128, 4)  # embedding and head hold 3072 x 128 weights each; the head costs 3 blocks' FLOPs
-    keeper = PlanKeeper(list(net), 2, None, PartitionConfig(), recompute="auto", fused_last=False, compute_dtype=None,
-                        link_bytes_per_second=None, flops_per_second=5e10, memory_budget_bytes=None)
+    keeper = PlanKeeper(list(net), 2, KeeperConfig(PartitionConfig(), flops_per_second=5e10), fused_last=False)
     stages = keeper.plan.forward
     head_stage = next(r for r in stages if r[1] == 6)
     embedding_stage = next(r for r in stages if r[0] == 0)
@@ -83,11 +83,10 @@ def test_default_keeper_weighs_the_embedding_as_a_gather_and_the_head_as_a_matmu
     assert head_stage == (5, 6)  # the head alone ...
     assert embedding_stage[1] - embedding_stage[0] >= 2  # ... the embedding shares its stage with blocks
     assert (keeper.recompute, keeper.replanner) == (False, None)  # CPU, no budget: keep graphs; planned once
-    params = PlanKeeper(list(net), 2, None, PartitionConfig(policy="params"), recompute="auto", fused_last=False,
-                        compute_dtype=None, link_bytes_per_second=None, flops_per_second=5e10, memory_budget_bytes=None)
+    params = PlanKeeper(list(net), 2, KeeperConfig(PartitionConfig(policy="params"), flops_per_second=5e10),
+                        fused_last=False)
     assert params.plan.to_text() == "F 0:3 3:6 | B 0:3 3:6"  # equal bytes: the head with two blocks, 5 blocks' work
-    again = PlanKeeper(list(sequential_lm(3072, 128, 4)), 2, None, PartitionConfig(), recompute="auto", fused_last=False,
-                       compute_dtype=None, link_bytes_per_second=None, flops_per_second=5e10, memory_budget_bytes=None)
+    again = PlanKeeper(list(sequential_lm(3072, 128, 4)), 2, KeeperConfig(PartitionConfig(), flops_per_second=5e10), fused_last=False)
     assert (again.plan.to_text(), again.microbatches) == (keeper.plan.to_text(), keeper.microbatches)  # deterministic
 
 
@@ -136,15 +135,18 @@ def test_recompute_auto_keeps_graphs_only_on_cpu_when_they_fit():
 
 def test_recompute_auto_recomputes_when_the_user_cut_backward_differently():
     net = sequential_lm()
-    common = dict(fused_last=False, compute_dtype=None, link_bytes_per_second=None, flops_per_second=5e10,
-                  memory_budget_bytes=None)
+
+    def recomputes(partition: PartitionConfig) -> bool:
+        config = KeeperConfig(partition, microbatches=2, recompute="auto", flops_per_second=5e10)
+        return PlanKeeper(list(net), 2, config, fused_last=False).recompute
+
     manual = PartitionConfig(policy="manual", manual_forward=[[0, 3], [3, 6]], manual_backward=[[0, 2], [2, 4], [4, 6]])
-    assert PlanKeeper(list(net), 2, 2, manual, recompute="auto", **common).recompute is True
+    assert recomputes(manual) is True
     same = PartitionConfig(policy="manual", manual_forward=[[0, 3], [3, 6]])
-    assert PlanKeeper(list(net), 2, 2, same, recompute="auto", **common).recompute is False
+    assert recomputes(same) is False
     counted = PartitionConfig(policy="params", forward_stages=2, backward_stages=4)
-    assert PlanKeeper(list(net), 2, 2, counted, recompute="auto", **common).recompute is True
-    assert PlanKeeper(list(net), 2, 2, PartitionConfig(policy="params"), recompute="auto", **common).recompute is False
+    assert recomputes(counted) is True
+    assert recomputes(PartitionConfig(policy="params")) is False
 
 
 def test_runtime_resolves_the_open_options():
@@ -280,8 +282,7 @@ def test_defaults_give_the_same_plan_and_bit_identical_weights_whatever_the_timi
 
 def test_open_microbatch_count_is_chosen_again_for_the_first_batch():
     net = sequential_lm(3072, 128, 4)
-    keeper = PlanKeeper(list(net), 2, None, PartitionConfig(), recompute="auto", fused_last=False, compute_dtype=None,
-                        link_bytes_per_second=None, flops_per_second=5e10, memory_budget_bytes=None)
+    keeper = PlanKeeper(list(net), 2, KeeperConfig(PartitionConfig(), flops_per_second=5e10), fused_last=False)
     assert keeper.open_microbatches and keeper.microbatches in (2, 4, 8)
     # 3 samples: of 2, 4 and 8 microbatches only 2 fit
     plan = keeper.first_batch(batch_size=3, tokens=3 * 16)

@@ -5,6 +5,7 @@ import pytest
 
 from lightning_roundpipe.cost.view import CostView
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
+from lightning_roundpipe.options import EngineOptions
 from lightning_roundpipe.schedule.lowering import LoweringOptions, lower
 from lightning_roundpipe.schedule.plan import Plan
 from lightning_roundpipe.schedule.history import LoweredSteps
@@ -25,8 +26,8 @@ def _costs(n):
 ])
 def test_renumbered_graphs_equal_the_lowering_of_each_step(plan, workers, layer_recompute):
     sizes = CostSizes(CostView(_costs(plan.num_layers)))
-    options = LoweringOptions(microbatches=3, training=True, fused=plan.fused_last, recompute=True,
-                              layer_recompute=layer_recompute)
+    options = LoweringOptions(EngineOptions(microbatches=3, recompute=True, layer_recompute=layer_recompute),
+                              training=True, fused=plan.fused_last)
     steps = LoweredSteps(plan, workers, sizes, options)
     first, serial = 0, 0
     for _ in range(7):
@@ -44,11 +45,9 @@ def test_renumbered_graphs_equal_the_lowering_of_each_step(plan, workers, layer_
 
 @pytest.mark.timeout(60)
 def test_a_schedule_that_is_not_round_robin_is_lowered_per_start_worker():
-    from lightning_roundpipe.schedule.dispatch_order import schedule_named
-
     plan = Plan(4, ((0, 2), (2, 4)), ((0, 1), (1, 2), (2, 3), (3, 4)))
     sizes = CostSizes(CostView(_costs(4)))
-    options = LoweringOptions(microbatches=2, schedule=schedule_named("sticky"))
+    options = LoweringOptions(EngineOptions(microbatches=2, schedule="sticky"))
     steps = LoweredSteps(plan, 3, sizes, options)
     for start, serial in ((0, 0), (2, 6), (0, 12)):
         assert steps.graph(start, serial) == lower(plan, 3, start, sizes,

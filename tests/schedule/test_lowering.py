@@ -35,8 +35,8 @@ class SubmitRecorder:
 
 def run_steps(layers, plan, workers, recompute, fused, steps, monkeypatch, schedule=ROUND_ROBIN):
     pool = CpuWorkerPool(workers)
-    opts = EngineOptions(microbatches=3, recompute=recompute, chunk_bytes=100)
-    eng = PipelineEngine(layers, pool, plan, opts, schedule=schedule)
+    opts = EngineOptions(microbatches=3, recompute=recompute, chunk_bytes=100, schedule=schedule.name)
+    eng = PipelineEngine(layers, pool, plan, opts)
     recorder = SubmitRecorder(monkeypatch)
     per_call = []
     try:
@@ -69,9 +69,9 @@ def test_engine_submits_exactly_the_lowered_graph(workers, recompute, fused, sch
     token_of = {}
     for call, submitted in enumerate(per_call):
         graph = lower(plan, workers, history.next_worker, TableSizes(eng.tables, None, opts.chunk_bytes),
-                      LoweringOptions(microbatches=3, training=True, fused=fused, recompute=recompute,
-                                      prefetch_depth=1, priorities=dict(opts.priorities),
-                                      first_serial=history.next_serial + 1, schedule=schedule))
+                      LoweringOptions(EngineOptions(microbatches=3, recompute=recompute, prefetch_depth=1,
+                                                    priorities=dict(opts.priorities), schedule=schedule.name),
+                                      training=True, fused=fused, first_serial=history.next_serial + 1))
         history.advance(graph)
         assert len(submitted) == len(graph), graph.to_text()
         for t, s in zip(graph, submitted):
@@ -112,7 +112,7 @@ class FlatSizes:
 
 def test_graph_text_form_round_robin_and_waits():
     plan = Plan.from_text("F 0:2 2:4 | B 0:1 1:2 2:4 | fused")
-    graph = lower(plan, 2, 1, FlatSizes(), LoweringOptions(microbatches=1, fused=True))
+    graph = lower(plan, 2, 1, FlatSizes(), LoweringOptions(EngineOptions(microbatches=1), fused=True))
     lines = graph.to_text().splitlines()
     assert lines[0] == "   0 w1 upload   weights   F0[0:2] 200B p1 wait release-2"
     assert lines[1] == "   1 w1 upload   act_in    F0[0:2] mb0 @0 10B p0 wait compute-2"
@@ -135,7 +135,7 @@ def test_sticky_schedule_runs_each_stage_on_the_same_worker_in_every_call():
         calls = []
         for _ in range(3):
             graph = lower(plan, 3, history.next_worker, FlatSizes(),
-                          LoweringOptions(microbatches=1, fused=True, schedule=SCHEDULES[name]))
+                          LoweringOptions(EngineOptions(microbatches=1, schedule=name), fused=True))
             history.advance(graph)
             calls.append(graph.stage_workers)
         workers[name] = calls
@@ -149,7 +149,7 @@ def test_sticky_schedule_runs_each_stage_on_the_same_worker_in_every_call():
 
 def test_without_fused_stage_backward_is_its_own_phase_and_saves_recompute_inputs():
     plan = Plan.from_text("F 0:4 | B 0:2 2:4")
-    graph = lower(plan, 2, 0, FlatSizes(), LoweringOptions(microbatches=2))
+    graph = lower(plan, 2, 0, FlatSizes(), LoweringOptions(EngineOptions(microbatches=2)))
     saves = [(t.stage, t.microbatch, t.boundary) for t in graph if t.kind == "act_save"]
     assert saves == [("F0", 0, 2), ("F0", 1, 2)]
     backward = graph.phase("backward")
@@ -165,7 +165,7 @@ def test_without_fused_stage_backward_is_its_own_phase_and_saves_recompute_input
 
 def test_validator_names_the_bad_task():
     plan = Plan.from_text("F 0:2 | B 0:2")
-    graph = lower(plan, 1, 0, FlatSizes(), LoweringOptions(microbatches=1))
+    graph = lower(plan, 1, 0, FlatSizes(), LoweringOptions(EngineOptions(microbatches=1)))
     bad = dataclasses.replace(graph.tasks[2], deps=(5,))
     with pytest.raises(PlanError, match="task 2 depends on task 5, which is not submitted before it"):
         TaskGraph(graph.tasks[:2] + (bad,) + graph.tasks[3:], 1, 0, 2).validate()
@@ -177,7 +177,7 @@ def test_validator_names_the_bad_task():
 def test_recompute_off_needs_same_cuts():
     plan = Plan.from_text("F 0:4 | B 0:2 2:4")
     with pytest.raises(PlanError, match="without recompute backward stages must be cut like forward ones"):
-        lower(plan, 2, 0, FlatSizes(), LoweringOptions(recompute=False))
+        lower(plan, 2, 0, FlatSizes(), LoweringOptions(EngineOptions(recompute=False)))
 
 
 # ----------------------------------------------------------------------------- predictor vs simulator

@@ -440,11 +440,12 @@ def published_run(model: str) -> PublishedRun:
 def tasks_per_compute(plan: Plan, costs, num_workers: int, microbatches: int) -> float:
     """Tasks the engine submits per compute task for one call of ``plan`` (from the lowering)."""
     from ..cost.view import CostView
+    from ..options import EngineOptions
     from ..schedule.lowering import LoweringOptions, lower
     from ..cost.graph_timing import CostSizes
 
     graph = lower(plan, num_workers, 0, CostSizes(CostView(costs)),
-                  LoweringOptions(microbatches=microbatches, fused=plan.fused_last))
+                  LoweringOptions(EngineOptions(microbatches=microbatches), fused=plan.fused_last))
     return len(graph) / sum(1 for t in graph if t.lane == "compute")
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..schedule.dispatch_order import ROUND_ROBIN, Schedule
+from ..schedule.dispatch_order import schedule_named
 from ..schedule.history import WorkerHistory
 from ..schedule.plan import Plan, PlanError
 from ..errors import PipelineError, PipelineTimeout, WorkerError
@@ -46,7 +46,7 @@ class PipelineEngine:
     """Runs ``layers`` as a RoundPipe pipeline over ``pool`` according to ``plan``."""
 
     def __init__(self, layers: Sequence[nn.Module], pool: WorkerPool, plan: Plan, options: EngineOptions | None = None,
-                 *, shadows=None, schedule: Schedule = ROUND_ROBIN):
+                 *, shadows=None):
         self.layers = list(layers)
         self.options = (options or EngineOptions()).validate()
         self.tables = [LayerTable(layer) for layer in self.layers]
@@ -55,7 +55,7 @@ class PipelineEngine:
         self.pool = pool.start()
         if self.options.measure_tasks:
             pool.trace.keep_task_times()
-        self.schedule = schedule  # the dispatch order; its cursor lives in the history
+        self.schedule = schedule_named(self.options.schedule)  # the dispatch order; its cursor lives in the history
         self.history: WorkerHistory[Completion] = WorkerHistory(len(pool))  # cursor and slots, across steps
         self.listener: EngineListener = NO_LISTENER  # told of the way back (``listen``)
         self._anchor = torch.zeros((), requires_grad=True)

@@ -9,6 +9,7 @@ gradients in dispatch order.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -118,10 +119,9 @@ class StepContext:
                o.chunk_bytes, trainable)
         steps = self.lowered.get(key)
         if steps is None:  # the first call of its kind
-            options = LoweringOptions(microbatches=microbatches, training=training, fused=fused, recompute=o.recompute,
-                                      layer_recompute=o.layer_recompute, kept_backward=kept_backward,
-                                      input_gradient=input_gradient, prefetch_depth=int(o.prefetch_depth),
-                                      priorities=priorities, schedule=self.schedule)
+            engine = o if o.microbatches == microbatches else dataclasses.replace(o, microbatches=microbatches)
+            options = LoweringOptions(engine, training=training, fused=fused, kept_backward=kept_backward,
+                                      input_gradient=input_gradient)
             steps = LoweredSteps(self.plan, len(self.pool), TableSizes(self.tables, o.compute_dtype, o.chunk_bytes),
                                  options)
             self.lowered[key] = steps

@@ -28,7 +28,8 @@ from ..adapters.target import find_target
 from ..adapters.unpipelined_calls import DirectDecoderCalls
 from ..optim.per_layer_support import declaration_hint, why_not_per_layer
 from ..option_docs import args_section
-from ..options import OptionError, StrategyOptions, option_keywords_signature, strategy_options
+from ..options import OptionError, StrategyOptions, strategy_options
+from ..options.keywords import RefusesUnknownKeywords, with_option_keywords
 from ..runtime import RoundPipeRuntime, check_writable_dir, run_all
 from ..setup_progress import RichSetupProgress
 from . import weight_reads
@@ -45,7 +46,7 @@ from .step_metrics import RoundPipeStepMetrics
 DESCRIPTION = "RoundPipe: weights in host RAM, layer stages dispatched round-robin to stateless workers"
 
 
-class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
+class RoundPipeStrategy(NodeCollectives, ParallelStrategy, RefusesUnknownKeywords):
     """Train with RoundPipe: host-resident weights, stateless workers, round-robin stage dispatch.
 
     ``Trainer(strategy="roundpipe", accelerator="cpu", devices=N)`` gives N virtual CPU workers;
@@ -57,6 +58,8 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
 
     strategy_name = "roundpipe"
 
+    # The signature written out from StrategyOptions' fields: help(), IDEs and LightningCLI see typed keywords.
+    @with_option_keywords(StrategyOptions, skip={"compute_dtype"})
     def __init__(self, options: StrategyOptions | None = None, *, accelerator: Accelerator | None = None,
                  parallel_devices: list[torch.device] | None = None,
                  cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
@@ -67,7 +70,7 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
                          precision_plugin=precision_plugin)
         if options is not None and option_values:
             raise TypeError("RoundPipeStrategy takes either options=StrategyOptions(...) or keyword options, not both")
-        self.options = options.validate() if options is not None else strategy_options(**option_values)
+        self.options = options if options is not None else strategy_options(**option_values)
         if isinstance(self.checkpoint_io, AtomicCheckpointIO):
             self.checkpoint_io.verify = self.options.verify_checkpoints
         self.runtime: RoundPipeRuntime | None = None
@@ -377,15 +380,19 @@ class RoundPipeStrategy(NodeCollectives, ParallelStrategy):
         strategy_registry.register(cls.strategy_name, cls, description=DESCRIPTION)
 
 
-# The keyword options, typed and described, for help(), IDEs and LightningCLI (jsonargparse reads both).
-RoundPipeStrategy.__init__.__signature__ = option_keywords_signature(RoundPipeStrategy.__init__)
-RoundPipeStrategy.__init__.__doc__ = "\n".join((
-    "Validate the options (see ``docs/options.md``).", "",
-    args_section(StrategyOptions, skip={"compute_dtype"}),
-    "    options: all the options at once, instead of the keywords.",
-    *(f"    {name}: set by the Trainer." for name in
-      ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")),
-))
+def _describe_options(init) -> None:
+    """The keyword options described on the generated ``__init__``, for help(), IDEs and LightningCLI
+    (jsonargparse reads the Args section)."""
+    init.__doc__ = "\n".join((
+        "Validate the options (see ``docs/options.md``).", "",
+        args_section(StrategyOptions, skip={"compute_dtype"}),
+        "    options: all the options at once, instead of the keywords.",
+        *(f"    {name}: set by the Trainer." for name in
+          ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")),
+    ))
+
+
+_describe_options(RoundPipeStrategy.__init__)
 
 
 def _watch_decoder(target) -> DirectDecoderCalls | None:

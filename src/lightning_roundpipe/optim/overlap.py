@@ -24,42 +24,41 @@ from ..workers.completions import Completion, TaskLabel
 from .host_lane import HostLane
 from .loss_scale import StepUnscale
 from .per_layer_support import declaration_hint, why_not_per_layer
-from ..cost.memory import DEFAULT_UNDO_JOURNAL_BYTES
 from .step_undo import BeforeImages, KnownGood, StepUndo, capture_ahead, layers_named, note_put_back, plan_journal
 from .user_optimizer import LayerUnits, LayerUpdate, LayerView, layout_of
+from .overlap_config import OverlapConfig
 
 REST = -1  # the key of the parameters outside the pipeline among ``versions`` (loss-scaled steps)
 
 
 class OverlappedOptimizer:
     """Steps a host optimizer layer by layer behind the pipeline (see the module doc)."""
-    def __init__(self, optimizer: torch.optim.Optimizer, layer_tables, trace, *, notifier=None,
-                 staleness: int = 0, delay_per_layer_s: float = 0.0,
-                 after_layer_step: Callable[[list[torch.Tensor]], None] | None = None,
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OverlapConfig, engine, trace, *,
                  before_layer_step: Callable[[list[torch.Tensor]], None] | None = None,
-                 refresh_shadows: Callable[[], None] | None = None, early_steps: bool = True,
-                 timeout_s: float = 300.0, calls=None, shadows=None, undo: bool = True,
-                 loss_scaler: "torch.amp.GradScaler | None" = None,
-                 journal_bytes: int | None = DEFAULT_UNDO_JOURNAL_BYTES):
-        """``before_layer_step``: called with a layer's parameters just before it steps (e.g. to wait
-        for the node all-reduce). ``refresh_shadows``: copies the masters into the upload shadows
-        (``staleness=1``). ``early_steps``: layers may step during the step's last backward.
-``timeout_s``: the longest any wait here may take (the runtime's ``timeout``).
-        ``undo``: keep each step's before-images so a failed step is put back (default). False
-        (for models whose host memory cannot hold one more copy of the weights and optimizer
-        state): a failed step raises naming the layers it updated, and every later ``step``,
-        ``join`` and ``state_dict`` refuses until ``mark_restored`` (after loading a checkpoint).
-        ``journal_bytes``: the most bytes of before-images one step keeps (the undo journal;
-        None: every layer's); layers past it step once the step is known good, without a copy
-        (see the module doc). The parameters outside the pipelined module are always copied.
-        ``calls``: the engine's ``PipelineCalls`` (None: no early steps).
-        ``shadows``: the ``ShadowStore`` uploads read (``staleness=1``
-        keeps the previous weights there; ``state_dict`` saves them).
+                 loss_scaler: "torch.amp.GradScaler | None" = None):
+        """``config``: how it steps (``OverlapConfig``): ``staleness``; ``early_steps``, layers may step
+        during the step's last backward; ``timeout_s``, the longest any wait here may take; ``undo``, keep
+        each step's before-images so a failed step is put back (default). False (for models whose host
+        memory cannot hold one more copy of the weights and optimizer state): a failed step raises
+        naming the layers it updated, and every later ``step``, ``join`` and ``state_dict`` refuses until
+        ``mark_restored`` (after loading a checkpoint). ``journal_bytes``: the most bytes of
+        before-images one step keeps (the undo journal; None: every layer's); layers past it step once
+        the step is known good, without a copy (see the module doc). The parameters outside the
+        pipelined module are always copied.
+        ``engine``: the ``PipelineEngine`` whose layers it steps: their tables, its ``PipelineCalls``
+        (early steps), its pool (told of new weight versions) and its ``ShadowStore`` (``staleness=1``
+        keeps the previous weights there, refreshed after each layer step; ``state_dict`` saves them).
+        ``before_layer_step``: called with a layer's parameters just before it steps (e.g. to wait
+        for the node all-reduce).
         ``loss_scaler``: the (enabled) ``torch.amp.GradScaler`` that scaled the loss whose gradients
         this optimizer steps with; ``step(closure)`` then unscales and checks each layer's
         gradients on the lane before it steps, and skips the whole step when any overflowed,
         putting back the layers that stepped early and recording the overflow for the scaler's
         ``update()`` (see "Under a loss scaler" in the module doc). Needs ``staleness=0`` and ``undo``."""
+        staleness, early_steps, undo, timeout_s = config.staleness, config.early_steps, config.undo, config.timeout_s
+        delay_per_layer_s, journal_bytes = config.delay_per_layer_s, config.journal_bytes
+        layer_tables, notifier, calls, shadows = engine.tables, engine.pool, engine.calls, engine.shadows
+        after_layer_step = refresh_shadows = shadows.refresh if shadows is not None else None
         if loss_scaler is not None and (staleness or not undo):
             raise ValueError("the overlapped optimizer unscales layer by layer under a loss scaler only with staleness=0 "
                              "and undo=True (layers that stepped early are put back when a later layer overflows); "

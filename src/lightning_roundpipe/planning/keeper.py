@@ -22,6 +22,7 @@ from ..cost.estimate import MovingCostProfile, estimate_costs
 from .defaults import (MICROBATCHES_PER_WORKER, choose_microbatches, choose_recompute, estimate_host_work,
                        host_memory_budget, no_recompute_peak_bytes, rescaled)
 from ..cost.profile import format_bytes
+from .keeper_config import KeeperConfig
 from .partition import partition
 from .predictor import HostWork, predict
 from .replan import Replanner
@@ -51,20 +52,22 @@ def backward_cut_like_forward(cfg) -> bool:
 class PlanKeeper:
     """The running plan; ``progress`` hears how far the first estimate and plan search are."""
 
-    def __init__(self, layers: list[nn.Module], num_workers: int, microbatches: int | None, partition_cfg, *,
-                 recompute: bool | str, fused_last: bool, compute_dtype: torch.dtype | None,
-                 link_bytes_per_second: float | None, flops_per_second: float, memory_budget_bytes: int | None,
-                 backend: str = "cpu", microbatch_overhead_s: float = 0.0, progress: ProgressCallback | None = None,
-                 budget_option: str = "partition.memory_budget_bytes"):
-        """``microbatches`` None and ``recompute`` "auto" are chosen from the estimate (``defaults``);
-        ``recompute`` may also be "always", "never" or a bool (True: recompute). ``microbatch_overhead_s``:
-        the timing model's cost per microbatch of a stage besides its compute (``predictor``).
-        ``budget_option``: the option ``memory_budget_bytes`` came from, named when a plan does not fit it.
+    def __init__(self, layers: list[nn.Module], num_workers: int, config: KeeperConfig, *, fused_last: bool,
+                 progress: ProgressCallback | None = None):
+        """``config.microbatches`` None and ``config.recompute`` "auto" are chosen from the estimate
+        (``defaults``); ``recompute`` may also be "always", "never" or a bool (True: recompute).
+        ``fused_last``: the module computes its loss in its last stage.
 
         Under a memory budget the activations of the assumed microbatch may not fit where the real,
         smaller ones do: the first plan then prices one-token microbatches (weights and gradients
         must fit whatever the batch) and the first batch plans again with its real tokens per
         microbatch, refusing there, before the step runs, when they do not fit."""
+        microbatches, partition_cfg, recompute = config.microbatches, config.partition, config.recompute
+        compute_dtype, backend = config.compute_dtype, config.backend
+        link_bytes_per_second, flops_per_second = config.link_bytes_per_second, config.flops_per_second
+        memory_budget_bytes, budget_option = config.memory_budget_bytes, config.budget_option
+        microbatch_overhead_s = config.microbatch_overhead_s
+        self.config = config
         self.microbatch_overhead_s = microbatch_overhead_s
         self.num_workers = num_workers
         self.cfg = partition_cfg

@@ -1,4 +1,4 @@
-"""One task of a lowered step's graph, and what it is made of: its kinds, the lanes, priorities, options.
+"""One task of a lowered step's graph, and what it is made of: its kinds, the lanes, priorities.
 
 The data ``lowering`` (which builds the graph) and ``passes`` (its four passes) share, kept below both so
 that neither imports the other. ``LANES`` and its rules are the package's one lane definition;
@@ -8,10 +8,8 @@ that neither imports the other. ``LANES`` and its rules are the package's one la
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
-
-from .dispatch_order import ROUND_ROBIN, Schedule
 
 
 class TaskKind(enum.StrEnum):
@@ -74,35 +72,6 @@ class Sizes(Protocol):
 
     def boundary_bytes(self, boundary: int) -> int:
         """Bytes of one microbatch's activation at a layer boundary (the input of layer ``boundary``)."""
-
-
-@dataclass(frozen=True)
-class LoweringOptions:
-    """What, besides the plan, decides a step's graph.
-
-    training: backward stages are lowered too (False: an evaluation forward).
-    fused: the plan's fused last stage runs fused (the loss is computed inside the pipeline).
-    recompute: False keeps every forward graph until its backward (see the module doc).
-    layer_recompute: backward and fused computes recompute one layer at a time (``grain="layer"``).
-    kept_backward: with ``recompute`` False, the backward stages run on the kept graphs; False:
-        they recompute from the stage inputs on the host, as with recompute (a call's second
-        backward: its first one freed the kept graphs).
-    input_gradient: the input gradient of layer 0 comes home (the caller's input needs grad).
-    first_serial: serial of the first stage, continuing the previous steps' (transfer priorities).
-    schedule: which worker runs each stage, and where the next call starts (``dispatch_order``).
-    """
-
-    microbatches: int = 2
-    training: bool = True
-    fused: bool = False
-    recompute: bool = True
-    layer_recompute: bool = False
-    kept_backward: bool = True
-    input_gradient: bool = False
-    prefetch_depth: int = 1
-    priorities: dict = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
-    first_serial: int = 0
-    schedule: Schedule = ROUND_ROBIN
 
 
 @dataclass(frozen=True)

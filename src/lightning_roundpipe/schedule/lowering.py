@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from . import passes
 from .graph_task import (DEFAULT_PRIORITIES, DOWNLOAD_STRIDE, INPUT_BUFFERS, LANE_KINDS, LANES, LOSS_BYTES,  # noqa: F401
-                         PRIORITY_CLASS, RELEASE_PRIORITY, UPLOAD_STRIDE, GraphTask, LoweringOptions, Sizes, TaskKind)
+                         PRIORITY_CLASS, RELEASE_PRIORITY, UPLOAD_STRIDE, GraphTask, Sizes, TaskKind)
 from .plan import Plan, PlanError
+from .step_options import LoweringOptions  # noqa: F401  (where callers of ``lower`` have always found it)
 
 
 @dataclass(frozen=True)

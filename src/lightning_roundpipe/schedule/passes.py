@@ -22,7 +22,8 @@ from .plan import DispatchedStage, Plan, PlanError, Stage
 from . import graph_task  # the graph's data types and constants (lowering calls these passes)
 
 if TYPE_CHECKING:
-    from .graph_task import GraphTask, LoweringOptions, Sizes
+    from .graph_task import GraphTask, Sizes
+    from .step_options import LoweringOptions
 
 WAIT_HISTORIES = ("release", "compute", "outputs")  # the histories of .history.WorkerHistory
 

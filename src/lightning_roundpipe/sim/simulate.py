@@ -15,10 +15,10 @@ import math
 from dataclasses import dataclass, field
 
 from ..cost.profile import CostProfile
-from ..schedule.dispatch_order import schedule_named
 from ..schedule.history import WorkerHistory
 from ..schedule.graph_task import COMPUTE, MAIN_LANE, UPLOAD
 from ..schedule.lowering import GraphTask, LoweringOptions, TaskKind
+from ..schedule.step_options import EngineOptions
 from ..schedule.plan import Plan, PlanError
 from ..tracing.records import HOST_WORKER, TraceRecord
 from ..cost.view import CostView
@@ -270,8 +270,8 @@ class _RoundPipeBuilder:
         self.submitted: LaneWork | None = None  # the host's last task submission (dispatch cost)
         # Each step's graph: lowered once per start worker (``schedule/history.py``).
         self.lowered = LoweredSteps(plan, num_workers, self.sizes, LoweringOptions(
-            microbatches=microbatches, training=True, fused=plan.fused_last, recompute=True,
-            layer_recompute=config.layer_recompute, schedule=schedule_named(config.schedule)))
+            EngineOptions(microbatches=microbatches, recompute=True, layer_recompute=config.layer_recompute,
+                          schedule=config.schedule), training=True, fused=plan.fused_last))
 
     def add(self, op: LaneWork) -> LaneWork:
         return self.sim.add(op)
