@@ -1,6 +1,6 @@
 """Device seconds of the engine's tasks on a hardware profile, priced as the simulator prices them.
 
-The emulated-GPU backend (``workers/emulated.py``) asks how long each task it runs lasts on the
+The emulated-GPU backend (``roundpipe_lab/fake_cuda/emulated.py``) asks how long each task it runs lasts on the
 device; ``ProfileDeviceTimes`` answers from the calibrated cost model of a real model shape on a
 hardware profile, with the formulas of ``sim/simulate.py``: compute seconds from the cost view,
 transfers as the profile's latency plus the real shape's bytes over its host link. A task is named

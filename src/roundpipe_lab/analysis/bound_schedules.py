@@ -13,12 +13,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..cost.profile import CostProfile
-from ..planning.cuts import balanced_ranges
-from ..cost.view import CostView
-from ..sim.event_queue import EventSimulator, Op
-from ..cost.hardware import HardwareProfile
-from ..sim.simulate import PRIO_ACTIVATIONS, PRIO_GRADS, PRIO_WEIGHTS, SimConfig, SimResult, add_optimizer, link_of, summarize
+from lightning_roundpipe.cost.profile import CostProfile
+from lightning_roundpipe.planning.cuts import balanced_ranges
+from lightning_roundpipe.cost.view import CostView
+from lightning_roundpipe.sim.event_queue import EventSimulator, Op
+from lightning_roundpipe.cost.hardware import HardwareProfile
+from lightning_roundpipe.sim.simulate import PRIO_ACTIVATIONS, PRIO_GRADS, PRIO_WEIGHTS, SimConfig, SimResult, add_optimizer, link_of, summarize
 
 BOUND_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 STREAMED_SCHEDULES = ("mobius",)

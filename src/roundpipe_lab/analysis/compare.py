@@ -13,12 +13,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ..cost.hardware import HardwareProfile, load_hardware
-from ..cost.text_table import render_table
-from ..cost.transformer import ModelShape, get_model_shape, preset_costs
-from ..planning.capacity import DEFAULT_MEMORY_FRACTION, best_plan
+from lightning_roundpipe.cost.hardware import HardwareProfile, load_hardware
+from lightning_roundpipe.cost.text_table import render_table
+from lightning_roundpipe.cost.transformer import ModelShape, get_model_shape, preset_costs
+from lightning_roundpipe.planning.capacity import DEFAULT_MEMORY_FRACTION, best_plan
 from .bound_schedules import BOUND_SCHEDULES, simulate_bound
-from ..sim.simulate import SimConfig, SimResult
+from lightning_roundpipe.sim.simulate import SimConfig, SimResult
 
 PAPER_SPEEDUP_RANGE = (1.48, 2.16)  # Luo et al., arXiv 2604.27085: over the best baseline, 8x RTX 4090, 1.7B-32B
 PAPER_MODELS = ("qwen3-1.7b", "qwen3-8b", "qwen3-32b")

@@ -6,7 +6,7 @@ the step gets faster by more than ``MIN_GAIN``: a local optimum, 1-3 s per simul
 finds can be set with ``partition.policy="manual"``. Details: docs/design.md, design notes,
 ``analysis/cut_search.py``.
 
-    python -m lightning_roundpipe.analysis.cut_search MODEL --microbatches M --calls C [--start POLICY] [--budget S]
+    python -m roundpipe_lab.analysis.cut_search MODEL --microbatches M --calls C [--start POLICY] [--budget S]
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import argparse
 import time
 from dataclasses import dataclass, replace
 
-from ..cost.hardware import HardwareProfile, load_hardware
-from ..schedule.plan import Plan, PlanError
+from lightning_roundpipe.cost.hardware import HardwareProfile, load_hardware
+from lightning_roundpipe.schedule.plan import Plan, PlanError
 from .own_engine import PublishedRun, Setup, SetupResult, simulate_setup
 
 MIN_GAIN = 5e-4  # a move must simulate this share faster to be taken (the simulator is deterministic)

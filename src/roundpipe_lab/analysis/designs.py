@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..schedule.lowering import GraphTask
-from ..schedule.plan import Plan
-from ..sim.event_queue import Op
-from ..sim.simulate import EngineDesign, FusedOnOneWorker
+from lightning_roundpipe.schedule.lowering import GraphTask
+from lightning_roundpipe.schedule.plan import Plan
+from lightning_roundpipe.sim.event_queue import Op
+from lightning_roundpipe.sim.simulate import EngineDesign, FusedOnOneWorker
 
 
 @dataclass(frozen=True)

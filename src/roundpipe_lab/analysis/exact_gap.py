@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from ..cost.hardware import HardwareProfile, load_hardware
-from ..cost.physical import layer_seconds
-from ..cost.profile import CostProfile
-from ..cost.transformer import ModelShape, down_projection_work, get_model_shape, shape_layer_costs
+from lightning_roundpipe.cost.hardware import HardwareProfile, load_hardware
+from lightning_roundpipe.cost.physical import layer_seconds
+from lightning_roundpipe.cost.profile import CostProfile
+from lightning_roundpipe.cost.transformer import ModelShape, down_projection_work, get_model_shape, shape_layer_costs
 from .own_engine import PublishedRun, Setup, SetupResult, simulate_setup
 
 CAUSES = ("drain", "gradient home", "host queue", "first layer update", "upload and start")
@@ -197,7 +197,7 @@ def breakdown_rows(model: str, hardware: str | HardwareProfile = "rtx4090", opti
 def main(models: list[str] | None = None, bounds: bool = False, early_stop: bool = False) -> None:
     """Print ``breakdown_rows`` of every published model (or of ``models``) as a markdown table;
     with ``bounds``, ``bound_row`` of each instead; with ``early_stop``, ``early_stop_row``."""
-    from ..cost.text_table import render_table
+    from lightning_roundpipe.cost.text_table import render_table
     from .workload import PUBLISHED_RUNS
 
     table = []

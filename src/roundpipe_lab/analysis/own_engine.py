@@ -14,17 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from ..cost.attention_blocks import attention_flops_per_token
-from ..cost.compiled import compiled_launches
-from ..cost.profile import CostProfile
-from ..cost.memory import roundpipe_gpu_bytes
-from ..cost.precision import check_precision, fp16_accumulation
-from ..cost.transformer import get_model_shape, shape_layer_costs
-from ..planning.capacity import DEFAULT_MEMORY_FRACTION, best_plan
-from ..planning.partition import partition
-from ..schedule.plan import Plan, PlanError
-from ..cost.hardware import HardwareProfile, load_hardware
-from ..sim.simulate import SimConfig, SimResult, simulate_roundpipe
+from lightning_roundpipe.cost.attention_blocks import attention_flops_per_token
+from lightning_roundpipe.cost.compiled import compiled_launches
+from lightning_roundpipe.cost.profile import CostProfile
+from lightning_roundpipe.cost.memory import roundpipe_gpu_bytes
+from .precision import check_precision, fp16_accumulation
+from lightning_roundpipe.cost.transformer import get_model_shape, shape_layer_costs
+from lightning_roundpipe.planning.capacity import DEFAULT_MEMORY_FRACTION, best_plan
+from lightning_roundpipe.planning.partition import partition
+from lightning_roundpipe.schedule.plan import Plan, PlanError
+from lightning_roundpipe.cost.hardware import HardwareProfile, load_hardware
+from lightning_roundpipe.sim.simulate import SimConfig, SimResult, simulate_roundpipe
 from .workload import PUBLISHED_RUNS, PublishedRun, Workload, optimizer_step_period, reference_plan
 from .designs import PricedDesign
 
@@ -40,7 +40,7 @@ PLANNER = "planner"  # plan from the planner's candidates, timed by the simulato
 REFERENCE = "reference"  # the reference's own partition of the model (workload.reference_plan)
 # What a GPU backend's first plan assumes before anything is measured (``workers/pool.py``:
 # ``WorkerPool.assumed_flops_per_s`` and ``assumed_link_bytes_per_s``; the analysis layer does not
-# import the workers, so ``tests/sim/test_sim_partition_choice.py`` pins them equal).
+# import the workers, so ``tests/lab/test_sim_partition_choice.py`` pins them equal).
 ENGINE_ESTIMATE_FLOPS_PER_S = 1e14
 ENGINE_ESTIMATE_LINK_BYTES_PER_S = 25e9
 
@@ -136,7 +136,7 @@ def default_microbatches(num_workers: int) -> int | str:
     ``ENGINE_CHOICE`` when the default is open (None: the engine picks among
     ``planning.defaults.MICROBATCHES_PER_WORKER`` x workers the fewest predicted within the tie
     tolerance of the fastest; ``simulate_setup`` does the same with the simulator)."""
-    from ..options import RuntimeOptions
+    from lightning_roundpipe.options import RuntimeOptions
 
     value = RuntimeOptions().microbatches
     if value is None:
@@ -149,14 +149,14 @@ def default_microbatches(num_workers: int) -> int | str:
 
 def microbatch_candidates(num_workers: int) -> list[int]:
     """The counts an open microbatch default chooses from (``planning.defaults``)."""
-    from ..planning.defaults import MICROBATCHES_PER_WORKER
+    from lightning_roundpipe.planning.defaults import MICROBATCHES_PER_WORKER
 
     return [k * num_workers for k in MICROBATCHES_PER_WORKER]
 
 
 def default_partition() -> str:
     """This engine's default partition policy (``PartitionConfig().policy``)."""
-    from ..options import PartitionConfig
+    from lightning_roundpipe.options import PartitionConfig
 
     return PartitionConfig().policy
 
@@ -177,7 +177,7 @@ def default_compiled_layers() -> bool:
     True, or None meaning the CUDA backend's rule, ``workers.cuda.inductor_generates_gpu_code``,
     which holds on the simulated GPUs: Triton ships with torch's CUDA wheels and every profile is
     sm70 or newer; False: eager)."""
-    from ..options import RuntimeOptions
+    from lightning_roundpipe.options import RuntimeOptions
 
     value = RuntimeOptions().compile_layers
     return value is None or value is True
@@ -186,7 +186,7 @@ def default_compiled_layers() -> bool:
 def default_early_stop() -> bool:
     """Whether this engine's recompute stops early by default on a GPU (``RuntimeOptions().recompute_early_stop``:
     None follows the layers, on where they are compiled, ``default_compiled_layers``; True or False as set)."""
-    from ..options import RuntimeOptions
+    from lightning_roundpipe.options import RuntimeOptions
 
     value = RuntimeOptions().recompute_early_stop
     return value is not False and default_compiled_layers()
@@ -194,7 +194,7 @@ def default_early_stop() -> bool:
 
 def default_undo() -> bool:
     """Whether this engine keeps a failed step undoable by default (``RuntimeOptions().optimizer_undo``)."""
-    from ..options import RuntimeOptions
+    from lightning_roundpipe.options import RuntimeOptions
 
     return bool(getattr(RuntimeOptions(), "optimizer_undo", False))
 
@@ -204,7 +204,7 @@ def default_call_barrier() -> bool | str:
     (``RuntimeOptions().overlap_calls``): ``"step"`` when on (only the first call of an optimizer
     step waits for the previous ``backward()``; an accumulation-only backward returns once its
     stages are submitted), True when off (every call waits)."""
-    from ..options import RuntimeOptions
+    from lightning_roundpipe.options import RuntimeOptions
 
     return "step" if getattr(RuntimeOptions(), "overlap_calls", False) else True
 
@@ -241,7 +241,7 @@ def engine_estimate(costs: CostProfile, attention_flops_per_token: float = 0.0) 
     simulator costs every layer's attention as full causal), and a layer's output elements are its
     output activation's. Weight, gradient and activation bytes are kept; the early-stopping recompute's saving
     (``early_stop_s``) is not: the estimate prices every layer's recompute as its forward."""
-    from ..planning.keeper import ASSUMED_TOKENS_PER_MICROBATCH
+    from lightning_roundpipe.planning.keeper import ASSUMED_TOKENS_PER_MICROBATCH
 
     tokens = ASSUMED_TOKENS_PER_MICROBATCH
     lookups = costs.decoder_layers[0] if costs.decoder_layers is not None else 0
@@ -293,7 +293,7 @@ def simulate_setup(run: PublishedRun, hardware: str | HardwareProfile, setup: Se
     ``plan``: simulate this plan instead of the one ``setup.partition`` gives (``analysis/cut_search.py``)."""
     hw = load_hardware(hardware)
     if setup.microbatches == ENGINE_CHOICE:
-        from ..planning.search import TIE_TOLERANCE
+        from lightning_roundpipe.planning.search import TIE_TOLERANCE
 
         tried = [simulate_setup(run, hw, replace(setup, microbatches=m), optimizer_steps=optimizer_steps,
                                 seq_len=seq_len, adjust_costs=adjust_costs, plan=plan)
@@ -439,9 +439,9 @@ def published_run(model: str) -> PublishedRun:
 
 def tasks_per_compute(plan: Plan, costs, num_workers: int, microbatches: int) -> float:
     """Tasks the engine submits per compute task for one call of ``plan`` (from the lowering)."""
-    from ..cost.view import CostView
-    from ..schedule.lowering import LoweringOptions, lower
-    from ..sim.simulate import CostSizes
+    from lightning_roundpipe.cost.view import CostView
+    from lightning_roundpipe.schedule.lowering import LoweringOptions, lower
+    from lightning_roundpipe.sim.simulate import CostSizes
 
     graph = lower(plan, num_workers, 0, CostSizes(CostView(costs)),
                   LoweringOptions(microbatches=microbatches, fused=plan.fused_last))
@@ -460,7 +460,7 @@ def host_limit_tokens(plan: Plan, costs, hardware: HardwareProfile, dispatch_s: 
     ``tokens < num_workers * host_s / device_s_per_token``, with ``costs`` timed for
     ``costs.tokens_per_microbatch`` tokens (compute is taken as linear in tokens).
     """
-    from ..cost.view import CostView
+    from lightning_roundpipe.cost.view import CostView
 
     view = CostView(costs)
     nw = num_workers or hardware.num_gpus

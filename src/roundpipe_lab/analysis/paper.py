@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..cost.hardware import HardwareProfile, load_hardware
-from ..cost.precision import loss_scaled, waits_for_every_gradient
+from lightning_roundpipe.cost.hardware import HardwareProfile, load_hardware
+from .precision import loss_scaled, waits_for_every_gradient
 from .own_engine import REFERENCE, Setup, SetupResult, our_default, published_run, simulate_setup
 from .workload import PUBLISHED_RUNS
 
@@ -110,7 +110,7 @@ def paper_rows(hardware: str | HardwareProfile = "rtx4090", models: tuple[str, .
 def paper_markdown(rows: list[dict], hardware: str | HardwareProfile = "rtx4090",
                    seq_len: int = PUBLISHED_SEQ_LEN) -> str:
     """The rows as a markdown table, with each simulated row over the reference's measured figure."""
-    from ..cost.text_table import render_table
+    from lightning_roundpipe.cost.text_table import render_table
 
     hw = load_hardware(hardware)
     measured = {r["model"]: r["measured"] for r in rows if r["system"] == REFERENCE_SIMULATED}

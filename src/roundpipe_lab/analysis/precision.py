@@ -5,7 +5,7 @@
 rate (``matmul_tflops_fp16_acc``, twice as fast on a GeForce RTX 4090); flash attention keeps its
 fp32-accumulate rate. fp16 needs the loss scaler; layers still step early unless
 ``optimizer_undo=False`` (``waits_for_every_gradient``). Details: docs/design.md, design notes,
-``cost/precision.py``.
+``analysis/precision.py``.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cost.hardware import HardwareProfile, load_hardware
-from ..cost.text_table import render_table
+from lightning_roundpipe.cost.hardware import HardwareProfile, load_hardware
+from lightning_roundpipe.cost.text_table import render_table
 from .workload import PUBLISHED_RUNS, REFERENCE_PARTITIONS, Workload, reference_plan, simulate_workload
 
 MEASURED_HARDWARE = "rtx4090"  # the profile the measured curve belongs to

@@ -8,7 +8,7 @@ CPU of the kind that hosts 8 GPUs reaching about 1 TFLOP/s in fp32 GEMMs (datash
 
 from __future__ import annotations
 
-from .transformer import ModelShape, decoder_layer_work, get_model_shape, head_work
+from lightning_roundpipe.cost.transformer import ModelShape, decoder_layer_work, get_model_shape, head_work
 
 HOST_FP32_FLOPS = 1.0e12
 """Assumed fp32 GEMM rate of a GPU server's host CPUs (FLOP/s)."""

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..cost.transformer import get_model_shape, shape_layer_costs
-from ..planning.capacity import best_plan
-from ..schedule.plan import Plan
-from ..cost.hardware import HardwareProfile, load_hardware
-from ..sim.simulate import SimConfig, SimResult, simulate_roundpipe
+from lightning_roundpipe.cost.transformer import get_model_shape, shape_layer_costs
+from lightning_roundpipe.planning.capacity import best_plan
+from lightning_roundpipe.schedule.plan import Plan
+from lightning_roundpipe.cost.hardware import HardwareProfile, load_hardware
+from lightning_roundpipe.sim.simulate import SimConfig, SimResult, simulate_roundpipe
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from typing import Callable
 
 import torch
 
-from ..cost.device_overheads import device_reserved_bytes
-from .completions import TaskLabel
-from .device_memory import AllocationTally
+from lightning_roundpipe.cost.device_overheads import device_reserved_bytes
+from lightning_roundpipe.workers.completions import TaskLabel
+from lightning_roundpipe.workers.device_memory import AllocationTally
 
 BLOCK_BYTES = 512  # CUDA's allocator rounds every allocation up to a multiple of 512 bytes
 MiB = 2**20

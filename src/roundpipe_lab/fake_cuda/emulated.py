@@ -5,7 +5,7 @@ complete when the clock says the device got there, so a busy emulated device cos
 nothing and a launch-bound task shows as late (``late_seconds``). Device times come from a
 ``device_time(label, nbytes)`` callable, in the benchmarks ``cost.task_seconds.ProfileDeviceTimes``
 (the simulator's prices); ``time_scale`` scales them. How the clock moves: docs/design.md, design
-notes, ``workers/emulated.py``; results: docs/emulated_gpus.md.
+notes, ``fake_cuda/emulated.py``; results: docs/emulated_gpus.md.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import threading
 import time
 from typing import Callable
 
-from ..schedule.graph_task import TaskKind
-from .completions import TaskLabel
-from .cuda import FakeCudaWorkerPool
-from .host_buffers import DEFAULT_CAP_BYTES
-from .pool import Lane, Task
+from lightning_roundpipe.schedule.graph_task import TaskKind
+from lightning_roundpipe.workers.completions import TaskLabel
+from .pool import FakeCudaWorkerPool
+from lightning_roundpipe.workers.host_buffers import DEFAULT_CAP_BYTES
+from lightning_roundpipe.workers.pool import Lane, Task
 from .streams import FakeEvent, FakeStream, FakeStreams
-from ..host.threads import WAITING_THREADS, set_intra_op_threads
+from lightning_roundpipe.host.threads import WAITING_THREADS, set_intra_op_threads
 
 DeviceTime = Callable[[TaskLabel, int], float]
 TRANSFER_KINDS = frozenset({"weights", "act_in", "grad_in", "act_out", "act_save", "grad_out", "loss", "wgrad"})

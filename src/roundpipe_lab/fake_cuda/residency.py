@@ -21,9 +21,9 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from ..errors import HostTensorOnWorkerError  # noqa: F401  (re-exported: defined in errors.py)
+from lightning_roundpipe.errors import HostTensorOnWorkerError  # noqa: F401  (re-exported: defined in errors.py)
 
-from .completions import TaskLabel
+from lightning_roundpipe.workers.completions import TaskLabel
 
 # Operators whose input is a fresh host tensor by construction (``torch.tensor`` inside forward).
 LIFTS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
