@@ -8,7 +8,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1]
 SRC = TESTS.parent / "src" / "lightning_roundpipe"
 # Folders that test something other than one part of src/.
-OTHER_FOLDERS = {"docs_and_setup", "benchmark_scripts", "options"}  # options: src/.../options.py
+OTHER_FOLDERS = {"docs_and_setup", "benchmark_scripts", "options", "lab"}  # options: src/.../options.py; lab: src/roundpipe_lab
 
 
 def test_every_test_file_sits_in_a_folder():

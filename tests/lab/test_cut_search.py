@@ -4,9 +4,9 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_roundpipe.analysis.cut_search import cuts_of, moves, plan_of, search_cuts
-from lightning_roundpipe.analysis.own_engine import Setup, simulate_setup
-from lightning_roundpipe.analysis.workload import PublishedRun, Workload
+from roundpipe_lab.analysis.cut_search import cuts_of, moves, plan_of, search_cuts
+from roundpipe_lab.analysis.own_engine import Setup, simulate_setup
+from roundpipe_lab.analysis.workload import PublishedRun, Workload
 from lightning_roundpipe.cost.hardware import load_hardware
 from lightning_roundpipe.cost.transformer import ModelShape
 from lightning_roundpipe.schedule.plan import Plan, PlanError

@@ -1,4 +1,4 @@
-"""The emulated-GPU backend (workers/emulated.py): the fake-stream protocol whose stream work lasts a
+"""The emulated-GPU backend (roundpipe_lab/fake_cuda/emulated.py): the fake-stream protocol whose stream work lasts a
 device time. Its results are bit for bit those of the CPU backend at every worker count, and a
 two-stage step takes the device time one can work out by hand."""
 
@@ -12,7 +12,7 @@ from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.options import PartitionConfig
 from lightning_roundpipe.workers import make_pool
 from lightning_roundpipe.cost.task_seconds import ProfileDeviceTimes
-from lightning_roundpipe.workers.emulated import EmulatedWorkerPool
+from roundpipe_lab.fake_cuda.emulated import EmulatedWorkerPool
 
 from tests._models import mlp
 

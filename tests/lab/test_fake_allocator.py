@@ -1,4 +1,4 @@
-"""Issue 42, item 6: the fake driver's model of CUDA's caching allocator (``workers/fake_allocator.py``):
+"""Issue 42, item 6: the fake driver's model of CUDA's caching allocator (``roundpipe_lab/fake_cuda/allocator.py``):
 one cache per allocation stream, a capacity that excludes the CUDA context and workspaces, retries and
 ``torch.OutOfMemoryError`` as on CUDA; and the CUDA budget that keeps a pipelined step free of retries."""
 

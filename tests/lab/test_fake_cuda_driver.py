@@ -65,7 +65,7 @@ def test_views_reaching_past_a_pinned_first_page_are_pinned_and_nothing_warns_wi
 @pytest.mark.timeout(30)
 def test_a_tensor_pinned_by_torchs_host_allocator_counts_as_pinned_and_a_refusal_always_has_a_reason(caplog):
     """Memory pinned by someone else is pinned (no registration); a refused one names its reason."""
-    from lightning_roundpipe.workers.pinning import FakeCudart
+    from roundpipe_lab.fake_cuda.cudart import FakeCudart
 
     rt = FakeCudart()
     pool = make_pool("fake_cuda", 1, cudart=rt)
@@ -312,7 +312,7 @@ def test_the_cuda_budget_is_what_the_memory_model_assumes(monkeypatch):
     """At 2c9c60c the CUDA budget was 90% of the whole GPU (21.6 GiB of a 24 GiB card), with nothing
     taken off for the CUDA context and cuBLAS workspaces that ``planning/capacity.py`` deducts. Now it is
     what the memory model lets tensors fill (21.09 GiB), times the two allocation pools' share
-    (``TWO_POOL_SHARE``, see tests/workers/test_fake_allocator.py): 12.05 GiB."""
+    (``TWO_POOL_SHARE``, see tests/lab/test_fake_allocator.py): 12.05 GiB."""
     from types import SimpleNamespace
 
     from lightning_roundpipe.cost.device_overheads import device_reserved_bytes, usable_gpu_bytes

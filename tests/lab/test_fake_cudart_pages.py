@@ -1,4 +1,4 @@
-"""The fake driver's page rule (workers/pinning.py FakeCudart), answered from an index of page spans:
+"""The fake driver's page rule (roundpipe_lab/fake_cuda/cudart.py FakeCudart), answered from an index of page spans:
 a registration touching a registered page fails with 712 whatever its neighbours, others succeed, and
 an unregistered run frees its pages; thousands of runs cost O(log n) each, not a scan."""
 
@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from lightning_roundpipe.workers.pinning import ALREADY_REGISTERED, PAGE, FakeCudart
+from lightning_roundpipe.workers.pinning import ALREADY_REGISTERED, PAGE
+from roundpipe_lab.fake_cuda.cudart import FakeCudart
 
 
 @pytest.mark.timeout(30)

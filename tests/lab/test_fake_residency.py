@@ -10,7 +10,7 @@ from torch import nn
 from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
 from lightning_roundpipe.workers import make_pool
 from lightning_roundpipe.workers.completions import WorkerError
-from lightning_roundpipe.workers.streams import FakeStreams
+from roundpipe_lab.fake_cuda.streams import FakeStreams
 
 
 class Scaled(nn.Module):
@@ -56,7 +56,7 @@ def test_to_device_makes_a_distinct_copy_and_counts_it():
 
 @pytest.mark.timeout(60)
 def test_residency_check_fails_a_forgotten_host_tensor_and_passes_the_same_model_with_a_buffer(monkeypatch):
-    from lightning_roundpipe.workers import cuda as cuda_backend
+    from roundpipe_lab.fake_cuda import pool as cuda_backend
 
     real = cuda_backend.FakeCudaWorkerPool.options_from
     monkeypatch.setattr(cuda_backend.FakeCudaWorkerPool, "options_from",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_roundpipe.sim.__main__ import main
-from lightning_roundpipe.analysis.scaling import scaling_markdown, scaling_rows
-from lightning_roundpipe.analysis.workload import Workload
+from roundpipe_lab.analysis.cli import main  # the lab's command: its plan is the library's planner
+from roundpipe_lab.analysis.scaling import scaling_markdown, scaling_rows
+from roundpipe_lab.analysis.workload import Workload
 
 
 def test_plan_takes_the_gpu_count(capsys):

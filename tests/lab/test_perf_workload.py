@@ -8,7 +8,7 @@ from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.schedule.plan import Plan
 from lightning_roundpipe.cost.hardware import HardwareProfile
 from lightning_roundpipe.sim import SimConfig, simulate_roundpipe
-from lightning_roundpipe.analysis.workload import PUBLISHED_RUNS, Workload, optimizer_step_period
+from roundpipe_lab.analysis.workload import PUBLISHED_RUNS, Workload, optimizer_step_period
 
 INF = float("inf")
 

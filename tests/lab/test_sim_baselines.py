@@ -8,7 +8,7 @@ import pytest
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.cost.hardware import HardwareProfile
 from lightning_roundpipe.sim import SimConfig
-from lightning_roundpipe.analysis.bound_schedules import bound_order, simulate_bound
+from roundpipe_lab.analysis.bound_schedules import bound_order, simulate_bound
 
 INF = float("inf")
 
@@ -71,7 +71,7 @@ def test_published_baselines_are_bounded_and_megatron_32b_runs_out_of_memory():
 
 @pytest.mark.timeout(120)
 def test_scaling_follows_the_reference_measured_curve():
-    from lightning_roundpipe.analysis.scaling import MEASURED_SCALING, scaling_rows
+    from roundpipe_lab.analysis.scaling import MEASURED_SCALING, scaling_rows
 
     rows = scaling_rows(("llama-3.1-8b",), "rtx4090", (1, 2))
     assert [r.measured for r in rows] == list(MEASURED_SCALING["llama-3.1-8b"][:2])

@@ -11,7 +11,7 @@ from lightning_roundpipe.cost.hardware import HardwareProfile, load_hardware
 from lightning_roundpipe.sim import SimConfig, simulate_roundpipe
 from lightning_roundpipe.cost.physical import LayerWork, layer_seconds, matmul_tflops
 from lightning_roundpipe.cost.transformer import ModelShape, decoder_layer_work, elementwise_bytes_per_token, head_work
-from lightning_roundpipe.analysis.workload import optimizer_step_period, reference_plan
+from roundpipe_lab.analysis.workload import optimizer_step_period, reference_plan
 
 INF = float("inf")
 

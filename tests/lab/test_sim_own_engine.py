@@ -10,8 +10,8 @@ from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.schedule.plan import Plan
 from lightning_roundpipe.cost.hardware import HardwareProfile
 from lightning_roundpipe.sim import SimConfig, simulate_roundpipe
-from lightning_roundpipe.analysis.designs import PricedDesign
-from lightning_roundpipe.analysis.workload import optimizer_step_period
+from roundpipe_lab.analysis.designs import PricedDesign
+from roundpipe_lab.analysis.workload import optimizer_step_period
 
 INF = float("inf")
 FUSED = Plan(1, ((0, 1),), ((0, 1),), fused_last=True)
@@ -109,13 +109,13 @@ def test_host_knobs_are_checked():
 def test_our_default_reads_the_options_and_the_measured_figures():
     from lightning_roundpipe.options import PartitionConfig, RuntimeOptions
     from lightning_roundpipe.cost.hardware import load_hardware
-    from lightning_roundpipe.analysis.own_engine import ADAM_PER_ACCUMULATE, our_default
+    from roundpipe_lab.analysis.own_engine import ADAM_PER_ACCUMULATE, our_default
 
     hw = load_hardware("rtx4090")
     ours = our_default(hw)
     assert (ours.precision, ours.staleness) == ("bf16-mixed", 0)
     assert ours.partition == PartitionConfig().policy
-    from lightning_roundpipe.analysis.own_engine import ENGINE_CHOICE, microbatch_candidates
+    from roundpipe_lab.analysis.own_engine import ENGINE_CHOICE, microbatch_candidates
 
     assert RuntimeOptions().microbatches is None  # open: the engine chooses among 1, 2 and 4 per worker
     assert ours.microbatches == ENGINE_CHOICE and microbatch_candidates(hw.num_gpus) == [8, 16, 32]
@@ -124,8 +124,8 @@ def test_our_default_reads_the_options_and_the_measured_figures():
 
 
 def test_setup_simulates_the_reference_rows_sim_config():
-    from lightning_roundpipe.analysis.own_engine import Setup
-    from lightning_roundpipe.analysis.workload import Workload
+    from roundpipe_lab.analysis.own_engine import Setup
+    from roundpipe_lab.analysis.workload import Workload
 
     w = Workload(64, 4, 2)
     cfg = Setup().sim_config(w, 3)
@@ -142,7 +142,7 @@ def test_setup_simulates_the_reference_rows_sim_config():
 def test_our_default_runs_under_autograd_with_the_options_undo_and_compile():
     from lightning_roundpipe.cost.hardware import load_hardware
     from lightning_roundpipe.options import RuntimeOptions
-    from lightning_roundpipe.analysis.own_engine import default_compiled_layers, our_default
+    from roundpipe_lab.analysis.own_engine import default_compiled_layers, our_default
 
     ours = our_default(load_hardware("rtx4090"))
     assert ours.host_barriers is True  # the next call waits for backward() to return
@@ -154,7 +154,7 @@ def test_our_default_runs_under_autograd_with_the_options_undo_and_compile():
 
 
 def test_host_limit_tokens_by_hand():
-    from lightning_roundpipe.analysis.own_engine import host_limit_tokens
+    from roundpipe_lab.analysis.own_engine import host_limit_tokens
 
     # Two decoder layers (layers 0-1 of a 3-layer profile; layer 2 the head), 10 tokens per
     # microbatch. Plan F 0:2 2:3 (fused) | B 0:2: per microbatch forward of F0 2 x 1 s, the fused
@@ -174,8 +174,8 @@ def test_host_limit_tokens_by_hand():
 def test_waterfall_switches_one_cause_at_a_time_to_our_default():
     from lightning_roundpipe.cost.transformer import ModelShape
     from lightning_roundpipe.cost.hardware import load_hardware
-    from lightning_roundpipe.analysis.own_engine import Setup, causes, our_default, waterfall
-    from lightning_roundpipe.analysis.workload import PublishedRun, Workload
+    from roundpipe_lab.analysis.own_engine import Setup, causes, our_default, waterfall
+    from roundpipe_lab.analysis.workload import PublishedRun, Workload
 
     hw = load_hardware("rtx4090")
     tiny = ModelShape("tiny", 256, 768, 4, 2, 64, 4096, 4)
@@ -193,7 +193,7 @@ def test_waterfall_switches_one_cause_at_a_time_to_our_default():
         assert row.delta == pytest.approx(row.result.tokens_per_s - before.result.tokens_per_s)
     # The open microbatch default: the fewest of 8, 16, 32 simulated within the tie tolerance of the fastest.
     from lightning_roundpipe.planning.search import TIE_TOLERANCE
-    from lightning_roundpipe.analysis.own_engine import simulate_setup
+    from roundpipe_lab.analysis.own_engine import simulate_setup
 
     chosen = next(r for r in rows if r.cause.startswith("microbatches")).result
     tried = {m: simulate_setup(run, hw, replace(chosen.setup, microbatches=m), optimizer_steps=2).tokens_per_s
@@ -228,9 +228,9 @@ def test_fused_stage_spread_over_two_workers_runs_its_microbatches_side_by_side(
 def test_exact_gap_causes_add_up_to_the_later_start():
     from lightning_roundpipe.cost.hardware import load_hardware
     from lightning_roundpipe.cost.transformer import ModelShape
-    from lightning_roundpipe.analysis.exact_gap import CAUSES, exact_gap
-    from lightning_roundpipe.analysis.own_engine import Setup
-    from lightning_roundpipe.analysis.workload import PublishedRun, Workload
+    from roundpipe_lab.analysis.exact_gap import CAUSES, exact_gap
+    from roundpipe_lab.analysis.own_engine import Setup
+    from roundpipe_lab.analysis.workload import PublishedRun, Workload
 
     tiny = ModelShape("tiny", 256, 768, 4, 2, 64, 4096, 4)
     work = Workload(32, 4, 2, seq_len=256)
@@ -250,8 +250,8 @@ def test_bound_of_an_exact_setup_by_hand():
     and at 1.1x fill, drain, idle and boundary may cost 6 / 1.1 - 4 s together."""
     from types import SimpleNamespace
 
-    from lightning_roundpipe.analysis.exact_gap import bound, step_breakdown
-    from lightning_roundpipe.analysis.own_engine import Setup, SetupResult
+    from roundpipe_lab.analysis.exact_gap import bound, step_breakdown
+    from roundpipe_lab.analysis.own_engine import Setup, SetupResult
 
     def compute(worker, step, start, end):
         return SimpleNamespace(queue="compute", kind="forward", stage="F0", worker=worker, step=step, start=start, end=end)
@@ -273,7 +273,7 @@ def test_early_stop_what_if_takes_each_decoder_layers_down_projection_off_its_re
     """A profile with datasheet rates only: hidden 256, MLP width 768, 1,000 tokens. The down projection
     is 2 x 256 x 768 FLOPs per token at the fp32-accumulate rate. The what-if subtracts exactly that from
     each decoder layer's recompute and leaves the embedding, the head, forward and backward alone."""
-    from lightning_roundpipe.analysis.exact_gap import down_projection_seconds, early_stop_costs
+    from roundpipe_lab.analysis.exact_gap import down_projection_seconds, early_stop_costs
     from lightning_roundpipe.cost.hardware import load_hardware
     from lightning_roundpipe.cost.transformer import ModelShape, shape_layer_costs
 
@@ -298,8 +298,8 @@ def test_early_stop_what_if_takes_each_decoder_layers_down_projection_off_its_re
 def test_simulate_setup_prices_adjusted_costs():
     """``adjust_costs`` reaches the simulation: identity changes nothing; on a plan that does not depend on
     the costs (``uniform``), a recompute at half the price takes exactly that off the backward computes."""
-    from lightning_roundpipe.analysis.own_engine import Setup, simulate_setup
-    from lightning_roundpipe.analysis.workload import PublishedRun, Workload
+    from roundpipe_lab.analysis.own_engine import Setup, simulate_setup
+    from roundpipe_lab.analysis.workload import PublishedRun, Workload
     from lightning_roundpipe.cost.hardware import load_hardware
     from lightning_roundpipe.cost.transformer import ModelShape
 
@@ -421,7 +421,7 @@ def test_the_simulated_backward_computes_stop_early_by_the_priced_seconds():
 
 
 def test_an_early_stopping_setup_needs_compiled_layers():
-    from lightning_roundpipe.analysis.own_engine import Setup
+    from roundpipe_lab.analysis.own_engine import Setup
 
     with pytest.raises(ValueError, match="early_stop is a compiled graph: it needs compiled_layers=True"):
         Setup(early_stop=True)

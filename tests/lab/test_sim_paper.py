@@ -1,4 +1,4 @@
-"""``python -m lightning_roundpipe.sim paper``: its rows, their JSON schema, and the reference's figures."""
+"""``python -m roundpipe_lab.sim paper``: its rows, their JSON schema, and the reference's figures."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_roundpipe.analysis import paper
-from lightning_roundpipe.analysis.cli import main
-from lightning_roundpipe.analysis.own_engine import Setup, SetupResult
+from roundpipe_lab.analysis import paper
+from roundpipe_lab.analysis.cli import main
+from roundpipe_lab.analysis.own_engine import Setup, SetupResult
 from lightning_roundpipe.cost.hardware import load_hardware
 
 SYSTEMS = ["reference (measured)", "reference (simulated)", "ours: defaults", "ours: best exact",

@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_roundpipe.analysis import own_engine, paper
-from lightning_roundpipe.analysis.exact_gap import PARTS, step_breakdown
-from lightning_roundpipe.analysis.own_engine import Setup, engine_estimate, simulate_setup
-from lightning_roundpipe.analysis.workload import PublishedRun, Workload
+from roundpipe_lab.analysis import own_engine, paper
+from roundpipe_lab.analysis.exact_gap import PARTS, step_breakdown
+from roundpipe_lab.analysis.own_engine import Setup, engine_estimate, simulate_setup
+from roundpipe_lab.analysis.workload import PublishedRun, Workload
 from lightning_roundpipe.cost.hardware import load_hardware
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.cost.transformer import ModelShape
@@ -107,7 +107,7 @@ def test_best_exact_tries_the_planners_partition():
 
 
 def test_breakdown_table_prints_every_part(monkeypatch, capsys):
-    from lightning_roundpipe.analysis import exact_gap
+    from roundpipe_lab.analysis import exact_gap
 
     parts = dict(zip(PARTS, (16.15, 0.53, 0.37, 0.86, 0.29)))
     monkeypatch.setattr(exact_gap, "breakdown_rows", lambda model: [

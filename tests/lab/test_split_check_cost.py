@@ -3,7 +3,7 @@ microbatches' rows; printed at a Qwen3-1.7B shape for the report."""
 
 import pytest
 
-from lightning_roundpipe.cost.split_check import HOST_FP32_FLOPS, forward_flops_per_token, split_check_seconds
+from roundpipe_lab.analysis.split_check import HOST_FP32_FLOPS, forward_flops_per_token, split_check_seconds
 from lightning_roundpipe.cost.transformer import get_model_shape
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_roundpipe.analysis import cli
+from roundpipe_lab.analysis import cli
 from lightning_roundpipe.cost.hardware import load_hardware
 from lightning_roundpipe.cost.machine import DetectedMachine
 from lightning_roundpipe.cost.memory import (DEFAULT_UNDO_JOURNAL_BYTES, DOWNLOAD_POOL_CAP_BYTES,

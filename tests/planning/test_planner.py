@@ -13,7 +13,7 @@ from lightning_roundpipe.cost.memory import host_bytes
 from lightning_roundpipe.cost.transformer import get_model_shape, preset_costs
 from lightning_roundpipe.planning.capacity import plan_training
 from lightning_roundpipe.sim.__main__ import main
-from lightning_roundpipe.analysis.compare import compare_schedules, paper_table
+from roundpipe_lab.analysis.compare import compare_schedules, paper_table
 from lightning_roundpipe.planning.capacity import SEQ_QUANTUM, longest_seq_len
 from lightning_roundpipe.planning.fit import fit_problems
 
@@ -115,7 +115,7 @@ def test_cli_paper_prints_a_markdown_table(capsys):
 
 
 def test_module_entry_point_runs():
-    proc = subprocess.run([sys.executable, "-m", "lightning_roundpipe.sim", "plan", "--model", "qwen3-0.6b",
+    proc = subprocess.run([sys.executable, "-m", "lightning_roundpipe.plan", "--model", "qwen3-0.6b",
                            "--hardware", "cpu2", "--seq-len", "256", "--microbatches", "2", "--no-max-seq"],
                           capture_output=True, text=True, timeout=110)
     assert proc.returncode in (0, 1), proc.stderr
