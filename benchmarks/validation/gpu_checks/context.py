@@ -7,6 +7,8 @@ import time
 
 import torch
 
+import roundpipe_lab  # noqa: F401  (registers the lab's fake_cuda backend, chosen by name off a GPU)
+
 
 VERDICTS = ("pass", "fail", "skip")
 TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
