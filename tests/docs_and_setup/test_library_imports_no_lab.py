@@ -2,7 +2,8 @@
 
 Statically (no module under ``src/lightning_roundpipe`` names the lab, lazily or not) and at run time (a
 fresh process that fits a model with the strategy and runs the planner's command has no lab module
-loaded). The lab's backends arrive by name only: through ``register_backend`` or an entry point.
+loaded). The lab's backends arrive by name only: through ``register_backend`` or an entry point, loaded
+the first time its name is asked for.
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ def test_the_scan_sees_a_lazy_import_of_the_lab(tmp_path):
     assert lab_imports(pkg) == ["lightning_roundpipe/a.py:2", "lightning_roundpipe/b.py:1"]
 
 
-def run_python(code: str, timeout: float) -> subprocess.CompletedProcess:
+def run_python(code: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
     """``code`` in a fresh interpreter on this checkout's src/ (not the installed copy), from the repository root."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO / "tests")]))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 FIT_AND_PLAN = """
@@ -98,55 +99,51 @@ assert fits == 0 and old == 0, (fits, old, out.getvalue())
 assert "Verdict: fits" in out.getvalue(), out.getvalue()
 assert "| host bytes per parameter |" in out.getvalue(), out.getvalue()
 print("LAB", sorted(m for m in sys.modules if m.split(".")[0] == "roundpipe_lab"))
-"""
 
-
-@pytest.mark.timeout(180)
-def test_a_fit_and_a_plan_load_no_lab_module():
-    run = run_python(FIT_AND_PLAN, timeout=170)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip().splitlines()[-1] == "LAB []", run.stdout[-2000:]
-
-
-UNKNOWN_THEN_ENTRY_POINT = """
-import sys
+# Then the lab's backend by name: an entry point (a dist-info advertising it, as pyproject's do) loads it.
 from lightning_roundpipe.workers import backend_class, known_backends
-try:
-    backend_class("fake_cuda")
-except ValueError as err:
-    print("ERROR", err)
-else:
-    raise AssertionError("fake_cuda was known without the lab")
-assert "roundpipe_lab" not in sys.modules
-sys.path.insert(0, sys.argv[1])  # a dist-info advertising the lab's backends, as pyproject's entry points do
-print("KNOWN", known_backends())
+sys.path.insert(0, sys.argv[1])
+print("KNOWN", known_backends(), "roundpipe_lab" in sys.modules)
 pool = backend_class("fake_cuda")
 print("LOADED", pool.__module__, pool.__name__, pool.backend, "roundpipe_lab" in sys.modules)
 """
 
 
-@pytest.mark.timeout(120)
-def test_an_unknown_backend_names_the_known_ones_and_an_entry_point_brings_the_lab(tmp_path):
-    # pyproject's entry points, as an installed checkout has them: a dist-info of its own here, so the test
-    # reads this checkout's table whatever the environment's install predates.
+def advertise_the_lab(folder: Path) -> Path:
+    """A dist-info in ``folder`` with this checkout's ``lightning_roundpipe.backends`` entry points (pyproject's),
+    as an installed checkout has them, whatever the environment's own install predates."""
     table = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["lightning_roundpipe.backends"]
     assert table == {"fake_cuda": "roundpipe_lab.fake_cuda.pool:FakeCudaWorkerPool",
                      "emulated": "roundpipe_lab.fake_cuda.emulated:EmulatedWorkerPool"}
-    info = tmp_path / "roundpipe_lab_entry_points-0.dist-info"
+    info = folder / "roundpipe_lab_entry_points-0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: roundpipe-lab-entry-points\nVersion: 0\n")
     (info / "entry_points.txt").write_text("[lightning_roundpipe.backends]\n"
                                            + "".join(f"{name} = {target}\n" for name, target in table.items()))
-    code = textwrap.dedent(UNKNOWN_THEN_ENTRY_POINT)
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=110)
+    return folder
+
+
+@pytest.mark.timeout(180)
+def test_a_fit_and_a_plan_load_no_lab_module_until_a_lab_backend_is_named(tmp_path):
+    run = run_python(FIT_AND_PLAN, str(advertise_the_lab(tmp_path)), timeout=170)
     assert run.returncode == 0, run.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in run.stdout.strip().splitlines())
-    assert lines["ERROR"].startswith("unknown worker backend 'fake_cuda': use one of cpu, cuda")
-    assert "import roundpipe_lab" in lines["ERROR"] and "pip install -e ." in lines["ERROR"]
-    assert "'emulated', 'fake_cuda'" in lines["KNOWN"]
+    lines = dict(line.split(" ", 1) for line in run.stdout.strip().splitlines() if line.startswith(("LAB", "KNOWN", "LOADED")))
+    assert lines["LAB"] == "[]", run.stdout[-2000:]
+    assert lines["KNOWN"] == "('cpu', 'cuda', 'emulated', 'fake_cuda') False"  # named by the entry points, not loaded
     assert lines["LOADED"] == "roundpipe_lab.fake_cuda.pool FakeCudaWorkerPool fake_cuda True"
+
+
+def test_an_unknown_backend_names_the_known_ones_and_the_lab():
+    from lightning_roundpipe.workers.backends import BackendRegistry
+
+    bare = BackendRegistry(group="lightning_roundpipe.no_such_group")  # as a library installed without the lab
+    with pytest.raises(ValueError) as err:
+        bare.pool_class("fake_cuda")
+    assert str(err.value) == (
+        "unknown worker backend 'fake_cuda': use one of cpu, cuda; the lab's fake drivers ('fake_cuda', 'emulated') "
+        "come with this repository's second package, roundpipe_lab: install the repository (pip install -e .) or "
+        "`import roundpipe_lab` first")
+    assert bare.pool_class("cpu").backend == "cpu" and bare.known() == ("cpu", "cuda")
 
 
 def test_registering_a_backend():

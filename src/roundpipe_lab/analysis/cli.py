@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hardware, assumed = machine_of(args)
         model = model_of(args, assumed) if hasattr(args, "model") else None
         if args.command == "compare" and model.quantization:
-            assumed.append(f"model {model.name}: compare prices the base unpacked (the planner prices its "
+            assumed.append(f"model {model.name}: compare prices the base unpacked (sim plan prices its "
                            f"{model.quantization} base)")
         for line in assumed:
             print(f"Assumed: {line}")
