@@ -74,20 +74,20 @@ class BackendRegistry:
         raise ValueError(f"unknown worker backend {backend!r}: use one of {', '.join(known)}{lab}")
 
 
-BACKENDS = BackendRegistry()
+REGISTRY = BackendRegistry()
 """The process's registry: ``make_pool`` and the runtime read it."""
 
 
 def register_backend(name: str, pool_class: type[WorkerPool]) -> None:
     """Make ``backend=name`` build ``pool_class`` everywhere in this process (``BackendRegistry.register``)."""
-    BACKENDS.register(name, pool_class)
+    REGISTRY.register(name, pool_class)
 
 
 def known_backends() -> tuple[str, ...]:
     """Every backend name this process accepts now (``BackendRegistry.known``)."""
-    return BACKENDS.known()
+    return REGISTRY.known()
 
 
 def backend_class(backend: str) -> type[WorkerPool]:
     """The pool class of a backend name (``BackendRegistry.pool_class``)."""
-    return BACKENDS.pool_class(backend)
+    return REGISTRY.pool_class(backend)
