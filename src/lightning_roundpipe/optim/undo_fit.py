@@ -56,4 +56,4 @@ def undo_fit_message(optimizer: torch.optim.Optimizer, journal_bytes: int | None
             f"undo journal ({journal / GiB:.1f} GiB) exceed the {available / GiB:.1f} GiB this host has available: "
             "training will run out of host memory in its first steps; the journal can shrink "
             "(optimizer_undo_journal_bytes=0 keeps the undo exact with no copy) but the state itself does not fit: "
-            "train fewer parameters (LoRA) or use a bigger host (python -m lightning_roundpipe.plan prices it)")
+            "train fewer parameters (LoRA) or use a bigger host (python -m lightning_roundpipe.sim plan prices it)")
