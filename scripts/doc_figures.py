@@ -65,9 +65,9 @@ def shown_output(argv: list[str]) -> Callable[[], str]:
 # The documented command of each figure; docs/planning.md shows this one just above its block.
 FIGURES: dict[str, Callable[[], str]] = {
     "sim-plan-qwen3-8b-rtx4090": shown_output(
-        ["-m", "lightning_roundpipe.sim", "plan", "--model", "qwen3-8b", "--hardware", "rtx4090"]),
+        ["-m", "lightning_roundpipe.plan", "--model", "qwen3-8b", "--hardware", "rtx4090"]),
     # The memory model's host bytes per parameter, a Markdown table (docs/limitations.md, docs/finetune.md).
-    "host-bytes-per-param": lambda: command_output(["-m", "lightning_roundpipe.sim", "host-bytes"]) + "\n",
+    "host-bytes-per-param": lambda: command_output(["-m", "lightning_roundpipe.plan", "--host-bytes"]) + "\n",
 }
 
 RUN_DIR_SHOWN = "outputs/<date>/<time>"  # the run directory as a measured block shows it

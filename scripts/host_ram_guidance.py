@@ -1,6 +1,6 @@
 """Write the host-RAM guidance of the configs and docs from the simulator, so it cannot disagree with it.
 
-Every figure is what ``python -m lightning_roundpipe.sim plan`` prints as "Host memory: X GiB
+Every figure is what ``python -m lightning_roundpipe.plan`` prints as "Host memory: X GiB
 needed" for the command written next to it (8x RTX 4090, the experiments' 4096-token sequences
 and 16 microbatches). Generated text: the ``# Host RAM`` line of each ``conf/model`` and
 ``conf/experiment`` file named below, and the table between the ``host-ram`` markers of
@@ -52,17 +52,17 @@ EXPERIMENTS = {"qwen3_8b_lora_8gpu": ("qwen3-8b", 16), "llama3_1_8b_full_8gpu": 
 def plan_command(preset: str, lora_rank: int | None) -> list[str]:
     """The ``sim plan`` arguments a figure comes from."""
     lora = ["--lora-rank", str(lora_rank)] if lora_rank else []
-    return ["plan", "--model", preset, "--hardware", HARDWARE, *SETTINGS, *lora]
+    return ["--model", preset, "--hardware", HARDWARE, *SETTINGS, *lora]
 
 
 def shown(argv: list[str]) -> str:
-    return "python -m lightning_roundpipe.sim " + " ".join(argv)
+    return "python -m lightning_roundpipe.plan " + " ".join(argv)
 
 
 @lru_cache(maxsize=None)
 def host_gib(preset: str, lora_rank: int | None) -> str:
     """The "Host memory: X GiB needed" figure ``sim plan`` prints, as printed."""
-    from lightning_roundpipe.analysis.cli import main
+    from lightning_roundpipe.planning.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

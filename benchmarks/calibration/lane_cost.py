@@ -37,6 +37,7 @@ if __package__ in (None, ""):
 from benchmarks.harness import cli, markdown_table, write_json  # noqa: E402
 
 from lightning_roundpipe.workers import TaskLabel, make_pool  # noqa: E402
+import roundpipe_lab  # noqa: F401,E402  (registers the lab's fake_cuda backend, chosen by name below)
 
 
 def _device_work(seconds: float):

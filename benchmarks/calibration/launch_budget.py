@@ -90,6 +90,7 @@ def count_layer(model, tokens: int) -> tuple[int, int]:
 
 def host_step_seconds(model, microbatches: int, tokens: int, steps: int) -> float:
     from lightning_roundpipe import RoundPipeRuntime, RuntimeOptions
+    import roundpipe_lab  # noqa: F401  (registers the lab's fake_cuda backend, chosen by name below)
 
     rt = RoundPipeRuntime.attach(model, "fake_cuda", 1, RuntimeOptions(microbatches=microbatches, step_metrics=False))
     g = torch.Generator().manual_seed(0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from lightning_roundpipe.analysis.workload import Workload, simulate_workload
+from roundpipe_lab.analysis.workload import Workload, simulate_workload
 from lightning_roundpipe.cost.attention import attention_tflops_at
 from lightning_roundpipe.cost.hardware import load_hardware
 

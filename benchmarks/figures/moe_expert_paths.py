@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from benchmarks.harness import cli, markdown_table, write_json
-from lightning_roundpipe.analysis.workload import Workload, reference_plan, simulate_workload
+from roundpipe_lab.analysis.workload import Workload, reference_plan, simulate_workload
 from lightning_roundpipe.cost import moe_loop
 from lightning_roundpipe.cost.hardware import load_hardware
 from lightning_roundpipe.cost.transformer import get_model_shape

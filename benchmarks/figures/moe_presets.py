@@ -27,7 +27,7 @@ from lightning_roundpipe.cost.memory import host_bytes, roundpipe_gpu_bytes
 from lightning_roundpipe.cost.transformer import get_model_shape, shape_layer_costs
 from lightning_roundpipe.planning.capacity import DEFAULT_MEMORY_FRACTION
 from lightning_roundpipe.cost.hardware import load_hardware
-from lightning_roundpipe.analysis.workload import REFERENCE_PARTITIONS, Workload, reference_plan, simulate_workload
+from roundpipe_lab.analysis.workload import REFERENCE_PARTITIONS, Workload, reference_plan, simulate_workload
 
 MOE_PRESETS = ("qwen3-30b-a3b", "gpt-oss-20b", "qwen3-235b-a22b")
 GB = 1e9

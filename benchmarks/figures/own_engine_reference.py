@@ -4,7 +4,7 @@
                                               [--json own_engine_reference.json]
     python -m benchmarks.figures.own_engine_reference --quick [--json PATH]   # minutes: the configs only
 
-``--quick`` prints only the configurations of ``lightning_roundpipe.analysis.paper`` (every one on
+``--quick`` prints only the configurations of ``roundpipe_lab.analysis.paper`` (every one on
 the reference's partition, no plan search, two optimizer steps): ``reference_setup``,
 ``default``, ``best_exact`` and ``best_exact_reference_precision``, each with its tokens/s over
 the reference's measured figure; ``--json`` then holds ``rows`` of ``model``, ``config``,
@@ -17,7 +17,7 @@ forward-backward calls, 2048-token sequences):
    ``python -m benchmarks.validation.published_gpu`` simulates it);
 2. a waterfall from that setup to this engine's default, one cause at a time, each row the
    tokens/s after switching that cause and its share of the whole difference
-   (:func:`lightning_roundpipe.analysis.own_engine.waterfall`);
+   (:func:`roundpipe_lab.analysis.own_engine.waterfall`);
 3. what both designs pay in the simulation (kernel launches, the call barrier), as what the
    default would reach without each;
 4. this engine's best exact setup (partition policy, microbatches, calls per optimizer step
@@ -41,12 +41,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.harness import cli, write_json  # noqa: E402
-from lightning_roundpipe.analysis.own_engine import (best_setup, host_limit_tokens, inexact_variants, our_default,
+from roundpipe_lab.analysis.own_engine import (best_setup, host_limit_tokens, inexact_variants, our_default,
                                                  published_run, shared_costs, tasks_per_compute, waterfall)
 from lightning_roundpipe.cost.transformer import get_model_shape, shape_layer_costs
 from lightning_roundpipe.cost.hardware import load_hardware
-from lightning_roundpipe.analysis.paper import config_rows, model_rows
-from lightning_roundpipe.analysis.workload import PUBLISHED_RUNS
+from roundpipe_lab.analysis.paper import config_rows, model_rows
+from roundpipe_lab.analysis.workload import PUBLISHED_RUNS
 
 
 def describe(result) -> str:

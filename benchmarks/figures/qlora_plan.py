@@ -23,7 +23,7 @@ import argparse
 import dataclasses
 
 from benchmarks.figures.moe_presets import MEASURED
-from lightning_roundpipe.analysis.workload import Workload, reference_plan, simulate_workload
+from roundpipe_lab.analysis.workload import Workload, reference_plan, simulate_workload
 from lightning_roundpipe.cost.hardware import load_hardware
 from lightning_roundpipe.cost.machine import override_profile
 from lightning_roundpipe.cost.quantization import packed_costs

@@ -3,7 +3,7 @@
     python -m benchmarks.figures.scaling_plot [--hardware rtx4090] [--max-gpus 8] [--out docs/img/scaling_rtx4090.png]
 
 Simulates the published RoundPipe workloads of Qwen3-1.7B, Llama-3.1-8B and Qwen3-32B on 1..N
-GPUs (:func:`lightning_roundpipe.analysis.scaling.scaling_rows`), prints the table, and draws each
+GPUs (:func:`roundpipe_lab.analysis.scaling.scaling_rows`), prints the table, and draws each
 model's speedup over one GPU (solid: simulated; dots: measured by the reference on RTX 4090,
 where published) with the linear ideal dashed.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from lightning_roundpipe.analysis.scaling import scaling_markdown, scaling_rows
+from roundpipe_lab.analysis.scaling import scaling_markdown, scaling_rows
 
 MODELS = ("qwen3-1.7b", "llama-3.1-8b", "qwen3-32b")
 

@@ -4,7 +4,7 @@ For Qwen3-1.7B-, Llama-3.1-8B- and Qwen3-32B-shaped models (real layer counts, w
 ``--hidden``) on 1, 2, 4 and 8 emulated GPUs of a hardware profile (``--profile``, rtx4090 by
 default), the engine runs the reference workload (``analysis/workload.py`` PUBLISHED_RUNS:
 microbatches per call, calls per optimizer step, the reference's own stage partition) on the
-``emulated`` backend (``workers/emulated.py``): the real host code throughout (dispatch, lanes,
+``emulated`` backend (``roundpipe_lab/fake_cuda/emulated.py``): the real host code throughout (dispatch, lanes,
 completions, the overlapped exact optimizer with undo, gradient accumulation over calls, the
 fused loss), every stream task lasting the device time the calibrated cost model gives the real
 shape on the profile (in the profile's real time by default; ``--target-step-s`` or ``--time-scale``
@@ -40,6 +40,7 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.harness import cli, cpu_seconds_by_thread_name, load_line, markdown_table, run_info, write_json
+import roundpipe_lab  # noqa: F401,E402  (registers the lab's emulated backend, chosen by name below)
 
 MODELS = ("qwen3-1.7b", "llama-3.1-8b", "qwen3-32b")
 SEQ_TOKENS = 8  # tokens per sequence the scaled model really runs (the profile's time is for 2048)
@@ -178,7 +179,7 @@ _SIMULATED: dict = {}  # (model, profile, gpus) -> simulated(): a row and its la
 def engine_sim_config(workload):
     """The simulator's options for the engine on ``workload``: two optimizer steps of ``calls`` calls
     each, the optimizer lane's order (lowest layer first), SimConfig's defaults otherwise."""
-    from lightning_roundpipe.analysis.own_engine import ENGINE_OPTIMIZER_ORDER
+    from roundpipe_lab.analysis.own_engine import ENGINE_OPTIMIZER_ORDER
     from lightning_roundpipe.sim.simulate import SimConfig
 
     return SimConfig(steps=2 * workload.calls, accumulation=workload.calls, optimizer_order=ENGINE_OPTIMIZER_ORDER)
@@ -195,7 +196,7 @@ def simulated(model: str, hw, gpus: int):
 
 def simulate_reference(model: str, hw, gpus: int):
     """``simulated`` without the cache."""
-    from lightning_roundpipe.analysis.workload import PUBLISHED_RUNS, optimizer_step_period, reference_plan
+    from roundpipe_lab.analysis.workload import PUBLISHED_RUNS, optimizer_step_period, reference_plan
     from lightning_roundpipe.cost.transformer import get_model_shape, shape_layer_costs
     from lightning_roundpipe.sim.simulate import simulate_roundpipe
 
@@ -320,7 +321,7 @@ def launch_decision(row: dict, profile: str) -> dict:
     """
     from dataclasses import replace
 
-    from lightning_roundpipe.analysis.workload import optimizer_step_period
+    from roundpipe_lab.analysis.workload import optimizer_step_period
     from lightning_roundpipe.cost.hardware import load_hardware
     from lightning_roundpipe.sim.simulate import simulate_roundpipe
 

@@ -4,9 +4,9 @@
 
 For each model of the published 8x RTX 4090 table, simulates RoundPipe (one-step-stale
 optimizer) and RoundPipe-sync (synchronous optimizer, more accumulation) on the reference
-workload (:data:`lightning_roundpipe.analysis.workload.PUBLISHED_RUNS`) with the hardware profile's
+workload (:data:`roundpipe_lab.analysis.workload.PUBLISHED_RUNS`) with the hardware profile's
 physical constants and the reference's own stage partitions
-(:func:`~lightning_roundpipe.analysis.workload.reference_plan`; ``--planner``: this project's
+(:func:`~roundpipe_lab.analysis.workload.reference_plan`; ``--planner``: this project's
 planner's best plan instead), and prints predicted and measured tokens/s with the error of
 each figure. Every predicted number is simulated; the measured ones are the reference's.
 
@@ -31,10 +31,10 @@ import dataclasses
 
 from lightning_roundpipe.cost.transformer import get_model_shape, shape_layer_costs
 from lightning_roundpipe.cost.hardware import load_hardware
-from lightning_roundpipe.analysis.bound_schedules import simulate_bound
+from roundpipe_lab.analysis.bound_schedules import simulate_bound
 from lightning_roundpipe.sim.simulate import SimConfig
 from lightning_roundpipe.cost.physical import matmul_tflops
-from lightning_roundpipe.analysis.workload import PUBLISHED_RUNS, reference_plan, simulate_workload
+from roundpipe_lab.analysis.workload import PUBLISHED_RUNS, reference_plan, simulate_workload
 
 TARGET = 0.15  # the issue's bound on each figure's relative error
 BASELINE_TARGET = 0.25  # and on the bound baselines'

@@ -93,7 +93,7 @@ RUN_ELSEWHERE = {
     "validation.gpu_session": "tests/benchmark_scripts/test_gpu_session.py",
     "validation.gpu_validate": "tests/benchmark_scripts/test_gpu_validate_smoke.py",
     "validation.sim_validation": "tests/benchmark_scripts/test_figure_scripts.py",
-    "figures.own_engine_reference": "tests/sim/test_sim_paper.py",
+    "figures.own_engine_reference": "tests/lab/test_sim_paper.py",
     "figures.partition_transfer": "tests/benchmark_scripts/test_figure_scripts.py",
     "figures.qlora_plan": "tests/benchmark_scripts/test_qlora_plan_figures.py",
     "figures.quick_size_gap": "tests/benchmark_scripts/test_figure_scripts.py",

@@ -56,7 +56,7 @@ def test_layer_inputs_from_the_forward_skip_the_extra_pass():
 @pytest.mark.timeout(90)
 def test_the_reference_sweep_at_8k_and_64k_is_within_15_percent():
     from benchmarks.figures.long_sequence_throughput import SWEEP
-    from lightning_roundpipe.analysis.workload import Workload, simulate_workload
+    from roundpipe_lab.analysis.workload import Workload, simulate_workload
 
     for seq_len in (8192, 65536):
         sequences, grain, measured = SWEEP[seq_len]

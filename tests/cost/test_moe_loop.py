@@ -146,7 +146,7 @@ def test_the_simulator_issues_the_dispatch_launches_on_the_host():
 
 @pytest.mark.timeout(60)
 def test_gpt_oss_20b_with_the_reference_loop_is_within_25_percent_of_the_measurement():
-    from lightning_roundpipe.analysis.workload import Workload, reference_plan, simulate_workload
+    from roundpipe_lab.analysis.workload import Workload, reference_plan, simulate_workload
 
     plan = reference_plan("gpt-oss-20b")
     loop = simulate_workload("gpt-oss-20b", "rtx4090", Workload(128, 16, 1), plan=plan).tokens_per_s

@@ -29,7 +29,7 @@ PAGES = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
 SHELL_BLOCKS = {"bash", "sh", "console", "shell"}
 SHRINK = "trainer.max_steps=2"  # what the pages show next to the job commands they document
 COMMAND_TIMEOUT_S = 400
-FIGURE_COMMANDS = {"python -m lightning_roundpipe.sim plan --model qwen3-8b --hardware rtx4090"}
+FIGURE_COMMANDS = {"python -m lightning_roundpipe.plan --model qwen3-8b --hardware rtx4090"}
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def classify(line: str) -> Decision:
         return Decision("skip", reason="several machines and the user's own train.py (tests/distributed run it on localhost)")
     if words[:2] == ["python", "examples/finetune.py"]:
         return job(words[2:])
-    if words[:3] == ["python", "-m", "lightning_roundpipe.sim"]:
+    if words[:2] == ["python", "-m"] and words[2] in ("lightning_roundpipe.plan", "lightning_roundpipe.sim", "roundpipe_lab.sim"):
         if any(w.startswith("/models/") for w in words):  # tests/planning/test_sim_plan_inputs.py runs it on a generated one
             return Decision("skip", reason="the reader's own downloaded model directory")
         return Decision("run", tuple(words))
@@ -132,10 +132,10 @@ def test_the_extractor_finds_commands_in_every_kind_of_block(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("text\n```bash\nmake run   # set up\n# a comment\npython a.py x=1 \\\n  y=2\n```\n"
                     "```console\n$ python -m foo --bar\n```\n```python\nx = 1\n```\n```text\n$ hf download m\n"
-                    "python -m lightning_roundpipe.sim paper\nnot a command\n```\n")
+                    "python -m roundpipe_lab.sim paper\nnot a command\n```\n")
     found = [c.line for c in documented_commands((page,))]
     assert found == ["make run", "python a.py x=1 y=2", "python -m foo --bar", "hf download m",
-                     "python -m lightning_roundpipe.sim paper"]
+                     "python -m roundpipe_lab.sim paper"]
 
 
 def test_every_documented_command_is_classified():
@@ -161,12 +161,12 @@ def test_the_classifier_shrinks_jobs_and_refuses_downloads():
     assert classify("python examples/finetune.py experiment=qwen3_8b_lora_8gpu model.path=/m").kind == "skip"
     assert classify("python examples/finetune.py data=chat_tiny data.text_path=/data/sft.jsonl").kind == "skip"
     assert classify("python examples/finetune.py ckpt_path=outputs/<date>/<time>/last.ckpt").kind == "skip"
-    assert classify("python -m lightning_roundpipe.sim plan --model /models/Qwen3-8B --gpus 2").kind == "skip"
+    assert classify("python -m lightning_roundpipe.plan --model /models/Qwen3-8B --gpus 2").kind == "skip"
     assert classify("python -m benchmarks.validation.sim_validation --json x.json").argv[-1] == "--quick"
     assert classify("timeout 590 python -m benchmarks.validation.gpu_session --budget 480 --out d").kind == "skip"
     assert classify("python -m benchmarks.validation.gpu_session --device fake_cuda --quick --out d").kind == "run"
-    assert classify("python -m lightning_roundpipe.sim compare --model m [--microbatches 32]").argv == (
-        "python", "-m", "lightning_roundpipe.sim", "compare", "--model", "m")
+    assert classify("python -m roundpipe_lab.sim compare --model m [--microbatches 32]").argv == (
+        "python", "-m", "roundpipe_lab.sim", "compare", "--model", "m")
 
 
 @pytest.mark.doc_commands  # about 38 commands, most of them a 2-step job: about 20 minutes on 2 cores

@@ -48,7 +48,7 @@ def test_every_figure_is_used_and_planning_shows_the_plan_command():
     used = {name for page in script.PAGES for name, _ in script.blocks(page.read_text())}
     assert used == set(script.FIGURES) | set(script.MEASURED)
     planning = (REPO / "docs" / "planning.md").read_text()
-    command = "python -m lightning_roundpipe.sim plan --model qwen3-8b --hardware rtx4090\n"
+    command = "python -m lightning_roundpipe.plan --model qwen3-8b --hardware rtx4090\n"
     assert planning.index(command) < planning.index("<!-- figures:sim-plan-qwen3-8b-rtx4090 -->")
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_roundpipe.sim.__main__ import main
+from lightning_roundpipe.planning.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ def test_a_committed_figure_is_what_its_command_prints(capsys):
     line = next(l for l in (REPO / "conf" / "model" / "qwen3_0_6b.yaml").read_text().splitlines()
                 if l.startswith("# Host RAM"))
     figure = re.search(r": ([0-9.]+ GiB) for full fine-tuning", line).group(1)
-    command = shlex.split(line.split("yours: python -m lightning_roundpipe.sim ")[1].split(" [")[0])
+    command = shlex.split(line.split("yours: python -m lightning_roundpipe.plan ")[1].split(" [")[0])
     assert main(command) == 0
     assert f"Host memory: {figure} needed" in capsys.readouterr().out
     assert f"| `qwen3_0_6b` | 0.6B | 1+ of 8 GB | {figure} / " in (REPO / "docs" / "finetune.md").read_text()

@@ -4,11 +4,11 @@ The allowed imports are read from that section's table, so the page and this tes
 apart. Imports are read with ``ast`` from every module of ``src/lightning_roundpipe`` (those inside
 functions too, so a lazy import cannot hide an arrow). A package's ``__main__.py`` is a command,
 not a layer (nothing imports it): it may reach any layer, as ``python -m lightning_roundpipe.sim``
-reaches ``analysis``.
+reaches ``planning``. The lab (``src/roundpipe_lab``) is outside the package: test_library_imports_no_lab.py.
 
 Run as a script to print the figures of issue 21 for a source tree:
 ``python tests/docs_and_setup/test_import_layers.py [SRC_DIR]`` prints the import arrows that point up the
-model stack (schedule < cost < sim < planning < analysis) and the package cycles.
+model stack (schedule < cost < sim < planning) and the package cycles.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(60)
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = "lightning_roundpipe"
-MODEL_STACK = ("schedule", "cost", "sim", "planning", "analysis")  # bottom to top
+MODEL_STACK = ("schedule", "cost", "sim", "planning")  # bottom to top (the lab's analysis sits above, outside)
 ROOT = "(root)"  # the package's own __init__.py
 
 
@@ -208,12 +208,12 @@ def test_the_counts_see_an_upward_arrow_and_a_cycle(tmp_path):
     assert package_cycles(arrows) == [["cost", "sim"]]
 
 
-def test_the_simulator_command_reaches_the_analysis_layer_through_its_main_only():
+def test_the_old_simulator_command_reaches_the_planner_through_its_main_only():
     imports = module_imports(SRC)
-    assert imports[f"{PACKAGE}.sim.__main__"] == {f"{PACKAGE}.analysis.cli"}
-    reaching = sorted(m for m, targets in imports.items() if any(t.startswith(f"{PACKAGE}.analysis") for t in targets)
-                      and part_of(m) != "analysis")
-    assert reaching == [f"{PACKAGE}.sim.__main__"]  # nothing in the training path imports the analysis layer
+    assert imports[f"{PACKAGE}.sim.__main__"] == {f"{PACKAGE}.planning.cli"}
+    assert imports[f"{PACKAGE}.plan"] == {f"{PACKAGE}.planning.cli"}
+    reaching = sorted(m for m, targets in imports.items() if f"{PACKAGE}.planning.cli" in targets)
+    assert reaching == [f"{PACKAGE}.plan", f"{PACKAGE}.sim.__main__"]  # the two commands, nothing in the training path
 
 
 if __name__ == "__main__":

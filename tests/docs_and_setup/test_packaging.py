@@ -28,6 +28,16 @@ def test_wheel_ships_the_hardware_profiles(wheel):
     assert not any(n.startswith(("tests/", "benchmarks/", "conf/")) for n in names)
 
 
+def test_wheel_ships_the_lab_beside_the_library_with_its_backends_by_name(wheel):
+    archive = zipfile.ZipFile(wheel)
+    names = archive.namelist()
+    assert "roundpipe_lab/fake_cuda/pool.py" in names and "roundpipe_lab/analysis/cli.py" in names
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    text = archive.read(entry_points).decode()
+    assert ("[lightning_roundpipe.backends]\nemulated = roundpipe_lab.fake_cuda.emulated:EmulatedWorkerPool\n"
+            "fake_cuda = roundpipe_lab.fake_cuda.pool:FakeCudaWorkerPool\n") in text, text
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)  # the planning command itself searches partitions for about a minute on a loaded CPU
 def test_installed_wheel_plans_from_another_folder(wheel, tmp_path):
@@ -50,7 +60,7 @@ def test_installed_wheel_plans_from_another_folder(wheel, tmp_path):
     assert found.returncode == 0, found.stderr[-3000:]
     where = found.stdout.strip()
     assert where.startswith(str(site)), where  # the wheel's copy, not the checkout
-    run = subprocess.run([str(python), "-m", "lightning_roundpipe.sim", "plan", "--model", "qwen3-8b", "--hardware",
+    run = subprocess.run([str(python), "-m", "lightning_roundpipe.plan", "--model", "qwen3-8b", "--hardware",
                           "rtx4090"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=100)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "rtx4090" in run.stdout and "qwen3-8b" in run.stdout.lower()

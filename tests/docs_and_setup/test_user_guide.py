@@ -101,11 +101,11 @@ def test_the_measured_summary_has_the_lines_the_committed_block_has():
 
 
 def test_planning_lists_every_model_preset_and_every_plan_flag(capsys):
-    from lightning_roundpipe.analysis.cli import build_parser
+    from lightning_roundpipe.planning.cli import build_parser
     from lightning_roundpipe.cost.transformer import MODEL_PRESETS
 
     page = (DOCS / "planning.md").read_text()
-    plan = build_parser()._subparsers._group_actions[0].choices["plan"]
+    plan = build_parser()
     flags = {option for action in plan._actions for option in action.option_strings
              if option.startswith("--") and option not in ("--help", "--num-gpus")}
     assert "--detect" in flags and "--quantize" in flags

@@ -20,7 +20,7 @@ from torch import nn
 from _models import weight_error
 from _qlora_models import QLoraLM, bnb_qlora_model, fit, floor, nf4_model, trainable
 from lightning_roundpipe import RoundPipeStrategy
-from lightning_roundpipe.workers import cuda as cuda_backend
+from roundpipe_lab.fake_cuda import pool as cuda_backend
 
 FLOORS = {("llama", "sgd"): 2.68e-5, ("llama", "adamw"): 4.93e-6, ("qwen3", "sgd"): 1.47e-5,
           ("qwen3", "adamw"): 9.41e-6, ("nf4", "sgd"): 1.25e-6, ("nf4", "adamw"): 9.66e-6}
@@ -382,7 +382,7 @@ class NotInstalled:
             raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
 sys.meta_path.insert(0, NotInstalled())
 import lightning_roundpipe, lightning_roundpipe.runtime, lightning_roundpipe.params.packed
-import lightning_roundpipe.workers.residency, lightning_roundpipe.workers.cuda
+import roundpipe_lab.fake_cuda.residency, lightning_roundpipe.workers.cuda
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=100,

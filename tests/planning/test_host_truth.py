@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_roundpipe.analysis import cli
+from lightning_roundpipe.planning import cli
 from lightning_roundpipe.cost.hardware import load_hardware
 from lightning_roundpipe.cost.machine import DetectedMachine
 from lightning_roundpipe.cost.memory import (DEFAULT_UNDO_JOURNAL_BYTES, DOWNLOAD_POOL_CAP_BYTES,
@@ -23,7 +23,7 @@ from lightning_roundpipe.planning.fit import fit_problems, host_headroom_bytes, 
 
 GiB = 2**30
 REPO = Path(__file__).resolve().parents[2]
-ISSUE_COMMAND = ["plan", "--model", "llama-3.1-8b", "--hardware", "rtx4090", "--host-memory", "192GB", "--no-max-seq"]
+ISSUE_COMMAND = ["--model", "llama-3.1-8b", "--hardware", "rtx4090", "--host-memory", "192GB", "--no-max-seq"]
 # The issue's command fits since bf16 uploads' gradients are downloaded in bf16 (item 4); these answers
 # that do not fit are read on 176 GB instead (the same model and plan, less RAM).
 TIGHT_COMMAND = ISSUE_COMMAND[:-2] + ["176GB", "--no-max-seq"]
@@ -129,13 +129,13 @@ def test_the_advice_lists_every_option_that_fits_with_its_figures(llama_on_176gb
 
 def test_the_default_source_is_the_profile_and_detect_says_so(monkeypatch, capsys):
     hw = load_hardware("rtx4090")
-    args = cli.build_parser().parse_args(["plan", "--model", "qwen3-8b", "--hardware", "rtx4090"])
+    args = cli.build_parser().parse_args(["--model", "qwen3-8b", "--hardware", "rtx4090"])
     assert cli.host_memory_source(args, hw) == "the rtx4090 profile, not your machine: pass --host-memory or --detect"
-    args = cli.build_parser().parse_args(["plan", "--model", "qwen3-8b", "--detect"])
+    args = cli.build_parser().parse_args(["--model", "qwen3-8b", "--detect"])
     assert cli.host_memory_source(args, hw).startswith("--detect")
     monkeypatch.setattr(cli, "detect_machine", lambda: DetectedMachine(0, None, None, 64 * GiB, 4))
     # Qwen3-32B full fine-tuning on 64 GiB: does not fit, so no simulation runs
-    assert cli.main(["plan", "--model", "qwen3-32b", "--detect", "--no-max-seq", "--microbatches", "8"]) == 1
+    assert cli.main(["--model", "qwen3-32b", "--detect", "--no-max-seq", "--microbatches", "8"]) == 1
     out = capsys.readouterr().out
     assert "Host RAM assumed: 64.0 GiB, from --detect (this machine's RAM" in out
     assert "8.0 GiB kept free" in out and "56.0 GiB usable for training" in out
@@ -145,7 +145,7 @@ def test_the_default_source_is_the_profile_and_detect_says_so(monkeypatch, capsy
 def test_every_reason_is_named_host_and_gpu(capsys):
     # LoRA at 131,072 tokens on 256 GiB: one layer per stage overflows the GPUs and, with its saved
     # stage inputs, the host too; coarser backward stages would keep less on the host but need more GPU.
-    assert cli.main(["plan", "--model", "llama-3.1-8b", "--hardware", "rtx4090", "--host-memory", "256",
+    assert cli.main(["--model", "llama-3.1-8b", "--hardware", "rtx4090", "--host-memory", "256",
                      "--lora-rank", "16", "--seq-len", "131072", "--no-max-seq"]) == 1
     out = capsys.readouterr().out
     assert "Verdict: does not fit (host memory, GPU memory)" in out

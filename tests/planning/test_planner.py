@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +15,8 @@ from lightning_roundpipe.cost.memory import host_bytes
 from lightning_roundpipe.cost.transformer import get_model_shape, preset_costs
 from lightning_roundpipe.planning.capacity import plan_training
 from lightning_roundpipe.sim.__main__ import main
-from lightning_roundpipe.analysis.compare import compare_schedules, paper_table
+from roundpipe_lab.analysis.cli import main as lab_main  # the lab's studies (compare, small-steps)
+from roundpipe_lab.analysis.compare import compare_schedules, paper_table
 from lightning_roundpipe.planning.capacity import SEQ_QUANTUM, longest_seq_len
 from lightning_roundpipe.planning.fit import fit_problems
 
@@ -104,7 +107,7 @@ def test_cli_plan_fits_and_does_not_fit(capsys):
 
 
 def test_cli_paper_prints_a_markdown_table(capsys):
-    assert main(["small-steps", "--models", "qwen3-0.6b", "--microbatches", "8"]) == 0
+    assert lab_main(["small-steps", "--models", "qwen3-0.6b", "--microbatches", "8"]) == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("| model "))
     assert [c.strip() for c in header.split("|")[1:6]] == ["model", "RoundPipe", "GPipe+offload", "1F1B+offload",
@@ -116,9 +119,10 @@ def test_cli_paper_prints_a_markdown_table(capsys):
 
 @pytest.mark.slow  # a fresh interpreter (about 6 s); test_doc_figures runs `python -m lightning_roundpipe.sim plan` by default
 def test_module_entry_point_runs():
-    proc = subprocess.run([sys.executable, "-m", "lightning_roundpipe.sim", "plan", "--model", "qwen3-0.6b",
+    proc = subprocess.run([sys.executable, "-m", "lightning_roundpipe.plan", "--model", "qwen3-0.6b",
                            "--hardware", "cpu2", "--seq-len", "256", "--microbatches", "2", "--no-max-seq"],
-                          capture_output=True, text=True, timeout=110)
+                          capture_output=True, text=True, timeout=110,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")})  # this checkout
     assert proc.returncode in (0, 1), proc.stderr
     assert "Verdict:" in proc.stdout and "cpu2" in proc.stdout
 

@@ -18,6 +18,7 @@ from lightning_roundpipe.planning.advice import RunSettings, alternatives
 from lightning_roundpipe.planning.capacity import DEFAULT_MEMORY_FRACTION, plan_training
 from lightning_roundpipe.planning.fit import fit_problems, host_headroom_bytes, model_costs
 from lightning_roundpipe.sim.__main__ import main
+from roundpipe_lab.analysis.cli import main as lab_main  # the lab's studies (compare, small-steps)
 
 GiB = 2**30
 FAST = ["--hardware", "rtx4090", "--seq-len", "512", "--microbatches", "8", "--no-max-seq"]
@@ -75,7 +76,7 @@ def test_sim_plan_prices_the_configs_nf4_base_as_quantize_nf4(tmp_path, capsys):
     assert status == 0 and "q4 (0.00B parameters), LoRA rank 8 (q, k, v, o) on a 4-bit NF4 base, on rtx4090" in attention.out
     assert [l for l in attention.out.splitlines() if l.startswith("Assumed: model q4 from")][0].endswith(
         "tied embeddings, nf4 base, LoRA on the attention only")
-    assert main(["compare", "--model", str(folder), "--hardware", "rtx4090", "--gpus", "2", "--seq-len", "512"]) == 0
+    assert lab_main(["compare", "--model", str(folder), "--hardware", "rtx4090", "--gpus", "2", "--seq-len", "512"]) == 0
     assert "Assumed: model q4: compare prices the base unpacked (sim plan prices its nf4 base)\n" in capsys.readouterr().out
     status, refused = lines("--model", str(folder))
     assert status == 2 and refused.err == ("error: a packed nf4 base is frozen: give --lora-rank (QLoRA), or "

@@ -10,7 +10,7 @@ import pytest
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.schedule.dispatch_order import SCHEDULES
 from lightning_roundpipe.schedule.plan import Plan, PlanError
-from lightning_roundpipe.analysis.bound_schedules import bound_order, simulate_bound
+from roundpipe_lab.analysis.bound_schedules import bound_order, simulate_bound
 from lightning_roundpipe.cost.hardware import HardwareProfile, available_hardware, load_hardware
 from lightning_roundpipe.cost.memory import roundpipe_gpu_bytes
 from lightning_roundpipe.cost.transformer import get_model_shape, preset_costs, transformer_layer_costs

@@ -9,7 +9,7 @@ from lightning_roundpipe.cost.compiled import (FUSED_BACKWARD_LAUNCHES, FUSED_FO
                                                fused_elementwise_bytes_per_token)
 from lightning_roundpipe.cost.hardware import HardwareProfile, load_hardware
 from lightning_roundpipe.cost.host_update import UNDO_BYTES_PER_PARAM, update_seconds
-from lightning_roundpipe.cost.precision import check_precision, fp16_accumulation, loss_scaled
+from roundpipe_lab.analysis.precision import check_precision, fp16_accumulation, loss_scaled
 from lightning_roundpipe.cost.profile import CostProfile, LayerCost
 from lightning_roundpipe.cost.transformer import ModelShape, elementwise_bytes_per_token, get_model_shape, shape_layer_costs
 from lightning_roundpipe.cost.view import CostView

@@ -57,7 +57,7 @@ def test_undo_copy_by_hand():
 def test_loss_scaled_steps_by_hand():
     """fp16's loss scaler: with the undo, layers step early as in bf16 (the undo puts them back on overflow);
     without it, every gradient is checked before any layer steps."""
-    from lightning_roundpipe.cost.precision import waits_for_every_gradient
+    from roundpipe_lab.analysis.precision import waits_for_every_gradient
 
     assert not waits_for_every_gradient("fp16-acc", undo=True) and waits_for_every_gradient("16-mixed", undo=False)
     assert not waits_for_every_gradient("bf16-mixed", undo=False)

@@ -210,7 +210,7 @@ class _TorchCudaEvent:
 
 @pytest.mark.timeout(10)
 def test_cuda_host_waits_and_lane_notifications_go_through_the_stream_waiter(monkeypatch):
-    from lightning_roundpipe.workers.streams import CudaStreams
+    from lightning_roundpipe.workers.cuda_streams import CudaStreams
 
     monkeypatch.setattr(torch.cuda, "Event", _TorchCudaEvent)
     drv = CudaStreams()

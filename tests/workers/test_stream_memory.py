@@ -12,7 +12,8 @@ from torch import nn
 
 from lightning_roundpipe import EngineOptions, PipelineEngine, Plan
 from lightning_roundpipe.workers import TaskLabel, make_pool
-from lightning_roundpipe.workers.pinning import PAGE, FakeCudart
+from lightning_roundpipe.workers.pinning import PAGE
+from roundpipe_lab.fake_cuda.cudart import FakeCudart
 
 MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation: the host could not lock more memory
 

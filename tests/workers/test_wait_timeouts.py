@@ -1,6 +1,7 @@
 """Every blocking wait in the package has a timeout, or a written reason why it needs none.
 
-A static check over ``src/lightning_roundpipe``: every call of a blocking primitive (``.wait``,
+A static check over ``src/lightning_roundpipe`` and the lab's ``src/roundpipe_lab`` (its paths below start
+with ``roundpipe_lab/``): every call of a blocking primitive (``.wait``,
 ``.wait_for``, ``.join``, ``.acquire``, ``.result``, a queue's ``.get``, ``synchronize``,
 ``barrier``, ``.recv``, ``.communicate``) must pass a timeout, or be listed in ``ALLOWED`` with
 the reason it is bounded anyway (a wrapper of ours that waits with its own timeout, a collective
@@ -22,6 +23,7 @@ import pathlib
 import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "lightning_roundpipe"
+LAB = SRC.parent / "roundpipe_lab"
 BLOCKING = {"wait", "wait_for", "join", "acquire", "result", "get", "synchronize", "barrier", "recv", "communicate"}
 ONE_ARGUMENT_IS_THE_TIMEOUT = {"wait", "join", "result", "recv", "communicate"}
 
@@ -48,13 +50,13 @@ ALLOWED = {
     ("distributed/gradient_sync.py", "self._watch.get()"):
         "the all-reduce watcher's idle wait for its next reduction; close() puts None to end it, and the host waits "
         "on each reduction with timeout_s",
-    ("workers/emulated.py", "cond.wait()"):
+    ("roundpipe_lab/fake_cuda/emulated.py", "cond.wait()"):
         "the emulated streams' clock thread's idle wait for its next event to complete; complete_at() and close() "
         "wake it, and callers wait on the events with timeouts",
-    ("workers/streams.py", "self._cond.wait()"):
+    ("roundpipe_lab/fake_cuda/streams.py", "self._cond.wait()"):
         "a fake stream executor's idle wait for its next item; stop() wakes it, and callers wait on the items' "
         "events with timeouts",
-    ("workers/streams.py", "self.raw.synchronize()"):
+    ("workers/cuda_streams.py", "self.raw.synchronize()"):
         "CudaEvent.block: a CUDA stream's event waiter blocks on its oldest awaited event (CUDA events take no "
         "timeout); the lane task waiting for that event keeps the pool's timeout and names it, and the waiter is "
         "a daemon thread",
@@ -87,11 +89,12 @@ def _not_a_wait(call: ast.Call) -> bool:
 
 def blocking_calls_without_timeout() -> list[tuple[str, int, str]]:
     found = []
-    for path in sorted(SRC.rglob("*.py")):
+    for path in sorted(SRC.rglob("*.py")) + sorted(LAB.rglob("*.py")):
+        name = path.relative_to(SRC).as_posix() if path.is_relative_to(SRC) else path.relative_to(SRC.parent).as_posix()
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in BLOCKING
                     and not _not_a_wait(node) and not _passes_a_timeout(node)):
-                found.append((path.relative_to(SRC).as_posix(), node.lineno, ast.unparse(node)))
+                found.append((name, node.lineno, ast.unparse(node)))
     return found
 
 

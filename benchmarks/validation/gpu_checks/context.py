@@ -19,13 +19,22 @@ class Ctx:
         self.cuda = device == "cuda"
         self.compile_layers = compile_layers  # for every runtime of the run (None: the backend's rule)
         self.device_assert = False  # the failures check also runs a device-side assert (its own process only)
-        self.backend = "cuda" if self.cuda else "fake_cuda"
         self.device_type = "cuda" if self.cuda else "cpu"
         self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
         self.quick = quick
         visible = torch.cuda.device_count() if self.cuda and torch.cuda.is_available() else 0
         self.gpus = (min(gpus, visible) if gpus else visible) if self.cuda else (gpus or 2)
         self.cache: dict = {}  # results one check measures and a later one reads (the throughput runs)
+
+    @property
+    def backend(self) -> str:
+        """The worker backend by name: "cuda", or off a GPU the lab's "fake_cuda" (imported when first asked
+        for, which registers it: the environment check stays free of the library)."""
+        if self.cuda:
+            return "cuda"
+        import roundpipe_lab  # noqa: F401
+
+        return "fake_cuda"
 
     def indices(self, workers: int, shared: bool = False):
         """Device indices of ``workers`` workers: one GPU each (round-robin over the GPUs), or all on GPU 0."""

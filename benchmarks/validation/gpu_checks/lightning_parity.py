@@ -30,7 +30,7 @@ def roundpipe_strategy(ctx: Ctx, workers: int, **options):
         """The strategy on the fake CUDA driver (a stand-in for this script's CI run only)."""
 
         def _backend(self):
-            return "fake_cuda", None
+            return ctx.backend, None  # "fake_cuda", the lab's (registered by asking the context for it)
 
     return FakeCudaStrategy(parallel_devices=[torch.device("cpu")] * workers, **options)
 

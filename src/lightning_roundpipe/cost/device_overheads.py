@@ -38,7 +38,7 @@ def usable_gpu_bytes(hardware, memory_fraction: float) -> float:
 # gradients, so its weights alone may fill b/2), the compute pool up to three gradients of a backward stage
 # (the previous stage's, held until downloaded; the accumulated; the microbatch's new one: 3b/4, as a backward
 # stage's weights and gradients share its b/2) and its activations. 1.75 b must fit the usable memory, or steps
-# near the budget make allocator retries (tests/workers/test_fake_allocator.py: 5 in 3 steps of 2 workers at b = usable).
+# near the budget make allocator retries (tests/lab/test_fake_allocator.py: 5 in 3 steps of 2 workers at b = usable).
 TWO_POOL_SHARE = 4 / 7
 
 

@@ -1,6 +1,6 @@
 """Device seconds of the engine's tasks on a hardware profile, by the one timing model's rules.
 
-The emulated-GPU backend (``workers/emulated.py``) asks how long each task it runs lasts on the
+The emulated-GPU backend (``roundpipe_lab/fake_cuda/emulated.py``) asks how long each task it runs lasts on the
 device; ``ProfileDeviceTimes`` answers from the calibrated cost model of a real model shape on a
 hardware profile with ``cost/graph_timing.py``'s prices: ``compute_seconds`` for a compute,
 ``link_seconds`` of the real shape's bytes for a transfer. A task is named by its label

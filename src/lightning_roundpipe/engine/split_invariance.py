@@ -5,7 +5,7 @@ on their own input rows alone and whose state writes do not depend on the cut. B
 call in each training mode, the check runs the layers on the host, under no grad, on the rows of
 the first two microbatches, whole and per microbatch, and compares outputs and kept state. It
 refuses, naming the layer, one that differs or replaces a registered buffer in forward; random
-state, buffers and attributes are put back. Priced by ``cost/split_check.py``. It runs in its own
+state, buffers and attributes are put back. Priced by ``roundpipe_lab/analysis/split_check.py``. It runs in its own
 thread under the run's ``timeout``: a layer call that hangs fails with ``PipelineTimeout`` naming
 the layer. More: docs/design.md, design notes, ``engine/split_invariance.py``.
 """

@@ -1,6 +1,6 @@
 """Host bytes per parameter of each way to train, from the memory model (``cost/memory.py``).
 
-``python -m lightning_roundpipe.sim host-bytes`` prints the table that ``docs/limitations.md`` and
+``python -m lightning_roundpipe.plan --host-bytes`` prints the table that ``docs/limitations.md`` and
 ``docs/finetune.md`` show (``scripts/doc_figures.py`` writes it there, a test checks it), so the
 docs' bytes-per-parameter figures cannot drift from what the planner prices. The figures are the
 training state only, per parameter of the model; the activations saved for recompute come on top
