@@ -26,22 +26,54 @@ def test_the_parts_run_in_the_issues_order_and_the_command_line_refuses_a_bad_bu
     assert "--budget must be positive, got 0.0" in capsys.readouterr().err
 
 
+DEFAULT_PARTS = ["environment", "gpu_tests", "plain_vs_pipeline", "failures"]  # about 25 s of the whole run's 64 s
+CHECK_MODULES = {"environment": "session_environment", "lightning_parity": "lightning_parity",
+                 "plain_vs_pipeline": "plain_vs_pipeline", "device_syncs": "syncs", "failures": "failures",
+                 "compiled_layers": "compiled"}
+
+
+def quick_fake_run(tmp_path, parts: list[str]) -> tuple[dict, object]:
+    """The CI command of docs/gpu_validation.md (only ``parts``), with Hydra, OmegaConf and datasets blocked."""
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "benchmarks.validation.gpu_session", "--device", "fake_cuda",
+                          "--quick", "--out", str(out), "--parts", *parts], cwd=REPO,
+                         env=blocking_site(tmp_path / "site"), capture_output=True, text=True, timeout=390)
+    print(f"gpu_session --device fake_cuda --quick --parts {' '.join(parts)}: {time.monotonic() - t0:.0f}s")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((out / "gpu_session.json").read_text())
+    assert list(report["parts"]) == parts and report["verdict"] == "pass"
+    verdicts = {name: part["verdict"] for name, part in report["parts"].items()}
+    assert verdicts == {name: "skip" if name == "gpu_tests" else "pass" for name in parts}, verdicts
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_session.json", "gpu_session.log", "memory.txt", "trace.json"]
+    assert "ModuleNotFoundError" not in (out / "gpu_session.log").read_text()
+    return report, out
+
+
+@pytest.mark.timeout(200)
+def test_the_quick_fake_driver_run_passes_its_cheaper_parts_with_the_job_dependencies_blocked(tmp_path):
+    """The default run: the environment, the plain-vs-pipeline comparison and the failure cases (the whole run
+    is the slow test below); with every part's check module imported on an image without the job's packages."""
+    assert set(CHECK_MODULES) | {"gpu_tests"} == set(ORDER)
+    imports = "; ".join(f"import benchmarks.validation.gpu_checks.{m}" for m in CHECK_MODULES.values())
+    run = subprocess.run([sys.executable, "-c", imports + "; print('imported')"], cwd=REPO,
+                         env=blocking_site(tmp_path / "site0"), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "imported" in run.stdout, run.stderr[-3000:]
+    report, _ = quick_fake_run(tmp_path, DEFAULT_PARTS)
+    pipeline = report["parts"]["plain_vs_pipeline"]["details"]["pipeline"]
+    assert pipeline["peak_weight_bytes"] <= 2 * pipeline["largest_stage_bytes"] and pipeline["stages"] > 4
+    assert "roundpipe-optim" in pipeline["optimizer_threads"]
+    failures = report["parts"]["failures"]["details"]
+    assert set(failures) == {"exception", "out_of_memory", "hang", "device_assert"}
+    assert all(case["names_the_task"] and not case["threads_left"] for case in failures.values())
+
+
+@pytest.mark.slow  # 64 s; the default test above runs its cheaper parts and imports every part's checks
 @pytest.mark.timeout(400)
 def test_the_quick_fake_driver_run_passes_every_part_with_the_job_dependencies_blocked(tmp_path):
     """Exactly the CI command of docs/gpu_validation.md: exit 0, a verdict for every part (pass, and skip only
     for the GPU-only tests), at most the four files, every process of it without Hydra, OmegaConf or datasets."""
-    out = tmp_path / "out"
-    t0 = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "benchmarks.validation.gpu_session", "--device", "fake_cuda",
-                          "--quick", "--out", str(out)], cwd=REPO, env=blocking_site(tmp_path / "site"),
-                         capture_output=True, text=True, timeout=390)
-    seconds = time.monotonic() - t0
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    report = json.loads((out / "gpu_session.json").read_text())
-    assert list(report["parts"]) == ORDER and report["verdict"] == "pass"
-    verdicts = {name: part["verdict"] for name, part in report["parts"].items()}
-    assert verdicts == dict({name: "pass" for name in ORDER}, gpu_tests="skip"), verdicts
-    assert sorted(p.name for p in out.iterdir()) == ["gpu_session.json", "gpu_session.log", "memory.txt", "trace.json"]
+    report, out = quick_fake_run(tmp_path, ORDER)
     parity = report["parts"]["lightning_parity"]["details"]
     assert parity["fp32_three_workers"]["worst_grad_rel_error"] <= 1e-5 and len(parity["bf16_qwen3"]["losses"]) == 5
     pipeline = report["parts"]["plain_vs_pipeline"]["details"]["pipeline"]
@@ -52,8 +84,6 @@ def test_the_quick_fake_driver_run_passes_every_part_with_the_job_dependencies_b
     assert all(case["names_the_task"] and not case["threads_left"] for case in failures.values())
     compiled = report["parts"]["compiled_layers"]["details"]
     assert compiled["graphs"] and compiled["recompiles"] == 0
-    assert "ModuleNotFoundError" not in (out / "gpu_session.log").read_text()
-    print(f"gpu_session --device fake_cuda --quick: {seconds:.0f}s")
 
 
 @pytest.mark.timeout(120)
