@@ -50,8 +50,8 @@ def test_fresh_machine_creates_the_env_installs_torch_first_then_the_project(tmp
     python = str(dev.venv_python(venv))
     assert [step.argv for step in steps] == [
         (sys.executable, "-m", "venv", str(venv)),
-        (python, "-m", "pip", "install", "-q", "--no-compile", "torch==2.13.0"),
-        (python, "-m", "pip", "install", "-q", "--no-compile", "-e", ".[dev]"),
+        (python, "-m", "pip", "install", "-q", "torch==2.13.0"),
+        (python, "-m", "pip", "install", "-q", "-e", ".[dev]"),
     ]
 
 
@@ -64,8 +64,8 @@ def test_a_set_up_environment_is_reused_until_pyproject_changes(tmp_path):
 
     (root / "pyproject.toml").write_text("[project]\nname = 'x'\ndependencies = ['rich']\n")
     steps = dev.setup_steps(root, venv, index_url=None, fresh=False)
-    assert [step.argv[3:] for step in steps] == [("install", "-q", "--no-compile", "torch==2.13.0"),
-                                                ("install", "-q", "--no-compile", "-e", ".[dev]")]
+    assert [step.argv[3:] for step in steps] == [("install", "-q", "torch==2.13.0"),
+                                                ("install", "-q", "-e", ".[dev]")]
 
 
 def test_fresh_sets_up_again_and_an_interrupted_set_up_is_redone(tmp_path):
@@ -81,8 +81,8 @@ def test_fresh_sets_up_again_and_an_interrupted_set_up_is_redone(tmp_path):
 def test_torch_index_url_is_passed_to_pip_and_changes_the_stamp(tmp_path):
     root = fake_root(tmp_path)
     cpu = "https://download.pytorch.org/whl/cpu"
-    assert dev.torch_install_args(cpu) == ["install", "-q", "--no-compile", "torch==2.13.0", "--index-url", cpu]
-    assert dev.torch_install_args(None) == ["install", "-q", "--no-compile", "torch==2.13.0"]
+    assert dev.torch_install_args(cpu) == ["install", "-q", "torch==2.13.0", "--index-url", cpu]
+    assert dev.torch_install_args(None) == ["install", "-q", "torch==2.13.0"]
     assert dev.setup_key(root, cpu) != dev.setup_key(root, None)
 
 
@@ -132,8 +132,8 @@ def test_dry_run_prints_the_plan_and_changes_nothing(tmp_path):
     lines = done.stdout.splitlines()
     assert [line.split("    #")[0] for line in lines] == [
         f"would run: {sys.executable} -m venv {venv}",
-        f"would run: {dev.venv_python(venv)} -m pip install -q --no-compile torch==2.13.0",
-        f"would run: {dev.venv_python(venv)} -m pip install -q --no-compile -e .[dev]",
+        f"would run: {dev.venv_python(venv)} -m pip install -q torch==2.13.0",
+        f"would run: {dev.venv_python(venv)} -m pip install -q -e .[dev]",
         f"would run: {dev.venv_python(venv)} examples/finetune.py experiment=tiny",
     ]
     assert not venv.exists()
