@@ -121,6 +121,17 @@ def setup_steps(root: Path, venv: Path, index_url: str | None, fresh: bool) -> l
     return steps
 
 
+# pip byte-compiles the packages it installs but not an editable project's own files; with
+# PYTHONDONTWRITEBYTECODE=1 (this machine, CI) every test process would compile them again.
+COMPILED_FOLDERS = ("src", "tests", "benchmarks", "scripts")
+
+
+def compile_argv(venv: Path) -> list[str]:
+    """Byte-compile the project's own files once, after a set-up (``compileall`` writes the .pyc files
+    whatever PYTHONDONTWRITEBYTECODE says)."""
+    return [str(venv_python(venv)), "-m", "compileall", "-q", *COMPILED_FOLDERS]
+
+
 def command_argv(venv: Path, command: str, extra: list[str]) -> list[str]:
     """The command the user asked for, run with the environment's interpreter."""
     return [str(venv_python(venv)), *COMMANDS[command], *extra]
@@ -165,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"would delete {venv}")
         for step in steps:
             print(f"would run: {' '.join(step.argv)}    # {step.say}")
+        if steps:
+            print(f"would run: {' '.join(compile_argv(venv))}    # the project's own files, byte-compiled once")
         if not steps:
             print(f"{venv} is set up and unchanged: nothing to install")
         print(f"would run: {' '.join(final)}")
@@ -181,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[dev] failed ({done.returncode}): {' '.join(step.argv)}", file=sys.stderr)
             return done.returncode
     if steps:
+        print("[dev] byte-compiling the project's own files", flush=True)
+        subprocess.run(compile_argv(venv), cwd=ROOT)  # a file that fails to compile fails in its test instead
         write_stamp(venv, setup_key(ROOT, index_url))
         check_torch_matches_machine(venv, has_nvidia_gpu())
         print(f"[dev] environment ready in {time.perf_counter() - started:.0f} s: {venv}", flush=True)

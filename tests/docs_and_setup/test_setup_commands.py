@@ -134,6 +134,7 @@ def test_dry_run_prints_the_plan_and_changes_nothing(tmp_path):
         f"would run: {sys.executable} -m venv {venv}",
         f"would run: {dev.venv_python(venv)} -m pip install -q torch==2.13.0",
         f"would run: {dev.venv_python(venv)} -m pip install -q -e .[dev]",
+        f"would run: {dev.venv_python(venv)} -m compileall -q src tests benchmarks scripts",
         f"would run: {dev.venv_python(venv)} examples/finetune.py experiment=tiny",
     ]
     assert not venv.exists()
