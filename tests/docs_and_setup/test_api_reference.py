@@ -4,7 +4,6 @@ a generated options table, and a RoundPipeStrategy signature with every option t
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import inspect
 import re
 import subprocess
@@ -13,6 +12,8 @@ import typing
 from pathlib import Path
 
 import pytest
+
+from _scripts import load_script
 
 from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.option_docs import TABLES, field_descriptions
@@ -23,11 +24,6 @@ SPHINX_ROLE = re.compile(r":(?:class|func|mod|meth|attr|data|exc|obj):`")
 
 
 
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_docstrings_hold_no_sphinx_roles():

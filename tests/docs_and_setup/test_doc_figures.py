@@ -3,21 +3,19 @@ from what its command prints now fails here, naming the block and the command th
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from _scripts import load_script as load_named
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("doc_figures", REPO / "scripts" / "doc_figures.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_named("doc_figures")
 
 
 @pytest.mark.timeout(30)

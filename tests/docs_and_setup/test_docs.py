@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import importlib.util
 import math
 import os
 import re
@@ -16,16 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from _scripts import load_script as load_named
+
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 PACKAGE_DIR = REPO / "src" / "lightning_roundpipe"
 
 
 def load_hook():
-    spec = importlib.util.spec_from_file_location("docs_api_pages", REPO / "scripts" / "docs_api_pages.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_named("docs_api_pages")
 
 
 def public_modules() -> set[str]:

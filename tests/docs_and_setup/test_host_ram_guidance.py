@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shlex
 import sys
@@ -10,17 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from _scripts import load_script as load_named
+
 from lightning_roundpipe.planning.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def guidance_script():
-    spec = importlib.util.spec_from_file_location("host_ram_guidance", REPO / "scripts" / "host_ram_guidance.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_named("host_ram_guidance")
 
 
 @pytest.mark.timeout(100)

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from _scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE_DIR = REPO / "src" / "lightning_roundpipe"
@@ -15,10 +16,7 @@ MOST_LINES = 500
 
 
 def load_tracer():
-    spec = importlib.util.spec_from_file_location("step_files", REPO / "scripts" / "step_files.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("step_files")
 
 
 @pytest.mark.timeout(90)

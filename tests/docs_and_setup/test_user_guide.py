@@ -4,23 +4,18 @@ is one measured figure, in one place, printed by the job itself (scripts/doc_fig
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
+
+from _scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 
 
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+load = load_script
 
 
 words = load("doc_words")
