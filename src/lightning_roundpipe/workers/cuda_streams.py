@@ -171,14 +171,20 @@ class CudaStreams:
 
     def synchronize(self, device: torch.device, streams, timeout: float) -> bool:
         """Wait (bounded) until every stream of ``device`` in ``streams`` has finished its work."""
-        deadline = time.monotonic() + timeout
-        for s in streams:
-            ev = self.new_event()
-            ev.record(s)
-            if not ev.wait(max(0.0, deadline - time.monotonic())):
-                return False
-        return True
+        return wait_for_streams(self, streams, timeout)
 
     def close(self, timeout: float) -> None:
         """Stop the event waiters' threads (CUDA streams themselves have no threads of ours)."""
         self._waiters.close(timeout)
+
+
+def wait_for_streams(driver, streams, timeout: float) -> bool:
+    """Wait up to ``timeout`` in all until each of ``streams`` reached everything queued on it (an event
+    of ``driver`` recorded on it completes); False when one did not. The real and fake drivers' ``synchronize``."""
+    deadline = time.monotonic() + timeout
+    for s in streams:
+        ev = driver.new_event()
+        ev.record(s)
+        if not ev.wait(max(0.0, deadline - time.monotonic())):
+            return False
+    return True

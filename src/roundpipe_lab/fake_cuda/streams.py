@@ -22,7 +22,7 @@ import torch
 
 from lightning_roundpipe.host.threads import set_intra_op_threads
 from lightning_roundpipe.workers.completions import Deferred, TaskLabel
-from lightning_roundpipe.workers.cuda_streams import register_in_place
+from lightning_roundpipe.workers.cuda_streams import register_in_place, wait_for_streams
 from lightning_roundpipe.workers.event_waiter import EventWaiters
 from lightning_roundpipe.workers.pinning import PinRegistry
 
@@ -433,13 +433,7 @@ class FakeStreams:
 
     def synchronize(self, device, streams, timeout: float) -> bool:
         """Wait up to ``timeout`` until ``streams`` reached everything queued; False when they did not."""
-        deadline = time.monotonic() + timeout
-        for s in streams:
-            ev = self.new_event()
-            ev.record(s)
-            if not ev.wait(max(0.0, deadline - time.monotonic())):
-                return False
-        return True
+        return wait_for_streams(self, streams, timeout)
 
     def close(self, timeout: float) -> None:
         """Stop every stream's thread and the event waiters, waiting up to ``timeout`` in all."""
